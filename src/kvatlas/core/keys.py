@@ -1,0 +1,168 @@
+"""Keys: chunking, the blake3 prefix chain, object keys and the fleet's hash contract.
+
+The hash contract is what every server of a fleet must agree on, or the fleet silently
+never hits. This module owns the scheme (DESIGN.md section 2), which matches LMCache's so
+that both compute the same hashes for the same tokens:
+
+    none_hash = blake3(int64_be(0) || uint32_be(0))
+    h_1       = blake3(none_hash || uint32_be(tokens of chunk 1))
+    h_i       = blake3(h_{i-1}  || uint32_be(tokens of chunk i))
+
+Only full chunks have keys; a trailing partial chunk is always recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+from blake3 import blake3
+
+from kvatlas.core.errors import ContractMismatch, InvalidInput
+from kvatlas.core.types import ChunkHash
+
+DEFAULT_CHUNK_SIZE: Final = 256
+HASH_ALGORITHM: Final = "blake3"
+HASH_BYTES: Final = 32
+MAX_TOKEN_ID: Final = 2**32 - 1
+
+NONE_HASH: Final = ChunkHash(blake3((0).to_bytes(8, "big") + (0).to_bytes(4, "big")).digest())
+
+TokenArray = npt.NDArray[np.uint32]
+
+
+def as_token_array(tokens: Sequence[int] | npt.NDArray[np.integer] | bytes) -> TokenArray:
+    """Tokens as a uint32 array; ``bytes`` are read as little-endian uint32 (wire form).
+
+    Raises InvalidInput for negative ids or ids that do not fit in uint32.
+    """
+    if isinstance(tokens, bytes | bytearray | memoryview):
+        if len(tokens) % 4:
+            raise InvalidInput("token bytes must be a multiple of 4 (little-endian uint32)")
+        return np.frombuffer(tokens, dtype="<u4").astype(np.uint32, copy=False)
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+    else:
+        try:
+            arr = np.fromiter(tokens, dtype=np.int64, count=len(tokens))
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise InvalidInput(f"token ids must be integers: {exc}") from exc
+    if arr.dtype == np.uint32:
+        return arr
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID):
+        raise InvalidInput("token ids must be in [0, 2**32-1]")
+    return arr.astype(np.uint32)
+
+
+def chunk_hashes(
+    tokens: Sequence[int] | npt.NDArray[np.integer] | bytes,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    prefix: ChunkHash = NONE_HASH,
+) -> list[ChunkHash]:
+    """The prefix-chain hashes of every full chunk of ``tokens``.
+
+    ``prefix`` continues a chain (the hash of the chunk before the first token given).
+    """
+    if chunk_size <= 0:
+        raise InvalidInput(f"chunk size must be positive, got {chunk_size}")
+    arr = as_token_array(tokens)
+    n_full = len(arr) // chunk_size
+    if n_full == 0:
+        return []
+    big_endian = arr[: n_full * chunk_size].astype(">u4").tobytes()
+    step = chunk_size * 4
+    out: list[ChunkHash] = []
+    prev = bytes(prefix)
+    for start in range(0, len(big_endian), step):
+        prev = blake3(prev + big_endian[start : start + step]).digest()
+        out.append(ChunkHash(prev))
+    return out
+
+
+def pack_kv_rank(world_size: int, global_rank: int, local_world_size: int, local_rank: int) -> int:
+    """``world_size<<24 | global_rank<<16 | local_world_size<<8 | local_rank``."""
+    for name, value in (
+        ("world_size", world_size),
+        ("global_rank", global_rank),
+        ("local_world_size", local_world_size),
+        ("local_rank", local_rank),
+    ):
+        if not 0 <= value <= 0xFF:
+            raise InvalidInput(f"{name} must be in [0, 255], got {value}")
+    return world_size << 24 | global_rank << 16 | local_world_size << 8 | local_rank
+
+
+def unpack_kv_rank(kv_rank: int) -> tuple[int, int, int, int]:
+    """Inverse of pack_kv_rank: (world_size, global_rank, local_world_size, local_rank)."""
+    return (kv_rank >> 24 & 0xFF, kv_rank >> 16 & 0xFF, kv_rank >> 8 & 0xFF, kv_rank & 0xFF)
+
+
+def default_kv_rank(world_size: int = 1) -> int:
+    """kv rank of rank 0 in a single-node group of ``world_size`` (1 → 16777472)."""
+    return pack_kv_rank(world_size, 0, world_size, 0)
+
+
+class Namespace(msgspec.Struct, frozen=True, gc=False):
+    """Everything of an object key but the chunk hash: the scope hashes live in."""
+
+    model_name: str
+    kv_rank: int
+    object_group_id: int = 0
+    cache_salt: str = ""
+
+
+class ObjectKey(msgspec.Struct, frozen=True, gc=False):
+    """Identity of one stored KV object (a chunk of one rank of one model)."""
+
+    chunk_hash: bytes
+    model_name: str
+    kv_rank: int
+    object_group_id: int = 0
+    cache_salt: str = ""
+
+    @property
+    def namespace(self) -> Namespace:
+        return Namespace(self.model_name, self.kv_rank, self.object_group_id, self.cache_salt)
+
+    @property
+    def chunk_hash_hex(self) -> str:
+        return self.chunk_hash.hex()
+
+
+def object_keys(hashes: Sequence[ChunkHash], ns: Namespace) -> list[ObjectKey]:
+    """Object keys of ``hashes`` in namespace ``ns``."""
+    return [
+        ObjectKey(h, ns.model_name, ns.kv_rank, ns.object_group_id, ns.cache_salt) for h in hashes
+    ]
+
+
+class HashContract(msgspec.Struct, frozen=True):
+    """What a fleet must agree on so that equal tokens give equal keys and usable bytes.
+
+    Servers declare it when they register; the coordinator refuses a contract that
+    contradicts the fleet's for the same model.
+    """
+
+    model_name: str
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    hash_algorithm: str = HASH_ALGORITHM
+    kv_dtype: str = ""
+    kv_layout: tuple[int, int, int] = (0, 0, 0)
+    """(layers, kv heads, head dim); zeros mean "not declared"."""
+    world_size: int = 1
+
+    def mismatch(self, other: HashContract) -> str | None:
+        """Name of the first field on which ``other`` contradicts this contract, or None."""
+        for field in self.__struct_fields__:
+            if getattr(self, field) != getattr(other, field):
+                return field
+        return None
+
+    def check_compatible(self, other: HashContract) -> None:
+        """Raise ContractMismatch naming the first differing field."""
+        field = self.mismatch(other)
+        if field is not None:
+            raise ContractMismatch(field, getattr(self, field), getattr(other, field))
