@@ -3,6 +3,7 @@
     KvatlasError
      +-- InvalidInput            bad data from outside: a caller error, maps to 4xx
      |    +-- ContractMismatch   a hash contract contradicts the fleet's (names the field)
+     |    +-- StaleIncarnation   an incarnation below the highest seen for its instance id
      +-- SnapshotError           a snapshot cannot be read or restored
 
 Shells translate their library errors into these with ``raise ... from exc``.
@@ -29,6 +30,20 @@ class ContractMismatch(InvalidInput):
         self.field = field
         self.fleet = fleet
         self.offered = offered
+
+
+class StaleIncarnation(InvalidInput):
+    """A registration or event from an incarnation older than the highest one seen for
+    that instance id: a process that a newer start of the same instance has replaced."""
+
+    def __init__(self, instance_id: str, incarnation: int, highest: int) -> None:
+        super().__init__(
+            f"stale incarnation {incarnation} of instance {instance_id!r}:"
+            f" incarnation {highest} has already registered"
+        )
+        self.instance_id = instance_id
+        self.incarnation = incarnation
+        self.highest = highest
 
 
 class SnapshotError(KvatlasError):

@@ -51,7 +51,7 @@ def as_token_array(tokens: Sequence[int] | npt.NDArray[np.integer] | bytes) -> T
         except (OverflowError, TypeError, ValueError) as exc:
             raise InvalidInput(f"token ids must be integers: {exc}") from exc
     if arr.dtype == np.uint32:
-        return arr
+        return arr.astype(np.uint32, copy=False)
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID):
         raise InvalidInput("token ids must be in [0, 2**32-1]")
     return arr.astype(np.uint32)

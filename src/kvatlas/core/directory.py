@@ -1,0 +1,634 @@
+"""The key directory: which chunk of KV lives where, as hints for millions of keys.
+
+Owns the map object key -> placements (instance, incarnation, tier, backend, size,
+shared), the reverse index that lets a dead instance's L1 slice be fenced in time
+proportional to its own keys, access counts, optional chunk <-> token bindings, stats,
+snapshot and restore. It does not gate events (see `gate`), know who is alive (see
+`membership`) or do any I/O.
+
+Memory layout, designed for millions of keys (the directory holds hints; the owner
+verifies the full key before any byte moves):
+
+- A key is one Python int: ``ns_id << 64 | first 8 bytes of the chunk hash``. The
+  namespace (model, kv rank, object group, salt) is interned to a small ``ns_id``.
+- A placement is one int: ``owner_id << 40 | size_bytes``, where an owner (instance,
+  incarnation, tier, backend, shared) is interned to ``owner_id``. Placement ints are
+  interned too, so the millions of equal-sized chunks of one owner share one object.
+- ``_map`` holds the placement int of a key with one placement, a tuple when several.
+- The reverse index is an append-only list of keys per L1 owner, compacted when it
+  holds twice as many keys as the owner really has; fencing walks only that list.
+
+A 64-bit prefix collision between two keys of one namespace merges their placements:
+the answer is a hint, and the owner's full-key check turns it into a miss.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Iterable, Iterator, Sequence
+from operator import attrgetter
+
+import msgspec
+import numpy as np
+from blake3 import blake3
+
+from kvatlas.core.errors import InvalidInput, SnapshotError
+from kvatlas.core.events import EventBatch
+from kvatlas.core.keys import HASH_BYTES, Namespace, ObjectKey
+from kvatlas.core.keys import object_keys as object_keys_of
+from kvatlas.core.types import EventType, Tier
+
+_SIZE_BITS = 40
+_SIZE_MASK = (1 << _SIZE_BITS) - 1
+_HASH_BITS = 64
+_HASH_MASK = (1 << _HASH_BITS) - 1
+_COMPACT_SLACK = 1024
+_CACHE_LIMIT = 65536
+SNAPSHOT_VERSION = 1
+
+_get_key = attrgetter("key")
+_get_size = attrgetter("size_bytes")
+_get_hash = attrgetter("chunk_hash")
+_get_ns = attrgetter("model_name", "kv_rank", "object_group_id", "cache_salt")
+
+
+class Owner(msgspec.Struct, frozen=True, gc=False):
+    """Who holds a placement: one process of one instance, in one tier and backend."""
+
+    instance_id: str
+    incarnation: int
+    tier: Tier
+    backend: str
+    shared: bool
+
+
+class Placement(msgspec.Struct, frozen=True, gc=False):
+    """One copy of a chunk, as reported by its owner (a hint, not a promise)."""
+
+    instance_id: str
+    incarnation: int
+    tier: Tier
+    backend: str
+    size_bytes: int
+    shared: bool
+
+
+class KeyResult(msgspec.Struct, frozen=True):
+    """Placements of one key, with its access count and tokens when known."""
+
+    key: ObjectKey
+    placements: tuple[Placement, ...]
+    access_count: int = 0
+    token_ids: tuple[int, ...] | None = None
+
+
+class PrefixHolder(msgspec.Struct, frozen=True):
+    """How many leading chunks of a lookup one instance holds in one tier."""
+
+    instance_id: str
+    tier: Tier
+    chunks: int
+
+
+class PrefixResult(msgspec.Struct, frozen=True):
+    """A lookup by token sequence: per chunk who holds it, per instance the longest prefix.
+
+    Columnar (one tuple per field, one item per chunk) so that a 128-chunk lookup does
+    not build 256 small objects; `keys()` and `results()` give the per-key view.
+    """
+
+    namespace: Namespace
+    hashes: tuple[bytes, ...]
+    placements: tuple[tuple[Placement, ...], ...]
+    access_counts: tuple[int, ...]
+    token_ids: tuple[tuple[int, ...] | None, ...] | None
+    holders: tuple[PrefixHolder, ...]
+    """Sorted by chunks held (descending), then instance id, then tier."""
+
+    def keys(self) -> list[ObjectKey]:
+        return object_keys_of(self.hashes, self.namespace)  # type: ignore[arg-type]
+
+    def results(self) -> list[KeyResult]:
+        toks = self.token_ids or (None,) * len(self.hashes)
+        return [
+            KeyResult(k, p, a, t)
+            for k, p, a, t in zip(
+                self.keys(), self.placements, self.access_counts, toks, strict=True
+            )
+        ]
+
+
+class Applied(msgspec.Struct, frozen=True):
+    """Outcome of applying one batch."""
+
+    entries: int
+    created: int = 0
+    """Placements created (STORE) or removed (DELETE)."""
+    ignored: int = 0
+    """ACCESS or DELETE of a key the directory does not hold for this owner."""
+
+
+class OwnerStats(msgspec.Struct, frozen=True):
+    instance_id: str
+    incarnation: int
+    tier: Tier
+    backend: str
+    placements: int
+    bytes: int
+
+
+class DirectoryStats(msgspec.Struct, frozen=True):
+    keys: int
+    placements: int
+    bytes: int
+    placements_by_tier: dict[str, int]
+    bytes_by_tier: dict[str, int]
+    owners: tuple[OwnerStats, ...]
+    namespaces: int
+
+
+class _SnapshotOwner(msgspec.Struct, array_like=True):
+    owner: Owner
+    keys: list[int]
+    sizes: list[int]
+
+
+class _Snapshot(msgspec.Struct, array_like=True):
+    version: int
+    namespaces: list[Namespace]
+    owners: list[_SnapshotOwner]
+    access: list[tuple[int, int]]
+    tokens: list[tuple[int, int, bytes]]
+
+
+def _holders(placements: Sequence[tuple[Placement, ...]]) -> tuple[PrefixHolder, ...]:
+    """Per (instance, tier), the number of leading chunks it holds."""
+    running: dict[tuple[str, Tier], int] = {}
+    done: dict[tuple[str, Tier], int] = {}
+    prev: tuple[Placement, ...] | None = None
+    for i, ps in enumerate(placements):
+        if ps is prev:
+            for holder in running:
+                running[holder] += 1
+            continue
+        prev = ps
+        here = {(p.instance_id, p.tier) for p in ps}
+        if i == 0:
+            running = dict.fromkeys(here, 1)
+            continue
+        for holder in list(running):
+            if holder in here:
+                running[holder] += 1
+            else:
+                done[holder] = running.pop(holder)
+        if not running:
+            break
+    done.update(running)
+    return tuple(
+        sorted(
+            (PrefixHolder(inst, tier, n) for (inst, tier), n in done.items()),
+            key=lambda h: (-h.chunks, h.instance_id, h.tier),
+        )
+    )
+
+
+class KeyDirectory:
+    """Object key -> placements, with a reverse index per L1 owner. Single-threaded."""
+
+    def __init__(self, keep_tokens: bool = False) -> None:
+        self.keep_tokens = keep_tokens
+        self._ns_ids: dict[tuple[str, int, int, str], int] = {}
+        self._namespaces: list[Namespace] = []
+        self._owner_ids: dict[Owner, int] = {}
+        self._owners: list[Owner] = []
+        self._owners_by_instance: dict[str, set[int]] = {}
+        self._codes: dict[int, int] = {}
+        self._map: dict[int, int | tuple[int, ...]] = {}
+        self._rev: dict[int, list[int]] = {}
+        self._count: list[int] = []
+        self._bytes: list[int] = []
+        self._access: dict[int, int] = {}
+        self._tokens: dict[int, tuple[int, bytes]] = {}
+        self._pl_cache: dict[int | tuple[int, ...], tuple[Placement, ...]] = {}
+
+    # ---- interning -------------------------------------------------------------------
+
+    def _ns_id(self, key: ObjectKey) -> int:
+        t = (key.model_name, key.kv_rank, key.object_group_id, key.cache_salt)
+        ns = self._ns_ids.get(t)
+        if ns is None:
+            ns = len(self._namespaces)
+            self._ns_ids[t] = ns
+            self._namespaces.append(Namespace(*t))
+        return ns
+
+    def _find_ns(self, ns: Namespace) -> int | None:
+        return self._ns_ids.get((ns.model_name, ns.kv_rank, ns.object_group_id, ns.cache_salt))
+
+    def _key_int(self, key: ObjectKey) -> int:
+        if len(key.chunk_hash) < 8:
+            raise InvalidInput("chunk hash must have at least 8 bytes")
+        return self._ns_id(key) << _HASH_BITS | int.from_bytes(key.chunk_hash[:8], "big")
+
+    def _key_ints(self, keys: Sequence[ObjectKey]) -> list[int]:
+        """Key ints of many keys; C-speed when they share a namespace and full hashes."""
+        if not keys:
+            return []
+        nss = set(map(_get_ns, keys))
+        blob = b"".join(map(_get_hash, keys))
+        if len(nss) != 1 or len(blob) != HASH_BYTES * len(keys):
+            return [self._key_int(k) for k in keys]
+        base = self._ns_id(keys[0]) << _HASH_BITS
+        prefixes: list[int] = np.frombuffer(blob, dtype=">u8")[:: HASH_BYTES // 8].tolist()
+        if base == 0:
+            return prefixes
+        return [base | h for h in prefixes]
+
+    def _find_key(self, key: ObjectKey) -> int | None:
+        ns = self._ns_ids.get((key.model_name, key.kv_rank, key.object_group_id, key.cache_salt))
+        if ns is None or len(key.chunk_hash) < 8:
+            return None
+        return ns << _HASH_BITS | int.from_bytes(key.chunk_hash[:8], "big")
+
+    def _owner_id(self, owner: Owner) -> int:
+        oid = self._owner_ids.get(owner)
+        if oid is None:
+            oid = len(self._owners)
+            self._owner_ids[owner] = oid
+            self._owners.append(owner)
+            self._owners_by_instance.setdefault(owner.instance_id, set()).add(oid)
+            self._count.append(0)
+            self._bytes.append(0)
+            if owner.tier is Tier.L1:
+                self._rev[oid] = []
+        return oid
+
+    def _code(self, oid: int, size: int) -> int:
+        if not 0 <= size <= _SIZE_MASK:
+            raise InvalidInput(f"size_bytes must be in [0, {_SIZE_MASK}], got {size}")
+        code = oid << _SIZE_BITS | size
+        return self._codes.setdefault(code, code)
+
+    # ---- events ----------------------------------------------------------------------
+
+    def apply(self, batch: EventBatch) -> Applied:
+        """Apply one admitted batch. STORE upserts, ACCESS counts, DELETE removes.
+
+        Validates every entry before changing anything, so a bad batch applies nothing.
+        """
+        owner = Owner(batch.instance_id, batch.incarnation, batch.tier, batch.backend, batch.shared)
+        if batch.event_type is EventType.STORE:
+            oid = self._owner_id(owner)
+            keys = list(map(_get_key, batch.entries))
+            created = self._store(oid, self._key_ints(keys), list(map(_get_size, batch.entries)))
+            if self.keep_tokens:
+                for e in batch.entries:
+                    if e.token_ids is not None:
+                        self._bind(self._key_int(e.key), e.token_offset, e.token_ids)
+            return Applied(len(batch.entries), created=created)
+        found_oid = self._owner_ids.get(owner)
+        if batch.event_type is EventType.ACCESS:
+            hit = 0
+            for e in batch.entries:
+                ik = self._find_key(e.key)
+                if ik is not None and ik in self._map:
+                    self._access[ik] = self._access.get(ik, 0) + 1
+                    hit += 1
+            return Applied(len(batch.entries), ignored=len(batch.entries) - hit)
+        if found_oid is None:
+            return Applied(len(batch.entries), ignored=len(batch.entries))
+        removed = 0
+        for e in batch.entries:
+            ik = self._find_key(e.key)
+            if ik is not None and self._remove(ik, found_oid):
+                removed += 1
+        return Applied(len(batch.entries), created=removed, ignored=len(batch.entries) - removed)
+
+    def _store(self, oid: int, keys: Sequence[int], sizes: Sequence[int]) -> int:
+        m = self._map
+        rev = self._rev.get(oid)
+        codes = self._codes
+        # Validate before changing anything: a bad batch applies nothing.
+        if min(sizes, default=0) < 0 or max(sizes, default=0) > _SIZE_MASK:
+            raise InvalidInput(f"size_bytes must be in [0, {_SIZE_MASK}]")
+        if m.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+            # Fast path, the common case: every key is new. All loops run in C.
+            base = oid << _SIZE_BITS
+            if len(set(sizes)) == 1:
+                code = base | sizes[0]
+                m.update(dict.fromkeys(keys, codes.setdefault(code, code)))
+            else:
+                m.update(
+                    zip(keys, [codes.setdefault(base | s, base | s) for s in sizes], strict=True)
+                )
+            if rev is not None:
+                rev.extend(keys)
+            self._count[oid] += len(keys)
+            self._bytes[oid] += sum(sizes)
+            return len(keys)
+        created = 0
+        added_bytes = 0
+        for ik, size in zip(keys, sizes, strict=True):
+            code = oid << _SIZE_BITS | size
+            code = codes.setdefault(code, code)
+            cur = m.get(ik)
+            if cur is None:
+                m[ik] = code
+            elif type(cur) is int:
+                if cur >> _SIZE_BITS == oid:
+                    m[ik] = code
+                    added_bytes += size - (cur & _SIZE_MASK)
+                    continue
+                m[ik] = (cur, code)
+            else:
+                assert isinstance(cur, tuple)
+                for i, c in enumerate(cur):
+                    if c >> _SIZE_BITS == oid:
+                        m[ik] = (*cur[:i], code, *cur[i + 1 :])
+                        added_bytes += size - (c & _SIZE_MASK)
+                        break
+                else:
+                    m[ik] = (*cur, code)
+                    created += 1
+                    added_bytes += size
+                    if rev is not None:
+                        rev.append(ik)
+                continue
+            created += 1
+            added_bytes += size
+            if rev is not None:
+                rev.append(ik)
+        self._count[oid] += created
+        self._bytes[oid] += added_bytes
+        return created
+
+    def _remove(self, ik: int, oid: int, compact: bool = True) -> bool:
+        cur = self._map.get(ik)
+        if cur is None:
+            return False
+        if type(cur) is int:
+            if cur >> _SIZE_BITS != oid:
+                return False
+            del self._map[ik]
+            self._access.pop(ik, None)
+            self._tokens.pop(ik, None)
+            removed = cur
+        else:
+            assert isinstance(cur, tuple)
+            keep = tuple(c for c in cur if c >> _SIZE_BITS != oid)
+            if len(keep) == len(cur):
+                return False
+            removed = next(c for c in cur if c >> _SIZE_BITS == oid)
+            self._map[ik] = keep[0] if len(keep) == 1 else keep
+        self._count[oid] -= 1
+        self._bytes[oid] -= removed & _SIZE_MASK
+        if compact:
+            self._maybe_compact(oid)
+        return True
+
+    def _maybe_compact(self, oid: int) -> None:
+        rev = self._rev.get(oid)
+        if rev is None or len(rev) <= 2 * self._count[oid] + _COMPACT_SLACK:
+            return
+        self._rev[oid] = [ik for ik in dict.fromkeys(rev) if self._holds(ik, oid)]
+
+    def _holds(self, ik: int, oid: int) -> bool:
+        cur = self._map.get(ik)
+        if cur is None:
+            return False
+        if type(cur) is int:
+            return cur >> _SIZE_BITS == oid
+        assert isinstance(cur, tuple)
+        return any(c >> _SIZE_BITS == oid for c in cur)
+
+    def _bind(self, ik: int, offset: int, tokens: Sequence[int]) -> None:
+        self._tokens[ik] = (offset, array.array("I", tokens).tobytes())
+
+    # ---- fencing ---------------------------------------------------------------------
+
+    def fence(self, instance_id: str, incarnation: int | None = None) -> int:
+        """Remove the L1 placements of ``instance_id`` (of one incarnation, or of all).
+
+        Costs time proportional to that instance's L1 keys. L2 placements stay: they
+        outlive the process and leave only through their own DELETE events.
+        Returns the number of placements removed.
+        """
+        removed = 0
+        for oid in sorted(self._owners_by_instance.get(instance_id, ())):
+            owner = self._owners[oid]
+            if owner.tier is not Tier.L1:
+                continue
+            if incarnation is not None and owner.incarnation != incarnation:
+                continue
+            rev = self._rev.get(oid, [])
+            self._rev[oid] = []
+            for ik in rev:
+                if self._remove(ik, oid, compact=False):
+                    removed += 1
+        return removed
+
+    def fence_below(self, instance_id: str, incarnation: int) -> int:
+        """Fence every L1 incarnation of ``instance_id`` lower than ``incarnation``."""
+        removed = 0
+        for inc in sorted(
+            {
+                self._owners[o].incarnation
+                for o in self._owners_by_instance.get(instance_id, ())
+                if self._owners[o].incarnation < incarnation
+            }
+        ):
+            removed += self.fence(instance_id, inc)
+        return removed
+
+    # ---- lookups ---------------------------------------------------------------------
+
+    def _placements_of(self, cur: int | tuple[int, ...] | None) -> tuple[Placement, ...]:
+        if cur is None:
+            return ()
+        cached = self._pl_cache.get(cur)
+        if cached is not None:
+            return cached
+        codes: tuple[int, ...] = (cur,) if type(cur) is int else cur  # type: ignore[assignment]
+        out = []
+        for c in codes:
+            o = self._owners[c >> _SIZE_BITS]
+            out.append(
+                Placement(o.instance_id, o.incarnation, o.tier, o.backend, c & _SIZE_MASK, o.shared)
+            )
+        if len(self._pl_cache) >= _CACHE_LIMIT:
+            self._pl_cache.clear()
+        self._pl_cache[cur] = placements = tuple(out)
+        return placements
+
+    def _placements(self, ik: int) -> tuple[Placement, ...]:
+        return self._placements_of(self._map.get(ik))
+
+    def _result(self, key: ObjectKey, ik: int | None) -> KeyResult:
+        if ik is None:
+            return KeyResult(key, ())
+        cur = self._map.get(ik)
+        if cur is None:
+            return KeyResult(key, ())
+        token_ids = None
+        if self._tokens:
+            tokens = self._tokens.get(ik)
+            if tokens is not None:
+                token_ids = tuple(array.array("I", tokens[1]))
+        access = self._access.get(ik, 0) if self._access else 0
+        return KeyResult(key, self._placements_of(cur), access, token_ids)
+
+    def lookup_keys(self, keys: Iterable[ObjectKey]) -> list[KeyResult]:
+        """Placements of each key, in the order given (empty placements: unknown)."""
+        return [self._result(k, self._find_key(k)) for k in keys]
+
+    def lookup_prefix(self, hashes: Sequence[bytes], ns: Namespace) -> PrefixResult:
+        """Per chunk of a prefix chain who holds it, and per (instance, tier) how many
+        leading chunks it holds."""
+        hashes = tuple(hashes)
+        ns_id = self._find_ns(ns)
+        n = len(hashes)
+        if ns_id is None or n == 0:
+            return PrefixResult(ns, hashes, ((),) * n, (0,) * n, None, ())
+        blob = b"".join(hashes)
+        base = ns_id << _HASH_BITS
+        if len(blob) == HASH_BYTES * n:
+            prefixes: list[int] = np.frombuffer(blob, dtype=">u8")[:: HASH_BYTES // 8].tolist()
+        else:
+            prefixes = [int.from_bytes(h[:8], "big") for h in hashes]
+        iks = [base | h for h in prefixes] if base else prefixes
+        vals = list(map(self._map.get, iks))
+        placements = tuple(map(self._placements_of, vals))
+        access = tuple(self._access.get(ik, 0) for ik in iks) if self._access else (0,) * n
+        token_ids = None
+        if self._tokens:
+            token_ids = tuple(
+                tuple(array.array("I", t[1])) if (t := self._tokens.get(ik)) else None for ik in iks
+            )
+        return PrefixResult(ns, hashes, placements, access, token_ids, _holders(placements))
+
+    def iter_keys(
+        self,
+        tier: Tier | None = None,
+        instance_id: str | None = None,
+        backend: str | None = None,
+    ) -> Iterator[tuple[Namespace, bytes, tuple[Placement, ...]]]:
+        """Every key with its placements, filtered; the hash is the stored 8-byte prefix."""
+        for ik in self._map:
+            placements = tuple(
+                p
+                for p in self._placements(ik)
+                if (tier is None or p.tier is tier)
+                and (instance_id is None or p.instance_id == instance_id)
+                and (backend is None or p.backend == backend)
+            )
+            if placements:
+                ns = self._namespaces[ik >> _HASH_BITS]
+                yield ns, (ik & _HASH_MASK).to_bytes(8, "big"), placements
+
+    # ---- stats, digest, snapshot -----------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def stats(self) -> DirectoryStats:
+        by_tier_n = {t.value: 0 for t in Tier}
+        by_tier_b = {t.value: 0 for t in Tier}
+        owners = []
+        for oid, o in enumerate(self._owners):
+            n, b = self._count[oid], self._bytes[oid]
+            if n == 0:
+                continue
+            by_tier_n[o.tier.value] += n
+            by_tier_b[o.tier.value] += b
+            owners.append(OwnerStats(o.instance_id, o.incarnation, o.tier, o.backend, n, b))
+        return DirectoryStats(
+            keys=len(self._map),
+            placements=sum(by_tier_n.values()),
+            bytes=sum(by_tier_b.values()),
+            placements_by_tier=by_tier_n,
+            bytes_by_tier=by_tier_b,
+            owners=tuple(owners),
+            namespaces=len(self._namespaces),
+        )
+
+    def canonical(self) -> list[tuple[Namespace, bytes, tuple[Placement, ...]]]:
+        """The directory's content independent of interning order, for tests and digests."""
+        out = []
+        for ik in self._map:
+            ps = tuple(
+                sorted(
+                    self._placements(ik),
+                    key=lambda p: (p.instance_id, p.incarnation, p.tier, p.backend, p.shared),
+                )
+            )
+            ns = self._namespaces[ik >> _HASH_BITS]
+            out.append((ns, (ik & _HASH_MASK).to_bytes(8, "big"), ps))
+        out.sort(
+            key=lambda r: (
+                r[0].model_name,
+                r[0].kv_rank,
+                r[0].object_group_id,
+                r[0].cache_salt,
+                r[1],
+            )
+        )
+        return out
+
+    def digest(self) -> str:
+        """blake3 hex digest of the canonical content (placements and access counts)."""
+        h = blake3()
+        enc = msgspec.msgpack.Encoder()
+        for ns, prefix, ps in self.canonical():
+            ik = self._find_ns(ns)
+            assert ik is not None
+            access = self._access.get(ik << _HASH_BITS | int.from_bytes(prefix, "big"), 0)
+            h.update(enc.encode((ns, prefix, ps, access)))
+        digest: str = h.hexdigest()
+        return digest
+
+    def snapshot(self) -> bytes:
+        """Encode the directory; `restore` replays it through the same store path."""
+        per_owner: dict[int, tuple[list[int], list[int]]] = {}
+        for ik, cur in self._map.items():
+            codes: tuple[int, ...] = (cur,) if type(cur) is int else cur  # type: ignore[assignment]
+            for c in codes:
+                ks, ss = per_owner.setdefault(c >> _SIZE_BITS, ([], []))
+                ks.append(ik)
+                ss.append(c & _SIZE_MASK)
+        snap = _Snapshot(
+            version=SNAPSHOT_VERSION,
+            namespaces=list(self._namespaces),
+            owners=[_SnapshotOwner(self._owners[o], ks, ss) for o, (ks, ss) in per_owner.items()],
+            access=list(self._access.items()),
+            tokens=[(ik, off, toks) for ik, (off, toks) in self._tokens.items()],
+        )
+        return msgspec.msgpack.encode(snap)
+
+    @classmethod
+    def restore(cls, data: bytes, keep_tokens: bool = False) -> KeyDirectory:
+        """Rebuild a directory from `snapshot` bytes by replaying its stores."""
+        try:
+            snap = msgspec.msgpack.decode(data, type=_Snapshot)
+        except msgspec.DecodeError as exc:
+            raise SnapshotError(f"directory snapshot cannot be decoded: {exc}") from exc
+        if snap.version != SNAPSHOT_VERSION:
+            raise SnapshotError(f"directory snapshot version {snap.version} is not supported")
+        d = cls(keep_tokens=keep_tokens)
+        remap: dict[int, int] = {}
+        for old, ns in enumerate(snap.namespaces):
+            remap[old] = d._ns_id(
+                ObjectKey(b"\0" * 8, ns.model_name, ns.kv_rank, ns.object_group_id, ns.cache_salt)
+            )
+
+        def fix(ik: int) -> int:
+            return remap[ik >> _HASH_BITS] << _HASH_BITS | (ik & _HASH_MASK)
+
+        for so in snap.owners:
+            d._store(d._owner_id(so.owner), [fix(k) for k in so.keys], so.sizes)
+        for ik, n in snap.access:
+            if fix(ik) in d._map:
+                d._access[fix(ik)] = n
+        for ik, off, toks in snap.tokens:
+            if fix(ik) in d._map:
+                d._tokens[fix(ik)] = (off, toks)
+        return d
