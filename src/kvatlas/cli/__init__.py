@@ -1,0 +1,1 @@
+"""Command-line entry points: argument parsing only; each calls a composition root."""

@@ -1,0 +1,284 @@
+"""The fleet state: membership, gate cursors, key directory and blend index together.
+
+This is the coordinator's whole brain as one single-threaded, clock-free object: every
+state change comes in through one method that returns an outcome (`register`,
+`heartbeat`, `deregister`, `expire`, `ingest`), and every consumer (HTTP, Kafka, snapshot
+replay) goes through the same methods. The shell adds locks, I/O, logs and metrics.
+
+Rules it enforces (DESIGN.md section 3):
+- A new incarnation, a deregistration and an expiry fence the instance's L1 slice;
+  L2 placements stay and leave only through their own DELETE events.
+- Events of an instance that is not registered are applied provisionally: the instance
+  gets a provisional membership that expires like any other unless a registration
+  arrives, so no placement lives forever without a live owner, and events that reach
+  the coordinator before the registration (Kafka) are not lost.
+- Events of an incarnation lower than the highest seen for that instance are stale,
+  also after a deregistration or an expiry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from kvatlas.core.blend import BlendIndex, BlendMatch
+from kvatlas.core.directory import Applied, DirectoryStats, KeyDirectory, KeyResult, PrefixResult
+from kvatlas.core.errors import SnapshotError
+from kvatlas.core.events import EventBatch
+from kvatlas.core.gate import Cursor, Verdict, admit
+from kvatlas.core.keys import DEFAULT_CHUNK_SIZE, Namespace, ObjectKey, chunk_hashes
+from kvatlas.core.membership import InstanceInfo, Membership, RegisterOutcome
+from kvatlas.core.types import EventType
+
+SNAPSHOT_VERSION = 1
+
+
+class IngestOutcome(msgspec.Struct, frozen=True):
+    """What happened to one batch."""
+
+    verdict: Verdict
+    gap: int = 0
+    fenced: int = 0
+    """L1 placements of an older incarnation fenced before this batch applied."""
+    applied: Applied | None = None
+    provisional: bool = False
+    """The instance was not registered; it now has a provisional membership."""
+
+
+class Fenced(msgspec.Struct, frozen=True):
+    """An instance whose L1 slice was fenced, and why."""
+
+    instance_id: str
+    incarnation: int
+    placements: int
+    reason: str
+
+
+class BlendStats(msgspec.Struct, frozen=True):
+    chunks: int
+    namespaces: int
+    token_bytes: int
+
+
+class _Provisional(msgspec.Struct, array_like=True):
+    incarnation: int
+    last_seen: float
+
+
+class _Snapshot(msgspec.Struct, array_like=True):
+    version: int
+    instance_timeout: float
+    chunk_size: int
+    blend_enabled: bool
+    instances: list[InstanceInfo]
+    high_water: dict[str, int]
+    cursors: dict[str, Cursor]
+    provisional: dict[str, _Provisional]
+    directory: bytes
+    blend: list[tuple[Namespace, bytes, bytes, int]]
+    extra: dict[str, int]
+
+
+class FleetState:
+    """Membership + cursors + directory (+ blend index). Single-threaded, time-free."""
+
+    def __init__(
+        self,
+        instance_timeout: float = 30.0,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        enable_blend: bool = False,
+    ) -> None:
+        self.instance_timeout = instance_timeout
+        self.chunk_size = chunk_size
+        self.membership = Membership(instance_timeout)
+        self.directory = KeyDirectory(keep_tokens=enable_blend)
+        self.blend: BlendIndex | None = BlendIndex(chunk_size) if enable_blend else None
+        self.cursors: dict[str, Cursor] = {}
+        self._provisional: dict[str, _Provisional] = {}
+        self._high_water: dict[str, int] = {}
+
+    # ---- membership ------------------------------------------------------------------
+
+    def _max_incarnation(self, instance_id: str) -> int | None:
+        a = self.membership.max_incarnation(instance_id)
+        b = self._high_water.get(instance_id)
+        if a is None:
+            return b
+        return a if b is None else max(a, b)
+
+    def register(self, info: InstanceInfo, now: float) -> tuple[RegisterOutcome, Fenced | None]:
+        """Register (or re-register) an instance; fences a superseded incarnation."""
+        outcome = self.membership.register(info, now)
+        prov = self._provisional.pop(info.instance_id, None)
+        fenced = None
+        old = outcome.fenced_incarnation
+        if old is None and prov is not None and prov.incarnation < info.incarnation:
+            old = prov.incarnation
+        if old is not None:
+            n = self.directory.fence_below(info.instance_id, info.incarnation)
+            fenced = Fenced(info.instance_id, old, n, "new incarnation")
+        self._high_water[info.instance_id] = max(
+            info.incarnation, self._high_water.get(info.instance_id, info.incarnation)
+        )
+        return outcome, fenced
+
+    def heartbeat(self, instance_id: str, now: float) -> bool:
+        """False: unknown (or only provisional) instance, which must re-register."""
+        return self.membership.heartbeat(instance_id, now)
+
+    def deregister(self, instance_id: str) -> Fenced | None:
+        """Remove an instance, fence its L1 slice and forget its cursor."""
+        info = self.membership.deregister(instance_id)
+        prov = self._provisional.pop(instance_id, None)
+        self.cursors.pop(instance_id, None)
+        if info is None and prov is None:
+            return None
+        inc = info.incarnation if info is not None else prov.incarnation  # type: ignore[union-attr]
+        n = self.directory.fence(instance_id)
+        return Fenced(instance_id, inc, n, "deregistered")
+
+    def expire(self, now: float) -> list[Fenced]:
+        """Expire silent instances (registered or provisional) and fence their L1 slices."""
+        out = []
+        for info in self.membership.expire(now):
+            n = self.directory.fence(info.instance_id)
+            out.append(Fenced(info.instance_id, info.incarnation, n, "expired"))
+        for iid, prov in sorted(self._provisional.items()):
+            if now - prov.last_seen > self.instance_timeout:
+                del self._provisional[iid]
+                n = self.directory.fence(iid)
+                out.append(Fenced(iid, prov.incarnation, n, "expired (never registered)"))
+        return out
+
+    def instances(self) -> list[InstanceInfo]:
+        return self.membership.instances()
+
+    def provisional(self) -> dict[str, tuple[int, float]]:
+        """Instances known only from their events: id -> (incarnation, last seen)."""
+        return {k: (v.incarnation, v.last_seen) for k, v in self._provisional.items()}
+
+    # ---- events ----------------------------------------------------------------------
+
+    def ingest(self, batch: EventBatch, now: float) -> IngestOutcome:
+        """Gate and apply one batch. Raises InvalidInput (nothing applied) on bad data."""
+        iid = batch.instance_id
+        high = self._max_incarnation(iid)
+        if high is not None and batch.incarnation < high:
+            return IngestOutcome(Verdict.STALE)
+        adm = admit(self.cursors.get(iid), batch.incarnation, batch.seq)
+        if adm.verdict is not Verdict.APPLY:
+            return IngestOutcome(adm.verdict)
+        live = self.membership.get(iid)
+        provisional = False
+        if live is None or live.incarnation != batch.incarnation:
+            if live is not None and live.incarnation > batch.incarnation:
+                return IngestOutcome(Verdict.STALE)
+            provisional = True
+        fenced = 0
+        if adm.fence_incarnation is not None:
+            fenced = self.directory.fence_below(iid, batch.incarnation)
+        applied = self.directory.apply(batch)
+        self.cursors[iid] = adm.cursor
+        self._high_water[iid] = max(batch.incarnation, self._high_water.get(iid, 0))
+        if provisional:
+            self._provisional[iid] = _Provisional(batch.incarnation, now)
+        if self.blend is not None:
+            self._update_blend(batch)
+        return IngestOutcome(Verdict.APPLY, adm.gap, fenced, applied, provisional)
+
+    def _update_blend(self, batch: EventBatch) -> None:
+        assert self.blend is not None
+        if batch.event_type is EventType.STORE:
+            for e in batch.entries:
+                if e.token_ids is not None and e.token_offset >= 0:
+                    self.blend.add(e.key.namespace, e.key.chunk_hash, e.token_ids, e.token_offset)
+        elif batch.event_type is EventType.DELETE:
+            keys = [e.key for e in batch.entries]
+            for key, res in zip(keys, self.directory.lookup_keys(keys), strict=True):
+                if not res.placements:  # the last copy is gone
+                    self.blend.remove(key.namespace, key.chunk_hash)
+
+    # ---- lookups ---------------------------------------------------------------------
+
+    def lookup_tokens(self, tokens: Sequence[int] | bytes, ns: Namespace) -> PrefixResult:
+        """Hash the full chunks of ``tokens`` and report who holds each and the prefixes."""
+        return self.directory.lookup_prefix(chunk_hashes(tokens, self.chunk_size), ns)
+
+    def lookup_keys(self, keys: Sequence[ObjectKey]) -> list[KeyResult]:
+        return self.directory.lookup_keys(keys)
+
+    def blend_lookup(self, tokens: Sequence[int] | bytes, ns: Namespace) -> list[BlendMatch]:
+        """Chunks cached anywhere in ``tokens`` whose key still has a placement."""
+        if self.blend is None:
+            return []
+        matches = self.blend.lookup(ns, tokens)
+        keys = [
+            ObjectKey(m.chunk_hash, ns.model_name, ns.kv_rank, ns.object_group_id, ns.cache_salt)
+            for m in matches
+        ]
+        held = self.directory.lookup_keys(keys)
+        return [m for m, r in zip(matches, held, strict=True) if r.placements]
+
+    def stats(self) -> DirectoryStats:
+        return self.directory.stats()
+
+    def blend_stats(self) -> BlendStats | None:
+        if self.blend is None:
+            return None
+        s = self.blend.stats()
+        return BlendStats(s.chunks, s.namespaces, s.token_bytes)
+
+    # ---- snapshot --------------------------------------------------------------------
+
+    def digest(self) -> str:
+        """Digest of the directory content (placements and access counts)."""
+        return self.directory.digest()
+
+    def snapshot(self, extra: dict[str, int] | None = None) -> bytes:
+        """Encode the whole state; ``extra`` carries the shell's positions (Kafka offsets)."""
+        blend_items: list[tuple[Namespace, bytes, bytes, int]] = []
+        if self.blend is not None:
+            for ns, h, toks, start in self.blend.snapshot_items():
+                blend_items.append((ns, bytes(h), bytes(toks), start))
+        snap = _Snapshot(
+            version=SNAPSHOT_VERSION,
+            instance_timeout=self.instance_timeout,
+            chunk_size=self.chunk_size,
+            blend_enabled=self.blend is not None,
+            instances=self.membership.instances(),
+            high_water={**self.membership.high_water(), **self._high_water},
+            cursors=dict(self.cursors),
+            provisional=dict(self._provisional),
+            directory=self.directory.snapshot(),
+            blend=blend_items,
+            extra=dict(extra or {}),
+        )
+        return msgspec.msgpack.encode(snap)
+
+    @classmethod
+    def restore(cls, data: bytes, now: float | None = None) -> tuple[FleetState, dict[str, int]]:
+        """Rebuild a state from `snapshot` bytes; returns it and the shell's ``extra``.
+
+        With ``now``, every restored instance gets a full timeout from ``now`` to prove
+        itself alive (the snapshot's clock may not be this process's).
+        """
+        try:
+            snap = msgspec.msgpack.decode(data, type=_Snapshot)
+        except msgspec.DecodeError as exc:
+            raise SnapshotError(f"fleet snapshot cannot be decoded: {exc}") from exc
+        if snap.version != SNAPSHOT_VERSION:
+            raise SnapshotError(f"fleet snapshot version {snap.version} is not supported")
+        state = cls(snap.instance_timeout, snap.chunk_size, snap.blend_enabled)
+        state.membership = Membership.restore(
+            snap.instances, snap.high_water, instance_timeout=snap.instance_timeout, now=now
+        )
+        state._high_water = dict(snap.high_water)
+        state.cursors = dict(snap.cursors)
+        state._provisional = dict(snap.provisional)
+        state.directory = KeyDirectory.restore(snap.directory, keep_tokens=snap.blend_enabled)
+        if state.blend is not None:
+            for ns, h, toks, start in snap.blend:
+                state.blend.add(ns, h, np.frombuffer(toks, dtype=np.uint32), start)
+        return state, dict(snap.extra)

@@ -1,0 +1,216 @@
+"""Membership: which cache server processes are alive, and which incarnation of each.
+
+Owns the live instances (register, heartbeat, deregister, expiry), the highest incarnation
+ever seen per instance id (kept after an instance leaves, so a stale process or a late
+event of a replaced one can be refused), and the fleet's hash contract per model: a
+registration whose contract contradicts that of a live instance of the same model is
+refused, naming the field.
+
+It decides, it does not act: a registration that supersedes a live older incarnation
+returns that incarnation so the caller fences its L1 placements; expiry returns the
+expired instances for the same purpose. Time is a parameter (``now``, in seconds of
+whatever clock the shell uses, consistently). Must not: do I/O, read clocks, log, or know
+about placements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import msgspec
+
+from kvatlas.core.errors import InvalidInput, SnapshotError, StaleIncarnation
+from kvatlas.core.keys import HashContract
+
+_MAX_PORT = 65535
+
+
+class InstanceInfo(msgspec.Struct, frozen=True):
+    """What a cache server declares when it registers, plus the coordinator's clock."""
+
+    instance_id: str
+    ip: str
+    http_port: int
+    metadata: dict[str, str]
+    p2p_advertised_url: str = ""
+    """Where peers reach this server's transfer engine; empty: no P2P."""
+    mq_port: int = 0
+    incarnation: int = 0
+    """Strictly increasing per process start of this instance id."""
+    registration_time: float = 0.0
+    last_heartbeat: float = 0.0
+    contract: HashContract | None = None
+
+
+class RegisterOutcome(msgspec.Struct, frozen=True):
+    """What a registration did; the caller fences ``fenced_incarnation``'s L1 slice."""
+
+    instance_id: str
+    re_registered: bool
+    """The instance id was known here before (live, or seen and since gone)."""
+    fenced_incarnation: int | None
+    """The live older incarnation this registration replaced, or None."""
+
+
+class MembershipStats(msgspec.Struct, frozen=True, gc=False):
+    """Sizes, for metrics."""
+
+    live: int
+    known_ids: int
+
+
+class Membership:
+    """The live instances and the incarnation high-water mark of every id ever seen."""
+
+    def __init__(self, instance_timeout: float = 30.0) -> None:
+        """``instance_timeout``: seconds without a heartbeat after which an instance
+        expires (strictly more than this many)."""
+        if not instance_timeout > 0:
+            raise InvalidInput(f"instance timeout must be positive, got {instance_timeout}")
+        self._timeout = instance_timeout
+        self._live: dict[str, InstanceInfo] = {}
+        self._high: dict[str, int] = {}
+
+    @property
+    def instance_timeout(self) -> float:
+        return self._timeout
+
+    def register(self, info: InstanceInfo, now: float) -> RegisterOutcome:
+        """Admit ``info`` as the live process of its instance id.
+
+        Raises InvalidInput for an empty id or an impossible port or incarnation,
+        StaleIncarnation if a higher incarnation of the id was seen before, and
+        ContractMismatch if ``info.contract`` contradicts the contract of another live
+        instance of the same model. Nothing changes when it raises.
+        """
+        _validate(info)
+        iid = info.instance_id
+        highest = self._high.get(iid)
+        if highest is not None and info.incarnation < highest:
+            raise StaleIncarnation(iid, info.incarnation, highest)
+        if info.contract is not None:
+            fleet = self.fleet_contract(info.contract.model_name, excluding=iid)
+            if fleet is not None:
+                fleet.check_compatible(info.contract)
+        old = self._live.get(iid)
+        fenced = old.incarnation if old is not None and old.incarnation < info.incarnation else None
+        self._live[iid] = msgspec.structs.replace(
+            info, metadata=dict(info.metadata), registration_time=now, last_heartbeat=now
+        )
+        self._high[iid] = info.incarnation
+        return RegisterOutcome(iid, re_registered=highest is not None, fenced_incarnation=fenced)
+
+    def heartbeat(self, instance_id: str, now: float) -> bool:
+        """Extend the life of a live instance; False if it is unknown (the shell answers
+        404 and the server re-registers). A heartbeat never moves ``last_heartbeat``
+        backwards."""
+        info = self._live.get(instance_id)
+        if info is None:
+            return False
+        if now > info.last_heartbeat:
+            self._live[instance_id] = msgspec.structs.replace(info, last_heartbeat=now)
+        return True
+
+    def deregister(self, instance_id: str) -> InstanceInfo | None:
+        """Remove a live instance; its incarnation stays remembered as the high-water mark."""
+        return self._live.pop(instance_id, None)
+
+    def expire(self, now: float) -> list[InstanceInfo]:
+        """Remove and return, sorted by id, the instances silent for longer than the
+        timeout (``now - last_heartbeat > instance_timeout``)."""
+        gone = sorted(
+            (iid for iid, info in self._live.items() if now - info.last_heartbeat > self._timeout)
+        )
+        return [self._live.pop(iid) for iid in gone]
+
+    def get(self, instance_id: str) -> InstanceInfo | None:
+        return self._live.get(instance_id)
+
+    def instances(self) -> list[InstanceInfo]:
+        """The live instances, sorted by instance id."""
+        return [self._live[iid] for iid in sorted(self._live)]
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, instance_id: object) -> bool:
+        return instance_id in self._live
+
+    def max_incarnation(self, instance_id: str) -> int | None:
+        """Highest incarnation ever registered under this id, live or gone; None if never."""
+        return self._high.get(instance_id)
+
+    def is_live(self, instance_id: str, incarnation: int) -> bool:
+        """Is exactly this incarnation of the instance the live one?"""
+        info = self._live.get(instance_id)
+        return info is not None and info.incarnation == incarnation
+
+    def fleet_contract(self, model_name: str, *, excluding: str = "") -> HashContract | None:
+        """The contract that live instances declare for ``model_name`` (they agree, since
+        registration enforces it), ignoring instance ``excluding``; None if none declares."""
+        for iid in sorted(self._live):
+            contract = self._live[iid].contract
+            if iid != excluding and contract is not None and contract.model_name == model_name:
+                return contract
+        return None
+
+    def heartbeat_ages(self, now: float) -> dict[str, float]:
+        """Seconds since each live instance's last heartbeat, by instance id (sorted)."""
+        return {iid: now - self._live[iid].last_heartbeat for iid in sorted(self._live)}
+
+    def stats(self) -> MembershipStats:
+        return MembershipStats(live=len(self._live), known_ids=len(self._high))
+
+    def snapshot(self) -> list[InstanceInfo]:
+        """The live instances as registered (sorted by id), for the caller's snapshot."""
+        return self.instances()
+
+    def high_water(self) -> dict[str, int]:
+        """Highest incarnation ever seen per instance id (sorted by id)."""
+        return {iid: self._high[iid] for iid in sorted(self._high)}
+
+    @classmethod
+    def restore(
+        cls,
+        infos: Iterable[InstanceInfo],
+        high_water: dict[str, int],
+        *,
+        instance_timeout: float = 30.0,
+        now: float | None = None,
+    ) -> Membership:
+        """Rebuild from ``snapshot()`` and ``high_water()`` by replaying registrations.
+
+        Registration and heartbeat times are kept; with ``now`` every restored instance's
+        last heartbeat becomes ``now`` instead, giving each a full timeout to prove itself
+        alive (use it when the snapshot's clock is not the restoring process's clock).
+        Raises SnapshotError if registrations could not have produced the snapshot (a
+        duplicate id, a live incarnation below its high-water mark, clashing contracts).
+        """
+        membership = cls(instance_timeout)
+        try:
+            for iid, incarnation in high_water.items():
+                if not iid or incarnation < 0:
+                    raise InvalidInput(f"bad high-water mark {incarnation!r} for {iid!r}")
+                membership._high[iid] = incarnation
+            for info in infos:
+                if info.instance_id in membership:
+                    raise InvalidInput(f"instance {info.instance_id!r} appears twice")
+                membership.register(info, info.registration_time)
+                beat = info.last_heartbeat if now is None else now
+                membership._live[info.instance_id] = msgspec.structs.replace(
+                    membership._live[info.instance_id], last_heartbeat=beat
+                )
+        except InvalidInput as exc:
+            raise SnapshotError(f"membership snapshot cannot be replayed: {exc}") from exc
+        return membership
+
+
+def _validate(info: InstanceInfo) -> None:
+    if not info.instance_id:
+        raise InvalidInput("instance id must not be empty")
+    if not 0 <= info.http_port <= _MAX_PORT:
+        raise InvalidInput(f"http_port must be in [0, {_MAX_PORT}], got {info.http_port}")
+    if not 0 <= info.mq_port <= _MAX_PORT:
+        raise InvalidInput(f"mq_port must be in [0, {_MAX_PORT}], got {info.mq_port}")
+    if info.incarnation < 0:
+        raise InvalidInput(f"incarnation must be >= 0, got {info.incarnation}")

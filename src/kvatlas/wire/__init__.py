@@ -1,0 +1,1 @@
+"""Encoding only: HTTP, Kafka and engine-API message shapes <-> core types (msgspec)."""

@@ -1,0 +1,352 @@
+"""Message shapes of the coordinator's HTTP API, and their mapping to core types.
+
+The JSON shapes are the compatibility surface with LMCache's coordinator (field names
+and nesting); kvatlas adds optional fields. The compact msgpack form of `POST /events`
+is kvatlas' own: it carries core `EventBatch` structs as they are (raw 32-byte hashes,
+no hex), so msgspec decodes it straight into core types without a Python loop.
+
+Owns encoding and validation of shapes only; no I/O and no state.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from kvatlas.core.errors import InvalidInput
+from kvatlas.core.events import Entry, EventBatch
+from kvatlas.core.keys import HashContract, ObjectKey
+from kvatlas.core.membership import InstanceInfo
+from kvatlas.core.types import EventType, Tier
+
+MSGPACK_CONTENT_TYPE = "application/msgpack"
+COMPACT_VERSION = 1
+
+
+# ---- membership ------------------------------------------------------------------------
+
+
+class ContractWire(msgspec.Struct, frozen=True):
+    """A server's hash contract as sent at registration."""
+
+    model_name: str
+    chunk_size: int = 256
+    hash_algorithm: str = "blake3"
+    kv_dtype: str = ""
+    kv_layout: tuple[int, int, int] = (0, 0, 0)
+    world_size: int = 1
+
+    def to_core(self) -> HashContract:
+        return HashContract(
+            model_name=self.model_name,
+            chunk_size=self.chunk_size,
+            hash_algorithm=self.hash_algorithm,
+            kv_dtype=self.kv_dtype,
+            kv_layout=self.kv_layout,
+            world_size=self.world_size,
+        )
+
+    @classmethod
+    def from_core(cls, c: HashContract) -> ContractWire:
+        return cls(
+            c.model_name, c.chunk_size, c.hash_algorithm, c.kv_dtype, c.kv_layout, c.world_size
+        )
+
+
+class RegisterRequest(msgspec.Struct, frozen=True):
+    """`POST /instances`. ``instance_id`` "" asks the coordinator to generate one."""
+
+    ip: str
+    http_port: int
+    instance_id: str = ""
+    metadata: dict[str, str] = {}
+    p2p_advertised_url: str | None = None
+    mq_port: int | None = None
+    incarnation: int | None = None
+    """kvatlas: strictly increasing per process start; None means 0 (LMCache servers)."""
+    contract: ContractWire | None = None
+    """kvatlas: the server's hash contract; a contradiction with the fleet's is a 409."""
+
+
+class RegisterResponse(msgspec.Struct, frozen=True):
+    instance_id: str
+    re_registered: bool
+    incarnation: int = 0
+
+
+class HeartbeatResponse(msgspec.Struct, frozen=True):
+    instance_id: str
+
+
+class InstanceWire(msgspec.Struct, frozen=True):
+    """One entry of `GET /instances`."""
+
+    instance_id: str
+    ip: str
+    http_port: int
+    registration_time: float
+    metadata: dict[str, str]
+    p2p_advertised_url: str | None
+    mq_port: int | None
+    incarnation: int
+    last_heartbeat: float
+    heartbeat_age_s: float
+
+    @classmethod
+    def from_core(cls, info: InstanceInfo, now: float) -> InstanceWire:
+        return cls(
+            instance_id=info.instance_id,
+            ip=info.ip,
+            http_port=info.http_port,
+            registration_time=info.registration_time,
+            metadata=dict(info.metadata),
+            p2p_advertised_url=info.p2p_advertised_url or None,
+            mq_port=info.mq_port or None,
+            incarnation=info.incarnation,
+            last_heartbeat=info.last_heartbeat,
+            heartbeat_age_s=max(0.0, now - info.last_heartbeat),
+        )
+
+
+class InstancesResponse(msgspec.Struct, frozen=True):
+    instances: list[InstanceWire]
+
+
+class ErrorResponse(msgspec.Struct, frozen=True):
+    error: str
+
+
+# ---- events ----------------------------------------------------------------------------
+
+
+class KeyWire(msgspec.Struct, frozen=True):
+    """An object key in JSON: the hash as 64 hex characters."""
+
+    chunk_hash_hex: str
+    model_name: str
+    kv_rank: int
+    object_group_id: int = 0
+    cache_salt: str = ""
+
+    def to_core(self) -> ObjectKey:
+        h = self.chunk_hash_hex
+        if len(h) != 64:
+            raise InvalidInput(f"chunk_hash_hex must be 64 hex characters, got {len(h)}")
+        try:
+            raw = bytes.fromhex(h)
+        except ValueError as exc:
+            raise InvalidInput(f"chunk_hash_hex is not hex: {h[:16]}...") from exc
+        return ObjectKey(raw, self.model_name, self.kv_rank, self.object_group_id, self.cache_salt)
+
+    @classmethod
+    def from_core(cls, key: ObjectKey) -> KeyWire:
+        return cls(
+            key.chunk_hash.hex(), key.model_name, key.kv_rank, key.object_group_id, key.cache_salt
+        )
+
+
+class EntryWire(msgspec.Struct, frozen=True):
+    key: KeyWire
+    size_bytes: int = 0
+    token_ids: list[int] | None = None
+    token_offset: int = -1
+
+
+class BatchWire(msgspec.Struct, frozen=True):
+    """One batch in the JSON form of `POST /events`."""
+
+    instance_id: str
+    incarnation: int
+    seq: int
+    event_type: Literal["store", "access", "delete"]
+    tier: Literal["l1", "l2"]
+    entries: list[EntryWire]
+    backend: str = "cpu"
+    shared: bool = False
+    ts: float = 0.0
+
+
+class EventsRequest(msgspec.Struct, frozen=True):
+    batches: list[BatchWire]
+
+
+class CompactEvents(msgspec.Struct, frozen=True):
+    """The msgspec-native form of `POST /events` (`Content-Type: application/msgpack`)."""
+
+    batches: list[EventBatch]
+    version: int = COMPACT_VERSION
+
+
+class EventsResponse(msgspec.Struct, frozen=True):
+    """Counts of batches by outcome (LMCache: applied, duplicates, stale)."""
+
+    applied: int
+    duplicates: int
+    stale: int
+    gaps: int = 0
+    missing_seqs: int = 0
+    provisional: int = 0
+
+
+def check_batch(b: EventBatch, max_entries: int) -> None:
+    """Validate what msgspec's types cannot express; raise InvalidInput with a reason."""
+    if not b.instance_id:
+        raise InvalidInput("instance_id must not be empty")
+    if b.seq < 1:
+        raise InvalidInput(f"seq must be >= 1, got {b.seq} (instance {b.instance_id})")
+    if b.incarnation < 0:
+        raise InvalidInput(f"incarnation must be >= 0, got {b.incarnation}")
+    if len(b.entries) > max_entries:
+        raise InvalidInput(f"batch has {len(b.entries)} entries, the limit is {max_entries}")
+    for e in b.entries:
+        if len(e.key.chunk_hash) != 32:
+            raise InvalidInput("chunk hash must be 32 bytes")
+        if e.size_bytes < 0:
+            raise InvalidInput("size_bytes must be >= 0")
+
+
+def batch_to_core(b: BatchWire) -> EventBatch:
+    """JSON batch -> core batch (hex hashes decoded)."""
+    entries = tuple(
+        Entry(
+            e.key.to_core(),
+            e.size_bytes,
+            tuple(e.token_ids) if e.token_ids is not None else None,
+            e.token_offset,
+        )
+        for e in b.entries
+    )
+    return EventBatch(
+        instance_id=b.instance_id,
+        incarnation=b.incarnation,
+        seq=b.seq,
+        event_type=EventType(b.event_type),
+        tier=Tier(b.tier),
+        entries=entries,
+        backend=b.backend,
+        shared=b.shared,
+        ts=b.ts,
+    )
+
+
+def batch_from_core(b: EventBatch) -> BatchWire:
+    """Core batch -> JSON batch (for emitters that speak the LMCache form)."""
+    return BatchWire(
+        instance_id=b.instance_id,
+        incarnation=b.incarnation,
+        seq=b.seq,
+        event_type=b.event_type.value,
+        tier=b.tier.value,
+        entries=[
+            EntryWire(
+                KeyWire.from_core(e.key),
+                e.size_bytes,
+                list(e.token_ids) if e.token_ids is not None else None,
+                e.token_offset,
+            )
+            for e in b.entries
+        ],
+        backend=b.backend,
+        shared=b.shared,
+        ts=b.ts,
+    )
+
+
+_json_events = msgspec.json.Decoder(EventsRequest)
+_msgpack_events = msgspec.msgpack.Decoder(CompactEvents)
+
+
+def decode_events(body: bytes, content_type: str, max_entries: int) -> list[EventBatch]:
+    """Decode and validate a whole `POST /events` body; raise InvalidInput on any error.
+
+    Nothing is returned unless every batch is valid, so a bad body applies nothing.
+    """
+    try:
+        if content_type.split(";")[0].strip() == MSGPACK_CONTENT_TYPE:
+            compact = _msgpack_events.decode(body)
+            if compact.version != COMPACT_VERSION:
+                raise InvalidInput(f"compact events version {compact.version} is not supported")
+            batches = compact.batches
+        else:
+            batches = [batch_to_core(b) for b in _json_events.decode(body).batches]
+    except msgspec.ValidationError as exc:
+        raise InvalidInput(f"invalid events body: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidInput(f"malformed events body: {exc}") from exc
+    for b in batches:
+        check_batch(b, max_entries)
+    return batches
+
+
+def encode_events_json(batches: list[EventBatch]) -> bytes:
+    return msgspec.json.encode(EventsRequest([batch_from_core(b) for b in batches]))
+
+
+def encode_events_msgpack(batches: list[EventBatch]) -> bytes:
+    return msgspec.msgpack.encode(CompactEvents(batches))
+
+
+# ---- directory lookups -----------------------------------------------------------------
+
+
+class LookupRequest(msgspec.Struct, frozen=True):
+    """`POST /directory/lookup`: either ``keys`` or ``token_ids`` (+ namespace)."""
+
+    keys: list[KeyWire] | None = None
+    token_ids: list[int] | None = None
+    model_name: str = ""
+    world_size: int = 1
+    cache_salt: str = ""
+    kv_rank: int | None = None
+    """kvatlas: defaults to rank 0 of ``world_size`` (world size 1 -> 16777472)."""
+    object_group_id: int = 0
+
+
+class PlacementWire(msgspec.Struct, frozen=True):
+    instance_id: str
+    incarnation: int
+    tier: str
+    backend: str
+    size_bytes: int
+    shared: bool
+
+
+class ResultWire(msgspec.Struct, frozen=True):
+    key: KeyWire
+    placements: list[PlacementWire]
+    token_ids: list[int] | None
+    access_count: int
+
+
+class HolderWire(msgspec.Struct, frozen=True):
+    instance_id: str
+    tier: str
+    chunks: int
+    tokens: int
+
+
+class LookupResponse(msgspec.Struct, frozen=True):
+    chunks: int
+    results: list[ResultWire]
+    prefix_holders: list[HolderWire] = []
+    """kvatlas: per (instance, tier) the number of leading chunks (and tokens) held."""
+
+
+class BlendLookupRequest(msgspec.Struct, frozen=True):
+    tokens_b64: str
+    model_name: str
+    world_size: int = 1
+    cache_salt: str = ""
+    kv_rank: int | None = None
+    object_group_id: int = 0
+
+
+class BlendMatchWire(msgspec.Struct, frozen=True):
+    chunk_hash: str
+    old_st: int
+    cur_st: int
+
+
+class BlendLookupResponse(msgspec.Struct, frozen=True):
+    matches: list[BlendMatchWire]
