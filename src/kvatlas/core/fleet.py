@@ -25,7 +25,7 @@ import numpy as np
 
 from kvatlas.core.blend import BlendIndex, BlendMatch
 from kvatlas.core.directory import Applied, DirectoryStats, KeyDirectory, KeyResult, PrefixResult
-from kvatlas.core.errors import SnapshotError
+from kvatlas.core.errors import SnapshotError, StaleIncarnation
 from kvatlas.core.events import EventBatch
 from kvatlas.core.gate import Cursor, Verdict, admit
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE, Namespace, ObjectKey, chunk_hashes
@@ -74,6 +74,9 @@ class _Snapshot(msgspec.Struct, array_like=True):
     blend_enabled: bool
     instances: list[InstanceInfo]
     high_water: dict[str, int]
+    """The membership's marks (registrations only)."""
+    event_high_water: dict[str, int]
+    """Highest incarnation seen in registrations or applied events."""
     cursors: dict[str, Cursor]
     provisional: dict[str, _Provisional]
     directory: bytes
@@ -109,7 +112,14 @@ class FleetState:
         return a if b is None else max(a, b)
 
     def register(self, info: InstanceInfo, now: float) -> tuple[RegisterOutcome, Fenced | None]:
-        """Register (or re-register) an instance; fences a superseded incarnation."""
+        """Register (or re-register) an instance; fences a superseded incarnation.
+
+        Raises StaleIncarnation below the highest incarnation seen (also from events),
+        ContractMismatch when the hash contract contradicts the fleet's.
+        """
+        high = self._max_incarnation(info.instance_id)
+        if high is not None and info.incarnation < high:
+            raise StaleIncarnation(info.instance_id, info.incarnation, high)
         outcome = self.membership.register(info, now)
         prov = self._provisional.pop(info.instance_id, None)
         fenced = None
@@ -248,7 +258,8 @@ class FleetState:
             chunk_size=self.chunk_size,
             blend_enabled=self.blend is not None,
             instances=self.membership.instances(),
-            high_water={**self.membership.high_water(), **self._high_water},
+            high_water=self.membership.high_water(),
+            event_high_water=dict(self._high_water),
             cursors=dict(self.cursors),
             provisional=dict(self._provisional),
             directory=self.directory.snapshot(),
@@ -274,7 +285,7 @@ class FleetState:
         state.membership = Membership.restore(
             snap.instances, snap.high_water, instance_timeout=snap.instance_timeout, now=now
         )
-        state._high_water = dict(snap.high_water)
+        state._high_water = dict(snap.event_high_water)
         state.cursors = dict(snap.cursors)
         state._provisional = dict(snap.provisional)
         state.directory = KeyDirectory.restore(snap.directory, keep_tokens=snap.blend_enabled)

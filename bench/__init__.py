@@ -1,0 +1,1 @@
+"""kvatlas benchmarks: `make bench` runs them all; each module also runs on its own."""

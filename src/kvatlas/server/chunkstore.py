@@ -1,0 +1,293 @@
+"""The chunk store: the L1 pool, its shared-memory region and the optional L2, together.
+
+Owns moving chunk bytes between tiers: an L1 eviction is demoted to L2 (copied out before
+the evicted slot is handed to a new writer), an L2 hit found by ``lookup_prefix`` is
+promoted into a fresh L1 slot (checksum verified by the L2 adapter, so a corrupt chunk is
+a miss, never wrong bytes). It also merges the pool's and the L2 adapter's events into one
+ordered list of per-tier records for the event publisher.
+
+It must not take locks, read clocks or deliver events: the server's engine API holds one
+lock around every call and passes ``now``; the publisher drains ``take_events()``.
+Engines only read and write L1 (through the shared region), so ``acquire_read`` does not
+look at L2: ``lookup_prefix`` is the one place that promotes.
+
+Event order: a demotion reports the L2 STORE before the L1 DELETE, so the fleet never
+sees a window where the chunk is nowhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from kvatlas.core.checksum import checksum as compute_checksum
+from kvatlas.core.errors import InvalidInput
+from kvatlas.core.events import Entry
+from kvatlas.core.keys import ObjectKey
+from kvatlas.core.l1pool import (
+    ExpiredLease,
+    L1Pool,
+    LeaseId,
+    PoolEvent,
+    PoolStats,
+    ReadLease,
+    Refusal,
+    Refused,
+    Reserved,
+    Slot,
+    SlotInfo,
+)
+from kvatlas.core.types import EventType, Tier
+from kvatlas.server.l1region import L1Region
+from kvatlas.server.l2 import L2Adapter, L2Error, as_bytes_view
+
+log = logging.getLogger(__name__)
+
+PIN_LEASE_S: Final = 60.0
+"""Lease of the read pins ``lookup_prefix`` holds during one call (released before return)."""
+PROMOTE_LEASE_S: Final = 60.0
+"""Write lease of a promotion; it commits or aborts within the same call."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierEvent:
+    """A STORE or DELETE on one tier, ready to go into an EventBatch."""
+
+    tier: Tier
+    kind: EventType
+    key: ObjectKey
+    size: int
+    reason: str
+
+    def entry(self) -> Entry:
+        return Entry(self.key, self.size)
+
+
+def batches(events: Sequence[TierEvent]) -> Iterator[tuple[EventType, Tier, tuple[Entry, ...]]]:
+    """Consecutive events of the same (kind, tier) grouped, in order: one EventBatch each."""
+    run: list[Entry] = []
+    current: tuple[EventType, Tier] | None = None
+    for event in events:
+        head = (event.kind, event.tier)
+        if head != current and run:
+            assert current is not None
+            yield current[0], current[1], tuple(run)
+            run = []
+        current = head
+        run.append(event.entry())
+    if run and current is not None:
+        yield current[0], current[1], tuple(run)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkStoreStats:
+    """A snapshot for metrics and ``/status``."""
+
+    l1: PoolStats
+    l2_used_bytes: int
+    l2_capacity_bytes: int
+    promotions: int
+    promotion_failures: int
+    demotions: int
+    demotion_failures: int
+
+
+class ChunkStore:
+    """L1 (pool + region) and an optional L2; single-threaded, the caller holds a lock."""
+
+    def __init__(self, pool: L1Pool, region: L1Region, l2: L2Adapter | None = None) -> None:
+        if region.size < pool.capacity_bytes:
+            raise InvalidInput(
+                f"L1 region of {region.size} bytes is smaller than the pool's capacity"
+                f" ({pool.capacity_bytes})"
+            )
+        if region.readonly:
+            raise InvalidInput("the chunk store needs a writable L1 region")
+        self.pool = pool
+        self.region = region
+        self.l2 = l2
+        self._events: list[TierEvent] = []
+        self._promotions = 0
+        self._promotion_failures = 0
+        self._demotions = 0
+        self._demotion_failures = 0
+
+    # --------------------------------------------------------------------------- stores
+
+    def reserve(
+        self, key: ObjectKey, size: int, now: float, lease_s: float, holder: str = ""
+    ) -> Reserved | Refused:
+        """Write-lock an L1 slot (see ``L1Pool.reserve``); evicted chunks are already
+        demoted to L2 when this returns, so the caller may write the slot at once."""
+        result = self.pool.reserve(key, size, now, lease_s, holder)
+        if isinstance(result, Reserved):
+            self._demote(result.evicted)
+        self._collect()
+        return result
+
+    def slot_view(self, slot: Slot) -> memoryview:
+        """The writable bytes of a reserved slot."""
+        return self.region.view(slot.offset, slot.size)
+
+    def commit(
+        self,
+        key: ObjectKey,
+        now: float,
+        checksum: int | None = None,
+        lease_id: LeaseId | None = None,
+    ) -> SlotInfo | None:
+        """Make a written slot readable; the checksum is computed from the region when not
+        given. None when the write is unknown or its lease expired (see ``L1Pool.commit``)."""
+        if checksum is None:
+            info = self.pool.get(key)
+            if info is None or info.committed:
+                return None
+            checksum = compute_checksum(self.region.view(info.offset, info.size))
+        result = self.pool.commit(key, checksum, now, lease_id)
+        self._collect()
+        return result
+
+    def abort(self, key: ObjectKey) -> bool:
+        return self.pool.abort(key)
+
+    def store(
+        self, key: ObjectKey, data: bytes | bytearray | memoryview, now: float
+    ) -> SlotInfo | Refused:
+        """Reserve, copy ``data`` in and commit in one call (for in-process writers)."""
+        view = as_bytes_view(data)
+        result = self.reserve(key, view.nbytes, now, PROMOTE_LEASE_S, holder="store")
+        if isinstance(result, Refused):
+            return result
+        self.slot_view(result.slot)[:] = view
+        info = self.commit(key, now, compute_checksum(view), result.slot.lease_id)
+        assert info is not None, "a write committed in the same call cannot have expired"
+        return info
+
+    # ---------------------------------------------------------------------------- reads
+
+    def lookup_prefix(self, keys: Sequence[ObjectKey], now: float) -> int:
+        """How many leading ``keys`` are in L1 now, promoting L2 hits into L1.
+
+        Found chunks are pinned (read-locked) while later ones are promoted, so a promotion
+        never evicts an earlier hit of the same lookup; the pins are released on return.
+        """
+        pins: list[LeaseId] = []
+        try:
+            for key in keys:
+                lease = self.pool.acquire_read(key, "lookup", now, PIN_LEASE_S)
+                if lease is None and self._promote(key, now):
+                    lease = self.pool.acquire_read(key, "lookup", now, PIN_LEASE_S)
+                if lease is None:
+                    break
+                pins.append(lease.lease_id)
+            return len(pins)
+        finally:
+            for lease_id in pins:
+                self.pool.release(lease_id)
+            self._collect()
+
+    def acquire_read(
+        self, key: ObjectKey, holder: str, now: float, lease_s: float
+    ) -> ReadLease | None:
+        """Read-lock an L1 chunk (L1 only: promotion happens in ``lookup_prefix``)."""
+        return self.pool.acquire_read(key, holder, now, lease_s)
+
+    def read_view(self, lease: ReadLease) -> memoryview:
+        """The bytes a read lease covers (valid until the lease ends)."""
+        return self.region.view(lease.offset, lease.size)
+
+    def release(self, lease_id: LeaseId) -> bool:
+        return self.pool.release(lease_id)
+
+    def expire(self, now: float) -> list[ExpiredLease]:
+        return self.pool.expire(now)
+
+    # --------------------------------------------------------------------------- events
+
+    def take_events(self) -> list[TierEvent]:
+        """Every STORE/DELETE on L1 and L2 since the last call, in order."""
+        self._collect()
+        events, self._events = self._events, []
+        return events
+
+    def startup_l2_events(self) -> list[TierEvent]:
+        """A STORE on L2 for every chunk L2 holds (report once, after start)."""
+        if self.l2 is None:
+            return []
+        return [
+            TierEvent(Tier.L2, EventType.STORE, item.key, item.size, "found")
+            for item in self.l2.list()
+        ]
+
+    def stats(self) -> ChunkStoreStats:
+        used, capacity = self.l2.usage() if self.l2 is not None else (0, 0)
+        return ChunkStoreStats(
+            l1=self.pool.stats(),
+            l2_used_bytes=used,
+            l2_capacity_bytes=capacity,
+            promotions=self._promotions,
+            promotion_failures=self._promotion_failures,
+            demotions=self._demotions,
+            demotion_failures=self._demotion_failures,
+        )
+
+    # ------------------------------------------------------------------------ internals
+
+    def _promote(self, key: ObjectKey, now: float) -> bool:
+        if self.l2 is None:
+            return False
+        item = self.l2.item(key)
+        if item is None:
+            return False
+        reserved = self.pool.reserve(key, item.size, now, PROMOTE_LEASE_S, holder="promote")
+        if isinstance(reserved, Refused):
+            # BUSY: an engine is storing it right now; NO_SPACE: L1 is pinned full.
+            if reserved.reason is not Refusal.EXISTS:
+                self._promotion_failures += 1
+            return reserved.reason is Refusal.EXISTS
+        self._demote(reserved.evicted)
+        slot = reserved.slot
+        try:
+            got = self.l2.get_into(key, self.region.view(slot.offset, slot.size))
+        except L2Error as exc:
+            log.warning("promotion of %s from L2 failed: %s", key.chunk_hash_hex, exc)
+            got = None
+        if got != item.size:  # absent, corrupt (the adapter verified the checksum) or short
+            self.pool.abort(key)
+            self._promotion_failures += 1
+            return False
+        self.pool.commit(key, item.checksum, now, slot.lease_id)
+        self._promotions += 1
+        return True
+
+    def _demote(self, victims: Sequence[SlotInfo]) -> None:
+        """Copy evicted chunks to L2 while their bytes are still intact in the region."""
+        if self.l2 is None:
+            return
+        for victim in victims:
+            if self.l2.contains(victim.key):
+                continue  # promoted earlier: L2 still holds the same bytes
+            try:
+                self.l2.put(
+                    victim.key, self.region.view(victim.offset, victim.size), victim.checksum
+                )
+            except (InvalidInput, L2Error) as exc:
+                self._demotion_failures += 1
+                log.warning("demotion of %s to L2 failed: %s", victim.key.chunk_hash_hex, exc)
+                continue
+            self._demotions += 1
+        self._collect_l2()
+
+    def _collect_l2(self) -> None:
+        if self.l2 is not None:
+            self._events.extend(_tiered(Tier.L2, self.l2.take_events()))
+
+    def _collect(self) -> None:
+        self._collect_l2()
+        self._events.extend(_tiered(Tier.L1, self.pool.take_events()))
+
+
+def _tiered(tier: Tier, events: list[PoolEvent]) -> Iterator[TierEvent]:
+    return (TierEvent(tier, e.kind, e.key, e.size, e.reason) for e in events)

@@ -1,0 +1,236 @@
+"""The L1 region: one contiguous block of POSIX shared memory holding every L1 chunk.
+
+Owns creating, mapping, attaching to and cleaning up the region. It knows nothing about
+which bytes belong to which chunk (that is ``kvatlas.core.l1pool``) and must not
+interpret the bytes.
+
+The owner (the cache server) creates the region with ``multiprocessing.shared_memory``
+under a unique name ``kvatlas-<instance>-<pid>-<random>``; the resource tracker then
+removes it if the server dies without ``unlink()``. Other processes (the local engine,
+same-host peers) ``attach`` by name: that maps ``/dev/shm/<name>`` directly with ``mmap``
+(``ACCESS_READ``, i.e. ``PROT_READ``, for a read-only attach) instead of through
+``SharedMemory``, because on Python < 3.13 an attaching ``SharedMemory`` registers the
+segment with its own resource tracker, which would unlink the owner's region when the
+attaching process exits. Attach therefore needs Linux's ``/dev/shm``.
+
+Cleanup: ``close()`` unmaps; it fails with RegionBusy while memoryviews or arrays handed
+out by ``view``/``buffer``/``array`` are still alive (release them first; ``mmap`` cannot
+unmap exported memory). ``unlink()`` (owner only) removes the name; the mapping stays
+usable until ``close()``. As a context manager the owner closes and unlinks on exit.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+from multiprocessing import shared_memory
+from pathlib import Path
+from types import TracebackType
+from typing import Final, Self
+
+import numpy as np
+import numpy.typing as npt
+
+from kvatlas.core.errors import InvalidInput
+from kvatlas.server.errors import ServerError
+
+SHM_DIR: Final = Path("/dev/shm")
+_NAME_OK = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+
+
+class RegionError(ServerError):
+    """The L1 region cannot be created, attached or closed."""
+
+
+class RegionBusy(RegionError):
+    """``close()`` while views into the region are still alive."""
+
+
+def region_name(instance_id: str) -> str:
+    """A fresh region name: ``kvatlas-<instance>-<pid>-<random>`` (instance sanitized)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", instance_id)[:64] or "node"
+    return f"kvatlas-{safe}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+class L1Region:
+    """A mapped shared-memory region; build it with ``create`` or ``attach``."""
+
+    def __init__(
+        self,
+        name: str,
+        size: int,
+        mapping: mmap.mmap,
+        *,
+        owner: bool,
+        readonly: bool,
+        shm: shared_memory.SharedMemory | None = None,
+    ) -> None:
+        self._name = name
+        self._size = size
+        self._mmap: mmap.mmap | None = mapping
+        self._shm = shm
+        self._owner = owner
+        self._readonly = readonly
+        self._view: memoryview | None = memoryview(mapping)[:size]
+        self._array: npt.NDArray[np.uint8] | None = None
+        self._unlinked = False
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def create(cls, size: int, instance_id: str = "node", name: str | None = None) -> Self:
+        """Create and own a new region of ``size`` bytes (zero-filled by the kernel)."""
+        if size <= 0:
+            raise InvalidInput(f"L1 region size must be positive, got {size}")
+        name = name or region_name(instance_id)
+        _check_name(name)
+        try:
+            shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        except OSError as exc:
+            raise RegionError(
+                f"cannot create shared memory {name!r} of {size} bytes: {exc}"
+            ) from exc
+        # SharedMemory keeps its mapping in ``_mmap``; using it directly lets close() release
+        # our own views before SharedMemory.close() unmaps.
+        mapping: mmap.mmap = shm._mmap  # type: ignore[attr-defined]
+        return cls(shm.name, size, mapping, owner=True, readonly=False, shm=shm)
+
+    @classmethod
+    def attach(cls, name: str, size: int, readonly: bool = True) -> Self:
+        """Map an existing region created by another process (Linux ``/dev/shm``).
+
+        ``readonly`` maps it ``PROT_READ``: writes through any view raise TypeError.
+        """
+        _check_name(name)
+        path = SHM_DIR / name
+        flags = os.O_RDONLY if readonly else os.O_RDWR
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            raise RegionError(f"cannot open shared memory {name!r}: {exc}") from exc
+        try:
+            actual = os.fstat(fd).st_size
+            if actual < size:
+                raise RegionError(f"shared memory {name!r} has {actual} bytes, expected {size}")
+            # ACCESS_READ (not just PROT_READ) so that Python's buffers are read-only too:
+            # a PROT_READ mapping exported as writable would segfault on write.
+            access = mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE
+            mapping = mmap.mmap(fd, size, access=access)
+        except OSError as exc:
+            raise RegionError(f"cannot map shared memory {name!r}: {exc}") from exc
+        finally:
+            os.close(fd)
+        return cls(name, size, mapping, owner=False, readonly=readonly)
+
+    # ------------------------------------------------------------------------- access
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def readonly(self) -> bool:
+        return self._readonly
+
+    @property
+    def owner(self) -> bool:
+        return self._owner
+
+    @property
+    def closed(self) -> bool:
+        return self._view is None
+
+    @property
+    def buffer(self) -> memoryview:
+        """The whole region as a memoryview (read-only for a read-only attach)."""
+        if self._view is None:
+            raise RegionError(f"L1 region {self._name!r} is closed")
+        return self._view
+
+    @property
+    def array(self) -> npt.NDArray[np.uint8]:
+        """The whole region as a uint8 numpy array (not writeable for a read-only attach)."""
+        if self._array is None:
+            self._array = np.frombuffer(self.buffer, dtype=np.uint8)
+        return self._array
+
+    def view(self, offset: int, size: int) -> memoryview:
+        """``size`` bytes at ``offset``; InvalidInput when outside the region."""
+        if offset < 0 or size < 0 or offset + size > self._size:
+            raise InvalidInput(
+                f"range [{offset}, {offset + size}) is outside the L1 region of {self._size} bytes"
+            )
+        return self.buffer[offset : offset + size]
+
+    def address(self) -> int:
+        """Base address of the mapping in this process (for transfer engines that register
+        memory or take pointers)."""
+        return int(self.array.ctypes.data)
+
+    # ------------------------------------------------------------------------ cleanup
+
+    def close(self) -> None:
+        """Unmap (idempotent). RegionBusy while views handed out are still referenced."""
+        if self._view is None:
+            return
+        self._array = None
+        try:
+            self._view.release()
+        except BufferError as exc:  # an array made from the view still lives
+            raise RegionBusy(
+                f"L1 region {self._name!r} still has live views; release them before close()"
+            ) from exc
+        try:
+            if self._shm is not None:
+                self._shm.close()
+            elif self._mmap is not None:
+                self._mmap.close()
+        except BufferError as exc:
+            self._view = memoryview(self._mmap)[: self._size] if self._mmap else None
+            raise RegionBusy(
+                f"L1 region {self._name!r} still has live views; release them before close()"
+            ) from exc
+        self._view = None
+        self._mmap = None
+
+    def unlink(self) -> None:
+        """Remove the region's name (owner only, idempotent); mappings stay valid."""
+        if not self._owner:
+            raise RegionError(f"only the owner may unlink L1 region {self._name!r}")
+        if self._unlinked or self._shm is None:
+            return
+        self._shm.unlink()
+        self._unlinked = True
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            self.close()
+        finally:
+            if self._owner:
+                self.unlink()
+
+    def __repr__(self) -> str:
+        mode = "owner" if self._owner else ("ro" if self._readonly else "rw")
+        return f"L1Region({self._name!r}, size={self._size}, {mode})"
+
+
+def _check_name(name: str) -> None:
+    if not _NAME_OK.match(name):
+        raise InvalidInput(
+            f"shared memory name {name!r} must be 1-200 characters among"
+            " letters, digits, '.', '_' and '-'"
+        )

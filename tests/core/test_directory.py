@@ -1,0 +1,140 @@
+"""Key directory: upserts, lookups by keys and by prefix, fencing, stats, snapshots."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvatlas.core.directory import KeyDirectory
+from kvatlas.core.errors import InvalidInput, SnapshotError
+from kvatlas.core.events import Entry, EventBatch
+from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes, default_kv_rank
+from kvatlas.core.types import EventType, Tier
+
+NS = Namespace("m", default_kv_rank())
+HASHES = chunk_hashes(list(range(256 * 6)))
+
+
+def key(i: int, ns: Namespace = NS) -> ObjectKey:
+    return ObjectKey(HASHES[i], ns.model_name, ns.kv_rank, ns.object_group_id, ns.cache_salt)
+
+
+def batch(
+    iid: str,
+    kind: EventType,
+    idx: list[int],
+    tier: Tier = Tier.L1,
+    inc: int = 1,
+    size: int = 100,
+    ns: Namespace = NS,
+) -> EventBatch:
+    return EventBatch(iid, inc, 1, kind, tier, tuple(Entry(key(i, ns), size) for i in idx))
+
+
+def test_store_is_an_upsert_and_access_never_creates() -> None:
+    d = KeyDirectory()
+    assert d.apply(batch("a", EventType.STORE, [0, 1])).created == 2
+    assert d.apply(batch("a", EventType.STORE, [0], size=300)).created == 0
+    assert d.apply(batch("a", EventType.ACCESS, [0, 5])).ignored == 1
+    [r0, r5] = d.lookup_keys([key(0), key(5)])
+    assert [p.size_bytes for p in r0.placements] == [300]
+    assert r0.access_count == 1
+    assert r5.placements == ()
+    assert d.stats().bytes == 400
+
+
+def test_delete_of_absent_is_a_noop_and_only_removes_own_placement() -> None:
+    d = KeyDirectory()
+    d.apply(batch("a", EventType.STORE, [0]))
+    d.apply(batch("b", EventType.STORE, [0]))
+    assert d.apply(batch("c", EventType.DELETE, [0, 3])).created == 0
+    d.apply(batch("a", EventType.DELETE, [0]))
+    [r] = d.lookup_keys([key(0)])
+    assert [p.instance_id for p in r.placements] == ["b"]
+
+
+def test_prefix_lookup_reports_longest_prefix_per_instance_and_tier() -> None:
+    d = KeyDirectory()
+    d.apply(batch("a", EventType.STORE, [0, 1, 2, 3]))
+    d.apply(batch("b", EventType.STORE, [0, 1]))
+    d.apply(batch("b", EventType.STORE, [0, 1, 2], tier=Tier.L2))
+    d.apply(batch("c", EventType.STORE, [1, 2, 3]))  # no first chunk: no prefix
+    res = d.lookup_prefix(HASHES[:5], NS)
+    holders = [(h.instance_id, h.tier, h.chunks) for h in res.holders]
+    assert holders == [("a", Tier.L1, 4), ("b", Tier.L2, 3), ("b", Tier.L1, 2)]
+    assert [len(p) for p in res.placements] == [3, 4, 3, 2, 0]
+    assert [r.key for r in res.results()] == [key(i) for i in range(5)]
+
+
+def test_namespaces_are_separate() -> None:
+    d = KeyDirectory()
+    other = Namespace("other", default_kv_rank(), 0, "salt")
+    d.apply(batch("a", EventType.STORE, [0], ns=other))
+    assert d.lookup_prefix(HASHES[:1], NS).holders == ()
+    assert d.lookup_prefix(HASHES[:1], other).holders[0].instance_id == "a"
+
+
+def test_fence_removes_l1_of_one_instance_and_keeps_l2() -> None:
+    d = KeyDirectory()
+    d.apply(batch("a", EventType.STORE, [0, 1, 2]))
+    d.apply(batch("a", EventType.STORE, [0, 1], tier=Tier.L2))
+    d.apply(batch("b", EventType.STORE, [0]))
+    assert d.fence("a") == 3
+    tiers = {(p.instance_id, p.tier) for _, _, ps in d.iter_keys() for p in ps}
+    assert tiers == {("a", Tier.L2), ("b", Tier.L1)}
+    assert d.fence("a") == 0
+
+
+def test_fence_below_keeps_the_new_incarnation() -> None:
+    d = KeyDirectory()
+    d.apply(batch("a", EventType.STORE, [0, 1], inc=1))
+    d.apply(batch("a", EventType.STORE, [1, 2], inc=2))
+    assert d.fence_below("a", 2) == 2
+    assert {(p.incarnation) for _, _, ps in d.iter_keys() for p in ps} == {2}
+
+
+def test_reverse_index_is_compacted_under_churn() -> None:
+    d = KeyDirectory()
+    for _ in range(600):
+        d.apply(batch("a", EventType.STORE, [0, 1, 2, 3, 4, 5]))
+        d.apply(batch("a", EventType.DELETE, [0, 1, 2, 3, 4, 5]))
+    assert all(len(rev) <= 2 * 6 + 1024 + 6 for rev in d._rev.values())
+    assert len(d) == 0
+
+
+def test_bad_batch_applies_nothing() -> None:
+    d = KeyDirectory()
+    good = Entry(key(0), 1)
+    bad = Entry(key(1), -5)
+    with pytest.raises(InvalidInput):
+        d.apply(EventBatch("a", 1, 1, EventType.STORE, Tier.L1, (good, bad)))
+    assert len(d) == 0
+    short = Entry(ObjectKey(b"abc", "m", 1), 1)
+    with pytest.raises(InvalidInput):
+        d.apply(EventBatch("a", 1, 1, EventType.STORE, Tier.L1, (good, short)))
+    assert len(d) == 0
+
+
+def test_stats_per_tier_and_owner() -> None:
+    d = KeyDirectory()
+    d.apply(batch("a", EventType.STORE, [0, 1], size=10))
+    d.apply(batch("b", EventType.STORE, [1], tier=Tier.L2, size=7))
+    s = d.stats()
+    assert (s.keys, s.placements, s.bytes) == (2, 3, 27)
+    assert s.placements_by_tier == {"l1": 2, "l2": 1}
+    assert s.bytes_by_tier == {"l1": 20, "l2": 7}
+    assert {(o.instance_id, o.placements) for o in s.owners} == {("a", 2), ("b", 1)}
+
+
+def test_snapshot_restore_is_a_replay_with_the_same_digest() -> None:
+    d = KeyDirectory(keep_tokens=True)
+    d.apply(batch("a", EventType.STORE, [0, 1, 2]))
+    d.apply(batch("b", EventType.STORE, [1], tier=Tier.L2, size=9))
+    d.apply(batch("a", EventType.ACCESS, [1]))
+    tokens = tuple(range(256))
+    d.apply(EventBatch("c", 1, 1, EventType.STORE, Tier.L1, (Entry(key(4), 5, tokens, 0),)))
+    restored = KeyDirectory.restore(d.snapshot(), keep_tokens=True)
+    assert restored.digest() == d.digest()
+    assert restored.lookup_keys([key(4)])[0].token_ids == tokens
+    assert restored.fence("a") == 3  # the reverse index was rebuilt too
+    with pytest.raises(SnapshotError):
+        KeyDirectory.restore(b"not a snapshot")

@@ -1,0 +1,228 @@
+"""Stateful property test of the fleet state against a plain reference model.
+
+Random streams of batches from several instances, with duplicates, redeliveries of old
+batches, losses (gaps), restarts with new incarnations, heartbeats, expiries and
+deregistrations. After every step the directory must equal the model (no phantom L1
+placement of a fenced incarnation, L2 kept) and snapshot -> restore gives the same digest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvatlas.core.errors import StaleIncarnation
+from kvatlas.core.events import Entry, EventBatch
+from kvatlas.core.fleet import FleetState
+from kvatlas.core.keys import ObjectKey, default_kv_rank
+from kvatlas.core.membership import InstanceInfo
+from kvatlas.core.types import EventType, Tier
+
+TIMEOUT = 10.0
+INSTANCES = ["a", "b", "c"]
+KEYS = [ObjectKey(bytes([i]) * 32, "m", default_kv_rank()) for i in range(6)]
+OwnerT = tuple[str, int, Tier, str, bool]
+
+
+@dataclass
+class Emitter:
+    incarnation: int = 1
+    next_seq: int = 1
+    sent: list[EventBatch] = field(default_factory=list)
+
+
+@dataclass
+class Model:
+    placements: dict[bytes, dict[OwnerT, int]] = field(default_factory=dict)
+    access: dict[bytes, int] = field(default_factory=dict)
+    cursor: dict[str, tuple[int, int]] = field(default_factory=dict)
+    high: dict[str, int] = field(default_factory=dict)
+    live: dict[str, tuple[int, float]] = field(default_factory=dict)
+    prov: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+    def fence(self, iid: str, below: int | None = None) -> None:
+        for h in list(self.placements):
+            ps = self.placements[h]
+            for o in list(ps):
+                if o[0] == iid and o[2] is Tier.L1 and (below is None or o[1] < below):
+                    del ps[o]
+            if not ps:
+                del self.placements[h]
+                self.access.pop(h, None)
+
+    def register(self, iid: str, inc: int, now: float) -> bool:
+        if iid in self.high and inc < self.high[iid]:
+            return False
+        old = self.live.get(iid)
+        prov = self.prov.pop(iid, None)
+        if (old is not None and old[0] < inc) or (prov is not None and prov[0] < inc):
+            self.fence(iid, below=inc)
+        self.live[iid] = (inc, now)
+        self.high[iid] = max(inc, self.high.get(iid, inc))
+        return True
+
+    def ingest(self, b: EventBatch, now: float) -> None:
+        iid = b.instance_id
+        if iid in self.high and b.incarnation < self.high[iid]:
+            return
+        c = self.cursor.get(iid)
+        if c is not None:
+            if b.incarnation < c[0] or (b.incarnation == c[0] and b.seq <= c[1]):
+                return
+            if b.incarnation > c[0]:
+                self.fence(iid, below=b.incarnation)
+        live = self.live.get(iid)
+        provisional = live is None or live[0] != b.incarnation
+        owner = (iid, b.incarnation, b.tier, b.backend, b.shared)
+        for e in b.entries:
+            h = e.key.chunk_hash
+            if b.event_type is EventType.STORE:
+                self.placements.setdefault(h, {})[owner] = e.size_bytes
+            elif b.event_type is EventType.ACCESS:
+                if h in self.placements:
+                    self.access[h] = self.access.get(h, 0) + 1
+            elif h in self.placements and owner in self.placements[h]:
+                del self.placements[h][owner]
+                if not self.placements[h]:
+                    del self.placements[h]
+                    self.access.pop(h, None)
+        self.cursor[iid] = (b.incarnation, b.seq)
+        self.high[iid] = max(b.incarnation, self.high.get(iid, 0))
+        if provisional:
+            self.prov[iid] = (b.incarnation, now)
+
+    def expire(self, now: float) -> None:
+        for iid in sorted(self.live):
+            if now - self.live[iid][1] > TIMEOUT:
+                del self.live[iid]
+                self.fence(iid)
+        for iid in sorted(self.prov):
+            if now - self.prov[iid][1] > TIMEOUT:
+                del self.prov[iid]
+                self.fence(iid)
+
+    def deregister(self, iid: str) -> None:
+        had = self.live.pop(iid, None) is not None
+        had = self.prov.pop(iid, None) is not None or had
+        self.cursor.pop(iid, None)
+        if had:
+            self.fence(iid)
+
+
+class FleetMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = FleetState(instance_timeout=TIMEOUT)
+        self.model = Model()
+        self.emitters = {i: Emitter() for i in INSTANCES}
+        self.now = 1000.0
+
+    def _info(self, iid: str) -> InstanceInfo:
+        return InstanceInfo(iid, "127.0.0.1", 7000, {}, incarnation=self.emitters[iid].incarnation)
+
+    @rule(iid=st.sampled_from(INSTANCES))
+    def register(self, iid: str) -> None:
+        inc = self.emitters[iid].incarnation
+        ok = self.model.register(iid, inc, self.now)
+        try:
+            self.state.register(self._info(iid), self.now)
+            assert ok
+        except StaleIncarnation:
+            assert not ok
+
+    @rule(iid=st.sampled_from(INSTANCES))
+    def restart(self, iid: str) -> None:
+        em = self.emitters[iid]
+        em.incarnation += 1
+        em.next_seq = 1
+        self.register(iid)
+
+    @rule(iid=st.sampled_from(INSTANCES))
+    def restart_unannounced(self, iid: str) -> None:
+        """A new process whose first events arrive before its registration."""
+        em = self.emitters[iid]
+        em.incarnation += 1
+        em.next_seq = 1
+
+    @rule(iid=st.sampled_from(INSTANCES))
+    def heartbeat(self, iid: str) -> None:
+        known = self.state.heartbeat(iid, self.now)
+        assert known == (iid in self.model.live)
+        if known:
+            inc, _ = self.model.live[iid]
+            self.model.live[iid] = (inc, self.now)
+
+    @rule(
+        iid=st.sampled_from(INSTANCES),
+        kind=st.sampled_from(list(EventType)),
+        tier=st.sampled_from(list(Tier)),
+        keys=st.lists(st.sampled_from(range(len(KEYS))), min_size=1, max_size=4),
+        size=st.integers(0, 3),
+        deliver=st.booleans(),
+    )
+    def emit(
+        self, iid: str, kind: EventType, tier: Tier, keys: list[int], size: int, deliver: bool
+    ) -> None:
+        em = self.emitters[iid]
+        batch = EventBatch(
+            iid,
+            em.incarnation,
+            em.next_seq,
+            kind,
+            tier,
+            tuple(Entry(KEYS[k], size * 1024) for k in keys),
+        )
+        em.next_seq += 1
+        em.sent.append(batch)
+        if deliver:  # not delivering is a loss: the next batch shows a gap
+            self.model.ingest(batch, self.now)
+            self.state.ingest(batch, self.now)
+
+    @rule(iid=st.sampled_from(INSTANCES), pick=st.integers(0, 1000))
+    def redeliver(self, iid: str, pick: int) -> None:
+        sent = self.emitters[iid].sent
+        if sent:
+            batch = sent[pick % len(sent)]
+            self.model.ingest(batch, self.now)
+            self.state.ingest(batch, self.now)
+
+    @rule(dt=st.sampled_from([0.5, 3.0, 11.0]))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        self.model.expire(self.now)
+        self.state.expire(self.now)
+
+    @rule(iid=st.sampled_from(INSTANCES))
+    def deregister(self, iid: str) -> None:
+        self.model.deregister(iid)
+        self.state.deregister(iid)
+
+    @invariant()
+    def directory_equals_model(self) -> None:
+        got = {}
+        for _ns, prefix, ps in self.state.directory.canonical():
+            got[prefix] = {
+                (p.instance_id, p.incarnation, p.tier, p.backend, p.shared): p.size_bytes
+                for p in ps
+            }
+        want = {h[:8]: dict(ps) for h, ps in self.model.placements.items()}
+        assert got == want
+        results = self.state.lookup_keys(KEYS)
+        for key, res in zip(KEYS, results, strict=True):
+            assert res.access_count == self.model.access.get(key.chunk_hash, 0)
+        assert {i.instance_id for i in self.state.instances()} == set(self.model.live)
+
+    @invariant()
+    def snapshot_restores_same_digest(self) -> None:
+        data = self.state.snapshot(extra={"p0": 7})
+        restored, extra = FleetState.restore(data)
+        assert extra == {"p0": 7}
+        assert restored.digest() == self.state.digest()
+        assert restored.cursors == self.state.cursors
+
+
+FleetMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+TestFleet = FleetMachine.TestCase

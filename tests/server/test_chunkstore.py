@@ -1,0 +1,184 @@
+"""ChunkStore with a real shared-memory L1 region and a disk L2 in tmp_path."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvatlas.core.checksum import checksum
+from kvatlas.core.errors import InvalidInput
+from kvatlas.core.keys import ObjectKey
+from kvatlas.core.l1pool import L1Pool, Refusal, Refused, Reserved
+from kvatlas.core.types import EventType, Tier
+from kvatlas.server.chunkstore import ChunkStore, TierEvent, batches
+from kvatlas.server.l1region import L1Region
+from kvatlas.server.l2_disk import DiskL2Adapter, file_name
+
+A = 4096
+CHUNK = 3 * A  # three pages per chunk
+L1_CHUNKS = 4
+
+
+def key(i: int) -> ObjectKey:
+    return ObjectKey(i.to_bytes(32, "big"), "m", 16777472)
+
+
+def chunk(i: int) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, CHUNK, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture
+def region() -> Iterator[L1Region]:
+    with L1Region.create(CHUNK * L1_CHUNKS, "test") as r:
+        yield r
+
+
+@pytest.fixture
+def l2(tmp_path: Path) -> Iterator[DiskL2Adapter]:
+    adapter = DiskL2Adapter(tmp_path / "l2", 1 << 20)
+    yield adapter
+    adapter.close()
+
+
+@pytest.fixture
+def store(region: L1Region, l2: DiskL2Adapter) -> ChunkStore:
+    return ChunkStore(L1Pool(region.size, A), region, l2)
+
+
+def read_l1(store: ChunkStore, k: ObjectKey) -> bytes:
+    lease = store.acquire_read(k, "test", 0.0, 5.0)
+    assert lease is not None
+    try:
+        view = store.read_view(lease)
+        data = bytes(view)
+        view.release()
+        return data
+    finally:
+        store.release(lease.lease_id)
+
+
+def test_engine_style_store_reserve_write_commit(store: ChunkStore) -> None:
+    r = store.reserve(key(1), CHUNK, 0.0, 5.0, holder="engine")
+    assert isinstance(r, Reserved)
+    view = store.slot_view(r.slot)
+    view[:] = chunk(1)
+    view.release()
+    info = store.commit(key(1), 0.1)  # checksum computed from the region
+    assert info is not None and info.checksum == checksum(chunk(1))
+    assert read_l1(store, key(1)) == chunk(1)
+    assert store.take_events() == [TierEvent(Tier.L1, EventType.STORE, key(1), CHUNK, "stored")]
+    assert store.reserve(key(1), CHUNK, 0.2, 5.0) == Refused(Refusal.EXISTS)
+
+
+def test_eviction_demotes_and_lookup_promotes_identical_bytes(
+    store: ChunkStore, l2: DiskL2Adapter
+) -> None:
+    for i in range(L1_CHUNKS):
+        store.store(key(i), chunk(i), float(i))
+    store.take_events()
+    store.store(key(10), chunk(10), 10.0)  # evicts key(0), the least recently used
+    assert not store.pool.contains(key(0))
+    assert l2.contains(key(0))
+    assert store.take_events() == [
+        TierEvent(Tier.L2, EventType.STORE, key(0), CHUNK, "stored"),
+        TierEvent(Tier.L1, EventType.DELETE, key(0), CHUNK, "evicted"),
+        TierEvent(Tier.L1, EventType.STORE, key(10), CHUNK, "stored"),
+    ]
+    # key(0) from L2 (promotion evicts key(1) -> L2), then key(10) from L1, then a miss
+    assert store.lookup_prefix([key(0), key(10), key(99), key(2)], 11.0) == 2
+    assert store.pool.contains(key(0))
+    assert read_l1(store, key(0)) == chunk(0)
+    assert store.take_events() == [
+        TierEvent(Tier.L2, EventType.STORE, key(1), CHUNK, "stored"),
+        TierEvent(Tier.L1, EventType.DELETE, key(1), CHUNK, "evicted"),
+        TierEvent(Tier.L1, EventType.STORE, key(0), CHUNK, "stored"),
+    ]
+    stats = store.stats()
+    assert stats.promotions == 1 and stats.demotions == 2 and stats.l1.read_leases == 0
+    assert stats.l2_used_bytes > 2 * CHUNK
+
+
+def test_lookup_never_evicts_an_earlier_hit_of_the_same_lookup(store: ChunkStore) -> None:
+    for i in range(L1_CHUNKS + 3):
+        store.store(key(i), chunk(i), float(i))  # 0..2 went to L2
+    # L1's 4 slots hold 3..6. Promoting 0..3 fills L1 with pinned hits; the 5th key then
+    # finds no slot to evict, so it is a miss rather than evicting an earlier hit.
+    assert store.lookup_prefix([key(i) for i in range(6)], 20.0) == 4
+    for i in range(4):
+        assert read_l1(store, key(i)) == chunk(i)
+    assert store.stats().promotion_failures == 1
+
+
+def test_promotion_of_corrupt_chunk_is_a_miss(store: ChunkStore, l2: DiskL2Adapter) -> None:
+    for i in range(L1_CHUNKS + 1):
+        store.store(key(i), chunk(i), float(i))
+    assert l2.contains(key(0))
+    path = l2.path / file_name(key(0))
+    with open(path, "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        f.write(b"\x00" * 10 if chunk(0)[-100] != 0 else b"\x01" * 10)
+    store.take_events()
+    assert store.lookup_prefix([key(0), key(1)], 10.0) == 0
+    assert not store.pool.contains(key(0))
+    assert not l2.contains(key(0))
+    events = store.take_events()
+    assert TierEvent(Tier.L2, EventType.DELETE, key(0), CHUNK, "corrupt") in events
+    assert all(not (e.tier is Tier.L1 and e.kind is EventType.STORE) for e in events)
+    assert store.stats().promotion_failures == 1
+    assert store.pool.stats().writing == 0  # the promotion slot was given back
+
+
+def test_without_l2_evictions_are_just_deleted(region: L1Region) -> None:
+    store = ChunkStore(L1Pool(region.size, A), region, None)
+    for i in range(L1_CHUNKS + 1):
+        store.store(key(i), chunk(i), float(i))
+    assert store.lookup_prefix([key(0)], 9.0) == 0
+    assert store.startup_l2_events() == []
+    kinds = [(e.tier, e.kind) for e in store.take_events()]
+    assert (Tier.L1, EventType.DELETE) in kinds and all(t is Tier.L1 for t, _ in kinds)
+
+
+def test_startup_reports_l2_contents(tmp_path: Path, region: L1Region) -> None:
+    first = DiskL2Adapter(tmp_path / "l2", 1 << 20)
+    for i in range(3):
+        first.put(key(i), chunk(i), checksum(chunk(i)))
+    first.close()
+    l2 = DiskL2Adapter(tmp_path / "l2", 1 << 20)
+    store = ChunkStore(L1Pool(region.size, A), region, l2)
+    events = store.startup_l2_events()
+    assert {e.key for e in events} == {key(0), key(1), key(2)}
+    assert all(e.tier is Tier.L2 and e.kind is EventType.STORE for e in events)
+    assert store.lookup_prefix([key(2), key(0)], 0.0) == 2
+    assert read_l1(store, key(2)) == chunk(2)
+
+
+def test_expired_write_is_not_committed(store: ChunkStore) -> None:
+    r = store.reserve(key(1), CHUNK, 0.0, 1.0)
+    assert isinstance(r, Reserved)
+    assert [e.key for e in store.expire(1.0)] == [key(1)]
+    assert store.commit(key(1), 1.5) is None
+    assert store.take_events() == []
+
+
+def test_batches_group_consecutive_runs() -> None:
+    events = [
+        TierEvent(Tier.L2, EventType.STORE, key(1), 1, "stored"),
+        TierEvent(Tier.L1, EventType.DELETE, key(1), 1, "evicted"),
+        TierEvent(Tier.L1, EventType.DELETE, key(2), 2, "evicted"),
+        TierEvent(Tier.L1, EventType.STORE, key(3), 3, "stored"),
+    ]
+    grouped = [(kind, tier, [e.key for e in entries]) for kind, tier, entries in batches(events)]
+    assert grouped == [
+        (EventType.STORE, Tier.L2, [key(1)]),
+        (EventType.DELETE, Tier.L1, [key(1), key(2)]),
+        (EventType.STORE, Tier.L1, [key(3)]),
+    ]
+
+
+def test_region_smaller_than_pool_is_refused(region: L1Region) -> None:
+    with pytest.raises(InvalidInput, match="smaller"):
+        ChunkStore(L1Pool(region.size * 2, A), region, None)
