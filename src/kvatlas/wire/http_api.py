@@ -263,7 +263,7 @@ def decode_events(body: bytes, content_type: str, max_entries: int) -> list[Even
     Nothing is returned unless every batch is valid, so a bad body applies nothing.
     """
     try:
-        if content_type.split(";")[0].strip() == MSGPACK_CONTENT_TYPE:
+        if content_type.split(";", maxsplit=1)[0].strip() == MSGPACK_CONTENT_TYPE:
             compact = _msgpack_events.decode(body)
             if compact.version != COMPACT_VERSION:
                 raise InvalidInput(f"compact events version {compact.version} is not supported")
