@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import array
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import groupby
 from operator import attrgetter
 
 import msgspec
@@ -162,25 +163,25 @@ class _Snapshot(msgspec.Struct, array_like=True):
 
 
 def _holders(placements: Sequence[tuple[Placement, ...]]) -> tuple[PrefixHolder, ...]:
-    """Per (instance, tier), the number of leading chunks it holds."""
+    """Per (instance, tier), the number of leading chunks it holds.
+
+    Runs of chunks share one interned placements tuple, so this walks runs, not chunks.
+    """
     running: dict[tuple[str, Tier], int] = {}
     done: dict[tuple[str, Tier], int] = {}
-    prev: tuple[Placement, ...] | None = None
-    for i, ps in enumerate(placements):
-        if ps is prev:
-            for holder in running:
-                running[holder] += 1
-            continue
-        prev = ps
+    first = True
+    for ps, run in groupby(placements):
+        length = len(list(run))
         here = {(p.instance_id, p.tier) for p in ps}
-        if i == 0:
-            running = dict.fromkeys(here, 1)
-            continue
-        for holder in list(running):
-            if holder in here:
-                running[holder] += 1
-            else:
-                done[holder] = running.pop(holder)
+        if first:
+            running = dict.fromkeys(here, length)
+            first = False
+        else:
+            for holder in list(running):
+                if holder in here:
+                    running[holder] += length
+                else:
+                    done[holder] = running.pop(holder)
         if not running:
             break
     done.update(running)
@@ -209,7 +210,7 @@ class KeyDirectory:
         self._bytes: list[int] = []
         self._access: dict[int, int] = {}
         self._tokens: dict[int, tuple[int, bytes]] = {}
-        self._pl_cache: dict[int | tuple[int, ...], tuple[Placement, ...]] = {}
+        self._pl_cache: dict[int | tuple[int, ...] | None, tuple[Placement, ...]] = {None: ()}
 
     # ---- interning -------------------------------------------------------------------
 
@@ -457,6 +458,7 @@ class KeyDirectory:
             )
         if len(self._pl_cache) >= _CACHE_LIMIT:
             self._pl_cache.clear()
+            self._pl_cache[None] = ()
         self._pl_cache[cur] = placements = tuple(out)
         return placements
 
@@ -497,7 +499,10 @@ class KeyDirectory:
             prefixes = [int.from_bytes(h[:8], "big") for h in hashes]
         iks = [base | h for h in prefixes] if base else prefixes
         vals = list(map(self._map.get, iks))
-        placements = tuple(map(self._placements_of, vals))
+        cached = list(map(self._pl_cache.get, vals))
+        if None in cached:  # a placement set not seen since the cache was last cleared
+            cached = list(map(self._placements_of, vals))
+        placements = tuple(cached)
         access = tuple(self._access.get(ik, 0) for ik in iks) if self._access else (0,) * n
         token_ids = None
         if self._tokens:

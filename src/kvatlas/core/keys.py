@@ -72,12 +72,14 @@ def chunk_hashes(
     n_full = len(arr) // chunk_size
     if n_full == 0:
         return []
-    big_endian = arr[: n_full * chunk_size].astype(">u4").tobytes()
+    big_endian = memoryview(arr[: n_full * chunk_size].astype(">u4")).cast("B")
     step = chunk_size * 4
     out: list[ChunkHash] = []
     prev = bytes(prefix)
-    for start in range(0, len(big_endian), step):
-        prev = blake3(prev + big_endian[start : start + step]).digest()
+    for start in range(0, n_full * step, step):
+        hasher = blake3(prev)
+        hasher.update(big_endian[start : start + step])
+        prev = hasher.digest()
         out.append(ChunkHash(prev))
     return out
 
