@@ -500,9 +500,10 @@ class KeyDirectory:
         iks = [base | h for h in prefixes] if base else prefixes
         vals = list(map(self._map.get, iks))
         cached = list(map(self._pl_cache.get, vals))
-        if None in cached:  # a placement set not seen since the cache was last cleared
-            cached = list(map(self._placements_of, vals))
-        placements = tuple(cached)
+        # A None means a placement set not seen since the cache was last cleared.
+        placements: tuple[tuple[Placement, ...], ...] = (
+            tuple(map(self._placements_of, vals)) if None in cached else tuple(cached)  # type: ignore[arg-type]
+        )
         access = tuple(self._access.get(ik, 0) for ik in iks) if self._access else (0,) * n
         token_ids = None
         if self._tokens:

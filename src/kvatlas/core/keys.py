@@ -72,7 +72,7 @@ def chunk_hashes(
     n_full = len(arr) // chunk_size
     if n_full == 0:
         return []
-    big_endian = memoryview(arr[: n_full * chunk_size].astype(">u4")).cast("B")
+    big_endian = arr[: n_full * chunk_size].astype(">u4").data.cast("B")
     step = chunk_size * 4
     out: list[ChunkHash] = []
     prev = bytes(prefix)
