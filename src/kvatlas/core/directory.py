@@ -35,7 +35,7 @@ from blake3 import blake3
 
 from kvatlas.core.errors import InvalidInput, SnapshotError
 from kvatlas.core.events import EventBatch
-from kvatlas.core.keys import HASH_BYTES, Namespace, ObjectKey
+from kvatlas.core.keys import HASH_BYTES, MAX_TOKEN_ID, Namespace, ObjectKey
 from kvatlas.core.keys import object_keys as object_keys_of
 from kvatlas.core.types import EventType, Tier
 
@@ -279,6 +279,11 @@ class KeyDirectory:
         """
         owner = Owner(batch.instance_id, batch.incarnation, batch.tier, batch.backend, batch.shared)
         if batch.event_type is EventType.STORE:
+            if self.keep_tokens:
+                for e in batch.entries:  # validate before anything changes
+                    t = e.token_ids
+                    if t and (min(t) < 0 or max(t) > MAX_TOKEN_ID):
+                        raise InvalidInput("token ids must be in [0, 2**32-1]")
             oid = self._owner_id(owner)
             keys = list(map(_get_key, batch.entries))
             created = self._store(oid, self._key_ints(keys), list(map(_get_size, batch.entries)))

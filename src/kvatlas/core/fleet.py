@@ -162,6 +162,26 @@ class FleetState:
                 out.append(Fenced(iid, prov.incarnation, n, "expired (never registered)"))
         return out
 
+    def expire_instance(
+        self, instance_id: str, incarnation: int, last_seen: float
+    ) -> Fenced | None:
+        """Expire one instance if it is still ``incarnation`` and nothing was heard of it
+        after ``last_seen``. Replicas apply expiry decisions from a log with this
+        condition, so a heartbeat that overtook the expiry wins everywhere."""
+        live = self.membership.get(instance_id)
+        if live is not None:
+            if live.incarnation != incarnation or live.last_heartbeat > last_seen:
+                return None
+            self.membership.deregister(instance_id)
+            n = self.directory.fence(instance_id)
+            return Fenced(instance_id, incarnation, n, "expired")
+        prov = self._provisional.get(instance_id)
+        if prov is None or prov.incarnation != incarnation or prov.last_seen > last_seen:
+            return None
+        del self._provisional[instance_id]
+        n = self.directory.fence(instance_id)
+        return Fenced(instance_id, incarnation, n, "expired (never registered)")
+
     def instances(self) -> list[InstanceInfo]:
         return self.membership.instances()
 
@@ -269,11 +289,14 @@ class FleetState:
         return msgspec.msgpack.encode(snap)
 
     @classmethod
-    def restore(cls, data: bytes, now: float | None = None) -> tuple[FleetState, dict[str, int]]:
+    def restore(
+        cls, data: bytes, now: float | None = None, instance_timeout: float | None = None
+    ) -> tuple[FleetState, dict[str, int]]:
         """Rebuild a state from `snapshot` bytes; returns it and the shell's ``extra``.
 
         With ``now``, every restored instance gets a full timeout from ``now`` to prove
-        itself alive (the snapshot's clock may not be this process's).
+        itself alive (the snapshot's clock may not be this process's). ``instance_timeout``
+        overrides the snapshot's (the operator's flag wins).
         """
         try:
             snap = msgspec.msgpack.decode(data, type=_Snapshot)
@@ -281,9 +304,10 @@ class FleetState:
             raise SnapshotError(f"fleet snapshot cannot be decoded: {exc}") from exc
         if snap.version != SNAPSHOT_VERSION:
             raise SnapshotError(f"fleet snapshot version {snap.version} is not supported")
-        state = cls(snap.instance_timeout, snap.chunk_size, snap.blend_enabled)
+        timeout = snap.instance_timeout if instance_timeout is None else instance_timeout
+        state = cls(timeout, snap.chunk_size, snap.blend_enabled)
         state.membership = Membership.restore(
-            snap.instances, snap.high_water, instance_timeout=snap.instance_timeout, now=now
+            snap.instances, snap.high_water, instance_timeout=timeout, now=now
         )
         state._high_water = dict(snap.event_high_water)
         state.cursors = dict(snap.cursors)

@@ -1,0 +1,432 @@
+"""Coordinator benchmark: ingest, lookups, memory per key, Kafka catch-up.
+
+Run: `python -m bench.coordinator_bench [--seconds 3] [--keys 1000000] [--no-kafka]`.
+
+The coordinator runs as its own process (the real CLI) on 127.0.0.1; the load comes from
+this process over loopback, through a minimal asyncio HTTP/1.1 client (keep-alive, one
+request in flight per connection, bodies pre-encoded) so the client spends as little CPU
+as possible: on a 2-core machine client and server compete for the same cores. Every
+scenario is bounded in time. Prints a markdown table; writes JSON to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from kvatlas.core.events import Entry, EventBatch
+from kvatlas.core.keys import ObjectKey, chunk_hashes, default_kv_rank
+from kvatlas.core.types import EventType, Tier
+from kvatlas.wire.http_api import encode_events_json, encode_events_msgpack
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+MODEL = "bench-model"
+RANK = default_kv_rank(1)
+
+
+# ---- server process ------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Server:
+    def __init__(self, *args: str) -> None:
+        self.port = _free_port()
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvatlas.cli.coordinator",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "WARNING",
+                "--max-body-bytes",
+                str(256 << 20),
+                *args,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(self.url + "/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError("server did not start: " + self.log.read().decode())
+            time.sleep(0.05)
+
+    def rss(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def wait_ready(self, timeout: float) -> float:
+        t0 = time.perf_counter()
+        while httpx.get(self.url + "/readyz").status_code != 200:
+            if time.perf_counter() - t0 > timeout:
+                raise RuntimeError("not ready")
+            time.sleep(0.01)
+        return time.perf_counter() - t0
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
+
+
+# ---- a minimal HTTP/1.1 client -------------------------------------------------------
+
+
+class Conn:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.r, self.w = reader, writer
+
+    @classmethod
+    async def open(cls, port: int) -> Conn:
+        r, w = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
+        return cls(r, w)
+
+    async def post(self, path: str, body: bytes, ctype: str) -> tuple[int, bytes]:
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: b\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        self.w.write(head + body)
+        status_line = await self.r.readline()
+        status = int(status_line.split()[1])
+        length = 0
+        while True:
+            line = await self.r.readline()
+            if line in (b"\r\n", b""):
+                break
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        data = await self.r.readexactly(length) if length else b""
+        return status, data
+
+    def close(self) -> None:
+        self.w.close()
+
+
+def _pct(lat: list[float], q: float) -> float:
+    return float(np.percentile(np.array(lat), q)) * 1000 if lat else float("nan")
+
+
+# ---- workloads -----------------------------------------------------------------------
+
+
+def _hashes(start: int, n: int) -> list[bytes]:
+    ids = np.arange(start, start + n, dtype=">u8")
+    raw = np.repeat(ids.view(np.uint8).reshape(n, 8), 4, axis=0).reshape(n, 32)
+    return [bytes(r) for r in raw]
+
+
+def _batch(iid: str, seq: int, hashes: list[bytes], size: int = 4096) -> EventBatch:
+    return EventBatch(
+        iid,
+        1,
+        seq,
+        EventType.STORE,
+        Tier.L1,
+        tuple(Entry(ObjectKey(h, MODEL, RANK), size) for h in hashes),
+    )
+
+
+def _bodies(conn_id: int, pool: int, per_req: int, fmt: str, base: int) -> list[bytes]:
+    """``pool`` distinct bodies of ``per_req`` batches of 256 new keys for one connection."""
+    out = []
+    seq = 0
+    iid = f"bench-{fmt}-{conn_id}"
+    for i in range(pool):
+        batches = []
+        for _ in range(per_req):
+            seq += 1
+            start = base + (conn_id * pool * per_req + i * per_req + len(batches)) * 256
+            batches.append(_batch(iid, seq, _hashes(start, 256)))
+        out.append(encode_events_json(batches) if fmt == "json" else encode_events_msgpack(batches))
+    return out
+
+
+async def _ingest(
+    port: int, fmt: str, per_req: int, conns: int, seconds: float, base: int
+) -> dict[str, Any]:
+    ctype = "application/json" if fmt == "json" else "application/msgpack"
+    budget_events = int(1_500_000 * seconds) if fmt == "msgpack" else int(400_000 * seconds)
+    pool = max(4, budget_events // (256 * per_req * conns))
+    bodies = [_bodies(c, pool, per_req, fmt, base) for c in range(conns)]
+    lat: list[float] = []
+    done = [0]
+    stop_at = time.perf_counter() + seconds
+
+    async def worker(c: int) -> None:
+        conn = await Conn.open(port)
+        for body in bodies[c]:
+            if time.perf_counter() > stop_at:
+                break
+            t0 = time.perf_counter()
+            status, data = await conn.post("/events", body, ctype)
+            lat.append(time.perf_counter() - t0)
+            if status != 200:
+                raise RuntimeError(f"{status} {data[:200]!r}")
+            done[0] += 1
+        conn.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker(c) for c in range(conns)))
+    took = time.perf_counter() - t0
+    events = done[0] * per_req * 256
+    return {
+        "events_per_s": events / took,
+        "requests": done[0],
+        "p50_ms": _pct(lat, 50),
+        "p99_ms": _pct(lat, 99),
+        "events": events,
+        "seconds": took,
+    }
+
+
+async def _preload(port: int, n: int) -> None:
+    conn = await Conn.open(port)
+    per = 8192
+    for seq, start in enumerate(range(0, n, per), 1):
+        body = encode_events_msgpack(
+            [_batch("preload", seq, _hashes(10**12 + start, min(per, n - start)))]
+        )
+        status, data = await conn.post("/events", body, "application/msgpack")
+        assert status == 200, data
+    conn.close()
+
+
+async def _lookups(port: int, body: bytes, seconds: float, max_n: int = 20000) -> dict[str, Any]:
+    conn = await Conn.open(port)
+    lat = []
+    stop_at = time.perf_counter() + seconds
+    for _ in range(50):  # warm-up
+        await conn.post("/directory/lookup", body, "application/json")
+    while time.perf_counter() < stop_at and len(lat) < max_n:
+        t0 = time.perf_counter()
+        status, data = await conn.post("/directory/lookup", body, "application/json")
+        lat.append(time.perf_counter() - t0)
+        assert status == 200, data[:200]
+    conn.close()
+    return {"n": len(lat), "p50_ms": _pct(lat, 50), "p99_ms": _pct(lat, 99)}
+
+
+async def _mixed(port: int, lookup_body: bytes, seconds: float, base: int) -> dict[str, Any]:
+    lookup_task = asyncio.create_task(_lookups(port, lookup_body, seconds + 1, 10**9))
+    await asyncio.sleep(0.2)
+    ingest = await _ingest(port, "json", 1, 2, seconds, base)
+    lk = await lookup_task
+    return {
+        "ingest_p99_ms": ingest["p99_ms"],
+        "ingest_p50_ms": ingest["p50_ms"],
+        "ingest_events_per_s": ingest["events_per_s"],
+        "lookup_p99_ms": lk["p99_ms"],
+        "lookups": lk["n"],
+    }
+
+
+def _kafka(n_events: int) -> dict[str, Any]:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from confluent_kafka import Producer
+
+    from kafka_broker import KafkaBroker
+    from kvatlas.coordinator.kafka_records import encode_batch_msgpack
+
+    with KafkaBroker.start() as broker:
+        broker.create_topic("bench", partitions=8)
+        p = Producer(
+            {
+                "bootstrap.servers": broker.bootstrap,
+                "linger.ms": 20,
+                "partitioner": "murmur2_random",
+                "queue.buffering.max.messages": 1000000,
+            }
+        )
+        t0 = time.perf_counter()
+        n_inst = 16
+        seqs = [0] * n_inst
+        for i, start in enumerate(range(0, n_events, 256)):
+            inst = i % n_inst
+            seqs[inst] += 1
+            b = _batch(f"k-{inst}", seqs[inst], _hashes(start, min(256, n_events - start)))
+            while True:
+                try:
+                    p.produce("bench", key=b.instance_id, value=encode_batch_msgpack(b))
+                    break
+                except BufferError:
+                    p.poll(0.05)
+        p.flush(60)
+        produced = time.perf_counter() - t0
+        server = Server(
+            "--event-transport",
+            "kafka",
+            "--kafka-bootstrap-servers",
+            broker.bootstrap,
+            "--kafka-topic",
+            "bench",
+        )
+        try:
+            catch_up = server.wait_ready(300)
+            keys = httpx.get(server.url + "/directory/stats").json()["keys"]
+        finally:
+            server.stop()
+    return {
+        "events": n_events,
+        "catch_up_s": catch_up,
+        "events_per_s": n_events / catch_up,
+        "keys": keys,
+        "produce_s": produced,
+    }
+
+
+def _p50_p99(r: dict[str, Any]) -> str:
+    return f"{r['p50_ms']:.3f} / {r['p99_ms']:.3f} ms"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.coordinator_bench")
+    ap.add_argument("--seconds", type=float, default=3.0, help="duration of each scenario")
+    ap.add_argument("--keys", type=int, default=1_000_000, help="keys stored for lookups")
+    ap.add_argument("--conns", type=int, default=4, help="client connections for ingest")
+    ap.add_argument("--no-kafka", action="store_true")
+    args = ap.parse_args(argv)
+    res: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}}
+    s = args.seconds
+
+    server = Server()
+    try:
+        rss0 = server.rss()
+        for fmt, per in (("json", 1), ("json", 8), ("msgpack", 1), ("msgpack", 8)):
+            base = 10**9 * (1 + len(res))
+            res[f"ingest_{fmt}_x{per}"] = asyncio.run(
+                _ingest(server.port, fmt, per, args.conns, s, base)
+            )
+        server.stop()
+        server = Server()
+        rss0 = server.rss()
+        t0 = time.perf_counter()
+        asyncio.run(_preload(server.port, args.keys))
+        preload_s = time.perf_counter() - t0
+        rss1 = server.rss()
+        res["memory"] = {
+            "keys": args.keys,
+            "rss_before": rss0,
+            "rss_after": rss1,
+            "bytes_per_key": (rss1 - rss0) / args.keys,
+            "preload_s": preload_s,
+        }
+        tokens = list(range(7, 7 + 32768))
+        hs = chunk_hashes(tokens, 256)
+        held = [_batch("holder", 1, list(hs[:100]))]
+        with httpx.Client(base_url=server.url) as c:
+            c.post(
+                "/events",
+                content=encode_events_msgpack(held),
+                headers={"content-type": "application/msgpack"},
+            )
+        tokens_body = json.dumps({"token_ids": tokens, "model_name": MODEL}).encode()
+        keys_body = json.dumps(
+            {
+                "keys": [
+                    {"chunk_hash_hex": h.hex(), "model_name": MODEL, "kv_rank": RANK} for h in hs
+                ]
+            }
+        ).encode()
+        res["lookup_tokens_32k"] = asyncio.run(_lookups(server.port, tokens_body, s))
+        res["lookup_keys_128"] = asyncio.run(_lookups(server.port, keys_body, s))
+        res["ingest_during_lookups"] = asyncio.run(_mixed(server.port, tokens_body, s, 5 * 10**12))
+    finally:
+        server.stop()
+    if not args.no_kafka:
+        res["kafka"] = _kafka(args.keys)
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / "coordinator.json"
+    out.write_text(json.dumps(res, indent=2))
+    rows = [
+        (
+            "ingest JSON, 1 batch of 256 per request",
+            f"{res['ingest_json_x1']['events_per_s']:,.0f} events/s",
+            ">= 250k",
+        ),
+        (
+            "ingest JSON, 8 batches of 256 per request",
+            f"{res['ingest_json_x8']['events_per_s']:,.0f} events/s",
+            ">= 250k",
+        ),
+        (
+            "ingest msgpack, 1 batch per request",
+            f"{res['ingest_msgpack_x1']['events_per_s']:,.0f} events/s",
+            ">= 1M",
+        ),
+        (
+            "ingest msgpack, 8 batches per request",
+            f"{res['ingest_msgpack_x8']['events_per_s']:,.0f} events/s",
+            ">= 1M",
+        ),
+        (
+            f"lookup 32,768 tokens, {args.keys:,} keys: p50 / p99",
+            _p50_p99(res["lookup_tokens_32k"]),
+            "p99 <= 1 ms",
+        ),
+        (
+            "lookup 128 keys: p50 / p99",
+            _p50_p99(res["lookup_keys_128"]),
+            "p99 <= 0.5 ms",
+        ),
+        (
+            "ingest p99 while lookups run",
+            f"{res['ingest_during_lookups']['ingest_p99_ms']:.2f} ms",
+            "<= 20 ms",
+        ),
+        ("resident memory per key", f"{res['memory']['bytes_per_key']:.0f} B", "<= 300 B"),
+    ]
+    if "kafka" in res:
+        k = res["kafka"]
+        rows.append(
+            (
+                f"Kafka catch-up of {k['events']:,} events",
+                f"{k['catch_up_s']:.2f} s ({k['events_per_s']:,.0f} events/s)",
+                "",
+            )
+        )
+    print(f"\nCoordinator benchmark ({os.cpu_count()} CPUs; client and server share them)\n")
+    print("| measure | result | target |\n|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]} |")
+    print(f"\nJSON: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""`kvatlas coordinator`: flags and environment -> CoordinatorConfig -> run.
+
+The one place that reads the coordinator's flags and environment (`KVATLAS_AUTH_TOKEN`).
+Must not contain coordinator logic: validation lives in the config, wiring in
+`kvatlas.coordinator.app`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from kvatlas.coordinator.app import Coordinator
+from kvatlas.coordinator.config import ConfigError, CoordinatorConfig
+
+_D = CoordinatorConfig()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvatlas coordinator",
+        description="The fleet's control plane: membership, cache events, key directory.",
+    )
+    a = p.add_argument
+    a("--host", default=_D.host, help="address to bind (default %(default)s)")
+    a("--port", type=int, default=_D.port, help="HTTP port (default %(default)s)")
+    a(
+        "--instance-timeout",
+        type=float,
+        default=_D.instance_timeout,
+        help="seconds without heartbeat before an instance expires (default %(default)s)",
+    )
+    a(
+        "--health-check-interval",
+        type=float,
+        default=_D.health_check_interval,
+        help="seconds between expiry sweeps (default %(default)s)",
+    )
+    a(
+        "--chunk-size",
+        type=int,
+        default=_D.chunk_size,
+        help="tokens per chunk (default %(default)s)",
+    )
+    a(
+        "--enable-blend-lookup",
+        action="store_true",
+        help="index chunk tokens and serve POST /directory/blend-lookup",
+    )
+    a(
+        "--event-transport",
+        choices=["http", "kafka"],
+        default=_D.event_transport,
+        help="where events and membership come from (default %(default)s)",
+    )
+    a(
+        "--kafka-bootstrap-servers",
+        default=_D.kafka_bootstrap_servers,
+        help="Kafka bootstrap servers host:port[,host:port]",
+    )
+    a("--kafka-topic", default=_D.kafka_topic, help="Kafka topic (default %(default)s)")
+    a(
+        "--kafka-partitioner",
+        default=_D.kafka_partitioner,
+        help="librdkafka partitioner for membership records; must match the servers' event"
+        " sinks (default %(default)s)",
+    )
+    a("--snapshot-path", default=_D.snapshot_path, help="snapshot file (default: none)")
+    a(
+        "--snapshot-interval",
+        type=float,
+        default=_D.snapshot_interval,
+        help="seconds between snapshots, 0 = only at shutdown (default %(default)s)",
+    )
+    a(
+        "--auth-token",
+        default=None,
+        help="shared bearer token (default: $KVATLAS_AUTH_TOKEN, else no auth)",
+    )
+    a(
+        "--max-body-bytes",
+        type=int,
+        default=_D.max_body_bytes,
+        help="largest request body (default %(default)s)",
+    )
+    a(
+        "--max-batch-entries",
+        type=int,
+        default=_D.max_batch_entries,
+        help="most entries per event batch (default %(default)s)",
+    )
+    a(
+        "--max-lookup-tokens",
+        type=int,
+        default=_D.max_lookup_tokens,
+        help="most tokens per lookup (default %(default)s)",
+    )
+    a(
+        "--max-lookup-keys",
+        type=int,
+        default=_D.max_lookup_keys,
+        help="most keys per lookup (default %(default)s)",
+    )
+    a("--log-level", default=_D.log_level, help="logging level (default %(default)s)")
+    return p
+
+
+def config_from_args(argv: list[str] | None, environ: dict[str, str]) -> CoordinatorConfig:
+    ns = build_parser().parse_args(argv)
+    token = ns.auth_token if ns.auth_token is not None else environ.get("KVATLAS_AUTH_TOKEN", "")
+    return CoordinatorConfig(
+        host=ns.host,
+        port=ns.port,
+        instance_timeout=ns.instance_timeout,
+        health_check_interval=ns.health_check_interval,
+        chunk_size=ns.chunk_size,
+        enable_blend_lookup=ns.enable_blend_lookup,
+        event_transport=ns.event_transport,
+        kafka_bootstrap_servers=ns.kafka_bootstrap_servers,
+        kafka_topic=ns.kafka_topic,
+        kafka_partitioner=ns.kafka_partitioner,
+        snapshot_path=ns.snapshot_path,
+        snapshot_interval=ns.snapshot_interval,
+        auth_token=token,
+        max_body_bytes=ns.max_body_bytes,
+        max_batch_entries=ns.max_batch_entries,
+        max_lookup_tokens=ns.max_lookup_tokens,
+        max_lookup_keys=ns.max_lookup_keys,
+        log_level=ns.log_level.upper(),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = config_from_args(argv, dict(os.environ))
+    level = logging.getLevelName(config.log_level)
+    if not isinstance(level, int):
+        print(
+            f"kvatlas coordinator: --log-level {config.log_level!r} is not a level", file=sys.stderr
+        )
+        return 2
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        coordinator = Coordinator(config)
+        coordinator.bind()
+    except ConfigError as exc:
+        print(f"kvatlas coordinator: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(
+            f"kvatlas coordinator: cannot listen on --host {config.host} --port {config.port}:"
+            f" {exc}",
+            file=sys.stderr,
+        )
+        return 2
+    coordinator.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""`kvatlas`: the console script. Picks a subcommand and hands it its arguments.
+
+Each subcommand module parses its own flags and calls its process's composition root.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from kvatlas import __version__
+from kvatlas.cli import coordinator
+
+USAGE = f"""usage: kvatlas <command> [options]
+
+kvatlas {__version__}: find and share reusable LLM KV caches across a fleet.
+
+commands:
+  coordinator   the fleet's control plane: membership, cache events, key directory
+
+Run `kvatlas <command> --help` for the options of a command.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    commands = {"coordinator": coordinator.main}
+    if not args or args[0] in {"-h", "--help"}:
+        print(USAGE)
+        return 0
+    if args[0] == "--version":
+        print(__version__)
+        return 0
+    command = commands.get(args[0])
+    if command is None:
+        print(f"kvatlas: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return command(args[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

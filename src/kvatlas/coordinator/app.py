@@ -1,0 +1,185 @@
+"""Composition root of `kvatlas coordinator`: builds and names every part, runs them.
+
+Builds, in order: metrics, the fleet state (restored from the snapshot when there is
+one), the service, the membership frontend (direct, or through Kafka with the consumer
+and the publisher), the HTTP app, the snapshot writer and the expiry loop; then serves
+HTTP with uvicorn (uvloop, httptools) on a socket it bound itself (so a port of 0 is
+known before serving) until told to stop (SIGINT/SIGTERM or `stop()`), and on a clean
+shutdown writes a last snapshot. Must not contain logic of its own beyond wiring.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Protocol
+
+import uvicorn
+
+from kvatlas.coordinator import snapshot
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.frontend import LocalMembership, MembershipFrontend
+from kvatlas.coordinator.http_app import CoordinatorApp
+from kvatlas.coordinator.metrics import CoordinatorMetrics
+from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.core.fleet import FleetState
+
+log = logging.getLogger(__name__)
+
+
+class _Part(Protocol):
+    """What the root starts besides HTTP (Kafka consumer, publisher)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class Coordinator:
+    """One coordinator process, wired."""
+
+    def __init__(self, config: CoordinatorConfig, clock: Callable[[], float] = time.time) -> None:
+        config.validate()
+        self.config = config
+        self.clock = clock
+        self.metrics = CoordinatorMetrics()
+        kafka = config.event_transport == "kafka"
+        # With Kafka, restored instances keep their heartbeat times from the log (every
+        # replica must agree on them); alone, each gets a full timeout from now.
+        restored = snapshot.load(config, None if kafka else clock())
+        if restored is None:
+            fleet = FleetState(
+                config.instance_timeout, config.chunk_size, config.enable_blend_lookup
+            )
+            positions: dict[str, int] = {}
+        else:
+            fleet, positions = restored
+        self.service = CoordinatorService(fleet, self.metrics)
+        self.service.positions.update(positions)
+        self.metrics.attach_state(lambda: self.service.sample(clock()))
+        self._parts: list[_Part] = []
+        self.membership: MembershipFrontend
+        events_refusal = ""
+        if kafka:
+            # Imported here because confluent-kafka is an optional dependency
+            # (`kvatlas[kafka]`); a coordinator on HTTP alone must run without it.
+            from kvatlas.coordinator.kafka_wiring import build_kafka
+
+            self.membership, parts = build_kafka(config, self.service, self.metrics, clock)
+            self._parts.extend(parts)
+            events_refusal = (
+                f"this coordinator takes events from Kafka topic {config.kafka_topic};"
+                " publish batches there so that every replica sees them"
+            )
+        else:
+            self.membership = LocalMembership(self.service, clock)
+            self.service.set_ready()
+        self.app = CoordinatorApp(
+            config,
+            self.service,
+            self.membership,
+            self.metrics,
+            clock=clock,
+            events_refusal=events_refusal,
+        ).build()
+        self.snapshots = (
+            snapshot.SnapshotWriter(
+                self.service, Path(config.snapshot_path), config.snapshot_interval, self.metrics
+            )
+            if config.snapshot_path
+            else None
+        )
+        self._stop = threading.Event()
+        self._sock: socket.socket | None = None
+        self._server: uvicorn.Server | None = None
+        self._expiry: threading.Thread | None = None
+
+    def bind(self) -> int:
+        """Bind the HTTP socket now; returns the port (useful with port 0)."""
+        if self._sock is None:
+            sock = socket.socket(socket.AF_INET6 if ":" in self.config.host else socket.AF_INET)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.config.host, self.config.port))
+            sock.listen(2048)
+            sock.set_inheritable(True)
+            self._sock = sock
+        port: int = self._sock.getsockname()[1]
+        return port
+
+    def _expiry_loop(self) -> None:
+        while not self._stop.wait(self.config.health_check_interval):
+            try:
+                self.membership.sweep()
+            except Exception:
+                log.exception("Expiry sweep failed; the next interval retries")
+
+    def run(self) -> None:
+        """Serve until stopped; blocking. Writes the last snapshot on the way out."""
+        port = self.bind()
+        assert self._sock is not None
+        uv_config = uvicorn.Config(
+            self.app,
+            loop="uvloop",
+            http="httptools",
+            lifespan="off",
+            access_log=False,
+            log_config=None,
+            timeout_graceful_shutdown=5,
+            backlog=2048,
+        )
+        self._server = uvicorn.Server(uv_config)
+        if self._stop.is_set():
+            self._server.should_exit = True
+        if threading.current_thread() is threading.main_thread():
+            # uvicorn re-raises the signal it caught after serving, with the handlers
+            # found at start: make those ours, so the process lives to write its snapshot.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self._on_signal)
+        for part in self._parts:
+            part.start()
+        if self.snapshots is not None:
+            self.snapshots.start()
+        self._expiry = threading.Thread(target=self._expiry_loop, name="expiry", daemon=True)
+        self._expiry.start()
+        log.info(
+            "Coordinator listening on %s:%d (events over %s)",
+            self.config.host,
+            port,
+            self.config.event_transport,
+        )
+        try:
+            self._server.run(sockets=[self._sock])
+        finally:
+            self.shutdown()
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Ask the server to stop (thread-safe)."""
+        self._stop.set()
+        if self._server is not None:
+            self._server.should_exit = True
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._expiry is not None:
+            self._expiry.join()
+        if self.snapshots is not None:
+            self.snapshots.stop()
+        for part in reversed(self._parts):
+            part.stop()
+        if self.snapshots is not None:
+            try:
+                self.snapshots.write()
+            except OSError:
+                log.exception("Last snapshot failed at shutdown")
+        if self._sock is not None:
+            self._sock.close()
+        log.info("Coordinator stopped")

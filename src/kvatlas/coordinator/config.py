@@ -1,0 +1,108 @@
+"""The coordinator's configuration: one frozen dataclass and its validation.
+
+Owns the defaults and the operator-facing validation messages (each names the flag to
+fix). Must not read flags or the environment (that is `kvatlas.cli.coordinator`'s job,
+the one place that does) nor build anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvatlas.core.errors import KvatlasError
+
+EventTransport = Literal["http", "kafka"]
+
+
+class ConfigError(KvatlasError):
+    """A configuration an operator must fix; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """Everything `kvatlas coordinator` can be told."""
+
+    host: str = "0.0.0.0"
+    """Address the HTTP API binds (`--host`)."""
+    port: int = 9300
+    """TCP port of the HTTP API (`--port`); 0 picks a free one (tests)."""
+    instance_timeout: float = 30.0
+    """Seconds without a heartbeat after which an instance expires and its L1 slice is
+    fenced (`--instance-timeout`)."""
+    health_check_interval: float = 5.0
+    """Seconds between expiry sweeps (`--health-check-interval`)."""
+    chunk_size: int = 256
+    """Tokens per chunk of the fleet's hash contract (`--chunk-size`)."""
+    enable_blend_lookup: bool = False
+    """Keep chunk tokens and answer `POST /directory/blend-lookup`
+    (`--enable-blend-lookup`)."""
+    event_transport: EventTransport = "http"
+    """Where cache events and membership come from: `http` (one coordinator) or `kafka`
+    (any number of replicas on one topic) (`--event-transport`)."""
+    kafka_bootstrap_servers: str = ""
+    """Kafka bootstrap servers, `host:port[,host:port]` (`--kafka-bootstrap-servers`)."""
+    kafka_topic: str = "kvatlas-cache-events"
+    """Topic carrying event batches and membership records (`--kafka-topic`)."""
+    kafka_partitioner: str = "murmur2_random"
+    """librdkafka partitioner for membership records; it must be the one the servers'
+    event sinks use, so that an instance's membership records and events share a
+    partition and keep their order (`--kafka-partitioner`)."""
+    snapshot_path: str = ""
+    """File the state is snapshotted to and restored from; empty: no snapshots
+    (`--snapshot-path`)."""
+    snapshot_interval: float = 60.0
+    """Seconds between periodic snapshots; 0: only at clean shutdown
+    (`--snapshot-interval`)."""
+    auth_token: str = ""
+    """Shared token; when set every endpoint but /healthz needs `Authorization: Bearer
+    <token>` (`--auth-token` or `KVATLAS_AUTH_TOKEN`)."""
+    max_body_bytes: int = 64 * 1024 * 1024
+    """Largest request body accepted (`--max-body-bytes`); larger: 413."""
+    max_batch_entries: int = 65536
+    """Most entries in one event batch (`--max-batch-entries`); more: 413."""
+    max_lookup_tokens: int = 1 << 20
+    """Most tokens in one lookup or blend lookup (`--max-lookup-tokens`); more: 413."""
+    max_lookup_keys: int = 65536
+    """Most keys in one keys lookup (`--max-lookup-keys`); more: 413."""
+    log_level: str = "INFO"
+    """Python logging level name (`--log-level`)."""
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the flag of the first impossible setting."""
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
+        if not self.instance_timeout > 0:
+            raise ConfigError(f"--instance-timeout must be > 0 s, got {self.instance_timeout}")
+        if not self.health_check_interval > 0:
+            raise ConfigError(
+                f"--health-check-interval must be > 0 s, got {self.health_check_interval}"
+            )
+        if self.health_check_interval > self.instance_timeout:
+            raise ConfigError(
+                f"--health-check-interval ({self.health_check_interval} s) must not exceed"
+                f" --instance-timeout ({self.instance_timeout} s), or expiry runs late"
+            )
+        if self.chunk_size <= 0:
+            raise ConfigError(f"--chunk-size must be > 0, got {self.chunk_size}")
+        if self.event_transport not in ("http", "kafka"):
+            raise ConfigError(
+                f"--event-transport must be http or kafka, got {self.event_transport!r}"
+            )
+        if self.event_transport == "kafka":
+            if not self.kafka_bootstrap_servers:
+                raise ConfigError("--event-transport kafka needs --kafka-bootstrap-servers")
+            if not self.kafka_topic:
+                raise ConfigError("--kafka-topic must not be empty")
+        if self.snapshot_interval < 0:
+            raise ConfigError(f"--snapshot-interval must be >= 0 s, got {self.snapshot_interval}")
+        for flag, value in (
+            ("--max-body-bytes", self.max_body_bytes),
+            ("--max-batch-entries", self.max_batch_entries),
+            ("--max-lookup-tokens", self.max_lookup_tokens),
+            ("--max-lookup-keys", self.max_lookup_keys),
+        ):
+            if value <= 0:
+                raise ConfigError(f"{flag} must be > 0, got {value}")
+        if self.auth_token and (self.auth_token != self.auth_token.strip()):
+            raise ConfigError("--auth-token must not start or end with whitespace")

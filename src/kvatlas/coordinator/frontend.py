@@ -1,0 +1,60 @@
+"""How membership requests reach the fleet state: directly, or through the log.
+
+Owns the `MembershipFrontend` interface the HTTP app calls and its direct
+implementation for a single coordinator (`--event-transport http`): a request applies
+at once with this process's clock, and the expiry sweep expires by that clock. The
+replicated implementation (through Kafka) is `kafka_membership.LogMembership`.
+
+Must not: know about HTTP, or reach into the fleet state except through the service.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.core.errors import KvatlasError
+from kvatlas.core.membership import InstanceInfo, RegisterOutcome
+
+
+class Unavailable(KvatlasError):
+    """The request could not be carried out now (the log is unreachable); retry: 503."""
+
+
+class MembershipFrontend(Protocol):
+    """Membership changes as the HTTP API asks for them; each answers synchronously."""
+
+    async def register(self, info: InstanceInfo) -> RegisterOutcome:
+        """Raises InvalidInput (ContractMismatch, StaleIncarnation) when refused."""
+        ...
+
+    async def heartbeat(self, instance_id: str) -> bool:
+        """False: unknown instance, which must re-register."""
+        ...
+
+    async def deregister(self, instance_id: str) -> None: ...
+
+    def sweep(self) -> None:
+        """Expire silent instances (called every health-check interval, off the loop)."""
+        ...
+
+
+class LocalMembership:
+    """A single coordinator: requests apply directly to the service."""
+
+    def __init__(self, service: CoordinatorService, clock: Callable[[], float]) -> None:
+        self._service = service
+        self._clock = clock
+
+    async def register(self, info: InstanceInfo) -> RegisterOutcome:
+        return self._service.register(info, self._clock())
+
+    async def heartbeat(self, instance_id: str) -> bool:
+        return self._service.heartbeat(instance_id, self._clock())
+
+    async def deregister(self, instance_id: str) -> None:
+        self._service.deregister(instance_id)
+
+    def sweep(self) -> None:
+        self._service.expire(self._clock())

@@ -1,0 +1,210 @@
+"""Replicated membership: HTTP membership requests travel through the Kafka topic.
+
+With `--event-transport kafka`, any number of coordinators consume the same topic and
+must agree on who is alive, or their directories would fence different slices. So no
+replica changes membership directly: the coordinator that receives a request publishes
+a membership record (keyed by the instance id, like the instance's event batches, so
+both keep their relative order in one partition), and every replica, this one included,
+applies membership only from the log, with the time carried in the record.
+
+- Register / deregister: publish, then wait until this replica's consumer has applied
+  the record, and answer with what the log apply decided (409 for a contract mismatch
+  or a stale incarnation, exactly as every replica decided). The HTTP call stays
+  synchronous and read-your-writes on this replica.
+- Heartbeat: answered from this replica's state (404 if unknown); when known, a
+  heartbeat record is published and not waited for. Event batches do not count as
+  heartbeats: only heartbeat records move `last_heartbeat`, on every replica alike.
+- Expiry: each replica's sweep looks for instances silent for too long by its own
+  clock (only once caught up) and publishes an expire record naming the incarnation
+  and the last heartbeat it saw; applying it expires the instance only if nothing was
+  heard of it since, so a heartbeat that overtook it wins on every replica, and the
+  duplicate records of several replicas are no-ops.
+
+Owns the producer, its poller thread and the table of requests waiting for their
+record to come back. Must not: apply anything to the service except from records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.frontend import Unavailable
+from kvatlas.coordinator.kafka_records import (
+    DeregisterRecord,
+    ExpireRecord,
+    HeartbeatRecord,
+    MembershipRecord,
+    RegisterRecord,
+    encode_membership,
+)
+from kvatlas.coordinator.service import CoordinatorService, Position
+from kvatlas.core.errors import InvalidInput
+from kvatlas.core.membership import InstanceInfo, RegisterOutcome
+
+log = logging.getLogger(__name__)
+
+_WAIT_S = 10.0
+"""How long a register/deregister waits for its record to come back through the log."""
+_REPUBLISH_S = 10.0
+"""An expire record not yet applied is published again after this long."""
+
+
+class LogMembership:
+    """`MembershipFrontend` over the Kafka topic."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        service: CoordinatorService,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._svc = service
+        self._clock = clock
+        self._topic = config.kafka_topic
+        self._producer = Producer(
+            {
+                "bootstrap.servers": config.kafka_bootstrap_servers,
+                "partitioner": config.kafka_partitioner,
+                "linger.ms": 0,
+                "acks": "all",
+            }
+        )
+        self._waiters: dict[str, concurrent.futures.Future[object]] = {}
+        self._lock = threading.Lock()
+        self._expiring: dict[tuple[str, int, float], float] = {}
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._poller = threading.Thread(target=self._poll, name="kafka-producer", daemon=True)
+        self._poller.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join()
+        self._producer.flush(5)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self._producer.poll(0.1)
+
+    # ---- publishing ------------------------------------------------------------------
+
+    def _publish(self, instance_id: str, record: MembershipRecord, request_id: str = "") -> None:
+        def delivered(err: KafkaError | None, msg: Message) -> None:
+            if err is not None:
+                log.warning("Membership record for %s not published: %s", instance_id, err)
+                self._resolve(request_id, Unavailable(f"could not publish to Kafka: {err}"))
+
+        try:
+            self._producer.produce(
+                self._topic, key=instance_id, value=encode_membership(record), on_delivery=delivered
+            )
+        except (BufferError, KafkaException) as exc:
+            raise Unavailable(f"could not publish to Kafka: {exc}") from exc
+
+    async def _publish_and_wait(
+        self, instance_id: str, record: MembershipRecord, request_id: str
+    ) -> object:
+        fut: concurrent.futures.Future[object] = concurrent.futures.Future()
+        with self._lock:
+            self._waiters[request_id] = fut
+        try:
+            self._publish(instance_id, record, request_id)
+            return await asyncio.wait_for(asyncio.wrap_future(fut), _WAIT_S)
+        except TimeoutError as exc:
+            raise Unavailable(
+                f"the membership record of {instance_id} did not come back through Kafka"
+                f" topic {self._topic} within {_WAIT_S:.0f} s"
+            ) from exc
+        finally:
+            with self._lock:
+                self._waiters.pop(request_id, None)
+
+    def _resolve(self, request_id: str, result: object) -> None:
+        if not request_id:
+            return
+        with self._lock:
+            fut = self._waiters.pop(request_id, None)
+        if fut is None or fut.done():
+            return
+        if isinstance(result, BaseException):
+            fut.set_exception(result)
+        else:
+            fut.set_result(result)
+
+    # ---- MembershipFrontend ----------------------------------------------------------
+
+    async def register(self, info: InstanceInfo) -> RegisterOutcome:
+        rid = uuid.uuid4().hex
+        result = await self._publish_and_wait(
+            info.instance_id, RegisterRecord(rid, self._clock(), info), rid
+        )
+        assert isinstance(result, RegisterOutcome)
+        return result
+
+    async def heartbeat(self, instance_id: str) -> bool:
+        if not self._svc.is_live(instance_id):
+            return False
+        self._publish(instance_id, HeartbeatRecord(instance_id, self._clock()))
+        return True
+
+    async def deregister(self, instance_id: str) -> None:
+        rid = uuid.uuid4().hex
+        await self._publish_and_wait(
+            instance_id, DeregisterRecord(rid, instance_id, self._clock()), rid
+        )
+
+    def sweep(self) -> None:
+        if not self._svc.ready:
+            return
+        now = self._clock()
+        for key, at in list(self._expiring.items()):
+            if now - at > _REPUBLISH_S:
+                del self._expiring[key]
+        for iid, inc, seen in self._svc.expiry_candidates(now):
+            if (iid, inc, seen) in self._expiring:
+                continue
+            self._expiring[(iid, inc, seen)] = now
+            log.info(
+                "Instance %s (incarnation %d) silent since %.1f s; publishing its expiry",
+                iid,
+                inc,
+                now - seen,
+            )
+            try:
+                self._publish(iid, ExpireRecord(iid, inc, seen, now))
+            except Unavailable:
+                log.warning("Could not publish the expiry of %s; the next sweep retries", iid)
+                del self._expiring[(iid, inc, seen)]
+
+    # ---- applying records (consumer thread) ------------------------------------------
+
+    def apply(self, record: MembershipRecord, position: Position) -> None:
+        """Apply one membership record from the log; resolves the request waiting on it."""
+        svc = self._svc
+        if isinstance(record, RegisterRecord):
+            try:
+                outcome: object = svc.register(record.info, record.at, position)
+            except InvalidInput as exc:
+                outcome = exc
+            self._resolve(record.request_id, outcome)
+        elif isinstance(record, HeartbeatRecord):
+            svc.heartbeat(record.instance_id, record.at, position)
+        elif isinstance(record, DeregisterRecord):
+            svc.deregister(record.instance_id, position)
+            self._resolve(record.request_id, None)
+        else:
+            svc.expire_instance(record.instance_id, record.incarnation, record.last_seen, position)

@@ -1,0 +1,87 @@
+"""What travels on the coordinator's Kafka topic, and how a record is told apart.
+
+Two kinds of records share the topic, all keyed by instance id so that an instance's
+membership records and its event batches land in one partition and every replica reads
+them in the same order:
+
+- an event batch (the servers' event sinks): one batch per record, either JSON (one
+  `wire.http_api.BatchWire` object) or msgpack (one core `EventBatch`);
+- a membership record (coordinators): ``MAGIC`` followed by a msgpack-encoded tagged
+  `MembershipRecord` (register, heartbeat, deregister, expire). Neither JSON nor a
+  msgpack map starts with ``MAGIC``'s first byte, so the kinds cannot be confused.
+
+Owns the encodings and the decode-and-validate of a record; no I/O, no state.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvatlas.core.errors import InvalidInput
+from kvatlas.core.events import EventBatch
+from kvatlas.core.membership import InstanceInfo
+from kvatlas.wire.http_api import BatchWire, batch_to_core, check_batch
+
+MAGIC = b"KVM1"
+
+
+class RegisterRecord(msgspec.Struct, frozen=True, tag="register"):
+    """A registration accepted by a coordinator's HTTP API, to apply everywhere."""
+
+    request_id: str
+    at: float
+    """The publishing coordinator's clock; every replica applies with this time."""
+    info: InstanceInfo
+
+
+class HeartbeatRecord(msgspec.Struct, frozen=True, tag="heartbeat"):
+    instance_id: str
+    at: float
+
+
+class DeregisterRecord(msgspec.Struct, frozen=True, tag="deregister"):
+    request_id: str
+    instance_id: str
+    at: float
+
+
+class ExpireRecord(msgspec.Struct, frozen=True, tag="expire"):
+    """Expire ``incarnation`` of an instance unless it was heard of after ``last_seen``."""
+
+    instance_id: str
+    incarnation: int
+    last_seen: float
+    at: float
+
+
+MembershipRecord = RegisterRecord | HeartbeatRecord | DeregisterRecord | ExpireRecord
+
+_membership_encoder = msgspec.msgpack.Encoder()
+_membership_decoder = msgspec.msgpack.Decoder(MembershipRecord)
+_json_batch = msgspec.json.Decoder(BatchWire)
+_msgpack_batch = msgspec.msgpack.Decoder(EventBatch)
+
+
+def encode_membership(record: MembershipRecord) -> bytes:
+    return MAGIC + _membership_encoder.encode(record)
+
+
+def encode_batch_msgpack(batch: EventBatch) -> bytes:
+    """An event batch as one record value (the compact form)."""
+    return msgspec.msgpack.encode(batch)
+
+
+def decode_record(value: bytes, max_entries: int) -> EventBatch | MembershipRecord:
+    """Decode and validate one record value; InvalidInput if it is neither kind."""
+    try:
+        if value.startswith(MAGIC):
+            record: MembershipRecord = _membership_decoder.decode(memoryview(value)[len(MAGIC) :])
+            return record
+        if value.lstrip()[:1] == b"{":
+            batch = batch_to_core(_json_batch.decode(value))
+        else:
+            batch = _msgpack_batch.decode(value)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise InvalidInput(f"undecodable record: {exc}") from exc
+    check_batch(batch, max_entries)
+    return batch

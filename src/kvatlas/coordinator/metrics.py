@@ -1,0 +1,177 @@
+"""Prometheus metrics of the coordinator, in a per-app registry (never the global one).
+
+Owns the counters and histograms the shells bump at the edges (ingest outcomes, fences,
+lookups, Kafka records) and a collector that reads a state sample at scrape time
+(directory sizes, live instances, heartbeat ages, gaps). Must not hold state of its own
+beyond the counters, nor take the fleet lock itself: the sample function does that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+_LOOKUP_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+)
+
+
+class StateSample(msgspec.Struct, frozen=True):
+    """What the scrape-time collector reads from the service (under its lock)."""
+
+    keys: int
+    placements_by_tier: dict[str, int]
+    bytes_by_tier: dict[str, int]
+    live_instances: int
+    provisional_instances: int
+    heartbeat_age: dict[str, float]
+    gaps: dict[str, int]
+    missing: dict[str, int]
+    blend_chunks: int
+
+
+class _StateCollector(Collector):
+    def __init__(self, sample: Callable[[], StateSample]) -> None:
+        self._sample = sample
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._sample()
+        keys = GaugeMetricFamily("kvatlas_coordinator_directory_keys", "Keys in the directory")
+        keys.add_metric([], s.keys)
+        placements = GaugeMetricFamily(
+            "kvatlas_coordinator_directory_placements", "Placements by tier", labels=["tier"]
+        )
+        for tier, n in sorted(s.placements_by_tier.items()):
+            placements.add_metric([tier], n)
+        nbytes = GaugeMetricFamily(
+            "kvatlas_coordinator_directory_bytes", "Bytes held by tier", labels=["tier"]
+        )
+        for tier, n in sorted(s.bytes_by_tier.items()):
+            nbytes.add_metric([tier], n)
+        live = GaugeMetricFamily("kvatlas_coordinator_live_instances", "Registered live instances")
+        live.add_metric([], s.live_instances)
+        prov = GaugeMetricFamily(
+            "kvatlas_coordinator_provisional_instances",
+            "Instances known only from their events (not registered)",
+        )
+        prov.add_metric([], s.provisional_instances)
+        age = GaugeMetricFamily(
+            "kvatlas_coordinator_heartbeat_age_seconds",
+            "Seconds since each live instance's last heartbeat",
+            labels=["instance"],
+        )
+        for iid, a in s.heartbeat_age.items():
+            age.add_metric([iid], a)
+        gaps = GaugeMetricFamily(
+            "kvatlas_coordinator_instance_seq_gaps",
+            "Seq gaps seen in each instance's event stream",
+            labels=["instance"],
+        )
+        missing = GaugeMetricFamily(
+            "kvatlas_coordinator_instance_missing_seqs",
+            "Seqs skipped in total in each instance's event stream",
+            labels=["instance"],
+        )
+        for iid, n in s.gaps.items():
+            gaps.add_metric([iid], n)
+            missing.add_metric([iid], s.missing.get(iid, 0))
+        blend = GaugeMetricFamily("kvatlas_coordinator_blend_chunks", "Chunks in the blend index")
+        blend.add_metric([], s.blend_chunks)
+        return [keys, placements, nbytes, live, prov, age, gaps, missing, blend]
+
+
+class CoordinatorMetrics:
+    """The coordinator's metrics; one instance per app, with its own registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.ingest_batches = Counter(
+            "kvatlas_coordinator_ingest_batches",
+            "Event batches by outcome (apply, duplicate, stale, invalid)",
+            ["outcome", "transport"],
+            registry=r,
+        )
+        self.ingest_entries = Counter(
+            "kvatlas_coordinator_ingest_entries",
+            "Event entries by batch outcome",
+            ["outcome", "transport"],
+            registry=r,
+        )
+        self.ingest_gaps = Counter(
+            "kvatlas_coordinator_ingest_gaps", "Batches that arrived after a seq gap", registry=r
+        )
+        self.ingest_missing = Counter(
+            "kvatlas_coordinator_ingest_missing_seqs", "Seqs skipped by gaps", registry=r
+        )
+        self.fences = Counter(
+            "kvatlas_coordinator_fences",
+            "L1 slices fenced, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.fenced_placements = Counter(
+            "kvatlas_coordinator_fenced_placements",
+            "L1 placements removed by fences, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.expiries = Counter(
+            "kvatlas_coordinator_expiries", "Instances expired for silence", registry=r
+        )
+        self.registrations = Counter(
+            "kvatlas_coordinator_registrations",
+            "Registrations by result",
+            ["result"],
+            registry=r,
+        )
+        self.lookup_seconds = Histogram(
+            "kvatlas_coordinator_lookup_seconds",
+            "Directory lookup latency inside the coordinator, by kind",
+            ["kind"],
+            buckets=_LOOKUP_BUCKETS,
+            registry=r,
+        )
+        self.kafka_records = Counter(
+            "kvatlas_coordinator_kafka_records",
+            "Kafka records consumed, by kind (batch, membership, undecodable)",
+            ["kind"],
+            registry=r,
+        )
+        self.kafka_lag = Gauge(
+            "kvatlas_coordinator_kafka_lag",
+            "Records between the consumer position and the high watermark",
+            ["partition"],
+            registry=r,
+        )
+        self.snapshot_seconds = Histogram(
+            "kvatlas_coordinator_snapshot_seconds",
+            "Time to encode and write a snapshot",
+            buckets=(0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+            registry=r,
+        )
+        self.snapshot_bytes = Gauge(
+            "kvatlas_coordinator_snapshot_bytes", "Size of the last snapshot", registry=r
+        )
+
+    def attach_state(self, sample: Callable[[], StateSample]) -> None:
+        """Register the scrape-time collector reading ``sample()``."""
+        self.registry.register(_StateCollector(sample))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,204 @@
+"""The OpenAPI 3 document of the coordinator API, generated from the msgspec shapes.
+
+Owns the list of endpoints with their request and response shapes; the schemas come
+from `msgspec.json.schema_components` over the wire Structs, so they cannot drift from
+what the handlers decode. Must not import the HTTP app (the app serves this document).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvatlas.coordinator.views import KeysPage, ReadyResponse, StatsResponse
+from kvatlas.wire.http_api import (
+    BlendLookupRequest,
+    BlendLookupResponse,
+    ErrorResponse,
+    EventsRequest,
+    EventsResponse,
+    HeartbeatResponse,
+    InstancesResponse,
+    LookupRequest,
+    LookupResponse,
+    RegisterRequest,
+    RegisterResponse,
+)
+
+_REF = "#/components/schemas/{name}"
+_TYPES: tuple[Any, ...] = (
+    RegisterRequest,
+    RegisterResponse,
+    HeartbeatResponse,
+    InstancesResponse,
+    EventsRequest,
+    EventsResponse,
+    LookupRequest,
+    LookupResponse,
+    BlendLookupRequest,
+    BlendLookupResponse,
+    StatsResponse,
+    KeysPage,
+    ReadyResponse,
+    ErrorResponse,
+)
+
+
+def _ref(t: type) -> dict[str, str]:
+    return {"$ref": _REF.format(name=t.__name__)}
+
+
+def _body(t: type, extra_types: tuple[str, ...] = ()) -> dict[str, Any]:
+    content: dict[str, Any] = {"application/json": {"schema": _ref(t)}}
+    for ct in extra_types:
+        content[ct] = {"schema": {"type": "string", "format": "binary"}}
+    return {"required": True, "content": content}
+
+
+def _ok(t: type | None, status: str = "200", text: str = "OK") -> dict[str, Any]:
+    if t is None:
+        return {status: {"description": text}}
+    return {status: {"description": text, "content": {"application/json": {"schema": _ref(t)}}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    reasons = {
+        400: "Invalid input; the reason is in `error`",
+        401: "Missing or wrong bearer token",
+        404: "Unknown resource",
+        409: "Conflict (hash contract, stale incarnation, wrong transport)",
+        413: "Request over a configured limit",
+        503: "Not ready",
+    }
+    return {
+        str(c): {
+            "description": reasons[c],
+            "content": {"application/json": {"schema": _ref(ErrorResponse)}},
+        }
+        for c in codes
+    }
+
+
+def openapi_document() -> dict[str, Any]:
+    """The whole document (paths + component schemas)."""
+    _, components = msgspec.json.schema_components(_TYPES, ref_template=_REF)
+    instance_id = {
+        "name": "instance_id",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string"},
+    }
+    query = [
+        {"name": n, "in": "query", "required": False, "schema": s}
+        for n, s in (
+            ("offset", {"type": "integer", "minimum": 0}),
+            ("limit", {"type": "integer", "minimum": 1, "maximum": 10000}),
+            ("tier", {"type": "string", "enum": ["l1", "l2"]}),
+            ("instance", {"type": "string"}),
+            ("backend", {"type": "string"}),
+        )
+    ]
+    paths: dict[str, Any] = {
+        "/instances": {
+            "post": {
+                "summary": "Register (or re-register) a cache server",
+                "requestBody": _body(RegisterRequest),
+                "responses": {**_ok(RegisterResponse), **_errors(400, 401, 409, 413)},
+            },
+            "get": {
+                "summary": "List live instances",
+                "responses": {**_ok(InstancesResponse), **_errors(401)},
+            },
+        },
+        "/instances/{instance_id}/heartbeat": {
+            "put": {
+                "summary": "Heartbeat; 404 means re-register",
+                "parameters": [instance_id],
+                "responses": {**_ok(HeartbeatResponse), **_errors(401, 404)},
+            }
+        },
+        "/instances/{instance_id}": {
+            "delete": {
+                "summary": "Deregister; fences the instance's L1 placements",
+                "parameters": [instance_id],
+                "responses": {
+                    **_ok(None, "204", "Deregistered (also when unknown)"),
+                    **_errors(401),
+                },
+            }
+        },
+        "/events": {
+            "post": {
+                "summary": "Cache events: JSON, or msgpack with Content-Type application/msgpack",
+                "requestBody": _body(EventsRequest, ("application/msgpack",)),
+                "responses": {**_ok(EventsResponse), **_errors(400, 401, 409, 413)},
+            }
+        },
+        "/directory/lookup": {
+            "post": {
+                "summary": "Who holds these keys, or the chunks of these tokens",
+                "requestBody": _body(LookupRequest),
+                "responses": {**_ok(LookupResponse), **_errors(400, 401, 413)},
+            }
+        },
+        "/directory/blend-lookup": {
+            "post": {
+                "summary": "Cached chunks found at any position of a token sequence",
+                "requestBody": _body(BlendLookupRequest),
+                "responses": {**_ok(BlendLookupResponse), **_errors(400, 401, 404, 413)},
+            }
+        },
+        "/directory/stats": {
+            "get": {
+                "summary": "Directory sizes, owners, gate cursors (digest with ?digest=1)",
+                "parameters": [
+                    {
+                        "name": "digest",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "string", "enum": ["0", "1", "true", "false"]},
+                    }
+                ],
+                "responses": {**_ok(StatsResponse), **_errors(401)},
+            }
+        },
+        "/directory/keys": {
+            "get": {
+                "summary": "Stored keys, paginated (hashes are 8-byte prefixes)",
+                "parameters": query,
+                "responses": {**_ok(KeysPage), **_errors(400, 401)},
+            }
+        },
+        "/healthz": {"get": {"summary": "Liveness", "responses": _ok(None)}},
+        "/readyz": {
+            "get": {
+                "summary": "Ready once the snapshot is restored and Kafka caught up",
+                "responses": {**_ok(ReadyResponse), **_errors(401, 503)},
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics",
+                "responses": {
+                    "200": {
+                        "description": "OK",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    },
+                    **_errors(401),
+                },
+            }
+        },
+        "/openapi.json": {
+            "get": {"summary": "This document", "responses": {**_ok(None), **_errors(401)}}
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "kvatlas coordinator", "version": "1"},
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "paths": paths,
+    }

@@ -1,0 +1,372 @@
+"""The coordinator service: the fleet state behind one lock, with logs and metrics.
+
+Owns the `FleetState`, the lock that serialises every access to it, the consumer
+positions stored with it (Kafka offsets, changed under the same lock as the state they
+led to, so a snapshot is always consistent), readiness, and the operator's log lines
+(registrations, fences, expiries, gaps). Every transport (HTTP handlers, the Kafka
+consumer, the expiry loop) changes state only through these methods.
+
+Lock discipline: CPU-heavy work happens outside the lock (hashing a prompt's chunks,
+validating and decoding bodies, building responses); the lock covers only the
+directory/membership operation itself, so a large lookup never holds up ingest for more
+than the time of its dictionary probes.
+
+Must not: do network or file I/O, read a clock (times are parameters: the HTTP shell
+passes its clock, the Kafka shell the record's timestamp), or know about HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from itertools import islice
+
+from kvatlas.coordinator.metrics import CoordinatorMetrics, StateSample
+from kvatlas.coordinator.views import KeysPage, StatsResponse, key_view, stats_response
+from kvatlas.core.blend import BlendMatch
+from kvatlas.core.directory import KeyResult, PrefixResult
+from kvatlas.core.errors import InvalidInput
+from kvatlas.core.events import EventBatch
+from kvatlas.core.fleet import Fenced, FleetState
+from kvatlas.core.gate import Verdict
+from kvatlas.core.keys import MAX_TOKEN_ID, Namespace, ObjectKey, chunk_hashes
+from kvatlas.core.membership import InstanceInfo, RegisterOutcome
+from kvatlas.core.types import Tier
+from kvatlas.wire.http_api import EventsResponse, InstanceWire
+
+log = logging.getLogger(__name__)
+
+_MAX_SIZE_BYTES = (1 << 40) - 1
+"""The directory packs sizes into 40 bits; larger sizes are refused before any apply."""
+
+_OUTCOME = {Verdict.APPLY: "applied", Verdict.DUPLICATE: "duplicate", Verdict.STALE: "stale"}
+
+Position = tuple[str, int]
+"""(position key, next offset): where a consumer stands once a record is applied."""
+
+
+class CoordinatorService:
+    """Thread-safe front of one `FleetState`."""
+
+    def __init__(self, fleet: FleetState, metrics: CoordinatorMetrics) -> None:
+        self.fleet = fleet
+        self.metrics = metrics
+        self.lock = threading.Lock()
+        self.positions: dict[str, int] = {}
+        """Consumer positions (``kafka:<topic>:<partition>`` -> next offset)."""
+        self._ready = threading.Event()
+        self._not_ready_reason = "starting"
+
+    # ---- readiness -------------------------------------------------------------------
+
+    def set_ready(self) -> None:
+        self._not_ready_reason = ""
+        self._ready.set()
+
+    def set_not_ready(self, reason: str) -> None:
+        self._not_ready_reason = reason
+        self._ready.clear()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def not_ready_reason(self) -> str:
+        return self._not_ready_reason
+
+    def _advance(self, position: Position | None) -> None:
+        if position is not None:
+            self.positions[position[0]] = position[1]
+
+    # ---- membership ------------------------------------------------------------------
+
+    def register(
+        self, info: InstanceInfo, now: float, position: Position | None = None
+    ) -> RegisterOutcome:
+        """Register ``info``; raises InvalidInput (ContractMismatch, StaleIncarnation)."""
+        with self.lock:
+            try:
+                outcome, fenced = self.fleet.register(info, now)
+            except InvalidInput as exc:
+                self.metrics.registrations.labels("refused").inc()
+                log.warning(
+                    "Refused registration of instance %s incarnation %d: %s",
+                    info.instance_id,
+                    info.incarnation,
+                    exc,
+                )
+                raise
+            finally:
+                self._advance(position)
+        self.metrics.registrations.labels("re_registered" if outcome.re_registered else "new").inc()
+        log.info(
+            "%s instance %s at %s:%d (incarnation %d)",
+            "Re-registered" if outcome.re_registered else "Registered",
+            info.instance_id,
+            info.ip,
+            info.http_port,
+            info.incarnation,
+        )
+        if fenced is not None:
+            self._log_fence(fenced)
+        return outcome
+
+    def heartbeat(self, instance_id: str, now: float, position: Position | None = None) -> bool:
+        """False: unknown instance (the caller answers 404 so it re-registers)."""
+        with self.lock:
+            known = self.fleet.heartbeat(instance_id, now)
+            self._advance(position)
+        if not known:
+            log.info("Heartbeat from unknown instance %s; asked to re-register", instance_id)
+        return known
+
+    def is_live(self, instance_id: str) -> bool:
+        with self.lock:
+            return self.fleet.membership.get(instance_id) is not None
+
+    def deregister(self, instance_id: str, position: Position | None = None) -> bool:
+        """Remove an instance and fence its L1 slice; False if it was unknown."""
+        with self.lock:
+            fenced = self.fleet.deregister(instance_id)
+            self._advance(position)
+        if fenced is None:
+            log.info("Deregistration of unknown instance %s ignored", instance_id)
+            return False
+        log.info("Deregistered instance %s (incarnation %d)", instance_id, fenced.incarnation)
+        self._log_fence(fenced)
+        return True
+
+    def expire(self, now: float) -> list[Fenced]:
+        """Expire every instance silent for longer than the timeout (single coordinator)."""
+        with self.lock:
+            fenced = self.fleet.expire(now)
+        for f in fenced:
+            self._log_expiry(f)
+        return fenced
+
+    def expiry_candidates(self, now: float) -> list[tuple[str, int, float]]:
+        """(instance, incarnation, last seen) of every instance silent for too long."""
+        timeout = self.fleet.instance_timeout
+        with self.lock:
+            out = [
+                (i.instance_id, i.incarnation, i.last_heartbeat)
+                for i in self.fleet.instances()
+                if now - i.last_heartbeat > timeout
+            ]
+            out.extend(
+                (iid, inc, seen)
+                for iid, (inc, seen) in sorted(self.fleet.provisional().items())
+                if now - seen > timeout
+            )
+        return out
+
+    def expire_instance(
+        self,
+        instance_id: str,
+        incarnation: int,
+        last_seen: float,
+        position: Position | None = None,
+    ) -> Fenced | None:
+        """Expire one instance, if it is still the incarnation ``incarnation`` and nothing
+        was heard of it after ``last_seen`` (replicas apply expiry records from the log
+        with this condition, so a heartbeat that overtook the expiry wins everywhere)."""
+        with self.lock:
+            fenced = self.fleet.expire_instance(instance_id, incarnation, last_seen)
+            self._advance(position)
+        if fenced is not None:
+            self._log_expiry(fenced)
+        return fenced
+
+    def instances(self, now: float) -> list[InstanceWire]:
+        with self.lock:
+            infos = self.fleet.instances()
+        return [InstanceWire.from_core(i, now) for i in infos]
+
+    def _log_expiry(self, f: Fenced) -> None:
+        self.metrics.expiries.inc()
+        log.warning(
+            "Instance %s (incarnation %d) %s after more than %.1f s without a heartbeat",
+            f.instance_id,
+            f.incarnation,
+            f.reason,
+            self.fleet.instance_timeout,
+        )
+        self._log_fence(f)
+
+    def _log_fence(self, f: Fenced) -> None:
+        reason = f.reason.split(" ")[0]
+        self.metrics.fences.labels(reason).inc()
+        self.metrics.fenced_placements.labels(reason).inc(f.placements)
+        log.info(
+            "Fenced %d L1 placements of instance %s incarnation %d (%s)",
+            f.placements,
+            f.instance_id,
+            f.incarnation,
+            f.reason,
+        )
+
+    # ---- events ----------------------------------------------------------------------
+
+    def precheck(self, batches: Sequence[EventBatch]) -> None:
+        """Refuse, before anything applies, what the directory or blend index would only
+        refuse halfway through a body (sizes beyond 40 bits, token ids beyond uint32)."""
+        for b in batches:
+            for e in b.entries:
+                if e.size_bytes > _MAX_SIZE_BYTES:
+                    raise InvalidInput(
+                        f"size_bytes {e.size_bytes} exceeds {_MAX_SIZE_BYTES}"
+                        f" (instance {b.instance_id}, seq {b.seq})"
+                    )
+                t = e.token_ids
+                if t and (min(t) < 0 or max(t) > MAX_TOKEN_ID):
+                    raise InvalidInput(
+                        f"token ids must be in [0, 2**32-1] (instance {b.instance_id}, seq {b.seq})"
+                    )
+
+    def ingest(
+        self,
+        batches: Sequence[EventBatch],
+        now: float,
+        transport: str = "http",
+        position: Position | None = None,
+    ) -> EventsResponse:
+        """Gate and apply validated batches, one lock hold per batch."""
+        self.precheck(batches)
+        applied = duplicates = stale = gaps = missing = provisional = 0
+        m = self.metrics
+        for i, b in enumerate(batches):
+            with self.lock:
+                try:
+                    out = self.fleet.ingest(b, now)
+                finally:
+                    if i == len(batches) - 1:
+                        self._advance(position)
+            n = len(b.entries)
+            verdict = _OUTCOME[out.verdict]
+            m.ingest_batches.labels(verdict, transport).inc()
+            m.ingest_entries.labels(verdict, transport).inc(n)
+            if out.verdict is Verdict.APPLY:
+                applied += 1
+                provisional += out.provisional
+                if out.fenced:
+                    m.fences.labels("new").inc()
+                    m.fenced_placements.labels("new").inc(out.fenced)
+                    log.info(
+                        "Fenced %d L1 placements of instance %s below incarnation %d"
+                        " (events of a new incarnation arrived)",
+                        out.fenced,
+                        b.instance_id,
+                        b.incarnation,
+                    )
+                if out.gap:
+                    gaps += 1
+                    missing += out.gap
+                    m.ingest_gaps.inc()
+                    m.ingest_missing.inc(out.gap)
+                    log.warning(
+                        "Gap of %d seqs before seq %d of instance %s incarnation %d",
+                        out.gap,
+                        b.seq,
+                        b.instance_id,
+                        b.incarnation,
+                    )
+            elif out.verdict is Verdict.DUPLICATE:
+                duplicates += 1
+            else:
+                stale += 1
+                log.debug(
+                    "Stale batch seq %d of instance %s incarnation %d dropped",
+                    b.seq,
+                    b.instance_id,
+                    b.incarnation,
+                )
+        if not batches:
+            with self.lock:
+                self._advance(position)
+        return EventsResponse(applied, duplicates, stale, gaps, missing, provisional)
+
+    def advance(self, position: Position) -> None:
+        """Move a consumer position past a record that changes nothing (undecodable)."""
+        with self.lock:
+            self._advance(position)
+
+    # ---- lookups ---------------------------------------------------------------------
+
+    def hash_tokens(self, tokens: Sequence[int] | bytes) -> list[bytes]:
+        """The prompt's chunk hashes; CPU work done outside the lock."""
+        return list(chunk_hashes(tokens, self.fleet.chunk_size))
+
+    def lookup_hashes(self, hashes: Sequence[bytes], ns: Namespace) -> PrefixResult:
+        with self.lock:
+            return self.fleet.directory.lookup_prefix(hashes, ns)
+
+    def lookup_keys(self, keys: Sequence[ObjectKey]) -> list[KeyResult]:
+        with self.lock:
+            return self.fleet.lookup_keys(keys)
+
+    @property
+    def blend_enabled(self) -> bool:
+        return self.fleet.blend is not None
+
+    def blend_lookup(self, tokens: bytes, ns: Namespace) -> list[BlendMatch]:
+        with self.lock:
+            return self.fleet.blend_lookup(tokens, ns)
+
+    # ---- views -----------------------------------------------------------------------
+
+    def stats(self, with_digest: bool = False) -> StatsResponse:
+        with self.lock:
+            fl = self.fleet
+            return stats_response(
+                stats=fl.stats(),
+                cursors=dict(fl.cursors),
+                live=len(fl.membership),
+                provisional=sorted(fl.provisional()),
+                blend=fl.blend_stats(),
+                digest=fl.digest() if with_digest else None,
+                positions=dict(self.positions),
+            )
+
+    def digest(self) -> str:
+        with self.lock:
+            return self.fleet.digest()
+
+    def keys_page(
+        self,
+        offset: int,
+        limit: int,
+        tier: Tier | None,
+        instance_id: str | None,
+        backend: str | None,
+    ) -> KeysPage:
+        with self.lock:
+            it = self.fleet.directory.iter_keys(tier, instance_id, backend)
+            rows = list(islice(it, offset, offset + limit + 1))
+        more = len(rows) > limit
+        views = [key_view(ns, prefix, ps) for ns, prefix, ps in rows[:limit]]
+        return KeysPage(offset, limit, views, offset + limit if more else None)
+
+    def sample(self, now: float) -> StateSample:
+        """Scrape-time state for metrics."""
+        with self.lock:
+            fl = self.fleet
+            st = fl.stats()
+            blend = fl.blend_stats()
+            return StateSample(
+                keys=st.keys,
+                placements_by_tier=dict(st.placements_by_tier),
+                bytes_by_tier=dict(st.bytes_by_tier),
+                live_instances=len(fl.membership),
+                provisional_instances=len(fl.provisional()),
+                heartbeat_age=fl.membership.heartbeat_ages(now),
+                gaps={iid: c.gaps for iid, c in fl.cursors.items()},
+                missing={iid: c.missing for iid, c in fl.cursors.items()},
+                blend_chunks=blend.chunks if blend else 0,
+            )
+
+    def snapshot(self) -> bytes:
+        """The state and the consumer positions that led to it, encoded together."""
+        with self.lock:
+            return self.fleet.snapshot(extra=dict(self.positions))

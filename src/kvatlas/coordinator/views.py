@@ -1,0 +1,188 @@
+"""Response shapes of the coordinator's read-only HTTP endpoints that `wire.http_api`
+does not define yet (`/directory/stats`, `/directory/keys`, `/readyz`), and the mapping
+of core lookup results to `wire` shapes.
+
+Owns these msgspec Structs and their mapping from core snapshots; no I/O, no state.
+They belong in `kvatlas.wire` once the wire layer takes them over.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvatlas.core.directory import DirectoryStats, KeyResult, Placement, PrefixResult
+from kvatlas.core.fleet import BlendStats
+from kvatlas.core.gate import Cursor
+from kvatlas.core.keys import Namespace
+from kvatlas.wire.http_api import (
+    HolderWire,
+    KeyWire,
+    LookupResponse,
+    PlacementWire,
+    ResultWire,
+)
+
+
+class OwnerView(msgspec.Struct, frozen=True):
+    """Placements and bytes of one (instance, incarnation, tier, backend)."""
+
+    instance_id: str
+    incarnation: int
+    tier: str
+    backend: str
+    placements: int
+    bytes: int
+
+
+class CursorView(msgspec.Struct, frozen=True):
+    """The event gate's cursor of one instance."""
+
+    instance_id: str
+    incarnation: int
+    last_seq: int
+    gaps: int
+    missing: int
+
+
+class BlendView(msgspec.Struct, frozen=True):
+    chunks: int
+    namespaces: int
+    token_bytes: int
+
+
+class StatsResponse(msgspec.Struct, frozen=True):
+    """`GET /directory/stats`."""
+
+    keys: int
+    placements: int
+    bytes: int
+    placements_by_tier: dict[str, int]
+    bytes_by_tier: dict[str, int]
+    namespaces: int
+    owners: list[OwnerView]
+    cursors: list[CursorView]
+    live_instances: int
+    provisional_instances: list[str]
+    blend: BlendView | None
+    digest: str | None = None
+    """Only with `?digest=1`: blake3 of the directory content (replicas compare it)."""
+    kafka_positions: dict[str, int] = {}
+    """With Kafka: next offset to consume per partition."""
+
+
+class KeyView(msgspec.Struct, frozen=True):
+    """One stored key. The directory keeps only the first 8 bytes of a chunk hash (as a
+    hint; owners verify the full key), so this is a prefix, not the full hash."""
+
+    chunk_hash_prefix_hex: str
+    model_name: str
+    kv_rank: int
+    object_group_id: int
+    cache_salt: str
+    placements: list[PlacementWire]
+
+
+class KeysPage(msgspec.Struct, frozen=True):
+    """`GET /directory/keys`: one page; ``next_offset`` is None on the last page.
+
+    Offsets walk the directory's insertion order, which ingest changes between pages:
+    a page is a consistent view of its own keys, not of the whole listing."""
+
+    offset: int
+    limit: int
+    keys: list[KeyView]
+    next_offset: int | None
+    note: str = "keys are stored as 8-byte chunk hash prefixes"
+
+
+class ReadyResponse(msgspec.Struct, frozen=True):
+    ready: bool
+    reason: str
+
+
+def placement_wire(p: Placement) -> PlacementWire:
+    return PlacementWire(
+        p.instance_id, p.incarnation, p.tier.value, p.backend, p.size_bytes, p.shared
+    )
+
+
+def key_view(ns: Namespace, prefix: bytes, placements: tuple[Placement, ...]) -> KeyView:
+    return KeyView(
+        prefix.hex(),
+        ns.model_name,
+        ns.kv_rank,
+        ns.object_group_id,
+        ns.cache_salt,
+        [placement_wire(p) for p in placements],
+    )
+
+
+def stats_response(
+    *,
+    stats: DirectoryStats,
+    cursors: dict[str, Cursor],
+    live: int,
+    provisional: list[str],
+    blend: BlendStats | None,
+    digest: str | None,
+    positions: dict[str, int],
+) -> StatsResponse:
+    return StatsResponse(
+        keys=stats.keys,
+        placements=stats.placements,
+        bytes=stats.bytes,
+        placements_by_tier=dict(stats.placements_by_tier),
+        bytes_by_tier=dict(stats.bytes_by_tier),
+        namespaces=stats.namespaces,
+        owners=[
+            OwnerView(o.instance_id, o.incarnation, o.tier.value, o.backend, o.placements, o.bytes)
+            for o in stats.owners
+        ],
+        cursors=[
+            CursorView(iid, c.incarnation, c.last_seq, c.gaps, c.missing)
+            for iid, c in sorted(cursors.items())
+        ],
+        live_instances=live,
+        provisional_instances=provisional,
+        blend=BlendView(blend.chunks, blend.namespaces, blend.token_bytes) if blend else None,
+        digest=digest,
+        kafka_positions=positions,
+    )
+
+
+def _key_wire(h: bytes, ns: Namespace) -> KeyWire:
+    return KeyWire(h.hex(), ns.model_name, ns.kv_rank, ns.object_group_id, ns.cache_salt)
+
+
+def prefix_response(res: PrefixResult, chunk_size: int) -> LookupResponse:
+    """`POST /directory/lookup` (tokens form): one result per full chunk, in order."""
+    ns = res.namespace
+    token_ids = res.token_ids
+    results = [
+        ResultWire(
+            _key_wire(h, ns),
+            [placement_wire(p) for p in ps],
+            list(token_ids[i]) if token_ids is not None and token_ids[i] is not None else None,  # type: ignore[arg-type]
+            res.access_counts[i],
+        )
+        for i, (h, ps) in enumerate(zip(res.hashes, res.placements, strict=True))
+    ]
+    holders = [
+        HolderWire(h.instance_id, h.tier.value, h.chunks, h.chunks * chunk_size)
+        for h in res.holders
+    ]
+    return LookupResponse(len(results), results, holders)
+
+
+def keys_response(results: list[KeyResult]) -> LookupResponse:
+    """`POST /directory/lookup` (keys form): one result per key, in the order asked."""
+    out = [
+        ResultWire(
+            KeyWire.from_core(r.key),
+            [placement_wire(p) for p in r.placements],
+            list(r.token_ids) if r.token_ids is not None else None,
+            r.access_count,
+        )
+        for r in results
+    ]
+    return LookupResponse(len(out), out)

@@ -1,0 +1,63 @@
+"""Builders of cache events and keys for the coordinator tests."""
+
+from __future__ import annotations
+
+from kvatlas.core.events import Entry, EventBatch
+from kvatlas.core.keys import ObjectKey, chunk_hashes, default_kv_rank
+from kvatlas.core.types import EventType, Tier
+from kvatlas.wire.http_api import encode_events_json, encode_events_msgpack
+
+MODEL = "llama"
+RANK = default_kv_rank(1)
+
+
+def key(h: bytes, model: str = MODEL) -> ObjectKey:
+    return ObjectKey(h, model, RANK)
+
+
+def fake_hash(i: int, salt: int = 0) -> bytes:
+    """A 32-byte hash whose 8-byte prefix (what the directory keeps) is unique per (i, salt)."""
+    return (salt.to_bytes(4, "big") + i.to_bytes(4, "big")) * 4
+
+
+def batch(
+    iid: str,
+    seq: int,
+    hashes: list[bytes],
+    *,
+    incarnation: int = 1,
+    tier: Tier = Tier.L1,
+    event: EventType = EventType.STORE,
+    size: int = 1024,
+    model: str = MODEL,
+) -> EventBatch:
+    return EventBatch(
+        iid,
+        incarnation,
+        seq,
+        event,
+        tier,
+        tuple(Entry(key(h, model), size) for h in hashes),
+    )
+
+
+def prompt_hashes(tokens: list[int], chunk_size: int = 256) -> list[bytes]:
+    return list(chunk_hashes(tokens, chunk_size))
+
+
+def json_body(*batches: EventBatch) -> bytes:
+    return encode_events_json(list(batches))
+
+
+def msgpack_body(*batches: EventBatch) -> bytes:
+    return encode_events_msgpack(list(batches))
+
+
+def register_body(iid: str, incarnation: int = 1, **extra: object) -> dict[str, object]:
+    return {
+        "instance_id": iid,
+        "ip": "127.0.0.1",
+        "http_port": 7555,
+        "incarnation": incarnation,
+        **extra,
+    }

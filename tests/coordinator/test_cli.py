@@ -1,0 +1,84 @@
+"""`kvatlas coordinator` flags: environment, validation messages naming the flag."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvatlas.cli.coordinator import config_from_args, main
+from kvatlas.coordinator.config import ConfigError, CoordinatorConfig
+
+
+def test_defaults_and_env_token() -> None:
+    cfg = config_from_args([], {"KVATLAS_AUTH_TOKEN": "tok"})
+    assert cfg.auth_token == "tok"
+    assert (cfg.port, cfg.instance_timeout, cfg.chunk_size) == (9300, 30.0, 256)
+    assert cfg.kafka_topic == "kvatlas-cache-events"
+    assert config_from_args(["--auth-token", "x"], {"KVATLAS_AUTH_TOKEN": "tok"}).auth_token == "x"
+    cfg = config_from_args(
+        [
+            "--event-transport",
+            "kafka",
+            "--kafka-bootstrap-servers",
+            "h:1",
+            "--enable-blend-lookup",
+            "--chunk-size",
+            "16",
+        ],
+        {},
+    )
+    assert (cfg.event_transport, cfg.enable_blend_lookup, cfg.chunk_size) == ("kafka", True, 16)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "flag"),
+    [
+        ({"port": 70000}, "--port"),
+        ({"instance_timeout": 0}, "--instance-timeout"),
+        ({"health_check_interval": 60}, "--health-check-interval"),
+        ({"chunk_size": 0}, "--chunk-size"),
+        ({"event_transport": "kafka"}, "--kafka-bootstrap-servers"),
+        ({"snapshot_interval": -1}, "--snapshot-interval"),
+        ({"max_body_bytes": 0}, "--max-body-bytes"),
+        ({"max_lookup_tokens": -5}, "--max-lookup-tokens"),
+    ],
+)
+def test_validation_names_the_flag(overrides: dict[str, object], flag: str) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        CoordinatorConfig(**overrides).validate()  # type: ignore[arg-type]
+
+
+def test_main_exits_2_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--chunk-size", "0"]) == 2
+    assert "--chunk-size" in capsys.readouterr().err
+
+
+def test_snapshot_of_other_chunk_size_is_refused(tmp_path: Path) -> None:
+    from kvatlas.core.fleet import FleetState
+
+    snap = tmp_path / "s.snap"
+    snap.write_bytes(FleetState(chunk_size=128).snapshot())
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvatlas.cli.coordinator",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--snapshot-path",
+            str(snap),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 2
+    assert "--chunk-size 128" in r.stderr
+    snap.write_bytes(b"garbage")
+    assert main(["--host", "127.0.0.1", "--port", "0", "--snapshot-path", str(snap)]) == 2

@@ -1,0 +1,235 @@
+"""Directory reads against a real coordinator: token and key lookups, blend lookups,
+stats, key listing, auth, OpenAPI and metrics."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+
+from kvatlas.core.keys import pack_kv_rank
+from kvatlas.core.types import Tier
+
+from .conftest import RunningCoordinator
+from .events import MODEL, batch, fake_hash, json_body, msgpack_body, prompt_hashes, register_body
+
+JSON = {"content-type": "application/json"}
+MSGPACK = {"content-type": "application/msgpack"}
+
+
+def test_tokens_lookup_reports_chunks_and_prefix_holders(coord: RunningCoordinator) -> None:
+    c = coord.client
+    tokens = list(range(1000, 1000 + 256 * 4 + 17))
+    hs = prompt_hashes(tokens)
+    assert len(hs) == 4
+    c.post("/instances", json=register_body("node-a"))
+    c.post("/instances", json=register_body("node-b"))
+    c.post(
+        "/events",
+        content=json_body(
+            batch("node-a", 1, hs[:3]),
+            batch("node-b", 1, hs[:1]),
+            batch("node-b", 2, hs[3:], tier=Tier.L2),
+        ),
+        headers=JSON,
+    )
+    r = c.post("/directory/lookup", json={"token_ids": tokens, "model_name": MODEL})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["chunks"] == 4
+    assert [res["key"]["chunk_hash_hex"] for res in body["results"]] == [h.hex() for h in hs]
+    assert body["results"][0]["key"]["kv_rank"] == 16777472
+    assert sorted(p["instance_id"] for p in body["results"][0]["placements"]) == [
+        "node-a",
+        "node-b",
+    ]
+    assert body["results"][3]["placements"][0]["tier"] == "l2"
+    holders = {
+        (h["instance_id"], h["tier"]): (h["chunks"], h["tokens"]) for h in body["prefix_holders"]
+    }
+    assert holders[("node-a", "l1")] == (3, 768)
+    assert holders[("node-b", "l1")] == (1, 256)
+    # another namespace (world size 2, salt) does not see these keys
+    for extra in ({"world_size": 2}, {"cache_salt": "s"}, {"model_name": "other"}):
+        r = c.post("/directory/lookup", json={"token_ids": tokens, "model_name": MODEL, **extra})
+        assert all(not res["placements"] for res in r.json()["results"])
+    r = c.post(
+        "/directory/lookup",
+        json={"token_ids": tokens, "model_name": MODEL, "kv_rank": pack_kv_rank(1, 0, 1, 0)},
+    )
+    assert r.json()["results"][0]["placements"]
+
+
+def test_keys_lookup_and_bad_requests(coord: RunningCoordinator) -> None:
+    c = coord.client
+    h = fake_hash(3)
+    c.post("/events", content=json_body(batch("node-a", 1, [h])), headers=JSON)
+    key = {"chunk_hash_hex": h.hex(), "model_name": MODEL, "kv_rank": 16777472}
+    missing = {**key, "chunk_hash_hex": fake_hash(4).hex()}
+    r = c.post("/directory/lookup", json={"keys": [key, missing]})
+    res = r.json()["results"]
+    assert len(res[0]["placements"]) == 1 and res[1]["placements"] == []
+    for bad in (
+        {},
+        {"keys": [key], "token_ids": [1]},
+        {"token_ids": [1, 2]},
+        {"token_ids": [-1], "model_name": "m"},
+        {"keys": [{**key, "chunk_hash_hex": "zz"}]},
+        {"token_ids": "x", "model_name": "m"},
+    ):
+        r = c.post("/directory/lookup", json=bad)
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]
+
+
+def test_lookup_limits(start_coordinator: object) -> None:
+    rc: RunningCoordinator = start_coordinator(max_lookup_tokens=1000, max_lookup_keys=2)  # type: ignore[operator]
+    r = rc.client.post("/directory/lookup", json={"token_ids": [1] * 1001, "model_name": "m"})
+    assert r.status_code == 413 and "limit of 1000" in r.json()["error"]
+    key = {"chunk_hash_hex": "00" * 32, "model_name": "m", "kv_rank": 1}
+    r = rc.client.post("/directory/lookup", json={"keys": [key] * 3})
+    assert r.status_code == 413
+
+
+def test_blend_lookup(start_coordinator: object) -> None:
+    rc: RunningCoordinator = start_coordinator(enable_blend_lookup=True, chunk_size=4)  # type: ignore[operator]
+    c = rc.client
+    doc = [11, 12, 13, 14, 15, 16, 17, 18]
+    hs = prompt_hashes(doc, 4)
+    stored = batch("node-a", 1, hs)
+    from kvatlas.core.events import Entry
+
+    entries = tuple(
+        Entry(e.key, e.size_bytes, tuple(doc[4 * i : 4 * i + 4]), 4 * i)
+        for i, e in enumerate(stored.entries)
+    )
+    import msgspec
+
+    stored = msgspec.structs.replace(stored, entries=entries)
+    assert c.post("/events", content=msgpack_body(stored), headers=MSGPACK).json()["applied"] == 1
+    query = [1, 2, 3, 15, 16, 17, 18, 9, 11, 12, 13, 14]
+    b64 = base64.b64encode(np.array(query, dtype="<u4").tobytes()).decode()
+    r = c.post("/directory/blend-lookup", json={"tokens_b64": b64, "model_name": MODEL})
+    assert r.status_code == 200, r.text
+    assert r.json()["matches"] == [
+        {"chunk_hash": hs[1].hex(), "old_st": 4, "cur_st": 3},
+        {"chunk_hash": hs[0].hex(), "old_st": 0, "cur_st": 8},
+    ]
+    assert c.get("/directory/stats").json()["blend"]["chunks"] == 2
+    # tokens come back with lookups when blend keeps them
+    r = c.post("/directory/lookup", json={"token_ids": doc, "model_name": MODEL})
+    assert r.json()["results"][1]["token_ids"] == doc[4:]
+    for bad in (
+        {"tokens_b64": "!!", "model_name": MODEL},
+        {"tokens_b64": "AAA=", "model_name": MODEL},
+        {"tokens_b64": b64, "model_name": ""},
+    ):
+        assert c.post("/directory/blend-lookup", json=bad).status_code == 400
+
+
+def test_blend_lookup_disabled_is_404_with_reason(coord: RunningCoordinator) -> None:
+    r = coord.client.post("/directory/blend-lookup", json={"tokens_b64": "", "model_name": "m"})
+    assert r.status_code == 404 and "--enable-blend-lookup" in r.json()["error"]
+
+
+def test_keys_listing_paginates_and_filters(coord: RunningCoordinator) -> None:
+    c = coord.client
+    c.post(
+        "/events",
+        content=json_body(
+            batch("node-a", 1, [fake_hash(i) for i in range(5)]),
+            batch(
+                "node-b",
+                1,
+                [fake_hash(i) for i in range(3)],
+                tier=Tier.L2,
+            ),
+        ),
+        headers=JSON,
+    )
+    page = c.get("/directory/keys", params={"limit": 2}).json()
+    assert len(page["keys"]) == 2 and page["next_offset"] == 2
+    assert len(page["keys"][0]["chunk_hash_prefix_hex"]) == 16
+    assert "8-byte" in page["note"]
+    seen = []
+    offset: int | None = 0
+    while offset is not None:
+        page = c.get("/directory/keys", params={"offset": offset, "limit": 2}).json()
+        seen += [k["chunk_hash_prefix_hex"] for k in page["keys"]]
+        offset = page["next_offset"]
+    assert sorted(seen) == sorted(fake_hash(i)[:8].hex() for i in range(5))
+    assert len(c.get("/directory/keys", params={"tier": "l2"}).json()["keys"]) == 3
+    l2 = c.get("/directory/keys", params={"tier": "l2", "instance": "node-a"}).json()
+    assert l2["keys"] == []
+    assert (
+        len(
+            c.get("/directory/keys", params={"backend": "cpu", "instance": "node-b"}).json()["keys"]
+        )
+        == 3
+    )
+    for bad in ({"tier": "l3"}, {"limit": 0}, {"offset": -1}, {"limit": "x"}):
+        assert c.get("/directory/keys", params=bad).status_code == 400
+
+
+def test_stats_shape_and_digest(coord: RunningCoordinator) -> None:
+    c = coord.client
+    c.post(
+        "/events",
+        content=json_body(
+            batch("node-a", 1, [fake_hash(1)], size=100),
+            batch("node-a", 2, [fake_hash(2)], size=50, tier=Tier.L2),
+        ),
+        headers=JSON,
+    )
+    s = c.get("/directory/stats", params={"digest": "1"}).json()
+    assert s["keys"] == 2 and s["placements"] == 2
+    assert s["bytes_by_tier"] == {"l1": 100, "l2": 50}
+    assert {o["tier"] for o in s["owners"]} == {"l1", "l2"}
+    assert len(s["digest"]) == 64
+    assert c.get("/directory/stats").json()["digest"] is None
+
+
+def test_auth_token_guards_everything_but_healthz(start_coordinator: object) -> None:
+    import httpx
+
+    rc: RunningCoordinator = start_coordinator(auth_token="s3cret")  # type: ignore[operator]
+    with httpx.Client(base_url=rc.url) as anon:
+        assert anon.get("/healthz").status_code == 200
+        for method, path in (
+            ("GET", "/instances"),
+            ("POST", "/instances"),
+            ("POST", "/events"),
+            ("GET", "/metrics"),
+            ("GET", "/readyz"),
+            ("GET", "/openapi.json"),
+            ("POST", "/directory/lookup"),
+            ("GET", "/directory/stats"),
+            ("PUT", "/instances/a/heartbeat"),
+            ("DELETE", "/instances/a"),
+        ):
+            r = anon.request(method, path)
+            assert r.status_code == 401, path
+            assert "bearer" in r.json()["error"]
+        r = anon.get("/instances", headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+    assert rc.client.get("/instances").status_code == 200
+    assert rc.client.post("/instances", json=register_body("a")).status_code == 200
+
+
+def test_openapi_describes_every_route(coord: RunningCoordinator) -> None:
+    doc = coord.client.get("/openapi.json").json()
+    assert doc["openapi"].startswith("3.")
+    routes = {
+        (r.path, m.lower())
+        for r in coord.coordinator.app.routes  # type: ignore[attr-defined]
+        for m in r.methods
+        if m != "HEAD"
+    }
+    documented = {(p, m) for p, ops in doc["paths"].items() for m in ops}
+    assert routes == documented
+    assert "RegisterRequest" in doc["components"]["schemas"]
+
+
+def test_readyz_and_healthz(coord: RunningCoordinator) -> None:
+    assert coord.client.get("/healthz").json() == {"status": "ok"}
+    assert coord.client.get("/readyz").json() == {"ready": True, "reason": ""}

@@ -1,0 +1,175 @@
+"""Membership over HTTP against a real coordinator: register, heartbeat, deregister,
+incarnations, contracts, expiry and the fences they cause."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from kvatlas.core.types import Tier
+
+from .conftest import RunningCoordinator
+from .events import batch, fake_hash, json_body, key, register_body
+
+JSON = {"content-type": "application/json"}
+
+
+def placements(rc: RunningCoordinator, h: bytes) -> list[dict[str, object]]:
+    k = key(h)
+    r = rc.client.post(
+        "/directory/lookup",
+        json={
+            "keys": [{"chunk_hash_hex": h.hex(), "model_name": k.model_name, "kv_rank": k.kv_rank}]
+        },
+    )
+    assert r.status_code == 200, r.text
+    out: list[dict[str, object]] = r.json()["results"][0]["placements"]
+    return out
+
+
+def test_register_list_heartbeat_deregister(
+    coord: RunningCoordinator, caplog: pytest.LogCaptureFixture
+) -> None:
+    c = coord.client
+    with caplog.at_level(logging.INFO, logger="kvatlas.coordinator"):
+        r = c.post(
+            "/instances", json=register_body("node-a", p2p_advertised_url="tcp://127.0.0.1:9000")
+        )
+    assert r.status_code == 200
+    assert r.json() == {"instance_id": "node-a", "re_registered": False, "incarnation": 1}
+    assert "Registered instance node-a at 127.0.0.1:7555" in caplog.text
+    listed = c.get("/instances").json()["instances"]
+    assert [i["instance_id"] for i in listed] == ["node-a"]
+    assert listed[0]["p2p_advertised_url"] == "tcp://127.0.0.1:9000"
+    assert c.put("/instances/node-a/heartbeat").json() == {"instance_id": "node-a"}
+    assert c.delete("/instances/node-a").status_code == 204
+    assert c.get("/instances").json() == {"instances": []}
+    r = c.put("/instances/node-a/heartbeat")
+    assert r.status_code == 404
+    assert r.json() == {"error": "unknown instance node-a; re-register"}
+    assert c.delete("/instances/never-seen").status_code == 204
+
+
+def test_empty_instance_id_is_generated_and_lmcache_body_accepted(
+    coord: RunningCoordinator,
+) -> None:
+    r = coord.client.post(
+        "/instances",
+        json={
+            "instance_id": "",
+            "ip": "10.0.0.1",
+            "http_port": 8000,
+            "metadata": {"a": "b"},
+            "p2p_advertised_url": None,
+            "mq_port": None,
+        },
+    )
+    assert r.status_code == 200
+    iid = r.json()["instance_id"]
+    assert iid.startswith("instance-")
+    assert r.json()["re_registered"] is False
+
+
+def test_re_registration_of_same_incarnation_is_flagged(coord: RunningCoordinator) -> None:
+    c = coord.client
+    c.post("/instances", json=register_body("node-a"))
+    r = c.post("/instances", json=register_body("node-a"))
+    assert r.json()["re_registered"] is True
+
+
+def test_contract_mismatch_is_409_naming_the_field(coord: RunningCoordinator) -> None:
+    c = coord.client
+    contract = {"model_name": "llama", "kv_dtype": "bfloat16", "kv_layout": [32, 8, 128]}
+    assert c.post("/instances", json=register_body("node-a", contract=contract)).status_code == 200
+    bad = {**contract, "kv_dtype": "float16"}
+    r = c.post("/instances", json=register_body("node-b", contract=bad))
+    assert r.status_code == 409
+    assert "kv_dtype" in r.json()["error"]
+    r = c.post("/instances", json=register_body("node-c", contract={**contract, "chunk_size": 512}))
+    assert r.status_code == 409 and "chunk_size" in r.json()["error"]
+
+
+def test_stale_incarnation_is_409(coord: RunningCoordinator) -> None:
+    c = coord.client
+    c.post("/instances", json=register_body("node-a", incarnation=5))
+    r = c.post("/instances", json=register_body("node-a", incarnation=4))
+    assert r.status_code == 409
+    assert "stale incarnation 4" in r.json()["error"]
+
+
+def test_new_incarnation_fences_l1_keeps_l2(coord: RunningCoordinator) -> None:
+    c = coord.client
+    c.post("/instances", json=register_body("node-a", incarnation=1))
+    h1, h2 = fake_hash(1), fake_hash(2)
+    body = json_body(batch("node-a", 1, [h1]), batch("node-a", 2, [h2], tier=Tier.L2))
+    assert c.post("/events", content=body, headers=JSON).json()["applied"] == 2
+    assert len(placements(coord, h1)) == 1
+    r = c.post("/instances", json=register_body("node-a", incarnation=2))
+    assert r.json()["re_registered"] is True
+    assert placements(coord, h1) == []
+    assert [p["tier"] for p in placements(coord, h2)] == ["l2"]
+    # events of the old incarnation are stale now
+    r = c.post("/events", content=json_body(batch("node-a", 3, [h1])), headers=JSON)
+    assert r.json()["stale"] == 1
+
+
+def test_deregister_fences_l1_and_forgets_cursor(coord: RunningCoordinator) -> None:
+    c = coord.client
+    c.post("/instances", json=register_body("node-a"))
+    h1, h2 = fake_hash(1), fake_hash(2)
+    c.post(
+        "/events",
+        content=json_body(batch("node-a", 1, [h1]), batch("node-a", 2, [h2], tier=Tier.L2)),
+        headers=JSON,
+    )
+    assert c.delete("/instances/node-a").status_code == 204
+    assert placements(coord, h1) == []
+    assert len(placements(coord, h2)) == 1
+    stats = c.get("/directory/stats").json()
+    assert stats["cursors"] == []
+
+
+def test_heartbeat_expiry_fences_l1(
+    start_coordinator: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    rc: RunningCoordinator = start_coordinator(instance_timeout=0.4, health_check_interval=0.05)  # type: ignore[operator]
+    c = rc.client
+    c.post("/instances", json=register_body("node-a"))
+    c.post("/instances", json=register_body("node-b"))
+    h1, h2 = fake_hash(1), fake_hash(2)
+    c.post(
+        "/events",
+        content=json_body(batch("node-a", 1, [h1]), batch("node-a", 2, [h2], tier=Tier.L2)),
+        headers=JSON,
+    )
+    with caplog.at_level(logging.INFO, logger="kvatlas.coordinator"):
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            c.put("/instances/node-b/heartbeat")
+            ids = [i["instance_id"] for i in c.get("/instances").json()["instances"]]
+            if ids == ["node-b"]:
+                break
+            time.sleep(0.05)
+    assert ids == ["node-b"]
+    assert placements(coord := rc, h1) == []
+    assert len(placements(coord, h2)) == 1
+    assert "Instance node-a (incarnation 1) expired" in caplog.text
+    assert c.put("/instances/node-a/heartbeat").status_code == 404
+    metrics = c.get("/metrics").text
+    assert "kvatlas_coordinator_expiries_total 1.0" in metrics
+    assert 'kvatlas_coordinator_heartbeat_age_seconds{instance="node-b"}' in metrics
+
+
+def test_events_before_registration_are_provisional_and_expire(start_coordinator: object) -> None:
+    rc: RunningCoordinator = start_coordinator(instance_timeout=0.3, health_check_interval=0.05)  # type: ignore[operator]
+    c = rc.client
+    h = fake_hash(7)
+    r = c.post("/events", content=json_body(batch("ghost", 1, [h])), headers=JSON)
+    assert r.json()["provisional"] == 1
+    assert c.get("/directory/stats").json()["provisional_instances"] == ["ghost"]
+    deadline = time.monotonic() + 5
+    while placements(rc, h) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert placements(rc, h) == []

@@ -1,0 +1,290 @@
+"""Kafka ingest and replicas against the real tansu broker: every replica consumes every
+partition, membership travels through the log, and all replicas reach the same
+directory; restarts resume from the offsets stored with the snapshot."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from confluent_kafka import Producer
+
+from kvatlas.coordinator.kafka_records import encode_batch_msgpack
+from kvatlas.core.events import EventBatch
+from kvatlas.core.types import Tier
+from kvatlas.wire.http_api import batch_from_core
+
+from .conftest import RunningCoordinator
+from .events import batch, fake_hash, key, register_body
+from .processes import CoordinatorProcess
+
+pytestmark = [pytest.mark.kafka]
+
+Start = Callable[..., RunningCoordinator]
+
+
+@pytest.fixture
+def topic(kafka_broker: Any) -> str:
+    name = f"events-{uuid.uuid4().hex[:8]}"
+    kafka_broker.create_topic(name, partitions=8)
+    return name
+
+
+@pytest.fixture
+def producer(kafka_broker: Any) -> Any:
+    p = Producer(
+        {
+            "bootstrap.servers": kafka_broker.bootstrap,
+            "partitioner": "murmur2_random",
+            "linger.ms": 2,
+        }
+    )
+    yield p
+    p.flush(10)
+
+
+def kafka_cfg(kafka_broker: Any, topic: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "event_transport": "kafka",
+        "kafka_bootstrap_servers": kafka_broker.bootstrap,
+        "kafka_topic": topic,
+        **extra,
+    }
+
+
+def publish(producer: Any, topic: str, batches: list[EventBatch], json: bool = False) -> None:
+    for b in batches:
+        value = msgspec.json.encode(batch_from_core(b)) if json else encode_batch_msgpack(b)
+        producer.produce(topic, key=b.instance_id, value=value)
+    assert producer.flush(10) == 0
+
+
+def stats(client: Any) -> dict[str, Any]:
+    out: dict[str, Any] = client.get("/directory/stats", params={"digest": "1"}).json()
+    return out
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def converge(*clients: Any, keys: int) -> str:
+    """Wait until every replica holds ``keys`` keys and all digests agree."""
+
+    def same() -> bool:
+        ss = [stats(c) for c in clients]
+        return all(s["keys"] == keys for s in ss) and len({s["digest"] for s in ss}) == 1
+
+    try:
+        wait_for(same)
+    except AssertionError:
+        for c in clients:
+            s = stats(c)
+            print(s["keys"], s["digest"], s["cursors"], s["kafka_positions"])
+        raise
+    return str(stats(clients[0])["digest"])
+
+
+def test_replicas_agree_on_directory_and_membership(
+    kafka_broker: Any, topic: str, producer: Any, start_coordinator: Start
+) -> None:
+    a = start_coordinator(**kafka_cfg(kafka_broker, topic))
+    b = start_coordinator(**kafka_cfg(kafka_broker, topic))
+    a.wait_ready()
+    b.wait_ready()
+    # membership through replica A: it answers synchronously, and B learns it from the log
+    r = a.client.post("/instances", json=register_body("node-a"))
+    assert r.status_code == 200 and r.json()["re_registered"] is False
+    r = b.client.post("/instances", json=register_body("node-b", contract={"model_name": "llama"}))
+    assert r.status_code == 200
+    r = a.client.post(
+        "/instances",
+        json=register_body("node-c", contract={"model_name": "llama", "chunk_size": 16}),
+    )
+    assert r.status_code == 409 and "chunk_size" in r.json()["error"]
+    wait_for(lambda: len(b.client.get("/instances").json()["instances"]) == 2)
+    assert b.client.put("/instances/node-a/heartbeat").status_code == 200
+    assert a.client.put("/instances/nobody/heartbeat").status_code == 404
+    # events from the log, both encodings, with a duplicate and a gap
+    batches = [batch("node-a", s, [fake_hash(i, s) for i in range(64)]) for s in range(1, 6)]
+    batches += [
+        batch("node-b", s, [fake_hash(i, 100 + s) for i in range(64)], tier=Tier.L2)
+        for s in (1, 2, 4)
+    ]
+    publish(producer, topic, batches[:4])
+    publish(producer, topic, batches[3:], json=True)
+    digest = converge(a.client, b.client, keys=64 * 8)
+    sa, sb = stats(a.client), stats(b.client)
+    assert sa["cursors"] == sb["cursors"]
+    assert {c["instance_id"]: c["gaps"] for c in sa["cursors"]} == {"node-a": 0, "node-b": 1}
+    # lookups from either replica
+    for rc in (a, b):
+        k = key(fake_hash(0, 1))
+        res = rc.client.post(
+            "/directory/lookup",
+            json={
+                "keys": [
+                    {
+                        "chunk_hash_hex": k.chunk_hash.hex(),
+                        "model_name": k.model_name,
+                        "kv_rank": k.kv_rank,
+                    }
+                ]
+            },
+        ).json()["results"][0]
+        assert [p["instance_id"] for p in res["placements"]] == ["node-a"]
+    # deregistration through B fences node-a's L1 on both replicas
+    assert b.client.delete("/instances/node-a").status_code == 204
+    assert [i["instance_id"] for i in b.client.get("/instances").json()["instances"]] == ["node-b"]
+    after = converge(a.client, b.client, keys=64 * 3)
+    assert after != digest
+    wait_for(
+        lambda: (
+            [i["instance_id"] for i in a.client.get("/instances").json()["instances"]] == ["node-b"]
+        )
+    )
+    # POST /events is refused: events must go through the topic
+    r = a.client.post("/events", content=b'{"batches": []}')
+    assert r.status_code == 409 and topic in r.json()["error"]
+    m = a.client.get("/metrics").text
+    assert 'kvatlas_coordinator_kafka_records_total{kind="batch"} 9.0' in m  # one resent
+    assert 'kvatlas_coordinator_ingest_batches_total{outcome="applied",transport="kafka"} 8.0' in m
+    assert (
+        'kvatlas_coordinator_ingest_batches_total{outcome="duplicate",transport="kafka"} 1.0' in m
+    )
+
+
+def test_undecodable_records_are_counted_and_skipped(
+    kafka_broker: Any, topic: str, producer: Any, start_coordinator: Start
+) -> None:
+    a = start_coordinator(**kafka_cfg(kafka_broker, topic))
+    for value in (b"garbage", b'{"instance_id": 1}', b"KVM1\xc1", b""):
+        producer.produce(topic, key="node-x", value=value)
+    publish(producer, topic, [batch("node-x", 1, [fake_hash(1)])])
+    a.wait_ready()
+    wait_for(lambda: stats(a.client)["keys"] == 1)
+    m = a.client.get("/metrics").text
+    assert 'kvatlas_coordinator_kafka_records_total{kind="undecodable"} 4.0' in m
+
+
+def test_expiry_travels_through_the_log(
+    kafka_broker: Any, topic: str, producer: Any, start_coordinator: Start
+) -> None:
+    cfg = kafka_cfg(kafka_broker, topic, instance_timeout=1.0, health_check_interval=0.1)
+    a = start_coordinator(**cfg)
+    b = start_coordinator(**cfg)
+    a.wait_ready()
+    b.wait_ready()
+    a.client.post("/instances", json=register_body("node-a"))
+    a.client.post("/instances", json=register_body("node-b"))
+    publish(
+        producer,
+        topic,
+        [
+            batch("node-a", 1, [fake_hash(1)]),
+            batch("node-a", 2, [fake_hash(2)], tier=Tier.L2),
+            batch("node-b", 1, [fake_hash(3)]),
+        ],
+    )
+    converge(a.client, b.client, keys=3)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # node-b keeps beating, alternately on each replica
+        for rc in (a, b):
+            rc.client.put("/instances/node-b/heartbeat")
+        ids = [
+            {i["instance_id"] for i in rc.client.get("/instances").json()["instances"]}
+            for rc in (a, b)
+        ]
+        if ids == [{"node-b"}, {"node-b"}]:
+            break
+        time.sleep(0.1)
+    assert ids == [{"node-b"}, {"node-b"}]
+    converge(a.client, b.client, keys=2)  # node-a's L1 key fenced, its L2 key kept
+    assert a.client.put("/instances/node-a/heartbeat").status_code == 404
+
+
+def test_restart_resumes_from_snapshot_offsets(
+    kafka_broker: Any, topic: str, producer: Any, start_coordinator: Start, tmp_path: Path
+) -> None:
+    snap = str(tmp_path / "a.snap")
+    a = start_coordinator(**kafka_cfg(kafka_broker, topic, snapshot_path=snap))
+    b = start_coordinator(**kafka_cfg(kafka_broker, topic))
+    a.wait_ready()
+    a.client.post("/instances", json=register_body("node-a"))
+    publish(
+        producer,
+        topic,
+        [batch("node-a", s, [fake_hash(i, s) for i in range(32)]) for s in range(1, 4)],
+    )
+    converge(a.client, b.client, keys=96)
+    positions = stats(a.client)["kafka_positions"]
+    a.stop()
+    publish(
+        producer,
+        topic,
+        [batch("node-a", s, [fake_hash(i, s) for i in range(32)]) for s in range(4, 7)],
+    )
+    a2 = start_coordinator(**kafka_cfg(kafka_broker, topic, snapshot_path=snap))
+    a2.wait_ready()
+    converge(a2.client, b.client, keys=192)
+    later = stats(a2.client)["kafka_positions"]
+    assert all(later[k] >= v for k, v in positions.items())
+    # resumed, not replayed: nothing counted as duplicate
+    assert 'outcome="duplicate"' not in a2.client.get("/metrics").text
+    assert [i["instance_id"] for i in a2.client.get("/instances").json()["instances"]] == ["node-a"]
+
+
+@pytest.mark.slow
+def test_kill_9_replica_restores_and_replays_to_the_same_digest(
+    kafka_broker: Any, topic: str, producer: Any, start_coordinator: Start, tmp_path: Path
+) -> None:
+    snap = str(tmp_path / "p.snap")
+    args = (
+        "--event-transport",
+        "kafka",
+        "--kafka-bootstrap-servers",
+        kafka_broker.bootstrap,
+        "--kafka-topic",
+        topic,
+        "--snapshot-path",
+        snap,
+        "--snapshot-interval",
+        "0.2",
+    )
+    b = start_coordinator(**kafka_cfg(kafka_broker, topic))
+    p = CoordinatorProcess(*args)
+    try:
+        p.wait_ready()
+        p.client.post("/instances", json=register_body("node-a"))
+        publish(
+            producer,
+            topic,
+            [batch("node-a", s, [fake_hash(i, s) for i in range(50)]) for s in range(1, 11)],
+        )
+        converge(p.client, b.client, keys=500)
+        time.sleep(0.3)
+        # more records after the last snapshot: the restart must replay them (the gate
+        # absorbs whatever it had already applied)
+        publish(
+            producer,
+            topic,
+            [batch("node-a", s, [fake_hash(i, s) for i in range(50)]) for s in range(11, 13)],
+        )
+        p.kill()
+    finally:
+        p.close()
+    publish(producer, topic, [batch("node-a", 13, [fake_hash(i, 13) for i in range(50)])])
+    p2 = CoordinatorProcess(*args)
+    try:
+        p2.wait_ready()
+        converge(p2.client, b.client, keys=650)
+    finally:
+        p2.close()
