@@ -14,10 +14,10 @@ import msgspec
 import pytest
 from confluent_kafka import Producer
 
-from kvatlas.coordinator.kafka_records import encode_batch_msgpack
 from kvatlas.core.events import EventBatch
 from kvatlas.core.types import Tier
 from kvatlas.wire.http_api import batch_from_core
+from kvatlas.wire.kafka_records import encode_batch_msgpack
 
 from .conftest import RunningCoordinator
 from .events import batch, fake_hash, key, register_body

@@ -23,11 +23,11 @@ from collections.abc import Callable
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from kvatlas.coordinator.config import CoordinatorConfig
-from kvatlas.coordinator.kafka_records import MembershipRecord, decode_record
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.service import CoordinatorService, Position
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import EventBatch
+from kvatlas.wire.kafka_records import MembershipRecord, decode_record
 
 log = logging.getLogger(__name__)
 

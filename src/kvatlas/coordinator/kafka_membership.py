@@ -38,7 +38,10 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.frontend import Unavailable
-from kvatlas.coordinator.kafka_records import (
+from kvatlas.coordinator.service import CoordinatorService, Position
+from kvatlas.core.errors import InvalidInput
+from kvatlas.core.membership import InstanceInfo, RegisterOutcome
+from kvatlas.wire.kafka_records import (
     DeregisterRecord,
     ExpireRecord,
     HeartbeatRecord,
@@ -46,9 +49,6 @@ from kvatlas.coordinator.kafka_records import (
     RegisterRecord,
     encode_membership,
 )
-from kvatlas.coordinator.service import CoordinatorService, Position
-from kvatlas.core.errors import InvalidInput
-from kvatlas.core.membership import InstanceInfo, RegisterOutcome
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,240 @@
+"""Message shapes of the engine API: engine <-> local cache server over ZeroMQ.
+
+Control only: KV bytes never travel in these messages. The server answers with offsets
+into its shared L1 region, which the engine maps by the name returned at registration and
+copies into (store) or out of (read) under a write or read lease.
+
+Transport: the engine's DEALER sends ``[b"", msgpack(Request)]``, the server's ROUTER
+answers ``[b"", msgpack(Response)]`` with the same ``id``. ``v`` is the protocol version;
+a server answers a request of another version with ``ErrorReply(code="version")``.
+Chunk hashes are raw 32-byte digests; token ids travel as little-endian uint32 bytes.
+
+Owns encoding and shapes only; no I/O and no state.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+import msgspec
+
+from kvatlas.core.keys import Namespace
+
+PROTOCOL_VERSION: Final = 1
+
+# ---- requests -----------------------------------------------------------------------
+
+
+class RegisterEngine(msgspec.Struct, frozen=True, tag="register_engine"):
+    """Declare a model's hash contract; answered with the region to map."""
+
+    engine_id: str
+    model_name: str
+    kv_dtype: str
+    kv_layout: tuple[int, int, int]
+    """(layers, kv heads, head dim)."""
+    chunk_size: int
+    world_size: int = 1
+    hash_algorithm: str = "blake3"
+
+
+class Lookup(msgspec.Struct, frozen=True, tag="lookup"):
+    """How many leading tokens are available (L2 hits are promoted into L1 first).
+
+    Exactly one of ``token_ids`` (LE uint32 bytes; the server hashes full chunks) and
+    ``hashes`` (the prefix chain). With ``acquire`` the hit chunks are read-locked in the
+    same step and returned with their leases.
+    """
+
+    ns: Namespace
+    token_ids: bytes | None = None
+    hashes: list[bytes] | None = None
+    acquire: bool = False
+    lease_s: float = 0.0
+    """Read lease seconds; 0 means the server's default."""
+
+
+class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
+    """Write-lock one L1 slot per chunk."""
+
+    ns: Namespace
+    hashes: list[bytes]
+    sizes: list[int]
+    lease_s: float = 0.0
+
+
+class CommitItem(msgspec.Struct, frozen=True, array_like=True):
+    hash: bytes
+    lease_id: int
+    checksum: int
+    """xxh3-64 of the chunk's bytes as written into the slot."""
+
+
+class Commit(msgspec.Struct, frozen=True, tag="commit"):
+    """Make written slots readable."""
+
+    ns: Namespace
+    items: list[CommitItem]
+
+
+class Abort(msgspec.Struct, frozen=True, tag="abort"):
+    """Give up writes in progress and free their slots."""
+
+    ns: Namespace
+    hashes: list[bytes]
+
+
+class AcquireRead(msgspec.Struct, frozen=True, tag="acquire_read"):
+    """Read-lock chunks that are in L1 (no promotion: that is Lookup's job)."""
+
+    ns: Namespace
+    hashes: list[bytes]
+    lease_s: float = 0.0
+
+
+class Release(msgspec.Struct, frozen=True, tag="release"):
+    lease_ids: list[int]
+
+
+class GetStats(msgspec.Struct, frozen=True, tag="stats"):
+    pass
+
+
+RequestBody = RegisterEngine | Lookup | Reserve | Commit | Abort | AcquireRead | Release | GetStats
+
+
+class Request(msgspec.Struct, frozen=True):
+    v: int
+    id: int
+    body: RequestBody
+
+
+class Envelope(msgspec.Struct):
+    """Just the header of a request or response, to answer one that does not decode."""
+
+    v: int = 0
+    id: int = 0
+
+
+# ---- responses ----------------------------------------------------------------------
+
+
+class EngineRegistered(msgspec.Struct, frozen=True, tag="engine_registered"):
+    engine_id: str
+    instance_id: str
+    incarnation: int
+    region_name: str
+    region_size: int
+    align_bytes: int
+    chunk_size: int
+
+
+class ChunkLoc(msgspec.Struct, frozen=True, array_like=True):
+    """Where a chunk lives in the region; ``lease_id`` 0 when not read-locked."""
+
+    hash: bytes
+    offset: int
+    size: int
+    checksum: int
+    lease_id: int = 0
+
+
+class LookupResult(msgspec.Struct, frozen=True, tag="lookup_result"):
+    hit_tokens: int
+    hit_chunks: int
+    total_chunks: int
+    chunks: list[ChunkLoc]
+    """The hit chunks, in order, with leases when the lookup acquired them."""
+
+
+SlotStatus = Literal["reserved", "exists", "busy", "no_space"]
+
+
+class SlotGrant(msgspec.Struct, frozen=True, array_like=True):
+    """A reserved slot (``status`` reserved) or why there is none."""
+
+    hash: bytes
+    status: SlotStatus
+    offset: int = 0
+    size: int = 0
+    lease_id: int = 0
+
+
+class ReserveResult(msgspec.Struct, frozen=True, tag="reserve_result"):
+    slots: list[SlotGrant]
+
+
+class CommitResult(msgspec.Struct, frozen=True, tag="commit_result"):
+    committed: list[bool]
+    """Per item; False: unknown write, or its lease expired (the slot was freed)."""
+
+
+class AbortResult(msgspec.Struct, frozen=True, tag="abort_result"):
+    aborted: int
+
+
+class AcquireResult(msgspec.Struct, frozen=True, tag="acquire_result"):
+    chunks: list[ChunkLoc | None]
+    """Per requested hash; None when not in L1."""
+
+
+class ReleaseResult(msgspec.Struct, frozen=True, tag="release_result"):
+    released: int
+
+
+class StatsResult(msgspec.Struct, frozen=True, tag="stats_result"):
+    values: dict[str, int]
+
+
+ErrorCode = Literal["invalid_input", "contract_mismatch", "not_registered", "version", "internal"]
+
+
+class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
+    code: ErrorCode
+    message: str
+
+
+ResponseBody = (
+    EngineRegistered
+    | LookupResult
+    | ReserveResult
+    | CommitResult
+    | AbortResult
+    | AcquireResult
+    | ReleaseResult
+    | StatsResult
+    | ErrorReply
+)
+
+
+class Response(msgspec.Struct, frozen=True):
+    v: int
+    id: int
+    body: ResponseBody
+
+
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_response_decoder = msgspec.msgpack.Decoder(Response)
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Request | Response) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_request(data: bytes | memoryview) -> Request:
+    """Raise msgspec.DecodeError / ValidationError on a malformed request."""
+    return _request_decoder.decode(data)
+
+
+def decode_response(data: bytes | memoryview) -> Response:
+    return _response_decoder.decode(data)
+
+
+def decode_envelope(data: bytes | memoryview) -> Envelope:
+    """Best effort header of a message that did not decode (zeros when unreadable)."""
+    try:
+        return _envelope_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return Envelope()
