@@ -260,7 +260,7 @@ def _kafka(n_events: int) -> dict[str, Any]:
     from confluent_kafka import Producer
 
     from kafka_broker import KafkaBroker
-    from kvatlas.coordinator.kafka_records import encode_batch_msgpack
+    from kvatlas.wire.kafka_records import encode_batch_msgpack
 
     with KafkaBroker.start() as broker:
         broker.create_topic("bench", partitions=8)
