@@ -30,15 +30,12 @@ from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import EventBatch
 from kvatlas.core.fleet import Fenced, FleetState
 from kvatlas.core.gate import Verdict
-from kvatlas.core.keys import MAX_TOKEN_ID, Namespace, ObjectKey, chunk_hashes
+from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes
 from kvatlas.core.membership import InstanceInfo, RegisterOutcome
 from kvatlas.core.types import Tier
 from kvatlas.wire.http_api import EventsResponse, InstanceWire
 
 log = logging.getLogger(__name__)
-
-_MAX_SIZE_BYTES = (1 << 40) - 1
-"""The directory packs sizes into 40 bits; larger sizes are refused before any apply."""
 
 _OUTCOME = {Verdict.APPLY: "applied", Verdict.DUPLICATE: "duplicate", Verdict.STALE: "stale"}
 
@@ -209,22 +206,6 @@ class CoordinatorService:
 
     # ---- events ----------------------------------------------------------------------
 
-    def precheck(self, batches: Sequence[EventBatch]) -> None:
-        """Refuse, before anything applies, what the directory or blend index would only
-        refuse halfway through a body (sizes beyond 40 bits, token ids beyond uint32)."""
-        for b in batches:
-            for e in b.entries:
-                if e.size_bytes > _MAX_SIZE_BYTES:
-                    raise InvalidInput(
-                        f"size_bytes {e.size_bytes} exceeds {_MAX_SIZE_BYTES}"
-                        f" (instance {b.instance_id}, seq {b.seq})"
-                    )
-                t = e.token_ids
-                if t and (min(t) < 0 or max(t) > MAX_TOKEN_ID):
-                    raise InvalidInput(
-                        f"token ids must be in [0, 2**32-1] (instance {b.instance_id}, seq {b.seq})"
-                    )
-
     def ingest(
         self,
         batches: Sequence[EventBatch],
@@ -233,7 +214,6 @@ class CoordinatorService:
         position: Position | None = None,
     ) -> EventsResponse:
         """Gate and apply validated batches, one lock hold per batch."""
-        self.precheck(batches)
         applied = duplicates = stale = gaps = missing = provisional = 0
         m = self.metrics
         for i, b in enumerate(batches):
