@@ -1,0 +1,149 @@
+"""Peer bookkeeping for P2P: who the peers are, which ones to avoid, how long to wait.
+
+Owns three pure decisions that the P2P controller (a shell with threads and sockets)
+acts on:
+
+- `PeerTable.reconcile(listing)`: from one successful `GET /instances` listing, which
+  peer adapters to add, rebuild (endpoint changed) or remove (absent from 3 consecutive
+  successful listings). An unreachable coordinator is not a listing, so it never costs
+  a peer: peers keep serving each other through a coordinator outage.
+- `PeerHealth`: a peer that fails repeatedly is skipped for a cooling-off period.
+- `p2p_deadline`: a lookup or load gives up at the configured timeout at the latest,
+  and earlier when recomputing the missing tokens would be quicker than waiting.
+
+No I/O, no clock: times are parameters.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+MAX_MISSES = 3
+"""Consecutive successful listings without a peer before its adapter is removed."""
+
+
+class PeerEndpoint(msgspec.Struct, frozen=True):
+    """How to reach a peer's transfer channel, as its registration advertises it."""
+
+    instance_id: str
+    url: str
+    """``HOST:PORT`` of the peer's P2P channel (its ``p2p_advertised_url``)."""
+    incarnation: int = 0
+    metadata: dict[str, str] = {}
+
+
+class ActionKind(enum.StrEnum):
+    ADD = "add"
+    REBUILD = "rebuild"
+    REMOVE = "remove"
+
+
+class PeerAction(msgspec.Struct, frozen=True):
+    kind: ActionKind
+    peer: PeerEndpoint
+
+
+class PeerTable:
+    """The live peers as seen through successive listings. Single-threaded."""
+
+    def __init__(self, self_id: str, max_misses: int = MAX_MISSES) -> None:
+        self.self_id = self_id
+        self.max_misses = max_misses
+        self._peers: dict[str, PeerEndpoint] = {}
+        self._misses: dict[str, int] = {}
+
+    def reconcile(self, listing: list[PeerEndpoint]) -> list[PeerAction]:
+        """Apply one successful listing; returns the adapter changes to make, in order."""
+        actions: list[PeerAction] = []
+        seen: dict[str, PeerEndpoint] = {}
+        for p in listing:
+            if p.instance_id != self.self_id and p.url:
+                seen[p.instance_id] = p
+        for iid in sorted(seen):
+            new = seen[iid]
+            old = self._peers.get(iid)
+            self._misses[iid] = 0
+            if old is None:
+                actions.append(PeerAction(ActionKind.ADD, new))
+            elif (old.url, old.incarnation, old.metadata) != (
+                new.url,
+                new.incarnation,
+                new.metadata,
+            ):
+                actions.append(PeerAction(ActionKind.REBUILD, new))
+            self._peers[iid] = new
+        for iid in sorted(set(self._peers) - set(seen)):
+            self._misses[iid] = self._misses.get(iid, 0) + 1
+            if self._misses[iid] >= self.max_misses:
+                actions.append(PeerAction(ActionKind.REMOVE, self._peers.pop(iid)))
+                del self._misses[iid]
+        return actions
+
+    def peers(self) -> list[PeerEndpoint]:
+        return [self._peers[i] for i in sorted(self._peers)]
+
+    def get(self, instance_id: str) -> PeerEndpoint | None:
+        return self._peers.get(instance_id)
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def misses(self) -> dict[str, int]:
+        return {k: v for k, v in sorted(self._misses.items()) if v}
+
+
+class PeerHealth:
+    """Consecutive failures per peer; after ``threshold`` the peer is skipped until
+    ``cooloff_s`` has passed, then it gets one more chance."""
+
+    def __init__(self, threshold: int = 3, cooloff_s: float = 10.0) -> None:
+        self.threshold = threshold
+        self.cooloff_s = cooloff_s
+        self._failures: dict[str, int] = {}
+        self._skip_until: dict[str, float] = {}
+
+    def record_failure(self, peer: str, now: float) -> bool:
+        """Count a failure; True when the peer has just started cooling off."""
+        n = self._failures.get(peer, 0) + 1
+        self._failures[peer] = n
+        if n >= self.threshold:
+            self._failures[peer] = 0
+            self._skip_until[peer] = now + self.cooloff_s
+            return True
+        return False
+
+    def record_success(self, peer: str) -> None:
+        self._failures.pop(peer, None)
+        self._skip_until.pop(peer, None)
+
+    def available(self, peer: str, now: float) -> bool:
+        until = self._skip_until.get(peer)
+        if until is None:
+            return True
+        if now >= until:
+            del self._skip_until[peer]
+            return True
+        return False
+
+    def cooling(self, now: float) -> list[str]:
+        return sorted(p for p, t in self._skip_until.items() if t > now)
+
+    def forget(self, peer: str) -> None:
+        self._failures.pop(peer, None)
+        self._skip_until.pop(peer, None)
+
+
+def p2p_deadline(
+    configured_s: float,
+    expected_recompute_s: float | None,
+    factor: float = 1.0,
+    floor_s: float = 0.05,
+) -> float:
+    """Seconds to wait for a peer: the configured timeout at most, and no longer than
+    ``factor`` times the expected recompute time of the missing tokens (never below
+    ``floor_s``, so a tiny recompute estimate does not rule P2P out)."""
+    if expected_recompute_s is None or expected_recompute_s <= 0:
+        return configured_s
+    return min(configured_s, max(floor_s, factor * expected_recompute_s))
