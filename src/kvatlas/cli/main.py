@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from kvatlas import __version__
-from kvatlas.cli import coordinator
+from kvatlas.cli import coordinator, server
 
 USAGE = f"""usage: kvatlas <command> [options]
 
@@ -16,6 +16,7 @@ kvatlas {__version__}: find and share reusable LLM KV caches across a fleet.
 
 commands:
   coordinator   the fleet's control plane: membership, cache events, key directory
+  server        a node's cache server: L1/L2 KV store, engine API, event reporting
 
 Run `kvatlas <command> --help` for the options of a command.
 """
@@ -23,7 +24,7 @@ Run `kvatlas <command> --help` for the options of a command.
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    commands = {"coordinator": coordinator.main}
+    commands = {"coordinator": coordinator.main, "server": server.main}
     if not args or args[0] in {"-h", "--help"}:
         print(USAGE)
         return 0

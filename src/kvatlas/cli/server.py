@@ -1,0 +1,135 @@
+"""``kvatlas server``: flags and environment -> ServerConfig -> CacheServer.run().
+
+The one place where the cache server's configuration is read (flags, plus
+``KVATLAS_AUTH_TOKEN``); everything else receives the frozen ServerConfig. Exit codes:
+0 after a clean stop, 2 for a configuration refused at startup (the message names the
+flags), 1 when the server cannot start (a port in use, an unwritable state dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+from kvatlas.core.errors import KvatlasError
+from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
+from kvatlas.server.app import CacheServer
+from kvatlas.server.config import (
+    GIB,
+    CoordinatorConfig,
+    EventConfig,
+    KafkaConfig,
+    L1Config,
+    L2Config,
+    ServerConfig,
+    default_state_dir,
+)
+from kvatlas.server.errors import ConfigError
+
+AUTH_TOKEN_ENV = "KVATLAS_AUTH_TOKEN"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="kvatlas server", description="kvatlas cache server (one per node)"
+    )
+    ap.add_argument("--host", default="127.0.0.1", help="interface to bind (engine API, HTTP)")
+    ap.add_argument("--port", type=int, default=6555, help="ZeroMQ engine API port")
+    ap.add_argument("--http-port", type=int, default=7555, help="/status /metrics /healthz port")
+    ap.add_argument("--instance-id", default=None, help="name in the fleet (default: host-port)")
+    ap.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="tokens per chunk")
+    ap.add_argument("--l1-size-gb", type=float, default=1.0, help="L1 region size (fractions ok)")
+    ap.add_argument("--eviction-policy", default="LRU", help="L1 eviction policy")
+    ap.add_argument("--l1-align-bytes", type=int, default=4096, help="slot alignment")
+    ap.add_argument("--l2-path", default=None, help="L2 directory (enables the disk tier)")
+    ap.add_argument("--l2-size-gb", type=float, default=None, help="L2 budget (needs --l2-path)")
+    ap.add_argument("--lease-seconds", type=float, default=30.0, help="default lease length")
+    ap.add_argument("--engine-workers", type=int, default=4, help="engine API threads")
+    ap.add_argument("--state-dir", default=None, help="incarnation counter dir")
+    ap.add_argument("--coordinator-url", default=None, help="coordinator base URL")
+    ap.add_argument("--coordinator-advertise-ip", default="127.0.0.1", help="IP to advertise")
+    ap.add_argument("--coordinator-heartbeat-interval", type=float, default=5.0)
+    ap.add_argument("--coordinator-timeout", type=float, default=5.0)
+    ap.add_argument(
+        "--auth-token", default=None, help=f"bearer token for the coordinator (or {AUTH_TOKEN_ENV})"
+    )
+    ap.add_argument("--event-transport", default="http", help="http or kafka")
+    ap.add_argument("--event-format", default="msgpack", help="POST /events body: msgpack|json")
+    ap.add_argument("--event-flush-interval", type=float, default=1.0, help="seconds")
+    ap.add_argument("--event-buffer-batches", type=int, default=4096)
+    ap.add_argument("--event-max-batch-entries", type=int, default=512)
+    ap.add_argument("--kafka-bootstrap-servers", default="")
+    ap.add_argument("--kafka-topic", default="kvatlas-cache-events")
+    ap.add_argument("--log-level", default="INFO")
+    return ap
+
+
+def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerConfig:
+    """Flags + environment -> ServerConfig (validated; ConfigError names the flags)."""
+    if args.l2_size_gb is not None and args.l2_path is None:
+        raise ConfigError("--l2-size-gb needs --l2-path (where the L2 files live)")
+    token = args.auth_token or env.get(AUTH_TOKEN_ENV) or None
+    config = ServerConfig(
+        instance_id=args.instance_id or f"{socket.gethostname()}-{args.port}",
+        host=args.host,
+        port=args.port,
+        http_port=args.http_port,
+        chunk_size=args.chunk_size,
+        state_dir=Path(args.state_dir) if args.state_dir else default_state_dir(),
+        lease_s=args.lease_seconds,
+        engine_workers=args.engine_workers,
+        l1=L1Config(
+            size_bytes=int(args.l1_size_gb * GIB),
+            eviction_policy=args.eviction_policy,
+            align_bytes=args.l1_align_bytes,
+        ),
+        l2=L2Config(
+            path=Path(args.l2_path) if args.l2_path else None,
+            size_bytes=int((args.l2_size_gb or 0) * GIB),
+        ),
+        coordinator=CoordinatorConfig(
+            url=args.coordinator_url,
+            advertise_ip=args.coordinator_advertise_ip,
+            heartbeat_interval_s=args.coordinator_heartbeat_interval,
+            request_timeout_s=args.coordinator_timeout,
+            auth_token=token,
+        ),
+        events=EventConfig(
+            transport=args.event_transport,
+            http_format=args.event_format,
+            flush_interval_s=args.event_flush_interval,
+            buffer_batches=args.event_buffer_batches,
+            max_batch_entries=args.event_max_batch_entries,
+            kafka=KafkaConfig(args.kafka_bootstrap_servers, args.kafka_topic),
+        ),
+    )
+    config.validate()
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = config_from_args(args, dict(os.environ))
+    except ConfigError as exc:
+        print(f"kvatlas server: {exc}", file=sys.stderr)
+        return 2
+    try:
+        server = CacheServer(config)
+        server.run()
+    except KvatlasError as exc:
+        print(f"kvatlas server: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

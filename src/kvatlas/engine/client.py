@@ -1,0 +1,382 @@
+"""CacheClient: an engine's connection to its local cache server.
+
+Owns the engine side of the engine API: a ZeroMQ DEALER with timeouts, the mapping of the
+server's shared L1 region, and the copies into and out of it. Control messages
+(``kvatlas.wire.engine_proto``) go over the socket; KV bytes go only through the region.
+
+Exceptions (all derive from KvatlasError)::
+
+    EngineClientError
+     +-- ServerUnavailable   no answer within the timeout (server down or overloaded)
+     +-- RequestRefused      the server answered with an error; ``code`` says which
+          +-- ContractRefused    register: the contract contradicts the server's or fleet's
+          +-- ModelNotRegistered a request for a model not registered first
+     +-- ChecksumMismatch    bytes read from the region do not match the chunk's checksum
+
+Not thread-safe: use one client per thread (a lock guards the socket anyway).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Self, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+import zmq
+
+from kvatlas.core.checksum import checksum as compute_checksum
+from kvatlas.core.errors import KvatlasError
+from kvatlas.core.keys import Namespace, as_token_array, chunk_hashes, default_kv_rank
+from kvatlas.core.types import ChunkHash
+from kvatlas.server.l1region import L1Region
+from kvatlas.wire import engine_proto as p
+
+
+class EngineClientError(KvatlasError):
+    """Base of the client's errors."""
+
+
+class ServerUnavailable(EngineClientError):
+    """The cache server did not answer in time."""
+
+
+class RequestRefused(EngineClientError):
+    """The server refused a request; ``code`` is the protocol's error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class ContractRefused(RequestRefused):
+    """The engine's hash contract contradicts the server's or the fleet's."""
+
+
+class ModelNotRegistered(RequestRefused):
+    """The model was not registered with ``register`` first."""
+
+
+class ChecksumMismatch(EngineClientError):
+    """Bytes read from the region do not match the chunk's checksum."""
+
+
+_T = TypeVar("_T")
+
+_REFUSALS: dict[str, type[RequestRefused]] = {
+    "contract_mismatch": ContractRefused,
+    "not_registered": ModelNotRegistered,
+}
+
+ArrayLike = npt.NDArray[np.generic]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    """What ``store_chunks`` did, per full chunk of the tokens."""
+
+    stored: int
+    existing: int
+    refused: int
+    """Chunks the server had no room for (or that another writer holds)."""
+
+
+class CacheClient:
+    """Talk to one cache server; ``register`` before anything else."""
+
+    def __init__(
+        self, url: str = "tcp://127.0.0.1:6555", *, timeout_s: float = 5.0, engine_id: str = ""
+    ) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+        self.engine_id = engine_id or f"engine-{os.getpid()}"
+        self._ctx = zmq.Context()
+        self._sock = self._new_socket()
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._region: L1Region | None = None
+        self._array: npt.NDArray[np.uint8] | None = None
+        self.info: p.EngineRegistered | None = None
+        self.ns: Namespace | None = None
+
+    def _new_socket(self) -> zmq.Socket[bytes]:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.url)
+        return sock
+
+    # ------------------------------------------------------------------ transport
+
+    def call(self, body: p.RequestBody, timeout_s: float | None = None) -> p.ResponseBody:
+        """Send one request and wait for its answer; raise on timeout or error replies."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        with self._lock:
+            rid = next(self._ids)
+            self._sock.send_multipart([b"", p.encode(p.Request(p.PROTOCOL_VERSION, rid, body))])
+            deadline_ms = int(timeout * 1000)
+            while True:
+                if not self._sock.poll(deadline_ms, zmq.POLLIN):
+                    # a late answer would confuse the next call: start a fresh socket
+                    self._sock.close(0)
+                    self._sock = self._new_socket()
+                    raise ServerUnavailable(
+                        f"cache server {self.url} did not answer {type(body).__name__}"
+                        f" within {timeout:.1f}s"
+                    )
+                frames = self._sock.recv_multipart(copy=True)
+                resp = p.decode_response(frames[-1])
+                if resp.id == rid:
+                    break  # older ids are answers to requests that timed out
+        if isinstance(resp.body, p.ErrorReply):
+            cls = _REFUSALS.get(resp.body.code, RequestRefused)
+            raise cls(resp.body.code, resp.body.message)
+        return resp.body
+
+    def _expect(self, body: p.RequestBody, kind: type[_T]) -> _T:
+        resp = self.call(body)
+        if not isinstance(resp, kind):
+            raise EngineClientError(f"unexpected answer {type(resp).__name__} to {body!r}")
+        return resp
+
+    # ------------------------------------------------------------------ operations
+
+    def register(
+        self,
+        model_name: str,
+        kv_dtype: str,
+        kv_layout: tuple[int, int, int],
+        *,
+        chunk_size: int = 256,
+        world_size: int = 1,
+        kv_rank: int | None = None,
+        cache_salt: str = "",
+        object_group_id: int = 0,
+    ) -> p.EngineRegistered:
+        """Declare the model's contract and map the server's L1 region (read-write)."""
+        info = self._expect(
+            p.RegisterEngine(
+                self.engine_id, model_name, kv_dtype, kv_layout, chunk_size, world_size
+            ),
+            p.EngineRegistered,
+        )
+        if self._region is None or self._region.name != info.region_name:
+            self._close_region()
+            self._region = L1Region.attach(info.region_name, info.region_size, readonly=False)
+            self._array = self._region.array
+        self.info = info
+        rank = default_kv_rank(world_size) if kv_rank is None else kv_rank
+        self.ns = Namespace(model_name, rank, object_group_id, cache_salt)
+        return info
+
+    def _ns(self) -> Namespace:
+        if self.ns is None:
+            raise EngineClientError("call register() first")
+        return self.ns
+
+    @property
+    def chunk_size(self) -> int:
+        if self.info is None:
+            raise EngineClientError("call register() first")
+        return self.info.chunk_size
+
+    def hashes(self, tokens: Sequence[int] | npt.NDArray[np.integer]) -> list[ChunkHash]:
+        """The chunk hashes of the full chunks of ``tokens`` (the server's chunk size)."""
+        return chunk_hashes(tokens, self.chunk_size)
+
+    def lookup(
+        self,
+        tokens: Sequence[int] | npt.NDArray[np.integer] | None = None,
+        *,
+        hashes: Sequence[bytes] | None = None,
+        acquire: bool = False,
+        lease_s: float = 0.0,
+    ) -> p.LookupResult:
+        """How many leading tokens the server has (L2 hits are promoted into L1)."""
+        token_bytes = None
+        if tokens is not None:
+            token_bytes = as_token_array(tokens).astype("<u4", copy=False).tobytes()
+        req = p.Lookup(
+            self._ns(),
+            token_ids=token_bytes,
+            hashes=list(hashes) if hashes is not None else None,
+            acquire=acquire,
+            lease_s=lease_s,
+        )
+        return self._expect(req, p.LookupResult)
+
+    def reserve(
+        self, hashes: Sequence[bytes], sizes: Sequence[int], lease_s: float = 0.0
+    ) -> list[p.SlotGrant]:
+        return self._expect(
+            p.Reserve(self._ns(), list(hashes), list(sizes), lease_s), p.ReserveResult
+        ).slots
+
+    def commit(self, items: Sequence[p.CommitItem]) -> list[bool]:
+        return self._expect(p.Commit(self._ns(), list(items)), p.CommitResult).committed
+
+    def abort(self, hashes: Sequence[bytes]) -> int:
+        return self._expect(p.Abort(self._ns(), list(hashes)), p.AbortResult).aborted
+
+    def acquire(self, hashes: Sequence[bytes], lease_s: float = 0.0) -> list[p.ChunkLoc | None]:
+        return self._expect(
+            p.AcquireRead(self._ns(), list(hashes), lease_s), p.AcquireResult
+        ).chunks
+
+    def release(self, lease_ids: Sequence[int]) -> int:
+        ids = [i for i in lease_ids if i]
+        if not ids:
+            return 0
+        return self._expect(p.Release(ids), p.ReleaseResult).released
+
+    def stats(self) -> dict[str, int]:
+        return self._expect(p.GetStats(), p.StatsResult).values
+
+    @contextmanager
+    def read_leases(
+        self, hashes: Sequence[bytes], lease_s: float = 0.0
+    ) -> Iterator[list[p.ChunkLoc | None]]:
+        """Read-lock ``hashes`` for the block; released on exit, also on error."""
+        locs = self.acquire(hashes, lease_s)
+        try:
+            yield locs
+        finally:
+            self.release([loc.lease_id for loc in locs if loc is not None])
+
+    # ------------------------------------------------------------------ region access
+
+    def view(self, offset: int, size: int) -> npt.NDArray[np.uint8]:
+        """``size`` bytes of the region at ``offset`` as a uint8 array (no copy)."""
+        if self._array is None:
+            raise EngineClientError("call register() first")
+        return self._array[offset : offset + size]
+
+    def read_into(self, loc: p.ChunkLoc, out: ArrayLike, *, verify: bool = True) -> None:
+        """Copy a leased chunk into ``out`` (contiguous, ``loc.size`` bytes)."""
+        dst = _bytes_of(out)
+        if dst.size != loc.size:
+            raise EngineClientError(f"destination has {dst.size} bytes, chunk has {loc.size}")
+        src = self.view(loc.offset, loc.size)
+        if not verify:
+            np.copyto(dst, src)
+        elif copy_and_checksum(src, dst) != loc.checksum:
+            raise ChecksumMismatch(f"chunk {loc.hash.hex()[:16]} read with a wrong checksum")
+
+    # ------------------------------------------------------------------ helpers
+
+    def store_chunks(
+        self,
+        tokens: Sequence[int] | npt.NDArray[np.integer],
+        arrays: Sequence[ArrayLike],
+        lease_s: float = 0.0,
+    ) -> StoreResult:
+        """Store one array per full chunk of ``tokens`` (extra arrays are an error).
+
+        Reserve all, copy into the granted slots, checksum, commit all; a failure in the
+        middle aborts the slots still held.
+        """
+        hashes = self.hashes(tokens)
+        if len(arrays) > len(hashes):
+            raise EngineClientError(
+                f"{len(arrays)} arrays for {len(hashes)} full chunks of {self.chunk_size} tokens"
+            )
+        hashes = hashes[: len(arrays)]
+        sources = [_bytes_of(a) for a in arrays]
+        grants = self.reserve(hashes, [s.size for s in sources], lease_s)
+        items: list[p.CommitItem] = []
+        try:
+            for grant, src in zip(grants, sources, strict=True):
+                if grant.status != "reserved":
+                    continue
+                dst = self.view(grant.offset, grant.size)
+                np.copyto(dst, src)
+                items.append(p.CommitItem(grant.hash, grant.lease_id, compute_checksum(dst.data)))
+        except BaseException:
+            self.abort([g.hash for g in grants if g.status == "reserved"])
+            raise
+        done = self.commit(items) if items else []
+        existing = sum(1 for g in grants if g.status == "exists")
+        stored = sum(done)
+        return StoreResult(stored, existing, len(grants) - existing - stored)
+
+    def retrieve_prefix(
+        self,
+        tokens: Sequence[int] | npt.NDArray[np.integer],
+        out: Sequence[ArrayLike] | None = None,
+        *,
+        verify: bool = True,
+    ) -> list[ArrayLike]:
+        """Copy the longest cached prefix of ``tokens`` out of the region.
+
+        With ``out`` (one array per chunk), fills its leading arrays and returns them; else
+        returns fresh uint8 arrays. The length of the result is the number of hit chunks.
+        """
+        res = self.lookup(tokens, acquire=True)
+        try:
+            result: list[ArrayLike] = []
+            for i, loc in enumerate(res.chunks):
+                dst = out[i] if out is not None and i < len(out) else np.empty(loc.size, np.uint8)
+                self.read_into(loc, dst, verify=verify)
+                result.append(dst)
+            return result
+        finally:
+            self.release([loc.lease_id for loc in res.chunks])
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _close_region(self) -> None:
+        self._array = None
+        if self._region is not None:
+            self._region.close()
+            self._region = None
+
+    def close(self) -> None:
+        self._close_region()
+        self._sock.close(0)
+        self._ctx.term()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+COPY_BLOCK_BYTES = 256 * 1024
+"""Copy and hash in blocks that stay in the CPU cache: the checksum then reads the block
+just written instead of making a second pass over memory."""
+
+
+def copy_and_checksum(src: npt.NDArray[np.uint8], dst: npt.NDArray[np.uint8]) -> int:
+    """``np.copyto(dst, src)`` and the checksum of the bytes copied, in one pass.
+
+    Streams the same xxh3-64 as ``kvatlas.core.checksum`` (equal digests, checked in the
+    tests); the core exposes only the one-shot form.
+    """
+    if src.size <= COPY_BLOCK_BYTES:
+        np.copyto(dst, src)
+        return compute_checksum(dst.data)
+    h = xxhash.xxh3_64()
+    for off in range(0, src.size, COPY_BLOCK_BYTES):
+        block = dst[off : off + COPY_BLOCK_BYTES]
+        np.copyto(block, src[off : off + COPY_BLOCK_BYTES])
+        h.update(block.data)
+    return int(h.intdigest())
+
+
+def _bytes_of(a: ArrayLike) -> npt.NDArray[np.uint8]:
+    """A contiguous array viewed as flat bytes (no copy)."""
+    if not a.flags.c_contiguous:
+        raise EngineClientError("arrays must be C-contiguous")
+    return a.reshape(-1).view(np.uint8)

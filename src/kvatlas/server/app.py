@@ -1,0 +1,244 @@
+"""The cache server's composition root: builds, names, starts and stops every part.
+
+Parts, in start order: incarnation (state dir) -> L1 region + pool -> L2 (disk, optional)
+-> chunk store -> event publisher + sink and registrar (only with a coordinator URL) ->
+engine service -> engine API (ZeroMQ, --port) -> HTTP (/status, /metrics, /healthz,
+--http-port) -> lease sweeper. Ports are bound before any background thread starts, so a
+taken port fails the start with PortInUse. Stop runs in reverse: engines first, then a
+last event flush, deregistration, HTTP, and the region is unlinked.
+
+Must not: parse flags or read the environment (``kvatlas.cli.server`` does), or hold
+business logic (the parts do).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+from kvatlas.core.events import Entry
+from kvatlas.core.l1pool import L1Pool
+from kvatlas.core.types import EventType, Tier
+from kvatlas.server.chunkstore import ChunkStore, ChunkStoreStats
+from kvatlas.server.config import GIB, ServerConfig
+from kvatlas.server.engine_api import EngineApi
+from kvatlas.server.engine_service import EngineService, ServiceIdentity
+from kvatlas.server.http_app import HttpServer, build_app
+from kvatlas.server.incarnation import next_incarnation
+from kvatlas.server.l1region import L1Region, RegionBusy
+from kvatlas.server.l2 import L2Adapter
+from kvatlas.server.l2_disk import DiskL2Adapter
+from kvatlas.server.metrics import ServerMetrics
+from kvatlas.server.publisher import EventPublisher
+from kvatlas.server.registrar import Identity, Registrar
+from kvatlas.server.sinks import EventSink, HttpSink, KafkaSink
+from kvatlas.server.status import build_status
+
+log = logging.getLogger(__name__)
+
+DEFAULT_L2_BYTES = 10 * GIB
+SWEEP_INTERVAL_S = 1.0
+
+
+def make_sink(config: ServerConfig) -> EventSink:
+    ev = config.events
+    co = config.coordinator
+    if ev.transport == "kafka":
+        return KafkaSink(ev.kafka.bootstrap_servers, ev.kafka.topic, timeout_s=10.0)
+    assert co.url is not None
+    return HttpSink(
+        co.url, fmt=ev.http_format, timeout_s=co.request_timeout_s, auth_token=co.auth_token
+    )
+
+
+class CacheServer:
+    """One ``kvatlas server`` process."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        config.validate()
+        self.config = config
+        self.started_at = time.monotonic()
+        self.incarnation = next_incarnation(config.state_dir, config.instance_id)
+        self.region = L1Region.create(config.l1.size_bytes, config.instance_id)
+        try:
+            self.pool = L1Pool(
+                config.l1.size_bytes, config.l1.align_bytes, config.l1.eviction_policy
+            )
+            self.l2: L2Adapter | None = None
+            if config.l2.path is not None:
+                self.l2 = DiskL2Adapter(config.l2.path, config.l2.size_bytes or DEFAULT_L2_BYTES)
+            self.store = ChunkStore(self.pool, self.region, self.l2)
+            self.publisher: EventPublisher | None = None
+            self.registrar: Registrar | None = None
+            co = config.coordinator
+            if co.url is not None:
+                self.publisher = EventPublisher(
+                    make_sink(config),
+                    config.instance_id,
+                    self.incarnation,
+                    flush_interval_s=config.events.flush_interval_s,
+                    buffer_batches=config.events.buffer_batches,
+                    max_batch_entries=config.events.max_batch_entries,
+                    on_loss_recovered=self._resync,
+                )
+            self.service = EngineService(
+                self.store,
+                ServiceIdentity(
+                    config.instance_id, self.incarnation, config.chunk_size, config.lease_s
+                ),
+                publisher=self.publisher,
+            )
+            self.engine_api = EngineApi(
+                self.service, config.host, config.port, workers=config.engine_workers
+            )
+            self.engine_api.start()  # binds --port: PortInUse before anything else runs
+            try:
+                self.http = HttpServer(
+                    build_app(self.status, self._render_metrics), config.host, config.http_port
+                )
+            except BaseException:
+                self.engine_api.stop()
+                raise
+            if co.url is not None:
+                self.registrar = Registrar(
+                    co.url,
+                    Identity(
+                        config.instance_id,
+                        self.incarnation,
+                        co.advertise_ip,
+                        http_port=self.http.port,
+                        mq_port=self.engine_api.bound_port,
+                    ),
+                    heartbeat_interval_s=co.heartbeat_interval_s,
+                    timeout_s=co.request_timeout_s,
+                    auth_token=co.auth_token,
+                    on_resync=self._resync,
+                )
+                self.service.set_contract_declarer(self.registrar.declare_contract)
+            self.metrics = ServerMetrics(
+                config.instance_id,
+                self._store_stats,
+                lambda: self.publisher.stats() if self.publisher else None,
+                lambda: self.registrar.stats() if self.registrar else None,
+                lambda: (self.service.requests, self.service.errors),
+            )
+        except BaseException:
+            self._close_region()
+            raise
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep, name="kvatlas-sweeper", daemon=True)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self.http.start()
+        if self.publisher is not None:
+            l2_items = self.store.startup_l2_events()
+            if l2_items:
+                self.publisher.publish(
+                    EventType.STORE, Tier.L2, [Entry(e.key, e.size) for e in l2_items]
+                )
+            self.publisher.start()
+        if self.registrar is not None:
+            self.registrar.start()
+        self._sweeper.start()
+        log.info(
+            "cache server %s incarnation %d up: engine API tcp://%s:%d, HTTP :%d, L1 %d bytes"
+            " (%s), L2 %s, coordinator %s",
+            self.config.instance_id,
+            self.incarnation,
+            self.config.host,
+            self.engine_api.bound_port,
+            self.http.port,
+            self.pool.capacity_bytes,
+            self.region.name,
+            self.config.l2.path or "off",
+            self.config.coordinator.url or "none (standalone)",
+        )
+
+    def _sweep(self) -> None:
+        while not self._stop.wait(SWEEP_INTERVAL_S):
+            try:
+                self.service.expire()
+            except Exception:
+                log.exception("lease sweep failed on instance %s", self.config.instance_id)
+
+    def _resync(self) -> None:
+        self.service.resync()
+        if self.publisher is not None:
+            self.publisher.flush_soon()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.engine_api.stop()
+        if self._sweeper.is_alive():
+            self._sweeper.join(5)
+        self.service.drain_events()
+        if self.publisher is not None:
+            self.publisher.stop(final_flush=True)
+        if self.registrar is not None:
+            self.registrar.stop(deregister=True)
+        self.http.stop()
+        if self.l2 is not None:
+            self.l2.close()
+        self._close_region()
+        log.info(
+            "cache server %s incarnation %d stopped", self.config.instance_id, self.incarnation
+        )
+
+    def _close_region(self) -> None:
+        try:
+            self.region.close()
+        except RegionBusy:
+            log.warning("L1 region %s still had views at shutdown", self.region.name)
+        self.region.unlink()
+
+    def run(self) -> None:
+        """Start, serve until SIGTERM or SIGINT, stop."""
+        done = threading.Event()
+
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            log.info("signal %d: stopping instance %s", signum, self.config.instance_id)
+            done.set()
+
+        old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self.start()
+            done.wait()
+        finally:
+            try:
+                self.stop()
+            finally:
+                for s, handler in old.items():
+                    signal.signal(s, handler)
+
+    # ------------------------------------------------------------------ observability
+
+    def _store_stats(self) -> ChunkStoreStats:
+        with self.service.lock:
+            return self.store.stats()
+
+    def status(self) -> dict[str, Any]:
+        store = self._store_stats()
+        return build_status(
+            instance_id=self.config.instance_id,
+            incarnation=self.incarnation,
+            engine_port=self.engine_api.bound_port,
+            http_port=self.http.port,
+            chunk_size=self.config.chunk_size,
+            region_name=self.region.name,
+            store=store,
+            registrar=self.registrar.stats() if self.registrar else None,
+            publisher=self.publisher.stats() if self.publisher else None,
+            event_transport=self.config.events.transport,
+            models=sorted(self.service.contracts()),
+            engines=self.service.engines(),
+            uptime_s=time.monotonic() - self.started_at,
+        )
+
+    def _render_metrics(self) -> bytes:
+        return self.metrics.render()

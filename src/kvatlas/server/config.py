@@ -1,0 +1,191 @@
+"""The cache server's configuration: frozen dataclasses, validated once at startup.
+
+Owns the defaults and the consistency rules between settings. It is filled from flags
+and environment in exactly one place (``kvatlas.cli.server``); ``validate()`` raises
+ConfigError with a message that names the flags an operator has to change. Must not:
+read the environment, parse arguments or open anything.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final, Literal
+
+from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
+from kvatlas.core.l1pool import MIN_ALIGN_BYTES, POLICIES
+from kvatlas.server.errors import ConfigError
+
+GIB: Final = 1 << 30
+MAX_PORT: Final = 65535
+
+EventTransport = Literal["http", "kafka"]
+EventFormat = Literal["msgpack", "json"]
+
+
+def default_state_dir() -> Path:
+    """``~/.cache/kvatlas`` when the home directory is writable, else ``<tmp>/kvatlas``."""
+    home = Path.home()
+    if home.is_dir() and os.access(home, os.W_OK):
+        return home / ".cache" / "kvatlas"
+    return Path(tempfile.gettempdir()) / "kvatlas"
+
+
+@dataclass(frozen=True, slots=True)
+class L1Config:
+    """The shared-memory L1 tier."""
+
+    size_bytes: int = 1 * GIB
+    """Bytes of the L1 region (``--l1-size-gb``, fractions allowed)."""
+    eviction_policy: str = "LRU"
+    """Which READY chunks to evict first (``--eviction-policy``)."""
+    align_bytes: int = MIN_ALIGN_BYTES
+    """Every slot starts at a multiple of this (``--l1-align-bytes``; a power of two
+    >= 4096; 65536 recommended with P2P)."""
+
+
+@dataclass(frozen=True, slots=True)
+class L2Config:
+    """The local disk tier; absent when ``path`` is None."""
+
+    path: Path | None = None
+    """Directory of the L2 files (``--l2-path``); None disables L2."""
+    size_bytes: int = 0
+    """Byte budget of L2 (``--l2-size-gb``); 0 with a path means 10 GiB."""
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    """Where and how the server registers; ``url`` None means it works alone."""
+
+    url: str | None = None
+    """Base URL of the coordinator (``--coordinator-url``); None: no registration, no events."""
+    advertise_ip: str = "127.0.0.1"
+    """IP the coordinator and peers use to reach this server (``--coordinator-advertise-ip``)."""
+    heartbeat_interval_s: float = 5.0
+    """Seconds between heartbeats (``--coordinator-heartbeat-interval``)."""
+    request_timeout_s: float = 5.0
+    """Timeout of each request to the coordinator (``--coordinator-timeout``)."""
+    auth_token: str | None = field(default=None, repr=False)
+    """Sent as ``Authorization: Bearer`` (``--auth-token`` / ``KVATLAS_AUTH_TOKEN``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KafkaConfig:
+    """The Kafka event sink (``--event-transport kafka``)."""
+
+    bootstrap_servers: str = ""
+    """``host:port[,host:port]`` of the brokers (``--kafka-bootstrap-servers``)."""
+    topic: str = "kvatlas-cache-events"
+    """Topic the batches go to, keyed by instance id (``--kafka-topic``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EventConfig:
+    """How cache events are batched, buffered and sent."""
+
+    transport: EventTransport = "http"
+    """``http`` (POST /events of the coordinator) or ``kafka`` (``--event-transport``)."""
+    http_format: EventFormat = "msgpack"
+    """Body of POST /events: compact msgpack or LMCache-compatible JSON (``--event-format``)."""
+    flush_interval_s: float = 1.0
+    """Seconds between flushes; each flush cuts batches and sends (``--event-flush-interval``)."""
+    buffer_batches: int = 4096
+    """Unsent batches kept for retry; beyond it the oldest are dropped and counted
+    (``--event-buffer-batches``)."""
+    max_batch_entries: int = 512
+    """Entries per batch at most (``--event-max-batch-entries``)."""
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything ``kvatlas server`` needs; build it in ``kvatlas.cli.server`` only."""
+
+    instance_id: str
+    """This server's name in the fleet (``--instance-id``); unique per server."""
+    host: str = "127.0.0.1"
+    """Interface the engine API and HTTP endpoints bind (``--host``)."""
+    port: int = 6555
+    """ZeroMQ engine API port (``--port``)."""
+    http_port: int = 7555
+    """HTTP port of /status, /metrics, /healthz (``--http-port``)."""
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    """Tokens per chunk; engines must register the same (``--chunk-size``)."""
+    state_dir: Path = field(default_factory=default_state_dir)
+    """Where the incarnation counter lives (``--state-dir``)."""
+    lease_s: float = 30.0
+    """Default read and write lease seconds handed to engines (``--lease-seconds``)."""
+    engine_workers: int = 4
+    """Threads serving engine requests behind the ROUTER socket (``--engine-workers``)."""
+    l1: L1Config = field(default_factory=L1Config)
+    l2: L2Config = field(default_factory=L2Config)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    events: EventConfig = field(default_factory=EventConfig)
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the flags of the first inconsistency found."""
+        problems = list(_problems(self))
+        if problems:
+            raise ConfigError("invalid server configuration: " + "; ".join(problems))
+
+
+def _problems(c: ServerConfig) -> list[str]:
+    out: list[str] = []
+    if not c.instance_id:
+        out.append("--instance-id must not be empty")
+    for flag, port in (("--port", c.port), ("--http-port", c.http_port)):
+        if not 0 <= port <= MAX_PORT:
+            out.append(f"{flag} must be in [0, {MAX_PORT}], got {port}")
+    if c.port == c.http_port and c.port != 0:
+        out.append(f"--port and --http-port must differ, both are {c.port}")
+    if c.chunk_size <= 0:
+        out.append(f"--chunk-size must be positive, got {c.chunk_size}")
+    if not c.lease_s > 0:
+        out.append(f"--lease-seconds must be positive, got {c.lease_s}")
+    if c.engine_workers < 1:
+        out.append(f"--engine-workers must be >= 1, got {c.engine_workers}")
+    a = c.l1.align_bytes
+    if a < MIN_ALIGN_BYTES or a & (a - 1):
+        out.append(f"--l1-align-bytes must be a power of two >= {MIN_ALIGN_BYTES}, got {a}")
+    elif c.l1.size_bytes < a:
+        out.append(
+            f"--l1-size-gb must hold at least one aligned slot of {a} bytes"
+            f" (--l1-align-bytes), got {c.l1.size_bytes} bytes"
+        )
+    if c.l1.eviction_policy.upper() not in POLICIES:
+        out.append(
+            f"--eviction-policy {c.l1.eviction_policy!r} is unknown;"
+            f" accepted: {', '.join(sorted(POLICIES))}"
+        )
+    if c.l2.path is None and c.l2.size_bytes:
+        out.append("--l2-size-gb needs --l2-path (where the L2 files live)")
+    if c.l2.size_bytes < 0:
+        out.append(f"--l2-size-gb must be >= 0, got {c.l2.size_bytes} bytes")
+    co = c.coordinator
+    if co.url is not None and not co.url.startswith(("http://", "https://")):
+        out.append(f"--coordinator-url must start with http:// or https://, got {co.url!r}")
+    if not co.heartbeat_interval_s > 0:
+        out.append(
+            f"--coordinator-heartbeat-interval must be positive, got {co.heartbeat_interval_s}"
+        )
+    if not co.request_timeout_s > 0:
+        out.append(f"--coordinator-timeout must be positive, got {co.request_timeout_s}")
+    ev = c.events
+    if ev.transport not in ("http", "kafka"):
+        out.append(f"--event-transport must be http or kafka, got {ev.transport!r}")
+    if ev.transport == "kafka" and not ev.kafka.bootstrap_servers:
+        out.append("--event-transport kafka needs --kafka-bootstrap-servers")
+    if ev.transport == "kafka" and not ev.kafka.topic:
+        out.append("--kafka-topic must not be empty")
+    if ev.http_format not in ("msgpack", "json"):
+        out.append(f"--event-format must be msgpack or json, got {ev.http_format!r}")
+    if not ev.flush_interval_s > 0:
+        out.append(f"--event-flush-interval must be positive, got {ev.flush_interval_s}")
+    if ev.buffer_batches < 1:
+        out.append(f"--event-buffer-batches must be >= 1, got {ev.buffer_batches}")
+    if ev.max_batch_entries < 1:
+        out.append(f"--event-max-batch-entries must be >= 1, got {ev.max_batch_entries}")
+    return out

@@ -1,0 +1,381 @@
+"""The engine service: what each engine API request does to the chunk store.
+
+Owns the per-model hash contracts engines registered, the translation of engine requests
+into ChunkStore calls under the store lock, and handing the store's events to the
+publisher in the order they happened (also under the lock, so the event stream's order
+is the store's). It is transport-free: ``engine_api`` moves bytes over ZeroMQ and calls
+``handle``. Must not: copy KV bytes (engines do that through the shared region) or talk to
+the network itself (``declare_contract`` is the registrar's).
+
+P2P seam: ``peer_source`` is called on a local miss during a lookup (unused until the P2P
+controller exists); it may fill L1 and return how many more leading chunks it provided.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvatlas.core.errors import ContractMismatch, InvalidInput
+from kvatlas.core.events import Entry
+from kvatlas.core.keys import (
+    HASH_ALGORITHM,
+    HASH_BYTES,
+    HashContract,
+    Namespace,
+    ObjectKey,
+    chunk_hashes,
+)
+from kvatlas.core.l1pool import LeaseId, Reserved
+from kvatlas.core.types import EventType, Tier
+from kvatlas.server.chunkstore import ChunkStore, batches
+from kvatlas.wire import engine_proto as p
+
+log = logging.getLogger(__name__)
+
+
+class EventPublishing(Protocol):
+    def publish(self, event_type: EventType, tier: Tier, entries: Sequence[Entry]) -> None: ...
+
+
+class PeerSource(Protocol):
+    """Where a lookup turns on a local miss (P2P, next issue)."""
+
+    def fetch_prefix(self, store: ChunkStore, keys: Sequence[ObjectKey], now: float) -> int:
+        """Bring leading ``keys`` into L1; return how many are there now."""
+        ...
+
+
+class NotRegistered(InvalidInput):
+    """A request for a model no engine registered with this server."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceIdentity:
+    instance_id: str
+    incarnation: int
+    chunk_size: int
+    lease_s: float
+
+
+class EngineService:
+    """Handles decoded engine requests; thread-safe (one lock around the store)."""
+
+    def __init__(
+        self,
+        store: ChunkStore,
+        identity: ServiceIdentity,
+        *,
+        publisher: EventPublishing | None = None,
+        declare_contract: Callable[[HashContract], str | None] | None = None,
+        peer_source: PeerSource | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.identity = identity
+        self.lock = threading.Lock()
+        self._publisher = publisher
+        self._declare = declare_contract
+        self._peer_source = peer_source
+        self._clock = clock
+        self._contracts: dict[str, HashContract] = {}
+        self._engines: dict[str, str] = {}  # engine id -> model
+        self.requests = 0
+        self.errors = 0
+
+    # ------------------------------------------------------------------ helpers
+
+    def set_contract_declarer(self, declare: Callable[[HashContract], str | None]) -> None:
+        """Where new models' contracts go before they are accepted (the registrar)."""
+        self._declare = declare
+
+    def contracts(self) -> dict[str, HashContract]:
+        return dict(self._contracts)
+
+    def engines(self) -> int:
+        return len(self._engines)
+
+    def _keys(self, ns: Namespace, hashes: Sequence[bytes]) -> list[ObjectKey]:
+        if ns.model_name not in self._contracts:
+            raise NotRegistered(
+                f"model {ns.model_name!r} is not registered with server"
+                f" {self.identity.instance_id}; send register_engine first"
+            )
+        for h in hashes:
+            if len(h) != HASH_BYTES:
+                raise InvalidInput(f"chunk hashes must be {HASH_BYTES} bytes, got {len(h)}")
+        return [
+            ObjectKey(h, ns.model_name, ns.kv_rank, ns.object_group_id, ns.cache_salt)
+            for h in hashes
+        ]
+
+    def _drain_locked(self, accessed: Sequence[tuple[ObjectKey, int]] = ()) -> None:
+        events = self.store.take_events()
+        if self._publisher is None:
+            return
+        for kind, tier, entries in batches(events):
+            self._publisher.publish(kind, tier, entries)
+        if accessed:
+            self._publisher.publish(
+                EventType.ACCESS, Tier.L1, [Entry(k, size) for k, size in accessed]
+            )
+
+    def drain_events(self) -> None:
+        """Hand pending store events to the publisher (after a lease sweep, say)."""
+        with self.lock:
+            self._drain_locked()
+
+    def expire(self) -> int:
+        """End expired leases; returns how many."""
+        with self.lock:
+            n = len(self.store.expire(self._clock()))
+            self._drain_locked()
+        return n
+
+    def lease(self, lease_s: float) -> float:
+        if lease_s < 0:
+            raise InvalidInput(f"lease_s must be >= 0, got {lease_s}")
+        return lease_s or self.identity.lease_s
+
+    # ------------------------------------------------------------------ dispatch
+
+    def handle(self, body: p.RequestBody) -> p.ResponseBody:
+        """Answer one request; errors become ErrorReply, never exceptions."""
+        self.requests += 1
+        try:
+            return self._dispatch(body)
+        except ContractMismatch as exc:
+            self.errors += 1
+            return p.ErrorReply("contract_mismatch", str(exc))
+        except NotRegistered as exc:
+            self.errors += 1
+            return p.ErrorReply("not_registered", str(exc))
+        except InvalidInput as exc:
+            self.errors += 1
+            return p.ErrorReply("invalid_input", str(exc))
+        except Exception as exc:
+            self.errors += 1
+            log.exception(
+                "engine request %s failed on instance %s incarnation %d",
+                type(body).__name__,
+                self.identity.instance_id,
+                self.identity.incarnation,
+            )
+            return p.ErrorReply("internal", f"{type(exc).__name__}: {exc}")
+
+    def _dispatch(self, body: p.RequestBody) -> p.ResponseBody:
+        match body:
+            case p.Lookup():
+                return self.lookup(body)
+            case p.Reserve():
+                return self.reserve(body)
+            case p.Commit():
+                return self.commit(body)
+            case p.AcquireRead():
+                return self.acquire(body)
+            case p.Release():
+                return self.release(body)
+            case p.Abort():
+                return self.abort(body)
+            case p.RegisterEngine():
+                return self.register(body)
+            case p.GetStats():
+                s = self.store.stats()
+                return p.StatsResult(
+                    {
+                        "l1_chunks": s.l1.chunks,
+                        "l1_used_bytes": s.l1.used_bytes,
+                        "l1_capacity_bytes": s.l1.capacity_bytes,
+                        "read_leases": s.l1.read_leases,
+                        "write_leases": s.l1.write_leases,
+                        "l2_used_bytes": s.l2_used_bytes,
+                    }
+                )
+        raise InvalidInput(f"unknown request {type(body).__name__}")
+
+    # ------------------------------------------------------------------ operations
+
+    def register(self, req: p.RegisterEngine) -> p.EngineRegistered:
+        cs = self.identity.chunk_size
+        if req.chunk_size != cs:
+            raise ContractMismatch("chunk_size", cs, req.chunk_size)
+        if req.hash_algorithm != HASH_ALGORITHM:
+            raise ContractMismatch("hash_algorithm", HASH_ALGORITHM, req.hash_algorithm)
+        if not req.model_name:
+            raise InvalidInput("model_name must not be empty")
+        contract = HashContract(
+            model_name=req.model_name,
+            chunk_size=req.chunk_size,
+            hash_algorithm=req.hash_algorithm,
+            kv_dtype=req.kv_dtype,
+            kv_layout=req.kv_layout,
+            world_size=req.world_size,
+        )
+        with self.lock:
+            known = self._contracts.get(req.model_name)
+        if known is not None:
+            known.check_compatible(contract)  # engines of one server agree per model
+        elif self._declare is not None:
+            refusal = self._declare(contract)
+            if refusal is not None:
+                raise InvalidInput(f"the coordinator refused the contract: {refusal}")
+        with self.lock:
+            self._contracts.setdefault(req.model_name, contract)
+            self._engines[req.engine_id] = req.model_name
+        region = self.store.region
+        log.info(
+            "engine %s registered model %s (%s, layout %s) on instance %s incarnation %d",
+            req.engine_id,
+            req.model_name,
+            req.kv_dtype,
+            req.kv_layout,
+            self.identity.instance_id,
+            self.identity.incarnation,
+        )
+        return p.EngineRegistered(
+            engine_id=req.engine_id,
+            instance_id=self.identity.instance_id,
+            incarnation=self.identity.incarnation,
+            region_name=region.name,
+            region_size=region.size,
+            align_bytes=self.store.pool.align_bytes,
+            chunk_size=cs,
+        )
+
+    def lookup(self, req: p.Lookup) -> p.LookupResult:
+        if (req.token_ids is None) == (req.hashes is None):
+            raise InvalidInput("lookup needs exactly one of token_ids and hashes")
+        if req.token_ids is not None:
+            hashes: list[bytes] = list(chunk_hashes(req.token_ids, self.identity.chunk_size))
+        else:
+            hashes = list(req.hashes or [])
+        keys = self._keys(req.ns, hashes)
+        lease_s = self.lease(req.lease_s)
+        with self.lock:
+            now = self._clock()
+            hit = self.store.lookup_prefix(keys, now)
+            if hit < len(keys) and self._peer_source is not None:
+                hit += self._peer_source.fetch_prefix(self.store, keys[hit:], now)
+            locs: list[p.ChunkLoc] = []
+            accessed: list[tuple[ObjectKey, int]] = []
+            for key in keys[:hit]:
+                if req.acquire:
+                    lease = self.store.acquire_read(key, "engine", now, lease_s)
+                    if lease is None:  # cannot happen under the lock; stay safe
+                        break
+                    locs.append(
+                        p.ChunkLoc(
+                            key.chunk_hash,
+                            lease.offset,
+                            lease.size,
+                            lease.checksum,
+                            int(lease.lease_id),
+                        )
+                    )
+                    accessed.append((key, lease.size))
+                else:
+                    info = self.store.pool.get(key)
+                    if info is None or not info.committed:
+                        break
+                    locs.append(p.ChunkLoc(key.chunk_hash, info.offset, info.size, info.checksum))
+            self._drain_locked(accessed)
+        n = len(locs)
+        return p.LookupResult(n * self.identity.chunk_size, n, len(keys), locs)
+
+    def reserve(self, req: p.Reserve) -> p.ReserveResult:
+        if len(req.hashes) != len(req.sizes):
+            raise InvalidInput(f"reserve has {len(req.hashes)} hashes but {len(req.sizes)} sizes")
+        keys = self._keys(req.ns, req.hashes)
+        lease_s = self.lease(req.lease_s)
+        out: list[p.SlotGrant] = []
+        with self.lock:
+            now = self._clock()
+            self.store.expire(now)
+            for key, size in zip(keys, req.sizes, strict=True):
+                res = self.store.reserve(key, size, now, lease_s, holder="engine")
+                if isinstance(res, Reserved):
+                    s = res.slot
+                    out.append(
+                        p.SlotGrant(key.chunk_hash, "reserved", s.offset, s.size, int(s.lease_id))
+                    )
+                else:
+                    out.append(p.SlotGrant(key.chunk_hash, res.reason.value))
+            self._drain_locked()
+        return p.ReserveResult(out)
+
+    def commit(self, req: p.Commit) -> p.CommitResult:
+        keys = self._keys(req.ns, [i.hash for i in req.items])
+        done: list[bool] = []
+        with self.lock:
+            now = self._clock()
+            for key, item in zip(keys, req.items, strict=True):
+                info = self.store.commit(key, now, item.checksum, LeaseId(item.lease_id))
+                done.append(info is not None)
+            self._drain_locked()
+        return p.CommitResult(done)
+
+    def abort(self, req: p.Abort) -> p.AbortResult:
+        keys = self._keys(req.ns, req.hashes)
+        with self.lock:
+            n = sum(1 for k in keys if self.store.abort(k))
+            self._drain_locked()
+        return p.AbortResult(n)
+
+    def acquire(self, req: p.AcquireRead) -> p.AcquireResult:
+        keys = self._keys(req.ns, req.hashes)
+        lease_s = self.lease(req.lease_s)
+        out: list[p.ChunkLoc | None] = []
+        accessed: list[tuple[ObjectKey, int]] = []
+        with self.lock:
+            now = self._clock()
+            for key in keys:
+                lease = self.store.acquire_read(key, "engine", now, lease_s)
+                if lease is None:
+                    out.append(None)
+                    continue
+                out.append(
+                    p.ChunkLoc(
+                        key.chunk_hash,
+                        lease.offset,
+                        lease.size,
+                        lease.checksum,
+                        int(lease.lease_id),
+                    )
+                )
+                accessed.append((key, lease.size))
+            self._drain_locked(accessed)
+        return p.AcquireResult(out)
+
+    def release(self, req: p.Release) -> p.ReleaseResult:
+        with self.lock:
+            n = sum(1 for lease_id in req.lease_ids if self.store.release(LeaseId(lease_id)))
+        return p.ReleaseResult(n)
+
+    # ------------------------------------------------------------------ resync
+
+    def resync(self) -> int:
+        """Publish a STORE for every chunk in L1 and L2 (the coordinator lost its state)."""
+        if self._publisher is None:
+            return 0
+        with self.lock:
+            self._drain_locked()
+            l1 = [Entry(s.key, s.size) for s in self.store.pool.slots() if s.committed]
+            l2 = (
+                [Entry(i.key, i.size) for i in self.store.l2.list()]
+                if self.store.l2 is not None
+                else []
+            )
+            self._publisher.publish(EventType.STORE, Tier.L1, l1)
+            self._publisher.publish(EventType.STORE, Tier.L2, l2)
+        log.info(
+            "resync of instance %s incarnation %d: republished %d L1 and %d L2 chunks",
+            self.identity.instance_id,
+            self.identity.incarnation,
+            len(l1),
+            len(l2),
+        )
+        return len(l1) + len(l2)

@@ -1,0 +1,92 @@
+"""The server's HTTP endpoints (/status, /metrics, /healthz) and their uvicorn thread.
+
+Owns the starlette app and binding ``--http-port`` (a taken port raises PortInUse before
+anything runs). The documents come from callables the composition root passes in. Must
+not: reach into the chunk store or take its lock.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kvatlas.server.errors import PortInUse, ServerError
+from kvatlas.server.metrics import CONTENT_TYPE
+
+log = logging.getLogger(__name__)
+
+
+def build_app(status: Callable[[], dict[str, Any]], metrics: Callable[[], bytes]) -> Starlette:
+    async def get_status(_: Request) -> Response:
+        return Response(msgspec.json.encode(status()), media_type="application/json")
+
+    async def get_metrics(_: Request) -> Response:
+        return Response(metrics(), media_type=CONTENT_TYPE)
+
+    async def healthz(_: Request) -> Response:
+        return Response(b'{"ok":true}', media_type="application/json")
+
+    return Starlette(
+        routes=[
+            Route("/status", get_status, methods=["GET"]),
+            Route("/metrics", get_metrics, methods=["GET"]),
+            Route("/healthz", healthz, methods=["GET"]),
+        ]
+    )
+
+
+def bind(host: str, port: int, what: str, flag: str) -> socket.socket:
+    """A listening-ready TCP socket on host:port; PortInUse when taken."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUse(what, host, port, flag) from exc
+        raise ServerError(f"cannot bind {what} on {host}:{port} ({flag}): {exc}") from exc
+    return sock
+
+
+class HttpServer:
+    """uvicorn on a pre-bound socket, in a thread."""
+
+    def __init__(self, app: Starlette, host: str, port: int) -> None:
+        self._sock = bind(host, port, "HTTP", "--http-port")
+        self.port: int = self._sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        self._thread = threading.Thread(
+            target=self._server.run,
+            kwargs={"sockets": [self._sock]},
+            name="kvatlas-http",
+            daemon=True,
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise ServerError(f"HTTP server on port {self.port} did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10)
+            self._thread = None
+        self._sock.close()

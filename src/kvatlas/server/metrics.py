@@ -1,0 +1,97 @@
+"""Prometheus metrics of the cache server, read from stats snapshots at scrape time.
+
+Owns the metric names (prefix ``kvatlas_server_``) and a per-process CollectorRegistry.
+A custom collector asks the parts for ``stats()`` when scraped, so the hot paths count
+nothing extra. Must not: be imported for side effects or touch the global registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvatlas.server.chunkstore import ChunkStoreStats
+from kvatlas.server.publisher import PublisherStats
+from kvatlas.server.registrar import RegistrarStats, RegistrationState
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _StatsCollector(Collector):
+    def __init__(
+        self,
+        instance_id: str,
+        store: Callable[[], ChunkStoreStats],
+        publisher: Callable[[], PublisherStats | None],
+        registrar: Callable[[], RegistrarStats | None],
+        requests: Callable[[], tuple[int, int]],
+    ) -> None:
+        self._iid = instance_id
+        self._store = store
+        self._publisher = publisher
+        self._registrar = registrar
+        self._requests = requests
+
+    def _g(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(f"kvatlas_server_{name}", doc, labels=["instance_id"])
+        g.add_metric([self._iid], value)
+        return g
+
+    def _c(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(f"kvatlas_server_{name}", doc, labels=["instance_id"])
+        c.add_metric([self._iid], value)
+        return c
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self._store()
+        yield self._g("l1_capacity_bytes", "Usable bytes of the L1 region.", s.l1.capacity_bytes)
+        yield self._g("l1_used_bytes", "Bytes of L1 held by chunks.", s.l1.used_bytes)
+        yield self._g("l1_chunks", "Committed chunks in L1.", s.l1.chunks)
+        yield self._g("read_leases", "Live read leases.", s.l1.read_leases)
+        yield self._g("write_leases", "Live write leases.", s.l1.write_leases)
+        yield self._c("l1_evictions", "Chunks evicted from L1.", s.l1.evictions)
+        yield self._g("l2_capacity_bytes", "Byte budget of L2.", s.l2_capacity_bytes)
+        yield self._g("l2_used_bytes", "Bytes of L2 files.", s.l2_used_bytes)
+        yield self._c("l2_promotions", "Chunks promoted from L2 into L1.", s.promotions)
+        yield self._c("l2_demotions", "Evicted L1 chunks written to L2.", s.demotions)
+        req, err = self._requests()
+        yield self._c("engine_requests", "Engine API requests served.", req)
+        yield self._c("engine_request_errors", "Engine API requests answered with an error.", err)
+        pub = self._publisher()
+        if pub is not None:
+            yield self._c("events_sent", "Cache events delivered.", pub.sent_entries)
+            yield self._c("event_batches_sent", "Event batches delivered.", pub.sent_batches)
+            yield self._c("event_batches_retried", "Batches sent again.", pub.retried_batches)
+            yield self._c("event_send_failures", "Failed event sends.", pub.failed_sends)
+            yield self._c("events_dropped", "Events dropped: buffer full.", pub.dropped_entries)
+            yield self._g("event_batches_buffered", "Unsent batches.", pub.buffered_batches)
+            yield self._g("events_pending", "Events not yet batched.", pub.pending_entries)
+        reg = self._registrar()
+        if reg is not None:
+            yield self._g(
+                "registered",
+                "1 when registered with the coordinator.",
+                1 if reg.state is RegistrationState.REGISTERED else 0,
+            )
+            yield self._c("resyncs", "Resyncs after the coordinator lost state.", reg.resyncs)
+
+
+class ServerMetrics:
+    """A fresh registry with the server's collector."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        store: Callable[[], ChunkStoreStats],
+        publisher: Callable[[], PublisherStats | None],
+        registrar: Callable[[], RegistrarStats | None],
+        requests: Callable[[], tuple[int, int]],
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_StatsCollector(instance_id, store, publisher, registrar, requests))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

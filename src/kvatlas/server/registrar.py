@@ -1,0 +1,287 @@
+"""The registrar: this server's membership at the coordinator.
+
+Owns registration (``POST /instances``), the heartbeat loop (``PUT
+/instances/{id}/heartbeat`` every interval), re-registration when a heartbeat answers 404,
+deregistration at shutdown, and the hash contracts declared to the coordinator. After a
+re-registration that followed a 404 — the coordinator lost this instance (a restart
+without snapshot, or an expiry) — it calls ``on_resync`` so that the owner republishes a
+STORE for everything it holds and the directory is rebuilt.
+
+A coordinator that cannot be reached only changes the state to ``disconnected``: the
+server keeps serving its engines and the loop keeps trying every interval.
+
+Must not: touch the chunk store or the event stream itself (``on_resync`` does that).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+import msgspec
+
+from kvatlas.core.keys import HashContract
+from kvatlas.server.errors import CoordinatorError
+from kvatlas.server.sinks import auth_headers
+from kvatlas.wire.http_api import ContractWire, ErrorResponse, RegisterRequest, RegisterResponse
+
+log = logging.getLogger(__name__)
+
+
+class RegistrationState(enum.StrEnum):
+    """Where this server stands with the coordinator."""
+
+    UNREGISTERED = "unregistered"
+    """Not (or no longer) registered: never reached, refused, or deregistered."""
+    REGISTERED = "registered"
+    """The last registration or heartbeat succeeded."""
+    DISCONNECTED = "disconnected"
+    """Registered before, but the coordinator cannot be reached right now."""
+
+
+@dataclass(frozen=True, slots=True)
+class RegistrarStats:
+    state: RegistrationState
+    registrations: int
+    heartbeats: int
+    heartbeat_failures: int
+    reregistrations_after_404: int
+    resyncs: int
+    contracts: tuple[str, ...]
+    last_error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """What this server declares at registration."""
+
+    instance_id: str
+    incarnation: int
+    ip: str
+    http_port: int
+    mq_port: int
+    p2p_advertised_url: str | None = None
+
+
+class Registrar:
+    """Register, heartbeat, re-register on 404 (then resync), deregister on stop."""
+
+    def __init__(
+        self,
+        base_url: str,
+        identity: Identity,
+        *,
+        heartbeat_interval_s: float = 5.0,
+        timeout_s: float = 5.0,
+        auth_token: str | None = None,
+        on_resync: Callable[[], None] | None = None,
+    ) -> None:
+        self._base = base_url.rstrip("/")
+        self.identity = identity
+        self._interval = heartbeat_interval_s
+        self._client = httpx.Client(timeout=timeout_s, headers=auth_headers(auth_token))
+        self._on_resync = on_resync
+        self._lock = threading.Lock()  # one request at a time; guards the fields below
+        self._state = RegistrationState.UNREGISTERED
+        self._contracts: dict[str, HashContract] = {}
+        self._last_contract: HashContract | None = None
+        self._registrations = 0
+        self._heartbeats = 0
+        self._hb_failures = 0
+        self._rereg = 0
+        self._resyncs = 0
+        self._last_error = ""
+        self._needs_resync = False
+        self._needs_register = False
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def state(self) -> RegistrationState:
+        return self._state
+
+    # ------------------------------------------------------------------ requests
+
+    def _register_locked(self) -> None:
+        ident = self.identity
+        metadata = {"models": ",".join(sorted(self._contracts))} if self._contracts else {}
+        req = RegisterRequest(
+            ip=ident.ip,
+            http_port=ident.http_port,
+            instance_id=ident.instance_id,
+            metadata=metadata,
+            p2p_advertised_url=ident.p2p_advertised_url,
+            mq_port=ident.mq_port,
+            incarnation=ident.incarnation,
+            contract=(ContractWire.from_core(self._last_contract) if self._last_contract else None),
+        )
+        try:
+            resp = self._client.post(self._base + "/instances", content=msgspec.json.encode(req))
+        except httpx.HTTPError as exc:
+            raise CoordinatorError(f"POST {self._base}/instances failed: {exc!r}") from exc
+        if resp.status_code not in (200, 201):
+            raise CoordinatorError(
+                f"coordinator refused the registration of {ident.instance_id}"
+                f" ({resp.status_code}): {_error_text(resp)}",
+                resp.status_code,
+            )
+        body = msgspec.json.decode(resp.content, type=RegisterResponse)
+        self._registrations += 1
+        self._state = RegistrationState.REGISTERED
+        self._last_error = ""
+        log.info(
+            "registered instance %s incarnation %d at %s (re_registered=%s)",
+            ident.instance_id,
+            ident.incarnation,
+            self._base,
+            body.re_registered,
+        )
+
+    def _heartbeat_locked(self) -> bool:
+        """True: alive; False: the coordinator answered 404 (must re-register)."""
+        iid = self.identity.instance_id
+        url = f"{self._base}/instances/{iid}/heartbeat"
+        try:
+            resp = self._client.put(url)
+        except httpx.HTTPError as exc:
+            raise CoordinatorError(f"PUT {url} failed: {exc!r}") from exc
+        if resp.status_code == 404:
+            return False
+        if resp.status_code != 200:
+            raise CoordinatorError(
+                f"heartbeat answered {resp.status_code}: {_error_text(resp)}", resp.status_code
+            )
+        self._heartbeats += 1
+        self._state = RegistrationState.REGISTERED
+        return True
+
+    def tick(self) -> None:
+        """One step of the loop: register if needed, else heartbeat (re-register on 404)."""
+        resync = False
+        with self._lock:
+            ident = self.identity
+            try:
+                if self._state is RegistrationState.UNREGISTERED or self._needs_register:
+                    self._needs_register = False
+                    self._register_locked()
+                elif not self._heartbeat_locked():
+                    self._rereg += 1
+                    log.warning(
+                        "coordinator does not know instance %s incarnation %d (404):"
+                        " re-registering and resyncing",
+                        ident.instance_id,
+                        ident.incarnation,
+                    )
+                    self._state = RegistrationState.UNREGISTERED
+                    self._needs_resync = True
+                    self._register_locked()
+                if self._needs_resync and self._state is RegistrationState.REGISTERED:
+                    self._needs_resync = False
+                    self._resyncs += 1
+                    resync = True
+            except CoordinatorError as exc:
+                self._hb_failures += 1
+                if exc.status == 0 and self._registrations:
+                    self._state = RegistrationState.DISCONNECTED
+                elif exc.status != 0:
+                    self._state = RegistrationState.UNREGISTERED
+                if str(exc) != self._last_error:
+                    log.warning(
+                        "coordinator unavailable for instance %s incarnation %d: %s",
+                        ident.instance_id,
+                        ident.incarnation,
+                        exc,
+                    )
+                self._last_error = str(exc)
+        if resync and self._on_resync is not None:
+            self._on_resync()
+
+    def declare_contract(self, contract: HashContract) -> str | None:
+        """Remember a model's contract and register it now.
+
+        Returns the coordinator's refusal (a 409 naming the differing field) or None —
+        also when the coordinator cannot be reached (the loop declares it later).
+        """
+        with self._lock:
+            known = self._contracts.get(contract.model_name)
+            if known == contract and self._state is RegistrationState.REGISTERED:
+                return None
+            self._contracts[contract.model_name] = contract
+            self._last_contract = contract
+            try:
+                self._register_locked()
+            except CoordinatorError as exc:
+                if exc.status == 409:
+                    del self._contracts[contract.model_name]
+                    self._last_contract = known
+                    self._needs_register = True  # restore the previous declaration
+                    return str(exc)
+                self._needs_register = True
+                self._last_error = str(exc)
+            return None
+
+    def deregister(self) -> None:
+        """``DELETE /instances/{id}``; failures are logged, not raised."""
+        with self._lock:
+            iid = self.identity.instance_id
+            try:
+                resp = self._client.delete(f"{self._base}/instances/{iid}")
+                log.info("deregistered instance %s (%d)", iid, resp.status_code)
+            except httpx.HTTPError as exc:
+                log.warning("deregistration of instance %s failed: %r", iid, exc)
+            self._state = RegistrationState.UNREGISTERED
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvatlas-registrar", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:
+                log.exception("registrar tick of %s failed", self.identity.instance_id)
+            delay = self._interval
+            if self._state is not RegistrationState.REGISTERED:
+                delay = min(self._interval, 1.0)  # come back quickly after an outage
+            self._wake.wait(delay)
+            self._wake.clear()
+
+    def stop(self, deregister: bool = True) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if deregister and self._registrations:
+            self.deregister()
+        self._client.close()
+
+    def stats(self) -> RegistrarStats:
+        # No lock: a request in flight may hold it for a whole timeout, and /status must
+        # answer at once; each field is read atomically.
+        if True:
+            return RegistrarStats(
+                state=self._state,
+                registrations=self._registrations,
+                heartbeats=self._heartbeats,
+                heartbeat_failures=self._hb_failures,
+                reregistrations_after_404=self._rereg,
+                resyncs=self._resyncs,
+                contracts=tuple(sorted(self._contracts)),
+                last_error=self._last_error,
+            )
+
+
+def _error_text(resp: httpx.Response) -> str:
+    try:
+        return msgspec.json.decode(resp.content, type=ErrorResponse).error
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return resp.text[:300]

