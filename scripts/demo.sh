@@ -2,6 +2,6 @@
 # The README's main command: build the environment if needed, then run the main job.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$ROOT/scripts/bootstrap.sh" dev
+bash "$ROOT/scripts/bootstrap.sh"
 VENV="${KVATLAS_VENV:-$ROOT/.venv}"
 exec "$VENV/bin/kvatlas" coordinator --host 127.0.0.1 --port 9300 "$@"
