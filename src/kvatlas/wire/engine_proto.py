@@ -52,6 +52,10 @@ class Lookup(msgspec.Struct, frozen=True, tag="lookup"):
     acquire: bool = False
     lease_s: float = 0.0
     """Read lease seconds; 0 means the server's default."""
+    recompute_s: float = 0.0
+    """The engine's estimate of the time to recompute the chunks it is asking for; P2P
+    gives up earlier than its configured timeouts when recomputing is quicker. 0 means
+    unknown (the configured timeouts apply)."""
 
 
 class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
@@ -145,6 +149,10 @@ class LookupResult(msgspec.Struct, frozen=True, tag="lookup_result"):
     total_chunks: int
     chunks: list[ChunkLoc]
     """The hit chunks, in order, with leases when the lookup acquired them."""
+    peer_chunks: int = 0
+    """How many of the hit chunks this lookup read from peers (P2P)."""
+    p2p_fallback: str = ""
+    """Why P2P could not serve the rest, when it tried (timeout, peer_dead, ...)."""
 
 
 SlotStatus = Literal["reserved", "exists", "busy", "no_space"]
