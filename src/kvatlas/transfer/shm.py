@@ -1,0 +1,238 @@
+"""The ``shm`` engine: same-host peers map the owner's L1 region read-only and copy.
+
+The owner advertises its region's shared-memory name and size, its pid and the host's
+boot id. The requester maps ``/dev/shm/<name>`` with ``mmap.ACCESS_READ`` (so it can never
+write into the peer's memory) and copies each op with ``np.copyto`` into its own region,
+then verifies the checksum.
+
+One-sided: the owner is not involved in a read, so leases are enforced at the control
+plane (the controller only reads ranges ``lookup_and_lock`` returned) and by the checksum;
+this engine enforces only the region boundary. /dev/shm file permissions (owner's uid,
+mode 0600) are what keeps other users out; the token plays no part.
+
+The mapping is done here rather than through ``kvatlas.server.l1region.L1Region.attach``
+because the layer contract keeps transfer and server independent; it is the same
+read-only attach (mmap of /dev/shm, never ``SharedMemory``, whose resource tracker would
+unlink the owner's region when this process exits).
+
+A dead owner: its mapping stays readable here, but the lease it granted died with it, so
+reads report ``peer_dead`` once a pidfd of the owner says it exited.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import select
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from kvatlas.core.checksum import checksum
+from kvatlas.transfer.base import (
+    Authorizer,
+    Deadline,
+    Endpoint,
+    FaultPlan,
+    LocalMemory,
+    PeerConnection,
+    ReadOp,
+    ReadResult,
+    ReadStatus,
+    TransferClient,
+    TransferServer,
+    refuse_outside,
+    streaming_checksum,
+)
+from kvatlas.transfer.errors import EndpointMismatch, EngineUnavailable
+
+ENGINE = "shm"
+PIECE = 256 << 10
+"""Copy and hash in pieces of this size: the hash reads each piece from cache."""
+LIVENESS_INTERVAL_S = 0.005
+"""How often a long read checks that the owner still lives (a select() on its pidfd)."""
+SHM_DIR = Path("/dev/shm")
+
+
+def boot_id() -> str:
+    """Identifies this host's current boot: peers with another one are not on this host."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def pid_namespace() -> str:
+    """This process' pid namespace: a peer's pid means something here only when equal."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+class ShmServer(TransferServer):
+    engine: ClassVar[str] = ENGINE
+    enforces_leases: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        region: LocalMemory,
+        authorize: Authorizer,
+        *,
+        token: str | None = None,
+        faults: FaultPlan | None = None,
+    ) -> None:
+        # authorize, token and faults are accepted for a uniform constructor; a one-sided
+        # engine has no request to check them against (see the module docstring).
+        self._region = region
+
+    def start(self) -> Endpoint:
+        name = self._region.name
+        if not name or not (SHM_DIR / name).exists():
+            raise EngineUnavailable(
+                "the shm transfer engine needs an L1 region in /dev/shm;"
+                f" region {name!r} is not one"
+            )
+        return Endpoint(
+            engine=ENGINE,
+            url=f"shm://{name}",
+            region_size=self._region.size,
+            extra={"boot_id": boot_id(), "pid": str(os.getpid()), "pid_ns": pid_namespace()},
+        )
+
+    def stop(self) -> None:
+        return None
+
+
+class ShmClient(TransferClient):
+    engine: ClassVar[str] = ENGINE
+
+    def __init__(
+        self,
+        local: LocalMemory,
+        peer_id: str,
+        *,
+        token: str | None = None,
+        faults: FaultPlan | None = None,
+    ) -> None:
+        super().__init__(local, peer_id, token=token, faults=faults)
+        self._local_array: npt.NDArray[np.uint8] | None = np.frombuffer(
+            local.buffer, dtype=np.uint8
+        )
+        self._peers: list[ShmPeer] = []
+
+    @property
+    def local_array(self) -> npt.NDArray[np.uint8]:
+        if self._local_array is None:
+            raise EngineUnavailable("shm transfer client is closed")
+        return self._local_array
+
+    def connect(self, endpoint: Endpoint) -> ShmPeer:
+        endpoint.expect(ENGINE)
+        if endpoint.extra.get("boot_id") != boot_id():
+            raise EndpointMismatch(f"shm endpoint {endpoint.url!r} is on another host")
+        peer = ShmPeer(self, endpoint)
+        self._peers.append(peer)
+        return peer
+
+    def close(self) -> None:
+        for peer in self._peers:
+            peer.close()
+        self._peers.clear()
+        self._local_array = None
+
+
+class ShmPeer(PeerConnection):
+    client: ShmClient
+
+    def __init__(self, client: ShmClient, endpoint: Endpoint) -> None:
+        super().__init__(client, endpoint)
+        name = endpoint.url.removeprefix("shm://")
+        size = endpoint.region_size
+        try:
+            fd = os.open(SHM_DIR / name, os.O_RDONLY)
+        except OSError as exc:
+            raise EngineUnavailable(f"cannot open the peer's region {name!r}: {exc}") from exc
+        try:
+            if os.fstat(fd).st_size < size:
+                raise EndpointMismatch(f"the peer's region {name!r} is smaller than {size}")
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        self._remote: npt.NDArray[np.uint8] | None = np.frombuffer(self._mmap, dtype=np.uint8)
+        same_ns = endpoint.extra.get("pid_ns") == pid_namespace() != ""
+        self._pidfd = _pidfd(endpoint.extra.get("pid", "")) if same_ns else None
+        self._lock = threading.Lock()
+
+    def _owner_alive(self) -> bool:
+        if self._pidfd is None:
+            return True
+        readable, _, _ = select.select([self._pidfd], [], [], 0)
+        return not readable  # a pidfd turns readable when the process exits
+
+    def read(self, ops: Sequence[ReadOp], deadline_s: float) -> list[ReadResult]:
+        client = self.client
+        client.check_local(ops)
+        deadline = Deadline(deadline_s)
+        results = refuse_outside(ops, self.endpoint.region_size)
+        remote, local = self._remote, client.local_array
+        alive, checked = True, float("-inf")
+        for i, op in enumerate(ops):
+            if i in results:
+                continue
+            now = time.monotonic()
+            if now - checked > LIVENESS_INTERVAL_S:
+                alive, checked = self._owner_alive(), now
+            if remote is None or not alive:
+                results[i] = ReadResult(op, ReadStatus.PEER_DEAD, "the owner process exited")
+                continue
+            if now >= deadline.at:
+                results[i] = ReadResult(op, ReadStatus.TIMEOUT, "deadline passed")
+                continue
+            lo, ro, n = op.local_offset, op.remote_offset, op.size
+            if n <= PIECE:
+                slot = local[lo : lo + n]
+                np.copyto(slot, remote[ro : ro + n])
+                digest = checksum(slot.data)
+            else:  # hash each piece while it is still in cache
+                hasher = streaming_checksum()
+                for k in range(0, n, PIECE):
+                    slot = local[lo + k : lo + min(k + PIECE, n)]
+                    np.copyto(slot, remote[ro + k : ro + k + len(slot)])
+                    hasher.update(slot.data)
+                digest = hasher.intdigest()
+            results[i] = client.verify_digest(op, digest)
+        return client.record([results[i] for i in range(len(ops))])
+
+    def close(self) -> None:
+        with self._lock:
+            self._remote = None
+            if self._mmap is not None:
+                # A read in another thread may still hold a view; then it unmaps on GC.
+                with contextlib.suppress(BufferError):
+                    self._mmap.close()
+                self._mmap = None
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
+
+
+def _pidfd(pid: str) -> int | None:
+    """A pidfd of the owner (immune to pid reuse); None when it cannot be opened."""
+    if not pid.isdigit():
+        return None
+    try:
+        return os.pidfd_open(int(pid))
+    except ProcessLookupError:
+        # Already gone: an fd that is always readable keeps the check uniform.
+        r, w = os.pipe()
+        os.close(w)
+        return r
+    except OSError:
+        return None

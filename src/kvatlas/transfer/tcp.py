@@ -1,0 +1,420 @@
+"""The built-in ``tcp`` engine: a threaded TCP server on the owner, pooled connections on
+the requester, no copy through Python bytes on either side.
+
+Wire, per request (the requester pipelines up to ``PIPELINE`` of them on a connection):
+
+    request  = u32 length (big endian) + msgpack [peer_id, token, lease_id, offset, size]
+    response = ">BIQ" status, message length, data length + message + data
+
+The owner checks the token, the region bounds and ``authorize(peer, lease, offset, size)``
+for every request (``enforces_leases``) and sends header and data with one ``sendmsg``
+of a memoryview of the region. The requester ``recv_into``s a memoryview slice of its
+own region slot directly and verifies the checksum. Socket timeouts follow the remaining
+deadline; a connection that timed out or failed is closed, never pooled again.
+
+Must not: bind anything the config does not name, or read outside the owner's region.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import socket
+import struct
+import threading
+from collections.abc import Sequence
+from typing import ClassVar
+
+import msgspec
+
+from kvatlas.transfer.base import (
+    Authorizer,
+    Deadline,
+    Endpoint,
+    FaultCounter,
+    FaultPlan,
+    LocalMemory,
+    PeerConnection,
+    ReadOp,
+    ReadResult,
+    ReadStatus,
+    TransferClient,
+    TransferServer,
+    refuse_outside,
+    streaming_checksum,
+)
+from kvatlas.transfer.config import TcpConfig
+from kvatlas.transfer.errors import EndpointMismatch, EngineUnavailable
+
+log = logging.getLogger(__name__)
+
+ENGINE = "tcp"
+PIPELINE = 32
+"""Requests in flight per connection: enough to hide the round trip, small enough that
+the request bytes never fill the socket buffers while the owner is blocked sending."""
+MAX_IDLE = 4
+"""Idle connections kept per peer."""
+_RESP = struct.Struct(">BIQ")
+_LEN = struct.Struct(">I")
+_MAX_REQUEST = 64 * 1024
+_ST_OK, _ST_REFUSED = 0, 1
+
+
+class _Request(msgspec.Struct, array_like=True, frozen=True):
+    peer_id: str
+    token: str
+    lease_id: str
+    offset: int
+    size: int
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(_Request).decode
+
+
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: Deadline) -> None:
+    """Fill ``view`` from ``sock``; socket.timeout at the deadline, EOFError on close."""
+    got, n = 0, len(view)
+    while got < n:
+        remaining = deadline.remaining()
+        if remaining <= 0:
+            raise TimeoutError("deadline passed")
+        sock.settimeout(remaining)
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise EOFError("peer closed the connection")
+        got += k
+
+
+def _recv_hashing(sock: socket.socket, view: memoryview, deadline: Deadline) -> int:
+    """``_recv_exact`` that hashes each piece right after it lands (still in cache)."""
+    hasher = streaming_checksum()
+    got, n = 0, len(view)
+    while got < n:
+        remaining = deadline.remaining()
+        if remaining <= 0:
+            raise TimeoutError("deadline passed")
+        sock.settimeout(remaining)
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise EOFError("peer closed the connection")
+        hasher.update(view[got : got + k])
+        got += k
+    return hasher.intdigest()
+
+
+def _sendmsg_all(sock: socket.socket, parts: list[memoryview]) -> None:
+    while parts:
+        sent = sock.sendmsg(parts)
+        while parts and sent >= len(parts[0]):
+            sent -= len(parts[0])
+            parts.pop(0)
+        if parts and sent:
+            parts[0] = parts[0][sent:]
+
+
+# ------------------------------------------------------------------------------ server
+
+
+class TcpServer(TransferServer):
+    engine: ClassVar[str] = ENGINE
+    enforces_leases: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        region: LocalMemory,
+        authorize: Authorizer,
+        *,
+        token: str | None = None,
+        faults: FaultPlan | None = None,
+        config: TcpConfig | None = None,
+    ) -> None:
+        self._region = region
+        self._authorize = authorize
+        self._token = (token or "").encode()
+        self._faults = FaultCounter(faults)
+        self._config = config or TcpConfig()
+        self._listener: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self.bytes_served = 0
+
+    def start(self) -> Endpoint:
+        if self._listener is not None:
+            raise EngineUnavailable("tcp transfer server already started")
+        cfg = self._config
+        try:
+            listener = socket.create_server((cfg.host, cfg.port), backlog=64)
+        except OSError as exc:
+            raise EngineUnavailable(f"cannot listen on {cfg.host}:{cfg.port}: {exc}") from exc
+        self._listener = listener
+        port = listener.getsockname()[1]
+        thread = threading.Thread(target=self._accept_loop, name="kvatlas-tcp-accept", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        host = cfg.advertise_host or cfg.host
+        return Endpoint(engine=ENGINE, url=f"tcp://{host}:{port}", region_size=self._region.size)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            # shutdown() wakes a thread blocked in accept(); close() alone does not.
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self._threads.clear()
+
+    def _accept_loop(self) -> None:
+        listener = self._listener
+        assert listener is not None
+        while not self._stopping.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns.add(conn)
+                # Finished handlers are pruned here so the list stays as long as the pool.
+                self._threads = [t for t in self._threads if t.is_alive()]
+                thread = threading.Thread(
+                    target=self._serve, args=(conn,), name="kvatlas-tcp-conn", daemon=True
+                )
+                self._threads.append(thread)
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        region = self._region.buffer
+        head = bytearray(_LEN.size)
+        body = bytearray(_MAX_REQUEST)
+        try:
+            while True:
+                if not _recv_blocking(conn, memoryview(head)):
+                    return
+                (n,) = _LEN.unpack(head)
+                if n > _MAX_REQUEST or not _recv_blocking(conn, memoryview(body)[:n]):
+                    return
+                try:
+                    req = _decode(memoryview(body)[:n])
+                except msgspec.DecodeError:
+                    log.warning("tcp transfer: undecodable request, closing connection")
+                    return
+                reason = self._refusal(req)
+                if reason:
+                    msg = reason.encode()
+                    conn.sendall(_RESP.pack(_ST_REFUSED, len(msg), 0) + msg)
+                    continue
+                with region[req.offset : req.offset + req.size] as data:
+                    parts = [memoryview(_RESP.pack(_ST_OK, 0, req.size)), data]
+                    if self._faults.corrupt_next():
+                        bad = bytearray(data)
+                        bad[0] ^= 0xFF
+                        parts[1] = memoryview(bad)
+                    _sendmsg_all(conn, parts)
+                self.bytes_served += req.size
+        except OSError:
+            return  # the requester went away or stop() shut the socket down
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _refusal(self, req: _Request) -> str:
+        if self._token and not hmac.compare_digest(req.token.encode(), self._token):
+            return "bad auth token"
+        if req.size <= 0 or req.offset < 0 or req.offset + req.size > self._region.size:
+            return f"range [{req.offset}, {req.offset + req.size}) is outside the region"
+        if not self._authorize(req.peer_id, req.lease_id, req.offset, req.size):
+            return f"no live lease {req.lease_id!r} of {req.peer_id!r} covers the range"
+        return ""
+
+
+def _recv_blocking(conn: socket.socket, view: memoryview) -> bool:
+    """Fill ``view``; False on a clean close before any byte."""
+    got = 0
+    while got < len(view):
+        k = conn.recv_into(view[got:])
+        if k == 0:
+            return False
+        got += k
+    return True
+
+
+# ------------------------------------------------------------------------------ client
+
+
+class TcpClient(TransferClient):
+    engine: ClassVar[str] = ENGINE
+
+    def __init__(
+        self,
+        local: LocalMemory,
+        peer_id: str,
+        *,
+        token: str | None = None,
+        faults: FaultPlan | None = None,
+        config: TcpConfig | None = None,
+    ) -> None:
+        super().__init__(local, peer_id, token=token, faults=faults)
+        self.config = config or TcpConfig()
+        self._peers: list[TcpPeer] = []
+
+    def connect(self, endpoint: Endpoint) -> TcpPeer:
+        endpoint.expect(ENGINE)
+        host, _, port = endpoint.url.removeprefix("tcp://").rpartition(":")
+        if not host or not port.isdigit():
+            raise EndpointMismatch(f"bad tcp endpoint url {endpoint.url!r}")
+        peer = TcpPeer(self, endpoint, host.strip("[]"), int(port))
+        self._peers.append(peer)
+        return peer
+
+    def close(self) -> None:
+        for peer in self._peers:
+            peer.close()
+        self._peers.clear()
+
+
+class TcpPeer(PeerConnection):
+    client: TcpClient
+
+    def __init__(self, client: TcpClient, endpoint: Endpoint, host: str, port: int) -> None:
+        super().__init__(client, endpoint)
+        self._addr = (host, port)
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def read(self, ops: Sequence[ReadOp], deadline_s: float) -> list[ReadResult]:
+        client = self.client
+        client.check_local(ops)
+        deadline = Deadline(deadline_s)
+        results: dict[int, ReadResult] = refuse_outside(ops, self.endpoint.region_size)
+        todo = [i for i in range(len(ops)) if i not in results]
+        if todo:
+            self._read_pipelined(ops, todo, results, deadline)
+        return client.record([results[i] for i in range(len(ops))])
+
+    def _read_pipelined(
+        self,
+        ops: Sequence[ReadOp],
+        todo: list[int],
+        results: dict[int, ReadResult],
+        deadline: Deadline,
+    ) -> None:
+        for attempt in (0, 1):
+            pooled, sock = self._take(deadline)
+            if sock is None:
+                status = ReadStatus.TIMEOUT if deadline.expired() else ReadStatus.PEER_DEAD
+                detail = f"cannot connect to {self._addr[0]}:{self._addr[1]}"
+                for i in todo:
+                    results[i] = ReadResult(ops[i], status, detail)
+                return
+            done_before = len(results)
+            failure = self._pipeline(sock, ops, todo, results, deadline)
+            if failure is None:
+                self._give_back(sock)
+                return
+            sock.close()
+            status, detail = failure
+            todo = [i for i in todo if i not in results]
+            # A pooled connection the peer closed while idle fails before any answer:
+            # retry once on a fresh one instead of calling a live peer dead.
+            if attempt == 0 and pooled and len(results) == done_before and not deadline.expired():
+                continue
+            for i in todo:
+                results[i] = ReadResult(ops[i], status, detail)
+            return
+
+    def _pipeline(
+        self,
+        sock: socket.socket,
+        ops: Sequence[ReadOp],
+        todo: list[int],
+        results: dict[int, ReadResult],
+        deadline: Deadline,
+    ) -> tuple[ReadStatus, str] | None:
+        client = self.client
+        peer_id, token = client.peer_id, client.token or ""
+        local = client.local.buffer
+        head = bytearray(_RESP.size)
+        sent = 0
+
+        def send_upto(k: int) -> None:
+            nonlocal sent
+            frames = []
+            for i in todo[sent:k]:
+                op = ops[i]
+                msg = _encode(_Request(peer_id, token, op.lease_id, op.remote_offset, op.size))
+                frames.append(_LEN.pack(len(msg)) + msg)
+            remaining = deadline.remaining()
+            if remaining <= 0:
+                raise TimeoutError("deadline passed")
+            sock.settimeout(remaining)
+            sock.sendall(b"".join(frames))
+            sent = k
+
+        try:
+            send_upto(min(len(todo), 2 * PIPELINE))
+            for j, i in enumerate(todo):
+                op = ops[i]
+                _recv_exact(sock, memoryview(head), deadline)
+                status, msg_len, data_len = _RESP.unpack(head)
+                msg = bytearray(msg_len)
+                _recv_exact(sock, memoryview(msg), deadline)
+                if status != _ST_OK:
+                    results[i] = ReadResult(op, ReadStatus.REFUSED, msg.decode(errors="replace"))
+                elif data_len != op.size:
+                    return ReadStatus.PEER_DEAD, f"peer sent {data_len} bytes for {op.size}"
+                else:
+                    with local[op.local_offset : op.local_offset + op.size] as slot:
+                        digest = _recv_hashing(sock, slot, deadline)
+                    results[i] = client.verify_digest(op, digest)
+                if sent < len(todo) and sent - (j + 1) < PIPELINE:
+                    send_upto(min(len(todo), sent + PIPELINE))
+        except TimeoutError:
+            return ReadStatus.TIMEOUT, "deadline passed while reading from the peer"
+        except (OSError, EOFError) as exc:
+            return ReadStatus.PEER_DEAD, f"connection to the peer failed: {exc!r}"
+        return None
+
+    def _take(self, deadline: Deadline) -> tuple[bool, socket.socket | None]:
+        with self._lock:
+            if self._idle:
+                return True, self._idle.pop()
+        timeout = min(deadline.remaining(), self.client.config.connect_timeout_s)
+        if timeout <= 0:
+            return False, None
+        try:
+            sock = socket.create_connection(self._addr, timeout=timeout)
+        except OSError:
+            return False, None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return False, sock
+
+    def _give_back(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < MAX_IDLE:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
+
+__all__ = ["TcpClient", "TcpConfig", "TcpPeer", "TcpServer"]

@@ -1,0 +1,264 @@
+"""The conformance scenarios, one function per behaviour, each taking an engine name.
+
+test_conformance.py calls them in-process, or (for engines in NETNS_ENGINES) runs
+
+    python -m transfer.scenarios SCENARIO ENGINE
+
+inside a private network namespace, where they run unchanged. Every owner is a real
+second process (``harness.OwnerProcess``), every requester region a real L1 region.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from kvatlas.core.checksum import checksum
+from kvatlas.server.l1region import L1Region
+from kvatlas.transfer.base import (
+    Endpoint,
+    FaultPlan,
+    ReadOp,
+    ReadResult,
+    TransferClient,
+)
+from kvatlas.transfer.factory import make_engine
+from transfer.harness import OwnerProcess, pattern
+
+KiB, MiB = 1 << 10, 1 << 20
+REGION = 32 * MiB
+PEER = "node-b"
+LEASE = "lease-1"
+ALL = (PEER, LEASE, 0, REGION)
+"""A lease over the whole region: what the scenarios that are not about leases use."""
+
+EXPECTED = pattern(REGION)
+
+
+def op(remote: int, size: int, local: int, lease: str = LEASE) -> ReadOp:
+    return ReadOp(remote, size, local, lease, checksum(EXPECTED[remote : remote + size]))
+
+
+@contextmanager
+def requester(
+    engine: str, token: str | None = None, faults: FaultPlan | None = None
+) -> Iterator[tuple[L1Region, TransferClient]]:
+    with L1Region.create(REGION, "requester") as local:
+        client = make_engine(engine).client(local, PEER, token=token, faults=faults)
+        try:
+            yield local, client
+        finally:
+            client.close()
+
+
+def statuses(results: list[ReadResult]) -> list[str]:
+    return [r.status.value for r in results]
+
+
+def landed(local: L1Region, o: ReadOp) -> bool:
+    return bytes(local.buffer[o.local_offset : o.local_offset + o.size]) == bytes(
+        EXPECTED[o.remote_offset : o.remote_offset + o.size]
+    )
+
+
+# ------------------------------------------------------------------------------ scenarios
+
+
+def roundtrip(engine: str) -> None:
+    """4 KiB, 256 KiB and 4 MiB chunks, singly and many in one call; bytes identical,
+    checksums ok, the owner's region untouched."""
+    with OwnerProcess(engine, REGION, leases=[ALL]) as owner, requester(engine) as (local, c):
+        before = owner.region_checksum()
+        peer = c.connect(owner.endpoint)
+        ops: list[ReadOp] = []
+        local_at = 0
+        for size, count, stride in (
+            (4 * KiB, 16, 12_288),
+            (256 * KiB, 8, 3 * MiB),
+            (4 * MiB, 4, 5 * MiB),
+        ):
+            for k in range(count):
+                ops.append(op((k * stride + 4 * KiB * k) % (REGION - size), size, local_at))
+                local_at += size
+        for o in (ops[0], ops[16], ops[24]):  # one op of each size on its own
+            assert statuses(peer.read([o], 10.0)) == ["ok"]
+            assert landed(local, o)
+        local.array[:] = 0
+        results = peer.read(ops, 10.0)
+        assert statuses(results) == ["ok"] * len(ops), results
+        assert all(landed(local, o) for o in ops)
+        assert c.stats.bytes_ok == sum(o.size for o in ops) + 4 * KiB + 256 * KiB + 4 * MiB
+        # Again on the same connection (tcp pools it).
+        assert statuses(peer.read(ops[:4], 10.0)) == ["ok"] * 4
+        assert owner.region_checksum() == before, "the requester wrote into the owner"
+        peer.close()
+
+
+def outside_lease(engine: str) -> None:
+    """tcp: the owner refuses ranges no live lease of this peer covers, per op. One-sided
+    engines: only the region boundary is enforced (documented in transfer.base)."""
+    lease = (PEER, LEASE, 1 * MiB, 1 * MiB)
+    with OwnerProcess(engine, REGION, leases=[lease]) as owner, requester(engine) as (_, c):
+        peer = c.connect(owner.endpoint)
+        inside = op(1 * MiB, 64 * KiB, 0)
+        outside = op(4 * MiB, 64 * KiB, 64 * KiB)
+        wrong_lease = op(1 * MiB, 64 * KiB, 128 * KiB, lease="lease-other")
+        straddling = op(2 * MiB - 4 * KiB, 64 * KiB, 192 * KiB)
+        beyond_region = ReadOp(REGION - 4 * KiB, 64 * KiB, 256 * KiB, LEASE, 0)
+        results = peer.read([inside, outside, wrong_lease, straddling, beyond_region], 5.0)
+        got = statuses(results)
+        assert got[0] == "ok" and got[4] == "refused", results
+        if make_engine(engine).enforces_leases:
+            assert got[1:4] == ["refused"] * 3, results
+            assert "lease" in results[1].detail
+        else:
+            # Not enforced by a one-sided engine: the control plane never hands out such
+            # ranges, and the checksum is what a reader relies on.
+            assert got[1:4] == ["ok"] * 3, results
+
+
+def corrupted(engine: str) -> None:
+    """A corrupted transfer is reported as checksum_mismatch, never ok."""
+    server_side = make_engine(engine).enforces_leases  # tcp corrupts what the owner sends
+    with (
+        OwnerProcess(
+            engine, REGION, leases=[ALL], corrupt_read=2 if server_side else None
+        ) as owner,
+        requester(engine, faults=None if server_side else FaultPlan(corrupt_read=2)) as (local, c),
+    ):
+        peer = c.connect(owner.endpoint)
+        ops = [op(i * MiB, 256 * KiB, i * MiB) for i in range(3)]
+        results = peer.read(ops, 5.0)
+        assert statuses(results) == ["ok", "checksum_mismatch", "ok"], results
+        assert not landed(local, ops[1]) and landed(local, ops[0]) and landed(local, ops[2])
+        assert c.stats.ops["checksum_mismatch"] == 1
+
+
+def peer_killed(engine: str) -> None:
+    """The owner is SIGKILLed mid-read: failures come within deadline + 1 s."""
+    deadline_s = 5.0
+    with OwnerProcess(engine, REGION, leases=[ALL]) as owner, requester(engine) as (_, c):
+        peer = c.connect(owner.endpoint)
+        assert statuses(peer.read([op(0, 4 * KiB, 0)], 5.0)) == ["ok"]  # connected, warm
+        ops = [op((i % 7) * 4 * MiB, 4 * MiB, (i % 8) * 4 * MiB) for i in range(1024)]  # 4 GiB
+        out: list[list[ReadResult]] = []
+        started = time.monotonic()
+        reader = threading.Thread(target=lambda: out.append(peer.read(ops, deadline_s)))
+        reader.start()
+        time.sleep(0.05)
+        owner.kill()
+        reader.join(deadline_s + 1.0)
+        elapsed = time.monotonic() - started
+        assert not reader.is_alive() and elapsed < deadline_s + 1.0, elapsed
+        got = statuses(out[0])
+        assert set(got) <= {"ok", "peer_dead", "timeout"}
+        assert got.count("ok") < len(ops), "the whole 4 GiB read finished before the kill"
+        # And a read after the death fails fast as well.
+        started = time.monotonic()
+        after = statuses(peer.read(ops[:4], 2.0))
+        assert time.monotonic() - started < 3.0 and set(after) <= {"peer_dead", "timeout"}, after
+        assert peer.drain(10.0)
+
+
+def owner_stopped(engine: str) -> None:
+    """The owner hangs (SIGSTOP): the read returns within deadline + 1 s; ops either
+    landed (one-sided engines need no owner CPU) or timed out."""
+    deadline_s = 1.0
+    with OwnerProcess(engine, REGION, leases=[ALL]) as owner, requester(engine) as (local, c):
+        peer = c.connect(owner.endpoint)
+        assert statuses(peer.read([op(0, 4 * KiB, 0)], 5.0)) == ["ok"]
+        os.kill(owner.pid, signal.SIGSTOP)
+        try:
+            ops = [op(i * MiB, MiB, i * MiB) for i in range(16)]
+            started = time.monotonic()
+            results = peer.read(ops, deadline_s)
+            assert time.monotonic() - started < deadline_s + 1.0
+            assert set(statuses(results)) <= {"ok", "timeout"}, results
+            assert all(landed(local, r.op) for r in results if r.ok)
+        finally:
+            owner.kill()  # a transfer still waiting on the stopped owner now fails
+        assert peer.drain(15.0), "an abandoned transfer still runs"
+
+
+def silent_peer(engine: str) -> None:
+    """tcp: a peer that accepts but never answers gives timeouts within the deadline."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+    endpoint_url = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    endpoint = Endpoint(engine=engine, url=endpoint_url, region_size=REGION)
+    try:
+        with requester(engine) as (_, c):
+            peer = c.connect(endpoint)
+            started = time.monotonic()
+            results = peer.read([op(0, 64 * KiB, 0), op(MiB, 64 * KiB, MiB)], 0.5)
+            elapsed = time.monotonic() - started
+            assert statuses(results) == ["timeout", "timeout"] and elapsed < 1.5, elapsed
+    finally:
+        listener.close()
+        for s in accepted:
+            s.close()
+
+
+def bad_token(engine: str) -> None:
+    """tcp: a wrong or missing token is refused; the right one reads."""
+    with OwnerProcess(engine, REGION, leases=[ALL], token="s3cret") as owner:
+        for token, expected in (("wrong", "refused"), (None, "refused"), ("s3cret", "ok")):
+            with requester(engine, token=token) as (_, c):
+                results = c.connect(owner.endpoint).read([op(0, 4 * KiB, 0)], 5.0)
+                assert statuses(results) == [expected], (token, results)
+                if expected == "refused":
+                    assert "token" in results[0].detail
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu(engine: str) -> None:
+    """Neither an idle owner nor an idle connected requester spins a core (NIXL's own
+    progress thread would: ~99% of one)."""
+    with OwnerProcess(engine, REGION, leases=[ALL]) as owner, requester(engine) as (_, c):
+        peer = c.connect(owner.endpoint)
+        assert statuses(peer.read([op(0, 4 * KiB, 0)], 5.0)) == ["ok"]
+        time.sleep(0.2)
+        owner_before, mine_before, t0 = (
+            _cpu_seconds(owner.pid),
+            _cpu_seconds(os.getpid()),
+            time.monotonic(),
+        )
+        time.sleep(1.5)
+        elapsed = time.monotonic() - t0
+        owner_pct = 100 * (_cpu_seconds(owner.pid) - owner_before) / elapsed
+        mine_pct = 100 * (_cpu_seconds(os.getpid()) - mine_before) / elapsed
+        print(f"idle cpu {engine}: owner {owner_pct:.1f}% requester {mine_pct:.1f}%")
+        assert owner_pct < 10 and mine_pct < 10, (owner_pct, mine_pct)
+
+
+SCENARIOS: dict[str, Callable[[str], None]] = {
+    f.__name__: f
+    for f in (
+        roundtrip,
+        outside_lease,
+        corrupted,
+        peer_killed,
+        owner_stopped,
+        idle_cpu,
+        silent_peer,
+        bad_token,
+    )
+}
+TCP_ONLY = frozenset({"silent_peer", "bad_token"})
+
+
+if __name__ == "__main__":
+    SCENARIOS[sys.argv[1]](sys.argv[2])
+    print("PASSED", flush=True)
