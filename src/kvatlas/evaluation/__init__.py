@@ -1,0 +1,1 @@
+"""Fleet evaluation: `kvatlas bench fleet` (workload, fleet runner, churn, report)."""
