@@ -316,6 +316,11 @@ class L1Pool:
     def read_leases(self) -> list[ReadLease]:
         return list(self._read_leases.values())
 
+    def read_lease(self, lease_id: LeaseId) -> ReadLease | None:
+        """The live (not yet released or swept) read lease ``lease_id``, if any; the
+        caller compares its deadline with its own clock."""
+        return self._read_leases.get(lease_id)
+
     def stats(self) -> PoolStats:
         writing = sum(1 for c in self._chunks.values() if not c.committed)
         return PoolStats(

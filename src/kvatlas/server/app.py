@@ -3,9 +3,11 @@
 Parts, in start order: incarnation (state dir) -> L1 region + pool -> L2 (disk, optional)
 -> chunk store -> event publisher + sink and registrar (only with a coordinator URL) ->
 engine service -> engine API (ZeroMQ, --port) -> HTTP (/status, /metrics, /healthz,
---http-port) -> lease sweeper. Ports are bound before any background thread starts, so a
-taken port fails the start with PortInUse. Stop runs in reverse: engines first, then a
-last event flush, deregistration, HTTP, and the region is unlinked.
+--http-port) -> P2P (with --p2p-advertise-url: control channel, transfer engine serving
+the region, controller; its endpoint goes into the registration) -> lease sweeper.
+Ports are bound before any background thread starts, so a taken port fails the start
+with PortInUse. Stop runs in reverse: engines first, then P2P, a last event flush,
+deregistration, HTTP, and the region is unlinked.
 
 Must not: parse flags or read the environment (``kvatlas.cli.server`` does), or hold
 business logic (the parts do).
@@ -27,12 +29,15 @@ from kvatlas.server.chunkstore import ChunkStore, ChunkStoreStats
 from kvatlas.server.config import GIB, ServerConfig
 from kvatlas.server.engine_api import EngineApi
 from kvatlas.server.engine_service import EngineService, ServiceIdentity
+from kvatlas.server.errors import ConfigError
 from kvatlas.server.http_app import HttpServer, build_app
 from kvatlas.server.incarnation import next_incarnation
 from kvatlas.server.l1region import L1Region, RegionBusy
 from kvatlas.server.l2 import L2Adapter
 from kvatlas.server.l2_disk import DiskL2Adapter
 from kvatlas.server.metrics import ServerMetrics
+from kvatlas.server.p2p_node import P2PNode
+from kvatlas.server.p2p_transport import Transport
 from kvatlas.server.publisher import EventPublisher
 from kvatlas.server.registrar import Identity, Registrar
 from kvatlas.server.sinks import EventSink, HttpSink, KafkaSink
@@ -58,7 +63,9 @@ def make_sink(config: ServerConfig) -> EventSink:
 class CacheServer:
     """One ``kvatlas server`` process."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, transport: Transport | None = None) -> None:
+        """``transport``: the P2P transfer engine (``kvatlas.cli.server`` builds it from
+        ``--p2p-transfer-engine``); required when P2P is enabled."""
         config.validate()
         self.config = config
         self.started_at = time.monotonic()
@@ -103,6 +110,14 @@ class CacheServer:
             except BaseException:
                 self.engine_api.stop()
                 raise
+            self.p2p: P2PNode | None = None
+            if config.p2p.enabled:
+                try:
+                    self.p2p = self._build_p2p(transport)
+                except BaseException:
+                    self.engine_api.stop()
+                    self.http.stop()
+                    raise
             if co.url is not None:
                 self.registrar = Registrar(
                     co.url,
@@ -112,6 +127,8 @@ class CacheServer:
                         co.advertise_ip,
                         http_port=self.http.port,
                         mq_port=self.engine_api.bound_port,
+                        p2p_advertised_url=config.p2p.advertise_url,
+                        metadata=self.p2p.registration_metadata() if self.p2p else {},
                     ),
                     heartbeat_interval_s=co.heartbeat_interval_s,
                     timeout_s=co.request_timeout_s,
@@ -125,6 +142,7 @@ class CacheServer:
                 lambda: self.publisher.stats() if self.publisher else None,
                 lambda: self.registrar.stats() if self.registrar else None,
                 lambda: (self.service.requests, self.service.errors),
+                p2p=lambda: self.p2p.stats() if self.p2p else None,
             )
         except BaseException:
             self._close_region()
@@ -132,10 +150,35 @@ class CacheServer:
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="kvatlas-sweeper", daemon=True)
 
+    def _build_p2p(self, transport: Transport | None) -> P2PNode:
+        config = self.config
+        co = config.coordinator
+        if transport is None:
+            raise ConfigError(
+                f"P2P is enabled (--p2p-advertise-url) but no transfer engine"
+                f" {config.p2p.transfer_engine!r} was given to the server"
+            )
+        assert co.url is not None  # validate(): P2P requires a coordinator
+        return P2PNode(
+            config=config.p2p,
+            instance_id=config.instance_id,
+            incarnation=self.incarnation,
+            chunk_size=config.chunk_size,
+            service=self.service,
+            region=self.region,
+            transport=transport,
+            coordinator_url=co.url,
+            heartbeat_interval_s=co.heartbeat_interval_s,
+            coordinator_timeout_s=co.request_timeout_s,
+            auth_token=co.auth_token,
+        )
+
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
         self.http.start()
+        if self.p2p is not None:
+            self.p2p.start()
         if self.publisher is not None:
             l2_items = self.store.startup_l2_events()
             if l2_items:
@@ -177,6 +220,8 @@ class CacheServer:
         self.engine_api.stop()
         if self._sweeper.is_alive():
             self._sweeper.join(5)
+        if self.p2p is not None:
+            self.p2p.stop()
         self.service.drain_events()
         if self.publisher is not None:
             self.publisher.stop(final_flush=True)
@@ -238,6 +283,7 @@ class CacheServer:
             models=sorted(self.service.contracts()),
             engines=self.service.engines(),
             uptime_s=time.monotonic() - self.started_at,
+            p2p=self.p2p.stats() if self.p2p else None,
         )
 
     def _render_metrics(self) -> bytes:

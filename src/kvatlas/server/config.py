@@ -22,6 +22,9 @@ GIB: Final = 1 << 30
 MAX_PORT: Final = 65535
 
 EventTransport = Literal["http", "kafka"]
+P2P_ENGINES: Final = ("tcp", "shm", "mooncake", "nixl")
+"""``--p2p-transfer-engine`` choices (the transfer package's names; the server may not
+import it, the layer contract keeps them independent)."""
 EventFormat = Literal["msgpack", "json"]
 
 
@@ -101,6 +104,53 @@ class EventConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class P2PConfig:
+    """Peer-to-peer KV sharing; enabled by ``advertise_url``."""
+
+    advertise_url: str | None = None
+    """``HOST:PORT`` of this server's P2P control channel as peers reach it
+    (``--p2p-advertise-url``); setting it enables P2P. The tcp transfer engine uses the
+    next port (``PORT+1``) on the same hosts."""
+    listen_url: str | None = None
+    """``HOST:PORT`` the control channel binds (``--p2p-listen-url``); defaults to the
+    advertise URL (bind 0.0.0.0 while advertising a routable address)."""
+    lookup_timeout_s: float = 30.0
+    """Longest wait for a peer's ``lookup_and_lock`` answer (``--p2p-lookup-timeout``)."""
+    load_timeout_s: float = 30.0
+    """Longest wait for a load from a peer (``--p2p-load-timeout``)."""
+    transfer_engine: str = "tcp"
+    """tcp, shm, mooncake or nixl (``--p2p-transfer-engine``)."""
+    recompute_s_per_token: float = 0.0
+    """Expected recompute seconds per missing token when an engine sends no estimate
+    (``--p2p-expected-recompute-s-per-token``); 0: only the configured timeouts apply."""
+    lock_lease_s: float = 30.0
+    """Lease a peer's ``lookup_and_lock`` holds on our chunks if it never unlocks
+    (``--p2p-lock-lease-seconds``)."""
+    cooloff_s: float = 10.0
+    """Seconds a peer that failed 3 times in a row is skipped (``--p2p-cooloff-seconds``)."""
+    fault_corrupt_read: int | None = None
+    """TESTS ONLY: corrupt the Nth read this server serves (``--p2p-fault-corrupt-read``)."""
+    fault_read_delay_s: float = 0.0
+    """TESTS ONLY: delay every read this server serves (``--p2p-fault-read-delay``)."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.advertise_url)
+
+    @property
+    def bind_url(self) -> str:
+        return self.listen_url or self.advertise_url or ""
+
+
+def split_host_port(url: str) -> tuple[str, int] | None:
+    """``HOST:PORT`` -> (host, port); None when it is not of that form."""
+    host, sep, port = url.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < MAX_PORT:
+        return None
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     """Everything ``kvatlas server`` needs; build it in ``kvatlas.cli.server`` only."""
 
@@ -124,6 +174,7 @@ class ServerConfig:
     l2: L2Config = field(default_factory=L2Config)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     events: EventConfig = field(default_factory=EventConfig)
+    p2p: P2PConfig = field(default_factory=P2PConfig)
 
     def validate(self) -> None:
         """Raise ConfigError naming the flags of the first inconsistency found."""
@@ -188,4 +239,43 @@ def _problems(c: ServerConfig) -> list[str]:
         out.append(f"--event-buffer-batches must be >= 1, got {ev.buffer_batches}")
     if ev.max_batch_entries < 1:
         out.append(f"--event-max-batch-entries must be >= 1, got {ev.max_batch_entries}")
+    out.extend(_p2p_problems(c))
+    return out
+
+
+def _p2p_problems(c: ServerConfig) -> list[str]:
+    pp = c.p2p
+    out: list[str] = []
+    if not pp.enabled:
+        if pp.listen_url:
+            out.append("--p2p-listen-url needs --p2p-advertise-url (which enables P2P)")
+        return out
+    if c.coordinator.url is None:
+        out.append(
+            "P2P requires a coordinator for peer discovery: --p2p-advertise-url needs"
+            " --coordinator-url"
+        )
+    for flag, url in (
+        ("--p2p-advertise-url", pp.advertise_url),
+        ("--p2p-listen-url", pp.listen_url),
+    ):
+        if url is not None and split_host_port(url) is None:
+            out.append(f"{flag} must be HOST:PORT with a port in [1, {MAX_PORT - 1}], got {url!r}")
+    if pp.transfer_engine not in P2P_ENGINES:
+        out.append(
+            f"--p2p-transfer-engine {pp.transfer_engine!r} is unknown;"
+            f" accepted: {', '.join(P2P_ENGINES)}"
+        )
+    for flag, value in (
+        ("--p2p-lookup-timeout", pp.lookup_timeout_s),
+        ("--p2p-load-timeout", pp.load_timeout_s),
+        ("--p2p-lock-lease-seconds", pp.lock_lease_s),
+        ("--p2p-cooloff-seconds", pp.cooloff_s),
+    ):
+        if not value > 0:
+            out.append(f"{flag} must be positive, got {value}")
+    if pp.recompute_s_per_token < 0:
+        out.append(
+            f"--p2p-expected-recompute-s-per-token must be >= 0, got {pp.recompute_s_per_token}"
+        )
     return out

@@ -7,8 +7,13 @@ is the store's). It is transport-free: ``engine_api`` moves bytes over ZeroMQ an
 ``handle``. Must not: copy KV bytes (engines do that through the shared region) or talk to
 the network itself (``declare_contract`` is the registrar's).
 
-P2P seam: ``peer_source`` is called on a local miss during a lookup (unused until the P2P
-controller exists); it may fill L1 and return how many more leading chunks it provided.
+P2P seam: on a local miss a lookup calls ``peer_source.fetch_prefix`` WITHOUT the lock
+(a peer fetch may take up to the load timeout, and other engines must not wait for it):
+the lookup checks L1/L2 under the lock, releases it, lets the peer source fill L1 (it
+takes the lock only briefly, through ``reserve_for_peer_fetch`` / ``commit_peer_fetch``),
+then takes the lock again to look up and read-lock the whole prefix. A chunk fetched
+from a peer that was evicted again in between is simply not a hit. The owner side of P2P
+uses ``lock_for_peer`` / ``unlock_for_peer`` / ``peer_may_read``.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
+
+import msgspec
 
 from kvatlas.core.errors import ContractMismatch, InvalidInput
 from kvatlas.core.events import Entry
@@ -30,7 +37,7 @@ from kvatlas.core.keys import (
     ObjectKey,
     chunk_hashes,
 )
-from kvatlas.core.l1pool import LeaseId, Reserved
+from kvatlas.core.l1pool import LeaseId, ReadLease, Refusal, Reserved, Slot
 from kvatlas.core.types import EventType, Tier
 from kvatlas.server.chunkstore import ChunkStore, batches
 from kvatlas.wire import engine_proto as p
@@ -42,12 +49,27 @@ class EventPublishing(Protocol):
     def publish(self, event_type: EventType, tier: Tier, entries: Sequence[Entry]) -> None: ...
 
 
-class PeerSource(Protocol):
-    """Where a lookup turns on a local miss (P2P, next issue)."""
+@dataclass(frozen=True, slots=True)
+class PeerFetch:
+    """What a peer fetch brought into L1."""
 
-    def fetch_prefix(self, store: ChunkStore, keys: Sequence[ObjectKey], now: float) -> int:
-        """Bring leading ``keys`` into L1; return how many are there now."""
+    fetched: frozenset[ObjectKey] = field(default_factory=frozenset)
+    """Keys committed into L1 from peers by this fetch."""
+    fallback: str = ""
+    """Why peers could not serve the rest, when they were asked ("" when they did)."""
+
+
+class PeerSource(Protocol):
+    """Where a lookup turns on a local miss (P2P). Called without the service lock."""
+
+    def fetch_prefix(self, keys: Sequence[ObjectKey], recompute_s: float) -> PeerFetch:
+        """Bring leading ``keys`` into L1 from peers, giving up early when recomputing
+        them (``recompute_s``, 0 = unknown) would be quicker."""
         ...
+
+
+PEER_HOLDER_PREFIX = "peer:"
+"""Holder of the read leases a peer's ``lookup_and_lock`` takes: ``peer:<requester id>``."""
 
 
 class NotRegistered(InvalidInput):
@@ -88,6 +110,9 @@ class EngineService:
         self.errors = 0
 
     # ------------------------------------------------------------------ helpers
+
+    def set_peer_source(self, peer_source: PeerSource | None) -> None:
+        self._peer_source = peer_source
 
     def set_contract_declarer(self, declare: Callable[[HashContract], str | None]) -> None:
         """Where new models' contracts go before they are accepted (the registrar)."""
@@ -255,36 +280,131 @@ class EngineService:
             hashes = list(req.hashes or [])
         keys = self._keys(req.ns, hashes)
         lease_s = self.lease(req.lease_s)
+        if req.recompute_s < 0:
+            raise InvalidInput(f"recompute_s must be >= 0, got {req.recompute_s}")
+        with self.lock:
+            hit = self.store.lookup_prefix(keys, self._clock())
+            if hit == len(keys) or self._peer_source is None:
+                return self._answer_locked(keys, req.acquire, lease_s)
+        # Outside the lock: a peer fetch may take up to the load timeout.
+        fetch = self._peer_source.fetch_prefix(keys[hit:], req.recompute_s)
+        with self.lock:
+            self.store.lookup_prefix(keys, self._clock())  # promotes what L2 got meanwhile
+            result = self._answer_locked(keys, req.acquire, lease_s)
+        peer = sum(1 for k in keys[: result.hit_chunks] if k in fetch.fetched)
+        return msgspec.structs.replace(result, peer_chunks=peer, p2p_fallback=fetch.fallback)
+
+    def _answer_locked(
+        self, keys: Sequence[ObjectKey], acquire: bool, lease_s: float
+    ) -> p.LookupResult:
+        """The leading run of ``keys`` in L1, read-locked when ``acquire`` (lock held)."""
+        now = self._clock()
+        locs: list[p.ChunkLoc] = []
+        accessed: list[tuple[ObjectKey, int]] = []
+        for key in keys:
+            if acquire:
+                lease = self.store.acquire_read(key, "engine", now, lease_s)
+                if lease is None:
+                    break
+                locs.append(
+                    p.ChunkLoc(
+                        key.chunk_hash,
+                        lease.offset,
+                        lease.size,
+                        lease.checksum,
+                        int(lease.lease_id),
+                    )
+                )
+                accessed.append((key, lease.size))
+            else:
+                info = self.store.pool.get(key)
+                if info is None or not info.committed:
+                    break
+                locs.append(p.ChunkLoc(key.chunk_hash, info.offset, info.size, info.checksum))
+        self._drain_locked(accessed)
+        n = len(locs)
+        return p.LookupResult(n * self.identity.chunk_size, n, len(keys), locs)
+
+    # ------------------------------------------------------------------ P2P: owner side
+
+    def lock_for_peer(
+        self, requester: str, keys: Sequence[ObjectKey], lease_s: float
+    ) -> list[ReadLease]:
+        """Read-lock the leading run of ``keys`` this server holds (L2 hits promoted) for
+        peer ``requester``; the leases expire after ``lease_s`` if it never unlocks."""
+        holder = PEER_HOLDER_PREFIX + requester
+        out: list[ReadLease] = []
         with self.lock:
             now = self._clock()
             hit = self.store.lookup_prefix(keys, now)
-            if hit < len(keys) and self._peer_source is not None:
-                hit += self._peer_source.fetch_prefix(self.store, keys[hit:], now)
-            locs: list[p.ChunkLoc] = []
-            accessed: list[tuple[ObjectKey, int]] = []
             for key in keys[:hit]:
-                if req.acquire:
-                    lease = self.store.acquire_read(key, "engine", now, lease_s)
-                    if lease is None:  # cannot happen under the lock; stay safe
-                        break
-                    locs.append(
-                        p.ChunkLoc(
-                            key.chunk_hash,
-                            lease.offset,
-                            lease.size,
-                            lease.checksum,
-                            int(lease.lease_id),
-                        )
-                    )
-                    accessed.append((key, lease.size))
-                else:
-                    info = self.store.pool.get(key)
-                    if info is None or not info.committed:
-                        break
-                    locs.append(p.ChunkLoc(key.chunk_hash, info.offset, info.size, info.checksum))
-            self._drain_locked(accessed)
-        n = len(locs)
-        return p.LookupResult(n * self.identity.chunk_size, n, len(keys), locs)
+                lease = self.store.acquire_read(key, holder, now, lease_s)
+                if lease is None:
+                    break
+                out.append(lease)
+            self._drain_locked()
+        return out
+
+    def unlock_for_peer(self, requester: str, lease_ids: Sequence[int]) -> int:
+        """Release those of ``lease_ids`` that peer ``requester`` holds."""
+        holder = PEER_HOLDER_PREFIX + requester
+        n = 0
+        with self.lock:
+            for raw in lease_ids:
+                lease = self.store.pool.read_lease(LeaseId(raw))
+                if lease is not None and lease.holder == holder:
+                    n += self.store.release(lease.lease_id)
+        return n
+
+    def peer_may_read(self, requester: str, lease_id: str, offset: int, size: int) -> bool:
+        """Does a live lease of ``requester`` cover ``[offset, offset + size)``?"""
+        if not lease_id.isdigit():
+            return False
+        with self.lock:
+            lease = self.store.pool.read_lease(LeaseId(int(lease_id)))
+            now = self._clock()
+        return (
+            lease is not None
+            and lease.holder == PEER_HOLDER_PREFIX + requester
+            and lease.deadline > now
+            and lease.offset <= offset
+            and offset + size <= lease.offset + lease.size
+        )
+
+    # ------------------------------------------------------------------ P2P: requester side
+
+    def reserve_for_peer_fetch(
+        self, items: Sequence[tuple[ObjectKey, int]], lease_s: float
+    ) -> list[Slot | Refusal]:
+        """Write-lock a fresh L1 slot per (key, size), in order; a refusal per item that
+        got none (EXISTS: someone stored it meanwhile)."""
+        out: list[Slot | Refusal] = []
+        with self.lock:
+            now = self._clock()
+            self.store.expire(now)
+            for key, size in items:
+                res = self.store.reserve(key, size, now, lease_s, holder="p2p")
+                out.append(res.slot if isinstance(res, Reserved) else res.reason)
+            self._drain_locked()
+        return out
+
+    def commit_peer_fetch(
+        self, done: Sequence[tuple[Slot, int]], failed: Sequence[Slot], keep_failed: bool
+    ) -> list[ObjectKey]:
+        """Commit slots whose bytes arrived verified (with their checksums) and abort the
+        failed ones, unless ``keep_failed`` (a transfer may still write them: their write
+        leases then expire instead). STOREs are published like any local store."""
+        committed: list[ObjectKey] = []
+        with self.lock:
+            now = self._clock()
+            for slot, checksum in done:
+                if self.store.commit(slot.key, now, checksum, slot.lease_id) is not None:
+                    committed.append(slot.key)
+            if not keep_failed:
+                for slot in failed:
+                    self.store.abort(slot.key)
+            self._drain_locked()
+        return committed
 
     def reserve(self, req: p.Reserve) -> p.ReserveResult:
         if len(req.hashes) != len(req.sizes):

@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvatlas.server.chunkstore import ChunkStoreStats
+from kvatlas.server.p2p_node import P2PStats
 from kvatlas.server.publisher import PublisherStats
 from kvatlas.server.registrar import RegistrarStats, RegistrationState
 
@@ -28,8 +29,11 @@ class _StatsCollector(Collector):
         publisher: Callable[[], PublisherStats | None],
         registrar: Callable[[], RegistrarStats | None],
         requests: Callable[[], tuple[int, int]],
+        *,
+        p2p: Callable[[], P2PStats | None] = lambda: None,
     ) -> None:
         self._iid = instance_id
+        self._p2p = p2p
         self._store = store
         self._publisher = publisher
         self._registrar = registrar
@@ -77,6 +81,29 @@ class _StatsCollector(Collector):
                 1 if reg.state is RegistrationState.REGISTERED else 0,
             )
             yield self._c("resyncs", "Resyncs after the coordinator lost state.", reg.resyncs)
+        pp = self._p2p()
+        if pp is not None:
+            yield from self._p2p_metrics(pp)
+
+    def _p2p_metrics(self, pp: P2PStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        f = pp.fetch
+        yield self._g("active_p2p_lookup_jobs", "P2P fetches in progress.", pp.active_lookup_jobs)
+        yield self._g("p2p_peers", "Peers with a P2P adapter.", len(pp.peers))
+        yield self._c("p2p_lookups", "Local misses that asked peers.", f.lookups)
+        yield self._c("p2p_chunks_fetched", "Chunks read from peers into L1.", f.chunks_fetched)
+        yield self._c("p2p_bytes_read", "Bytes read from peers.", f.bytes_read)
+        yield self._c("p2p_served_chunks", "Chunks locked for peers.", pp.served_chunks)
+        yield self._c(
+            "p2p_directory_failures", "Directory lookups that failed.", f.directory_failures
+        )
+        fb = CounterMetricFamily(
+            "kvatlas_server_p2p_fallbacks",
+            "P2P failures that became a recompute, by cause.",
+            labels=["instance_id", "cause"],
+        )
+        for cause, n in sorted(f.fallbacks.items()):
+            fb.add_metric([self._iid, cause], n)
+        yield fb
 
 
 class ServerMetrics:
@@ -89,9 +116,13 @@ class ServerMetrics:
         publisher: Callable[[], PublisherStats | None],
         registrar: Callable[[], RegistrarStats | None],
         requests: Callable[[], tuple[int, int]],
+        *,
+        p2p: Callable[[], P2PStats | None] = lambda: None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_StatsCollector(instance_id, store, publisher, registrar, requests))
+        self.registry.register(
+            _StatsCollector(instance_id, store, publisher, registrar, requests, p2p=p2p)
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -19,7 +19,7 @@ import enum
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import msgspec
@@ -65,6 +65,8 @@ class Identity:
     http_port: int
     mq_port: int
     p2p_advertised_url: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    """Extra registration metadata (P2P: the transfer endpoint as ``p2p_endpoint``)."""
 
 
 class Registrar:
@@ -109,7 +111,9 @@ class Registrar:
 
     def _register_locked(self) -> None:
         ident = self.identity
-        metadata = {"models": ",".join(sorted(self._contracts))} if self._contracts else {}
+        metadata = dict(ident.metadata)
+        if self._contracts:
+            metadata["models"] = ",".join(sorted(self._contracts))
         req = RegisterRequest(
             ip=ident.ip,
             http_port=ident.http_port,
@@ -134,6 +138,7 @@ class Registrar:
         self._registrations += 1
         self._state = RegistrationState.REGISTERED
         self._last_error = ""
+        log.info("Registered with coordinator as %s", ident.instance_id)
         log.info(
             "registered instance %s incarnation %d at %s (re_registered=%s)",
             ident.instance_id,

@@ -10,6 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvatlas.server.chunkstore import ChunkStoreStats
+from kvatlas.server.p2p_node import P2PStats
 from kvatlas.server.publisher import PublisherStats
 from kvatlas.server.registrar import RegistrarStats, RegistrationState
 
@@ -29,6 +30,7 @@ def build_status(
     models: list[str],
     engines: int,
     uptime_s: float,
+    p2p: P2PStats | None = None,
 ) -> dict[str, Any]:
     l1 = store.l1
     return {
@@ -77,5 +79,46 @@ def build_status(
         },
         "models": models,
         "engines": engines,
-        "p2p_enabled": False,
+        **p2p_fields(p2p),
+    }
+
+
+def p2p_fields(p2p: P2PStats | None) -> dict[str, Any]:
+    """The ``p2p_*`` fields (LMCache's names first, then kvatlas' counters)."""
+    if p2p is None:
+        return {
+            "p2p_enabled": False,
+            "p2p_state": "unregistered",
+            "p2p_peer_count": 0,
+            "p2p_peers": [],
+            "active_p2p_lookup_jobs": 0,
+        }
+    f = p2p.fetch
+    return {
+        "p2p_enabled": True,
+        "p2p_state": p2p.state.value,
+        "p2p_peer_count": len(p2p.peers),
+        "p2p_peers": list(p2p.peers),
+        "active_p2p_lookup_jobs": p2p.active_lookup_jobs,
+        "p2p": {
+            "transfer_engine": p2p.transfer_engine,
+            "advertise_url": p2p.advertise_url,
+            "transfer_url": p2p.transfer_url,
+            "lookups": f.lookups,
+            "chunks_fetched": f.chunks_fetched,
+            "bytes_read": f.bytes_read,
+            "lock_requests": f.locks_requested,
+            "directory_lookups": f.directory_lookups,
+            "directory_failures": f.directory_failures,
+            "all_peer_fallbacks": f.all_peer_fallbacks,
+            "fallbacks": dict(f.fallbacks),
+            "cooling_peers": list(p2p.cooling_peers),
+            "served_locks": p2p.served_locks,
+            "served_chunks": p2p.served_chunks,
+            "served_unlocks": p2p.served_unlocks,
+            "refused_requests": p2p.refused_requests,
+            "adapters_added": p2p.adapters_added,
+            "adapters_removed": p2p.adapters_removed,
+            "adapters_rebuilt": p2p.adapters_rebuilt,
+        },
     }

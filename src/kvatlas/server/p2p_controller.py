@@ -1,0 +1,276 @@
+"""The P2P controller: who the peers are, and one adapter per live peer.
+
+Owns the poll loop (``GET /instances`` every heartbeat interval, in one thread that waits
+on an event between polls), the ``PeerTable`` it reconciles each successful listing
+into (add / rebuild on a changed endpoint or incarnation / remove after 3 successful
+listings without the peer; never this server itself), and the adapters: a control
+channel client plus a transfer link per peer, built from the listing alone (the peer's
+transfer endpoint travels in its registration metadata, ``p2p_endpoint``). A coordinator
+that cannot be reached is not a listing: nothing is removed, and peers keep serving each
+other through the outage.
+
+``p2p_state`` follows the listings: registered (this server is in the last successful
+listing), unregistered (it is not, or never got one), disconnected (the last poll failed
+after an earlier success).
+
+Must not: move KV bytes or touch the chunk store (``p2p_fetch`` does).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import msgspec
+import zmq
+
+from kvatlas.core.peers import ActionKind, PeerEndpoint, PeerTable
+from kvatlas.server.l1region import L1Region
+from kvatlas.server.p2p_channel import ChannelClient
+from kvatlas.server.p2p_transport import PeerLink, Transport
+from kvatlas.server.sinks import auth_headers
+from kvatlas.wire.http_api import InstancesResponse
+
+log = logging.getLogger(__name__)
+
+ENDPOINT_METADATA_KEY = "p2p_endpoint"
+"""Registration metadata key holding the transfer Endpoint as JSON."""
+
+
+class P2PState(enum.StrEnum):
+    REGISTERED = "registered"
+    DISCONNECTED = "disconnected"
+    UNREGISTERED = "unregistered"
+
+
+@dataclass
+class PeerAdapter:
+    """How to reach one peer: its control channel and a transfer link into its L1."""
+
+    index: int
+    peer: PeerEndpoint
+    endpoint: dict[str, Any]
+    control: ChannelClient
+    link: PeerLink
+
+    @property
+    def instance_id(self) -> str:
+        return self.peer.instance_id
+
+    def close(self) -> None:
+        self.control.close()
+        self.link.close()
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerStats:
+    state: P2PState
+    peers: tuple[str, ...]
+    polls: int
+    poll_failures: int
+    adapters_added: int
+    adapters_removed: int
+    adapters_rebuilt: int
+    last_error: str
+
+
+class P2PController:
+    """Discovery and adapters; ``start()`` runs the poll thread, ``stop()`` closes all."""
+
+    def __init__(
+        self,
+        *,
+        instance_id: str,
+        incarnation: int,
+        coordinator_url: str,
+        interval_s: float,
+        timeout_s: float,
+        auth_token: str | None,
+        transport: Transport,
+        region: L1Region,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+    ) -> None:
+        self.instance_id = instance_id
+        self.incarnation = incarnation
+        self._base = coordinator_url.rstrip("/")
+        self._interval = interval_s
+        self._client = httpx.Client(timeout=timeout_s, headers=auth_headers(auth_token))
+        self._token = auth_token
+        self._transport = transport
+        self._region = region
+        self._ctx = ctx
+        self._table = PeerTable(instance_id)
+        self._adapters: dict[str, PeerAdapter] = {}
+        self._lock = threading.Lock()  # guards _adapters (read by fetches)
+        self._next_index = 0
+        self._state = P2PState.UNREGISTERED
+        self._ever_listed = False
+        self._polls = 0
+        self._poll_failures = 0
+        self._added = 0
+        self._removed = 0
+        self._rebuilt = 0
+        self._last_error = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ queries
+
+    def adapters(self) -> list[PeerAdapter]:
+        with self._lock:
+            return [self._adapters[i] for i in sorted(self._adapters)]
+
+    def adapter(self, instance_id: str) -> PeerAdapter | None:
+        with self._lock:
+            return self._adapters.get(instance_id)
+
+    def stats(self) -> ControllerStats:
+        with self._lock:
+            peers = tuple(sorted(self._adapters))
+        return ControllerStats(
+            state=self._state,
+            peers=peers,
+            polls=self._polls,
+            poll_failures=self._poll_failures,
+            adapters_added=self._added,
+            adapters_removed=self._removed,
+            adapters_rebuilt=self._rebuilt,
+            last_error=self._last_error,
+        )
+
+    # ------------------------------------------------------------------ polling
+
+    def _listing(self) -> list[PeerEndpoint] | None:
+        url = self._base + "/instances"
+        try:
+            resp = self._client.get(url)
+            if resp.status_code != 200:
+                raise ValueError(f"GET {url} answered {resp.status_code}")
+            body = msgspec.json.decode(resp.content, type=InstancesResponse)
+        except (httpx.HTTPError, ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._poll_failures += 1
+            if self._ever_listed:
+                self._state = P2PState.DISCONNECTED
+            if str(exc) != self._last_error:
+                log.warning(
+                    "P2P peer listing failed on instance %s incarnation %d: %s (peers kept)",
+                    self.instance_id,
+                    self.incarnation,
+                    exc,
+                )
+            self._last_error = str(exc)
+            return None
+        self._ever_listed = True
+        self._last_error = ""
+        me = [i for i in body.instances if i.instance_id == self.instance_id]
+        self._state = P2PState.REGISTERED if me else P2PState.UNREGISTERED
+        return [
+            PeerEndpoint(
+                instance_id=i.instance_id,
+                url=i.p2p_advertised_url or "",
+                incarnation=i.incarnation,
+                # only the endpoint: other metadata (models) changing is no reason to rebuild
+                metadata={ENDPOINT_METADATA_KEY: i.metadata[ENDPOINT_METADATA_KEY]},
+            )
+            for i in body.instances
+            if i.p2p_advertised_url and ENDPOINT_METADATA_KEY in i.metadata
+        ]
+
+    def poll_once(self) -> None:
+        """One listing and the adapter changes it implies."""
+        self._polls += 1
+        listing = self._listing()
+        if listing is None:
+            return
+        for action in self._table.reconcile(listing):
+            peer = action.peer
+            if action.kind is ActionKind.REMOVE:
+                self._drop(peer.instance_id)
+                self._removed += 1
+                log.info(
+                    "Removed P2P adapter for peer %s (instance %s incarnation %d)",
+                    peer.instance_id,
+                    self.instance_id,
+                    self.incarnation,
+                )
+                continue
+            if action.kind is ActionKind.REBUILD:
+                self._drop(peer.instance_id)
+                self._rebuilt += 1
+                log.info(
+                    "Rebuilding P2P adapter for peer %s (%s, incarnation %d)",
+                    peer.instance_id,
+                    peer.url,
+                    peer.incarnation,
+                )
+            self._add(peer)
+
+    def _add(self, peer: PeerEndpoint) -> None:
+        try:
+            endpoint = json.loads(peer.metadata[ENDPOINT_METADATA_KEY])
+            if not isinstance(endpoint, dict):
+                raise ValueError("the endpoint is not a JSON object")
+            link = self._transport.connect(
+                self._region, self.instance_id, endpoint, token=self._token
+            )
+        except (ValueError, KeyError) as exc:
+            log.warning(
+                "cannot build a P2P adapter for peer %s (%s) on instance %s: %s",
+                peer.instance_id,
+                peer.url,
+                self.instance_id,
+                exc,
+            )
+            return
+        adapter = PeerAdapter(
+            self._next_index, peer, endpoint, ChannelClient(self._ctx, f"tcp://{peer.url}"), link
+        )
+        self._next_index += 1
+        with self._lock:
+            self._adapters[peer.instance_id] = adapter
+        self._added += 1
+        log.debug(
+            "Added P2P adapter %d for peer %s (%s)", adapter.index, peer.instance_id, peer.url
+        )
+
+    def _drop(self, instance_id: str) -> None:
+        with self._lock:
+            adapter = self._adapters.pop(instance_id, None)
+        if adapter is not None:
+            adapter.close()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="p2p-controller-thread", daemon=True)
+        self._thread.start()
+        log.info(
+            "Started p2p-controller-thread (interval=%.1fs) on instance %s incarnation %d",
+            self._interval,
+            self.instance_id,
+            self.incarnation,
+        )
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except Exception:
+                log.exception("P2P poll of instance %s failed", self.instance_id)
+            self._stop.wait(self._interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+            self._thread = None
+        with self._lock:
+            adapters, self._adapters = list(self._adapters.values()), {}
+        for adapter in adapters:
+            adapter.close()
+        self._client.close()

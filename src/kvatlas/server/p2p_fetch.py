@@ -1,0 +1,407 @@
+"""The P2P read path of the requester: a local miss becomes a read from a peer's L1.
+
+Owns, for one lookup's missing keys: the deadlines (``core.peers.p2p_deadline``: the
+configured lookup and load timeouts at most, less when recomputing is quicker), the
+choice of peers (the coordinator's directory names who holds the keys; every live peer
+when the directory is unreachable or knows no holder; peers cooling off after repeated
+failures are skipped), ``lookup_and_lock`` to them one after the other until the prefix
+is covered, the load into freshly reserved local slots through the transfer link, a
+second checksum pass over what landed, commit (STOREs are published like any local
+store), and the acknowledged unlock. Every failure is a miss for the rest of the prefix
+and is counted by cause: timeout, peer_dead, checksum_mismatch, refused, stale_hint
+(the directory named a peer that no longer had the chunks), no_space.
+
+It runs WITHOUT the engine service's lock and takes it only briefly, through the
+service's ``reserve_for_peer_fetch`` / ``commit_peer_fetch``.
+
+Must not: write into a peer's memory, forward a read to a third node, or wait past a
+deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import httpx
+import msgspec
+
+from kvatlas.core.checksum import checksum as compute_checksum
+from kvatlas.core.keys import Namespace, ObjectKey
+from kvatlas.core.l1pool import Refusal, Slot
+from kvatlas.core.peers import PeerHealth, p2p_deadline
+from kvatlas.server.config import P2PConfig
+from kvatlas.server.engine_service import EngineService, PeerFetch
+from kvatlas.server.p2p_channel import ChannelError
+from kvatlas.server.p2p_controller import P2PController, PeerAdapter
+from kvatlas.server.p2p_transport import PeerRead, ReadOutcome
+from kvatlas.server.sinks import auth_headers
+from kvatlas.wire import p2p_proto as pp
+from kvatlas.wire.http_api import KeyWire, LookupRequest, LookupResponse
+
+log = logging.getLogger(__name__)
+
+CAUSES: Final = (
+    "timeout",
+    "peer_dead",
+    "checksum_mismatch",
+    "refused",
+    "stale_hint",
+    "no_space",
+)
+"""Fallback causes counted (metric ``p2p_fallbacks{cause}`` and /status)."""
+UNLOCK_TIMEOUT_S: Final = 1.0
+"""Bound of the acknowledged unlock; the lease expiry covers an unanswered one."""
+WRITE_GRACE_S: Final = 30.0
+"""Write leases of fetched slots outlive the load deadline by this much, so that a slot
+whose transfer could not be drained is freed by expiry, not reused under a live write."""
+DRAIN_TIMEOUT_S: Final = 0.5
+
+
+@dataclass
+class FetchStats:
+    lookups: int = 0
+    chunks_fetched: int = 0
+    bytes_read: int = 0
+    directory_lookups: int = 0
+    directory_failures: int = 0
+    all_peer_fallbacks: int = 0
+    locks_requested: int = 0
+    fallbacks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
+
+
+class PeerFetcher:
+    """``EngineService``'s peer source when P2P is enabled; thread-safe."""
+
+    def __init__(
+        self,
+        *,
+        instance_id: str,
+        service: EngineService,
+        controller: P2PController,
+        config: P2PConfig,
+        chunk_size: int,
+        coordinator_url: str,
+        coordinator_timeout_s: float,
+        auth_token: str | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.instance_id = instance_id
+        self._service = service
+        self._controller = controller
+        self._config = config
+        self._chunk_size = chunk_size
+        self._base = coordinator_url.rstrip("/")
+        self._dir_timeout = coordinator_timeout_s
+        self._http = httpx.Client(timeout=coordinator_timeout_s, headers=auth_headers(auth_token))
+        self._token = auth_token or ""
+        self._clock = clock
+        self.health = PeerHealth(cooloff_s=config.cooloff_s)
+        self._lock = threading.Lock()  # guards stats, health and _active
+        self._active = 0
+        self.stats = FetchStats()
+
+    @property
+    def active_jobs(self) -> int:
+        return self._active
+
+    def snapshot(self) -> FetchStats:
+        with self._lock:
+            return FetchStats(
+                self.stats.lookups,
+                self.stats.chunks_fetched,
+                self.stats.bytes_read,
+                self.stats.directory_lookups,
+                self.stats.directory_failures,
+                self.stats.all_peer_fallbacks,
+                self.stats.locks_requested,
+                dict(self.stats.fallbacks),
+            )
+
+    def cooling(self) -> list[str]:
+        with self._lock:
+            return self.health.cooling(self._clock())
+
+    def close(self) -> None:
+        self._http.close()
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _count(self, cause: str) -> None:
+        with self._lock:
+            self.stats.fallbacks[cause] = self.stats.fallbacks.get(cause, 0) + 1
+
+    def _failed(self, peer: str, cause: str) -> None:
+        with self._lock:
+            self.stats.fallbacks[cause] = self.stats.fallbacks.get(cause, 0) + 1
+            if cause != "stale_hint" and self.health.record_failure(peer, self._clock()):
+                log.warning(
+                    "P2P peer %s failed repeatedly (%s): skipped for %.1fs by instance %s",
+                    peer,
+                    cause,
+                    self.health.cooloff_s,
+                    self.instance_id,
+                )
+
+    # ------------------------------------------------------------------ the read path
+
+    def fetch_prefix(self, keys: Sequence[ObjectKey], recompute_s: float) -> PeerFetch:
+        if not keys:
+            return PeerFetch()
+        with self._lock:
+            self._active += 1
+            self.stats.lookups += 1
+        try:
+            return self._fetch(keys, recompute_s)
+        finally:
+            with self._lock:
+                self._active -= 1
+
+    def _budgets(self, keys: Sequence[ObjectKey], recompute_s: float) -> tuple[float, float]:
+        expected: float | None = recompute_s or None
+        if expected is None and self._config.recompute_s_per_token > 0:
+            expected = self._config.recompute_s_per_token * len(keys) * self._chunk_size
+        return (
+            p2p_deadline(self._config.lookup_timeout_s, expected),
+            p2p_deadline(self._config.load_timeout_s, expected),
+        )
+
+    def _fetch(self, keys: Sequence[ObjectKey], recompute_s: float) -> PeerFetch:
+        adapters = self._controller.adapters()
+        if not adapters:
+            return PeerFetch()
+        lookup_budget, load_budget = self._budgets(keys, recompute_s)
+        lookup_deadline = time.monotonic() + lookup_budget
+        hints = self._directory(keys, lookup_deadline)
+        if hints:
+            by_id = {a.instance_id: a for a in adapters}
+            order = sorted((n, iid) for iid, n in hints.items() if iid in by_id)
+            candidates = [by_id[iid] for _, iid in reversed(order)]
+        else:
+            with self._lock:
+                self.stats.all_peer_fallbacks += 1
+            candidates = adapters
+        now = self._clock()
+        with self._lock:
+            usable = [a for a in candidates if self.health.available(a.instance_id, now)]
+        if candidates and not usable:
+            return PeerFetch(fallback="cooling_off")
+        fetched: set[ObjectKey] = set()
+        pos = 0
+        fallback = ""
+        for adapter in usable:
+            if pos >= len(keys):
+                break
+            remaining = lookup_deadline - time.monotonic()
+            if remaining <= 0:
+                self._count("timeout")
+                fallback = fallback or "timeout"
+                break
+            got, cause = self._from_peer(
+                adapter, keys[pos:], (hints or {}).get(adapter.instance_id, 0), remaining,
+                load_budget,
+            )  # fmt: skip
+            fetched.update(got.fetched)
+            pos += got.present
+            if cause:
+                fallback = fallback or cause
+        if pos >= len(keys):
+            fallback = ""
+        elif not fallback:
+            fallback = "not_found"
+        return PeerFetch(frozenset(fetched), fallback)
+
+    def _directory(self, keys: Sequence[ObjectKey], deadline: float) -> dict[str, int] | None:
+        """Per peer, how many leading ``keys`` the directory says it holds; None when
+        the directory cannot be asked (all peers are asked then)."""
+        timeout = min(self._dir_timeout, deadline - time.monotonic())
+        if timeout <= 0:
+            return None
+        with self._lock:
+            self.stats.directory_lookups += 1
+        req = LookupRequest(keys=[KeyWire.from_core(k) for k in keys])
+        try:
+            resp = self._http.post(
+                self._base + "/directory/lookup",
+                content=msgspec.json.encode(req),
+                headers={"content-type": "application/json"},
+                timeout=timeout,
+            )
+            if resp.status_code != 200:
+                raise ValueError(f"directory lookup answered {resp.status_code}")
+            body = msgspec.json.decode(resp.content, type=LookupResponse)
+        except (httpx.HTTPError, ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            with self._lock:
+                self.stats.directory_failures += 1
+            log.debug("directory lookup failed on instance %s: %s", self.instance_id, exc)
+            return None
+        holders: dict[str, int] = {}
+        alive: set[str] | None = None
+        for result in body.results:
+            here = {p.instance_id for p in result.placements if p.instance_id != self.instance_id}
+            alive = here if alive is None else alive & here
+            if not alive:
+                break
+            for iid in alive:
+                holders[iid] = holders.get(iid, 0) + 1
+        return holders
+
+    def _from_peer(
+        self,
+        adapter: PeerAdapter,
+        keys: Sequence[ObjectKey],
+        hinted: int,
+        lookup_s: float,
+        load_budget: float,
+    ) -> tuple[_Loaded, str]:
+        peer = adapter.instance_id
+        ns = Namespace(
+            keys[0].model_name, keys[0].kv_rank, keys[0].object_group_id, keys[0].cache_salt
+        )
+        lease_s = min(self._config.lock_lease_s, lookup_s + load_budget + UNLOCK_TIMEOUT_S + 1.0)
+        with self._lock:
+            self.stats.locks_requested += 1
+        try:
+            answer = adapter.control.call(
+                pp.LookupAndLock(
+                    self.instance_id, ns, [k.chunk_hash for k in keys], lease_s, self._token
+                ),
+                lookup_s,
+            )
+        except ChannelError as exc:
+            log.info("lookup_and_lock to peer %s failed (%s): %s", peer, exc.cause, exc)
+            self._failed(peer, exc.cause)
+            return _Loaded(), exc.cause
+        if not isinstance(answer, pp.Locked):
+            self._failed(peer, "refused")
+            return _Loaded(), "refused"
+        chunks = answer.chunks
+        lease_ids = [c.lease_id for c in chunks]
+        bad = (
+            len(chunks) > len(keys)
+            or any(c.hash != k.chunk_hash for c, k in zip(chunks, keys, strict=False))
+            or (adapter.peer.incarnation and answer.incarnation != adapter.peer.incarnation)
+        )
+        if bad:
+            self._unlock(adapter, lease_ids)
+            self._failed(peer, "refused")
+            return _Loaded(), "refused"
+        stale = len(chunks) < min(hinted, len(keys))
+        if stale:
+            self._count("stale_hint")
+            log.info(
+                "stale directory hint on instance %s: peer %s holds %d of the %d chunks named",
+                self.instance_id,
+                peer,
+                len(chunks),
+                min(hinted, len(keys)),
+            )
+        if not chunks:
+            return _Loaded(), "stale_hint" if stale else ""
+        loaded, cause = self._load(adapter, keys[: len(chunks)], chunks, load_budget)
+        if cause != "peer_dead":
+            self._unlock(adapter, lease_ids)
+        if cause:
+            self._failed(peer, cause)
+        else:
+            with self._lock:
+                self.health.record_success(peer)
+        if not cause and stale:
+            cause = "stale_hint"
+        return loaded, cause
+
+    def _load(
+        self,
+        adapter: PeerAdapter,
+        keys: Sequence[ObjectKey],
+        chunks: Sequence[pp.LockedChunk],
+        load_budget: float,
+    ) -> tuple[_Loaded, str]:
+        service = self._service
+        grants = service.reserve_for_peer_fetch(
+            [(k, c.size) for k, c in zip(keys, chunks, strict=True)], load_budget + WRITE_GRACE_S
+        )
+        reads: list[PeerRead] = []
+        slots: list[Slot] = []
+        for grant, chunk in zip(grants, chunks, strict=True):
+            if isinstance(grant, Slot):
+                reads.append(
+                    PeerRead(chunk.offset, chunk.size, grant.offset, chunk.lease_id, chunk.checksum)
+                )
+                slots.append(grant)
+        outcomes: list[ReadOutcome] = []
+        if reads:
+            try:
+                outcomes = adapter.link.read(reads, load_budget)
+            except Exception as exc:  # an engine bug must cost a miss, not the lookup
+                log.warning("P2P read from %s failed: %r", adapter.instance_id, exc)
+                outcomes = [ReadOutcome("peer_dead", repr(exc)) for _ in reads]
+        done: list[tuple[Slot, int]] = []
+        failed: list[Slot] = []
+        cause = ""
+        nbytes = 0
+        for slot, read, outcome in zip(slots, reads, outcomes, strict=True):
+            status = outcome.status
+            if outcome.ok and self._landed_checksum(slot) != read.checksum:
+                status = "checksum_mismatch"  # the engine said ok: never trust it blindly
+            if status == "ok":
+                done.append((slot, read.checksum))
+                nbytes += read.size
+            else:
+                failed.append(slot)
+                if not cause:
+                    log.info(
+                        "P2P read of %d bytes from peer %s failed on instance %s: %s %s",
+                        read.size,
+                        adapter.instance_id,
+                        self.instance_id,
+                        status,
+                        outcome.detail,
+                    )
+                cause = cause or status
+        keep = any(o.status == "timeout" for o in outcomes) and not adapter.link.drain(
+            DRAIN_TIMEOUT_S
+        )
+        committed = set(service.commit_peer_fetch(done, failed, keep_failed=keep))
+        present = 0
+        for key, grant in zip(keys, grants, strict=True):
+            if key in committed or grant is Refusal.EXISTS:
+                present += 1
+                continue
+            if not cause and isinstance(grant, Refusal):
+                cause = "no_space"
+            break
+        with self._lock:
+            self.stats.chunks_fetched += len(committed)
+            self.stats.bytes_read += nbytes
+        return _Loaded(frozenset(committed), present), cause
+
+    def _landed_checksum(self, slot: Slot) -> int:
+        view = self._service.store.region.view(slot.offset, slot.size)
+        try:
+            return compute_checksum(view)
+        finally:
+            view.release()
+
+    def _unlock(self, adapter: PeerAdapter, lease_ids: list[int]) -> None:
+        if not lease_ids:
+            return
+        try:
+            adapter.control.call(
+                pp.Unlock(self.instance_id, lease_ids, self._token), UNLOCK_TIMEOUT_S
+            )
+        except ChannelError as exc:
+            log.info(
+                "unlock at peer %s failed (%s); its leases expire instead", adapter.instance_id, exc
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class _Loaded:
+    fetched: frozenset[ObjectKey] = frozenset()
+    present: int = 0
+    """Leading keys of the request now in L1 (fetched, or stored by someone meanwhile)."""

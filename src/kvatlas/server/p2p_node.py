@@ -1,0 +1,244 @@
+"""P2P for one cache server: the owner side, the requester side, and their wiring.
+
+Owns the parts of P2P and their order: the transfer engine serving this server's L1
+region (its endpoint goes into the registration metadata), the control channel's ROUTER
+on the listen URL answering ``hello`` / ``lookup_and_lock`` / ``unlock`` (with the
+shared token checked when one is set), the controller (peers and adapters) and the
+fetcher (the read path, plugged into the engine service as its peer source), plus the
+``p2p_*`` fields of /status and the P2P metrics.
+
+Ports: the control channel binds ``--p2p-listen-url`` and is advertised as
+``--p2p-advertise-url``; the tcp transfer engine binds the listen host at PORT+1 and
+advertises the advertise host at PORT+1; the other engines choose their own (shm: the
+region's name, mooncake: its RPC port, nixl: its agent).
+
+Owner-side lease rules: a peer is handed addresses only under read leases held as
+``peer:<its id>``, released by its ``unlock`` (its own leases only) or by expiry; the
+tcp engine checks each read against those leases (``EngineService.peer_may_read``).
+
+Must not: parse flags, or import ``kvatlas.transfer`` (the CLI passes a ``Transport``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from kvatlas.core.keys import HASH_BYTES, ObjectKey
+from kvatlas.server.config import P2PConfig, split_host_port
+from kvatlas.server.engine_service import EngineService
+from kvatlas.server.errors import ConfigError
+from kvatlas.server.l1region import L1Region
+from kvatlas.server.p2p_channel import ChannelServer
+from kvatlas.server.p2p_controller import ENDPOINT_METADATA_KEY, P2PController, P2PState
+from kvatlas.server.p2p_fetch import FetchStats, PeerFetcher
+from kvatlas.server.p2p_transport import Transport, endpoint_url
+from kvatlas.wire import p2p_proto as pp
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class P2PStats:
+    """A snapshot for /status and /metrics."""
+
+    state: P2PState
+    peers: tuple[str, ...]
+    active_lookup_jobs: int
+    transfer_engine: str
+    advertise_url: str
+    transfer_url: str
+    fetch: FetchStats
+    cooling_peers: tuple[str, ...]
+    served_locks: int
+    served_chunks: int
+    served_unlocks: int
+    refused_requests: int
+    adapters_added: int
+    adapters_removed: int
+    adapters_rebuilt: int
+
+
+def check_single_region(region: L1Region, pool_capacity: int) -> None:
+    """P2P serves one contiguous shared-memory region: refuse anything else."""
+    if not region.name or region.size < pool_capacity:
+        raise ConfigError(
+            "P2P requires a single contiguous L1 memory region: the L1 pool"
+            f" ({pool_capacity} bytes) must lie in one named shared-memory region"
+            f" (got {region.name or 'an unnamed region'} of {region.size} bytes);"
+            " drop --p2p-advertise-url or use the default L1"
+        )
+
+
+class P2PNode:
+    """Build (binds the channel, starts serving the region), ``start()``, ``stop()``."""
+
+    def __init__(
+        self,
+        *,
+        config: P2PConfig,
+        instance_id: str,
+        incarnation: int,
+        chunk_size: int,
+        service: EngineService,
+        region: L1Region,
+        transport: Transport,
+        coordinator_url: str,
+        heartbeat_interval_s: float,
+        coordinator_timeout_s: float,
+        auth_token: str | None,
+    ) -> None:
+        check_single_region(region, service.store.pool.capacity_bytes)
+        listen = split_host_port(config.bind_url)
+        if listen is None:  # validate() refused this already
+            raise ConfigError(f"--p2p-listen-url must be HOST:PORT, got {config.bind_url!r}")
+        self.config = config
+        self.instance_id = instance_id
+        self.incarnation = incarnation
+        self._service = service
+        self._transport = transport
+        self._token = auth_token or ""
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.served_locks = 0
+        self.served_chunks = 0
+        self.served_unlocks = 0
+        self.refused = 0
+        try:
+            self._channel = ChannelServer(self._ctx, listen[0], listen[1])
+            try:
+                self.endpoint: dict[str, Any] = transport.serve(
+                    region, self._authorize, token=auth_token
+                )
+            except BaseException:
+                self._channel.stop()
+                raise
+        except BaseException:
+            self._ctx.term()
+            raise
+        self.controller = P2PController(
+            instance_id=instance_id,
+            incarnation=incarnation,
+            coordinator_url=coordinator_url,
+            interval_s=heartbeat_interval_s,
+            timeout_s=coordinator_timeout_s,
+            auth_token=auth_token,
+            transport=transport,
+            region=region,
+            ctx=self._ctx,
+        )
+        self.fetcher = PeerFetcher(
+            instance_id=instance_id,
+            service=service,
+            controller=self.controller,
+            config=config,
+            chunk_size=chunk_size,
+            coordinator_url=coordinator_url,
+            coordinator_timeout_s=coordinator_timeout_s,
+            auth_token=auth_token,
+        )
+        service.set_peer_source(self.fetcher)
+
+    def registration_metadata(self) -> dict[str, str]:
+        return {ENDPOINT_METADATA_KEY: json.dumps(self.endpoint, sort_keys=True)}
+
+    # ------------------------------------------------------------------ owner side
+
+    def _authorize(self, peer_id: str, lease_id: str, offset: int, size: int) -> bool:
+        if self.config.fault_read_delay_s > 0:  # tests only: a slow owner
+            time.sleep(self.config.fault_read_delay_s)
+        return self._service.peer_may_read(peer_id, lease_id, offset, size)
+
+    def _token_ok(self, token: str) -> bool:
+        return not self._token or hmac.compare_digest(token.encode(), self._token.encode())
+
+    def handle(self, body: pp.P2PRequestBody) -> pp.P2PResponseBody:
+        """Answer one control request (the channel's thread)."""
+        if not self._token_ok(body.token):
+            self.refused += 1
+            log.warning(
+                "P2P request from %s refused on instance %s: bad auth token",
+                body.requester,
+                self.instance_id,
+            )
+            return pp.P2PError("unauthorized", "bad or missing auth token")
+        match body:
+            case pp.Hello():
+                return pp.HelloReply(self.instance_id, self.incarnation, self.endpoint)
+            case pp.LookupAndLock():
+                if any(len(h) != HASH_BYTES for h in body.hashes) or not body.lease_s > 0:
+                    self.refused += 1
+                    return pp.P2PError("invalid_input", "hashes must be 32 bytes, lease_s > 0")
+                ns = body.ns
+                keys = [
+                    ObjectKey(h, ns.model_name, ns.kv_rank, ns.object_group_id, ns.cache_salt)
+                    for h in body.hashes
+                ]
+                lease_s = min(body.lease_s, self.config.lock_lease_s)
+                leases = self._service.lock_for_peer(body.requester, keys, lease_s)
+                self.served_locks += 1
+                self.served_chunks += len(leases)
+                return pp.Locked(
+                    self.instance_id,
+                    self.incarnation,
+                    [
+                        pp.LockedChunk(
+                            ls.key.chunk_hash, ls.offset, ls.size, ls.checksum, int(ls.lease_id)
+                        )
+                        for ls in leases
+                    ],
+                )
+            case pp.Unlock():
+                self.served_unlocks += 1
+                return pp.Unlocked(self._service.unlock_for_peer(body.requester, body.lease_ids))
+        raise AssertionError(f"unhandled P2P request {type(body).__name__}")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._channel.start(self.handle)
+        self.controller.start()
+        log.info(
+            "P2P on instance %s incarnation %d: control tcp://%s:%d advertised as %s,"
+            " transfer engine %s at %s",
+            self.instance_id,
+            self.incarnation,
+            self._channel.host,
+            self._channel.port,
+            self.config.advertise_url,
+            self._transport.name,
+            endpoint_url(self.endpoint),
+        )
+
+    def stop(self) -> None:
+        self._service.set_peer_source(None)
+        self.controller.stop()
+        self._channel.stop()
+        self.fetcher.close()
+        self._transport.stop()
+        self._ctx.term()
+
+    def stats(self) -> P2PStats:
+        c = self.controller.stats()
+        return P2PStats(
+            state=c.state,
+            peers=c.peers,
+            active_lookup_jobs=self.fetcher.active_jobs,
+            transfer_engine=self._transport.name,
+            advertise_url=self.config.advertise_url or "",
+            transfer_url=endpoint_url(self.endpoint),
+            fetch=self.fetcher.snapshot(),
+            cooling_peers=tuple(self.fetcher.cooling()),
+            served_locks=self.served_locks,
+            served_chunks=self.served_chunks,
+            served_unlocks=self.served_unlocks,
+            refused_requests=self.refused,
+            adapters_added=c.adapters_added,
+            adapters_removed=c.adapters_removed,
+            adapters_rebuilt=c.adapters_rebuilt,
+        )

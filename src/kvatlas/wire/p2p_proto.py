@@ -1,0 +1,142 @@
+"""Message shapes of the P2P control channel: requester server <-> owner server.
+
+Control only: KV bytes never travel here. The owner answers ``lookup_and_lock`` with the
+addresses (offset, size, checksum) of the chunks it read-locked in its registered L1
+region plus their lease ids; the requester then reads them one-sided through the
+transfer engine and releases the leases with an acknowledged ``unlock``.
+
+Transport: the requester's DEALER sends ``[b"", msgpack(P2PRequest)]``; the owner's
+ROUTER answers ``[b"", msgpack(P2PResponse)]`` with the same ``id``. ``v`` is the
+protocol version; another version is answered with ``P2PError(code="version")``. Every
+request carries the requester's instance id and the shared token (``--auth-token``;
+empty when none is set).
+
+Owns encoding and shapes only; no I/O and no state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal
+
+import msgspec
+
+from kvatlas.core.keys import Namespace
+
+P2P_PROTOCOL_VERSION: Final = 1
+
+# ---- requests -----------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    """Who are you? Answered with the owner's identity and transfer endpoint."""
+
+    requester: str
+    token: str = ""
+
+
+class LookupAndLock(msgspec.Struct, frozen=True, tag="lookup_and_lock"):
+    """Read-lock the leading run of ``hashes`` the owner holds, for ``lease_s`` seconds."""
+
+    requester: str
+    ns: Namespace
+    hashes: list[bytes]
+    lease_s: float
+    token: str = ""
+
+
+class Unlock(msgspec.Struct, frozen=True, tag="unlock"):
+    """Release leases ``lookup_and_lock`` handed out (only the requester's own)."""
+
+    requester: str
+    lease_ids: list[int]
+    token: str = ""
+
+
+P2PRequestBody = Hello | LookupAndLock | Unlock
+
+
+class P2PRequest(msgspec.Struct, frozen=True):
+    v: int
+    id: int
+    body: P2PRequestBody
+
+
+# ---- responses ----------------------------------------------------------------------
+
+
+class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
+    instance_id: str
+    incarnation: int
+    endpoint: dict[str, Any]
+    """The transfer engine's Endpoint as builtins (``Endpoint.to_builtins()``)."""
+
+
+class LockedChunk(msgspec.Struct, frozen=True, array_like=True):
+    """A read-locked chunk: where it lives in the owner's region, and its lease."""
+
+    hash: bytes
+    offset: int
+    size: int
+    checksum: int
+    lease_id: int
+
+
+class Locked(msgspec.Struct, frozen=True, tag="locked"):
+    instance_id: str
+    incarnation: int
+    chunks: list[LockedChunk]
+    """The leading run of the requested hashes the owner holds, in order (maybe empty)."""
+
+
+class Unlocked(msgspec.Struct, frozen=True, tag="unlocked"):
+    released: int
+
+
+P2PErrorCode = Literal["unauthorized", "invalid_input", "version", "internal"]
+
+
+class P2PError(msgspec.Struct, frozen=True, tag="p2p_error"):
+    code: P2PErrorCode
+    message: str
+
+
+P2PResponseBody = HelloReply | Locked | Unlocked | P2PError
+
+
+class P2PResponse(msgspec.Struct, frozen=True):
+    v: int
+    id: int
+    body: P2PResponseBody
+
+
+class P2PEnvelope(msgspec.Struct):
+    """Just the header, to answer a request that does not decode."""
+
+    v: int = 0
+    id: int = 0
+
+
+_request_decoder = msgspec.msgpack.Decoder(P2PRequest)
+_response_decoder = msgspec.msgpack.Decoder(P2PResponse)
+_envelope_decoder = msgspec.msgpack.Decoder(P2PEnvelope)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: P2PRequest | P2PResponse) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_request(data: bytes | memoryview) -> P2PRequest:
+    """Raise msgspec.DecodeError / ValidationError on a malformed request."""
+    return _request_decoder.decode(data)
+
+
+def decode_response(data: bytes | memoryview) -> P2PResponse:
+    return _response_decoder.decode(data)
+
+
+def decode_envelope(data: bytes | memoryview) -> P2PEnvelope:
+    try:
+        return _envelope_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return P2PEnvelope()

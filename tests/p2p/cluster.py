@@ -1,0 +1,243 @@
+"""Real processes for the P2P tests and benchmark: a coordinator (``python -m
+kvatlas.cli.coordinator``) and cache servers (``python -m kvatlas.cli.server``) on
+127.0.0.1, started and stopped by pid, and a CacheClient as each node's engine."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from kvatlas.engine.client import CacheClient
+from kvatlas.wire.http_api import LookupRequest, LookupResponse
+
+CHUNK = 16
+MODEL = "tiny"
+HEARTBEAT_S = 0.2
+
+
+def free_port(pair: bool = False) -> int:
+    """A free port (``pair``: PORT and PORT+1 both free, for the tcp transfer engine)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if not pair:
+            return port
+        if port >= 65534:
+            continue
+        try:
+            with socket.socket() as s2:
+                s2.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair")
+
+
+def wait_until(cond: Callable[[], object], timeout: float = 20.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met in {timeout}s: {what}")
+        time.sleep(0.05)
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    return proc.returncode
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited with {proc.returncode}:\n{log.read_text()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=0.5).status_code == 200:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"{url} did not come up:\n{log.read_text()}")
+
+
+@dataclass
+class Coordinator:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def held(self, client: CacheClient, tokens: Sequence[int]) -> dict[str, int]:
+        """Per instance, how many leading chunks of ``tokens`` the directory lists."""
+        req = LookupRequest(token_ids=list(tokens), model_name=MODEL)
+        r = httpx.post(self.url + "/directory/lookup", content=msgspec.json.encode(req), timeout=5)
+        assert r.status_code == 200, r.text
+        resp = msgspec.json.decode(r.content, type=LookupResponse)
+        out: dict[str, int] = {}
+        for h in resp.prefix_holders:
+            out[h.instance_id] = max(out.get(h.instance_id, 0), h.chunks)
+        return out
+
+    def instances(self) -> list[dict[str, Any]]:
+        r = httpx.get(self.url + "/instances", timeout=5)
+        return list(r.json()["instances"])
+
+
+def start_coordinator(tmp: Path, port: int | None = None) -> Coordinator:
+    port = port or free_port()
+    log = tmp / f"coord-{port}-{time.monotonic_ns()}.log"
+    args = [
+        sys.executable, "-m", "kvatlas.cli.coordinator", "--host", "127.0.0.1",
+        "--port", str(port), "--chunk-size", str(CHUNK), "--snapshot-interval", "0",
+        "--instance-timeout", "30", "--health-check-interval", "0.5",
+    ]  # fmt: skip
+    with log.open("wb") as f:
+        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
+    wait_http(f"http://127.0.0.1:{port}/healthz", proc, log)
+    return Coordinator(proc, port, log)
+
+
+@dataclass
+class Node:
+    instance_id: str
+    proc: subprocess.Popen[bytes]
+    port: int
+    http_port: int
+    p2p_port: int
+    log: Path
+    clients: list[CacheClient] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def engine_url(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    def status(self) -> dict[str, Any]:
+        r = httpx.get(f"http://127.0.0.1:{self.http_port}/status", timeout=5)
+        return dict(r.json())
+
+    def metrics(self) -> str:
+        return httpx.get(f"http://127.0.0.1:{self.http_port}/metrics", timeout=5).text
+
+    def client(self, timeout_s: float = 30.0) -> CacheClient:
+        c = CacheClient(self.engine_url, timeout_s=timeout_s, engine_id=f"eng-{self.instance_id}")
+        c.register(MODEL, "float16", (2, 2, 8), chunk_size=CHUNK)
+        self.clients.append(c)
+        return c
+
+    def peers(self) -> list[str]:
+        return list(self.status()["p2p_peers"])
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        for c in self.clients:
+            c.close()
+        self.clients.clear()
+        return stop(self.proc, sig)
+
+
+def start_node(
+    tmp: Path,
+    instance_id: str,
+    coord: Coordinator | None,
+    *extra: str,
+    engine: str = "tcp",
+    l1_gb: float = 0.02,
+    p2p_port: int | None = None,
+    p2p: bool = True,
+) -> Node:
+    port, http_port = free_port(), free_port()
+    p2p_port = p2p_port or free_port(pair=True)
+    log = tmp / f"{instance_id}-{port}.log"
+    args = [
+        sys.executable, "-m", "kvatlas.cli.server",
+        "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),
+        "--instance-id", instance_id, "--l1-size-gb", str(l1_gb), "--chunk-size", str(CHUNK),
+        "--state-dir", str(tmp / "state"), "--engine-workers", "2",
+        "--coordinator-heartbeat-interval", str(HEARTBEAT_S), "--event-flush-interval", "0.1",
+        "--coordinator-timeout", "1", "--log-level", "DEBUG",
+    ]  # fmt: skip
+    if coord is not None:
+        args += ["--coordinator-url", coord.url]
+    if p2p:
+        args += ["--p2p-advertise-url", f"127.0.0.1:{p2p_port}", "--p2p-transfer-engine", engine]
+    args += list(extra)
+    with log.open("wb") as f:
+        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
+    node = Node(instance_id, proc, port, http_port, p2p_port, log)
+    wait_http(f"http://127.0.0.1:{http_port}/healthz", proc, log)
+    return node
+
+
+def chunk_data(n: int, size: int, seed: int) -> list[npt.NDArray[np.uint8]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+
+
+def prompt(n_chunks: int, seed: int) -> list[int]:
+    return [seed * 1_000_000 + i for i in range(n_chunks * CHUNK)]
+
+
+@contextlib.contextmanager
+def cluster(
+    tmp: Path,
+    *names: str,
+    engine: str = "tcp",
+    extra: dict[str, Sequence[str]] | None = None,
+    l1_gb: float = 0.02,
+) -> Iterator[tuple[Coordinator, list[Node]]]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    coord = start_coordinator(tmp)
+    nodes: list[Node] = []
+    try:
+        for name in names:
+            nodes.append(
+                start_node(
+                    tmp, name, coord, *(extra or {}).get(name, ()), engine=engine, l1_gb=l1_gb
+                )
+            )
+        yield coord, nodes
+    finally:
+        for n in nodes:
+            n.stop(signal.SIGKILL if n.proc.poll() is not None else signal.SIGTERM)
+        stop(coord.proc)
+
+
+def wait_peers(nodes: Sequence[Node], timeout: float = 20.0) -> None:
+    """Every node lists every other node as a P2P peer and sees itself registered."""
+    for n in nodes:
+        want = sorted(m.instance_id for m in nodes if m is not n)
+
+        def ready(n: Node = n, want: list[str] = want) -> bool:
+            st = n.status()
+            return st["p2p_peers"] == want and st["p2p_state"] == "registered"
+
+        wait_until(ready, timeout, f"{n.instance_id} peers")
+
+
+def read_all(client: CacheClient, tokens: Sequence[int]) -> list[npt.NDArray[np.uint8]]:
+    out = client.retrieve_prefix(tokens)
+    return [np.asarray(a, dtype=np.uint8) for a in out]
