@@ -6,7 +6,14 @@ from __future__ import annotations
 import importlib
 import sys
 
-MODULES = ["bench.core_bench", "bench.coordinator_bench", "bench.server_bench"]
+MODULES = [
+    "bench.core_bench",
+    "bench.coordinator_bench",
+    "bench.server_bench",
+    "bench.transfer_bench",
+    "bench.p2p_bench",
+    "bench.engine_model_bench",
+]
 
 
 def main() -> int:
