@@ -25,6 +25,7 @@ from kvatlas.engine.client import (
     ModelNotRegistered,
     RequestRefused,
     ServerUnavailable,
+    Unauthorized,
 )
 from kvatlas.wire import engine_proto as p
 from kvatlas.wire.http_api import LookupRequest, LookupResponse
@@ -427,3 +428,27 @@ def test_blocked_copy_checksum_equals_the_core_checksum(size: int) -> None:
     dst = np.empty_like(src)
     assert copy_and_checksum(src, dst) == checksum(src.data)
     assert np.array_equal(src, dst)
+
+
+def test_auth_token_guards_the_engine_api_and_status(tmp_path: Path) -> None:
+    s = start_server(tmp_path, "node-secret", "--auth-token", "s3cret")
+    try:
+        base = f"http://127.0.0.1:{s.http_port}"
+        assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200
+        assert httpx.get(f"{base}/status", timeout=5).status_code == 401
+        assert httpx.get(f"{base}/metrics", timeout=5).status_code == 401
+        bad = {"Authorization": "Bearer wrong"}
+        assert httpx.get(f"{base}/status", headers=bad, timeout=5).status_code == 401
+        good = {"Authorization": "Bearer s3cret"}
+        assert httpx.get(f"{base}/status", headers=good, timeout=5).status_code == 200
+
+        anonymous = CacheClient(s.engine_url, timeout_s=5.0)
+        with pytest.raises(Unauthorized):
+            anonymous.register(MODEL, "float16", (2, 2, 8), chunk_size=CHUNK)
+        anonymous.close()
+        trusted = CacheClient(s.engine_url, timeout_s=5.0, auth_token="s3cret")
+        trusted.register(MODEL, "float16", (2, 2, 8), chunk_size=CHUNK)
+        assert trusted.lookup(list(range(CHUNK))).hit_tokens == 0
+        trusted.close()
+    finally:
+        assert stop(s.proc) == 0, s.log.read_text()

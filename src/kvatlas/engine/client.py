@@ -64,6 +64,10 @@ class ModelNotRegistered(RequestRefused):
     """The model was not registered with ``register`` first."""
 
 
+class Unauthorized(RequestRefused):
+    """The server requires an auth token and the client's is missing or wrong."""
+
+
 class ChecksumMismatch(EngineClientError):
     """Bytes read from the region do not match the chunk's checksum."""
 
@@ -73,6 +77,7 @@ _T = TypeVar("_T")
 _REFUSALS: dict[str, type[RequestRefused]] = {
     "contract_mismatch": ContractRefused,
     "not_registered": ModelNotRegistered,
+    "unauthorized": Unauthorized,
 }
 
 ArrayLike = npt.NDArray[np.generic]
@@ -92,9 +97,15 @@ class CacheClient:
     """Talk to one cache server; ``register`` before anything else."""
 
     def __init__(
-        self, url: str = "tcp://127.0.0.1:6555", *, timeout_s: float = 5.0, engine_id: str = ""
+        self,
+        url: str = "tcp://127.0.0.1:6555",
+        *,
+        timeout_s: float = 5.0,
+        engine_id: str = "",
+        auth_token: str | None = None,
     ) -> None:
         self.url = url
+        self._token = auth_token or ""
         self.timeout_s = timeout_s
         self.engine_id = engine_id or f"engine-{os.getpid()}"
         self._ctx = zmq.Context()
@@ -119,7 +130,9 @@ class CacheClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             rid = next(self._ids)
-            self._sock.send_multipart([b"", p.encode(p.Request(p.PROTOCOL_VERSION, rid, body))])
+            self._sock.send_multipart(
+                [b"", p.encode(p.Request(p.PROTOCOL_VERSION, rid, body, self._token))]
+            )
             deadline_ms = int(timeout * 1000)
             while True:
                 if not self._sock.poll(deadline_ms, zmq.POLLIN):

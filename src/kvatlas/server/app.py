@@ -100,12 +100,18 @@ class CacheServer:
                 publisher=self.publisher,
             )
             self.engine_api = EngineApi(
-                self.service, config.host, config.port, workers=config.engine_workers
+                self.service,
+                config.host,
+                config.port,
+                workers=config.engine_workers,
+                auth_token=config.coordinator.auth_token,
             )
             self.engine_api.start()  # binds --port: PortInUse before anything else runs
             try:
                 self.http = HttpServer(
-                    build_app(self.status, self._render_metrics), config.host, config.http_port
+                    build_app(self.status, self._render_metrics, config.coordinator.auth_token),
+                    config.host,
+                    config.http_port,
                 )
             except BaseException:
                 self.engine_api.stop()

@@ -12,6 +12,7 @@ lock. Must not: interpret requests beyond decoding, or touch the chunk store.
 from __future__ import annotations
 
 import errno
+import hmac
 import logging
 import secrets
 import threading
@@ -31,8 +32,17 @@ _POLL_MS = 200
 class EngineApi:
     """Bind, serve, stop. ``port`` 0 picks a free port (see ``bound_port``)."""
 
-    def __init__(self, service: EngineService, host: str, port: int, *, workers: int = 4) -> None:
+    def __init__(
+        self,
+        service: EngineService,
+        host: str,
+        port: int,
+        *,
+        workers: int = 4,
+        auth_token: str | None = None,
+    ) -> None:
         self._service = service
+        self._token = auth_token or ""
         self._host = host
         self._port = port
         self._workers_n = workers
@@ -131,6 +141,10 @@ class EngineApi:
                 "version",
                 f"engine protocol version {req.v} is not supported; this server speaks"
                 f" {p.PROTOCOL_VERSION}",
+            )
+        elif self._token and not hmac.compare_digest(req.token, self._token):
+            body = p.ErrorReply(
+                "unauthorized", "this cache server requires its --auth-token on engine requests"
             )
         else:
             body = self._service.handle(req.body)

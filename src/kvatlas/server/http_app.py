@@ -8,6 +8,7 @@ not: reach into the chunk store or take its lock.
 from __future__ import annotations
 
 import errno
+import hmac
 import logging
 import socket
 import threading
@@ -28,12 +29,31 @@ from kvatlas.server.metrics import CONTENT_TYPE
 log = logging.getLogger(__name__)
 
 
-def build_app(status: Callable[[], dict[str, Any]], metrics: Callable[[], bytes]) -> Starlette:
-    async def get_status(_: Request) -> Response:
-        return Response(msgspec.json.encode(status()), media_type="application/json")
+def build_app(
+    status: Callable[[], dict[str, Any]],
+    metrics: Callable[[], bytes],
+    auth_token: str | None = None,
+) -> Starlette:
+    """/status and /metrics need ``Authorization: Bearer <auth_token>`` when it is set;
+    /healthz never does (probes carry no secrets)."""
+    expected = f"Bearer {auth_token}" if auth_token else ""
 
-    async def get_metrics(_: Request) -> Response:
-        return Response(metrics(), media_type=CONTENT_TYPE)
+    def denied(request: Request) -> Response | None:
+        if expected and not hmac.compare_digest(request.headers.get("authorization", ""), expected):
+            return Response(
+                b'{"error":"this endpoint requires Authorization: Bearer <auth token>"}',
+                status_code=401,
+                media_type="application/json",
+            )
+        return None
+
+    async def get_status(request: Request) -> Response:
+        return denied(request) or Response(
+            msgspec.json.encode(status()), media_type="application/json"
+        )
+
+    async def get_metrics(request: Request) -> Response:
+        return denied(request) or Response(metrics(), media_type=CONTENT_TYPE)
 
     async def healthz(_: Request) -> Response:
         return Response(b'{"ok":true}', media_type="application/json")

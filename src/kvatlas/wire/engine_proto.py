@@ -111,6 +111,8 @@ class Request(msgspec.Struct, frozen=True):
     v: int
     id: int
     body: RequestBody
+    token: str = ""
+    """The server's ``--auth-token`` when it has one; requests without it are refused."""
 
 
 class Envelope(msgspec.Struct):
@@ -194,7 +196,9 @@ class StatsResult(msgspec.Struct, frozen=True, tag="stats_result"):
     values: dict[str, int]
 
 
-ErrorCode = Literal["invalid_input", "contract_mismatch", "not_registered", "version", "internal"]
+ErrorCode = Literal[
+    "invalid_input", "contract_mismatch", "not_registered", "version", "unauthorized", "internal"
+]
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
