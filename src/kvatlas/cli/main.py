@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from kvatlas import __version__
-from kvatlas.cli import coordinator, server
+from kvatlas.cli import coordinator, engine, server
 
 USAGE = f"""usage: kvatlas <command> [options]
 
@@ -17,6 +17,7 @@ kvatlas {__version__}: find and share reusable LLM KV caches across a fleet.
 commands:
   coordinator   the fleet's control plane: membership, cache events, key directory
   server        a node's cache server: L1/L2 KV store, engine API, event reporting
+  engine        the reference engine: SmolLM2 on the CPU behind an OpenAI-compatible API
 
 Run `kvatlas <command> --help` for the options of a command.
 """
@@ -24,7 +25,11 @@ Run `kvatlas <command> --help` for the options of a command.
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    commands = {"coordinator": coordinator.main, "server": server.main}
+    commands = {
+        "coordinator": coordinator.main,
+        "server": server.main,
+        "engine": engine.main,
+    }
     if not args or args[0] in {"-h", "--help"}:
         print(USAGE)
         return 0

@@ -1,0 +1,507 @@
+"""KVConnector: the engine's link to its local cache server (kvatlas' "MP connector").
+
+Owns, for one loaded model: registering its hash contract with the local cache server
+(a contradicting fleet fails loudly, naming the field), turning a prompt into the cached
+prefix the model can load (zero-copy views of the server's L1 slots under read leases,
+checksum-verified), storing the full chunks the engine computed (reserve, copy into the
+slots, commit), the engine's recompute-time estimate the server uses to cut P2P short,
+and staying useful while the server is away: every lookup or load failure falls back to
+recomputing the prompt (``kv_load_failure_policy=recompute``), is logged and counted by
+cause, and a background thread re-registers once the server answers again.
+
+Must not: run the model, decide sampling, talk to peers or the coordinator (the server
+does P2P behind the lookup), or read configuration from flags or the environment.
+
+Fallback causes (``FetchStats.fallback``, counted in ``ConnectorStats.fallbacks``):
+``server_unavailable`` (no answer in time, or not connected), ``refused`` (the server
+answered with an error), ``contract_refused`` (re-registration refused),
+``checksum_mismatch`` (a chunk's bytes do not match its checksum), ``bad_chunk`` (a chunk
+of the wrong size, or one the model could not build a cache from), ``p2p_<reason>``
+(the server's peer read gave up: timeout, peer_dead, ...).
+
+Exceptions::
+
+    KvatlasError (kvatlas.core.errors)
+     +-- ConnectorError
+          +-- ContractRejected   the server or fleet refused the model's hash contract
+          +-- KVLoadFailed       a lookup/load failed under kv_load_failure_policy=fail
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Final, Self
+
+import numpy as np
+import numpy.typing as npt
+
+from kvatlas.core.checksum import checksum
+from kvatlas.core.errors import KvatlasError
+from kvatlas.core.keys import as_token_array, chunk_hashes
+from kvatlas.engine.client import (
+    CacheClient,
+    ContractRefused,
+    EngineClientError,
+    ModelNotRegistered,
+    RequestRefused,
+    ServerUnavailable,
+    copy_and_checksum,
+)
+from kvatlas.engine.kv_layout import chunk_nbytes
+from kvatlas.engine.model import LoadedModel
+from kvatlas.wire import engine_proto as p
+
+log = logging.getLogger(__name__)
+
+SERVER_UNAVAILABLE: Final = "server_unavailable"
+REFUSED: Final = "refused"
+CONTRACT_REFUSED: Final = "contract_refused"
+CHECKSUM_MISMATCH: Final = "checksum_mismatch"
+BAD_CHUNK: Final = "bad_chunk"
+
+_EMA_ALPHA: Final = 0.2
+_MIN_TOKENS_TO_MEASURE: Final = 32
+"""Shorter prefills are dominated by fixed per-call overhead, not by per-token cost."""
+_CAUSE_CHARS = re.compile(r"[^a-z0-9_]+")
+
+
+class ConnectorError(KvatlasError):
+    """Base of the connector's errors."""
+
+
+class ContractRejected(ConnectorError):
+    """The cache server (or its fleet) refused this model's hash contract."""
+
+
+class KVLoadFailed(ConnectorError):
+    """The cached prefix could not be loaded and the policy is ``fail`` (answered 503)."""
+
+
+@dataclass(slots=True)
+class FetchStats:
+    """What one prefix fetch found and used."""
+
+    asked_chunks: int = 0
+    """Full chunks of the prompt the server was asked for."""
+    hit_chunks: int = 0
+    """Leading chunks handed to the model (after verification)."""
+    peer_chunks: int = 0
+    """Of ``hit_chunks``, how many the server read from peers."""
+    lookup_s: float = 0.0
+    """Seconds of the lookup and the checksum verification."""
+    fallback: str | None = None
+    """Cause of a failed lookup or load (see the module doc); None when all went well."""
+    detail: str = ""
+    """Human-readable detail of ``fallback``, for logs."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreOutcome:
+    """What ``store_new`` did with the chunks it was given."""
+
+    stored: int = 0
+    existing: int = 0
+    """Chunks the server already had (another request stored them first)."""
+    skipped: int = 0
+    """Chunks not stored: another writer holds them, no room, or a failure."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorStats:
+    """A snapshot of the connector's counters, for /metrics and logs."""
+
+    connected: bool
+    lookups: int
+    hit_chunks: int
+    peer_chunks: int
+    stored_chunks: int
+    store_failures: int
+    reconnects: int
+    fallbacks: dict[str, int] = field(default_factory=dict)
+    prefill_s_per_token: float = 0.0
+
+
+class CachedPrefix:
+    """The prompt's cached leading chunks, read-locked until ``release`` or the block ends.
+
+    ``chunks`` are views into the server's shared L1 region: valid only while the leases
+    are held. Load them (``build_cache`` copies) before releasing; ``release`` is
+    idempotent and also drops the views so that the region can be unmapped later.
+    """
+
+    def __init__(
+        self,
+        chunks: list[npt.NDArray[np.uint8]],
+        stats: FetchStats,
+        lease_ids: Sequence[int] = (),
+        releaser: Callable[[Sequence[int]], None] | None = None,
+    ) -> None:
+        self.chunks = chunks
+        self.stats = stats
+        self._lease_ids = [i for i in lease_ids if i]
+        self._releaser = releaser
+
+    def release(self) -> None:
+        self.chunks = []
+        ids, self._lease_ids = self._lease_ids, []
+        if ids and self._releaser is not None:
+            self._releaser(ids)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+class KVConnector:
+    """One model's link to the local cache server; see the module doc.
+
+    ``fetch_prefix`` and ``store_new`` are meant for one request thread at a time (the
+    engine's model worker); the reconnect thread only ever registers.
+    """
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        client: CacheClient,
+        *,
+        chunk_size: int,
+        timeout_s: float = 2.0,
+        reconnect_interval_s: float = 5.0,
+        lease_s: float = 0.0,
+        verify_checksums: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.model = model
+        self.client = client
+        self.chunk_size = chunk_size
+        self.timeout_s = timeout_s
+        self.reconnect_interval_s = reconnect_interval_s
+        self.lease_s = lease_s
+        self.verify_checksums = verify_checksums
+        self._clock = clock
+        self._chunk_bytes = chunk_nbytes(model.kv_spec, chunk_size)
+        self._state = threading.Lock()
+        self._connected = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._s_per_token = 0.0
+        self._fallbacks: Counter[str] = Counter()
+        self._lookups = 0
+        self._hit_chunks = 0
+        self._peer_chunks = 0
+        self._stored = 0
+        self._store_failures = 0
+        self._reconnects = 0
+        self.info: p.EngineRegistered | None = None
+
+    # ------------------------------------------------------------------ connection
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    def register(self) -> bool:
+        """Declare the model's contract; True when registered, False when unreachable.
+
+        Raises ContractRejected (naming the field) when the server or fleet refuses it:
+        a fleet that hashes differently would silently never hit, so it must not start.
+        """
+        contract = self.model.contract(self.chunk_size)
+        try:
+            info = self.client.register(
+                contract.model_name,
+                contract.kv_dtype,
+                contract.kv_layout,
+                chunk_size=contract.chunk_size,
+                world_size=contract.world_size,
+            )
+        except ContractRefused as exc:
+            self._set_connected(False)
+            raise ContractRejected(
+                f"cache server {self.client.url} refused model {contract.model_name!r}: {exc}"
+            ) from exc
+        except RequestRefused as exc:
+            self._set_connected(False)
+            raise ContractRejected(
+                f"cache server {self.client.url} refused to register model"
+                f" {contract.model_name!r}: {exc}"
+            ) from exc
+        except ServerUnavailable as exc:
+            self._set_connected(False)
+            log.warning("cache server unreachable, serving without a cache for now: %s", exc)
+            return False
+        self.info = info
+        self._set_connected(True)
+        log.info(
+            "registered model %s with cache server %s (instance %s incarnation %d, chunk %d)",
+            contract.model_name,
+            self.client.url,
+            info.instance_id,
+            info.incarnation,
+            info.chunk_size,
+        )
+        return True
+
+    def _set_connected(self, value: bool) -> None:
+        with self._state:
+            self._connected = value
+
+    def start(self) -> bool:
+        """Register (see ``register``) and start the reconnect thread; True if connected."""
+        ok = self.register()
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._reconnect_loop, name="kvatlas-connector-reconnect", daemon=True
+            )
+            self._thread.start()
+        return ok
+
+    def _reconnect_loop(self) -> None:
+        while not self._stop.wait(self.reconnect_interval_s):
+            if self._connected:
+                continue
+            try:
+                if self.register():
+                    with self._state:
+                        self._reconnects += 1
+            except ContractRejected as exc:
+                # the server came back with a contract this engine contradicts: keep
+                # serving without a cache rather than die mid-flight, loudly
+                log.error("%s; serving without a cache", exc)
+                self._count(CONTRACT_REFUSED)
+            except KvatlasError as exc:  # e.g. the old region cannot be unmapped yet
+                log.warning("re-registering with the cache server failed: %s", exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None
+        try:
+            self.client.close()
+        except KvatlasError as exc:
+            log.warning("closing the cache client: %s", exc)
+
+    # ------------------------------------------------------------------ estimate
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """Feed one measured prefill into the seconds-per-token estimate (an EMA)."""
+        if tokens < _MIN_TOKENS_TO_MEASURE or seconds <= 0:
+            return
+        rate = seconds / tokens
+        with self._state:
+            prev = self._s_per_token
+            self._s_per_token = rate if prev == 0 else prev + _EMA_ALPHA * (rate - prev)
+
+    def recompute_estimate(self, tokens: int) -> float:
+        """Seconds the engine expects to prefill ``tokens`` (0: no measurement yet)."""
+        return self._s_per_token * tokens
+
+    # ------------------------------------------------------------------ load
+
+    def fetch_prefix(self, prompt_ids: Sequence[int]) -> CachedPrefix:
+        """The prompt's cached leading chunks, verified, under read leases.
+
+        Never raises for cache trouble: a failure yields an empty (or shorter) prefix
+        whose ``stats.fallback`` names the cause. Use as a context manager so the leases
+        are released even if loading fails.
+        """
+        n_full = len(prompt_ids) // self.chunk_size
+        stats = FetchStats(asked_chunks=n_full)
+        if n_full == 0:
+            return CachedPrefix([], stats)
+        if not self._connected:
+            return self._failed(stats, SERVER_UNAVAILABLE, "not connected to the cache server")
+        t0 = self._clock()
+        tokens = as_token_array(list(prompt_ids[: n_full * self.chunk_size]))
+        estimate = self.recompute_estimate(n_full * self.chunk_size)
+        try:
+            res = self._lookup(tokens.astype("<u4", copy=False).tobytes(), estimate)
+        except ServerUnavailable as exc:
+            self._set_connected(False)
+            return self._failed(stats, SERVER_UNAVAILABLE, str(exc), t0)
+        except (RequestRefused, EngineClientError) as exc:
+            return self._failed(stats, REFUSED, str(exc), t0)
+        self._lookups += 1
+        prefix = CachedPrefix([], stats, [c.lease_id for c in res.chunks], self._release)
+        try:
+            usable, cause, detail = self._verify(res.chunks)
+        except BaseException:
+            prefix.release()
+            raise
+        prefix.chunks = usable
+        local = res.hit_chunks - res.peer_chunks
+        stats.hit_chunks = len(usable)
+        stats.peer_chunks = max(0, len(usable) - local)
+        self._hit_chunks += stats.hit_chunks
+        self._peer_chunks += stats.peer_chunks
+        stats.lookup_s = self._clock() - t0
+        if cause is None and res.p2p_fallback:
+            cause = "p2p_" + _CAUSE_CHARS.sub("_", res.p2p_fallback.lower())[:40]
+            detail = f"peer read gave up: {res.p2p_fallback}"
+        if cause is not None:
+            self._note_fallback(stats, cause, detail)
+        return prefix
+
+    def _lookup(self, token_bytes: bytes, estimate: float) -> p.LookupResult:
+        ns = self.client.ns
+        if ns is None:
+            raise ServerUnavailable("the cache client is not registered")
+        req = p.Lookup(
+            ns, token_ids=token_bytes, acquire=True, lease_s=self.lease_s, recompute_s=estimate
+        )
+        for attempt in (1, 2):
+            try:
+                res = self.client.call(req, timeout_s=self.timeout_s + estimate)
+            except ModelNotRegistered:
+                # the server restarted since we registered: register again, once
+                if attempt == 2 or not self.register():
+                    raise
+                continue
+            if not isinstance(res, p.LookupResult):
+                raise EngineClientError(f"unexpected answer {type(res).__name__} to a lookup")
+            return res
+        raise AssertionError("unreachable")
+
+    def _verify(
+        self, locs: Sequence[p.ChunkLoc]
+    ) -> tuple[list[npt.NDArray[np.uint8]], str | None, str]:
+        """Views of the leading chunks that check out; the first bad one ends the prefix."""
+        out: list[npt.NDArray[np.uint8]] = []
+        for i, loc in enumerate(locs):
+            if loc.size != self._chunk_bytes:
+                return (
+                    out,
+                    BAD_CHUNK,
+                    f"chunk {i} has {loc.size} bytes, expected {self._chunk_bytes}",
+                )
+            view = self.client.view(loc.offset, loc.size)
+            if self.verify_checksums and checksum(view.data) != loc.checksum:
+                return (
+                    out,
+                    CHECKSUM_MISMATCH,
+                    f"chunk {i} ({loc.hash.hex()[:16]}) checksum mismatch",
+                )
+            out.append(view)
+        return out, None, ""
+
+    def _release(self, lease_ids: Sequence[int]) -> None:
+        try:
+            self.client.release(lease_ids)
+        except ServerUnavailable as exc:
+            # the leases expire on their own; a dead server holds nothing anyway
+            self._set_connected(False)
+            log.warning("releasing %d read leases failed: %s", len(lease_ids), exc)
+        except EngineClientError as exc:
+            log.warning("releasing %d read leases failed: %s", len(lease_ids), exc)
+
+    def _failed(
+        self, stats: FetchStats, cause: str, detail: str, t0: float | None = None
+    ) -> CachedPrefix:
+        if t0 is not None:
+            stats.lookup_s = self._clock() - t0
+        self._note_fallback(stats, cause, detail)
+        return CachedPrefix([], stats)
+
+    def _note_fallback(self, stats: FetchStats, cause: str, detail: str) -> None:
+        stats.fallback, stats.detail = cause, detail
+        self._count(cause)
+        log.warning(
+            "KV load fallback (%s): %s; recomputing %d of %d chunks",
+            cause,
+            detail,
+            stats.asked_chunks - stats.hit_chunks,
+            stats.asked_chunks,
+        )
+
+    def _count(self, cause: str) -> None:
+        with self._state:
+            self._fallbacks[cause] += 1
+
+    def note_unusable(self, stats: FetchStats, detail: str) -> None:
+        """The model could not build a cache from the fetched chunks (counted as bad_chunk)."""
+        stats.hit_chunks = stats.peer_chunks = 0
+        self._note_fallback(stats, BAD_CHUNK, detail)
+
+    # ------------------------------------------------------------------ store
+
+    def store_new(
+        self,
+        prompt_ids: Sequence[int],
+        first_new_chunk: int,
+        new_chunks: Sequence[npt.NDArray[np.uint8]],
+    ) -> StoreOutcome:
+        """Store the prompt's chunks ``[first_new_chunk, first_new_chunk + len(new_chunks))``.
+
+        Reserve all, copy into the granted slots, commit all. Chunks that exist already or
+        that another writer holds are skipped; a failure is logged and counted, never
+        raised (the request already has its answer).
+        """
+        if not new_chunks or not self._connected:
+            return StoreOutcome(skipped=len(new_chunks))
+        end = first_new_chunk + len(new_chunks)
+        tokens = list(prompt_ids[: end * self.chunk_size])
+        hashes: list[bytes] = list(chunk_hashes(tokens, self.chunk_size)[first_new_chunk:end])
+        if len(hashes) != len(new_chunks):
+            raise ConnectorError(
+                f"{len(new_chunks)} chunks from chunk {first_new_chunk} do not fit a prompt"
+                f" of {len(prompt_ids)} tokens"
+            )
+        try:
+            grants = self.client.reserve(hashes, [c.nbytes for c in new_chunks], self.lease_s)
+            items: list[p.CommitItem] = []
+            try:
+                for grant, src in zip(grants, new_chunks, strict=True):
+                    if grant.status != "reserved":
+                        continue
+                    dst = self.client.view(grant.offset, grant.size)
+                    digest = copy_and_checksum(src.reshape(-1).view(np.uint8), dst)
+                    items.append(p.CommitItem(grant.hash, grant.lease_id, digest))
+            except BaseException:
+                self.client.abort([g.hash for g in grants if g.status == "reserved"])
+                raise
+            done = self.client.commit(items) if items else []
+        except ServerUnavailable as exc:
+            self._set_connected(False)
+            return self._store_failed(len(new_chunks), exc)
+        except EngineClientError as exc:
+            return self._store_failed(len(new_chunks), exc)
+        existing = sum(1 for g in grants if g.status == "exists")
+        stored = sum(done)
+        self._stored += stored
+        return StoreOutcome(stored, existing, len(grants) - existing - stored)
+
+    def _store_failed(self, n: int, exc: Exception) -> StoreOutcome:
+        self._store_failures += 1
+        log.warning("storing %d new chunks failed: %s", n, exc)
+        return StoreOutcome(skipped=n)
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> ConnectorStats:
+        with self._state:
+            return ConnectorStats(
+                connected=self._connected,
+                lookups=self._lookups,
+                hit_chunks=self._hit_chunks,
+                peer_chunks=self._peer_chunks,
+                stored_chunks=self._stored,
+                store_failures=self._store_failures,
+                reconnects=self._reconnects,
+                fallbacks=dict(self._fallbacks),
+                prefill_s_per_token=self._s_per_token,
+            )

@@ -1,0 +1,477 @@
+"""The reference engine process: its composition root and its one model worker.
+
+Owns, for ``kvatlas engine``:
+
+- ``EngineCore``: the single worker thread every request's model work runs on (one
+  request at a time through the model, which is what a CPU affords), and one request end
+  to end: fetch the cached prefix from the connector, prefill the rest, decode (greedy or
+  sampled, stop tokens and stop strings, cancellation), store the newly computed chunks,
+  and the request's cache statistics. Tokenizing runs on that thread too, so the
+  tokenizer is never used from two threads at once.
+- ``EngineMetrics``: the Prometheus metrics of the engine (prefix ``kvatlas_engine_``).
+- ``EngineApp``: builds and names every part (model, cache client, connector, core,
+  HTTP app, uvicorn) from an ``EngineConfig``, starts them, and stops them on SIGTERM.
+
+Must not: parse flags or read the environment (``kvatlas.cli.engine`` does), speak HTTP
+(``openai_server`` does), or talk to the cache server other than through the connector.
+
+``EngineCore`` implements ``openai_server.ModelWorker``: the HTTP edge defines what it
+needs of a model worker, this module provides it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import FrameType
+from typing import Final, TypeVar
+
+import torch
+import uvicorn
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvatlas.core.errors import KvatlasError
+from kvatlas.engine.client import CacheClient
+from kvatlas.engine.config import EngineConfig, LoadFailurePolicy
+from kvatlas.engine.connector import CachedPrefix, FetchStats, KVConnector, KVLoadFailed
+from kvatlas.engine.generate import Sampler, prefill
+from kvatlas.engine.model import LoadedModel, load_model
+from kvatlas.engine.openai_server import GenOutcome, GenRequest, TextCallback, build_app
+from kvatlas.server.http_app import bind
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_WARMUP_TOKENS: Final = 64
+_TTFT_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_RATE_BUCKETS: Final = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+
+class StopMatcher:
+    """Cuts streamed text at the first stop string, holding back what may start one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._buf = ""
+        self.text = ""
+        self.stopped = False
+
+    def feed(self, piece: str) -> str:
+        """Text that is safe to emit now."""
+        if self.stopped:
+            return ""
+        self._buf += piece
+        hits = [i for i in (self._buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self._buf, self.stopped = self._buf[: min(hits)], "", True
+        else:
+            cut = max(0, len(self._buf) - self._hold)
+            out, self._buf = self._buf[:cut], self._buf[cut:]
+        self.text += out
+        return out
+
+    def flush(self) -> str:
+        out, self._buf = self._buf, ""
+        self.text += out
+        return out
+
+
+class _Detokenizer:
+    """Text pieces as tokens arrive, cut only where the decoded text is stable."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+        self._decode = decode
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def add(self, tok: int) -> str:
+        self.ids.append(tok)
+        text = self._decode(self.ids)
+        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+            return ""  # half a character, or a merge that rewrote the tail
+        piece, self.emitted = text[len(self.emitted) :], text
+        return piece
+
+    def finish(self) -> str:
+        text = self._decode(self.ids)
+        if text.startswith(self.emitted) and len(text) > len(self.emitted):
+            piece, self.emitted = text[len(self.emitted) :], text
+            return piece
+        return ""
+
+
+class EngineMetrics:
+    """The engine's Prometheus metrics, in a registry of its own."""
+
+    def __init__(self, connector: KVConnector | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        ns = "kvatlas_engine"
+        self.requests = Counter(
+            f"{ns}_requests", "HTTP requests by endpoint and status code", ["endpoint", "code"],
+            registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            f"{ns}_ttft_seconds", "Arrival to first token", buckets=_TTFT_BUCKETS, registry=r
+        )
+        self.load = Histogram(
+            f"{ns}_kv_load_seconds",
+            "Lookup, verification and cache build of the cached prefix",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(f"{ns}_prompt_tokens", "Prompt tokens", registry=r)
+        self.cached_tokens = Counter(
+            f"{ns}_cached_tokens", "Prompt tokens loaded from the cache server", registry=r
+        )
+        self.peer_tokens = Counter(
+            f"{ns}_peer_cached_tokens", "Cached prompt tokens the server read from peers",
+            registry=r,
+        )  # fmt: skip
+        self.prefilled_tokens = Counter(
+            f"{ns}_prefilled_tokens", "Prompt tokens the model computed", registry=r
+        )
+        self.generation_tokens = Counter(
+            f"{ns}_generation_tokens", "Completion tokens generated", registry=r
+        )
+        self.fallbacks = Counter(
+            f"{ns}_kv_load_fallbacks", "Requests that recomputed after a failed KV lookup/load",
+            ["cause"], registry=r,
+        )  # fmt: skip
+        self.stored_chunks = Counter(
+            f"{ns}_stored_chunks", "New chunks stored into the cache server", registry=r
+        )
+        self.decode_rate = Histogram(
+            f"{ns}_decode_tokens_per_second", "Decode speed per request", buckets=_RATE_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.running = Gauge(f"{ns}_requests_running", "Requests in the engine", registry=r)
+        if connector is not None:
+            connected = Gauge(
+                f"{ns}_cache_connected", "1 while registered with the cache server", registry=r
+            )
+            connected.set_function(lambda: 1.0 if connector.connected else 0.0)
+
+    def observe(self, out: GenOutcome) -> None:
+        self.ttft.observe(out.ttft_s)
+        self.load.observe(out.load_s)
+        self.prompt_tokens.inc(out.prompt_tokens)
+        self.cached_tokens.inc(out.cached_tokens)
+        self.peer_tokens.inc(out.peer_cached_tokens)
+        self.prefilled_tokens.inc(out.prefilled_tokens)
+        self.generation_tokens.inc(out.completion_tokens)
+        self.stored_chunks.inc(out.stored_chunks)
+        if out.fallback is not None:
+            self.fallbacks.labels(out.fallback).inc()
+        if out.completion_tokens > 1 and out.decode_s > 0:
+            self.decode_rate.observe((out.completion_tokens - 1) / out.decode_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineCore:
+    """The model worker: one request at a time, end to end (see the module doc)."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        connector: KVConnector | None,
+        metrics: EngineMetrics,
+        *,
+        chunk_size: int,
+        max_model_len: int | None = None,
+        load_failure_policy: LoadFailurePolicy = "recompute",
+        default_max_tokens: int = 256,
+    ) -> None:
+        self.model = model
+        self.connector = connector
+        self.metrics = metrics
+        self.chunk_size = chunk_size
+        model_len = int(getattr(model.model.config, "max_position_embeddings", 0) or 0)
+        self.max_model_len = max_model_len or model_len or 2048
+        self.vocab_size = int(model.model.config.vocab_size)
+        self.load_failure_policy = load_failure_policy
+        self.default_max_tokens = default_max_tokens
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvatlas-model")
+
+    def submit(self, fn: Callable[[], _T]) -> Future[_T]:
+        """Run ``fn`` on the model worker (after every request submitted before it)."""
+        return self._worker.submit(fn)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True, cancel_futures=True)
+
+    def count_request(self, endpoint: str, code: int) -> None:
+        self.metrics.requests.labels(endpoint, str(code)).inc()
+
+    def render_metrics(self) -> bytes:
+        return self.metrics.render()
+
+    def health(self) -> dict[str, object]:
+        if self.connector is None:
+            cache = "disabled"
+        else:
+            cache = "connected" if self.connector.connected else "disconnected"
+        return {"status": "ok", "model": self.model.name, "cache": cache}
+
+    # ------------------------------------------------------------------ one request
+
+    def warmup(self) -> None:
+        """One short uncached prefill, so that the first request does not pay for
+        torch's lazy initialisation; also seeds the recompute estimate."""
+        ids = [i % self.vocab_size for i in range(1, _WARMUP_TOKENS + 1)]
+        pre = prefill(self.model, ids, None, self.chunk_size)
+        if self.connector is not None:
+            self.connector.observe_prefill(pre.prefilled_tokens, pre.prefill_s)
+        log.info("warm-up prefill of %d tokens took %.0f ms", len(ids), pre.prefill_s * 1000)
+
+    def generate(
+        self,
+        req: GenRequest,
+        on_text: TextCallback | None = None,
+        cancel: threading.Event | None = None,
+    ) -> GenOutcome:
+        """Serve one request on the calling thread (the worker: use ``submit``)."""
+        self.metrics.running.inc()
+        try:
+            out = self._generate(req, on_text, cancel)
+        finally:
+            self.metrics.running.dec()
+        self.metrics.observe(out)
+        return out
+
+    def _fetch(self, ids: Sequence[int]) -> CachedPrefix:
+        if self.connector is None:
+            return CachedPrefix([], FetchStats())
+        return self.connector.fetch_prefix(ids)
+
+    @torch.inference_mode()
+    def _generate(
+        self, req: GenRequest, on_text: TextCallback | None, cancel: threading.Event | None
+    ) -> GenOutcome:
+        ids = req.prompt_ids
+        arrival = req.arrival or time.perf_counter()
+        with self._fetch(ids) as prefix:
+            stats = prefix.stats
+            if stats.fallback is not None and self.load_failure_policy == "fail":
+                raise KVLoadFailed(f"KV load failed ({stats.fallback}): {stats.detail}")
+            pre = prefill(self.model, ids, prefix.chunks or None, self.chunk_size)
+        # the cache is built (a copy): the read leases are released
+        if pre.fallback is not None and self.connector is not None:
+            self.connector.note_unusable(stats, pre.fallback)
+            if self.load_failure_policy == "fail":
+                raise KVLoadFailed(f"KV load failed (bad_chunk): {pre.fallback}")
+        if self.connector is not None:
+            self.connector.observe_prefill(pre.prefilled_tokens, pre.prefill_s)
+        sample = Sampler(req.params)
+        tok = sample(pre.logits)
+        ttft = time.perf_counter() - arrival
+        stored = 0
+        if self.connector is not None and pre.n_new_chunks:
+            # stored before decoding: the next request with this prefix finds it sooner
+            stored = self.connector.store_new(
+                ids, pre.first_new_chunk, pre.new_chunks(self.chunk_size)
+            ).stored
+        stop_ids = req.params.stop_token_ids
+        stops = frozenset(self.model.tokenizer.eos_token_ids if stop_ids is None else stop_ids)
+        detok = _Detokenizer(self.model.tokenizer.decode)
+        matcher = StopMatcher(req.stop_strings)
+        finish = "length"
+        generated = 0
+        t_dec = time.perf_counter()
+        while True:
+            if tok in stops:
+                finish = "stop"
+                break
+            generated += 1
+            piece = matcher.feed(detok.add(tok))
+            if piece and on_text is not None:
+                on_text(piece)
+            if matcher.stopped:
+                finish = "stop"
+                break
+            if generated >= req.params.max_new_tokens or (cancel is not None and cancel.is_set()):
+                break
+            out = self.model.model(
+                input_ids=torch.tensor([[tok]], dtype=torch.long),
+                cache=pre.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            tok = sample(out.logits[0, -1])
+        if not matcher.stopped:
+            tail = matcher.feed(detok.finish()) + matcher.flush()
+            if tail and on_text is not None:
+                on_text(tail)
+        decode_s = time.perf_counter() - t_dec
+        cached = pre.cached_tokens
+        peer = min(stats.peer_chunks * self.chunk_size, cached) if pre.fallback is None else 0
+        return GenOutcome(
+            text=matcher.text,
+            completion_tokens=generated,
+            finish_reason=finish,
+            prompt_tokens=pre.prompt_tokens,
+            cached_tokens=cached,
+            peer_cached_tokens=peer,
+            prefilled_tokens=pre.prefilled_tokens,
+            ttft_s=ttft,
+            load_s=stats.lookup_s + pre.build_s,
+            decode_s=decode_s,
+            fallback=stats.fallback,
+            stored_chunks=stored,
+        )
+
+
+def load_with_progress(config: EngineConfig) -> LoadedModel:
+    """``load_model`` with log lines while it runs (a first SmolLM2 load takes ~20 s)."""
+    log.info("loading model %s (%s)", config.model, config.dtype)
+    done = threading.Event()
+    t0 = time.monotonic()
+
+    def ticker() -> None:
+        while not done.wait(5.0):
+            log.info("still loading model %s (%.0f s)", config.model, time.monotonic() - t0)
+
+    thread = threading.Thread(target=ticker, name="kvatlas-load-progress", daemon=True)
+    thread.start()
+    try:
+        model = load_model(
+            config.model,
+            config.dtype,
+            conversion_cache=config.model_cache_dir,
+            num_threads=config.num_threads,
+        )
+    finally:
+        done.set()
+        thread.join()
+    s = model.kv_spec
+    log.info(
+        "loaded %s from %s in %.1f s: %d layers, %d KV heads of dim %d, %s KV (%d KiB per token)",
+        model.name,
+        model.source,
+        time.monotonic() - t0,
+        s.layers,
+        s.kv_heads,
+        s.head_dim,
+        s.dtype,
+        s.bytes_per_token // 1024,
+    )
+    return model
+
+
+class EngineApp:
+    """Builds and names every part of the engine; ``start``/``stop`` or ``run``.
+
+    ``model`` may be passed in (already loaded) by tests and embedders; otherwise it is
+    loaded from ``config.model``.
+    """
+
+    def __init__(self, config: EngineConfig, *, model: LoadedModel | None = None) -> None:
+        config.validate()
+        self.config = config
+        # bound before the model loads: a port in use fails in a second, not after a load
+        self._sock = bind(config.host, config.port, "the OpenAI HTTP server", "--host/--port")
+        self.port: int = self._sock.getsockname()[1]
+        try:
+            self.model = model if model is not None else load_with_progress(config)
+        except BaseException:
+            self._sock.close()
+            raise
+        self.client: CacheClient | None = None
+        self.connector: KVConnector | None = None
+        if config.cache is not None:
+            self.client = CacheClient(
+                config.cache.url,
+                timeout_s=config.cache.timeout_s,
+                engine_id=f"engine-{self.model.name}-{self.port}",
+                auth_token=config.cache.auth_token,
+            )
+            self.connector = KVConnector(
+                self.model,
+                self.client,
+                chunk_size=config.chunk_size,
+                timeout_s=config.cache.timeout_s,
+                reconnect_interval_s=config.cache.reconnect_interval_s,
+                lease_s=config.cache.lease_s,
+                verify_checksums=config.cache.verify_checksums,
+            )
+        self.metrics = EngineMetrics(self.connector)
+        self.core = EngineCore(
+            self.model,
+            self.connector,
+            self.metrics,
+            chunk_size=config.chunk_size,
+            max_model_len=config.max_model_len,
+            load_failure_policy=config.kv_load_failure_policy,
+            default_max_tokens=config.default_max_tokens,
+        )
+        self.app = build_app(self.core, served_name=config.served_name)
+        uv = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
+        self._server = uvicorn.Server(uv)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Register with the cache server (ContractRejected propagates), warm up, serve."""
+        if self.connector is not None:
+            assert self.config.cache is not None
+            if not self.connector.start():
+                log.warning(
+                    "cache server %s unreachable; serving without a cache, retrying every %.0f s",
+                    self.config.cache.url,
+                    self.config.cache.reconnect_interval_s,
+                )
+        else:
+            log.info("running without a cache server (--no-cache)")
+        self.core.submit(self.core.warmup).result()
+        self._thread = threading.Thread(
+            target=self._server.run,
+            kwargs={"sockets": [self._sock]},
+            name="kvatlas-engine-http",
+            daemon=True,
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise KvatlasError(f"the HTTP server on port {self.port} did not start")
+            time.sleep(0.01)
+        log.info("serving %s at %s (OpenAI API under /v1)", self.config.served_name, self.url)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(15)
+            self._thread = None
+        self._sock.close()
+        self.core.close()
+        if self.connector is not None:
+            self.connector.close()
+
+    def run(self) -> None:
+        """Start, serve until SIGTERM or SIGINT, stop."""
+
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            log.info("signal %d: stopping", signum)
+            self._stop.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        try:
+            self.start()
+            while not self._stop.wait(0.5):
+                if self._thread is not None and not self._thread.is_alive():
+                    raise KvatlasError("the HTTP server stopped unexpectedly")
+        finally:
+            self.stop()
