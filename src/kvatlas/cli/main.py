@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from kvatlas import __version__
-from kvatlas.cli import coordinator, engine, server
+from kvatlas.cli import bench, coordinator, engine, server
 
 USAGE = f"""usage: kvatlas <command> [options]
 
@@ -18,6 +18,7 @@ commands:
   coordinator   the fleet's control plane: membership, cache events, key directory
   server        a node's cache server: L1/L2 KV store, engine API, event reporting
   engine        the reference engine: SmolLM2 on the CPU behind an OpenAI-compatible API
+  bench fleet   the fleet evaluation: hit rates, stale hints, churn, TTFT, with a report
 
 Run `kvatlas <command> --help` for the options of a command.
 """
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         "coordinator": coordinator.main,
         "server": server.main,
         "engine": engine.main,
+        "bench": bench.main,
     }
     if not args or args[0] in {"-h", "--help"}:
         print(USAGE)

@@ -1,0 +1,123 @@
+"""``kvatlas bench fleet``: flags -> BenchConfig -> evaluation.runner.run_bench.
+
+The one place where the fleet evaluation's options are read. Progress lines go to stdout
+while it runs; the result lands in ``--out`` (result.json, PNG plots, report.md). Exit
+codes: 0 when every invariant held, 1 when one failed, 2 for bad arguments, 130 on Ctrl-C
+(every process the run started is stopped first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import FrameType
+
+from kvatlas.evaluation.runner import BenchConfig, run_bench
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = BenchConfig()
+    ap = argparse.ArgumentParser(
+        prog="kvatlas bench fleet",
+        description="Fleet evaluation: fleet-wide vs node-local reuse, directory accuracy,"
+        " churn, and (with --engines) TTFT of two reference engines, on 127.0.0.1.",
+    )
+    ap.add_argument("--nodes", type=int, default=d.nodes, help=f"cache servers (default {d.nodes})")
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=d.requests,
+        help=f"requests of the fleet phase, per run (default {d.requests})",
+    )
+    ap.add_argument(
+        "--duration-s",
+        type=float,
+        default=d.duration_s,
+        help=f"wall-time budget of the whole run (default {d.duration_s:.0f})",
+    )
+    ap.add_argument(
+        "--churn",
+        action=argparse.BooleanOptionalAction,
+        default=d.churn,
+        help="run the churn phase (default on)",
+    )
+    ap.add_argument(
+        "--engines",
+        action="store_true",
+        help="run the engine phase: two SmolLM2 reference engines, P2P on vs off",
+    )
+    ap.add_argument("--out", default=str(d.out), help=f"output folder (default {d.out})")
+    ap.add_argument("--seed", type=int, default=d.seed, help=f"workload seed (default {d.seed})")
+    ap.add_argument(
+        "--no-p2p", action="store_true", help="never start the servers with P2P (node-local only)"
+    )
+    ap.add_argument(
+        "--l1-size-mb",
+        type=float,
+        default=d.l1_size_mb,
+        help=f"L1 per server in MiB (default {d.l1_size_mb:g})",
+    )
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    if args.nodes < 2:
+        raise ValueError("--nodes must be >= 2 (fleet-wide reuse needs a second node)")
+    if args.requests < 1:
+        raise ValueError("--requests must be >= 1")
+    if args.duration_s <= 0:
+        raise ValueError("--duration-s must be positive")
+    return replace(
+        BenchConfig(),
+        nodes=args.nodes,
+        requests=args.requests,
+        duration_s=args.duration_s,
+        churn=args.churn,
+        engines=args.engines,
+        out=Path(args.out),
+        seed=args.seed,
+        p2p=not args.no_p2p,
+        l1_size_mb=args.l1_size_mb,
+    )
+
+
+def _on_sigterm(sig: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # unwinds through the fleets' finally blocks
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    if not args_in or args_in[0] != "fleet":
+        print("usage: kvatlas bench fleet [options]  (see kvatlas bench fleet --help)")
+        return 0 if args_in and args_in[0] in {"-h", "--help"} else 2
+    ap = build_parser()
+    args = ap.parse_args(args_in[1:])
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        ap.error(str(exc))
+    command = shlex.join(["kvatlas", "bench", *args_in])
+    t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        result = run_bench(cfg, command=command, say=say)
+    except KeyboardInterrupt:
+        say("interrupted: every process of the run was stopped")
+        return 130
+    failed = [k for k, v in result["invariants"].items() if not v]
+    say(f"invariants: {'all held' if not failed else 'FAILED: ' + ', '.join(failed)}")
+    say(f"report: {cfg.out / 'report.md'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

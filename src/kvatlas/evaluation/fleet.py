@@ -1,0 +1,429 @@
+"""A loopback fleet of real processes: one coordinator and N cache servers.
+
+Owns starting, killing, restarting and stopping the processes of an evaluation run (each
+one through its real CLI, ``python -m kvatlas.cli.coordinator`` / ``kvatlas.cli.server``),
+their ports (free ports on 127.0.0.1, chosen up front so that a restarted process comes
+back at the same address), their log files and temporary directories, and the read-only
+HTTP probes of their state (``/status``, ``GET /instances``, ``GET /directory/stats``).
+
+Safety: only 127.0.0.1 is used; processes are stopped by pid (SIGTERM, then SIGKILL after
+a grace period); ``close`` stops every process this object started and removes its
+temporary directory, and it runs on errors and Ctrl-C through the context manager. On
+Linux the children also get SIGKILL if this process dies without cleaning up
+(``PR_SET_PDEATHSIG``). Must not: signal any process it did not start.
+
+Exceptions::
+
+    FleetError            a process did not come up, or exited early (its log tail attached)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+
+from kvatlas.core.errors import KvatlasError
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1
+
+
+class FleetError(KvatlasError):
+    """A fleet process did not start or stopped unexpectedly."""
+
+
+def free_port(pair: bool = False) -> int:
+    """A free TCP port on 127.0.0.1; with ``pair``, one whose successor is free too."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind((HOST, 0))
+            port = int(s.getsockname()[1])
+        if not pair:
+            return port
+        if port < 65535:
+            with socket.socket() as s2:
+                try:
+                    s2.bind((HOST, port + 1))
+                except OSError:
+                    continue
+            return port
+    raise FleetError("no free port pair on 127.0.0.1")
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def p2p_flags_available() -> bool:
+    """Whether ``kvatlas server`` of this checkout knows ``--p2p-advertise-url``."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kvatlas.cli.server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return "--p2p-advertise-url" in out.stdout
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """How the fleet's processes are started."""
+
+    nodes: int = 4
+    """Cache servers."""
+    chunk_size: int = 256
+    """Tokens per chunk (coordinator and servers)."""
+    l1_size_mb: float = 48.0
+    """L1 region of each server in MiB (small enough that LRU eviction happens)."""
+    heartbeat_interval_s: float = 1.0
+    """Servers' heartbeat interval."""
+    instance_timeout_s: float = 3.0
+    """Coordinator's instance timeout (a silent server is expired and fenced after it)."""
+    health_check_interval_s: float = 0.5
+    """Coordinator's expiry sweep interval."""
+    event_flush_interval_s: float = 0.2
+    """Servers' event flush interval."""
+    event_buffer_batches: int = 4096
+    """Servers' publisher buffer (an outage shorter than this loses no events)."""
+    p2p: bool = True
+    """Start the servers with P2P (``--p2p-advertise-url``) when the flags exist."""
+    p2p_transfer_engine: str = "tcp"
+    """``--p2p-transfer-engine``."""
+    p2p_lookup_timeout_s: float = 0.5
+    """``--p2p-lookup-timeout``."""
+    p2p_load_timeout_s: float = 2.0
+    """``--p2p-load-timeout``."""
+    engine_workers: int = 2
+    """Engine API threads per server (the machine may have few cores)."""
+    snapshot: bool = True
+    """Give the coordinator a snapshot file (needed to restart it with its state)."""
+    start_timeout_s: float = 60.0
+    """How long a process may take to answer /healthz."""
+    log_level: str = "WARNING"
+    """Log level of the processes (logs go to files in the work dir)."""
+
+
+@dataclass(slots=True)
+class Proc:
+    """One process of the fleet and where it lives."""
+
+    name: str
+    args: list[str]
+    http_port: int
+    log_path: Path
+    popen: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.http_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen is not None else None
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+@dataclass(slots=True)
+class ServerProc(Proc):
+    instance_id: str = ""
+    engine_port: int = 0
+    p2p_port: int = 0
+
+    @property
+    def engine_url(self) -> str:
+        return f"tcp://{HOST}:{self.engine_port}"
+
+
+class Fleet:
+    """Start, probe, kill, restart and stop a coordinator and N servers on loopback."""
+
+    def __init__(self, cfg: FleetConfig, *, workdir: Path | None = None) -> None:
+        self.cfg = cfg
+        self._own_dir = workdir is None
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="kvatlas-fleet-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.p2p = cfg.p2p and p2p_flags_available()
+        self._http = httpx.Client(timeout=3.0)
+        cport = free_port()
+        snapshot = (
+            [
+                "--snapshot-path",
+                str(self.workdir / "coordinator.snapshot"),
+                "--snapshot-interval",
+                "0",
+            ]
+            if cfg.snapshot
+            else []
+        )
+        args = [
+            "-m", "kvatlas.cli.coordinator", "--host", HOST, "--port", str(cport),
+            "--instance-timeout", str(cfg.instance_timeout_s),
+            "--health-check-interval", str(cfg.health_check_interval_s),
+            "--chunk-size", str(cfg.chunk_size), "--log-level", cfg.log_level, *snapshot,
+        ]  # fmt: skip
+        self.coordinator = Proc("coordinator", args, cport, self.workdir / "coordinator.log")
+        self.servers = [self._server_proc(i) for i in range(cfg.nodes)]
+        self.extras: list[Proc] = []
+        """Other processes of the run (engines), stopped first by ``close``."""
+
+    @property
+    def coordinator_url(self) -> str:
+        return self.coordinator.base_url
+
+    def _server_proc(self, i: int) -> ServerProc:
+        c = self.cfg
+        iid = f"node-{i}"
+        engine_port, http_port = free_port(), free_port()
+        args = [
+            "-m", "kvatlas.cli.server", "--host", HOST, "--port", str(engine_port),
+            "--http-port", str(http_port), "--instance-id", iid,
+            "--chunk-size", str(c.chunk_size), "--l1-size-gb", f"{c.l1_size_mb / 1024:.6f}",
+            "--l1-align-bytes", "65536" if self.p2p else "4096",
+            "--engine-workers", str(c.engine_workers),
+            "--state-dir", str(self.workdir / "state"),
+            "--coordinator-url", self.coordinator_url,
+            "--coordinator-heartbeat-interval", str(c.heartbeat_interval_s),
+            "--coordinator-timeout", "2.0",
+            "--event-flush-interval", str(c.event_flush_interval_s),
+            "--event-buffer-batches", str(c.event_buffer_batches),
+            "--log-level", c.log_level,
+        ]  # fmt: skip
+        p2p_port = 0
+        if self.p2p:
+            p2p_port = free_port(pair=True)
+            args += [
+                "--p2p-advertise-url", f"{HOST}:{p2p_port}",
+                "--p2p-transfer-engine", c.p2p_transfer_engine,
+                "--p2p-lookup-timeout", str(c.p2p_lookup_timeout_s),
+                "--p2p-load-timeout", str(c.p2p_load_timeout_s),
+            ]  # fmt: skip
+        return ServerProc(
+            iid,
+            args,
+            http_port,
+            self.workdir / f"{iid}.log",
+            instance_id=iid,
+            engine_port=engine_port,
+            p2p_port=p2p_port,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _spawn(self, proc: Proc) -> None:
+        proc.starts += 1
+        with proc.log_path.open("ab") as f:
+            f.write(f"--- start {proc.starts} ---\n".encode())
+            f.flush()
+            proc.popen = subprocess.Popen(
+                [sys.executable, *proc.args],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
+            )
+
+    def _wait_healthy(self, proc: Proc, path: str = "/healthz") -> None:
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise FleetError(f"{proc.name} exited during startup:\n{proc.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if self._http.get(proc.base_url + path, timeout=0.5).status_code == 200:
+                    return
+            time.sleep(0.05)
+        raise FleetError(f"{proc.name} did not answer {path} in time:\n{proc.log_tail()}")
+
+    def start(self, on_progress: Callable[[str], None] | None = None) -> None:
+        """Start the coordinator, then every server; wait until all are registered."""
+        say = on_progress or (lambda _m: None)
+        self.start_coordinator()
+        say(f"coordinator up at {self.coordinator_url}")
+        for s in self.servers:
+            self._spawn(s)
+        for s in self.servers:
+            self._wait_healthy(s)
+        self.wait_registered([s.instance_id for s in self.servers])
+        say(f"{len(self.servers)} cache servers registered (P2P {'on' if self.p2p else 'off'})")
+
+    def start_coordinator(self) -> None:
+        self._spawn(self.coordinator)
+        self._wait_healthy(self.coordinator, "/readyz")
+
+    def start_server(self, i: int, *, new_ports: bool = True) -> None:
+        """(Re)start server ``i`` with its instance id and state dir: a new incarnation.
+
+        With ``new_ports`` it binds fresh ports: the server binds without SO_REUSEADDR, so
+        after a kill -9 its old HTTP port stays taken while the old connections sit in
+        TIME_WAIT (up to a minute on Linux).
+        """
+        s = self.servers[i]
+        if s.alive():
+            raise FleetError(f"{s.name} is still running")
+        if new_ports:
+            fresh = self._server_proc(i)
+            fresh.starts = s.starts
+            self.servers[i] = s = fresh
+        self._spawn(s)
+        self._wait_healthy(s)
+
+    def start_extra(self, name: str, args: list[str], http_port: int) -> Proc:
+        """Start another process (``python`` + ``args``) that answers /healthz on its port."""
+        proc = Proc(name, args, http_port, self.workdir / f"{name}.log")
+        self.extras.append(proc)
+        self._spawn(proc)
+        self._wait_healthy(proc)
+        return proc
+
+    def kill(self, proc: Proc) -> None:
+        """SIGKILL (no clean shutdown: no deregistration, no snapshot)."""
+        if proc.popen is not None and proc.popen.poll() is None:
+            proc.popen.kill()
+            proc.popen.wait(10)
+
+    def stop(self, proc: Proc, grace_s: float = 15.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``grace_s``; the exit status (None if never run)."""
+        p = proc.popen
+        if p is None:
+            return None
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) ignored SIGTERM; killing it", proc.name, p.pid)
+                p.kill()
+                p.wait(10)
+        return p.returncode
+
+    def close(self) -> dict[str, int | None]:
+        """Stop every process (servers first); remove the work dir if this object made it."""
+        codes: dict[str, int | None] = {}
+        for e in self.extras:
+            codes[e.name] = self.stop(e)
+        for s in self.servers:
+            codes[s.name] = self.stop(s)
+        codes["coordinator"] = self.stop(self.coordinator)
+        self._http.close()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        return codes
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ probes
+
+    def get_json(self, url: str, timeout: float = 3.0) -> Any | None:
+        """GET ``url`` as JSON; None when the process does not answer (down, restarting)."""
+        try:
+            r = self._http.get(url, timeout=timeout)
+        except httpx.HTTPError:
+            return None
+        if r.status_code != 200:
+            return None
+        try:
+            return r.json()
+        except ValueError:
+            return None
+
+    def post_json(self, url: str, body: bytes, timeout: float = 3.0) -> Any | None:
+        try:
+            r = self._http.post(
+                url, content=body, headers={"content-type": "application/json"}, timeout=timeout
+            )
+        except httpx.HTTPError:
+            return None
+        return r.json() if r.status_code == 200 else None
+
+    def server_status(self, i: int) -> dict[str, Any] | None:
+        s = self.servers[i]
+        if not s.alive():
+            return None
+        st = self.get_json(s.base_url + "/status")
+        return st if isinstance(st, dict) else None
+
+    def instances(self) -> list[dict[str, Any]] | None:
+        doc = self.get_json(self.coordinator_url + "/instances")
+        if not isinstance(doc, dict):
+            return None
+        inst = doc.get("instances")
+        return inst if isinstance(inst, list) else None
+
+    def directory_stats(self) -> dict[str, Any] | None:
+        doc = self.get_json(self.coordinator_url + "/directory/stats")
+        return doc if isinstance(doc, dict) else None
+
+    def wait_registered(self, ids: list[str], timeout_s: float = 30.0) -> None:
+        """Until ``GET /instances`` lists every id in ``ids``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            inst = self.instances() or []
+            if set(ids) <= {str(i.get("instance_id")) for i in inst}:
+                return
+            time.sleep(0.1)
+        raise FleetError(f"instances {ids} did not all register within {timeout_s}s")
+
+    def machine(self) -> dict[str, str]:
+        return describe_machine()
+
+
+def describe_machine() -> dict[str, str]:
+    """CPU model, cores, memory, Python and platform, for the report."""
+    import platform
+
+    cpu = platform.processor() or ""
+    mem = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem = f"{int(line.split()[1]) / 1024 / 1024:.1f} GiB"
+                break
+    return {
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "memory": mem,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+    }
