@@ -70,6 +70,9 @@ def build_app(
 def bind(host: str, port: int, what: str, flag: str) -> socket.socket:
     """A listening-ready TCP socket on host:port; PortInUse when taken."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # A restarted server must get its port back while the old connections sit in
+    # TIME_WAIT; a port another process listens on still fails (Linux semantics).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:

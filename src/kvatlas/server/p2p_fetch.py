@@ -201,10 +201,10 @@ class PeerFetcher:
                 self._count("timeout")
                 fallback = fallback or "timeout"
                 break
-            got, cause = self._from_peer(
-                adapter, keys[pos:], (hints or {}).get(adapter.instance_id, 0), remaining,
-                load_budget,
-            )  # fmt: skip
+            # The directory's count is of leading chunks from keys[0]; this peer is asked
+            # from ``pos`` on, so it is hinted to hold what is left of its run past pos.
+            hinted = max(0, (hints or {}).get(adapter.instance_id, 0) - pos)
+            got, cause = self._from_peer(adapter, keys[pos:], hinted, remaining, load_budget)
             fetched.update(got.fetched)
             pos += got.present
             if cause:
