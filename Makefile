@@ -27,4 +27,4 @@ bench:
 	python -m bench.run_all
 
 demo:
-	kvatlas coordinator --host 127.0.0.1 --port 9300
+	kvatlas demo

@@ -4,4 +4,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/bootstrap.sh"
 VENV="${KVATLAS_VENV:-$ROOT/.venv}"
-exec "$VENV/bin/kvatlas" coordinator --host 127.0.0.1 --port 9300 "$@"
+exec "$VENV/bin/kvatlas" demo "$@"

@@ -8,13 +8,14 @@ from __future__ import annotations
 import sys
 
 from kvatlas import __version__
-from kvatlas.cli import bench, coordinator, engine, server
+from kvatlas.cli import bench, coordinator, demo, engine, server
 
 USAGE = f"""usage: kvatlas <command> [options]
 
 kvatlas {__version__}: find and share reusable LLM KV caches across a fleet.
 
 commands:
+  demo          the local fleet end to end: 2 servers with P2P, 2 engines, one prompt twice
   coordinator   the fleet's control plane: membership, cache events, key directory
   server        a node's cache server: L1/L2 KV store, engine API, event reporting
   engine        the reference engine: SmolLM2 on the CPU behind an OpenAI-compatible API
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         "server": server.main,
         "engine": engine.main,
         "bench": bench.main,
+        "demo": demo.main,
     }
     if not args or args[0] in {"-h", "--help"}:
         print(USAGE)

@@ -1,0 +1,255 @@
+"""`kvatlas demo`: the local fleet, end to end, in one command.
+
+Owns the demonstration the reference guide does with five terminals and two GPUs: one
+coordinator, two cache servers with P2P and two reference engines (SmolLM2-135M on the
+CPU) on 127.0.0.1; a long prompt goes to node A (cold), then the same prompt to node B,
+which never saw it, so every cached token B reports can only have come from A through
+P2P. It returns what an operator would look at: TTFT on both nodes, cached tokens, bytes
+B read from A, the two generated texts (identical), and the coordinator's view of the
+fleet. Every process it starts is stopped by pid when it returns, on errors and on
+Ctrl-C (the `Fleet` context manager). Must not: print; progress goes through ``say``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvatlas.evaluation.fleet import Fleet, FleetConfig, FleetError, free_port
+
+Say = Callable[[str], None]
+MODEL = "smollm2-135m"
+CHARS_PER_TOKEN = 4
+
+
+@dataclass(frozen=True, slots=True)
+class DemoConfig:
+    """What the demo runs."""
+
+    prompt_tokens: int = 2048
+    """About how many prompt tokens (a numbered document; several 256-token chunks)."""
+    max_tokens: int = 24
+    """Tokens generated per request (greedy, so both nodes must agree)."""
+    transfer_engine: str = "tcp"
+    """``--p2p-transfer-engine`` of both servers."""
+    l1_size_mb: float = 1024.0
+    """L1 region of each server (SmolLM2 KV is 45 KiB per token in float32)."""
+    model_cache_dir: Path | None = None
+    """Where the engines keep the converted model (None: their default)."""
+    start_timeout_s: float = 600.0
+    """How long an engine may take to load its model (the first run converts the GGUF)."""
+    workdir: Path | None = None
+    """Logs and state of the processes (None: a temporary folder, removed afterwards)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRun:
+    """One request on one node, as the engine and its cache server reported it."""
+
+    node: str
+    ttft_ms: float
+    cached_tokens: int
+    peer_cached_tokens: int
+    prefilled_tokens: int
+    prompt_tokens: int
+    fallback: str | None
+    text: str
+    peer_bytes_read: int
+
+
+@dataclass(frozen=True, slots=True)
+class DemoResult:
+    cold: NodeRun
+    warm: NodeRun
+    instances: list[dict[str, Any]]
+    directory: dict[str, Any]
+
+    @property
+    def same_text(self) -> bool:
+        return self.cold.text == self.warm.text
+
+
+def build_document(tokens: int) -> str:
+    """A deterministic numbered document of about ``tokens`` tokens."""
+    lines: list[str] = []
+    size = i = 0
+    while size < tokens * CHARS_PER_TOKEN:
+        i += 1
+        line = (
+            f"Section {i}: the fleet keeps chunk {i} of this document in memory so that"
+            f" node {i % 7} never prefills it twice."
+        )
+        lines.append(line)
+        size += len(line) + 1
+    return "\n".join(lines)
+
+
+def _ask(http: httpx.Client, url: str, document: str, max_tokens: int) -> dict[str, Any]:
+    body = {
+        "messages": [
+            {"role": "system", "content": "You answer in one short sentence."},
+            {"role": "user", "content": document + "\n\nWhat is this document about?"},
+        ],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "kv_transfer_params": {"cached_token_stats": True},
+    }
+    resp = http.post(f"{url}/v1/chat/completions", json=body)
+    if resp.status_code != 200:
+        raise FleetError(f"engine {url} answered {resp.status_code}: {resp.text[:300]}")
+    answer: dict[str, Any] = resp.json()
+    return answer
+
+
+def _peer_bytes(fleet: Fleet, i: int) -> int:
+    status = fleet.server_status(i) or {}
+    p2p = status.get("p2p") or {}
+    return int(p2p.get("bytes_read", 0))
+
+
+def _wait_for_peers(fleet: Fleet, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        counts = [int((fleet.server_status(i) or {}).get("p2p_peer_count", 0)) for i in (0, 1)]
+        if all(c >= 1 for c in counts):
+            return
+        time.sleep(0.2)
+    raise FleetError("the two cache servers did not discover each other as P2P peers")
+
+
+def _wait_for_directory(fleet: Fleet, chunks: int, timeout_s: float) -> None:
+    """Until the coordinator's directory lists node A's chunks (events flush async)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = fleet.directory_stats() or {}
+        if int(stats.get("keys", 0)) >= chunks:
+            return
+        time.sleep(0.1)
+
+
+def _node_run(node: str, answer: dict[str, Any], peer_bytes: int) -> NodeRun:
+    stats = answer.get("cached_token_stats") or {}
+    text = str(answer["choices"][0]["message"]["content"])
+    return NodeRun(
+        node=node,
+        ttft_ms=float(stats.get("ttft_ms", 0.0)),
+        cached_tokens=int(stats.get("num_cached_tokens", 0)),
+        peer_cached_tokens=int(stats.get("num_peer_cached_tokens", 0)),
+        prefilled_tokens=int(stats.get("num_prefilled_tokens", 0)),
+        prompt_tokens=int(stats.get("num_prompt_tokens", 0)),
+        fallback=stats.get("fallback"),
+        text=text,
+        peer_bytes_read=peer_bytes,
+    )
+
+
+def run_demo(cfg: DemoConfig, say: Say) -> DemoResult:
+    """Start the fleet, send the prompt to A then B, collect the views, stop everything."""
+    fcfg = FleetConfig(
+        nodes=2,
+        l1_size_mb=cfg.l1_size_mb,
+        p2p=True,
+        p2p_transfer_engine=cfg.transfer_engine,
+        p2p_lookup_timeout_s=5.0,
+        p2p_load_timeout_s=10.0,
+        instance_timeout_s=10.0,
+        log_level="INFO",
+        start_timeout_s=cfg.start_timeout_s,
+    )
+    document = build_document(cfg.prompt_tokens)
+    with Fleet(fcfg, workdir=cfg.workdir) as fleet:
+        say(f"starting a coordinator and 2 cache servers (P2P over {cfg.transfer_engine})")
+        fleet.start(lambda m: say(f"  {m}"))
+        urls: list[str] = []
+        for i, (node, srv) in enumerate(zip(("A", "B"), fleet.servers, strict=True)):
+            port = free_port()
+            args = [
+                "-m", "kvatlas.cli.engine", "--model", MODEL, "--host", "127.0.0.1",
+                "--port", str(port), "--cache-host", "127.0.0.1",
+                "--cache-port", str(srv.engine_port), "--log-level", "WARNING",
+            ]  # fmt: skip
+            if cfg.model_cache_dir is not None:
+                args += ["--model-cache-dir", str(cfg.model_cache_dir)]
+            say(
+                f"loading {MODEL} for engine {node} on 127.0.0.1:{port}"
+                + (" (the first run converts the model, ~30 s)" if i == 0 else "")
+            )
+            fleet.start_extra(f"engine-{node.lower()}", args, port)
+            urls.append(f"http://127.0.0.1:{port}")
+        _wait_for_peers(fleet, 15.0)
+        say("both servers list each other as P2P peers")
+        with httpx.Client(timeout=600.0) as http:
+            say(f"node A: sending a ~{cfg.prompt_tokens}-token prompt (cold)")
+            cold = _node_run("A", _ask(http, urls[0], document, cfg.max_tokens), 0)
+            _wait_for_directory(fleet, cold.prompt_tokens // fcfg.chunk_size, 5.0)
+            say("node B: sending the same prompt (B never saw it)")
+            before = _peer_bytes(fleet, 1)
+            answer = _ask(http, urls[1], document, cfg.max_tokens)
+            warm = _node_run("B", answer, _peer_bytes(fleet, 1) - before)
+        instances = fleet.instances() or []
+        directory = fleet.directory_stats() or {}
+    return DemoResult(cold, warm, instances, directory)
+
+
+def render(result: DemoResult, cfg: DemoConfig) -> str:
+    """The demo's report as plain text tables."""
+    c, w = result.cold, result.warm
+    speedup = c.ttft_ms / w.ttft_ms if w.ttft_ms > 0 else float("inf")
+    rows = [
+        ("", "node A (cold)", "node B (warm, via P2P)"),
+        ("TTFT", f"{c.ttft_ms:,.0f} ms", f"{w.ttft_ms:,.0f} ms  ({speedup:.1f}x faster)"),
+        ("prompt tokens", f"{c.prompt_tokens:,}", f"{w.prompt_tokens:,}"),
+        ("cached tokens", f"{c.cached_tokens:,}", f"{w.cached_tokens:,}"),
+        ("  of which from peers", f"{c.peer_cached_tokens:,}", f"{w.peer_cached_tokens:,}"),
+        ("prefilled tokens", f"{c.prefilled_tokens:,}", f"{w.prefilled_tokens:,}"),
+        ("bytes read from the peer", "0", f"{w.peer_bytes_read / 2**20:,.1f} MiB"),
+        ("cache fallback", _fallback(c.fallback), _fallback(w.fallback)),
+    ]
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["", f"kvatlas demo: {MODEL}, transfer engine {cfg.transfer_engine}", ""]
+    for k, r in enumerate(rows):
+        lines.append("  ".join(cell.ljust(width[i]) for i, cell in enumerate(r)).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * n for n in width))
+    lines += [
+        "",
+        f"generated on A: {c.text!r}",
+        f"generated on B: {w.text!r}",
+        "identical: " + ("yes" if result.same_text else "NO"),
+        "",
+        "the coordinator's view of the fleet:",
+    ]
+    for inst in result.instances:
+        lines.append(
+            f"  {inst.get('instance_id')}: incarnation {inst.get('incarnation')},"
+            f" p2p {inst.get('p2p_advertised_url')},"
+            f" heartbeat {float(inst.get('heartbeat_age_s', 0.0)):.1f} s ago"
+        )
+    d = result.directory
+    lines.append(
+        f"  directory: {d.get('keys', 0)} keys, {d.get('placements', 0)} placements"
+        f" ({_per_instance(d)})"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _fallback(cause: str | None) -> str:
+    if not cause:
+        return "-"
+    if cause.endswith("not_found"):
+        return "none: a cold miss, no peer had it"
+    return cause
+
+
+def _per_instance(stats: dict[str, Any]) -> str:
+    parts = [
+        f"{o.get('instance_id')} {o.get('tier')}: {o.get('placements')}"
+        for o in stats.get("owners") or []
+        if isinstance(o, dict)
+    ]
+    return ", ".join(parts) or "no placements"
