@@ -118,3 +118,12 @@ def test_attach_errors_are_clear() -> None:
     with L1Region.create(SIZE, "t") as region, pytest.raises(RegionError, match="expected"):
         L1Region.attach(region.name, SIZE * 2)
     assert not Path(SHM_DIR / region.name).exists()
+
+
+def test_prefault_touches_every_page_and_keeps_the_bytes_zero() -> None:
+    with L1Region.create(64 * 4096, "prefault") as region:
+        region.prefault()
+        assert not region.array.any()
+        region.array[5] = 7
+        region.prefault()  # a second call only writes the first byte of each page
+        assert region.array[5] == 7

@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--l1-size-gb", type=float, default=1.0, help="L1 region size (fractions ok)")
     ap.add_argument("--eviction-policy", default="LRU", help="L1 eviction policy")
     ap.add_argument("--l1-align-bytes", type=int, default=4096, help="slot alignment")
+    ap.add_argument(
+        "--l1-prefault",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="touch every L1 page at startup, so that stores and peer reads never pay"
+        " first-touch page faults (default on)",
+    )
     ap.add_argument("--l2-path", default=None, help="L2 directory (enables the disk tier)")
     ap.add_argument("--l2-size-gb", type=float, default=None, help="L2 budget (needs --l2-path)")
     ap.add_argument("--lease-seconds", type=float, default=30.0, help="default lease length")
@@ -149,6 +156,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
             size_bytes=int(args.l1_size_gb * GIB),
             eviction_policy=args.eviction_policy,
             align_bytes=args.l1_align_bytes,
+            prefault=args.l1_prefault,
         ),
         l2=L2Config(
             path=Path(args.l2_path) if args.l2_path else None,

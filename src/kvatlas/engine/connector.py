@@ -96,6 +96,10 @@ class FetchStats:
     """Of ``hit_chunks``, how many the server read from peers."""
     lookup_s: float = 0.0
     """Seconds of the lookup and the checksum verification."""
+    verify_s: float = 0.0
+    """Of ``lookup_s``, the seconds spent verifying checksums."""
+    server_ms: dict[str, float] = field(default_factory=dict)
+    """The server's own breakdown when it asked peers (``LookupResult.p2p_ms``)."""
     fallback: str | None = None
     """Cause of a failed lookup or load (see the module doc); None when all went well."""
     detail: str = ""
@@ -337,9 +341,12 @@ class KVConnector:
         except (RequestRefused, EngineClientError) as exc:
             return self._failed(stats, REFUSED, str(exc), t0)
         self._lookups += 1
+        stats.server_ms = dict(res.p2p_ms)
         prefix = CachedPrefix([], stats, [c.lease_id for c in res.chunks], self._release)
+        t_verify = self._clock()
         try:
             usable, cause, detail = self._verify(res.chunks)
+            stats.verify_s = self._clock() - t_verify
         except BaseException:
             prefix.release()
             raise

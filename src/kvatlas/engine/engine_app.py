@@ -325,6 +325,13 @@ class EngineCore:
             decode_s=decode_s,
             fallback=stats.fallback,
             stored_chunks=stored,
+            breakdown_ms={
+                "lookup": (stats.lookup_s - stats.verify_s) * 1000,
+                **{f"p2p_{k}": v for k, v in stats.server_ms.items()},
+                "verify": stats.verify_s * 1000,
+                "build_cache": pre.build_s * 1000,
+                "prefill": pre.prefill_s * 1000,
+            },
         )
 
 

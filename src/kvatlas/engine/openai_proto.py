@@ -174,6 +174,13 @@ class CachedTokenStats(msgspec.Struct, frozen=True):
     """Milliseconds of lookup, verification and building the cache from the chunks."""
     fallback: str | None
     """Why cached KV could not be used (a cause such as ``server_unavailable``), or null."""
+    breakdown_ms: dict[str, float] = {}
+    """kvatlas: where the time to first token went: ``lookup`` (the engine's round trip
+    to its cache server, P2P included) and, when the server asked peers, its
+    ``p2p_local_lookup``, ``p2p_directory``, ``p2p_lock``, ``p2p_reserve``,
+    ``p2p_transfer``, ``p2p_verify``, ``p2p_commit``, ``p2p_unlock``; then ``verify``
+    (checksums in the engine), ``build_cache`` (KV bytes into the model's cache) and
+    ``prefill`` (the suffix the cache did not cover)."""
 
 
 class AssistantMessage(msgspec.Struct, frozen=True):

@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Protocol, TypeVar
 
 import msgspec
@@ -97,6 +97,8 @@ class GenOutcome:
     decode_s: float
     fallback: str | None
     stored_chunks: int
+    breakdown_ms: dict[str, float] = field(default_factory=dict)
+    """Where the time to first token went (see ``CachedTokenStats.breakdown_ms``)."""
 
 
 class ModelWorker(Protocol):
@@ -150,6 +152,7 @@ def _stats(out: GenOutcome) -> CachedTokenStats:
         ttft_ms=round(out.ttft_s * 1000, 3),
         load_ms=round(out.load_s * 1000, 3),
         fallback=out.fallback,
+        breakdown_ms={k: round(v, 3) for k, v in out.breakdown_ms.items()},
     )
 
 

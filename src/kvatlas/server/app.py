@@ -71,6 +71,15 @@ class CacheServer:
         self.started_at = time.monotonic()
         self.incarnation = next_incarnation(config.state_dir, config.instance_id)
         self.region = L1Region.create(config.l1.size_bytes, config.instance_id)
+        if config.l1.prefault:
+            t0 = time.monotonic()
+            self.region.prefault()
+            log.info(
+                "L1 region %s: %.2f GiB reserved (pages touched in %.2f s)",
+                self.region.name,
+                config.l1.size_bytes / 2**30,
+                time.monotonic() - t0,
+            )
         try:
             self.pool = L1Pool(
                 config.l1.size_bytes, config.l1.align_bytes, config.l1.eviction_policy

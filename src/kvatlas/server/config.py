@@ -47,6 +47,9 @@ class L1Config:
     align_bytes: int = MIN_ALIGN_BYTES
     """Every slot starts at a multiple of this (``--l1-align-bytes``; a power of two
     >= 4096; 65536 recommended with P2P)."""
+    prefault: bool = True
+    """Touch every page of the region at startup (``--no-l1-prefault`` skips it): the
+    memory is then really reserved and no store or peer read pays first-touch faults."""
 
 
 @dataclass(frozen=True, slots=True)

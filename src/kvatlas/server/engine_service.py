@@ -57,6 +57,8 @@ class PeerFetch:
     """Keys committed into L1 from peers by this fetch."""
     fallback: str = ""
     """Why peers could not serve the rest, when they were asked ("" when they did)."""
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    """Where the fetch's time went: directory, lock, transfer, verify, commit, unlock."""
 
 
 class PeerSource(Protocol):
@@ -282,17 +284,24 @@ class EngineService:
         lease_s = self.lease(req.lease_s)
         if req.recompute_s < 0:
             raise InvalidInput(f"recompute_s must be >= 0, got {req.recompute_s}")
+        t0 = time.perf_counter()
         with self.lock:
             hit = self.store.lookup_prefix(keys, self._clock())
             if hit == len(keys) or self._peer_source is None:
                 return self._answer_locked(keys, req.acquire, lease_s)
+        local_ms = (time.perf_counter() - t0) * 1000
         # Outside the lock: a peer fetch may take up to the load timeout.
         fetch = self._peer_source.fetch_prefix(keys[hit:], req.recompute_s)
         with self.lock:
             self.store.lookup_prefix(keys, self._clock())  # promotes what L2 got meanwhile
             result = self._answer_locked(keys, req.acquire, lease_s)
         peer = sum(1 for k in keys[: result.hit_chunks] if k in fetch.fetched)
-        return msgspec.structs.replace(result, peer_chunks=peer, p2p_fallback=fetch.fallback)
+        return msgspec.structs.replace(
+            result,
+            peer_chunks=peer,
+            p2p_fallback=fetch.fallback,
+            p2p_ms={"local_lookup": local_ms, **fetch.timings_ms},
+        )
 
     def _answer_locked(
         self, keys: Sequence[ObjectKey], acquire: bool, lease_s: float

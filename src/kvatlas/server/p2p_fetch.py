@@ -23,7 +23,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -176,7 +177,9 @@ class PeerFetcher:
             return PeerFetch()
         lookup_budget, load_budget = self._budgets(keys, recompute_s)
         lookup_deadline = time.monotonic() + lookup_budget
-        hints = self._directory(keys, lookup_deadline)
+        timings: dict[str, float] = {}
+        with _timed(timings, "directory"):
+            hints = self._directory(keys, lookup_deadline)
         if hints:
             by_id = {a.instance_id: a for a in adapters}
             order = sorted((n, iid) for iid, n in hints.items() if iid in by_id)
@@ -189,7 +192,7 @@ class PeerFetcher:
         with self._lock:
             usable = [a for a in candidates if self.health.available(a.instance_id, now)]
         if candidates and not usable:
-            return PeerFetch(fallback="cooling_off")
+            return PeerFetch(fallback="cooling_off", timings_ms=timings)
         fetched: set[ObjectKey] = set()
         pos = 0
         fallback = ""
@@ -204,7 +207,9 @@ class PeerFetcher:
             # The directory's count is of leading chunks from keys[0]; this peer is asked
             # from ``pos`` on, so it is hinted to hold what is left of its run past pos.
             hinted = max(0, (hints or {}).get(adapter.instance_id, 0) - pos)
-            got, cause = self._from_peer(adapter, keys[pos:], hinted, remaining, load_budget)
+            got, cause = self._from_peer(
+                adapter, keys[pos:], hinted, remaining, load_budget, timings=timings
+            )
             fetched.update(got.fetched)
             pos += got.present
             if cause:
@@ -213,7 +218,7 @@ class PeerFetcher:
             fallback = ""
         elif not fallback:
             fallback = "not_found"
-        return PeerFetch(frozenset(fetched), fallback)
+        return PeerFetch(frozenset(fetched), fallback, timings)
 
     def _directory(self, keys: Sequence[ObjectKey], deadline: float) -> dict[str, int] | None:
         """Per peer, how many leading ``keys`` the directory says it holds; None when
@@ -257,6 +262,8 @@ class PeerFetcher:
         hinted: int,
         lookup_s: float,
         load_budget: float,
+        *,
+        timings: dict[str, float],
     ) -> tuple[_Loaded, str]:
         peer = adapter.instance_id
         ns = Namespace(
@@ -266,12 +273,13 @@ class PeerFetcher:
         with self._lock:
             self.stats.locks_requested += 1
         try:
-            answer = adapter.control.call(
-                pp.LookupAndLock(
-                    self.instance_id, ns, [k.chunk_hash for k in keys], lease_s, self._token
-                ),
-                lookup_s,
-            )
+            with _timed(timings, "lock"):
+                answer = adapter.control.call(
+                    pp.LookupAndLock(
+                        self.instance_id, ns, [k.chunk_hash for k in keys], lease_s, self._token
+                    ),
+                    lookup_s,
+                )
         except ChannelError as exc:
             log.info("lookup_and_lock to peer %s failed (%s): %s", peer, exc.cause, exc)
             self._failed(peer, exc.cause)
@@ -302,9 +310,10 @@ class PeerFetcher:
             )
         if not chunks:
             return _Loaded(), "stale_hint" if stale else ""
-        loaded, cause = self._load(adapter, keys[: len(chunks)], chunks, load_budget)
+        loaded, cause = self._load(adapter, keys[: len(chunks)], chunks, load_budget, timings)
         if cause != "peer_dead":
-            self._unlock(adapter, lease_ids)
+            with _timed(timings, "unlock"):
+                self._unlock(adapter, lease_ids)
         if cause:
             self._failed(peer, cause)
         else:
@@ -320,11 +329,14 @@ class PeerFetcher:
         keys: Sequence[ObjectKey],
         chunks: Sequence[pp.LockedChunk],
         load_budget: float,
+        timings: dict[str, float],
     ) -> tuple[_Loaded, str]:
         service = self._service
-        grants = service.reserve_for_peer_fetch(
-            [(k, c.size) for k, c in zip(keys, chunks, strict=True)], load_budget + WRITE_GRACE_S
-        )
+        with _timed(timings, "reserve"):
+            grants = service.reserve_for_peer_fetch(
+                [(k, c.size) for k, c in zip(keys, chunks, strict=True)],
+                load_budget + WRITE_GRACE_S,
+            )
         reads: list[PeerRead] = []
         slots: list[Slot] = []
         for grant, chunk in zip(grants, chunks, strict=True):
@@ -336,7 +348,8 @@ class PeerFetcher:
         outcomes: list[ReadOutcome] = []
         if reads:
             try:
-                outcomes = adapter.link.read(reads, load_budget)
+                with _timed(timings, "transfer"):
+                    outcomes = adapter.link.read(reads, load_budget)
             except Exception as exc:  # an engine bug must cost a miss, not the lookup
                 log.warning("P2P read from %s failed: %r", adapter.instance_id, exc)
                 outcomes = [ReadOutcome("peer_dead", repr(exc)) for _ in reads]
@@ -344,6 +357,7 @@ class PeerFetcher:
         failed: list[Slot] = []
         cause = ""
         nbytes = 0
+        t_verify = time.perf_counter()
         for slot, read, outcome in zip(slots, reads, outcomes, strict=True):
             status = outcome.status
             if outcome.ok and self._landed_checksum(slot) != read.checksum:
@@ -363,10 +377,12 @@ class PeerFetcher:
                         outcome.detail,
                     )
                 cause = cause or status
+        _add(timings, "verify", t_verify)
         keep = any(o.status == "timeout" for o in outcomes) and not adapter.link.drain(
             DRAIN_TIMEOUT_S
         )
-        committed = set(service.commit_peer_fetch(done, failed, keep_failed=keep))
+        with _timed(timings, "commit"):
+            committed = set(service.commit_peer_fetch(done, failed, keep_failed=keep))
         present = 0
         for key, grant in zip(keys, grants, strict=True):
             if key in committed or grant is Refusal.EXISTS:
@@ -405,3 +421,17 @@ class _Loaded:
     fetched: frozenset[ObjectKey] = frozenset()
     present: int = 0
     """Leading keys of the request now in L1 (fetched, or stored by someone meanwhile)."""
+
+
+def _add(timings: dict[str, float], name: str, since: float) -> None:
+    timings[name] = timings.get(name, 0.0) + (time.perf_counter() - since) * 1000
+
+
+@contextmanager
+def _timed(timings: dict[str, float], name: str) -> Iterator[None]:
+    """Add the block's wall time (ms) to ``timings[name]`` (also when it raises)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        _add(timings, name, t0)

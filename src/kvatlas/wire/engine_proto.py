@@ -155,6 +155,9 @@ class LookupResult(msgspec.Struct, frozen=True, tag="lookup_result"):
     """How many of the hit chunks this lookup read from peers (P2P)."""
     p2p_fallback: str = ""
     """Why P2P could not serve the rest, when it tried (timeout, peer_dead, ...)."""
+    p2p_ms: dict[str, float] = {}
+    """Where the server's time went when it asked peers (milliseconds): local_lookup,
+    directory, lock (lookup_and_lock), transfer, verify, commit, unlock."""
 
 
 SlotStatus = Literal["reserved", "exists", "busy", "no_space"]
