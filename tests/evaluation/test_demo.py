@@ -1,0 +1,35 @@
+"""`kvatlas demo` as a user runs it: real processes, the real SmolLM2, one command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_demo_serves_node_b_from_node_a_and_leaves_nothing_running(tmp_path: Path) -> None:
+    work = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvatlas.cli.demo", "--prompt-tokens", "700",
+         "--max-tokens", "8", "--l1-size-mb", "256", "--workdir", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )  # fmt: skip
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "identical: yes" in out
+    assert "loading smollm2-135m" in out  # progress while the models load
+    assert "every process stopped" in out
+    warm = next(line for line in out.splitlines() if line.startswith("  of which from peers"))
+    assert int(warm.split()[-1].replace(",", "")) >= 512  # B's tokens came from A
+    assert "the coordinator's view of the fleet" in out
+    # nothing the demo started is still alive (servers and coordinator name the workdir)
+    leftovers = subprocess.run(
+        ["pgrep", "-f", str(work)], capture_output=True, text=True, check=False
+    )
+    assert leftovers.stdout.strip() == ""
