@@ -18,7 +18,6 @@ request are recorded, never raised. Must not: start or stop processes (``fleet``
 
 from __future__ import annotations
 
-import base64
 import logging
 import time
 from collections.abc import Sequence
@@ -172,7 +171,7 @@ class NodeDriver:
         """Per leading chunk, the (instance, incarnation) L1 owners the directory names."""
         body = msgspec.json.encode(
             LookupRequest(
-                tokens_b64=base64.b64encode(req.tokens.astype("<u4").tobytes()).decode(),
+                tokens_b64=req.tokens.astype("<u4").tobytes(),  # base64 in JSON
                 model_name=MODEL,
             )
         )

@@ -305,7 +305,7 @@ class LookupRequest(msgspec.Struct, frozen=True):
 
     keys: list[KeyWire] | None = None
     token_ids: list[int] | None = None
-    tokens_b64: str | None = None
+    tokens_b64: bytes | None = None
     """kvatlas: the tokens as base64 of little-endian uint32, instead of ``token_ids``
     (decoding 32k JSON ints alone costs ~1 ms; this form costs ~30 us)."""
     model_name: str = ""
@@ -347,7 +347,8 @@ class LookupResponse(msgspec.Struct, frozen=True):
 
 
 class BlendLookupRequest(msgspec.Struct, frozen=True):
-    tokens_b64: str
+    tokens_b64: bytes
+    """Base64 in JSON (msgspec decodes and validates it in C); little-endian uint32."""
     model_name: str
     world_size: int = 1
     cache_salt: str = ""
