@@ -284,9 +284,9 @@ class Fleet:
     def start_server(self, i: int, *, new_ports: bool = True) -> None:
         """(Re)start server ``i`` with its instance id and state dir: a new incarnation.
 
-        With ``new_ports`` it binds fresh ports: the server binds without SO_REUSEADDR, so
-        after a kill -9 its old HTTP port stays taken while the old connections sit in
-        TIME_WAIT (up to a minute on Linux).
+        With ``new_ports`` it binds fresh ports, as a rescheduled node would; without, it
+        comes back at the same addresses (the server binds with SO_REUSEADDR, so the old
+        connections in TIME_WAIT after a kill -9 do not hold the ports).
         """
         s = self.servers[i]
         if s.alive():
