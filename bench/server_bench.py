@@ -108,7 +108,9 @@ def bench_store_retrieve(
     n = len(chunks)
     nbytes = sum(x.nbytes for x in chunks)
     store_s = retr_s = retr_nv_s = 0.0
-    out = [np.empty_like(x) for x in chunks]
+    out = [np.zeros_like(x) for x in chunks]
+    for o in out:  # fault the destination's pages in, as bench_copy does for its own
+        o.fill(1)
     for r in range(rounds):
         toks = tokens_for(n, seed=seed + r)
         t0 = time.perf_counter()

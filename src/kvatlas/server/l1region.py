@@ -21,6 +21,7 @@ usable until ``close()``. As a context manager the owner closes and unlinks on e
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -122,6 +123,7 @@ class L1Region:
             raise RegionError(f"cannot map shared memory {name!r}: {exc}") from exc
         finally:
             os.close(fd)
+        _populate(mapping, readonly)
         return cls(name, size, mapping, owner=False, readonly=readonly)
 
     # ------------------------------------------------------------------------- access
@@ -246,3 +248,20 @@ def _check_name(name: str) -> None:
             f"shared memory name {name!r} must be 1-200 characters among"
             " letters, digits, '.', '_' and '-'"
         )
+
+
+_MADV_POPULATE_READ = 22
+_MADV_POPULATE_WRITE = 23
+
+
+def _populate(mapping: mmap.mmap, readonly: bool) -> None:
+    """Fill this process's page tables for the whole mapping now (Linux >= 5.14).
+
+    The owner touched every page, but each process that maps the region still takes a
+    minor fault per 4 KiB page on first access: measured here, an engine's first stores
+    into a freshly attached region ran at 1.6 GB/s instead of 7.7. Older kernels refuse
+    the advice (EINVAL); the mapping then fills lazily as before.
+    """
+    advice = _MADV_POPULATE_READ if readonly else _MADV_POPULATE_WRITE
+    with contextlib.suppress(OSError):
+        mapping.madvise(advice)
