@@ -259,7 +259,7 @@ class CoordinatorApp:
             t0 = time.perf_counter()
             results = self._svc.lookup_keys(keys)
             self._metrics.lookup_seconds.labels("keys").observe(time.perf_counter() - t0)
-            return _json(keys_response(results))
+            return _json(keys_response(results, req.keys))
         tokens: list[int] | bytes
         if req.tokens_b64 is not None:
             tokens = _b64_tokens(req.tokens_b64)

@@ -158,10 +158,18 @@ def prefix_response(res: PrefixResult, chunk_size: int) -> LookupResponse:
     """`POST /directory/lookup` (tokens form): one result per full chunk, in order."""
     ns = res.namespace
     token_ids = res.token_ids
+    wires: dict[int, list[PlacementWire]] = {}  # one list per distinct placement set
+
+    def placements(ps: tuple[Placement, ...]) -> list[PlacementWire]:
+        got = wires.get(id(ps))
+        if got is None:
+            got = wires[id(ps)] = [placement_wire(p) for p in ps]
+        return got
+
     results = [
         ResultWire(
             _key_wire(h, ns),
-            [placement_wire(p) for p in ps],
+            placements(ps),
             list(token_ids[i]) if token_ids is not None and token_ids[i] is not None else None,  # type: ignore[arg-type]
             res.access_counts[i],
         )
@@ -174,15 +182,28 @@ def prefix_response(res: PrefixResult, chunk_size: int) -> LookupResponse:
     return LookupResponse(len(results), results, holders)
 
 
-def keys_response(results: list[KeyResult]) -> LookupResponse:
-    """`POST /directory/lookup` (keys form): one result per key, in the order asked."""
+def keys_response(results: list[KeyResult], asked: list[KeyWire] | None = None) -> LookupResponse:
+    """`POST /directory/lookup` (keys form): one result per key, in the order asked.
+
+    ``asked`` (the request's own keys, same order) is echoed back instead of re-encoding
+    every hash as hex. Placement lists are built once per distinct placement set: the
+    directory shares one tuple among all the chunks of one owner.
+    """
+    wires: dict[int, list[PlacementWire]] = {}
+
+    def placements(ps: tuple[Placement, ...]) -> list[PlacementWire]:
+        got = wires.get(id(ps))
+        if got is None:
+            got = wires[id(ps)] = [placement_wire(p) for p in ps]
+        return got
+
     out = [
         ResultWire(
-            KeyWire.from_core(r.key),
-            [placement_wire(p) for p in r.placements],
+            asked[i] if asked is not None else KeyWire.from_core(r.key),
+            placements(r.placements),
             list(r.token_ids) if r.token_ids is not None else None,
             r.access_count,
         )
-        for r in results
+        for i, r in enumerate(results)
     ]
     return LookupResponse(len(out), out)

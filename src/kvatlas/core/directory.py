@@ -486,7 +486,28 @@ class KeyDirectory:
 
     def lookup_keys(self, keys: Iterable[ObjectKey]) -> list[KeyResult]:
         """Placements of each key, in the order given (empty placements: unknown)."""
-        return [self._result(k, self._find_key(k)) for k in keys]
+        keys = list(keys)
+        if not keys:
+            return []
+        first = keys[0]
+        ns = self._ns_ids.get(
+            (first.model_name, first.kv_rank, first.object_group_id, first.cache_salt)
+        )
+        blob = b"".join(map(_get_hash, keys))
+        if (
+            ns is None
+            or len(blob) != HASH_BYTES * len(keys)
+            or len(set(map(_get_ns, keys))) != 1
+            or self._tokens
+            or self._access
+        ):
+            return [self._result(k, self._find_key(k)) for k in keys]
+        # One namespace, full hashes, no tokens or access counts to attach: the common
+        # case, resolved with C-level loops like lookup_prefix.
+        base = ns << _HASH_BITS
+        prefixes: list[int] = np.frombuffer(blob, dtype=">u8")[:: HASH_BYTES // 8].tolist()
+        vals = map(self._map.get, [base | h for h in prefixes] if base else prefixes)
+        return list(map(KeyResult, keys, map(self._placements_of, vals)))
 
     def lookup_prefix(self, hashes: Sequence[bytes], ns: Namespace) -> PrefixResult:
         """Per chunk of a prefix chain who holds it, and per (instance, tier) how many
