@@ -308,9 +308,7 @@ class CacheClient:
                 if grant.status != "reserved":
                     continue
                 dst = self.view(grant.offset, grant.size)
-                items.append(
-                    p.CommitItem(grant.hash, grant.lease_id, copy_and_checksum(src, dst))
-                )
+                items.append(p.CommitItem(grant.hash, grant.lease_id, copy_and_checksum(src, dst)))
         except BaseException:
             self.abort([g.hash for g in grants if g.status == "reserved"])
             raise
