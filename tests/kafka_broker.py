@@ -20,12 +20,7 @@ from types import TracebackType
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+from procs import free_port
 
 
 def broker_binary() -> str:
@@ -50,7 +45,7 @@ class KafkaBroker:
     def start(cls) -> KafkaBroker:
         binary = broker_binary()
         for _ in range(5):
-            port = _free_port()
+            port = free_port()
             url = f"tcp://127.0.0.1:{port}"
             log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
             proc = subprocess.Popen(

@@ -11,7 +11,6 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import httpx
 import pytest
 
 from kvatlas.engine.model import LoadedModel, load_model
+from procs import free_port
 
 
 @pytest.fixture(scope="session")
@@ -48,12 +48,6 @@ def smol(smol_cache_dir: Path) -> LoadedModel:
 # ----------------------------------------------------------------------------- cache server
 # A real ``kvatlas server`` process on loopback for the connector and OpenAI server tests.
 # Processes are stopped by the pid the fixture started, never by name.
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

