@@ -285,12 +285,12 @@ class KeyDirectory:
                     if t and (min(t) < 0 or max(t) > MAX_TOKEN_ID):
                         raise InvalidInput("token ids must be in [0, 2**32-1]")
             oid = self._owner_id(owner)
-            keys = list(map(_get_key, batch.entries))
-            created = self._store(oid, self._key_ints(keys), list(map(_get_size, batch.entries)))
+            iks = self._key_ints(list(map(_get_key, batch.entries)))
+            created = self._store(oid, iks, list(map(_get_size, batch.entries)))
             if self.keep_tokens:
-                for e in batch.entries:
+                for key_int, e in zip(iks, batch.entries, strict=True):
                     if e.token_ids is not None:
-                        self._bind(self._key_int(e.key), e.token_offset, e.token_ids)
+                        self._bind(key_int, e.token_offset, e.token_ids)
             return Applied(len(batch.entries), created=created)
         found_oid = self._owner_ids.get(owner)
         if batch.event_type is EventType.ACCESS:
@@ -583,9 +583,10 @@ class KeyDirectory:
             namespaces=len(self._namespaces),
         )
 
-    def canonical(self) -> list[tuple[Namespace, bytes, tuple[Placement, ...]]]:
-        """The directory's content independent of interning order, for tests and digests."""
-        out = []
+    def _canonical_rows(self) -> list[tuple[Namespace, bytes, tuple[Placement, ...], int]]:
+        """(namespace, hash prefix, sorted placements, access count) per key, sorted by
+        namespace and prefix: the content independent of interning order."""
+        rows = []
         for ik in self._map:
             ps = tuple(
                 sorted(
@@ -594,8 +595,9 @@ class KeyDirectory:
                 )
             )
             ns = self._namespaces[ik >> _HASH_BITS]
-            out.append((ns, (ik & _HASH_MASK).to_bytes(8, "big"), ps))
-        out.sort(
+            prefix = (ik & _HASH_MASK).to_bytes(8, "big")
+            rows.append((ns, prefix, ps, self._access.get(ik, 0)))
+        rows.sort(
             key=lambda r: (
                 r[0].model_name,
                 r[0].kv_rank,
@@ -604,17 +606,18 @@ class KeyDirectory:
                 r[1],
             )
         )
-        return out
+        return rows
+
+    def canonical(self) -> list[tuple[Namespace, bytes, tuple[Placement, ...]]]:
+        """The directory's content independent of interning order, for tests and digests."""
+        return [(ns, prefix, ps) for ns, prefix, ps, _ in self._canonical_rows()]
 
     def digest(self) -> str:
         """blake3 hex digest of the canonical content (placements and access counts)."""
         h = blake3()
         enc = msgspec.msgpack.Encoder()
-        for ns, prefix, ps in self.canonical():
-            ik = self._find_ns(ns)
-            assert ik is not None
-            access = self._access.get(ik << _HASH_BITS | int.from_bytes(prefix, "big"), 0)
-            h.update(enc.encode((ns, prefix, ps, access)))
+        for row in self._canonical_rows():
+            h.update(enc.encode(row))
         digest: str = h.hexdigest()
         return digest
 
