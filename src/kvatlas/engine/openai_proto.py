@@ -178,7 +178,7 @@ class CachedTokenStats(msgspec.Struct, frozen=True):
     """kvatlas: where the time to first token went: ``lookup`` (the engine's round trip
     to its cache server, P2P included) and, when the server asked peers, its
     ``p2p_local_lookup``, ``p2p_directory``, ``p2p_lock``, ``p2p_reserve``,
-    ``p2p_transfer``, ``p2p_verify``, ``p2p_commit``, ``p2p_unlock``; then ``verify``
+    ``p2p_transfer`` (checksums included), ``p2p_commit``, ``p2p_unlock``; then ``verify``
     (checksums in the engine), ``build_cache`` (KV bytes into the model's cache) and
     ``prefill`` (the suffix the cache did not cover)."""
 

@@ -157,7 +157,8 @@ class LookupResult(msgspec.Struct, frozen=True, tag="lookup_result"):
     """Why P2P could not serve the rest, when it tried (timeout, peer_dead, ...)."""
     p2p_ms: dict[str, float] = {}
     """Where the server's time went when it asked peers (milliseconds): local_lookup,
-    directory, lock (lookup_and_lock), transfer, verify, commit, unlock."""
+    directory, lock (lookup_and_lock), reserve, transfer (checksums verified as the
+    bytes land), commit, unlock."""
 
 
 SlotStatus = Literal["reserved", "exists", "busy", "no_space"]
