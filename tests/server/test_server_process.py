@@ -200,7 +200,8 @@ def test_concurrent_engines(server: Server) -> None:
                 for _ in range(20):
                     c.store_chunks(tokens, data)
                     out = c.retrieve_prefix(tokens)
-                    assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=False))
+                    assert len(out) == len(data)
+                    assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
         except BaseException as exc:
             errors.append(exc)
 
@@ -209,6 +210,7 @@ def test_concurrent_engines(server: Server) -> None:
         t.start()
     for t in threads:
         t.join(60)
+    assert not any(t.is_alive() for t in threads)
     assert errors == []
 
 
@@ -265,11 +267,14 @@ def test_incarnation_grows_across_restarts(tmp_path: Path) -> None:
         (["--coordinator-url", "localhost:9300"], "--coordinator-url"),
     ],
 )
-def test_startup_refuses_inconsistent_flags(tmp_path: Path, flags: list[str], named: str) -> None:
+def test_startup_refuses_inconsistent_flags(
+    tmp_path: Path, flags: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     from kvatlas.cli.server import main
 
     rc = main(["--instance-id", "x", "--state-dir", str(tmp_path), *flags])
     assert rc == 2
+    assert named in capsys.readouterr().err
 
 
 def test_refusal_message_names_the_flags(tmp_path: Path) -> None:

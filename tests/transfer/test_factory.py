@@ -7,7 +7,6 @@ import sys
 import numpy as np
 import pytest
 
-from kvatlas.core.errors import InvalidInput, KvatlasError
 from kvatlas.transfer.base import ArrayMemory, Endpoint, ReadOp
 from kvatlas.transfer.config import MooncakeConfig, NixlConfig, TcpConfig
 from kvatlas.transfer.errors import (
@@ -15,16 +14,13 @@ from kvatlas.transfer.errors import (
     EndpointMismatch,
     EngineUnavailable,
     TransferConfigError,
-    TransferError,
 )
-from kvatlas.transfer.factory import ENGINES, make_engine
+from kvatlas.transfer.factory import make_engine
 
 
 def test_unknown_engine_names_the_accepted_ones() -> None:
     with pytest.raises(TransferConfigError, match="accepted engines: tcp, shm, mooncake, nixl"):
         make_engine("rdma")
-    assert issubclass(TransferConfigError, InvalidInput)
-    assert issubclass(EngineUnavailable, TransferError) and issubclass(TransferError, KvatlasError)
 
 
 def test_a_config_of_another_engine_is_refused() -> None:
@@ -84,10 +80,6 @@ def test_shm_refuses_a_peer_on_another_host() -> None:
     other = Endpoint(engine="shm", url="shm://x", region_size=16, extra={"boot_id": "elsewhere"})
     with pytest.raises(EndpointMismatch, match="another host"):
         client.connect(other)
-
-
-def test_every_engine_is_listed() -> None:
-    assert ENGINES == ("tcp", "shm", "mooncake", "nixl")
 
 
 def test_streaming_checksum_equals_the_core_checksum() -> None:

@@ -36,6 +36,7 @@ from kvatlas.core.keys import (
     Namespace,
     ObjectKey,
     chunk_hashes,
+    object_keys,
 )
 from kvatlas.core.l1pool import LeaseId, ReadLease, Refusal, Reserved, Slot
 from kvatlas.core.types import EventType, Tier
@@ -135,10 +136,7 @@ class EngineService:
         for h in hashes:
             if len(h) != HASH_BYTES:
                 raise InvalidInput(f"chunk hashes must be {HASH_BYTES} bytes, got {len(h)}")
-        return [
-            ObjectKey(h, ns.model_name, ns.kv_rank, ns.object_group_id, ns.cache_salt)
-            for h in hashes
-        ]
+        return object_keys(hashes, ns)  # type: ignore[arg-type]  # lengths checked above
 
     def _drain_locked(self, accessed: Sequence[tuple[ObjectKey, int]] = ()) -> None:
         events = self.store.take_events()

@@ -125,10 +125,6 @@ class P2PController:
         with self._lock:
             return [self._adapters[i] for i in sorted(self._adapters)]
 
-    def adapter(self, instance_id: str) -> PeerAdapter | None:
-        with self._lock:
-            return self._adapters.get(instance_id)
-
     def stats(self) -> ControllerStats:
         with self._lock:
             peers = tuple(sorted(self._adapters))

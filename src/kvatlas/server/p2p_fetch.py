@@ -31,7 +31,7 @@ from typing import Final
 import httpx
 import msgspec
 
-from kvatlas.core.keys import Namespace, ObjectKey
+from kvatlas.core.keys import ObjectKey
 from kvatlas.core.l1pool import Refusal, Slot
 from kvatlas.core.peers import PeerHealth, p2p_deadline
 from kvatlas.server.config import P2PConfig
@@ -265,9 +265,7 @@ class PeerFetcher:
         timings: dict[str, float],
     ) -> tuple[_Loaded, str]:
         peer = adapter.instance_id
-        ns = Namespace(
-            keys[0].model_name, keys[0].kv_rank, keys[0].object_group_id, keys[0].cache_salt
-        )
+        ns = keys[0].namespace
         lease_s = min(self._config.lock_lease_s, lookup_s + load_budget + UNLOCK_TIMEOUT_S + 1.0)
         with self._lock:
             self.stats.locks_requested += 1

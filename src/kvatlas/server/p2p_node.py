@@ -30,7 +30,7 @@ from typing import Any
 
 import zmq
 
-from kvatlas.core.keys import HASH_BYTES, ObjectKey
+from kvatlas.core.keys import HASH_BYTES, object_keys
 from kvatlas.server.config import P2PConfig, split_host_port
 from kvatlas.server.engine_service import EngineService
 from kvatlas.server.errors import ConfigError
@@ -174,11 +174,7 @@ class P2PNode:
                 if any(len(h) != HASH_BYTES for h in body.hashes) or not body.lease_s > 0:
                     self.refused += 1
                     return pp.P2PError("invalid_input", "hashes must be 32 bytes, lease_s > 0")
-                ns = body.ns
-                keys = [
-                    ObjectKey(h, ns.model_name, ns.kv_rank, ns.object_group_id, ns.cache_salt)
-                    for h in body.hashes
-                ]
+                keys = object_keys(body.hashes, body.ns)  # type: ignore[arg-type]
                 lease_s = min(body.lease_s, self.config.lock_lease_s)
                 leases = self._service.lock_for_peer(body.requester, keys, lease_s)
                 self.served_locks += 1

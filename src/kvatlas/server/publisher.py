@@ -80,7 +80,7 @@ class EventPublisher:
         self._pending: list[tuple[EventType, Tier, list[Entry]]] = []
         self._pending_entries = 0
         self._buffer: deque[EventBatch] = deque()
-        self._unsent_tries: dict[int, int] = {}  # seq -> failed attempts
+        self._unsent: set[int] = set()  # seqs whose last send failed (a resend is a retry)
         self._seq = 0
         self._sent_batches = 0
         self._sent_entries = 0
@@ -95,10 +95,6 @@ class EventPublisher:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-
-    @property
-    def sink_name(self) -> str:
-        return self._sink.name
 
     # ------------------------------------------------------------------ producers
 
@@ -148,7 +144,7 @@ class EventPublisher:
                 self._dropped_entries += n_entries
                 self._lost_since_send = True
                 for b in dropped:
-                    self._unsent_tries.pop(b.seq, None)
+                    self._unsent.discard(b.seq)
                 log.warning(
                     "event buffer full: dropped %d batches (%d events, seqs %d..%d) of"
                     " instance %s incarnation %d; a resync follows the next successful send",
@@ -173,7 +169,7 @@ class EventPublisher:
                     chunk = list(self._buffer)[:MAX_BATCHES_PER_SEND]
                 if not chunk:
                     break
-                retried = sum(1 for b in chunk if b.seq in self._unsent_tries)
+                retried = sum(1 for b in chunk if b.seq in self._unsent)
                 self._attempts += 1
                 try:
                     self._sink.send(chunk)
@@ -181,7 +177,7 @@ class EventPublisher:
                     with self._lock:
                         self._failed += 1
                         for b in chunk:
-                            self._unsent_tries[b.seq] = self._unsent_tries.get(b.seq, 0) + 1
+                            self._unsent.add(b.seq)
                         first_failure = self._last_error == ""
                         self._last_error = str(exc)
                     (log.warning if first_failure else log.debug)(
@@ -200,7 +196,7 @@ class EventPublisher:
                     for _ in chunk:
                         self._buffer.popleft()
                     for b in chunk:
-                        self._unsent_tries.pop(b.seq, None)
+                        self._unsent.discard(b.seq)
                     self._sent_batches += len(chunk)
                     self._sent_entries += sum(len(b.entries) for b in chunk)
                     self._retried += retried

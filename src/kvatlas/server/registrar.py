@@ -272,17 +272,16 @@ class Registrar:
     def stats(self) -> RegistrarStats:
         # No lock: a request in flight may hold it for a whole timeout, and /status must
         # answer at once; each field is read atomically.
-        if True:
-            return RegistrarStats(
-                state=self._state,
-                registrations=self._registrations,
-                heartbeats=self._heartbeats,
-                heartbeat_failures=self._hb_failures,
-                reregistrations_after_404=self._rereg,
-                resyncs=self._resyncs,
-                contracts=tuple(sorted(self._contracts)),
-                last_error=self._last_error,
-            )
+        return RegistrarStats(
+            state=self._state,
+            registrations=self._registrations,
+            heartbeats=self._heartbeats,
+            heartbeat_failures=self._hb_failures,
+            reregistrations_after_404=self._rereg,
+            resyncs=self._resyncs,
+            contracts=tuple(sorted(self._contracts)),
+            last_error=self._last_error,
+        )
 
 
 def _error_text(resp: httpx.Response) -> str:

@@ -13,17 +13,16 @@ import logging
 from typing import Any, Protocol
 
 import httpx
-import msgspec
 
 from kvatlas.core.events import EventBatch
 from kvatlas.server.config import EventFormat
 from kvatlas.server.errors import SinkError
 from kvatlas.wire.http_api import (
     MSGPACK_CONTENT_TYPE,
-    EventsResponse,
     encode_events_json,
     encode_events_msgpack,
 )
+from kvatlas.wire.kafka_records import encode_batch_msgpack
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +61,6 @@ class HttpSink:
         headers = auth_headers(auth_token)
         headers["Content-Type"] = MSGPACK_CONTENT_TYPE if fmt == "msgpack" else "application/json"
         self._client = httpx.Client(timeout=timeout_s, headers=headers)
-        self.last_response: EventsResponse | None = None
 
     def send(self, batches: list[EventBatch]) -> None:
         body = (
@@ -76,10 +74,6 @@ class HttpSink:
             raise SinkError(f"POST {self._url} failed: {exc!r}") from exc
         if resp.status_code != 200:
             raise SinkError(f"POST {self._url} answered {resp.status_code}: {resp.text[:200]}")
-        try:
-            self.last_response = msgspec.json.decode(resp.content, type=EventsResponse)
-        except msgspec.DecodeError:
-            self.last_response = None  # delivered; an unexpected answer body is not fatal
 
     def close(self) -> None:
         self._client.close()
@@ -112,7 +106,6 @@ class KafkaSink:
         }
         conf.update(extra)
         self._producer = Producer(conf)
-        self._encoder = msgspec.msgpack.Encoder()
 
     def send(self, batches: list[EventBatch]) -> None:
         errors: list[str] = []
@@ -126,7 +119,7 @@ class KafkaSink:
                 self._producer.produce(
                     self._topic,
                     key=b.instance_id.encode(),
-                    value=self._encoder.encode(b),
+                    value=encode_batch_msgpack(b),
                     on_delivery=on_delivery,
                 )
                 self._producer.poll(0)

@@ -309,20 +309,9 @@ class TransferClient(ABC):
 
     def verify(self, op: ReadOp) -> ReadResult:
         """Check a landed op's bytes (after injecting a planned fault)."""
-        view = self.local.buffer[op.local_offset : op.local_offset + op.size]
-        try:
-            if self.faults.corrupt_next():
-                flip_first_byte(view)
-            actual = checksum(view)
-        finally:
-            view.release()
-        if actual != op.expected_checksum:
-            return ReadResult(
-                op,
-                ReadStatus.CHECKSUM_MISMATCH,
-                f"checksum {actual:#018x} != expected {op.expected_checksum:#018x}",
-            )
-        return ReadResult(op, ReadStatus.OK)
+        with self.local.buffer[op.local_offset : op.local_offset + op.size] as view:
+            digest = checksum(view)
+        return self.verify_digest(op, digest)
 
     def verify_digest(self, op: ReadOp, digest: int) -> ReadResult:
         """Like ``verify`` for an engine that hashed the bytes as they landed."""
@@ -366,7 +355,3 @@ def refuse_outside(ops: Sequence[ReadOp], region_size: int) -> dict[int, ReadRes
         for i, op in enumerate(ops)
         if out_of_region(op, region_size)
     }
-
-
-def fail_all(ops: Sequence[ReadOp], status: ReadStatus, detail: str) -> list[ReadResult]:
-    return [ReadResult(op, status, detail) for op in ops]

@@ -41,6 +41,7 @@ from kvatlas.transfer.base import (
     ReadStatus,
     TransferClient,
     TransferServer,
+    flip_first_byte,
     refuse_outside,
     streaming_checksum,
 )
@@ -140,7 +141,6 @@ class TcpServer(TransferServer):
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self.bytes_served = 0
 
     def start(self) -> Endpoint:
         if self._listener is not None:
@@ -218,11 +218,9 @@ class TcpServer(TransferServer):
                 with region[req.offset : req.offset + req.size] as data:
                     parts = [memoryview(_RESP.pack(_ST_OK, 0, req.size)), data]
                     if self._faults.corrupt_next():
-                        bad = bytearray(data)
-                        bad[0] ^= 0xFF
-                        parts[1] = memoryview(bad)
+                        parts[1] = bad = memoryview(bytearray(data))
+                        flip_first_byte(bad)
                     _sendmsg_all(conn, parts)
-                self.bytes_served += req.size
         except OSError:
             return  # the requester went away or stop() shut the socket down
         finally:

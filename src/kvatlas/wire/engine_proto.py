@@ -18,7 +18,7 @@ from typing import Final, Literal
 
 import msgspec
 
-from kvatlas.core.keys import Namespace
+from kvatlas.core.keys import HASH_ALGORITHM, Namespace
 
 PROTOCOL_VERSION: Final = 1
 
@@ -35,7 +35,7 @@ class RegisterEngine(msgspec.Struct, frozen=True, tag="register_engine"):
     """(layers, kv heads, head dim)."""
     chunk_size: int
     world_size: int = 1
-    hash_algorithm: str = "blake3"
+    hash_algorithm: str = HASH_ALGORITHM
 
 
 class Lookup(msgspec.Struct, frozen=True, tag="lookup"):

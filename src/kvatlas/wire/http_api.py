@@ -16,7 +16,14 @@ import msgspec
 
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import Entry, EventBatch
-from kvatlas.core.keys import MAX_TOKEN_ID, HashContract, ObjectKey
+from kvatlas.core.keys import (
+    DEFAULT_CHUNK_SIZE,
+    HASH_ALGORITHM,
+    HASH_BYTES,
+    MAX_TOKEN_ID,
+    HashContract,
+    ObjectKey,
+)
 from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.types import EventType, Tier
 
@@ -33,8 +40,8 @@ class ContractWire(msgspec.Struct, frozen=True):
     """A server's hash contract as sent at registration."""
 
     model_name: str
-    chunk_size: int = 256
-    hash_algorithm: str = "blake3"
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    hash_algorithm: str = HASH_ALGORITHM
     kv_dtype: str = ""
     kv_layout: tuple[int, int, int] = (0, 0, 0)
     world_size: int = 1
@@ -202,7 +209,7 @@ def check_batch(b: EventBatch, max_entries: int) -> None:
     if len(b.entries) > max_entries:
         raise InvalidInput(f"batch has {len(b.entries)} entries, the limit is {max_entries}")
     for e in b.entries:
-        if len(e.key.chunk_hash) != 32:
+        if len(e.key.chunk_hash) != HASH_BYTES:
             raise InvalidInput("chunk hash must be 32 bytes")
         if not 0 <= e.size_bytes <= MAX_SIZE_BYTES:
             raise InvalidInput(
