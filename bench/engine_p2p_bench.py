@@ -24,9 +24,8 @@ import httpx
 import numpy as np
 
 from bench.machine import describe
-from kvatlas.evaluation.fleet import Fleet, FleetConfig, free_port
+from kvatlas.evaluation.fleet import Fleet, FleetConfig
 
-MODEL = "smollm2-135m"
 VOCAB = (100, 45000)
 
 
@@ -62,22 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     with Fleet(cfg) as fleet:
         fleet.start(lambda m: print(f"[engine-p2p] {m}", flush=True))
-        urls = []
-        for name, srv in zip(("a", "b"), fleet.servers, strict=True):
-            port = free_port()
-            print(f"[engine-p2p] loading {MODEL} for engine {name}", flush=True)
-            fleet.start_extra(
-                f"engine-{name}",
-                ["-m", "kvatlas.cli.engine", "--model", MODEL, "--port", str(port),
-                 "--cache-port", str(srv.engine_port), "--log-level", "WARNING"],
-                port,
-            )  # fmt: skip
-            urls.append(f"http://127.0.0.1:{port}")
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if all((fleet.server_status(i) or {}).get("p2p_peer_count") for i in (0, 1)):
-                break
-            time.sleep(0.2)
+        urls = fleet.start_engines(
+            names=("engine-a", "engine-b"),
+            on_start=lambda name, _url: print(f"[engine-p2p] loading {name}", flush=True),
+        )
+        fleet.wait_p2p_peers(30.0)
         with httpx.Client(timeout=600.0) as http:
             _complete(http, urls[0], rng.integers(*VOCAB, 300).tolist())  # warm up the model
             _complete(http, urls[1], rng.integers(*VOCAB, 300).tolist())

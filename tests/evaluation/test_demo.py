@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,8 +30,14 @@ def test_demo_serves_node_b_from_node_a_and_leaves_nothing_running(tmp_path: Pat
     warm = next(line for line in out.splitlines() if line.startswith("  of which from peers"))
     assert int(warm.split()[-1].replace(",", "")) >= 512  # B's tokens came from A
     assert "the coordinator's view of the fleet" in out
-    # nothing the demo started is still alive (servers and coordinator name the workdir)
+    # nothing the demo started is still alive: servers and coordinator name the workdir,
+    # and the engines' ports (printed while they load) no longer answer
     leftovers = subprocess.run(
         ["pgrep", "-f", str(work)], capture_output=True, text=True, check=False
     )
     assert leftovers.stdout.strip() == ""
+    ports = [int(p) for p in re.findall(r"for engine [AB] on http://127\.0\.0\.1:(\d+)", out)]
+    assert len(ports) == 2, out
+    for port in ports:
+        with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            pass

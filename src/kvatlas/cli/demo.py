@@ -15,8 +15,7 @@ from pathlib import Path
 
 from kvatlas.core.errors import KvatlasError
 from kvatlas.evaluation.demo import DemoConfig, render, run_demo
-
-ENGINES = ("tcp", "shm", "mooncake", "nixl")
+from kvatlas.transfer.factory import ENGINES
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,7 +12,6 @@ membership frontend.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -33,7 +32,7 @@ from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.openapi import openapi_document
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.coordinator.views import ReadyResponse, keys_response, prefix_response
-from kvatlas.core.errors import ContractMismatch, InvalidInput, StaleIncarnation
+from kvatlas.core.errors import ContractMismatch, InvalidInput, StaleIncarnation, TooLarge
 from kvatlas.core.keys import Namespace, default_kv_rank
 from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.types import Tier
@@ -96,6 +95,8 @@ def _guarded(handler: Handler) -> Handler:
             return _error(503, str(exc))
         except (ContractMismatch, StaleIncarnation) as exc:
             return _error(409, str(exc))
+        except TooLarge as exc:
+            return _error(413, str(exc))
         except InvalidInput as exc:
             return _error(400, str(exc))
         except msgspec.ValidationError as exc:
@@ -214,19 +215,10 @@ class CoordinatorApp:
 
     def _ingest(self, body: bytes, content_type: str) -> Response:
         try:
-            batches = decode_events(body, content_type, sys.maxsize)
-        except InvalidInput:
+            batches = decode_events(body, content_type, self._cfg.max_batch_entries)
+        except InvalidInput:  # TooLarge included: answered 413 by _guarded
             self._metrics.ingest_batches.labels("invalid", "http").inc()
             raise
-        limit = self._cfg.max_batch_entries
-        for b in batches:
-            if len(b.entries) > limit:
-                self._metrics.ingest_batches.labels("invalid", "http").inc()
-                raise HttpError(
-                    413,
-                    f"batch seq {b.seq} of instance {b.instance_id} has {len(b.entries)}"
-                    f" entries, the limit is {limit}",
-                )
         return _json(self._svc.ingest(batches, self._clock()))
 
     # ---- lookups ---------------------------------------------------------------------

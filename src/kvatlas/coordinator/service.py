@@ -309,10 +309,6 @@ class CoordinatorService:
                 positions=dict(self.positions),
             )
 
-    def digest(self) -> str:
-        with self.lock:
-            return self.fleet.digest()
-
     def keys_page(
         self,
         offset: int,

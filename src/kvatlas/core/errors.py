@@ -4,6 +4,7 @@
      +-- InvalidInput            bad data from outside: a caller error, maps to 4xx
      |    +-- ContractMismatch   a hash contract contradicts the fleet's (names the field)
      |    +-- StaleIncarnation   an incarnation below the highest seen for its instance id
+     |    +-- TooLarge           over a configured size limit (HTTP 413)
      +-- SnapshotError           a snapshot cannot be read or restored
 
 Shells translate their library errors into these with ``raise ... from exc``.
@@ -18,6 +19,10 @@ class KvatlasError(Exception):
 
 class InvalidInput(KvatlasError):
     """Input from outside that kvatlas refuses, with a reason for the caller."""
+
+
+class TooLarge(InvalidInput):
+    """Well-formed input over a configured size limit (entries per batch, tokens, keys)."""
 
 
 class ContractMismatch(InvalidInput):

@@ -20,10 +20,10 @@ from typing import Any
 
 import httpx
 
-from kvatlas.evaluation.fleet import Fleet, FleetConfig, FleetError, free_port
+from kvatlas.evaluation.fleet import ENGINE_MODEL as MODEL
+from kvatlas.evaluation.fleet import Fleet, FleetConfig, FleetError
 
 Say = Callable[[str], None]
-MODEL = "smollm2-135m"
 CHARS_PER_TOKEN = 4
 
 
@@ -112,16 +112,6 @@ def _peer_bytes(fleet: Fleet, i: int) -> int:
     return int(p2p.get("bytes_read", 0))
 
 
-def _wait_for_peers(fleet: Fleet, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        counts = [int((fleet.server_status(i) or {}).get("p2p_peer_count", 0)) for i in (0, 1)]
-        if all(c >= 1 for c in counts):
-            return
-        time.sleep(0.2)
-    raise FleetError("the two cache servers did not discover each other as P2P peers")
-
-
 def _wait_for_directory(fleet: Fleet, chunks: int, timeout_s: float) -> None:
     """Until the coordinator's directory lists node A's chunks (events flush async)."""
     deadline = time.monotonic() + timeout_s
@@ -165,23 +155,16 @@ def run_demo(cfg: DemoConfig, say: Say) -> DemoResult:
     with Fleet(fcfg, workdir=cfg.workdir) as fleet:
         say(f"starting a coordinator and 2 cache servers (P2P over {cfg.transfer_engine})")
         fleet.start(lambda m: say(f"  {m}"))
-        urls: list[str] = []
-        for i, (node, srv) in enumerate(zip(("A", "B"), fleet.servers, strict=True)):
-            port = free_port()
-            args = [
-                "-m", "kvatlas.cli.engine", "--model", MODEL, "--host", "127.0.0.1",
-                "--port", str(port), "--cache-host", "127.0.0.1",
-                "--cache-port", str(srv.engine_port), "--log-level", "WARNING",
-            ]  # fmt: skip
-            if cfg.model_cache_dir is not None:
-                args += ["--model-cache-dir", str(cfg.model_cache_dir)]
-            say(
-                f"loading {MODEL} for engine {node} on 127.0.0.1:{port}"
-                + (" (the first run converts the model, ~30 s)" if i == 0 else "")
-            )
-            fleet.start_extra(f"engine-{node.lower()}", args, port)
-            urls.append(f"http://127.0.0.1:{port}")
-        _wait_for_peers(fleet, 15.0)
+
+        def loading(name: str, url: str) -> None:
+            note = " (the first run converts the model, ~30 s)" if name == "engine-a" else ""
+            say(f"loading {MODEL} for engine {name[-1].upper()} on {url}{note}")
+
+        extra = ("--model-cache-dir", str(cfg.model_cache_dir)) if cfg.model_cache_dir else ()
+        urls = fleet.start_engines(
+            extra_args=extra, names=("engine-a", "engine-b"), on_start=loading
+        )
+        fleet.wait_p2p_peers(15.0)
         say("both servers list each other as P2P peers")
         with httpx.Client(timeout=600.0) as http:
             say(f"node A: sending a ~{cfg.prompt_tokens}-token prompt (cold)")

@@ -176,12 +176,12 @@ class NodeDriver:
             )
         )
         t = time.perf_counter()
-        doc = self.fleet.post_json(self.fleet.coordinator_url + "/directory/lookup", body)
+        raw = self.fleet.post_json(self.fleet.coordinator_url + "/directory/lookup", body)
         rec.dir_lookup_s = time.perf_counter() - t
-        if doc is None:
+        if raw is None:
             rec.dir_ok = False
             return None
-        resp = msgspec.convert(doc, LookupResponse)
+        resp = _lookup_resp.decode(raw)
         out: list[list[tuple[str, int]]] = []
         for r in resp.results:
             owners = [(p.instance_id, p.incarnation) for p in r.placements if p.tier == "l1"]

@@ -19,12 +19,12 @@ from typing import Any
 import httpx
 import numpy as np
 
-from kvatlas.evaluation.fleet import Fleet, FleetConfig, FleetError, free_port
+from kvatlas.evaluation.fleet import ENGINE_MODEL as MODEL
+from kvatlas.evaluation.fleet import Fleet, FleetConfig, FleetError
 from kvatlas.evaluation.metrics import percentiles
 from kvatlas.evaluation.workload import VOCAB_SIZE
 
 Say = Callable[[str], None]
-MODEL = "smollm2-135m"
 
 
 def _sessions(seed: int, sessions: int, turns: int) -> list[list[list[int]]]:
@@ -54,17 +54,7 @@ def _run_mode(
 ) -> dict[str, Any]:
     with Fleet(fcfg) as fleet:
         fleet.start(lambda m: say(f"  [engines, P2P {label}] {m}"))
-        urls = []
-        for i, srv in enumerate(fleet.servers):
-            port = free_port()
-            args = [
-                "-m", "kvatlas.cli.engine", "--model", MODEL, "--host", "127.0.0.1",
-                "--port", str(port), "--cache-host", "127.0.0.1",
-                "--cache-port", str(srv.engine_port), "--chunk-size", str(fcfg.chunk_size),
-                "--num-threads", "1", "--log-level", "WARNING",
-            ]  # fmt: skip
-            fleet.start_extra(f"engine-{i}", args, port)
-            urls.append(f"http://127.0.0.1:{port}")
+        urls = fleet.start_engines(extra_args=("--num-threads", "1"))
         say(f"  [engines, P2P {label}] 2 engines up")
         ttft: list[float] = []
         decode: list[float] = []

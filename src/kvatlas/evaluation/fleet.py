@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -43,6 +43,8 @@ from kvatlas.core.errors import KvatlasError
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
+ENGINE_MODEL = "smollm2-135m"
+"""The reference engine's model in every evaluation with engines."""
 _PR_SET_PDEATHSIG = 1
 
 
@@ -72,18 +74,6 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def p2p_flags_available() -> bool:
-    """Whether ``kvatlas server`` of this checkout knows ``--p2p-advertise-url``."""
-    out = subprocess.run(
-        [sys.executable, "-m", "kvatlas.cli.server", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    return "--p2p-advertise-url" in out.stdout
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +124,6 @@ class Proc:
     log_path: Path
     popen: subprocess.Popen[bytes] | None = None
     starts: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
@@ -174,7 +163,7 @@ class Fleet:
         self._own_dir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="kvatlas-fleet-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.p2p = cfg.p2p and p2p_flags_available()
+        self.p2p = cfg.p2p
         self._http = httpx.Client(timeout=3.0)
         cport = free_port()
         snapshot = (
@@ -306,6 +295,45 @@ class Fleet:
         self._wait_healthy(proc)
         return proc
 
+    def start_engines(
+        self,
+        model: str = ENGINE_MODEL,
+        extra_args: tuple[str, ...] = (),
+        names: tuple[str, ...] | None = None,
+        on_start: Callable[[str, str], None] | None = None,
+    ) -> list[str]:
+        """One reference engine in front of each server (``kvatlas.cli.engine`` with the
+        fleet's chunk size); waits until each answers /healthz; returns their base URLs.
+        ``on_start(name, url)`` is called before each starts (model loading takes time)."""
+        urls: list[str] = []
+        for i, srv in enumerate(self.servers):
+            name = names[i] if names else f"engine-{i}"
+            port = free_port()
+            url = f"http://{HOST}:{port}"
+            if on_start is not None:
+                on_start(name, url)
+            args = [
+                "-m", "kvatlas.cli.engine", "--model", model, "--host", HOST,
+                "--port", str(port), "--cache-host", HOST,
+                "--cache-port", str(srv.engine_port), "--chunk-size", str(self.cfg.chunk_size),
+                "--log-level", "WARNING", *extra_args,
+            ]  # fmt: skip
+            self.start_extra(name, args, port)
+            urls.append(url)
+        return urls
+
+    def wait_p2p_peers(self, timeout_s: float) -> None:
+        """Until every server lists at least one P2P peer (FleetError after the timeout)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(
+                int((self.server_status(i) or {}).get("p2p_peer_count", 0)) >= 1
+                for i in range(len(self.servers))
+            ):
+                return
+            time.sleep(0.2)
+        raise FleetError("the cache servers did not discover each other as P2P peers")
+
     def kill(self, proc: Proc) -> None:
         """SIGKILL (no clean shutdown: no deregistration, no snapshot)."""
         if proc.popen is not None and proc.popen.poll() is None:
@@ -363,14 +391,15 @@ class Fleet:
         except ValueError:
             return None
 
-    def post_json(self, url: str, body: bytes, timeout: float = 3.0) -> Any | None:
+    def post_json(self, url: str, body: bytes, timeout: float = 3.0) -> bytes | None:
+        """POST a JSON body; the raw 200 answer (callers decode it into their type)."""
         try:
             r = self._http.post(
                 url, content=body, headers={"content-type": "application/json"}, timeout=timeout
             )
         except httpx.HTTPError:
             return None
-        return r.json() if r.status_code == 200 else None
+        return r.content if r.status_code == 200 else None
 
     def server_status(self, i: int) -> dict[str, Any] | None:
         s = self.servers[i]
@@ -399,9 +428,6 @@ class Fleet:
                 return
             time.sleep(0.1)
         raise FleetError(f"instances {ids} did not all register within {timeout_s}s")
-
-    def machine(self) -> dict[str, str]:
-        return describe_machine()
 
 
 def describe_machine() -> dict[str, str]:

@@ -1,9 +1,7 @@
 """The fleet phase: the workload on a live fleet, node-local only and with P2P, side by side.
 
 Owns one run of the request stream against a fresh fleet (``run_mode``) and the phase that
-runs it twice — servers without P2P (node-local reuse only) and with P2P (fleet-wide reuse)
-— when this checkout's servers have the P2P flags. Without them the P2P run is skipped
-and the directory's reach (what P2P could have served) stands in as the counterfactual.
+runs it twice: servers without P2P (node-local reuse only) and with P2P (fleet-wide reuse).
 Must not: print; progress goes through the ``say`` callback.
 """
 
@@ -154,8 +152,5 @@ def run_fleet_phase(
             deadline=time.monotonic() + share,
             say=say,
         )
-        if mode == "p2p" and not res.summary["p2p_enabled"]:
-            say("  servers have no P2P flags yet: the p2p run is the directory counterfactual")
-            res.summary["mode"] = "p2p-unavailable"
         out[mode] = res
     return out

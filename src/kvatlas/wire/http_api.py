@@ -14,7 +14,7 @@ from typing import Literal
 
 import msgspec
 
-from kvatlas.core.errors import InvalidInput
+from kvatlas.core.errors import InvalidInput, TooLarge
 from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.keys import (
     DEFAULT_CHUNK_SIZE,
@@ -207,7 +207,10 @@ def check_batch(b: EventBatch, max_entries: int) -> None:
     if b.incarnation < 0:
         raise InvalidInput(f"incarnation must be >= 0, got {b.incarnation}")
     if len(b.entries) > max_entries:
-        raise InvalidInput(f"batch has {len(b.entries)} entries, the limit is {max_entries}")
+        raise TooLarge(
+            f"batch seq {b.seq} of instance {b.instance_id} has {len(b.entries)} entries,"
+            f" the limit is {max_entries}"
+        )
     for e in b.entries:
         if len(e.key.chunk_hash) != HASH_BYTES:
             raise InvalidInput("chunk hash must be 32 bytes")
