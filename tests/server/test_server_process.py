@@ -392,17 +392,6 @@ def test_coordinator_that_lost_its_state_is_resynced(tmp_path: Path) -> None:
         stop(coord.proc)
 
 
-@pytest.mark.parametrize("size", [1, 4096, 256 * 1024, 256 * 1024 + 1, 3 * 1024 * 1024 + 17])
-def test_blocked_copy_checksum_equals_the_core_checksum(size: int) -> None:
-    from kvatlas.core.checksum import checksum
-    from kvatlas.engine.client import copy_and_checksum
-
-    src = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
-    dst = np.empty_like(src)
-    assert copy_and_checksum(src, dst) == checksum(src.data)
-    assert np.array_equal(src, dst)
-
-
 def test_auth_token_guards_the_engine_api_and_status(tmp_path: Path) -> None:
     s = start_server(tmp_path, "node-secret", "--auth-token", "s3cret")
     try:

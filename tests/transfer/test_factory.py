@@ -80,14 +80,3 @@ def test_shm_refuses_a_peer_on_another_host() -> None:
     other = Endpoint(engine="shm", url="shm://x", region_size=16, extra={"boot_id": "elsewhere"})
     with pytest.raises(EndpointMismatch, match="another host"):
         client.connect(other)
-
-
-def test_streaming_checksum_equals_the_core_checksum() -> None:
-    from kvatlas.core.checksum import checksum
-    from kvatlas.transfer.base import streaming_checksum
-
-    data = np.random.default_rng(3).bytes(3 * 256 * 1024 + 17)
-    hasher = streaming_checksum()
-    for k in range(0, len(data), 65_536 + 3):
-        hasher.update(data[k : k + 65_536 + 3])
-    assert hasher.intdigest() == checksum(data)

@@ -29,10 +29,9 @@ from typing import Self, TypeVar
 
 import numpy as np
 import numpy.typing as npt
-import xxhash
 import zmq
 
-from kvatlas.core.checksum import checksum as compute_checksum
+from kvatlas.core.checksum import copy_and_checksum
 from kvatlas.core.errors import KvatlasError
 from kvatlas.core.keys import Namespace, as_token_array, chunk_hashes, default_kv_rank
 from kvatlas.core.types import ChunkHash
@@ -288,16 +287,19 @@ class CacheClient:
         tokens: Sequence[int] | npt.NDArray[np.integer],
         arrays: Sequence[ArrayLike],
         lease_s: float = 0.0,
+        first_chunk: int = 0,
     ) -> StoreResult:
-        """Store one array per full chunk of ``tokens`` (extra arrays are an error).
+        """Store one array per full chunk of ``tokens`` from chunk ``first_chunk`` on
+        (arrays beyond the last full chunk are an error).
 
-        Reserve all, copy into the granted slots, checksum, commit all; a failure in the
-        middle aborts the slots still held.
+        Reserve all, copy into the granted slots with the checksum fused, commit all; a
+        failure in the middle aborts the slots still held.
         """
-        hashes = self.hashes(tokens)
-        if len(arrays) > len(hashes):
+        hashes = self.hashes(tokens)[first_chunk:]
+        if first_chunk < 0 or len(arrays) > len(hashes):
             raise EngineClientError(
-                f"{len(arrays)} arrays for {len(hashes)} full chunks of {self.chunk_size} tokens"
+                f"{len(arrays)} arrays from chunk {first_chunk} do not fit the"
+                f" {len(hashes) + max(first_chunk, 0)} full chunks of {self.chunk_size} tokens"
             )
         hashes = hashes[: len(arrays)]
         sources = [_bytes_of(a) for a in arrays]
@@ -363,28 +365,6 @@ class CacheClient:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-COPY_BLOCK_BYTES = 512 * 1024
-"""Copy and hash in blocks that stay in the CPU cache: the checksum then reads the block
-just written instead of making a second pass over memory."""
-
-
-def copy_and_checksum(src: npt.NDArray[np.uint8], dst: npt.NDArray[np.uint8]) -> int:
-    """``np.copyto(dst, src)`` and the checksum of the bytes copied, in one pass.
-
-    Streams the same xxh3-64 as ``kvatlas.core.checksum`` (equal digests, checked in the
-    tests); the core exposes only the one-shot form.
-    """
-    if src.size <= COPY_BLOCK_BYTES:
-        np.copyto(dst, src)
-        return compute_checksum(dst.data)
-    h = xxhash.xxh3_64()
-    for off in range(0, src.size, COPY_BLOCK_BYTES):
-        block = dst[off : off + COPY_BLOCK_BYTES]
-        np.copyto(block, src[off : off + COPY_BLOCK_BYTES])
-        h.update(block.data)
-    return int(h.intdigest())
 
 
 def _bytes_of(a: ArrayLike) -> npt.NDArray[np.uint8]:

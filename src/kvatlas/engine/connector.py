@@ -44,7 +44,7 @@ import numpy.typing as npt
 
 from kvatlas.core.checksum import checksum
 from kvatlas.core.errors import KvatlasError
-from kvatlas.core.keys import as_token_array, chunk_hashes
+from kvatlas.core.keys import as_token_array
 from kvatlas.engine.client import (
     CacheClient,
     ContractRefused,
@@ -52,7 +52,6 @@ from kvatlas.engine.client import (
     ModelNotRegistered,
     RequestRefused,
     ServerUnavailable,
-    copy_and_checksum,
 )
 from kvatlas.engine.kv_layout import chunk_nbytes
 from kvatlas.engine.model import LoadedModel
@@ -461,36 +460,25 @@ class KVConnector:
         if not new_chunks or not self._connected:
             return StoreOutcome(skipped=len(new_chunks))
         end = first_new_chunk + len(new_chunks)
-        tokens = list(prompt_ids[: end * self.chunk_size])
-        hashes: list[bytes] = list(chunk_hashes(tokens, self.chunk_size)[first_new_chunk:end])
-        if len(hashes) != len(new_chunks):
+        if len(prompt_ids) < end * self.chunk_size:
             raise ConnectorError(
                 f"{len(new_chunks)} chunks from chunk {first_new_chunk} do not fit a prompt"
                 f" of {len(prompt_ids)} tokens"
             )
         try:
-            grants = self.client.reserve(hashes, [c.nbytes for c in new_chunks], self.lease_s)
-            items: list[p.CommitItem] = []
-            try:
-                for grant, src in zip(grants, new_chunks, strict=True):
-                    if grant.status != "reserved":
-                        continue
-                    dst = self.client.view(grant.offset, grant.size)
-                    digest = copy_and_checksum(src.reshape(-1).view(np.uint8), dst)
-                    items.append(p.CommitItem(grant.hash, grant.lease_id, digest))
-            except BaseException:
-                self.client.abort([g.hash for g in grants if g.status == "reserved"])
-                raise
-            done = self.client.commit(items) if items else []
+            r = self.client.store_chunks(
+                prompt_ids[: end * self.chunk_size],
+                new_chunks,
+                self.lease_s,
+                first_chunk=first_new_chunk,
+            )
         except ServerUnavailable as exc:
             self._set_connected(False)
             return self._store_failed(len(new_chunks), exc)
         except EngineClientError as exc:
             return self._store_failed(len(new_chunks), exc)
-        existing = sum(1 for g in grants if g.status == "exists")
-        stored = sum(done)
-        self._stored += stored
-        return StoreOutcome(stored, existing, len(grants) - existing - stored)
+        self._stored += r.stored
+        return StoreOutcome(r.stored, r.existing, r.refused)
 
     def _store_failed(self, n: int, exc: Exception) -> StoreOutcome:
         self._store_failures += 1

@@ -39,9 +39,8 @@ from typing import ClassVar, Protocol
 import msgspec
 import numpy as np
 import numpy.typing as npt
-import xxhash
 
-from kvatlas.core.checksum import CHECKSUM_ALGORITHM, checksum
+from kvatlas.core.checksum import checksum
 from kvatlas.transfer.errors import BadReadRequest, EndpointMismatch
 
 Authorizer = Callable[[str, str, int, int], bool]
@@ -178,17 +177,6 @@ class FaultCounter:
 def flip_first_byte(view: memoryview) -> None:
     if len(view):
         view[0] ^= 0xFF
-
-
-if CHECKSUM_ALGORITHM != "xxh3_64":  # pragma: no cover - fails loudly if the core changes
-    raise ImportError(f"streaming_checksum below implements xxh3_64, not {CHECKSUM_ALGORITHM}")
-
-
-def streaming_checksum() -> xxhash.xxh3_64:
-    """An incremental form of ``kvatlas.core.checksum.checksum`` (same digest, checked by
-    the tests): engines hash each piece while it is still in cache, right after it lands,
-    instead of reading the whole chunk from memory again afterwards."""
-    return xxhash.xxh3_64()
 
 
 class Deadline:

@@ -34,7 +34,7 @@ from typing import ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.core.checksum import checksum
+from kvatlas.core.checksum import copy_and_checksum
 from kvatlas.transfer.base import (
     Authorizer,
     Deadline,
@@ -48,13 +48,10 @@ from kvatlas.transfer.base import (
     TransferClient,
     TransferServer,
     refuse_outside,
-    streaming_checksum,
 )
 from kvatlas.transfer.errors import EndpointMismatch, EngineUnavailable
 
 ENGINE = "shm"
-PIECE = 256 << 10
-"""Copy and hash in pieces of this size: the hash reads each piece from cache."""
 LIVENESS_INTERVAL_S = 0.005
 """How often a long read checks that the owner still lives (a select() on its pidfd)."""
 SHM_DIR = Path("/dev/shm")
@@ -196,17 +193,7 @@ class ShmPeer(PeerConnection):
                 results[i] = ReadResult(op, ReadStatus.TIMEOUT, "deadline passed")
                 continue
             lo, ro, n = op.local_offset, op.remote_offset, op.size
-            if n <= PIECE:
-                slot = local[lo : lo + n]
-                np.copyto(slot, remote[ro : ro + n])
-                digest = checksum(slot.data)
-            else:  # hash each piece while it is still in cache
-                hasher = streaming_checksum()
-                for k in range(0, n, PIECE):
-                    slot = local[lo + k : lo + min(k + PIECE, n)]
-                    np.copyto(slot, remote[ro + k : ro + k + len(slot)])
-                    hasher.update(slot.data)
-                digest = hasher.intdigest()
+            digest = copy_and_checksum(remote[ro : ro + n], local[lo : lo + n])
             results[i] = client.verify_digest(op, digest)
         return client.record([results[i] for i in range(len(ops))])
 

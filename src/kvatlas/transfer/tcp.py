@@ -28,6 +28,7 @@ from typing import ClassVar
 
 import msgspec
 
+from kvatlas.core.checksum import checksum_stream
 from kvatlas.transfer.base import (
     Authorizer,
     Deadline,
@@ -43,7 +44,6 @@ from kvatlas.transfer.base import (
     TransferServer,
     flip_first_byte,
     refuse_outside,
-    streaming_checksum,
 )
 from kvatlas.transfer.config import TcpConfig
 from kvatlas.transfer.errors import EndpointMismatch, EngineUnavailable
@@ -90,7 +90,7 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: Deadline) -> No
 
 def _recv_hashing(sock: socket.socket, view: memoryview, deadline: Deadline) -> int:
     """``_recv_exact`` that hashes each piece right after it lands (still in cache)."""
-    hasher = streaming_checksum()
+    hasher = checksum_stream()
     got, n = 0, len(view)
     while got < n:
         remaining = deadline.remaining()
