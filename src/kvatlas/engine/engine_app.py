@@ -38,7 +38,7 @@ from kvatlas.core.errors import KvatlasError
 from kvatlas.engine.client import CacheClient
 from kvatlas.engine.config import EngineConfig, LoadFailurePolicy
 from kvatlas.engine.connector import CachedPrefix, FetchStats, KVConnector, KVLoadFailed
-from kvatlas.engine.generate import Sampler, prefill
+from kvatlas.engine.generate import Decoder, Detokenizer, Sampler, prefill
 from kvatlas.engine.model import LoadedModel, load_model
 from kvatlas.engine.openai_server import GenOutcome, GenRequest, TextCallback, build_app
 from kvatlas.server.http_app import bind
@@ -79,30 +79,6 @@ class StopMatcher:
         out, self._buf = self._buf, ""
         self.text += out
         return out
-
-
-class _Detokenizer:
-    """Text pieces as tokens arrive, cut only where the decoded text is stable."""
-
-    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
-        self._decode = decode
-        self.ids: list[int] = []
-        self.emitted = ""
-
-    def add(self, tok: int) -> str:
-        self.ids.append(tok)
-        text = self._decode(self.ids)
-        if text.endswith("\ufffd") or not text.startswith(self.emitted):
-            return ""  # half a character, or a merge that rewrote the tail
-        piece, self.emitted = text[len(self.emitted) :], text
-        return piece
-
-    def finish(self) -> str:
-        text = self._decode(self.ids)
-        if text.startswith(self.emitted) and len(text) > len(self.emitted):
-            piece, self.emitted = text[len(self.emitted) :], text
-            return piece
-        return ""
 
 
 class EngineMetrics:
@@ -280,31 +256,26 @@ class EngineCore:
             ).stored
         stop_ids = req.params.stop_token_ids
         stops = frozenset(self.model.tokenizer.eos_token_ids if stop_ids is None else stop_ids)
-        detok = _Detokenizer(self.model.tokenizer.decode)
+        detok = Detokenizer(self.model.tokenizer.decode)
         matcher = StopMatcher(req.stop_strings)
-        finish = "length"
+        decoder = Decoder(
+            self.model,
+            pre.cache,
+            sample,
+            stops,
+            req.params.max_new_tokens,
+            cancel=cancel.is_set if cancel is not None else None,
+        )
         generated = 0
         t_dec = time.perf_counter()
-        while True:
-            if tok in stops:
-                finish = "stop"
-                break
+        for new in decoder.tokens(tok):
             generated += 1
-            piece = matcher.feed(detok.add(tok))
+            piece = matcher.feed(detok.add(new))
             if piece and on_text is not None:
                 on_text(piece)
             if matcher.stopped:
-                finish = "stop"
                 break
-            if generated >= req.params.max_new_tokens or (cancel is not None and cancel.is_set()):
-                break
-            out = self.model.model(
-                input_ids=torch.tensor([[tok]], dtype=torch.long),
-                cache=pre.cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            tok = sample(out.logits[0, -1])
+        finish = "stop" if matcher.stopped else decoder.finish_reason
         if not matcher.stopped:
             tail = matcher.feed(detok.finish()) + matcher.flush()
             if tail and on_text is not None:

@@ -199,6 +199,74 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self._gen).item())
 
 
+class Decoder:
+    """The decode loop: one-token forward passes on a prefilled cache, until a stop token,
+    ``max_new`` tokens or ``cancel``. The reference engine and `_Run` both use it."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        cache: DynamicCache,
+        sample: Sampler,
+        stops: frozenset[int],
+        max_new: int,
+        *,
+        cancel: Callable[[], bool] | None = None,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.sample = sample
+        self.stops = stops
+        self.max_new = max_new
+        self.cancel = cancel
+        self.finish_reason: Literal["stop", "length"] = "length"
+
+    @torch.inference_mode()
+    def tokens(self, first: int) -> Iterator[int]:
+        """Yield ``first`` and the tokens after it (stop tokens are not yielded)."""
+        tok, n = first, 0
+        while True:
+            if tok in self.stops:
+                self.finish_reason = "stop"
+                return
+            n += 1
+            yield tok
+            if n >= self.max_new or (self.cancel is not None and self.cancel()):
+                return
+            out = self.model.model(
+                input_ids=torch.tensor([[tok]], dtype=torch.long),
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            tok = self.sample(out.logits[0, -1])
+
+
+class Detokenizer:
+    """Text pieces as tokens arrive, cut only where the decoded text is stable (no half
+    UTF-8 character, no tail a later merge rewrites): the pieces join to the full text."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+        self._decode = decode
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def add(self, tok: int) -> str:
+        self.ids.append(tok)
+        text = self._decode(self.ids)
+        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+            return ""
+        piece, self.emitted = text[len(self.emitted) :], text
+        return piece
+
+    def finish(self) -> str:
+        text = self._decode(self.ids)
+        if text.startswith(self.emitted) and len(text) > len(self.emitted):
+            piece, self.emitted = text[len(self.emitted) :], text
+            return piece
+        return ""
+
+
 class _Run:
     """One request's token loop and bookkeeping, shared by the stream and the result."""
 
@@ -243,24 +311,16 @@ class _Run:
         # extracted after the first token so that the copy is not part of the TTFT
         self.new_chunks = pre.new_chunks(self.chunk_size)
         t_dec = time.perf_counter()
+        decoder = Decoder(
+            self.model, pre.cache, self.sample, self.stops, self.params.max_new_tokens
+        )
         try:
-            while True:
-                if tok in self.stops:
-                    self.finish_reason = "stop"
-                    break
-                self.generated.append(tok)
-                yield tok
-                if len(self.generated) >= self.params.max_new_tokens:
-                    break
-                out = self.model.model(
-                    input_ids=torch.tensor([[tok]], dtype=torch.long),
-                    cache=pre.cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-                tok = self.sample(out.logits[0, -1])
+            for new in decoder.tokens(tok):
+                self.generated.append(new)
+                yield new
         finally:
             self.decode_s = time.perf_counter() - t_dec
+            self.finish_reason = decoder.finish_reason
 
     def result(self) -> GenerationResult:
         pre = self.pre
@@ -295,20 +355,13 @@ class TextStream:
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[str]:
-        decode = self._run.model.tokenizer.decode
-        ids: list[int] = []
-        emitted = ""
+        detok = Detokenizer(self._run.model.tokenizer.decode)
         for tok in self._run.tokens():
-            ids.append(tok)
-            text = decode(ids)
-            if text.endswith("\ufffd") or not text.startswith(emitted):
-                continue  # an incomplete character, or a merge that rewrote the tail
-            if len(text) > len(emitted):
-                yield text[len(emitted) :]
-                emitted = text
+            if piece := detok.add(tok):
+                yield piece
         self.result = self._run.result()
-        if self.result.text.startswith(emitted) and len(self.result.text) > len(emitted):
-            yield self.result.text[len(emitted) :]
+        if tail := detok.finish():
+            yield tail
 
 
 def stream_generate(
