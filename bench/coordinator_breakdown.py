@@ -1,0 +1,86 @@
+"""Where a coordinator lookup's server-side time goes, step by step, in process.
+
+    python -m bench.coordinator_breakdown
+
+The same steps the HTTP handler runs for `POST /directory/lookup`, timed one by one
+(medians of 300 runs) for a 32,768-token prompt (JSON `token_ids` and `tokens_b64`) and
+for 128 keys, with 100 of the 128 chunks held by one instance. The HTTP round trip itself
+is what `bench.coordinator_bench` adds on top.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvatlas.coordinator.views import keys_response, prefix_response
+from kvatlas.core.events import Entry, EventBatch
+from kvatlas.core.fleet import FleetState
+from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes, default_kv_rank
+from kvatlas.core.types import EventType, Tier
+from kvatlas.wire.http_api import LookupRequest
+
+MODEL = "m"
+
+
+def _median_us(fn: Callable[[], Any], n: int = 300) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    fleet = FleetState()
+    rank = default_kv_rank()
+    tokens = list(range(7, 7 + 32768))
+    hashes = chunk_hashes(tokens)
+    held = tuple(Entry(ObjectKey(h, MODEL, rank), 1 << 20) for h in hashes[:100])
+    fleet.ingest(EventBatch("a", 1, 1, EventType.STORE, Tier.L1, held), 0.0)
+    ns = Namespace(MODEL, rank)
+    dec = msgspec.json.Decoder(LookupRequest)
+    raw = np.asarray(tokens, dtype="<u4").tobytes()
+    json_body = json.dumps({"token_ids": tokens, "model_name": MODEL}).encode()
+    b64_body = json.dumps({"tokens_b64": base64.b64encode(raw).decode(), "model_name": MODEL})
+    keys_body = json.dumps(
+        {
+            "keys": [
+                {"chunk_hash_hex": h.hex(), "model_name": MODEL, "kv_rank": rank} for h in hashes
+            ]
+        }
+    ).encode()
+    res = fleet.directory.lookup_prefix(hashes, ns)
+    req_keys = dec.decode(keys_body).keys or []
+    keys = [k.to_core() for k in req_keys]
+    results = fleet.lookup_keys(keys)
+    steps: list[tuple[str, Callable[[], Any]]] = [
+        ("decode body, 32,768 `token_ids` (JSON ints)", lambda: dec.decode(json_body)),
+        ("decode body, `tokens_b64` (base64 in msgspec)", lambda: dec.decode(b64_body)),
+        ("hash 32,768 tokens into 128 chunk keys", lambda: chunk_hashes(raw)),
+        ("directory prefix lookup, 128 chunks", lambda: fleet.directory.lookup_prefix(hashes, ns)),
+        ("response: views + JSON encode, 128 chunks",
+         lambda: msgspec.json.encode(prefix_response(res, 256))),
+        ("decode body, 128 keys (JSON)", lambda: dec.decode(keys_body)),
+        ("keys -> core keys (hex decode)", lambda: [k.to_core() for k in req_keys]),
+        ("directory key lookup, 128 keys", lambda: fleet.lookup_keys(keys)),
+        ("response: views + JSON encode, 128 keys",
+         lambda: msgspec.json.encode(keys_response(results, req_keys))),
+    ]  # fmt: skip
+    rows = [(name, _median_us(fn)) for name, fn in steps]
+    print("\n| step (server side, in process) | median |\n|---|---|")
+    for name, us in rows:
+        print(f"| {name} | {us:,.0f} us |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
