@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvatlas.core.events import Entry, EventBatch
-from kvatlas.core.keys import ObjectKey, chunk_hashes, default_kv_rank
+from kvatlas.core.events import Entry, EventBatch, KeyBlock
+from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes, default_kv_rank
 from kvatlas.core.types import EventType, Tier
 from kvatlas.wire.http_api import encode_events_json, encode_events_msgpack
 
@@ -38,6 +38,30 @@ def batch(
         event,
         tier,
         tuple(Entry(key(h, model), size) for h in hashes),
+    )
+
+
+def block_batch(
+    iid: str,
+    seq: int,
+    hashes: list[bytes],
+    *,
+    head: tuple[bytes, ...] = (),
+    incarnation: int = 1,
+    tier: Tier = Tier.L1,
+    event: EventType = EventType.STORE,
+    size: int = 1024,
+    model: str = MODEL,
+) -> EventBatch:
+    """A batch of ``head`` as entries, then ``hashes`` as a key block."""
+    return EventBatch(
+        iid,
+        incarnation,
+        seq,
+        event,
+        tier,
+        tuple(Entry(key(h, model), size) for h in head),
+        block=KeyBlock.of(Namespace(model, RANK), hashes, size),
     )
 
 

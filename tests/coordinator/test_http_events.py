@@ -1,16 +1,27 @@
-"""`POST /events` against a real coordinator: both encodings, the gate's outcomes, and
-bad bodies that must apply nothing."""
+"""`POST /events` against a real coordinator: both encodings (msgpack with and without key
+blocks), the gate's outcomes, and bad bodies that must apply nothing."""
 
 from __future__ import annotations
 
 import msgspec
 
-from kvatlas.core.events import Entry, EventBatch
+from kvatlas.core.events import Entry, EventBatch, KeyBlock
+from kvatlas.core.keys import Namespace
 from kvatlas.core.types import EventType, Tier
 from kvatlas.wire.http_api import MSGPACK_CONTENT_TYPE
 
 from .conftest import RunningCoordinator
-from .events import batch, fake_hash, json_body, key, msgpack_body, register_body
+from .events import (
+    MODEL,
+    RANK,
+    batch,
+    block_batch,
+    fake_hash,
+    json_body,
+    key,
+    msgpack_body,
+    register_body,
+)
 
 JSON = {"content-type": "application/json"}
 MSGPACK = {"content-type": MSGPACK_CONTENT_TYPE}
@@ -144,4 +155,71 @@ def test_limits_are_413_with_reason(start_coordinator: object) -> None:
 
     r = c.post("/events", content=chunked(), headers=JSON)  # type: ignore[arg-type]
     assert r.status_code == 413
+    assert stats(rc)["keys"] == 0
+
+
+def lookup(rc: RunningCoordinator, hashes: list[bytes]) -> list[list[str]]:
+    """Per hash, the instance ids holding it."""
+    keys = [{"chunk_hash_hex": h.hex(), "model_name": MODEL, "kv_rank": RANK} for h in hashes]
+    r = rc.client.post("/directory/lookup", json={"keys": keys})
+    assert r.status_code == 200, r.text
+    return [sorted(p["instance_id"] for p in res["placements"]) for res in r.json()["results"]]
+
+
+def test_msgpack_key_blocks_are_applied_like_entries(coord: RunningCoordinator) -> None:
+    c = coord.client
+    hs = [fake_hash(i) for i in range(300)]
+    body = msgpack_body(
+        block_batch("node-a", 1, hs[:256]),  # the emitters' form: all in one block
+        block_batch("node-b", 1, hs[258:], head=(hs[256], hs[257])),  # entries, then block
+        block_batch("node-a", 2, hs[:10], event=EventType.DELETE),
+        block_batch("node-b", 2, hs[256:258], event=EventType.ACCESS),
+    )
+    r = c.post("/events", content=body, headers=MSGPACK)
+    assert r.status_code == 200, r.text
+    assert r.json()["applied"] == 4
+    held = lookup(coord, hs)
+    assert held[:10] == [[]] * 10
+    assert held[10:256] == [["node-a"]] * 246
+    assert held[256:] == [["node-b"]] * 44
+    s = stats(coord)
+    assert (s["keys"], s["placements"]) == (290, 290)
+    m = c.get("/metrics").text
+    applied = 'kvatlas_coordinator_ingest_entries_total{outcome="applied",transport="http"}'
+    assert f"{applied} {256 + 44 + 10 + 2}.0" in m
+
+
+def test_malformed_key_block_is_400_with_reason(coord: RunningCoordinator) -> None:
+    c = coord.client
+    good = block_batch("node-a", 1, [fake_hash(1)])
+    ns = Namespace(MODEL, RANK)
+    blob = fake_hash(2) + fake_hash(3)
+    cases = [
+        (KeyBlock(ns, blob[:-1], (1, 1)), "multiple of 32 bytes"),
+        (KeyBlock(ns, blob, (1,)), "2 hashes but 1 sizes"),
+        (KeyBlock(ns, blob, (1, 1 << 41)), "size_bytes must be in"),
+        (KeyBlock(ns, blob, (-1, 1)), "got -1 in a key block"),
+    ]
+    for block, reason in cases:
+        bad = EventBatch("node-a", 1, 2, EventType.STORE, Tier.L1, (), block=block)
+        r = c.post("/events", content=msgpack_body(good, bad), headers=MSGPACK)
+        assert r.status_code == 400, r.text
+        assert reason in r.json()["error"] and "seq 2" in r.json()["error"]
+    wrong_type = msgspec.msgpack.encode(
+        {"batches": [{**msgspec.structs.asdict(good), "block": {"namespace": {}, "hashes": 1}}]}
+    )
+    r = c.post("/events", content=wrong_type, headers=MSGPACK)
+    assert r.status_code == 400 and "block" in r.json()["error"]
+    assert stats(coord)["keys"] == 0
+
+
+def test_key_block_counts_toward_the_entries_limit(start_coordinator: object) -> None:
+    rc: RunningCoordinator = start_coordinator(max_batch_entries=4)  # type: ignore[operator]
+    hs = [fake_hash(i) for i in range(5)]
+    r = rc.client.post(
+        "/events",
+        content=msgpack_body(block_batch("node-a", 1, hs[2:], head=hs[:2])),
+        headers=MSGPACK,
+    )
+    assert r.status_code == 413 and "has 5 entries" in r.json()["error"]
     assert stats(rc)["keys"] == 0

@@ -15,12 +15,12 @@ import pytest
 from confluent_kafka import Producer
 
 from kvatlas.core.events import EventBatch
-from kvatlas.core.types import Tier
-from kvatlas.wire.http_api import batch_from_core
+from kvatlas.core.types import EventType, Tier
+from kvatlas.wire.http_api import batch_from_core, compact_batch
 from kvatlas.wire.kafka_records import encode_batch_msgpack
 
 from .conftest import RunningCoordinator
-from .events import batch, fake_hash, key, register_body
+from .events import batch, block_batch, fake_hash, key, register_body
 from .processes import CoordinatorProcess
 
 pytestmark = [pytest.mark.kafka]
@@ -173,6 +173,30 @@ def test_undecodable_records_are_counted_and_skipped(
     wait_for(lambda: stats(a.client)["keys"] == 1)
     m = a.client.get("/metrics").text
     assert 'kvatlas_coordinator_kafka_records_total{kind="undecodable"} 4.0' in m
+
+
+def test_key_block_records_are_applied(
+    kafka_broker: Any, topic: str, producer: Any, start_coordinator: Start
+) -> None:
+    """The servers' sinks send the block form; JSON records of the same batches expand it."""
+    a = start_coordinator(**kafka_cfg(kafka_broker, topic))
+    hs = [fake_hash(i, 7) for i in range(300)]
+    blocks = [
+        compact_batch(batch("node-a", 1, hs[:256])),
+        block_batch("node-a", 2, hs[256:], head=(hs[0],), tier=Tier.L2),
+        block_batch("node-a", 3, hs[:6], event=EventType.DELETE),
+    ]
+    assert blocks[0].block is not None and blocks[0].entries == ()
+    publish(producer, topic, blocks)
+    publish(producer, topic, [block_batch("node-j", 1, hs[:3])], json=True)
+    a.wait_ready()
+    wait_for(lambda: stats(a.client)["placements"] == 250 + 45 + 3)
+    s = stats(a.client)
+    assert s["keys"] == 297  # hs[0] is still in L2; hs[1:3] only at node-j
+    assert {c["instance_id"]: c["last_seq"] for c in s["cursors"]} == {"node-a": 3, "node-j": 1}
+    m = a.client.get("/metrics").text
+    applied = 'kvatlas_coordinator_ingest_entries_total{outcome="applied",transport="kafka"}'
+    assert f"{applied} {256 + 45 + 6 + 3}.0" in m
 
 
 def test_expiry_travels_through_the_log(

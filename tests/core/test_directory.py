@@ -6,7 +6,7 @@ import pytest
 
 from kvatlas.core.directory import KeyDirectory
 from kvatlas.core.errors import InvalidInput, SnapshotError
-from kvatlas.core.events import Entry, EventBatch
+from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes, default_kv_rank
 from kvatlas.core.types import EventType, Tier
 
@@ -138,3 +138,93 @@ def test_snapshot_restore_is_a_replay_with_the_same_digest() -> None:
     assert restored.fence("a") == 3  # the reverse index was rebuilt too
     with pytest.raises(SnapshotError):
         KeyDirectory.restore(b"not a snapshot")
+
+
+# ---- the key block form ------------------------------------------------------------------
+
+OTHER = Namespace("other", default_kv_rank(), 0, "s")
+
+Step = tuple[str, EventType, Tier, Namespace, list[int], list[int]]
+"""(instance, kind, tier, namespace, hash indexes, sizes): one batch of a scenario."""
+
+SCENARIO: list[Step] = [
+    ("a", EventType.STORE, Tier.L1, NS, [0, 1, 2, 3], [10, 10, 10, 10]),
+    ("b", EventType.STORE, Tier.L1, NS, [2, 3, 4, 5], [7, 8, 9, 10]),
+    ("a", EventType.STORE, Tier.L1, OTHER, [0, 1], [5, 5]),  # namespace id 1
+    ("a", EventType.STORE, Tier.L1, NS, [3, 4, 4, 5, 3], [1, 2, 3, 4, 5]),  # present, dups
+    ("a", EventType.STORE, Tier.L2, NS, [5, 5, 5], [6, 6, 6]),  # duplicates only
+    ("a", EventType.ACCESS, Tier.L1, NS, [0, 0, 5, 1], [0, 0, 0, 0]),
+    ("c", EventType.ACCESS, Tier.L1, OTHER, [0, 4], [0, 0]),
+    ("a", EventType.DELETE, Tier.L1, NS, [0, 4, 4, 2], [0, 0, 0, 0]),
+    ("c", EventType.DELETE, Tier.L1, NS, [1], [0]),  # unknown owner
+    ("b", EventType.DELETE, Tier.L1, Namespace("never", 1), [1, 2], [0, 0]),
+    ("a", EventType.STORE, Tier.L1, NS, [0, 4, 2, 1], [3, 3, 3, 3]),  # re-create
+]
+
+
+def as_entries(step: Step) -> EventBatch:
+    iid, kind, tier, ns, idx, sizes = step
+    entries = tuple(Entry(key(i, ns), s) for i, s in zip(idx, sizes, strict=True))
+    return EventBatch(iid, 1, 1, kind, tier, entries)
+
+
+def as_block(step: Step, split: int) -> EventBatch:
+    """The same batch with its first ``split`` objects as entries, the rest as a block."""
+    iid, kind, tier, ns, idx, sizes = step
+    head = as_entries(step).entries[:split]
+    block = KeyBlock.of(ns, [HASHES[i] for i in idx[split:]], sizes[split:])
+    return EventBatch(iid, 1, 1, kind, tier, head, block=block)
+
+
+@pytest.mark.parametrize("split", [0, 1, 2])
+def test_block_batches_apply_like_their_entries(split: int) -> None:
+    plain, blocks = KeyDirectory(), KeyDirectory()
+    for step in SCENARIO:
+        want = plain.apply(as_entries(step))
+        got = blocks.apply(as_block(step, min(split, len(step[4]))))
+        assert got == want, step
+        assert blocks.canonical() == plain.canonical(), step
+        assert blocks.digest() == plain.digest(), step
+        assert blocks.stats() == plain.stats(), step
+    assert plain.fence("a") == blocks.fence("a") > 0
+    assert blocks.digest() == plain.digest()
+    assert KeyDirectory.restore(blocks.snapshot()).digest() == plain.digest()
+
+
+def test_block_with_entries_that_carry_tokens() -> None:
+    d = KeyDirectory(keep_tokens=True)
+    tokens = tuple(range(256))
+    b = EventBatch(
+        "a",
+        1,
+        1,
+        EventType.STORE,
+        Tier.L1,
+        (Entry(key(0), 5, tokens, 0),),
+        block=KeyBlock.of(NS, HASHES[1:3], 5),
+    )
+    assert d.apply(b).created == 3
+    r0, r1, r2 = d.lookup_keys([key(0), key(1), key(2)])
+    assert r0.token_ids == tokens and r1.token_ids is None and r2.placements
+
+
+def test_bad_block_applies_nothing() -> None:
+    d = KeyDirectory()
+    d.apply(batch("a", EventType.STORE, [0]))
+    before = (d.digest(), d.stats())
+    head = (Entry(key(1), 1),)
+    bad_blocks = [
+        KeyBlock(NS, b"".join(HASHES[2:4])[:-1], (1, 1)),  # blob one byte short
+        KeyBlock(NS, b"".join(HASHES[2:4]), (1,)),  # two hashes, one size
+        KeyBlock(OTHER, b"".join(HASHES[2:4]), (1, -1)),
+        KeyBlock(OTHER, b"".join(HASHES[2:4]), (1, 1 << 40)),
+    ]
+    for block in bad_blocks:
+        for kind in EventType:
+            if kind is not EventType.STORE and len(set(block.sizes)) == 2:
+                continue  # sizes matter to STORE only
+            with pytest.raises(InvalidInput):
+                d.apply(EventBatch("a", 1, 2, kind, Tier.L1, head, block=block))
+            assert (d.digest(), d.stats()) == before
+    with pytest.raises(InvalidInput, match="hashes for 2 sizes"):
+        d.apply(EventBatch("a", 1, 2, EventType.STORE, Tier.L1, (), block=bad_blocks[0]))

@@ -2,8 +2,9 @@
 
 Random streams of batches from several instances, with duplicates, redeliveries of old
 batches, losses (gaps), restarts with new incarnations, heartbeats, expiries and
-deregistrations. After every step the directory must equal the model (no phantom L1
-placement of a fenced incarnation, L2 kept) and snapshot -> restore gives the same digest.
+deregistrations; batches carry their objects as entries, as a key block, or both. After
+every step the directory must equal the model (no phantom L1 placement of a fenced
+incarnation, L2 kept) and snapshot -> restore gives the same digest.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvatlas.core.errors import StaleIncarnation
-from kvatlas.core.events import Entry, EventBatch
+from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import ObjectKey, default_kv_rank
 from kvatlas.core.membership import InstanceInfo
@@ -77,7 +78,7 @@ class Model:
         live = self.live.get(iid)
         provisional = live is None or live[0] != b.incarnation
         owner = (iid, b.incarnation, b.tier, b.backend, b.shared)
-        for e in b.entries:
+        for e in b.all_entries():  # entries, then the block's
             h = e.key.chunk_hash
             if b.event_type is EventType.STORE:
                 self.placements.setdefault(h, {})[owner] = e.size_bytes
@@ -161,20 +162,37 @@ class FleetMachine(RuleBasedStateMachine):
         tier=st.sampled_from(list(Tier)),
         keys=st.lists(st.sampled_from(range(len(KEYS))), min_size=1, max_size=4),
         size=st.integers(0, 3),
+        vary=st.booleans(),
+        in_block=st.integers(0, 4),
         deliver=st.booleans(),
     )
     def emit(
-        self, iid: str, kind: EventType, tier: Tier, keys: list[int], size: int, deliver: bool
+        self,
+        iid: str,
+        kind: EventType,
+        tier: Tier,
+        keys: list[int],
+        size: int,
+        vary: bool,
+        in_block: int,
+        deliver: bool,
     ) -> None:
+        """``vary``: a different size per entry; the last ``in_block`` objects travel in
+        the batch's key block (all of them, some, or none)."""
         em = self.emitters[iid]
+        entries = tuple(Entry(KEYS[k], (size + i * vary) % 4 * 1024) for i, k in enumerate(keys))
+        split = max(0, len(entries) - in_block)
+        block = KeyBlock.from_entries(entries[split:])
         batch = EventBatch(
             iid,
             em.incarnation,
             em.next_seq,
             kind,
             tier,
-            tuple(Entry(KEYS[k], size * 1024) for k in keys),
+            entries[:split] if block is not None else entries,
+            block=block,
         )
+        assert batch.all_entries() == entries
         em.next_seq += 1
         em.sent.append(batch)
         if deliver:  # not delivering is a loss: the next batch shows a gap

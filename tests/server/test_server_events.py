@@ -51,6 +51,8 @@ class StandInCoordinator:
         self.token = token
         self.gaps = 0
         self.requests = 0
+        self.block_forms: list[bool] = []
+        """Per batch received, whether it came in the key block form."""
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.port = port
@@ -103,6 +105,7 @@ class StandInCoordinator:
         gaps = provisional = 0
         with self.lock:
             for b in batches:
+                self.block_forms.append(b.block is not None and not b.entries)
                 out = self.state.ingest(b, time.time())
                 counts[out.verdict.value] += 1
                 gaps += 1 if out.gap else 0
@@ -374,6 +377,8 @@ def test_publisher_delivers_in_order_in_batches(coordinator: StandInCoordinator,
     s = pub.stats()
     assert s.sent_batches == 7 + 1 + 1 and s.last_seq == 9 and s.dropped_batches == 0
     assert coordinator.gaps == 0
+    # msgpack bodies carry every batch as a key block; JSON has no such form
+    assert coordinator.block_forms == [fmt == "msgpack"] * 9
     pub.stop()
 
 

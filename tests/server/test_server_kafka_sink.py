@@ -92,8 +92,11 @@ def test_kafka_sink_one_record_per_batch_keyed_by_instance(broker: str) -> None:
     batches = sorted((b for _, b in got), key=lambda b: b.seq)
     assert [b.seq for b in batches] == [1, 2, 3, 4]
     assert batches[-1].event_type is EventType.DELETE
-    assert sum(len(b.entries) for b in batches) == 26
-    assert batches[0].entries[0].key == keys[0] and batches[0].incarnation == 5
+    assert all(b.block is not None and b.entries == () for b in batches)  # the block form
+    assert sum(b.n_entries for b in batches) == 26
+    sent = [e for b in batches for e in b.all_entries()]
+    assert sent == [Entry(k, 3) for k in keys] + [Entry(keys[0], 3)]
+    assert batches[0].incarnation == 5
 
 
 def test_kafka_sink_failure_is_a_sink_error() -> None:

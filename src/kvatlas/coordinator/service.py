@@ -223,7 +223,7 @@ class CoordinatorService:
                 finally:
                     if i == len(batches) - 1:
                         self._advance(position)
-            n = len(b.entries)
+            n = b.n_entries
             verdict = _OUTCOME[out.verdict]
             m.ingest_batches.labels(verdict, transport).inc()
             m.ingest_entries.labels(verdict, transport).inc(n)
@@ -278,9 +278,12 @@ class CoordinatorService:
         """The prompt's chunk hashes; CPU work done outside the lock."""
         return list(chunk_hashes(tokens, self.fleet.chunk_size))
 
-    def lookup_hashes(self, hashes: Sequence[bytes], ns: Namespace) -> PrefixResult:
+    def lookup_hashes(
+        self, hashes: Sequence[bytes], ns: Namespace, *, prefix: bool = True
+    ) -> PrefixResult:
+        """Placements per hash; with ``prefix``, also who holds the longest prefix."""
         with self.lock:
-            return self.fleet.directory.lookup_prefix(hashes, ns)
+            return self.fleet.directory.lookup_prefix(hashes, ns, holders=prefix)
 
     def lookup_keys(self, keys: Sequence[ObjectKey]) -> list[KeyResult]:
         with self.lock:

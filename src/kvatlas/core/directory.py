@@ -34,8 +34,8 @@ import numpy as np
 from blake3 import blake3
 
 from kvatlas.core.errors import InvalidInput, SnapshotError
-from kvatlas.core.events import EventBatch
-from kvatlas.core.keys import HASH_BYTES, MAX_TOKEN_ID, Namespace, ObjectKey
+from kvatlas.core.events import EventBatch, KeyBlock
+from kvatlas.core.keys import HASH_BYTES, MAX_TOKEN_ID, Namespace, ObjectKey, same_namespace
 from kvatlas.core.keys import object_keys as object_keys_of
 from kvatlas.core.types import EventType, Tier
 
@@ -50,7 +50,22 @@ SNAPSHOT_VERSION = 1
 _get_key = attrgetter("key")
 _get_size = attrgetter("size_bytes")
 _get_hash = attrgetter("chunk_hash")
-_get_ns = attrgetter("model_name", "kv_rank", "object_group_id", "cache_salt")
+
+
+def _check_sizes(sizes: Sequence[int]) -> bool:
+    """Raise InvalidInput unless every size fits; True when all sizes are equal.
+
+    Equal sizes are the common case (fixed-size chunks): one C-level count then checks
+    the whole batch.
+    """
+    if not sizes:
+        return True
+    first = sizes[0]
+    uniform = sizes.count(first) == len(sizes)
+    lo, hi = (first, first) if uniform else (min(sizes), max(sizes))
+    if lo < 0 or hi > _SIZE_MASK:
+        raise InvalidInput(f"size_bytes must be in [0, {_SIZE_MASK}]")
+    return uniform
 
 
 class Owner(msgspec.Struct, frozen=True, gc=False):
@@ -214,7 +229,7 @@ class KeyDirectory:
 
     # ---- interning -------------------------------------------------------------------
 
-    def _ns_id(self, key: ObjectKey) -> int:
+    def _ns_id(self, key: ObjectKey | Namespace) -> int:
         t = (key.model_name, key.kv_rank, key.object_group_id, key.cache_salt)
         ns = self._ns_ids.get(t)
         if ns is None:
@@ -235,15 +250,35 @@ class KeyDirectory:
         """Key ints of many keys; C-speed when they share a namespace and full hashes."""
         if not keys:
             return []
-        nss = set(map(_get_ns, keys))
         blob = b"".join(map(_get_hash, keys))
-        if len(nss) != 1 or len(blob) != HASH_BYTES * len(keys):
+        if len(blob) != HASH_BYTES * len(keys) or not same_namespace(keys):
             return [self._key_int(k) for k in keys]
-        base = self._ns_id(keys[0]) << _HASH_BITS
+        return self._blob_ints(self._ns_id(keys[0]), blob)
+
+    @staticmethod
+    def _blob_ints(ns_id: int, blob: bytes) -> list[int]:
+        """Key ints of a blob of full hashes of namespace ``ns_id``."""
         prefixes: list[int] = np.frombuffer(blob, dtype=">u8")[:: HASH_BYTES // 8].tolist()
-        if base == 0:
+        if ns_id == 0:
             return prefixes
+        base = ns_id << _HASH_BITS
         return [base | h for h in prefixes]
+
+    def _block_ints(self, block: KeyBlock) -> list[int]:
+        """Key ints of a (shape-checked) block; interns its namespace."""
+        return self._blob_ints(self._ns_id(block.namespace), block.hashes)
+
+    def _find_ints(self, batch: EventBatch) -> list[int | None]:
+        """Key ints of every object of a batch without interning (None: never seen)."""
+        out: list[int | None] = [self._find_key(e.key) for e in batch.entries]
+        block = batch.block
+        if block is not None:
+            ns_id = self._find_ns(block.namespace)
+            if ns_id is None:
+                out.extend([None] * block.count)
+            else:
+                out.extend(self._blob_ints(ns_id, block.hashes))
+        return out
 
     def _find_key(self, key: ObjectKey) -> int | None:
         ns = self._ns_ids.get((key.model_name, key.kv_rank, key.object_group_id, key.cache_salt))
@@ -275,63 +310,92 @@ class KeyDirectory:
     def apply(self, batch: EventBatch) -> Applied:
         """Apply one admitted batch. STORE upserts, ACCESS counts, DELETE removes.
 
-        Validates every entry before changing anything, so a bad batch applies nothing.
+        A batch's objects are its entries followed by its block's. Validates every entry
+        and the block before changing anything, so a bad batch applies nothing.
         """
         owner = Owner(batch.instance_id, batch.incarnation, batch.tier, batch.backend, batch.shared)
+        entries = batch.entries
+        block = batch.block
+        n = len(entries) if block is None else len(entries) + block.count
+        if block is not None:
+            block.check_shape()
         if batch.event_type is EventType.STORE:
             if self.keep_tokens:
-                for e in batch.entries:  # validate before anything changes
+                for e in entries:  # validate before anything changes
                     t = e.token_ids
                     if t and (min(t) < 0 or max(t) > MAX_TOKEN_ID):
                         raise InvalidInput("token ids must be in [0, 2**32-1]")
+            sizes: Sequence[int]
+            if block is None:
+                sizes = list(map(_get_size, entries))
+                uniform = _check_sizes(sizes)
+                iks = self._key_ints(list(map(_get_key, entries)))
+            elif not entries:  # the fast form: columns straight from the wire
+                sizes = block.sizes
+                uniform = _check_sizes(sizes)
+                iks = self._block_ints(block)
+            else:
+                sizes = list(map(_get_size, entries))
+                sizes.extend(block.sizes)
+                uniform = _check_sizes(sizes)
+                iks = self._key_ints(list(map(_get_key, entries)))
+                iks.extend(self._block_ints(block))
             oid = self._owner_id(owner)
-            iks = self._key_ints(list(map(_get_key, batch.entries)))
-            created = self._store(oid, iks, list(map(_get_size, batch.entries)))
+            created = self._store(oid, iks, sizes, uniform)
             if self.keep_tokens:
-                for key_int, e in zip(iks, batch.entries, strict=True):
+                # iks holds the entries' keys first; a block carries no tokens.
+                for key_int, e in zip(iks, entries, strict=False):
                     if e.token_ids is not None:
                         self._bind(key_int, e.token_offset, e.token_ids)
-            return Applied(len(batch.entries), created=created)
+            return Applied(n, created=created)
         found_oid = self._owner_ids.get(owner)
         if batch.event_type is EventType.ACCESS:
             hit = 0
-            for e in batch.entries:
-                ik = self._find_key(e.key)
-                if ik is not None and ik in self._map:
+            m = self._map
+            for ik in self._find_ints(batch):
+                if ik is not None and ik in m:
                     self._access[ik] = self._access.get(ik, 0) + 1
                     hit += 1
-            return Applied(len(batch.entries), ignored=len(batch.entries) - hit)
+            return Applied(n, ignored=n - hit)
         if found_oid is None:
-            return Applied(len(batch.entries), ignored=len(batch.entries))
+            return Applied(n, ignored=n)
         removed = 0
-        for e in batch.entries:
-            ik = self._find_key(e.key)
+        for ik in self._find_ints(batch):
             if ik is not None and self._remove(ik, found_oid):
                 removed += 1
-        return Applied(len(batch.entries), created=removed, ignored=len(batch.entries) - removed)
+        return Applied(n, created=removed, ignored=n - removed)
 
-    def _store(self, oid: int, keys: Sequence[int], sizes: Sequence[int]) -> int:
+    def _store(
+        self, oid: int, keys: Sequence[int], sizes: Sequence[int], uniform: bool | None = None
+    ) -> int:
+        """Upsert ``keys`` with ``sizes`` for owner ``oid``; returns placements created.
+
+        ``uniform`` is `_check_sizes`' answer when the caller has already validated.
+        """
         m = self._map
         rev = self._rev.get(oid)
         codes = self._codes
         # Validate before changing anything: a bad batch applies nothing.
-        if min(sizes, default=0) < 0 or max(sizes, default=0) > _SIZE_MASK:
-            raise InvalidInput(f"size_bytes must be in [0, {_SIZE_MASK}]")
-        if m.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
-            # Fast path, the common case: every key is new. All loops run in C.
-            base = oid << _SIZE_BITS
-            if len(set(sizes)) == 1:
-                code = base | sizes[0]
-                m.update(dict.fromkeys(keys, codes.setdefault(code, code)))
-            else:
-                m.update(
-                    zip(keys, [codes.setdefault(base | s, base | s) for s in sizes], strict=True)
-                )
+        if uniform is None:
+            uniform = _check_sizes(sizes)
+        n = len(keys)
+        base = oid << _SIZE_BITS
+        if uniform and n:
+            code = base | sizes[0]
+            new = dict.fromkeys(keys, codes.setdefault(code, code))
+        else:
+            new = dict(
+                zip(keys, [codes.setdefault(base | s, base | s) for s in sizes], strict=True)
+            )
+        if len(new) == n and m.keys().isdisjoint(new.keys()):
+            # Fast path, the common case: every key is new and none repeats. All loops
+            # run in C.
+            m.update(new)
             if rev is not None:
                 rev.extend(keys)
-            self._count[oid] += len(keys)
-            self._bytes[oid] += sum(sizes)
-            return len(keys)
+            self._count[oid] += n
+            self._bytes[oid] += sizes[0] * n if uniform and n else sum(sizes)
+            return n
         created = 0
         added_bytes = 0
         for ik, size in zip(keys, sizes, strict=True):
@@ -497,7 +561,7 @@ class KeyDirectory:
         if (
             ns is None
             or len(blob) != HASH_BYTES * len(keys)
-            or len(set(map(_get_ns, keys))) != 1
+            or not same_namespace(keys)
             or self._tokens
             or self._access
         ):
@@ -509,9 +573,12 @@ class KeyDirectory:
         vals = map(self._map.get, [base | h for h in prefixes] if base else prefixes)
         return list(map(KeyResult, keys, map(self._placements_of, vals)))
 
-    def lookup_prefix(self, hashes: Sequence[bytes], ns: Namespace) -> PrefixResult:
+    def lookup_prefix(
+        self, hashes: Sequence[bytes], ns: Namespace, *, holders: bool = True
+    ) -> PrefixResult:
         """Per chunk of a prefix chain who holds it, and per (instance, tier) how many
-        leading chunks it holds."""
+        leading chunks it holds (left empty with ``holders=False``: keys that are not a
+        prefix chain)."""
         hashes = tuple(hashes)
         ns_id = self._find_ns(ns)
         n = len(hashes)
@@ -536,7 +603,8 @@ class KeyDirectory:
             token_ids = tuple(
                 tuple(array.array("I", t[1])) if (t := self._tokens.get(ik)) else None for ik in iks
             )
-        return PrefixResult(ns, hashes, placements, access, token_ids, _holders(placements))
+        held = _holders(placements) if holders else ()
+        return PrefixResult(ns, hashes, placements, access, token_ids, held)
 
     def iter_keys(
         self,
@@ -651,9 +719,7 @@ class KeyDirectory:
         d = cls(keep_tokens=keep_tokens)
         remap: dict[int, int] = {}
         for old, ns in enumerate(snap.namespaces):
-            remap[old] = d._ns_id(
-                ObjectKey(b"\0" * 8, ns.model_name, ns.kv_rank, ns.object_group_id, ns.cache_salt)
-            )
+            remap[old] = d._ns_id(ns)
 
         def fix(ik: int) -> int:
             return remap[ik >> _HASH_BITS] << _HASH_BITS | (ik & _HASH_MASK)

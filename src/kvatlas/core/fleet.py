@@ -221,11 +221,13 @@ class FleetState:
     def _update_blend(self, batch: EventBatch) -> None:
         assert self.blend is not None
         if batch.event_type is EventType.STORE:
-            for e in batch.entries:
+            for e in batch.entries:  # only entries carry tokens; a block never does
                 if e.token_ids is not None and e.token_offset >= 0:
                     self.blend.add(e.key.namespace, e.key.chunk_hash, e.token_ids, e.token_offset)
         elif batch.event_type is EventType.DELETE:
-            keys = [e.key for e in batch.entries]
+            # Every deleted key, the block's too: one may have been bound by an earlier
+            # STORE with tokens.
+            keys = [e.key for e in batch.all_entries()]
             for key, res in zip(keys, self.directory.lookup_keys(keys), strict=True):
                 if not res.placements:  # the last copy is gone
                     self.blend.remove(key.namespace, key.chunk_hash)

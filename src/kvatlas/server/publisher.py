@@ -139,7 +139,7 @@ class EventPublisher:
             overflow = len(self._buffer) - self._capacity
             if overflow > 0:
                 dropped = [self._buffer.popleft() for _ in range(overflow)]
-                n_entries = sum(len(b.entries) for b in dropped)
+                n_entries = sum(b.n_entries for b in dropped)
                 self._dropped_batches += overflow
                 self._dropped_entries += n_entries
                 self._lost_since_send = True
@@ -198,7 +198,7 @@ class EventPublisher:
                     for b in chunk:
                         self._unsent.discard(b.seq)
                     self._sent_batches += len(chunk)
-                    self._sent_entries += sum(len(b.entries) for b in chunk)
+                    self._sent_entries += sum(b.n_entries for b in chunk)
                     self._retried += retried
                     if self._last_error:
                         log.info(

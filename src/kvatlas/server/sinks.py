@@ -19,6 +19,7 @@ from kvatlas.server.config import EventFormat
 from kvatlas.server.errors import SinkError
 from kvatlas.wire.http_api import (
     MSGPACK_CONTENT_TYPE,
+    compact_batch,
     encode_events_json,
     encode_events_msgpack,
 )
@@ -45,7 +46,8 @@ def auth_headers(token: str | None) -> dict[str, str]:
 
 
 class HttpSink:
-    """``POST {coordinator}/events`` with msgpack (default) or JSON bodies."""
+    """``POST {coordinator}/events`` with msgpack (default; each batch as a key block
+    where `compact_batch` can make one) or JSON bodies."""
 
     name = "http"
 
@@ -64,7 +66,7 @@ class HttpSink:
 
     def send(self, batches: list[EventBatch]) -> None:
         body = (
-            encode_events_msgpack(batches)
+            encode_events_msgpack([compact_batch(b) for b in batches])
             if self._fmt == "msgpack"
             else (encode_events_json(batches))
         )
@@ -80,7 +82,8 @@ class HttpSink:
 
 
 class KafkaSink:
-    """One Kafka record per batch: key = instance id, value = msgpack of the core batch.
+    """One Kafka record per batch: key = instance id, value = msgpack of the core batch
+    (as a key block where `compact_batch` can make one).
 
     Keyed by instance id so each emitter's order holds within its partition; the
     ``murmur2_random`` partitioner puts keys where Java and aiokafka clients would.
@@ -119,7 +122,7 @@ class KafkaSink:
                 self._producer.produce(
                     self._topic,
                     key=b.instance_id.encode(),
-                    value=encode_batch_msgpack(b),
+                    value=encode_batch_msgpack(compact_batch(b)),
                     on_delivery=on_delivery,
                 )
                 self._producer.poll(0)

@@ -3,7 +3,12 @@
 The JSON shapes are the compatibility surface with LMCache's coordinator (field names
 and nesting); kvatlas adds optional fields. The compact msgpack form of `POST /events`
 is kvatlas' own: it carries core `EventBatch` structs as they are (raw 32-byte hashes,
-no hex), so msgspec decodes it straight into core types without a Python loop.
+no hex), so msgspec decodes it straight into core types without a Python loop. A batch
+may carry its token-less objects of one namespace as a `KeyBlock` (columns: one hash
+blob, one tuple of sizes), which `compact_batch` builds and emitters should send: it
+decodes into three objects instead of two per entry. The block is an optional trailing
+field, so bodies without one decode as before; the JSON form expands a block into
+entries.
 
 Owns encoding and validation of shapes only; no I/O and no state.
 """
@@ -15,7 +20,7 @@ from typing import Literal
 import msgspec
 
 from kvatlas.core.errors import InvalidInput, TooLarge
-from kvatlas.core.events import Entry, EventBatch
+from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import (
     DEFAULT_CHUNK_SIZE,
     HASH_ALGORITHM,
@@ -30,7 +35,11 @@ from kvatlas.core.types import EventType, Tier
 MSGPACK_CONTENT_TYPE = "application/msgpack"
 MAX_SIZE_BYTES = (1 << 40) - 1
 """The directory packs sizes into 40 bits (1 TiB per chunk)."""
-COMPACT_VERSION = 1
+COMPACT_VERSION = 2
+"""2 added `KeyBlock`s. A coordinator that knows only 1 would drop a block unseen
+(msgspec skips unknown fields), so a body says 2 and such a coordinator refuses it with
+a 400 instead of losing events; this one reads both."""
+_READABLE_VERSIONS = frozenset({1, 2})
 
 
 # ---- membership ------------------------------------------------------------------------
@@ -206,9 +215,10 @@ def check_batch(b: EventBatch, max_entries: int) -> None:
         raise InvalidInput(f"seq must be >= 1, got {b.seq} (instance {b.instance_id})")
     if b.incarnation < 0:
         raise InvalidInput(f"incarnation must be >= 0, got {b.incarnation}")
-    if len(b.entries) > max_entries:
+    n = b.n_entries
+    if n > max_entries:
         raise TooLarge(
-            f"batch seq {b.seq} of instance {b.instance_id} has {len(b.entries)} entries,"
+            f"batch seq {b.seq} of instance {b.instance_id} has {n} entries,"
             f" the limit is {max_entries}"
         )
     for e in b.entries:
@@ -223,6 +233,31 @@ def check_batch(b: EventBatch, max_entries: int) -> None:
         if t and (min(t) < 0 or max(t) > MAX_TOKEN_ID):
             raise InvalidInput(
                 f"token ids must be in [0, 2**32-1] (instance {b.instance_id}, seq {b.seq})"
+            )
+    if b.block is not None:
+        _check_block(b.block, b)
+
+
+def _check_block(block: KeyBlock, b: EventBatch) -> None:
+    """A block's namespace is typed by msgspec like an entry's key (no further rule);
+    its columns must agree and its sizes fit. C-level passes only: no per-hash loop."""
+    where = f"(instance {b.instance_id}, seq {b.seq})"
+    hashes, sizes = block.hashes, block.sizes
+    if len(hashes) % HASH_BYTES:
+        raise InvalidInput(
+            f"key block hashes must be a multiple of {HASH_BYTES} bytes, got {len(hashes)} {where}"
+        )
+    if len(hashes) != HASH_BYTES * len(sizes):
+        raise InvalidInput(
+            f"key block has {len(hashes) // HASH_BYTES} hashes but {len(sizes)} sizes {where}"
+        )
+    if sizes:
+        first = sizes[0]
+        lo, hi = (first, first) if sizes.count(first) == len(sizes) else (min(sizes), max(sizes))
+        if lo < 0 or hi > MAX_SIZE_BYTES:
+            bad = lo if lo < 0 else hi
+            raise InvalidInput(
+                f"size_bytes must be in [0, {MAX_SIZE_BYTES}], got {bad} in a key block {where}"
             )
 
 
@@ -265,7 +300,7 @@ def batch_from_core(b: EventBatch) -> BatchWire:
                 list(e.token_ids) if e.token_ids is not None else None,
                 e.token_offset,
             )
-            for e in b.entries
+            for e in b.all_entries()  # the JSON form has no block: expand it
         ],
         backend=b.backend,
         shared=b.shared,
@@ -285,7 +320,7 @@ def decode_events(body: bytes, content_type: str, max_entries: int) -> list[Even
     try:
         if content_type.split(";", maxsplit=1)[0].strip() == MSGPACK_CONTENT_TYPE:
             compact = _msgpack_events.decode(body)
-            if compact.version != COMPACT_VERSION:
+            if compact.version not in _READABLE_VERSIONS:
                 raise InvalidInput(f"compact events version {compact.version} is not supported")
             batches = compact.batches
         else:
@@ -304,26 +339,68 @@ def encode_events_json(batches: list[EventBatch]) -> bytes:
 
 
 def encode_events_msgpack(batches: list[EventBatch]) -> bytes:
+    """The compact body of ``batches`` as they are (see `compact_batch` for the block
+    form, which emitters should send)."""
     return msgspec.msgpack.encode(CompactEvents(batches))
+
+
+def compact_batch(b: EventBatch) -> EventBatch:
+    """``b`` with its entries moved into a `KeyBlock` when that says the same thing
+    (`KeyBlock.from_entries`; ``b`` has no block yet), else ``b`` as it is.
+
+    The server's sinks send this form: a block decodes and applies several times faster
+    at the coordinator. The JSON form never has a block.
+    """
+    if b.block is not None:
+        return b
+    block = KeyBlock.from_entries(b.entries)
+    if block is None:
+        return b
+    return msgspec.structs.replace(b, entries=(), block=block)
 
 
 # ---- directory lookups -----------------------------------------------------------------
 
 
 class LookupRequest(msgspec.Struct, frozen=True):
-    """`POST /directory/lookup`: either ``keys`` or ``token_ids`` (+ namespace)."""
+    """`POST /directory/lookup`: either ``keys`` or ``token_ids`` (+ namespace).
+
+    kvatlas also takes this Struct as a msgpack body (`Content-Type:
+    application/msgpack`), where ``tokens_b64`` is a bin of the raw little-endian uint32
+    tokens, not base64: a 32k-token prompt then decodes in ~4 us instead of ~170 us.
+    """
 
     keys: list[KeyWire] | None = None
     token_ids: list[int] | None = None
     tokens_b64: bytes | None = None
     """kvatlas: the tokens as base64 of little-endian uint32, instead of ``token_ids``
-    (decoding 32k JSON ints alone costs ~1 ms; this form costs ~30 us)."""
+    (decoding 32k JSON ints alone costs ~1 ms; this form costs ~170 us)."""
     model_name: str = ""
     world_size: int = 1
     cache_salt: str = ""
     kv_rank: int | None = None
     """kvatlas: defaults to rank 0 of ``world_size`` (world size 1 -> 16777472)."""
     object_group_id: int = 0
+
+
+_json_lookup = msgspec.json.Decoder(LookupRequest)
+_msgpack_lookup = msgspec.msgpack.Decoder(LookupRequest)
+
+
+def decode_lookup(body: bytes, content_type: str) -> LookupRequest:
+    """A lookup body, JSON or msgpack by its content type; InvalidInput when malformed."""
+    try:
+        if content_type.split(";", maxsplit=1)[0].strip() == MSGPACK_CONTENT_TYPE:
+            return _msgpack_lookup.decode(body)
+        return _json_lookup.decode(body)
+    except msgspec.ValidationError as exc:
+        raise InvalidInput(f"invalid lookup body: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidInput(f"malformed lookup body: {exc}") from exc
+
+
+def encode_lookup_msgpack(request: LookupRequest) -> bytes:
+    return msgspec.msgpack.encode(request)
 
 
 class PlacementWire(msgspec.Struct, frozen=True):

@@ -5,7 +5,8 @@ membership records and its event batches land in one partition and every replica
 them in the same order:
 
 - an event batch (the servers' event sinks): one batch per record, either JSON (one
-  `wire.http_api.BatchWire` object) or msgpack (one core `EventBatch`);
+  `wire.http_api.BatchWire` object) or msgpack (one core `EventBatch`, with or without
+  a `KeyBlock`: the sinks send `wire.http_api.compact_batch`'s form);
 - a membership record (coordinators): ``MAGIC`` followed by a msgpack-encoded tagged
   `MembershipRecord` (register, heartbeat, deregister, expire). Neither JSON nor a
   msgpack map starts with ``MAGIC``'s first byte, so the kinds cannot be confused.
@@ -67,7 +68,7 @@ def encode_membership(record: MembershipRecord) -> bytes:
 
 
 def encode_batch_msgpack(batch: EventBatch) -> bytes:
-    """An event batch as one record value (the compact form)."""
+    """An event batch as one record value (the compact form), encoded as it is."""
     return msgspec.msgpack.encode(batch)
 
 
