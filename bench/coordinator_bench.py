@@ -3,10 +3,13 @@
 Run: `python -m bench.coordinator_bench [--seconds 3] [--keys 1000000] [--no-kafka]`.
 
 The coordinator runs as its own process (the real CLI) on 127.0.0.1; the load comes from
-this process over loopback, through a minimal asyncio HTTP/1.1 client (keep-alive, one
-request in flight per connection, bodies pre-encoded) so the client spends as little CPU
-as possible: on a 2-core machine client and server compete for the same cores. Every
-scenario is bounded in time. Prints a markdown table; writes JSON to bench/results/.
+this process over loopback, through minimal HTTP/1.1 clients (keep-alive, one request in
+flight per connection, bodies pre-encoded): asyncio connections for ingest, a blocking
+socket for sequential lookup latency. The client spends as little CPU as possible: on a
+2-core machine client and server compete for the same cores. Every
+scenario is bounded in time. msgpack ingest sends key blocks, the form the servers' sinks
+send (one more scenario sends the entries form). Prints a markdown table; writes JSON to
+bench/results/.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,15 +32,21 @@ from typing import Any
 import httpx
 import numpy as np
 
-from kvatlas.core.events import Entry, EventBatch
-from kvatlas.core.keys import ObjectKey, chunk_hashes, default_kv_rank
+from kvatlas.core.events import Entry, EventBatch, KeyBlock
+from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes, default_kv_rank
 from kvatlas.core.types import EventType, Tier
-from kvatlas.wire.http_api import encode_events_json, encode_events_msgpack
+from kvatlas.wire.http_api import (
+    LookupRequest,
+    encode_events_json,
+    encode_events_msgpack,
+    encode_lookup_msgpack,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 MODEL = "bench-model"
 RANK = default_kv_rank(1)
+NS = Namespace(MODEL, RANK)
 
 
 # ---- server process ------------------------------------------------------------------
@@ -138,6 +148,36 @@ class Conn:
         self.w.close()
 
 
+class BlockingConn:
+    """One keep-alive connection with a blocking socket: for sequential latency, the
+    client's own overhead stays out of the way (an asyncio client adds ~30 us)."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.f = self.sock.makefile("rb")
+
+    def post(self, path: str, body: bytes, ctype: str) -> tuple[int, bytes]:
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: b\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        self.sock.sendall(head + body)
+        status = int(self.f.readline().split()[1])
+        length = 0
+        while True:
+            line = self.f.readline()
+            if line in (b"\r\n", b""):
+                break
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        return status, self.f.read(length) if length else b""
+
+    def close(self) -> None:
+        self.f.close()
+        self.sock.close()
+
+
 def _pct(lat: list[float], q: float) -> float:
     return float(np.percentile(np.array(lat), q)) * 1000 if lat else float("nan")
 
@@ -162,17 +202,28 @@ def _batch(iid: str, seq: int, hashes: list[bytes], size: int = 4096) -> EventBa
     )
 
 
+def _block_batch(iid: str, seq: int, hashes: list[bytes], size: int = 4096) -> EventBatch:
+    """The form the servers' sinks send: every entry in one key block."""
+    return EventBatch(
+        iid, 1, seq, EventType.STORE, Tier.L1, (), block=KeyBlock.of(NS, hashes, size)
+    )
+
+
 def _bodies(conn_id: int, pool: int, per_req: int, fmt: str, base: int) -> list[bytes]:
-    """``pool`` distinct bodies of ``per_req`` batches of 256 new keys for one connection."""
+    """``pool`` distinct bodies of ``per_req`` batches of 256 new keys for one connection.
+
+    ``fmt``: "json", "msgpack" (key blocks, what servers send) or "msgpack-entries".
+    """
     out = []
     seq = 0
-    iid = f"bench-{fmt}-{conn_id}"
+    iid = f"bench-{fmt}-x{per_req}-{conn_id}"  # fresh seqs for every scenario
+    make = _block_batch if fmt == "msgpack" else _batch
     for i in range(pool):
         batches = []
         for _ in range(per_req):
             seq += 1
             start = base + (conn_id * pool * per_req + i * per_req + len(batches)) * 256
-            batches.append(_batch(iid, seq, _hashes(start, 256)))
+            batches.append(make(iid, seq, _hashes(start, 256)))
         out.append(encode_events_json(batches) if fmt == "json" else encode_events_msgpack(batches))
     return out
 
@@ -181,7 +232,9 @@ async def _ingest(
     port: int, fmt: str, per_req: int, conns: int, seconds: float, base: int
 ) -> dict[str, Any]:
     ctype = "application/json" if fmt == "json" else "application/msgpack"
-    budget_events = int(1_500_000 * seconds) if fmt == "msgpack" else int(400_000 * seconds)
+    # Enough distinct bodies for the scenario's length at the rate each form reaches here.
+    rate = {"json": 800_000, "msgpack": 3_000_000}.get(fmt, 1_500_000)
+    budget_events = int(rate * seconds)
     pool = max(4, budget_events // (256 * per_req * conns))
     bodies = [_bodies(c, pool, per_req, fmt, base) for c in range(conns)]
     lat: list[float] = []
@@ -196,8 +249,8 @@ async def _ingest(
             t0 = time.perf_counter()
             status, data = await conn.post("/events", body, ctype)
             lat.append(time.perf_counter() - t0)
-            if status != 200:
-                raise RuntimeError(f"{status} {data[:200]!r}")
+            if status != 200 or json.loads(data)["applied"] != per_req:
+                raise RuntimeError(f"not applied: {status} {data[:200]!r}")
             done[0] += 1
         conn.close()
 
@@ -220,22 +273,24 @@ async def _preload(port: int, n: int) -> None:
     per = 8192
     for seq, start in enumerate(range(0, n, per), 1):
         body = encode_events_msgpack(
-            [_batch("preload", seq, _hashes(10**12 + start, min(per, n - start)))]
+            [_block_batch("preload", seq, _hashes(10**12 + start, min(per, n - start)))]
         )
         status, data = await conn.post("/events", body, "application/msgpack")
         assert status == 200, data
     conn.close()
 
 
-async def _lookups(port: int, body: bytes, seconds: float, max_n: int = 20000) -> dict[str, Any]:
-    conn = await Conn.open(port)
+def _lookups(
+    port: int, body: bytes, seconds: float, max_n: int = 20000, ctype: str = "application/json"
+) -> dict[str, Any]:
+    conn = BlockingConn(port)
     lat = []
     stop_at = time.perf_counter() + seconds
     for _ in range(50):  # warm-up
-        await conn.post("/directory/lookup", body, "application/json")
+        conn.post("/directory/lookup", body, ctype)
     while time.perf_counter() < stop_at and len(lat) < max_n:
         t0 = time.perf_counter()
-        status, data = await conn.post("/directory/lookup", body, "application/json")
+        status, data = conn.post("/directory/lookup", body, ctype)
         lat.append(time.perf_counter() - t0)
         assert status == 200, data[:200]
     conn.close()
@@ -243,7 +298,9 @@ async def _lookups(port: int, body: bytes, seconds: float, max_n: int = 20000) -
 
 
 async def _mixed(port: int, lookup_body: bytes, seconds: float, base: int) -> dict[str, Any]:
-    lookup_task = asyncio.create_task(_lookups(port, lookup_body, seconds + 1, 10**9))
+    lookup_task = asyncio.create_task(
+        asyncio.to_thread(_lookups, port, lookup_body, seconds + 1, 10**9)
+    )
     await asyncio.sleep(0.2)
     ingest = await _ingest(port, "json", 1, 2, seconds, base)
     lk = await lookup_task
@@ -279,7 +336,7 @@ def _kafka(n_events: int) -> dict[str, Any]:
         for i, start in enumerate(range(0, n_events, 256)):
             inst = i % n_inst
             seqs[inst] += 1
-            b = _batch(f"k-{inst}", seqs[inst], _hashes(start, min(256, n_events - start)))
+            b = _block_batch(f"k-{inst}", seqs[inst], _hashes(start, min(256, n_events - start)))
             while True:
                 try:
                     p.produce("bench", key=b.instance_id, value=encode_batch_msgpack(b))
@@ -319,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=3.0, help="duration of each scenario")
     ap.add_argument("--keys", type=int, default=1_000_000, help="keys stored for lookups")
     ap.add_argument("--conns", type=int, default=4, help="client connections for ingest")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of each lookup form")
     ap.add_argument("--no-kafka", action="store_true")
     args = ap.parse_args(argv)
     res: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}}
@@ -327,7 +385,14 @@ def main(argv: list[str] | None = None) -> int:
     server = Server()
     try:
         rss0 = server.rss()
-        for fmt, per in (("json", 1), ("json", 8), ("msgpack", 1), ("msgpack", 8)):
+        scenarios = (
+            ("json", 1),
+            ("json", 8),
+            ("msgpack", 1),
+            ("msgpack", 8),
+            ("msgpack-entries", 1),
+        )
+        for fmt, per in scenarios:
             base = 10**9 * (1 + len(res))
             res[f"ingest_{fmt}_x{per}"] = asyncio.run(
                 _ingest(server.port, fmt, per, args.conns, s, base)
@@ -363,11 +428,30 @@ def main(argv: list[str] | None = None) -> int:
                 ]
             }
         ).encode()
-        res["lookup_tokens_32k"] = asyncio.run(_lookups(server.port, tokens_body, s))
-        b64 = base64.b64encode(np.asarray(tokens, dtype="<u4").tobytes()).decode()
-        b64_body = json.dumps({"tokens_b64": b64, "model_name": MODEL}).encode()
-        res["lookup_tokens_b64_32k"] = asyncio.run(_lookups(server.port, b64_body, s))
-        res["lookup_keys_128"] = asyncio.run(_lookups(server.port, keys_body, s))
+        raw = np.asarray(tokens, dtype="<u4").tobytes()
+        b64_body = json.dumps(
+            {"tokens_b64": base64.b64encode(raw).decode(), "model_name": MODEL}
+        ).encode()
+        msgpack_body = encode_lookup_msgpack(LookupRequest(tokens_b64=raw, model_name=MODEL))
+        scenarios = {
+            "lookup_tokens_32k": (tokens_body, "application/json"),
+            "lookup_tokens_b64_32k": (b64_body, "application/json"),
+            "lookup_tokens_msgpack_32k": (msgpack_body, "application/msgpack"),
+            "lookup_keys_128": (keys_body, "application/json"),
+        }
+        # Rounds interleave the forms, so that a noisy stretch of the machine spreads
+        # over all of them; each figure is the median over the rounds.
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in scenarios}
+        for _ in range(args.rounds):
+            for name, (body, ctype) in scenarios.items():
+                rounds[name].append(_lookups(server.port, body, s, ctype=ctype))
+        for name, got in rounds.items():
+            res[name] = {
+                "p50_ms": statistics.median(r["p50_ms"] for r in got),
+                "p99_ms": statistics.median(r["p99_ms"] for r in got),
+                "n": sum(r["n"] for r in got),
+                "rounds": got,
+            }
         res["ingest_during_lookups"] = asyncio.run(_mixed(server.port, tokens_body, s, 5 * 10**12))
     finally:
         server.stop()
@@ -389,23 +473,33 @@ def main(argv: list[str] | None = None) -> int:
             ">= 250k",
         ),
         (
-            "ingest msgpack, 1 batch per request",
+            "ingest msgpack (key blocks), 1 batch of 256 per request",
             f"{res['ingest_msgpack_x1']['events_per_s']:,.0f} events/s",
             ">= 1M",
         ),
         (
-            "ingest msgpack, 8 batches per request",
+            "ingest msgpack (key blocks), 8 batches of 256 per request",
             f"{res['ingest_msgpack_x8']['events_per_s']:,.0f} events/s",
             ">= 1M",
         ),
         (
-            f"lookup 32,768 tokens, {args.keys:,} keys: p50 / p99",
+            "ingest msgpack (entries, no block), 1 batch of 256 per request",
+            f"{res['ingest_msgpack-entries_x1']['events_per_s']:,.0f} events/s",
+            "",
+        ),
+        (
+            f"lookup 32,768 tokens as JSON token_ids, {args.keys:,} keys: p50 / p99",
             _p50_p99(res["lookup_tokens_32k"]),
             "p99 <= 1 ms",
         ),
         (
             f"lookup 32,768 tokens as tokens_b64, {args.keys:,} keys: p50 / p99",
             _p50_p99(res["lookup_tokens_b64_32k"]),
+            "p99 <= 1 ms",
+        ),
+        (
+            f"lookup 32,768 tokens as a msgpack body, {args.keys:,} keys: p50 / p99",
+            _p50_p99(res["lookup_tokens_msgpack_32k"]),
             "p99 <= 1 ms",
         ),
         (

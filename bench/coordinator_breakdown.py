@@ -3,7 +3,7 @@
     python -m bench.coordinator_breakdown
 
 The same steps the HTTP handler runs for `POST /directory/lookup`, timed one by one
-(medians of 300 runs) for a 32,768-token prompt (JSON `token_ids` and `tokens_b64`) and
+(medians of 300 runs) for a 32,768-token prompt (JSON `token_ids`, `tokens_b64`, msgpack) and
 for 128 keys, with 100 of the 128 chunks held by one instance. The HTTP round trip itself
 is what `bench.coordinator_bench` adds on top.
 """
@@ -20,14 +20,15 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvatlas.coordinator.views import keys_response, prefix_response
+from kvatlas.coordinator.views import holders_wire, lookup_json, prefix_response
 from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes, default_kv_rank
 from kvatlas.core.types import EventType, Tier
-from kvatlas.wire.http_api import LookupRequest
+from kvatlas.wire.http_api import LookupRequest, decode_lookup, encode_lookup_msgpack
 
 MODEL = "m"
+JSON, MSGPACK = "application/json", "application/msgpack"
 
 
 def _median_us(fn: Callable[[], Any], n: int = 300) -> float:
@@ -47,10 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     held = tuple(Entry(ObjectKey(h, MODEL, rank), 1 << 20) for h in hashes[:100])
     fleet.ingest(EventBatch("a", 1, 1, EventType.STORE, Tier.L1, held), 0.0)
     ns = Namespace(MODEL, rank)
-    dec = msgspec.json.Decoder(LookupRequest)
     raw = np.asarray(tokens, dtype="<u4").tobytes()
     json_body = json.dumps({"token_ids": tokens, "model_name": MODEL}).encode()
-    b64_body = json.dumps({"tokens_b64": base64.b64encode(raw).decode(), "model_name": MODEL})
+    b64_body = json.dumps(
+        {"tokens_b64": base64.b64encode(raw).decode(), "model_name": MODEL}
+    ).encode()
+    msgpack_body = encode_lookup_msgpack(LookupRequest(tokens_b64=raw, model_name=MODEL))
     keys_body = json.dumps(
         {
             "keys": [
@@ -59,21 +62,24 @@ def main(argv: list[str] | None = None) -> int:
         }
     ).encode()
     res = fleet.directory.lookup_prefix(hashes, ns)
-    req_keys = dec.decode(keys_body).keys or []
-    keys = [k.to_core() for k in req_keys]
-    results = fleet.lookup_keys(keys)
+    hexes = [h.hex() for h in hashes]
+    holders = holders_wire(res, 256)
+    req_keys = decode_lookup(keys_body, JSON).keys or []
     steps: list[tuple[str, Callable[[], Any]]] = [
-        ("decode body, 32,768 `token_ids` (JSON ints)", lambda: dec.decode(json_body)),
-        ("decode body, `tokens_b64` (base64 in msgspec)", lambda: dec.decode(b64_body)),
+        ("decode body, 32,768 `token_ids` (JSON ints)", lambda: decode_lookup(json_body, JSON)),
+        ("decode body, `tokens_b64` (base64 in msgspec)", lambda: decode_lookup(b64_body, JSON)),
+        ("decode body, msgpack (raw tokens)", lambda: decode_lookup(msgpack_body, MSGPACK)),
         ("hash 32,768 tokens into 128 chunk keys", lambda: chunk_hashes(raw)),
         ("directory prefix lookup, 128 chunks", lambda: fleet.directory.lookup_prefix(hashes, ns)),
-        ("response: views + JSON encode, 128 chunks",
+        ("response: JSON written by `lookup_json`, 128 chunks",
+         lambda: lookup_json([h.hex() for h in hashes], ns, res, holders)),
+        ("(same response through msgspec Structs, for comparison)",
          lambda: msgspec.json.encode(prefix_response(res, 256))),
-        ("decode body, 128 keys (JSON)", lambda: dec.decode(keys_body)),
-        ("keys -> core keys (hex decode)", lambda: [k.to_core() for k in req_keys]),
-        ("directory key lookup, 128 keys", lambda: fleet.lookup_keys(keys)),
-        ("response: views + JSON encode, 128 keys",
-         lambda: msgspec.json.encode(keys_response(results, req_keys))),
+        ("decode body, 128 keys (JSON)", lambda: decode_lookup(keys_body, JSON)),
+        ("keys -> one namespace + one hex decode",
+         lambda: bytes.fromhex("".join(k.chunk_hash_hex for k in req_keys))),
+        ("response: JSON written by `lookup_json`, 128 keys",
+         lambda: lookup_json(hexes, ns, res, [])),
     ]  # fmt: skip
     rows = [(name, _median_us(fn)) for name, fn in steps]
     print("\n| step (server side, in process) | median |\n|---|---|")

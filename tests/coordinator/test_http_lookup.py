@@ -9,6 +9,7 @@ import numpy as np
 
 from kvatlas.core.keys import pack_kv_rank
 from kvatlas.core.types import Tier
+from kvatlas.wire.http_api import LookupRequest, encode_lookup_msgpack
 
 from .conftest import RunningCoordinator
 from .events import MODEL, batch, fake_hash, json_body, msgpack_body, prompt_hashes, register_body
@@ -80,6 +81,50 @@ def test_keys_lookup_and_bad_requests(coord: RunningCoordinator) -> None:
         r = c.post("/directory/lookup", json=bad)
         assert r.status_code == 400, (bad, r.text)
         assert r.json()["error"]
+
+
+def test_every_lookup_form_gives_the_same_answer(coord: RunningCoordinator) -> None:
+    """token_ids, tokens_b64, the msgpack body (raw tokens) and the keys form (one
+    namespace: fast path; mixed namespaces or upper-case hex: per-key path) agree."""
+    c = coord.client
+    tokens = list(range(500, 500 + 256 * 6))
+    hs = prompt_hashes(tokens)
+    c.post("/events", content=msgpack_body(batch("node-a", 1, hs[:4])), headers=MSGPACK)
+    c.post(
+        "/events", content=msgpack_body(batch("node-b", 1, hs[:2], tier=Tier.L2)), headers=MSGPACK
+    )
+    raw = np.asarray(tokens, dtype="<u4").tobytes()
+    by_ids = c.post("/directory/lookup", json={"token_ids": tokens, "model_name": MODEL})
+    by_b64 = c.post(
+        "/directory/lookup",
+        json={"tokens_b64": base64.b64encode(raw).decode(), "model_name": MODEL},
+    )
+    by_msgpack = c.post(
+        "/directory/lookup",
+        content=encode_lookup_msgpack(LookupRequest(tokens_b64=raw, model_name=MODEL)),
+        headers=MSGPACK,
+    )
+    assert by_ids.status_code == by_b64.status_code == by_msgpack.status_code == 200
+    assert by_ids.content == by_b64.content == by_msgpack.content
+    answer = by_ids.json()
+    assert [len(r["placements"]) for r in answer["results"]] == [2, 2, 1, 1, 0, 0]
+    keys = [{"chunk_hash_hex": h.hex(), "model_name": MODEL, "kv_rank": 16777472} for h in hs]
+    by_keys = c.post("/directory/lookup", json={"keys": keys}).json()
+    assert by_keys["results"] == answer["results"]
+    assert by_keys["prefix_holders"] == []
+    upper = [{**k, "chunk_hash_hex": k["chunk_hash_hex"].upper()} for k in keys]
+    echoed = c.post("/directory/lookup", json={"keys": upper}).json()["results"]
+    assert [r["key"]["chunk_hash_hex"] for r in echoed] == [k["chunk_hash_hex"] for k in upper]
+    assert [r["placements"] for r in echoed] == [r["placements"] for r in answer["results"]]
+    other = {**keys[0], "model_name": "other"}
+    mixed = c.post("/directory/lookup", json={"keys": [*keys, other]}).json()["results"]
+    assert mixed[:-1] == answer["results"]
+    assert mixed[-1]["placements"] == []
+    r = c.post("/directory/lookup", content=b"\xc1", headers=MSGPACK)
+    assert r.status_code == 400 and "malformed" in r.json()["error"]
+    bad_hex = [{**keys[0], "chunk_hash_hex": "g" * 64}]
+    r = c.post("/directory/lookup", json={"keys": bad_hex})
+    assert r.status_code == 400 and "not hex" in r.json()["error"]
 
 
 def test_lookup_limits(start_coordinator: object) -> None:
@@ -219,12 +264,7 @@ def test_auth_token_guards_everything_but_healthz(start_coordinator: object) -> 
 def test_openapi_describes_every_route(coord: RunningCoordinator) -> None:
     doc = coord.client.get("/openapi.json").json()
     assert doc["openapi"].startswith("3.")
-    routes = {
-        (r.path, m.lower())
-        for r in coord.coordinator.app.routes  # type: ignore[attr-defined]
-        for m in r.methods
-        if m != "HEAD"
-    }
+    routes = {(r.path, r.method.lower()) for r in coord.coordinator.http.router.routes()}
     documented = {(p, m) for p, ops in doc["paths"].items() for m in ops}
     assert routes == documented
     assert "RegisterRequest" in doc["components"]["schemas"]

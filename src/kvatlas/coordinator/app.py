@@ -3,7 +3,7 @@
 Builds, in order: metrics, the fleet state (restored from the snapshot when there is
 one), the service, the membership frontend (direct, or through Kafka with the consumer
 and the publisher), the HTTP app, the snapshot writer and the expiry loop; then serves
-HTTP with uvicorn (uvloop, httptools) on a socket it bound itself (so a port of 0 is
+HTTP (`http_server`: uvloop, httptools) on a socket it bound itself (so a port of 0 is
 known before serving) until told to stop (SIGINT/SIGTERM or `stop()`), and on a clean
 shutdown writes a last snapshot. Must not contain logic of its own beyond wiring.
 """
@@ -20,12 +20,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Protocol
 
-import uvicorn
-
 from kvatlas.coordinator import snapshot
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.frontend import LocalMembership, MembershipFrontend
 from kvatlas.coordinator.http_app import CoordinatorApp
+from kvatlas.coordinator.http_server import HttpServer
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.core.fleet import FleetState
@@ -80,14 +79,14 @@ class Coordinator:
         else:
             self.membership = LocalMembership(self.service, clock)
             self.service.set_ready()
-        self.app = CoordinatorApp(
+        self.http: HttpServer = CoordinatorApp(
             config,
             self.service,
             self.membership,
             self.metrics,
             clock=clock,
             events_refusal=events_refusal,
-        ).build()
+        ).server()
         self.snapshots = (
             snapshot.SnapshotWriter(
                 self.service, Path(config.snapshot_path), config.snapshot_interval, self.metrics
@@ -97,7 +96,6 @@ class Coordinator:
         )
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
-        self._server: uvicorn.Server | None = None
         self._expiry: threading.Thread | None = None
 
     def bind(self) -> int:
@@ -123,22 +121,11 @@ class Coordinator:
         """Serve until stopped; blocking. Writes the last snapshot on the way out."""
         port = self.bind()
         assert self._sock is not None
-        uv_config = uvicorn.Config(
-            self.app,
-            loop="uvloop",
-            http="httptools",
-            lifespan="off",
-            access_log=False,
-            log_config=None,
-            timeout_graceful_shutdown=5,
-            backlog=2048,
-        )
-        self._server = uvicorn.Server(uv_config)
         if self._stop.is_set():
-            self._server.should_exit = True
+            self.http.stop()
         if threading.current_thread() is threading.main_thread():
-            # uvicorn re-raises the signal it caught after serving, with the handlers
-            # found at start: make those ours, so the process lives to write its snapshot.
+            # Stop on SIGINT/SIGTERM by leaving the serve loop, so that the process
+            # lives on to write its last snapshot.
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, self._on_signal)
         for part in self._parts:
@@ -154,7 +141,7 @@ class Coordinator:
             self.config.event_transport,
         )
         try:
-            self._server.run(sockets=[self._sock])
+            self.http.run(self._sock)
         finally:
             self.shutdown()
 
@@ -164,8 +151,7 @@ class Coordinator:
     def stop(self) -> None:
         """Ask the server to stop (thread-safe)."""
         self._stop.set()
-        if self._server is not None:
-            self._server.should_exit = True
+        self.http.stop()
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -1,12 +1,13 @@
 """The coordinator's HTTP API (LMCache-compatible, plus kvatlas' additions).
 
-Owns routing, body limits, decoding with msgspec from raw bodies (no pydantic), the
-mapping of errors to status codes (InvalidInput 400, contract and incarnation conflicts
-409, limits 413, unknown instance 404) and where each handler runs: small requests on
-the event loop, large ones (big bodies, long prompts, blend lookups) in the threadpool,
-so one heavy request never stalls the loop. Must not hold state beyond its
+Owns the routes, decoding with msgspec from raw bodies (no pydantic), the mapping of
+errors to status codes (InvalidInput 400, contract and incarnation conflicts 409,
+limits 413, unknown instance 404, the log unreachable 503) and where each handler
+runs: small requests on the event loop, large ones (big bodies, scans) in the thread
+pool, so one heavy request never stalls the loop. Must not hold state beyond its
 collaborators, nor touch the fleet state except through the service and the
-membership frontend.
+membership frontend. Connections, limits on the request itself and dispatch are
+`http_server`'s.
 """
 
 from __future__ import annotations
@@ -14,26 +15,22 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 import msgspec
-from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
-from starlette.middleware import Middleware
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 from kvatlas.coordinator.auth import BearerAuth
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.frontend import MembershipFrontend, Unavailable
+from kvatlas.coordinator.http_server import HttpRequest, HttpResponse, HttpServer, Router, always
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.openapi import openapi_document
 from kvatlas.coordinator.service import CoordinatorService
-from kvatlas.coordinator.views import ReadyResponse, keys_response, prefix_response
+from kvatlas.coordinator.views import ReadyResponse, holders_wire, keys_response, lookup_json
 from kvatlas.core.errors import ContractMismatch, InvalidInput, StaleIncarnation, TooLarge
-from kvatlas.core.keys import Namespace, default_kv_rank
+from kvatlas.core.keys import HASH_BYTES, Namespace, default_kv_rank
 from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.types import Tier
 from kvatlas.wire.http_api import (
@@ -43,22 +40,20 @@ from kvatlas.wire.http_api import (
     ErrorResponse,
     HeartbeatResponse,
     InstancesResponse,
-    LookupRequest,
+    KeyWire,
     RegisterRequest,
     RegisterResponse,
     decode_events,
+    decode_lookup,
 )
 
 log = logging.getLogger(__name__)
 
 _INLINE_BODY_BYTES = 512 * 1024
-"""Bodies larger than this are decoded and applied in the threadpool."""
-_INLINE_TOKENS = 65536
-"""Token lookups longer than this run in the threadpool."""
+"""Bodies larger than this are decoded and applied in the thread pool."""
 _MAX_PAGE = 10000
 
 _register_decoder = msgspec.json.Decoder(RegisterRequest)
-_lookup_decoder = msgspec.json.Decoder(LookupRequest)
 _blend_decoder = msgspec.json.Decoder(BlendLookupRequest)
 _encoder = msgspec.json.Encoder()
 
@@ -72,57 +67,35 @@ class HttpError(Exception):
         self.reason = reason
 
 
-def _json(obj: Any, status: int = 200) -> Response:
-    return Response(_encoder.encode(obj), status, media_type="application/json")
+def _json(obj: Any, status: int = 200) -> HttpResponse:
+    return HttpResponse(status, _encoder.encode(obj))
 
 
-def _error(status: int, reason: str) -> Response:
+def _error(status: int, reason: str) -> HttpResponse:
     return _json(ErrorResponse(reason), status)
 
 
-Handler = Callable[[Request], Awaitable[Response]]
+def translate_error(exc: Exception) -> HttpResponse | None:
+    """The error tree as status codes with reasons; None for anything else (a bug)."""
+    if isinstance(exc, HttpError):
+        return _error(exc.status, exc.reason)
+    if isinstance(exc, Unavailable):
+        return _error(503, str(exc))
+    if isinstance(exc, ContractMismatch | StaleIncarnation):
+        return _error(409, str(exc))
+    if isinstance(exc, TooLarge):
+        return _error(413, str(exc))
+    if isinstance(exc, InvalidInput):
+        return _error(400, str(exc))
+    if isinstance(exc, msgspec.ValidationError):
+        return _error(400, f"invalid body: {exc}")
+    if isinstance(exc, msgspec.DecodeError):
+        return _error(400, f"malformed body: {exc}")
+    return None
 
 
-def _guarded(handler: Handler) -> Handler:
-    """Translate the error tree into status codes with reasons."""
-
-    async def wrapped(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except HttpError as exc:
-            return _error(exc.status, exc.reason)
-        except Unavailable as exc:
-            return _error(503, str(exc))
-        except (ContractMismatch, StaleIncarnation) as exc:
-            return _error(409, str(exc))
-        except TooLarge as exc:
-            return _error(413, str(exc))
-        except InvalidInput as exc:
-            return _error(400, str(exc))
-        except msgspec.ValidationError as exc:
-            return _error(400, f"invalid body: {exc}")
-        except msgspec.DecodeError as exc:
-            return _error(400, f"malformed body: {exc}")
-
-    return wrapped
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            if int(declared) > limit:
-                raise HttpError(413, f"body of {declared} bytes exceeds the limit of {limit}")
-        except ValueError as exc:
-            raise HttpError(400, "content-length is not a number") from exc
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HttpError(413, f"body exceeds the limit of {limit} bytes")
-        parts.append(chunk)
-    return b"".join(parts)
+def _big_body(request: HttpRequest) -> bool:
+    return len(request.body) > _INLINE_BODY_BYTES
 
 
 class CoordinatorApp:
@@ -148,33 +121,36 @@ class CoordinatorApp:
         self._events_refusal = events_refusal
         self._openapi = _encoder.encode(openapi_document())
 
-    def build(self) -> Starlette:
-        g = _guarded
-        routes = [
-            Route("/instances", g(self.register), methods=["POST"]),
-            Route("/instances", g(self.list_instances), methods=["GET"]),
-            Route("/instances/{instance_id}/heartbeat", g(self.heartbeat), methods=["PUT"]),
-            Route("/instances/{instance_id}", g(self.deregister), methods=["DELETE"]),
-            Route("/events", g(self.events), methods=["POST"]),
-            Route("/directory/lookup", g(self.lookup), methods=["POST"]),
-            Route("/directory/blend-lookup", g(self.blend_lookup), methods=["POST"]),
-            Route("/directory/stats", g(self.stats), methods=["GET"]),
-            Route("/directory/keys", g(self.keys), methods=["GET"]),
-            Route("/healthz", self.healthz, methods=["GET"]),
-            Route("/readyz", self.readyz, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
-            Route("/openapi.json", self.openapi, methods=["GET"]),
-        ]
-        middleware = []
-        if self._cfg.auth_token:
-            middleware.append(Middleware(BearerAuth, token=self._cfg.auth_token))
-        return Starlette(routes=routes, middleware=middleware)
+    def router(self) -> Router:
+        r = Router()
+        r.add("POST", "/instances", self.register)
+        r.add("GET", "/instances", self.list_instances)
+        r.add("PUT", "/instances/{instance_id}/heartbeat", self.heartbeat)
+        r.add("DELETE", "/instances/{instance_id}", self.deregister)
+        r.add("POST", "/events", self.events, offload=_big_body)
+        r.add("POST", "/directory/lookup", self.lookup, offload=_big_body)
+        r.add("POST", "/directory/blend-lookup", self.blend_lookup, offload=always)
+        r.add("GET", "/directory/stats", self.stats, offload=always)
+        r.add("GET", "/directory/keys", self.keys, offload=always)
+        r.add("GET", "/healthz", self.healthz)
+        r.add("GET", "/readyz", self.readyz)
+        r.add("GET", "/metrics", self.metrics, offload=always)
+        r.add("GET", "/openapi.json", self.openapi)
+        return r
+
+    def server(self) -> HttpServer:
+        """The HTTP server of these routes, with the token check when one is set."""
+        return HttpServer(
+            self.router(),
+            translate_error,
+            max_body_bytes=self._cfg.max_body_bytes,
+            gate=BearerAuth(self._cfg.auth_token) if self._cfg.auth_token else None,
+        )
 
     # ---- membership ------------------------------------------------------------------
 
-    async def register(self, request: Request) -> Response:
-        body = await _read_body(request, self._cfg.max_body_bytes)
-        req = _register_decoder.decode(body)
+    async def register(self, request: HttpRequest) -> HttpResponse:
+        req = _register_decoder.decode(request.body)
         iid = req.instance_id or f"instance-{uuid.uuid4().hex[:12]}"
         info = InstanceInfo(
             instance_id=iid,
@@ -189,34 +165,29 @@ class CoordinatorApp:
         outcome = await self._members.register(info)
         return _json(RegisterResponse(iid, outcome.re_registered, info.incarnation))
 
-    async def heartbeat(self, request: Request) -> Response:
+    async def heartbeat(self, request: HttpRequest) -> HttpResponse:
         iid = request.path_params["instance_id"]
         if not await self._members.heartbeat(iid):
             raise HttpError(404, f"unknown instance {iid}; re-register")
         return _json(HeartbeatResponse(iid))
 
-    async def deregister(self, request: Request) -> Response:
+    async def deregister(self, request: HttpRequest) -> HttpResponse:
         await self._members.deregister(request.path_params["instance_id"])
-        return Response(status_code=204)
+        return HttpResponse(204)
 
-    async def list_instances(self, request: Request) -> Response:
+    def list_instances(self, request: HttpRequest) -> HttpResponse:
         return _json(InstancesResponse(self._svc.instances(self._clock())))
 
     # ---- events ----------------------------------------------------------------------
 
-    async def events(self, request: Request) -> Response:
+    def events(self, request: HttpRequest) -> HttpResponse:
+        """Runs on the loop, or in the pool for a body over `_INLINE_BODY_BYTES`."""
         if self._events_refusal:
             raise HttpError(409, self._events_refusal)
-        body = await _read_body(request, self._cfg.max_body_bytes)
         ctype = request.headers.get("content-type", "application/json")
-        if len(body) > _INLINE_BODY_BYTES:
-            return await run_in_threadpool(self._ingest, body, ctype)
-        return self._ingest(body, ctype)
-
-    def _ingest(self, body: bytes, content_type: str) -> Response:
         try:
-            batches = decode_events(body, content_type, self._cfg.max_batch_entries)
-        except InvalidInput:  # TooLarge included: answered 413 by _guarded
+            batches = decode_events(request.body, ctype, self._cfg.max_batch_entries)
+        except InvalidInput:  # TooLarge included: answered 413
             self._metrics.ingest_batches.labels("invalid", "http").inc()
             raise
         return _json(self._svc.ingest(batches, self._clock()))
@@ -236,9 +207,10 @@ class CoordinatorApp:
         rank = kv_rank if kv_rank is not None else default_kv_rank(world_size)
         return Namespace(model_name, rank, object_group_id, cache_salt)
 
-    async def lookup(self, request: Request) -> Response:
-        body = await _read_body(request, self._cfg.max_body_bytes)
-        req = _lookup_decoder.decode(body)
+    def lookup(self, request: HttpRequest) -> HttpResponse:
+        """Runs on the loop, or in the pool for a body over `_INLINE_BODY_BYTES` (about
+        80k JSON tokens): the longest inline lookup takes a few milliseconds."""
+        req = decode_lookup(request.body, request.headers.get("content-type", ""))
         forms = (req.keys is not None) + (req.token_ids is not None) + (req.tokens_b64 is not None)
         if forms != 1:
             raise HttpError(400, "give exactly one of keys, token_ids or tokens_b64")
@@ -247,11 +219,7 @@ class CoordinatorApp:
                 raise HttpError(
                     413, f"{len(req.keys)} keys exceed the limit of {self._cfg.max_lookup_keys}"
                 )
-            keys = [k.to_core() for k in req.keys]
-            t0 = time.perf_counter()
-            results = self._svc.lookup_keys(keys)
-            self._metrics.lookup_seconds.labels("keys").observe(time.perf_counter() - t0)
-            return _json(keys_response(results, req.keys))
+            return self._lookup_keys(req.keys)
         tokens: list[int] | bytes
         if req.tokens_b64 is not None:
             tokens = _b64_tokens(req.tokens_b64)
@@ -267,22 +235,38 @@ class CoordinatorApp:
         ns = self._namespace(
             req.model_name, req.world_size, req.kv_rank, req.object_group_id, req.cache_salt
         )
-        if n_tokens > _INLINE_TOKENS:
-            return await run_in_threadpool(self._lookup_tokens, tokens, ns)
-        return self._lookup_tokens(tokens, ns)
-
-    def _lookup_tokens(self, tokens: list[int] | bytes, ns: Namespace) -> Response:
         t0 = time.perf_counter()
         hashes = self._svc.hash_tokens(tokens)
         res = self._svc.lookup_hashes(hashes, ns)
         self._metrics.lookup_seconds.labels("tokens").observe(time.perf_counter() - t0)
-        return _json(prefix_response(res, self._svc.fleet.chunk_size))
+        holders = holders_wire(res, self._svc.fleet.chunk_size)
+        return HttpResponse(200, lookup_json(list(map(bytes.hex, hashes)), ns, res, holders))
 
-    async def blend_lookup(self, request: Request) -> Response:
+    def _lookup_keys(self, asked: list[KeyWire]) -> HttpResponse:
+        t0 = time.perf_counter()
+        ns = _one_namespace(asked)
+        hexes = list(map(_get_hex, asked))
+        if ns is not None and set(map(len, hexes)) == {64}:
+            # The common case (one engine asks about its own chunks): one hex decode
+            # and the columnar prefix lookup, answered with the asked hex echoed.
+            try:
+                blob = bytes.fromhex("".join(hexes))
+            except ValueError:
+                pass  # the per-key path names the bad key
+            else:
+                hashes = [blob[i : i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)]
+                res = self._svc.lookup_hashes(hashes, ns, prefix=False)
+                self._metrics.lookup_seconds.labels("keys").observe(time.perf_counter() - t0)
+                return HttpResponse(200, lookup_json(hexes, ns, res, []))
+        results = self._svc.lookup_keys([k.to_core() for k in asked])
+        self._metrics.lookup_seconds.labels("keys").observe(time.perf_counter() - t0)
+        return _json(keys_response(results, asked))
+
+    def blend_lookup(self, request: HttpRequest) -> HttpResponse:
+        """Always in the pool: a blend lookup scans every position of the prompt."""
         if not self._svc.blend_enabled:
             raise HttpError(404, "blend lookup is disabled; start with --enable-blend-lookup")
-        body = await _read_body(request, self._cfg.max_body_bytes)
-        req = _blend_decoder.decode(body)
+        req = _blend_decoder.decode(request.body)
         raw = _b64_tokens(req.tokens_b64)
         if len(raw) // 4 > self._cfg.max_lookup_tokens:
             raise HttpError(
@@ -292,9 +276,6 @@ class CoordinatorApp:
         ns = self._namespace(
             req.model_name, req.world_size, req.kv_rank, req.object_group_id, req.cache_salt
         )
-        return await run_in_threadpool(self._blend, raw, ns)
-
-    def _blend(self, raw: bytes, ns: Namespace) -> Response:
         t0 = time.perf_counter()
         matches = self._svc.blend_lookup(raw, ns)
         self._metrics.lookup_seconds.labels("blend").observe(time.perf_counter() - t0)
@@ -304,14 +285,14 @@ class CoordinatorApp:
             )
         )
 
-    # ---- views -----------------------------------------------------------------------
+    # ---- views (in the pool: each walks a whole structure) ---------------------------
 
-    async def stats(self, request: Request) -> Response:
-        with_digest = request.query_params.get("digest", "") in ("1", "true")
-        return _json(await run_in_threadpool(self._svc.stats, with_digest))
+    def stats(self, request: HttpRequest) -> HttpResponse:
+        with_digest = request.query.get("digest", "") in ("1", "true")
+        return _json(self._svc.stats(with_digest))
 
-    async def keys(self, request: Request) -> Response:
-        q = request.query_params
+    def keys(self, request: HttpRequest) -> HttpResponse:
+        q = request.query
         try:
             offset = int(q.get("offset", "0"))
             limit = int(q.get("limit", "100"))
@@ -326,25 +307,33 @@ class CoordinatorApp:
                 tier = Tier(tier_name)
             except ValueError as exc:
                 raise HttpError(400, f"tier must be l1 or l2, got {tier_name!r}") from exc
-        page = await run_in_threadpool(
-            self._svc.keys_page, offset, limit, tier, q.get("instance"), q.get("backend")
-        )
-        return _json(page)
+        return _json(self._svc.keys_page(offset, limit, tier, q.get("instance"), q.get("backend")))
 
-    async def healthz(self, request: Request) -> Response:
+    def healthz(self, request: HttpRequest) -> HttpResponse:
         return _json({"status": "ok"})
 
-    async def readyz(self, request: Request) -> Response:
+    def readyz(self, request: HttpRequest) -> HttpResponse:
         if self._svc.ready:
             return _json(ReadyResponse(True, ""))
         return _json(ReadyResponse(False, self._svc.not_ready_reason), 503)
 
-    async def metrics(self, request: Request) -> Response:
-        body = await run_in_threadpool(self._metrics.render)
-        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+    def metrics(self, request: HttpRequest) -> HttpResponse:
+        return HttpResponse(200, self._metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
 
-    async def openapi(self, request: Request) -> Response:
-        return Response(self._openapi, media_type="application/json")
+    def openapi(self, request: HttpRequest) -> HttpResponse:
+        return HttpResponse(200, self._openapi)
+
+
+_get_hex = attrgetter("chunk_hash_hex")
+_get_namespace = attrgetter("model_name", "kv_rank", "object_group_id", "cache_salt")
+
+
+def _one_namespace(keys: list[KeyWire]) -> Namespace | None:
+    """The namespace every key shares, or None (also for no keys)."""
+    fields = set(map(_get_namespace, keys))
+    if len(fields) != 1:
+        return None
+    return Namespace(*fields.pop())
 
 
 def _b64_tokens(raw: bytes) -> bytes:

@@ -2,11 +2,15 @@
 does not define yet (`/directory/stats`, `/directory/keys`, `/readyz`), and the mapping
 of core lookup results to `wire` shapes.
 
-Owns these msgspec Structs and their mapping from core snapshots; no I/O, no state.
-They belong in `kvatlas.wire` once the wire layer takes them over.
+Owns these msgspec Structs and their mapping from core snapshots, and the direct JSON
+encoding of a lookup answer (`lookup_json`); no I/O, no state. They belong in
+`kvatlas.wire` once the wire layer takes them over.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import chain
 
 import msgspec
 
@@ -207,3 +211,76 @@ def keys_response(results: list[KeyResult], asked: list[KeyWire] | None = None) 
         for i, r in enumerate(results)
     ]
     return LookupResponse(len(out), out)
+
+
+_encoder = msgspec.json.Encoder()
+_KEY_OPEN = '{"key":{"chunk_hash_hex":"'
+
+
+def lookup_json(
+    hexes: Sequence[str],
+    ns: Namespace,
+    res: PrefixResult,
+    holders: list[HolderWire],
+) -> bytes:
+    """`POST /directory/lookup`'s answer as JSON bytes, byte for byte what msgspec makes
+    of the `LookupResponse` that `prefix_response` builds, in a third of its time.
+
+    Every result of one lookup shares the namespace, and chunks share a handful of
+    placement sets, so each result is its hash's hex between two strings built once per
+    (placement set, access count): the per-chunk work is C-level maps and one join
+    instead of three Structs per chunk. ``hexes`` are the chunks' hashes as hex, as
+    the caller wants them echoed. Results with tokens take the Struct path.
+    """
+    n = len(hexes)
+    if res.token_ids is not None and any(t is not None for t in res.token_ids):
+        results = [
+            ResultWire(
+                KeyWire(h, ns.model_name, ns.kv_rank, ns.object_group_id, ns.cache_salt),
+                [placement_wire(p) for p in ps],
+                list(t) if t is not None else None,
+                a,
+            )
+            for h, ps, a, t in zip(
+                hexes, res.placements, res.access_counts, res.token_ids, strict=True
+            )
+        ]
+        return _encoder.encode(LookupResponse(n, results, holders))
+    # '","model_name":...,"cache_salt":""}' : what follows the hash in every key.
+    empty_key = _encoder.encode(
+        KeyWire("", ns.model_name, ns.kv_rank, ns.object_group_id, ns.cache_salt)
+    ).decode()
+    key_rest = empty_key[len('{"chunk_hash_hex":"') :]
+    sep = "," + _KEY_OPEN
+    # Each chunk's text after its hex, up to the next chunk's hex, by (placement set,
+    # access count); ids are stable while `res` holds the tuples.
+    idents: list[object] = (
+        list(zip(map(id, res.placements), res.access_counts, strict=True))
+        if any(res.access_counts)
+        else list(map(id, res.placements))
+    )
+    tails: dict[object, str] = {}
+    for ident, ps, access in zip(idents, res.placements, res.access_counts, strict=True):
+        if ident not in tails:
+            pj = _encoder.encode([placement_wire(p) for p in ps]).decode()
+            tails[ident] = (
+                f'{key_rest},"placements":{pj},"token_ids":null,"access_count":{access}}}{sep}'
+            )
+    body = "".join(chain.from_iterable(zip(hexes, map(tails.__getitem__, idents), strict=True)))
+    return b"".join(
+        (
+            b'{"chunks":%d,"results":[' % n,
+            _KEY_OPEN.encode() if n else b"",
+            body[: -len(sep)].encode(),
+            b'],"prefix_holders":',
+            _encoder.encode(holders),
+            b"}",
+        )
+    )
+
+
+def holders_wire(res: PrefixResult, chunk_size: int) -> list[HolderWire]:
+    return [
+        HolderWire(h.instance_id, h.tier.value, h.chunks, h.chunks * chunk_size)
+        for h in res.holders
+    ]

@@ -1,0 +1,261 @@
+"""The coordinator's HTTP/1.1 server on its own, over real loopback sockets: routing,
+keep-alive and pipelining order, limits, `Expect: 100-continue`, coroutine and
+thread-pool handlers, errors, idle timeouts and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import BinaryIO
+
+import httpx
+import pytest
+
+from kvatlas.coordinator.http_server import (
+    HttpRequest,
+    HttpResponse,
+    HttpServer,
+    Router,
+    always,
+)
+
+
+class Boom(Exception):
+    pass
+
+
+def _translate(exc: Exception) -> HttpResponse | None:
+    if isinstance(exc, ValueError):
+        return HttpResponse(400, b'{"error":"bad value"}')
+    return None
+
+
+def _echo(request: HttpRequest) -> HttpResponse:
+    return HttpResponse(200, request.body, "application/octet-stream")
+
+
+def _item(request: HttpRequest) -> HttpResponse:
+    body = f"{request.path_params['name']}?{request.query.get('q', '')}".encode()
+    return HttpResponse(200, body, "text/plain")
+
+
+async def _slow(request: HttpRequest) -> HttpResponse:
+    await asyncio.sleep(float(request.query.get("s", "0.05")))
+    return HttpResponse(200, b"slow", "text/plain")
+
+
+def _thread(request: HttpRequest) -> HttpResponse:
+    time.sleep(0.02)
+    return HttpResponse(200, threading.current_thread().name.encode(), "text/plain")
+
+
+def _value_error(request: HttpRequest) -> HttpResponse:
+    raise ValueError("no")
+
+
+def _boom(request: HttpRequest) -> HttpResponse:
+    raise Boom("bug")
+
+
+class Served:
+    def __init__(self, idle_timeout: float = 75.0, shutdown_grace: float = 5.0) -> None:
+        r = Router()
+        r.add("POST", "/echo", _echo)
+        r.add("GET", "/items/{name}", _item)
+        r.add("GET", "/slow", _slow)
+        r.add("GET", "/thread", _thread, offload=always)
+        r.add("GET", "/value-error", _value_error)
+        r.add("GET", "/boom", _boom)
+        self.server = HttpServer(
+            r,
+            _translate,
+            max_body_bytes=1024,
+            idle_timeout=idle_timeout,
+            shutdown_grace=shutdown_grace,
+        )
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        self.port = sock.getsockname()[1]
+        self.thread = threading.Thread(target=self.server.run, args=(sock,), daemon=True)
+        self.thread.start()
+        self.sock = sock
+        assert self.server.serving.wait(10), "server did not start"
+
+    def connect(self) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+        return s
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.thread.join(15)
+        assert not self.thread.is_alive()
+        self.sock.close()
+
+
+@pytest.fixture
+def served() -> Iterator[Served]:
+    s = Served()
+    yield s
+    s.stop()
+
+
+def _read_response(reader: BinaryIO) -> tuple[int, dict[str, str], bytes]:
+    status_line = reader.readline()
+    status = int(status_line.split()[1])
+    headers: dict[str, str] = {}
+    while True:
+        line = reader.readline()
+        if line in (b"\r\n", b""):
+            break
+        k, v = line.decode().split(":", 1)
+        headers[k.strip().lower()] = v.strip()
+    n = int(headers.get("content-length", "0"))
+    return status, headers, reader.read(n)
+
+
+def test_routes_params_query_and_methods(served: Served) -> None:
+    with httpx.Client(base_url=f"http://127.0.0.1:{served.port}") as c:
+        r = c.post("/echo", content=b"hello")
+        assert (r.status_code, r.content) == (200, b"hello")
+        assert r.headers["content-type"] == "application/octet-stream"
+        r = c.get("/items/abc", params={"q": "x y"})
+        assert r.text == "abc?x y"
+        r = c.get("/echo")
+        assert r.status_code == 405
+        assert r.headers["allow"] == "POST"
+        r = c.get("/nowhere")
+        assert r.status_code == 404
+        assert "/nowhere" in r.json()["error"]
+        r = c.head("/items/abc")
+        assert r.status_code == 200
+        assert r.content == b""
+        assert r.headers["content-length"] == "4"
+
+
+def test_handler_errors_are_translated_or_500(served: Served) -> None:
+    with httpx.Client(base_url=f"http://127.0.0.1:{served.port}") as c:
+        r = c.get("/value-error")
+        assert (r.status_code, r.json()) == (400, {"error": "bad value"})
+        r = c.get("/boom")
+        assert r.status_code == 500
+        assert "Boom" in r.json()["error"]
+        # The connection survives a handler's error.
+        assert c.post("/echo", content=b"after").content == b"after"
+
+
+def test_pipelined_requests_are_answered_in_order(served: Served) -> None:
+    """A coroutine handler and a pool handler in the middle must not reorder answers."""
+    s = served.connect()
+    reqs = [
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\none",
+        b"GET /slow?s=0.1 HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /thread HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nfour",
+    ]
+    s.sendall(b"".join(reqs))
+    f = s.makefile("rb")
+    bodies = [_read_response(f)[2] for _ in reqs]
+    assert bodies[0] == b"one"
+    assert bodies[1] == b"slow"
+    assert bodies[2].startswith(b"http-offload")
+    assert bodies[3] == b"four"
+    s.close()
+
+
+def test_chunked_body_and_expect_continue(served: Served) -> None:
+    s = served.connect()
+    s.sendall(
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+    )
+    f = s.makefile("rb")
+    assert _read_response(f)[::2] == (200, b"abcde")
+    s.sendall(
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n"
+    )
+    assert f.readline().startswith(b"HTTP/1.1 100")
+    assert f.readline() == b"\r\n"
+    s.sendall(b"ok")
+    assert _read_response(f)[::2] == (200, b"ok")
+    s.close()
+
+
+def test_limits_answer_and_close(served: Served) -> None:
+    s = served.connect()
+    s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n")
+    f = s.makefile("rb")
+    status, headers, body = _read_response(f)
+    assert status == 413
+    assert b"5000" in body
+    assert headers["connection"] == "close"
+    assert f.read() == b""  # closed
+    s.close()
+    # A chunked body that grows past the limit.
+    s = served.connect()
+    chunk = b"400\r\n" + b"x" * 1024 + b"\r\n"
+    s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk * 2)
+    assert _read_response(s.makefile("rb"))[0] == 413
+    s.close()
+    s = served.connect()
+    s.sendall(b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert _read_response(s.makefile("rb"))[0] == 414
+    s.close()
+    s = served.connect()
+    s.sendall(b"GET /items/a HTTP/1.1\r\n" + b"X-Big: " + b"b" * 70000 + b"\r\n\r\n")
+    assert _read_response(s.makefile("rb"))[0] == 431
+    s.close()
+
+
+def test_malformed_request_gets_400(served: Served) -> None:
+    s = served.connect()
+    s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+    status, _, body = _read_response(s.makefile("rb"))
+    assert status == 400
+    assert b"malformed" in body
+    s.close()
+
+
+def test_connection_close_and_http10(served: Served) -> None:
+    s = served.connect()
+    s.sendall(b"GET /items/z HTTP/1.0\r\n\r\n")
+    f = s.makefile("rb")
+    status, headers, body = _read_response(f)
+    assert (status, body, headers["connection"]) == (200, b"z?", "close")
+    assert f.read() == b""
+    s.close()
+
+
+def test_idle_connections_are_closed() -> None:
+    served = Served(idle_timeout=0.3)
+    try:
+        s = served.connect()
+        s.sendall(b"GET /items/a HTTP/1.1\r\nHost: x\r\n\r\n")
+        f = s.makefile("rb")
+        assert _read_response(f)[0] == 200
+        t0 = time.monotonic()
+        assert f.read() == b""  # the server closes it
+        assert time.monotonic() - t0 < 5
+        s.close()
+    finally:
+        served.stop()
+
+
+def test_stop_lets_a_busy_request_finish() -> None:
+    served = Served(shutdown_grace=5.0)
+    s = served.connect()
+    s.sendall(b"GET /slow?s=0.3 HTTP/1.1\r\nHost: x\r\n\r\n")
+    time.sleep(0.1)
+    idle = served.connect()
+    stopper = threading.Thread(target=served.stop)
+    stopper.start()
+    status, headers, body = _read_response(s.makefile("rb"))
+    assert (status, body) == (200, b"slow")
+    assert headers["connection"] == "close"
+    stopper.join(15)
+    assert idle.makefile("rb").read() == b""
+    s.close()
+    idle.close()
