@@ -13,6 +13,8 @@ from typing import BinaryIO
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvatlas.coordinator.http_server import (
     HttpRequest,
@@ -244,6 +246,30 @@ def test_idle_connections_are_closed() -> None:
         served.stop()
 
 
+def test_a_stalled_request_is_closed_like_an_idle_connection() -> None:
+    served = Served(idle_timeout=0.3)
+    try:
+        s = served.connect()
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")
+        t0 = time.monotonic()
+        assert s.makefile("rb").read() == b""  # closed without an answer
+        assert time.monotonic() - t0 < 5
+        s.close()
+    finally:
+        served.stop()
+
+
+def test_half_closed_client_still_gets_its_answers(served: Served) -> None:
+    s = served.connect()
+    s.sendall(b"GET /slow?s=0.1 HTTP/1.1\r\nHost: x\r\n\r\nGET /thread HTTP/1.1\r\nHost: x\r\n\r\n")
+    s.shutdown(socket.SHUT_WR)
+    f = s.makefile("rb")
+    assert _read_response(f)[2] == b"slow"
+    assert _read_response(f)[2].startswith(b"http-offload")
+    assert f.read() == b""
+    s.close()
+
+
 def test_stop_lets_a_busy_request_finish() -> None:
     served = Served(shutdown_grace=5.0)
     s = served.connect()
@@ -259,3 +285,40 @@ def test_stop_lets_a_busy_request_finish() -> None:
     assert idle.makefile("rb").read() == b""
     s.close()
     idle.close()
+
+
+@st.composite
+def _garbled(draw: st.DrawFn) -> bytes:
+    """A valid request cut, spliced or sprinkled with bytes, or plain noise."""
+    valid = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
+    kind = draw(st.sampled_from(["noise", "cut", "splice"]))
+    if kind == "noise":
+        return draw(st.binary(min_size=1, max_size=200))
+    if kind == "cut":
+        return valid[: draw(st.integers(1, len(valid) - 1))]
+    at = draw(st.integers(0, len(valid)))
+    return valid[:at] + draw(st.binary(min_size=1, max_size=20)) + valid[at:]
+
+
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=_garbled())
+def test_garbled_requests_never_break_the_server(served: Served, data: bytes) -> None:
+    """Whatever arrives, the server answers (below 500) or closes; the next client is
+    served normally."""
+    s = served.connect()
+    s.settimeout(5)
+    s.sendall(data)
+    s.shutdown(socket.SHUT_WR)
+    got = b""
+    try:
+        while chunk := s.recv(65536):
+            got += chunk
+    except TimeoutError:
+        pass  # an incomplete request waits for more: that is fine too
+    s.close()
+    for status_line in (line for line in got.split(b"\r\n") if line.startswith(b"HTTP/1.1 ")):
+        assert int(status_line.split()[1]) < 500, got[:300]
+    with httpx.Client(base_url=f"http://127.0.0.1:{served.port}") as c:
+        assert c.post("/echo", content=b"ok").content == b"ok"

@@ -222,6 +222,7 @@ class HttpProtocol(asyncio.Protocol):
         self._closing = False
         self._write_paused = False
         self._read_paused = False
+        self._eof = False
         self.last_active = time.monotonic()
 
     # ---- asyncio.Protocol ------------------------------------------------------------
@@ -251,6 +252,11 @@ class HttpProtocol(asyncio.Protocol):
                 self._refuse(cause.status, cause.reason)
             else:
                 self._refuse(400, f"malformed HTTP request: {exc}")
+
+    def eof_received(self) -> bool:
+        """The client will send no more: close now, or once what it asked is answered."""
+        self._eof = True
+        return not self.idle  # True keeps the transport open for the answers
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -354,6 +360,9 @@ class HttpProtocol(asyncio.Protocol):
             except Exception as exc:
                 response = self._server.translate(exc, request)
             self._respond(response, keep_alive, request.method)
+        if self._eof and self.idle:
+            self._abort()
+            return
         self._update_reading()
 
     def _wait_for(self, work: Awaitable[HttpResponse], request: HttpRequest, keep: bool) -> None:
@@ -427,7 +436,9 @@ class HttpProtocol(asyncio.Protocol):
 
     @property
     def idle(self) -> bool:
-        return not self._busy and not self._queue and self._pending is None
+        """No request being answered or waiting to be. A request still arriving counts
+        as idle: a client that stalls mid-request is closed like a silent one."""
+        return not self._busy and not self._queue
 
     def close(self) -> None:
         self._abort()

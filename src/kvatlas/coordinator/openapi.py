@@ -137,8 +137,11 @@ def openapi_document() -> dict[str, Any]:
         },
         "/directory/lookup": {
             "post": {
-                "summary": "Who holds these keys, or the chunks of these tokens",
-                "requestBody": _body(LookupRequest),
+                "summary": (
+                    "Who holds these keys, or the chunks of these tokens: JSON, or msgpack"
+                    " with Content-Type application/msgpack (tokens_b64 as raw bytes)"
+                ),
+                "requestBody": _body(LookupRequest, ("application/msgpack",)),
                 "responses": {**_ok(LookupResponse), **_errors(400, 401, 413)},
             }
         },
