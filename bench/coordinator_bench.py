@@ -1,6 +1,6 @@
 """Coordinator benchmark: ingest, lookups, memory per key, Kafka catch-up.
 
-Run: `python -m bench.coordinator_bench [--seconds 3] [--keys 1000000] [--no-kafka]`.
+Run: `python -m bench.coordinator_bench [--seconds 3] [--keys 1000000] [--rounds 5] [--no-kafka]`.
 
 The coordinator runs as its own process (the real CLI) on 127.0.0.1; the load comes from
 this process over loopback, through minimal HTTP/1.1 clients (keep-alive, one request in
@@ -374,7 +374,12 @@ def _kafka(n_events: int) -> dict[str, Any]:
 
 
 def _p50_p99(r: dict[str, Any]) -> str:
-    return f"{r['p50_ms']:.3f} / {r['p99_ms']:.3f} ms"
+    text = f"{r['p50_ms']:.3f} / {r['p99_ms']:.3f} ms"
+    rounds = r.get("rounds", [])
+    if len(rounds) > 1:
+        p99s = [x["p99_ms"] for x in rounds]
+        text += f" (p99 of {len(rounds)} rounds: {min(p99s):.3f}-{max(p99s):.3f})"
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -382,7 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=3.0, help="duration of each scenario")
     ap.add_argument("--keys", type=int, default=1_000_000, help="keys stored for lookups")
     ap.add_argument("--conns", type=int, default=4, help="client connections for ingest")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of each lookup form")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of each lookup form")
+    ap.add_argument(
+        "--lookup-seconds", type=float, default=2.0, help="duration of each lookup round"
+    )
     ap.add_argument("--no-kafka", action="store_true")
     args = ap.parse_args(argv)
     res: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}}
@@ -457,7 +465,9 @@ def main(argv: list[str] | None = None) -> int:
         rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in scenarios}
         for _ in range(args.rounds):
             for name, (body, ctype, method, path) in scenarios.items():
-                rounds[name].append(_lookups(server.port, body, s, 20000, ctype, method, path))
+                rounds[name].append(
+                    _lookups(server.port, body, args.lookup_seconds, 20000, ctype, method, path)
+                )
         for name, got in rounds.items():
             res[name] = {
                 "p50_ms": statistics.median(r["p50_ms"] for r in got),
