@@ -65,6 +65,24 @@ def test_prefix_lookup_reports_longest_prefix_per_instance_and_tier() -> None:
     assert [r.key for r in res.results()] == [key(i) for i in range(5)]
 
 
+def test_blob_lookup_matches_key_lookup() -> None:
+    """The keys form's columnar lookup (one blob of hashes, in any order, repeats and
+    unknown hashes included) says what `lookup_keys` says, access counts too."""
+    d = KeyDirectory()
+    d.apply(batch("a", EventType.STORE, [0, 1, 2]))
+    d.apply(batch("b", EventType.STORE, [1], tier=Tier.L2))
+    d.apply(batch("a", EventType.ACCESS, [1, 1]))
+    order = [2, 5, 1, 1, 0]
+    cols = d.lookup_blob(b"".join(HASHES[i] for i in order), NS)
+    by_key = d.lookup_keys([key(i) for i in order])
+    assert list(cols.placements) == [r.placements for r in by_key]
+    assert list(cols.access_counts) == [r.access_count for r in by_key] == [0, 0, 2, 2, 0]
+    other = d.lookup_blob(HASHES[0], Namespace("unknown", 1))
+    assert other.placements == ((),)
+    with pytest.raises(InvalidInput, match="multiple of 32"):
+        d.lookup_blob(b"x" * 33, NS)
+
+
 def test_namespaces_are_separate() -> None:
     d = KeyDirectory()
     other = Namespace("other", default_kv_rank(), 0, "salt")

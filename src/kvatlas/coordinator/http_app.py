@@ -30,7 +30,7 @@ from kvatlas.coordinator.openapi import openapi_document
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.coordinator.views import ReadyResponse, holders_wire, keys_response, lookup_json
 from kvatlas.core.errors import ContractMismatch, InvalidInput, StaleIncarnation, TooLarge
-from kvatlas.core.keys import HASH_BYTES, Namespace, default_kv_rank
+from kvatlas.core.keys import Namespace, default_kv_rank
 from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.types import Tier
 from kvatlas.wire.http_api import (
@@ -45,6 +45,7 @@ from kvatlas.wire.http_api import (
     RegisterResponse,
     decode_events,
     decode_lookup,
+    shared_namespace,
 )
 
 log = logging.getLogger(__name__)
@@ -244,7 +245,7 @@ class CoordinatorApp:
 
     def _lookup_keys(self, asked: list[KeyWire]) -> HttpResponse:
         t0 = time.perf_counter()
-        ns = _one_namespace(asked)
+        ns = shared_namespace(asked)
         hexes = list(map(_get_hex, asked))
         if ns is not None and set(map(len, hexes)) == {64}:
             # The common case (one engine asks about its own chunks): one hex decode
@@ -254,10 +255,9 @@ class CoordinatorApp:
             except ValueError:
                 pass  # the per-key path names the bad key
             else:
-                hashes = [blob[i : i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)]
-                res = self._svc.lookup_hashes(hashes, ns, prefix=False)
+                cols = self._svc.lookup_blob(blob, ns)
                 self._metrics.lookup_seconds.labels("keys").observe(time.perf_counter() - t0)
-                return HttpResponse(200, lookup_json(hexes, ns, res, []))
+                return HttpResponse(200, lookup_json(hexes, ns, cols, []))
         results = self._svc.lookup_keys([k.to_core() for k in asked])
         self._metrics.lookup_seconds.labels("keys").observe(time.perf_counter() - t0)
         return _json(keys_response(results, asked))
@@ -325,15 +325,6 @@ class CoordinatorApp:
 
 
 _get_hex = attrgetter("chunk_hash_hex")
-_get_namespace = attrgetter("model_name", "kv_rank", "object_group_id", "cache_salt")
-
-
-def _one_namespace(keys: list[KeyWire]) -> Namespace | None:
-    """The namespace every key shares, or None (also for no keys)."""
-    fields = set(map(_get_namespace, keys))
-    if len(fields) != 1:
-        return None
-    return Namespace(*fields.pop())
 
 
 def _b64_tokens(raw: bytes) -> bytes:

@@ -25,7 +25,7 @@ from itertools import islice
 from kvatlas.coordinator.metrics import CoordinatorMetrics, StateSample
 from kvatlas.coordinator.views import KeysPage, StatsResponse, key_view, stats_response
 from kvatlas.core.blend import BlendMatch
-from kvatlas.core.directory import KeyResult, PrefixResult
+from kvatlas.core.directory import KeyColumns, KeyResult, PrefixResult
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import EventBatch
 from kvatlas.core.fleet import Fenced, FleetState
@@ -278,12 +278,14 @@ class CoordinatorService:
         """The prompt's chunk hashes; CPU work done outside the lock."""
         return list(chunk_hashes(tokens, self.fleet.chunk_size))
 
-    def lookup_hashes(
-        self, hashes: Sequence[bytes], ns: Namespace, *, prefix: bool = True
-    ) -> PrefixResult:
-        """Placements per hash; with ``prefix``, also who holds the longest prefix."""
+    def lookup_hashes(self, hashes: Sequence[bytes], ns: Namespace) -> PrefixResult:
         with self.lock:
-            return self.fleet.directory.lookup_prefix(hashes, ns, holders=prefix)
+            return self.fleet.directory.lookup_prefix(hashes, ns)
+
+    def lookup_blob(self, blob: bytes, ns: Namespace) -> KeyColumns:
+        """Placements per hash of a blob of concatenated full hashes (the keys form)."""
+        with self.lock:
+            return self.fleet.directory.lookup_blob(blob, ns)
 
     def lookup_keys(self, keys: Sequence[ObjectKey]) -> list[KeyResult]:
         with self.lock:

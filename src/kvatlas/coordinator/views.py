@@ -14,7 +14,7 @@ from itertools import chain
 
 import msgspec
 
-from kvatlas.core.directory import DirectoryStats, KeyResult, Placement, PrefixResult
+from kvatlas.core.directory import DirectoryStats, KeyColumns, KeyResult, Placement, PrefixResult
 from kvatlas.core.fleet import BlendStats
 from kvatlas.core.gate import Cursor
 from kvatlas.core.keys import Namespace
@@ -220,7 +220,7 @@ _KEY_OPEN = '{"key":{"chunk_hash_hex":"'
 def lookup_json(
     hexes: Sequence[str],
     ns: Namespace,
-    res: PrefixResult,
+    res: PrefixResult | KeyColumns,
     holders: list[HolderWire],
 ) -> bytes:
     """`POST /directory/lookup`'s answer as JSON bytes, byte for byte what msgspec makes
@@ -259,13 +259,13 @@ def lookup_json(
         if any(res.access_counts)
         else list(map(id, res.placements))
     )
+    distinct = dict(zip(idents, zip(res.placements, res.access_counts, strict=True), strict=True))
     tails: dict[object, str] = {}
-    for ident, ps, access in zip(idents, res.placements, res.access_counts, strict=True):
-        if ident not in tails:
-            pj = _encoder.encode([placement_wire(p) for p in ps]).decode()
-            tails[ident] = (
-                f'{key_rest},"placements":{pj},"token_ids":null,"access_count":{access}}}{sep}'
-            )
+    for ident, (ps, access) in distinct.items():
+        pj = _encoder.encode([placement_wire(p) for p in ps]).decode()
+        tails[ident] = (
+            f'{key_rest},"placements":{pj},"token_ids":null,"access_count":{access}}}{sep}'
+        )
     body = "".join(chain.from_iterable(zip(hexes, map(tails.__getitem__, idents), strict=True)))
     return b"".join(
         (

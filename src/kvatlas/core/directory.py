@@ -106,6 +106,14 @@ class PrefixHolder(msgspec.Struct, frozen=True):
     chunks: int
 
 
+class KeyColumns(msgspec.Struct, frozen=True):
+    """Per key of a lookup, in order: placements, access count, tokens (when kept)."""
+
+    placements: tuple[tuple[Placement, ...], ...]
+    access_counts: tuple[int, ...]
+    token_ids: tuple[tuple[int, ...] | None, ...] | None
+
+
 class PrefixResult(msgspec.Struct, frozen=True):
     """A lookup by token sequence: per chunk who holds it, per instance the longest prefix.
 
@@ -573,23 +581,38 @@ class KeyDirectory:
         vals = map(self._map.get, [base | h for h in prefixes] if base else prefixes)
         return list(map(KeyResult, keys, map(self._placements_of, vals)))
 
-    def lookup_prefix(
-        self, hashes: Sequence[bytes], ns: Namespace, *, holders: bool = True
-    ) -> PrefixResult:
+    def lookup_prefix(self, hashes: Sequence[bytes], ns: Namespace) -> PrefixResult:
         """Per chunk of a prefix chain who holds it, and per (instance, tier) how many
-        leading chunks it holds (left empty with ``holders=False``: keys that are not a
-        prefix chain)."""
+        leading chunks it holds."""
         hashes = tuple(hashes)
-        ns_id = self._find_ns(ns)
-        n = len(hashes)
-        if ns_id is None or n == 0:
-            return PrefixResult(ns, hashes, ((),) * n, (0,) * n, None, ())
         blob = b"".join(hashes)
+        if len(blob) == HASH_BYTES * len(hashes):
+            cols = self.lookup_blob(blob, ns)
+        else:  # short hashes: the directory keys on the first 8 bytes
+            cols = self._columns([int.from_bytes(h[:8], "big") for h in hashes], ns)
+        return PrefixResult(
+            ns,
+            hashes,
+            cols.placements,
+            cols.access_counts,
+            cols.token_ids,
+            _holders(cols.placements),
+        )
+
+    def lookup_blob(self, blob: bytes, ns: Namespace) -> KeyColumns:
+        """Placements of each hash of ``blob`` (full hashes, concatenated) in ``ns``, in
+        order: the keys form of a lookup, with no prefix to summarise."""
+        if len(blob) % HASH_BYTES:
+            raise InvalidInput(f"a hash blob must be a multiple of {HASH_BYTES} bytes")
+        prefixes: list[int] = np.frombuffer(blob, dtype=">u8")[:: HASH_BYTES // 8].tolist()
+        return self._columns(prefixes, ns)
+
+    def _columns(self, prefixes: list[int], ns: Namespace) -> KeyColumns:
+        n = len(prefixes)
+        ns_id = self._find_ns(ns)
+        if ns_id is None or n == 0:
+            return KeyColumns(((),) * n, (0,) * n, None)
         base = ns_id << _HASH_BITS
-        if len(blob) == HASH_BYTES * n:
-            prefixes: list[int] = np.frombuffer(blob, dtype=">u8")[:: HASH_BYTES // 8].tolist()
-        else:
-            prefixes = [int.from_bytes(h[:8], "big") for h in hashes]
         iks = [base | h for h in prefixes] if base else prefixes
         vals = list(map(self._map.get, iks))
         cached = list(map(self._pl_cache.get, vals))
@@ -603,8 +626,7 @@ class KeyDirectory:
             token_ids = tuple(
                 tuple(array.array("I", t[1])) if (t := self._tokens.get(ik)) else None for ik in iks
             )
-        held = _holders(placements) if holders else ()
-        return PrefixResult(ns, hashes, placements, access, token_ids, held)
+        return KeyColumns(placements, access, token_ids)
 
     def iter_keys(
         self,

@@ -15,6 +15,7 @@ Owns encoding and validation of shapes only; no I/O and no state.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Literal
 
 import msgspec
@@ -27,6 +28,7 @@ from kvatlas.core.keys import (
     HASH_BYTES,
     MAX_TOKEN_ID,
     HashContract,
+    Namespace,
     ObjectKey,
 )
 from kvatlas.core.membership import InstanceInfo
@@ -162,6 +164,17 @@ class KeyWire(msgspec.Struct, frozen=True):
         return cls(
             key.chunk_hash.hex(), key.model_name, key.kv_rank, key.object_group_id, key.cache_salt
         )
+
+
+_get_namespace = attrgetter("model_name", "kv_rank", "object_group_id", "cache_salt")
+
+
+def shared_namespace(keys: list[KeyWire]) -> Namespace | None:
+    """The namespace every key shares, or None (also for no keys): one C-level pass."""
+    fields = set(map(_get_namespace, keys))
+    if len(fields) != 1:
+        return None
+    return Namespace(*fields.pop())
 
 
 class EntryWire(msgspec.Struct, frozen=True):
