@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes, default_kv_rank
 from kvatlas.core.types import EventType, Tier
@@ -54,15 +56,17 @@ def block_batch(
     model: str = MODEL,
 ) -> EventBatch:
     """A batch of ``head`` as entries, then ``hashes`` as a key block."""
-    return EventBatch(
+    entries = batch(
         iid,
-        incarnation,
         seq,
-        event,
-        tier,
-        tuple(Entry(key(h, model), size) for h in head),
-        block=KeyBlock.of(Namespace(model, RANK), hashes, size),
+        list(head),
+        incarnation=incarnation,
+        tier=tier,
+        event=event,
+        size=size,
+        model=model,
     )
+    return msgspec.structs.replace(entries, block=KeyBlock.of(Namespace(model, RANK), hashes, size))
 
 
 def prompt_hashes(tokens: list[int], chunk_size: int = 256) -> list[bytes]:

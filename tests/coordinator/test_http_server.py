@@ -196,20 +196,17 @@ def test_limits_answer_and_close(served: Served) -> None:
     assert headers["connection"] == "close"
     assert f.read() == b""  # closed
     s.close()
-    # A chunked body that grows past the limit.
-    s = served.connect()
     chunk = b"400\r\n" + b"x" * 1024 + b"\r\n"
-    s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk * 2)
-    assert _read_response(s.makefile("rb"))[0] == 413
-    s.close()
-    s = served.connect()
-    s.sendall(b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert _read_response(s.makefile("rb"))[0] == 414
-    s.close()
-    s = served.connect()
-    s.sendall(b"GET /items/a HTTP/1.1\r\n" + b"X-Big: " + b"b" * 70000 + b"\r\n\r\n")
-    assert _read_response(s.makefile("rb"))[0] == 431
-    s.close()
+    for raw, status in (
+        # a chunked body that grows past the limit
+        (b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk * 2, 413),
+        (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414),
+        (b"GET /items/a HTTP/1.1\r\n" + b"X-Big: " + b"b" * 70000 + b"\r\n\r\n", 431),
+    ):
+        s = served.connect()
+        s.sendall(raw)
+        assert _read_response(s.makefile("rb"))[0] == status
+        s.close()
 
 
 def test_malformed_request_gets_400(served: Served) -> None:
