@@ -83,6 +83,22 @@ def test_blob_lookup_matches_key_lookup() -> None:
         d.lookup_blob(b"x" * 33, NS)
 
 
+def test_capture_is_the_state_at_capture_time() -> None:
+    """A snapshot encoded from a capture after more changes (what the coordinator does
+    outside its lock) restores the directory as it was when captured."""
+    d = KeyDirectory()
+    d.apply(batch("a", EventType.STORE, [0, 1, 2]))
+    d.apply(batch("b", EventType.STORE, [1], tier=Tier.L2))
+    d.apply(batch("a", EventType.ACCESS, [1]))
+    expected = d.digest()
+    cap = d.capture()
+    d.apply(batch("a", EventType.STORE, [3, 4]))
+    d.apply(batch("b", EventType.DELETE, [1], tier=Tier.L2))
+    d.apply(batch("a", EventType.ACCESS, [0, 1]))
+    d.fence("a")
+    assert KeyDirectory.restore(cap.encode()).digest() == expected != d.digest()
+
+
 def test_namespaces_are_separate() -> None:
     d = KeyDirectory()
     other = Namespace("other", default_kv_rank(), 0, "salt")

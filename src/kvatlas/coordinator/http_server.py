@@ -33,6 +33,7 @@ from typing import Any, cast
 from urllib.parse import parse_qsl
 
 import httptools
+import msgspec
 import uvloop
 
 log = logging.getLogger(__name__)
@@ -158,20 +159,13 @@ Gate = Callable[[HttpRequest], HttpResponse | None]
 """Runs before routing (authentication); an answer stops the request there."""
 
 
-def _reason(status: int) -> bytes:
-    try:
-        return HTTPStatus(status).phrase.encode()
-    except ValueError:
-        return b"Unknown"
-
-
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 
 
 def _head(status: int, content_type: str, length: int, extra: bytes, close: bool) -> bytes:
     return b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s%s\r\n" % (
         status,
-        _REASONS.get(status) or _reason(status),
+        _REASONS.get(status, b"Unknown"),
         content_type.encode(),
         length,
         extra,
@@ -180,15 +174,14 @@ def _head(status: int, content_type: str, length: int, extra: bytes, close: bool
 
 
 def _error_body(reason: str) -> bytes:
-    # The same shape as the coordinator's ErrorResponse, without importing it.
-    escaped = reason.replace("\\", "\\\\").replace('"', '\\"')
-    return b'{"error":"%s"}' % escaped.encode()
+    """The shape of the coordinator's ErrorResponse, without knowing the coordinator."""
+    return msgspec.json.encode({"error": reason})
 
 
 class _Pending:
     """A request whose headers are in and whose body is arriving."""
 
-    __slots__ = ("body", "expect_continue", "headers", "method", "size", "url")
+    __slots__ = ("body", "headers", "method", "size", "url")
 
     def __init__(self) -> None:
         self.url = b""
@@ -196,7 +189,6 @@ class _Pending:
         self.body: list[bytes] = []
         self.size = 0
         self.method = ""
-        self.expect_continue = False
 
 
 class _Refuse(Exception):

@@ -165,6 +165,12 @@ class CoordinatorMetrics:
             buckets=(0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
             registry=r,
         )
+        self.snapshot_lock_seconds = Histogram(
+            "kvatlas_coordinator_snapshot_lock_seconds",
+            "Time the state was locked to copy it for a snapshot (ingest and lookups wait)",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=r,
+        )
         self.snapshot_bytes = Gauge(
             "kvatlas_coordinator_snapshot_bytes", "Size of the last snapshot", registry=r
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from itertools import islice
 
@@ -347,7 +348,12 @@ class CoordinatorService:
                 blend_chunks=blend.chunks if blend else 0,
             )
 
-    def snapshot(self) -> bytes:
-        """The state and the consumer positions that led to it, encoded together."""
+    def snapshot(self) -> tuple[bytes, float]:
+        """The state and the consumer positions that led to it, encoded together, and
+        the seconds the state was locked for it: only the copy (`FleetState.capture`),
+        which is what ingest and lookups wait for, not the encoding."""
         with self.lock:
-            return self.fleet.snapshot(extra=dict(self.positions))
+            t0 = time.perf_counter()
+            capture = self.fleet.capture(extra=dict(self.positions))
+            locked = time.perf_counter() - t0
+        return capture.encode(), locked

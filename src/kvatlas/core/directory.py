@@ -185,6 +185,42 @@ class _Snapshot(msgspec.Struct, array_like=True):
     tokens: list[tuple[int, int, bytes]]
 
 
+class DirectoryCapture:
+    """A point-in-time copy of a `KeyDirectory`'s state (see `KeyDirectory.capture`)."""
+
+    def __init__(
+        self,
+        keys: dict[int, int | tuple[int, ...]],
+        owners: tuple[Owner, ...],
+        namespaces: tuple[Namespace, ...],
+        access: dict[int, int],
+        tokens: dict[int, tuple[int, bytes]],
+    ) -> None:
+        self._keys = keys
+        self._owners = owners
+        self._namespaces = namespaces
+        self._access = access
+        self._tokens = tokens
+
+    def encode(self) -> bytes:
+        """The snapshot bytes; `KeyDirectory.restore` replays them."""
+        per_owner: dict[int, tuple[list[int], list[int]]] = {}
+        for ik, cur in self._keys.items():
+            codes: tuple[int, ...] = (cur,) if type(cur) is int else cur  # type: ignore[assignment]
+            for c in codes:
+                ks, ss = per_owner.setdefault(c >> _SIZE_BITS, ([], []))
+                ks.append(ik)
+                ss.append(c & _SIZE_MASK)
+        snap = _Snapshot(
+            version=SNAPSHOT_VERSION,
+            namespaces=list(self._namespaces),
+            owners=[_SnapshotOwner(self._owners[o], ks, ss) for o, (ks, ss) in per_owner.items()],
+            access=list(self._access.items()),
+            tokens=[(ik, off, toks) for ik, (off, toks) in self._tokens.items()],
+        )
+        return msgspec.msgpack.encode(snap)
+
+
 def _holders(placements: Sequence[tuple[Placement, ...]]) -> tuple[PrefixHolder, ...]:
     """Per (instance, tier), the number of leading chunks it holds.
 
@@ -713,21 +749,22 @@ class KeyDirectory:
 
     def snapshot(self) -> bytes:
         """Encode the directory; `restore` replays it through the same store path."""
-        per_owner: dict[int, tuple[list[int], list[int]]] = {}
-        for ik, cur in self._map.items():
-            codes: tuple[int, ...] = (cur,) if type(cur) is int else cur  # type: ignore[assignment]
-            for c in codes:
-                ks, ss = per_owner.setdefault(c >> _SIZE_BITS, ([], []))
-                ks.append(ik)
-                ss.append(c & _SIZE_MASK)
-        snap = _Snapshot(
-            version=SNAPSHOT_VERSION,
-            namespaces=list(self._namespaces),
-            owners=[_SnapshotOwner(self._owners[o], ks, ss) for o, (ks, ss) in per_owner.items()],
-            access=list(self._access.items()),
-            tokens=[(ik, off, toks) for ik, (off, toks) in self._tokens.items()],
+        return self.capture().encode()
+
+    def capture(self) -> DirectoryCapture:
+        """The directory at this instant, for `DirectoryCapture.encode` to turn into
+        snapshot bytes later: shallow copies of the maps, whose values are immutable.
+
+        A shell that guards the directory with a lock holds it only for this (~35 ms
+        at 1M keys here), not for the encoding (~250 ms).
+        """
+        return DirectoryCapture(
+            self._map.copy(),
+            tuple(self._owners),
+            tuple(self._namespaces),
+            self._access.copy(),
+            self._tokens.copy(),
         )
-        return msgspec.msgpack.encode(snap)
 
     @classmethod
     def restore(cls, data: bytes, keep_tokens: bool = False) -> KeyDirectory:

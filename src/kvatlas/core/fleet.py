@@ -24,7 +24,14 @@ import msgspec
 import numpy as np
 
 from kvatlas.core.blend import BlendIndex, BlendMatch
-from kvatlas.core.directory import Applied, DirectoryStats, KeyDirectory, KeyResult, PrefixResult
+from kvatlas.core.directory import (
+    Applied,
+    DirectoryCapture,
+    DirectoryStats,
+    KeyDirectory,
+    KeyResult,
+    PrefixResult,
+)
 from kvatlas.core.errors import SnapshotError, StaleIncarnation
 from kvatlas.core.events import EventBatch
 from kvatlas.core.gate import Cursor, Verdict, admit
@@ -82,6 +89,19 @@ class _Snapshot(msgspec.Struct, array_like=True):
     directory: bytes
     blend: list[tuple[Namespace, bytes, bytes, int]]
     extra: dict[str, int]
+
+
+class FleetCapture:
+    """A point-in-time copy of a `FleetState` (see `FleetState.capture`)."""
+
+    def __init__(self, head: _Snapshot, directory: DirectoryCapture) -> None:
+        self._head = head
+        self._directory = directory
+
+    def encode(self) -> bytes:
+        """The snapshot bytes; `FleetState.restore` reads them."""
+        snap = msgspec.structs.replace(self._head, directory=self._directory.encode())
+        return msgspec.msgpack.encode(snap)
 
 
 class FleetState:
@@ -270,25 +290,33 @@ class FleetState:
 
     def snapshot(self, extra: dict[str, int] | None = None) -> bytes:
         """Encode the whole state; ``extra`` carries the shell's positions (Kafka offsets)."""
+        return self.capture(extra).encode()
+
+    def capture(self, extra: dict[str, int] | None = None) -> FleetCapture:
+        """The state at this instant, to encode later (see `KeyDirectory.capture`): a
+        shell's lock covers the copies, not the encoding. The blend index, when enabled,
+        is copied whole here."""
         blend_items: list[tuple[Namespace, bytes, bytes, int]] = []
         if self.blend is not None:
             for ns, h, toks, start in self.blend.snapshot_items():
                 blend_items.append((ns, bytes(h), bytes(toks), start))
-        snap = _Snapshot(
-            version=SNAPSHOT_VERSION,
-            instance_timeout=self.instance_timeout,
-            chunk_size=self.chunk_size,
-            blend_enabled=self.blend is not None,
-            instances=self.membership.instances(),
-            high_water=self.membership.high_water(),
-            event_high_water=dict(self._high_water),
-            cursors=dict(self.cursors),
-            provisional=dict(self._provisional),
-            directory=self.directory.snapshot(),
-            blend=blend_items,
-            extra=dict(extra or {}),
+        return FleetCapture(
+            _Snapshot(
+                version=SNAPSHOT_VERSION,
+                instance_timeout=self.instance_timeout,
+                chunk_size=self.chunk_size,
+                blend_enabled=self.blend is not None,
+                instances=self.membership.instances(),
+                high_water=self.membership.high_water(),
+                event_high_water=dict(self._high_water),
+                cursors=dict(self.cursors),
+                provisional=dict(self._provisional),
+                directory=b"",
+                blend=blend_items,
+                extra=dict(extra or {}),
+            ),
+            self.directory.capture(),
         )
-        return msgspec.msgpack.encode(snap)
 
     @classmethod
     def restore(
