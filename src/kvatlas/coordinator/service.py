@@ -21,7 +21,6 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from itertools import islice
 
 from kvatlas.coordinator.metrics import CoordinatorMetrics, StateSample
 from kvatlas.coordinator.views import KeysPage, StatsResponse, key_view, stats_response
@@ -37,6 +36,9 @@ from kvatlas.core.types import Tier
 from kvatlas.wire.http_api import EventsResponse, InstanceWire
 
 log = logging.getLogger(__name__)
+
+_SCAN_STEP = 2048
+"""Keys checked per lock hold when a filtered key listing walks the directory."""
 
 _OUTCOME = {Verdict.APPLY: "applied", Verdict.DUPLICATE: "duplicate", Verdict.STALE: "stale"}
 
@@ -323,9 +325,29 @@ class CoordinatorService:
         instance_id: str | None,
         backend: str | None,
     ) -> KeysPage:
-        with self.lock:
-            it = self.fleet.directory.iter_keys(tier, instance_id, backend)
-            rows = list(islice(it, offset, offset + limit + 1))
+        d = self.fleet.directory
+        if tier is None and instance_id is None and backend is None:
+            # Every stored key has a placement: the page is a slice of the key order.
+            with self.lock:
+                rows = d.key_rows(d.key_slice(offset, limit + 1))
+        else:
+            # A filter is checked key by key in Python: walk a copy of the key order
+            # in steps, so that ingest waits for one step, not for the whole scan.
+            with self.lock:
+                order = d.key_order()
+            rows = []
+            to_skip = offset
+            for start in range(0, len(order), _SCAN_STEP):
+                with self.lock:
+                    got = d.key_rows(order[start : start + _SCAN_STEP], tier, instance_id, backend)
+                if to_skip >= len(got):
+                    to_skip -= len(got)
+                    continue
+                rows.extend(got[to_skip:])
+                to_skip = 0
+                if len(rows) > limit:
+                    break
+            rows = rows[: limit + 1]
         more = len(rows) > limit
         views = [key_view(ns, prefix, ps) for ns, prefix, ps in rows[:limit]]
         return KeysPage(offset, limit, views, offset + limit if more else None)

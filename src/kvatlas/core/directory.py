@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import array
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import groupby
+from itertools import groupby, islice
 from operator import attrgetter
 
 import msgspec
@@ -671,17 +671,43 @@ class KeyDirectory:
         backend: str | None = None,
     ) -> Iterator[tuple[Namespace, bytes, tuple[Placement, ...]]]:
         """Every key with its placements, filtered; the hash is the stored 8-byte prefix."""
-        for ik in self._map:
-            placements = tuple(
-                p
-                for p in self._placements(ik)
-                if (tier is None or p.tier is tier)
-                and (instance_id is None or p.instance_id == instance_id)
-                and (backend is None or p.backend == backend)
-            )
+        yield from self.key_rows(list(self._map), tier, instance_id, backend)
+
+    def key_order(self) -> list[int]:
+        """Every key's id, in insertion order: a copy (one C-level pass), so a caller
+        can walk it in steps while the directory changes in between."""
+        return list(self._map)
+
+    def key_slice(self, start: int, count: int) -> list[int]:
+        """The ids of ``count`` keys from position ``start`` in insertion order; the
+        skip runs in C."""
+        return list(islice(self._map, start, start + count))
+
+    def key_rows(
+        self,
+        ids: Iterable[int],
+        tier: Tier | None = None,
+        instance_id: str | None = None,
+        backend: str | None = None,
+    ) -> list[tuple[Namespace, bytes, tuple[Placement, ...]]]:
+        """The keys of ``ids`` that still have a placement matching the filters, with
+        those placements, in order."""
+        rows = []
+        unfiltered = tier is None and instance_id is None and backend is None
+        for ik in ids:
+            placements = self._placements(ik)
+            if not unfiltered:
+                placements = tuple(
+                    p
+                    for p in placements
+                    if (tier is None or p.tier is tier)
+                    and (instance_id is None or p.instance_id == instance_id)
+                    and (backend is None or p.backend == backend)
+                )
             if placements:
                 ns = self._namespaces[ik >> _HASH_BITS]
-                yield ns, (ik & _HASH_MASK).to_bytes(8, "big"), placements
+                rows.append((ns, (ik & _HASH_MASK).to_bytes(8, "big"), placements))
+        return rows
 
     # ---- stats, digest, snapshot -----------------------------------------------------
 
