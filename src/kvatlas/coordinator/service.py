@@ -305,17 +305,26 @@ class CoordinatorService:
     # ---- views -----------------------------------------------------------------------
 
     def stats(self, with_digest: bool = False) -> StatsResponse:
+        """The lock covers the counters and, with ``with_digest``, a copy of the
+        directory; the digest (seconds at 1M keys) and the views are made after."""
         with self.lock:
             fl = self.fleet
-            return stats_response(
-                stats=fl.stats(),
-                cursors=dict(fl.cursors),
-                live=len(fl.membership),
-                provisional=sorted(fl.provisional()),
-                blend=fl.blend_stats(),
-                digest=fl.digest() if with_digest else None,
-                positions=dict(self.positions),
-            )
+            stats = fl.stats()
+            cursors = dict(fl.cursors)
+            live = len(fl.membership)
+            provisional = sorted(fl.provisional())
+            blend = fl.blend_stats()
+            positions = dict(self.positions)
+            capture = fl.directory.capture() if with_digest else None
+        return stats_response(
+            stats=stats,
+            cursors=cursors,
+            live=live,
+            provisional=provisional,
+            blend=blend,
+            digest=capture.digest() if capture is not None else None,
+            positions=positions,
+        )
 
     def keys_page(
         self,

@@ -185,6 +185,10 @@ class _Snapshot(msgspec.Struct, array_like=True):
     tokens: list[tuple[int, int, bytes]]
 
 
+def _placement_order(p: Placement) -> tuple[str, int, Tier, str, bool]:
+    return (p.instance_id, p.incarnation, p.tier, p.backend, p.shared)
+
+
 class DirectoryCapture:
     """A point-in-time copy of a `KeyDirectory`'s state (see `KeyDirectory.capture`)."""
 
@@ -201,6 +205,48 @@ class DirectoryCapture:
         self._namespaces = namespaces
         self._access = access
         self._tokens = tokens
+
+    def _placements(self, cur: int | tuple[int, ...]) -> tuple[Placement, ...]:
+        codes: tuple[int, ...] = (cur,) if type(cur) is int else cur  # type: ignore[assignment]
+        out = []
+        for c in codes:
+            o = self._owners[c >> _SIZE_BITS]
+            out.append(
+                Placement(o.instance_id, o.incarnation, o.tier, o.backend, c & _SIZE_MASK, o.shared)
+            )
+        return tuple(sorted(out, key=_placement_order))
+
+    def _canonical_rows(self) -> list[tuple[Namespace, bytes, tuple[Placement, ...], int]]:
+        """(namespace, hash prefix, sorted placements, access count) per key, sorted by
+        namespace and prefix: the content independent of interning order."""
+        rows = []
+        for ik, cur in self._keys.items():
+            ns = self._namespaces[ik >> _HASH_BITS]
+            prefix = (ik & _HASH_MASK).to_bytes(8, "big")
+            rows.append((ns, prefix, self._placements(cur), self._access.get(ik, 0)))
+        rows.sort(
+            key=lambda r: (
+                r[0].model_name,
+                r[0].kv_rank,
+                r[0].object_group_id,
+                r[0].cache_salt,
+                r[1],
+            )
+        )
+        return rows
+
+    def canonical(self) -> list[tuple[Namespace, bytes, tuple[Placement, ...]]]:
+        """The content independent of interning order (see `KeyDirectory.canonical`)."""
+        return [(ns, prefix, ps) for ns, prefix, ps, _ in self._canonical_rows()]
+
+    def digest(self) -> str:
+        """blake3 hex digest of the canonical content (placements and access counts)."""
+        h = blake3()
+        enc = msgspec.msgpack.Encoder()
+        for row in self._canonical_rows():
+            h.update(enc.encode(row))
+        digest: str = h.hexdigest()
+        return digest
 
     def encode(self) -> bytes:
         """The snapshot bytes; `KeyDirectory.restore` replays them."""
@@ -735,43 +781,13 @@ class KeyDirectory:
             namespaces=len(self._namespaces),
         )
 
-    def _canonical_rows(self) -> list[tuple[Namespace, bytes, tuple[Placement, ...], int]]:
-        """(namespace, hash prefix, sorted placements, access count) per key, sorted by
-        namespace and prefix: the content independent of interning order."""
-        rows = []
-        for ik in self._map:
-            ps = tuple(
-                sorted(
-                    self._placements(ik),
-                    key=lambda p: (p.instance_id, p.incarnation, p.tier, p.backend, p.shared),
-                )
-            )
-            ns = self._namespaces[ik >> _HASH_BITS]
-            prefix = (ik & _HASH_MASK).to_bytes(8, "big")
-            rows.append((ns, prefix, ps, self._access.get(ik, 0)))
-        rows.sort(
-            key=lambda r: (
-                r[0].model_name,
-                r[0].kv_rank,
-                r[0].object_group_id,
-                r[0].cache_salt,
-                r[1],
-            )
-        )
-        return rows
-
     def canonical(self) -> list[tuple[Namespace, bytes, tuple[Placement, ...]]]:
         """The directory's content independent of interning order, for tests and digests."""
-        return [(ns, prefix, ps) for ns, prefix, ps, _ in self._canonical_rows()]
+        return self.capture().canonical()
 
     def digest(self) -> str:
         """blake3 hex digest of the canonical content (placements and access counts)."""
-        h = blake3()
-        enc = msgspec.msgpack.Encoder()
-        for row in self._canonical_rows():
-            h.update(enc.encode(row))
-        digest: str = h.hexdigest()
-        return digest
+        return self.capture().digest()
 
     def snapshot(self) -> bytes:
         """Encode the directory; `restore` replays it through the same store path."""
