@@ -185,6 +185,16 @@ class _Snapshot(msgspec.Struct, array_like=True):
     tokens: list[tuple[int, int, bytes]]
 
 
+def _decode(owners: Sequence[Owner], cur: int | tuple[int, ...]) -> list[Placement]:
+    """The placements a map value encodes (one code, or a tuple of codes)."""
+    codes: tuple[int, ...] = (cur,) if type(cur) is int else cur  # type: ignore[assignment]
+    return [
+        Placement(o.instance_id, o.incarnation, o.tier, o.backend, c & _SIZE_MASK, o.shared)
+        for c in codes
+        for o in (owners[c >> _SIZE_BITS],)
+    ]
+
+
 def _placement_order(p: Placement) -> tuple[str, int, Tier, str, bool]:
     return (p.instance_id, p.incarnation, p.tier, p.backend, p.shared)
 
@@ -207,14 +217,7 @@ class DirectoryCapture:
         self._tokens = tokens
 
     def _placements(self, cur: int | tuple[int, ...]) -> tuple[Placement, ...]:
-        codes: tuple[int, ...] = (cur,) if type(cur) is int else cur  # type: ignore[assignment]
-        out = []
-        for c in codes:
-            o = self._owners[c >> _SIZE_BITS]
-            out.append(
-                Placement(o.instance_id, o.incarnation, o.tier, o.backend, c & _SIZE_MASK, o.shared)
-            )
-        return tuple(sorted(out, key=_placement_order))
+        return tuple(sorted(_decode(self._owners, cur), key=_placement_order))
 
     def _canonical_rows(self) -> list[tuple[Namespace, bytes, tuple[Placement, ...], int]]:
         """(namespace, hash prefix, sorted placements, access count) per key, sorted by
@@ -608,13 +611,7 @@ class KeyDirectory:
         cached = self._pl_cache.get(cur)
         if cached is not None:
             return cached
-        codes: tuple[int, ...] = (cur,) if type(cur) is int else cur  # type: ignore[assignment]
-        out = []
-        for c in codes:
-            o = self._owners[c >> _SIZE_BITS]
-            out.append(
-                Placement(o.instance_id, o.incarnation, o.tier, o.backend, c & _SIZE_MASK, o.shared)
-            )
+        out = _decode(self._owners, cur)
         if len(self._pl_cache) >= _CACHE_LIMIT:
             self._pl_cache.clear()
             self._pl_cache[None] = ()
