@@ -249,7 +249,7 @@ class CoordinatorApp:
         hexes = list(map(_get_hex, asked))
         if ns is not None and set(map(len, hexes)) == {64}:
             # The common case (one engine asks about its own chunks): one hex decode
-            # and the columnar prefix lookup, answered with the asked hex echoed.
+            # and one lookup of the hash blob, answered with the asked hex echoed.
             try:
                 blob = bytes.fromhex("".join(hexes))
             except ValueError:
