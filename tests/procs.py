@@ -1,39 +1,22 @@
-"""Process helpers shared by the test suites: free loopback ports, waiting for a child's
-HTTP endpoint, stopping a child by its pid. Importable as ``procs`` (pytest puts tests/
-on sys.path). Only ever signals the process object it is given."""
+"""Process helpers shared by the test suites: free loopback ports (the fleet runner's),
+waiting for a child's HTTP endpoint, stopping a child by its pid. Importable as
+``procs`` (pytest puts tests/ on sys.path). Only ever signals the process object it is
+given."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
 
+from kvatlas.evaluation.fleet import free_port, free_ports
+
 HOST = "127.0.0.1"
-
-
-def free_port(pair: bool = False) -> int:
-    """A free TCP port on 127.0.0.1; with ``pair``, PORT and PORT+1 are both free (the
-    tcp transfer engine listens on the P2P port + 1)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind((HOST, 0))
-            port = int(s.getsockname()[1])
-        if not pair:
-            return port
-        if port >= 65534:
-            continue
-        try:
-            with socket.socket() as s2:
-                s2.bind((HOST, port + 1))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port pair on 127.0.0.1")
+__all__ = ["HOST", "free_port", "free_ports", "stop", "wait_http"]
 
 
 def _tail(log: Path | None) -> str:

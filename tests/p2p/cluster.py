@@ -21,7 +21,7 @@ import numpy.typing as npt
 
 from kvatlas.engine.client import CacheClient
 from kvatlas.wire.http_api import LookupRequest, LookupResponse
-from procs import free_port, stop, wait_http
+from procs import free_port, free_ports, stop, wait_http
 
 CHUNK = 16
 MODEL = "tiny"
@@ -127,8 +127,8 @@ def start_node(
     p2p_port: int | None = None,
     p2p: bool = True,
 ) -> Node:
-    port, http_port = free_port(), free_port()
-    p2p_port = p2p_port or free_port(pair=True)
+    port, http_port = free_ports(2)
+    p2p_port = p2p_port or free_port(pair=True, exclude=frozenset((port, http_port)))
     log = tmp / f"{instance_id}-{port}.log"
     args = [
         sys.executable, "-m", "kvatlas.cli.server",

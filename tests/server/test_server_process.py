@@ -27,7 +27,7 @@ from kvatlas.engine.client import (
 )
 from kvatlas.wire import engine_proto as p
 from kvatlas.wire.http_api import LookupRequest, LookupResponse
-from procs import free_port, stop, wait_http
+from procs import free_port, free_ports, stop, wait_http
 
 CHUNK = 16
 MODEL = "tiny"
@@ -50,7 +50,7 @@ class Server:
 
 
 def start_server(tmp: Path, instance_id: str, *extra: str, wait: bool = True) -> Server:
-    port, http_port = free_port(), free_port()
+    port, http_port = free_ports(2)
     log = tmp / f"{instance_id}-{port}.log"
     args = [
         sys.executable, "-m", "kvatlas.cli.server",
@@ -265,6 +265,30 @@ def test_incarnation_grows_across_restarts(tmp_path: Path) -> None:
         (["--l1-align-bytes", "2048"], "--l1-align-bytes"),
         (["--eviction-policy", "FIFO"], "--eviction-policy"),
         (["--coordinator-url", "localhost:9300"], "--coordinator-url"),
+        (
+            [
+                "--http-port",
+                "7601",
+                "--coordinator-url",
+                "http://x",
+                "--p2p-advertise-url",
+                "127.0.0.1:7600",
+            ],
+            "--http-port 7601 is also the tcp transfer engine's port",
+        ),
+        (
+            [
+                "--port",
+                "7600",
+                "--coordinator-url",
+                "http://x",
+                "--p2p-advertise-url",
+                "127.0.0.1:7600",
+                "--p2p-transfer-engine",
+                "shm",
+            ],
+            "--port 7600 is also the P2P control port",
+        ),
     ],
 )
 def test_startup_refuses_inconsistent_flags(

@@ -52,12 +52,31 @@ class FleetError(KvatlasError):
     """A fleet process did not start or stopped unexpectedly."""
 
 
-def free_port(pair: bool = False) -> int:
-    """A free TCP port on 127.0.0.1; with ``pair``, one whose successor is free too."""
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free TCP ports on 127.0.0.1: all are held while they are
+    chosen, since a port just released is often the next one handed out."""
+    held: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            held.append(s)
+            s.bind((HOST, 0))
+        return [int(s.getsockname()[1]) for s in held]
+    finally:
+        for s in held:
+            s.close()
+
+
+def free_port(pair: bool = False, exclude: frozenset[int] = frozenset()) -> int:
+    """A free TCP port on 127.0.0.1, not in ``exclude``; with ``pair``, one whose
+    successor is free and outside ``exclude`` too (the tcp transfer engine listens on
+    the P2P port + 1)."""
     for _ in range(200):
         with socket.socket() as s:
             s.bind((HOST, 0))
             port = int(s.getsockname()[1])
+        if port in exclude or (pair and port + 1 in exclude):
+            continue
         if not pair:
             return port
         if port < 65535:
@@ -194,7 +213,7 @@ class Fleet:
     def _server_proc(self, i: int) -> ServerProc:
         c = self.cfg
         iid = f"node-{i}"
-        engine_port, http_port = free_port(), free_port()
+        engine_port, http_port = free_ports(2)
         args = [
             "-m", "kvatlas.cli.server", "--host", HOST, "--port", str(engine_port),
             "--http-port", str(http_port), "--instance-id", iid,
@@ -211,7 +230,7 @@ class Fleet:
         ]  # fmt: skip
         p2p_port = 0
         if self.p2p:
-            p2p_port = free_port(pair=True)
+            p2p_port = free_port(pair=True, exclude=frozenset((engine_port, http_port)))
             args += [
                 "--p2p-advertise-url", f"{HOST}:{p2p_port}",
                 "--p2p-transfer-engine", c.p2p_transfer_engine,

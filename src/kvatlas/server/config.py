@@ -264,6 +264,17 @@ def _p2p_problems(c: ServerConfig) -> list[str]:
     ):
         if url is not None and split_host_port(url) is None:
             out.append(f"{flag} must be HOST:PORT with a port in [1, {MAX_PORT - 1}], got {url!r}")
+    bound = split_host_port(pp.bind_url)
+    if bound is not None:
+        p2p_ports = {bound[1]: "the P2P control port"}
+        if pp.transfer_engine == "tcp":
+            p2p_ports[bound[1] + 1] = "the tcp transfer engine's port (P2P port + 1)"
+        for flag, port in (("--port", c.port), ("--http-port", c.http_port)):
+            if port and port in p2p_ports:
+                out.append(
+                    f"{flag} {port} is also {p2p_ports[port]} of --p2p-listen-url or"
+                    " --p2p-advertise-url; give them different ports"
+                )
     if pp.transfer_engine not in P2P_ENGINES:
         out.append(
             f"--p2p-transfer-engine {pp.transfer_engine!r} is unknown;"
