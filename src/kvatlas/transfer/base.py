@@ -224,6 +224,24 @@ class TransferServer(ABC):
         self.stop()
 
 
+class OneSidedServer(TransferServer):
+    """The owner's side of an engine whose reads do not involve the owner's CPU (shm,
+    mooncake, nixl). It takes ``authorize``, ``token`` and ``faults`` for the uniform
+    constructor and has no request to check them against (see the module docstring)."""
+
+    enforces_leases: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        region: LocalMemory,
+        authorize: Authorizer,
+        *,
+        token: str | None = None,
+        faults: FaultPlan | None = None,
+    ) -> None:
+        self._region = region
+
+
 class PeerConnection(ABC):
     """Reads from one peer; safe to call ``read`` from several threads."""
 
@@ -231,11 +249,31 @@ class PeerConnection(ABC):
         self.client = client
         self.endpoint = endpoint
 
-    @abstractmethod
     def read(self, ops: Sequence[ReadOp], deadline_s: float) -> list[ReadResult]:
         """Copy every op into the local region and verify its checksum. One result per op,
         in order, returned within ``deadline_s`` (plus a few ms): never hangs on a dead
-        or silent peer. Raises BadReadRequest for local ranges outside the local region."""
+        or silent peer. Raises BadReadRequest for local ranges outside the local region.
+
+        The frame every engine shares; the engine's own part is `_read`."""
+        client = self.client
+        client.check_local(ops)
+        deadline = Deadline(deadline_s)
+        results = refuse_outside(ops, self.endpoint.region_size)
+        todo = [i for i in range(len(ops)) if i not in results]
+        if todo:
+            self._read(ops, todo, results, deadline)
+        return client.record([results[i] for i in range(len(ops))])
+
+    @abstractmethod
+    def _read(
+        self,
+        ops: Sequence[ReadOp],
+        todo: list[int],
+        results: dict[int, ReadResult],
+        deadline: Deadline,
+    ) -> None:
+        """Copy and verify ``ops[i]`` for every ``i`` of ``todo`` (both ranges are inside
+        their regions), putting one result per index into ``results`` by ``deadline``."""
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until no engine operation started by this connection can still write into

@@ -6,7 +6,11 @@ extras; a missing package becomes EngineUnavailable naming what to install.
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from types import ModuleType
 from typing import Final, Protocol
 
 from kvatlas.transfer.base import (
@@ -91,58 +95,44 @@ def make_engine(name: str, config: EngineConfig | None = None) -> Engine:
     if isinstance(cfg, TcpConfig):
         from kvatlas.transfer import tcp
 
-        tcp_cfg = cfg
-        return Engine(
-            name,
-            cfg,
-            lambda region, authorize, *, token=None, faults=None: tcp.TcpServer(
-                region, authorize, token=token, faults=faults, config=tcp_cfg
-            ),
-            lambda local, peer_id, *, token=None, faults=None: tcp.TcpClient(
-                local, peer_id, token=token, faults=faults, config=tcp_cfg
-            ),
-            tcp.TcpServer.enforces_leases,
-        )
+        return _configured(name, cfg, tcp.TcpServer, tcp.TcpClient)
     if isinstance(cfg, ShmConfig):
         from kvatlas.transfer import shm
 
         return Engine(name, cfg, shm.ShmServer, shm.ShmClient, shm.ShmServer.enforces_leases)
     if isinstance(cfg, MooncakeConfig):
-        try:
-            from kvatlas.transfer import mooncake
-        except ImportError as exc:
-            raise EngineUnavailable(
-                f"the mooncake transfer engine cannot be imported ({exc});"
-                f" install it: {INSTALL_HINTS['mooncake']}"
-            ) from exc
-        mc_cfg = cfg
-        return Engine(
-            name,
-            cfg,
-            lambda region, authorize, *, token=None, faults=None: mooncake.MooncakeServer(
-                region, authorize, token=token, faults=faults, config=mc_cfg
-            ),
-            lambda local, peer_id, *, token=None, faults=None: mooncake.MooncakeClient(
-                local, peer_id, token=token, faults=faults, config=mc_cfg
-            ),
-            mooncake.MooncakeServer.enforces_leases,
-        )
-    try:
-        from kvatlas.transfer import nixl
-    except ImportError as exc:
-        raise EngineUnavailable(
-            f"the nixl transfer engine cannot be imported ({exc});"
-            f" install it: {INSTALL_HINTS['nixl']}"
-        ) from exc
-    nixl_cfg = cfg
+        mooncake = _optional("mooncake")
+        return _configured(name, cfg, mooncake.MooncakeServer, mooncake.MooncakeClient)
+    nixl = _optional("nixl")
+    return _configured(name, cfg, nixl.NixlServer, nixl.NixlClient)
+
+
+def _configured(
+    name: str,
+    cfg: EngineConfig,
+    server: type[TransferServer],
+    client: type[TransferClient],
+) -> Engine:
+    """An engine whose classes take their ``config=`` besides the uniform arguments."""
+    # As plain callables: the base classes' signatures do not list ``config``.
+    make_server: Callable[..., TransferServer] = server
+    make_client: Callable[..., TransferClient] = client
     return Engine(
         name,
         cfg,
-        lambda region, authorize, *, token=None, faults=None: nixl.NixlServer(
-            region, authorize, token=token, faults=faults, config=nixl_cfg
-        ),
-        lambda local, peer_id, *, token=None, faults=None: nixl.NixlClient(
-            local, peer_id, token=token, faults=faults, config=nixl_cfg
-        ),
-        nixl.NixlServer.enforces_leases,
+        partial(make_server, config=cfg),
+        partial(make_client, config=cfg),
+        server.enforces_leases,
     )
+
+
+def _optional(name: str) -> ModuleType:
+    """An engine module whose package is an optional extra; EngineUnavailable naming
+    what to install when it is missing."""
+    try:
+        return importlib.import_module(f"kvatlas.transfer.{name}")
+    except ImportError as exc:
+        raise EngineUnavailable(
+            f"the {name} transfer engine cannot be imported ({exc});"
+            f" install it: {INSTALL_HINTS[name]}"
+        ) from exc

@@ -36,13 +36,12 @@ from kvatlas.transfer.base import (
     Endpoint,
     FaultPlan,
     LocalMemory,
+    OneSidedServer,
     PeerConnection,
     ReadOp,
     ReadResult,
     ReadStatus,
     TransferClient,
-    TransferServer,
-    refuse_outside,
 )
 from kvatlas.transfer.config import MooncakeConfig
 from kvatlas.transfer.errors import EndpointMismatch, EngineUnavailable
@@ -70,9 +69,8 @@ def _start_engine(config: MooncakeConfig, region: LocalMemory) -> tuple[Any, int
     return engine, address
 
 
-class MooncakeServer(TransferServer):
+class MooncakeServer(OneSidedServer):
     engine: ClassVar[str] = ENGINE
-    enforces_leases: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -83,9 +81,7 @@ class MooncakeServer(TransferServer):
         faults: FaultPlan | None = None,
         config: MooncakeConfig | None = None,
     ) -> None:
-        # authorize/token/faults: accepted for a uniform constructor, unused by a
-        # one-sided engine (see the module docstring).
-        self._region = region
+        super().__init__(region, authorize)
         self._config = config or MooncakeConfig()
         self._engine: Any = None
         self._address = 0
@@ -182,12 +178,14 @@ class MooncakePeer(PeerConnection):
         self._running: list[_Batch] = []
         self._lock = threading.Lock()
 
-    def read(self, ops: Sequence[ReadOp], deadline_s: float) -> list[ReadResult]:
+    def _read(
+        self,
+        ops: Sequence[ReadOp],
+        todo: list[int],
+        results: dict[int, ReadResult],
+        deadline: Deadline,
+    ) -> None:
         client = self.client
-        client.check_local(ops)
-        deadline = Deadline(deadline_s)
-        results = refuse_outside(ops, self.endpoint.region_size)
-        todo = [i for i in range(len(ops)) if i not in results]
         for batch in _split(ops, todo, BATCH_BYTES):
             if client.mc is None:
                 status: tuple[ReadStatus, str] | None = (ReadStatus.PEER_DEAD, "client closed")
@@ -200,7 +198,6 @@ class MooncakePeer(PeerConnection):
                 break
             for i in batch:
                 results[i] = client.verify(ops[i])
-        return client.record([results[i] for i in range(len(ops))])
 
     def _run_batch(
         self, ops: Sequence[ReadOp], batch: list[int], deadline: Deadline

@@ -41,13 +41,12 @@ from kvatlas.transfer.base import (
     Endpoint,
     FaultPlan,
     LocalMemory,
+    OneSidedServer,
     PeerConnection,
     ReadOp,
     ReadResult,
     ReadStatus,
     TransferClient,
-    TransferServer,
-    refuse_outside,
 )
 from kvatlas.transfer.config import NixlConfig
 from kvatlas.transfer.errors import EndpointMismatch, EngineUnavailable
@@ -96,9 +95,8 @@ def _register(agent: Any, region: LocalMemory) -> tuple[Any, int]:
     return descs, address
 
 
-class NixlServer(TransferServer):
+class NixlServer(OneSidedServer):
     engine: ClassVar[str] = ENGINE
-    enforces_leases: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -109,9 +107,7 @@ class NixlServer(TransferServer):
         faults: FaultPlan | None = None,
         config: NixlConfig | None = None,
     ) -> None:
-        # authorize/token/faults: accepted for a uniform constructor, unused by a
-        # one-sided engine (see the module docstring).
-        self._region = region
+        super().__init__(region, authorize)
         self._config = config or NixlConfig()
         self._agent: Any = None
         self._descs: Any = None
@@ -210,17 +206,16 @@ class NixlPeer(PeerConnection):
         self._abandoned: list[Any] = []
         """Transfer handles that timed out and could not be released yet."""
 
-    def read(self, ops: Sequence[ReadOp], deadline_s: float) -> list[ReadResult]:
-        client = self.client
-        client.check_local(ops)
-        deadline = Deadline(deadline_s)
-        results = refuse_outside(ops, self.endpoint.region_size)
-        todo = [i for i in range(len(ops)) if i not in results]
-        if todo:
-            failure = self._transfer([ops[i] for i in todo], deadline)
-            for i in todo:
-                results[i] = ReadResult(ops[i], *failure) if failure else client.verify(ops[i])
-        return client.record([results[i] for i in range(len(ops))])
+    def _read(
+        self,
+        ops: Sequence[ReadOp],
+        todo: list[int],
+        results: dict[int, ReadResult],
+        deadline: Deadline,
+    ) -> None:
+        failure = self._transfer([ops[i] for i in todo], deadline)
+        for i in todo:
+            results[i] = ReadResult(ops[i], *failure) if failure else self.client.verify(ops[i])
 
     def _transfer(self, ops: Sequence[ReadOp], deadline: Deadline) -> tuple[ReadStatus, str] | None:
         """Run one READ request for all ``ops``; None when it completed."""

@@ -36,18 +36,16 @@ import numpy.typing as npt
 
 from kvatlas.core.checksum import copy_and_checksum
 from kvatlas.transfer.base import (
-    Authorizer,
     Deadline,
     Endpoint,
     FaultPlan,
     LocalMemory,
+    OneSidedServer,
     PeerConnection,
     ReadOp,
     ReadResult,
     ReadStatus,
     TransferClient,
-    TransferServer,
-    refuse_outside,
 )
 from kvatlas.transfer.errors import EndpointMismatch, EngineUnavailable
 
@@ -73,21 +71,8 @@ def pid_namespace() -> str:
         return ""
 
 
-class ShmServer(TransferServer):
+class ShmServer(OneSidedServer):
     engine: ClassVar[str] = ENGINE
-    enforces_leases: ClassVar[bool] = False
-
-    def __init__(
-        self,
-        region: LocalMemory,
-        authorize: Authorizer,
-        *,
-        token: str | None = None,
-        faults: FaultPlan | None = None,
-    ) -> None:
-        # authorize, token and faults are accepted for a uniform constructor; a one-sided
-        # engine has no request to check them against (see the module docstring).
-        self._region = region
 
     def start(self) -> Endpoint:
         name = self._region.name
@@ -173,16 +158,18 @@ class ShmPeer(PeerConnection):
         readable, _, _ = select.select([self._pidfd], [], [], 0)
         return not readable  # a pidfd turns readable when the process exits
 
-    def read(self, ops: Sequence[ReadOp], deadline_s: float) -> list[ReadResult]:
+    def _read(
+        self,
+        ops: Sequence[ReadOp],
+        todo: list[int],
+        results: dict[int, ReadResult],
+        deadline: Deadline,
+    ) -> None:
         client = self.client
-        client.check_local(ops)
-        deadline = Deadline(deadline_s)
-        results = refuse_outside(ops, self.endpoint.region_size)
         remote, local = self._remote, client.local_array
         alive, checked = True, float("-inf")
-        for i, op in enumerate(ops):
-            if i in results:
-                continue
+        for i in todo:
+            op = ops[i]
             now = time.monotonic()
             if now - checked > LIVENESS_INTERVAL_S:
                 alive, checked = self._owner_alive(), now
@@ -195,7 +182,6 @@ class ShmPeer(PeerConnection):
             lo, ro, n = op.local_offset, op.remote_offset, op.size
             digest = copy_and_checksum(remote[ro : ro + n], local[lo : lo + n])
             results[i] = client.verify_digest(op, digest)
-        return client.record([results[i] for i in range(len(ops))])
 
     def close(self) -> None:
         with self._lock:

@@ -43,7 +43,6 @@ from kvatlas.transfer.base import (
     TransferClient,
     TransferServer,
     flip_first_byte,
-    refuse_outside,
 )
 from kvatlas.transfer.config import TcpConfig
 from kvatlas.transfer.errors import EndpointMismatch, EngineUnavailable
@@ -293,17 +292,7 @@ class TcpPeer(PeerConnection):
         self._lock = threading.Lock()
         self._closed = False
 
-    def read(self, ops: Sequence[ReadOp], deadline_s: float) -> list[ReadResult]:
-        client = self.client
-        client.check_local(ops)
-        deadline = Deadline(deadline_s)
-        results: dict[int, ReadResult] = refuse_outside(ops, self.endpoint.region_size)
-        todo = [i for i in range(len(ops)) if i not in results]
-        if todo:
-            self._read_pipelined(ops, todo, results, deadline)
-        return client.record([results[i] for i in range(len(ops))])
-
-    def _read_pipelined(
+    def _read(
         self,
         ops: Sequence[ReadOp],
         todo: list[int],
