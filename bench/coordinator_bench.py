@@ -35,6 +35,7 @@ import numpy as np
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes, default_kv_rank
 from kvatlas.core.types import EventType, Tier
+from kvatlas.evaluation.fleet import free_port
 from kvatlas.wire.http_api import (
     LookupRequest,
     encode_events_json,
@@ -52,16 +53,9 @@ NS = Namespace(MODEL, RANK)
 # ---- server process ------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 class Server:
     def __init__(self, *args: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
         self.proc = subprocess.Popen(
             [

@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,30 +32,11 @@ import httpx
 import numpy as np
 
 from kvatlas.engine.client import CacheClient
+from kvatlas.evaluation.fleet import free_port, free_ports, wait_http
 
 MIB = 1 << 20
 CHUNK_TOKENS = 256
 RESULTS = Path(__file__).parent / "results"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=0.5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{url} did not come up")
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -70,7 +50,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def start_server(state: Path, l1_gb: float, coordinator: str | None) -> tuple[Any, int, int]:
-    port, http_port = free_port(), free_port()
+    port, http_port = free_ports(2)
     args = [
         sys.executable, "-m", "kvatlas.cli.server", "--host", "127.0.0.1",
         "--port", str(port), "--http-port", str(http_port), "--instance-id", f"bench-{port}",

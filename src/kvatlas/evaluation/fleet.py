@@ -89,6 +89,28 @@ def free_port(pair: bool = False, exclude: frozenset[int] = frozenset()) -> int:
     raise FleetError("no free port pair on 127.0.0.1")
 
 
+def wait_http(
+    url: str, proc: subprocess.Popen[bytes], log: Path | None = None, timeout: float = 30.0
+) -> None:
+    """Until ``url`` answers 200; FleetError early (with the log's tail) if ``proc``
+    exits, or when ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise FleetError(f"process exited with {proc.returncode}{_tail(log)}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=0.5).status_code == 200:
+                return
+        time.sleep(0.05)
+    raise FleetError(f"{url} did not come up in {timeout:.0f}s{_tail(log)}")
+
+
+def _tail(log: Path | None) -> str:
+    if log is None or not log.exists():
+        return ""
+    return "\n" + log.read_text(errors="replace")[-4000:]
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
