@@ -640,25 +640,13 @@ class KeyDirectory:
         keys = list(keys)
         if not keys:
             return []
-        first = keys[0]
-        ns = self._ns_ids.get(
-            (first.model_name, first.kv_rank, first.object_group_id, first.cache_salt)
-        )
         blob = b"".join(map(_get_hash, keys))
-        if (
-            ns is None
-            or len(blob) != HASH_BYTES * len(keys)
-            or not same_namespace(keys)
-            or self._tokens
-            or self._access
-        ):
+        if len(blob) != HASH_BYTES * len(keys) or not same_namespace(keys):
             return [self._result(k, self._find_key(k)) for k in keys]
-        # One namespace, full hashes, no tokens or access counts to attach: the common
-        # case, resolved with C-level loops like lookup_prefix.
-        base = ns << _HASH_BITS
-        prefixes: list[int] = np.frombuffer(blob, dtype=">u8")[:: HASH_BYTES // 8].tolist()
-        vals = map(self._map.get, [base | h for h in prefixes] if base else prefixes)
-        return list(map(KeyResult, keys, map(self._placements_of, vals)))
+        # One namespace and full hashes, the common case: the blob lookup's C-level maps.
+        cols = self.lookup_blob(blob, keys[0].namespace)
+        tokens = cols.token_ids or (None,) * len(keys)
+        return list(map(KeyResult, keys, cols.placements, cols.access_counts, tokens))
 
     def lookup_prefix(self, hashes: Sequence[bytes], ns: Namespace) -> PrefixResult:
         """Per chunk of a prefix chain who holds it, and per (instance, tier) how many
