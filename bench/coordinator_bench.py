@@ -35,7 +35,7 @@ import numpy as np
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes, default_kv_rank
 from kvatlas.core.types import EventType, Tier
-from kvatlas.evaluation.fleet import free_port
+from kvatlas.runtime.procs import free_port
 from kvatlas.wire.http_api import (
     LookupRequest,
     encode_events_json,

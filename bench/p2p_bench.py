@@ -35,7 +35,7 @@ from tests.p2p.cluster import (
 )
 
 from kvatlas.core.keys import Namespace
-from kvatlas.server.p2p_channel import ChannelClient
+from kvatlas.server.p2p.channel import ChannelClient
 from kvatlas.wire import p2p_proto as pp
 
 RESULTS = Path(__file__).resolve().parent / "results" / "p2p.json"

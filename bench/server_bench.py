@@ -31,8 +31,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from kvatlas.engine.client import CacheClient
-from kvatlas.evaluation.fleet import free_port, free_ports, wait_http
+from kvatlas.connector.client import CacheClient
+from kvatlas.runtime.procs import free_port, free_ports, wait_http
 
 MIB = 1 << 20
 CHUNK_TOKENS = 256

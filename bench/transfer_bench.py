@@ -36,7 +36,7 @@ import numpy.typing as npt
 
 from bench.machine import describe
 from kvatlas.core.checksum import checksum
-from kvatlas.server.l1region import L1Region
+from kvatlas.runtime.region import L1Region
 from kvatlas.transfer.base import Endpoint, ReadOp
 from kvatlas.transfer.factory import make_engine
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import signal
 import subprocess
 
-from kvatlas.evaluation.fleet import free_port, free_ports, wait_http
+from kvatlas.runtime.procs import free_port, free_ports, wait_http
 
 HOST = "127.0.0.1"
 __all__ = ["HOST", "free_port", "free_ports", "stop", "wait_http"]

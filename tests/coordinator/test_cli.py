@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from kvatlas.cli.coordinator import config_from_args, main
-from kvatlas.coordinator.config import ConfigError, CoordinatorConfig
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.core.errors import ConfigError
 
 
 def test_defaults_and_env_token() -> None:

@@ -18,14 +18,14 @@ import httpx
 import numpy as np
 import pytest
 
-from kvatlas.engine.client import CacheClient
-from kvatlas.engine.config import CacheLinkConfig, EngineConfig
-from kvatlas.engine.connector import (
+from kvatlas.connector.client import CacheClient
+from kvatlas.connector.kv_connector import (
     CHECKSUM_MISMATCH,
     SERVER_UNAVAILABLE,
     ContractRejected,
     KVConnector,
 )
+from kvatlas.engine.config import CacheLinkConfig, EngineConfig
 from kvatlas.engine.engine_app import EngineApp
 from kvatlas.engine.generate import SamplingParams, prefill_and_generate
 from kvatlas.engine.model import LoadedModel, load_model
@@ -53,7 +53,7 @@ def chat_body(content: str, **extra: Any) -> dict[str, Any]:
 
 def connector_for(model: LoadedModel, server: CacheServerProc, **kw: Any) -> KVConnector:
     client = CacheClient(server.url, timeout_s=2.0, engine_id="test-engine")
-    return KVConnector(model, client, chunk_size=CHUNK, timeout_s=2.0, **kw)
+    return KVConnector(model.contract(CHUNK), client, timeout_s=2.0, **kw)
 
 
 @contextmanager

@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.engine.client import CacheClient
+from kvatlas.connector.client import CacheClient
 from kvatlas.wire.http_api import LookupRequest, LookupResponse
 from procs import free_port, free_ports, stop, wait_http
 

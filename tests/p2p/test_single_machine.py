@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvatlas.engine.client import CacheClient
+from kvatlas.connector.client import CacheClient
 from kvatlas.wire import engine_proto as p
 
 from .cluster import (
@@ -112,7 +112,7 @@ def test_p2p_without_coordinator_refuses_to_start(tmp_path: Path) -> None:
 )
 def test_p2p_flags_are_validated(tmp_path: Path, flags: list[str], named: str) -> None:
     from kvatlas.cli.server import build_parser, config_from_args
-    from kvatlas.server.errors import ConfigError
+    from kvatlas.core.errors import ConfigError
 
     args = build_parser().parse_args(
         [
@@ -130,9 +130,9 @@ def test_p2p_flags_are_validated(tmp_path: Path, flags: list[str], named: str) -
 
 
 def test_p2p_needs_one_contiguous_region(tmp_path: Path) -> None:
-    from kvatlas.server.errors import ConfigError
-    from kvatlas.server.l1region import L1Region
-    from kvatlas.server.p2p_node import check_single_region
+    from kvatlas.core.errors import ConfigError
+    from kvatlas.runtime.region import L1Region
+    from kvatlas.server.p2p.node import check_single_region
 
     with L1Region.create(1 << 16, "t") as region:
         check_single_region(region, 1 << 16)

@@ -14,9 +14,9 @@ from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.l1pool import L1Pool, Refusal, Refused, Reserved
 from kvatlas.core.types import EventType, Tier
-from kvatlas.server.chunkstore import ChunkStore, TierEvent, batches
-from kvatlas.server.l1region import L1Region
-from kvatlas.server.l2_disk import DiskL2Adapter, file_name
+from kvatlas.runtime.region import L1Region
+from kvatlas.server.storage.chunkstore import ChunkStore, TierEvent, batches
+from kvatlas.server.storage.l2_disk import DiskL2Adapter, file_name
 
 A = 4096
 CHUNK = 3 * A  # three pages per chunk

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvatlas.core.errors import InvalidInput
-from kvatlas.server.l1region import SHM_DIR, L1Region, RegionBusy, RegionError, region_name
+from kvatlas.runtime.region import SHM_DIR, L1Region, RegionBusy, RegionError, region_name
 
 SIZE = 1 << 20
 
@@ -47,7 +47,7 @@ def test_subprocess_attach_reads_the_same_bytes() -> None:
         region.view(65536, len(payload))[:] = payload
         code = (
             "import sys, hashlib\n"
-            "from kvatlas.server.l1region import L1Region\n"
+            "from kvatlas.runtime.region import L1Region\n"
             "r = L1Region.attach(sys.argv[1], int(sys.argv[2]), readonly=True)\n"
             "v = r.view(65536, 8192)\n"
             "print(hashlib.sha256(v).hexdigest())\n"
@@ -68,7 +68,7 @@ def test_subprocess_writable_attach_writes_are_seen_by_owner() -> None:
     with L1Region.create(SIZE, "t") as region:
         code = (
             "import sys\n"
-            "from kvatlas.server.l1region import L1Region\n"
+            "from kvatlas.runtime.region import L1Region\n"
             "r = L1Region.attach(sys.argv[1], int(sys.argv[2]), readonly=False)\n"
             "r.array[100:104] = [1, 2, 3, 4]\n"
             "r.close()\n"

@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvatlas.engine.client import (
+from kvatlas.connector.client import (
     CacheClient,
     ContractRefused,
     ModelNotRegistered,

@@ -161,7 +161,7 @@ class OwnerProcess:
 
 
 def owner_main(argv: Sequence[str] | None = None) -> int:
-    from kvatlas.server.l1region import L1Region
+    from kvatlas.runtime.region import L1Region
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--engine", required=True, choices=ENGINES)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from kvatlas.core.checksum import checksum
-from kvatlas.server.l1region import L1Region
+from kvatlas.runtime.region import L1Region
 from kvatlas.transfer.base import (
     Endpoint,
     FaultPlan,

@@ -13,7 +13,8 @@ import os
 import sys
 
 from kvatlas.coordinator.app import Coordinator
-from kvatlas.coordinator.config import ConfigError, CoordinatorConfig
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.core.errors import ConfigError
 
 _D = CoordinatorConfig()
 

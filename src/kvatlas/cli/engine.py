@@ -17,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 
+from kvatlas.connector.kv_connector import ContractRejected
 from kvatlas.core.errors import KvatlasError
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
 from kvatlas.engine.config import (
@@ -26,7 +27,6 @@ from kvatlas.engine.config import (
     EngineConfigError,
     default_model_cache_dir,
 )
-from kvatlas.engine.connector import ContractRejected
 from kvatlas.engine.engine_app import EngineApp
 
 

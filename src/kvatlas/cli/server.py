@@ -25,8 +25,9 @@ from typing import Any
 
 import msgspec
 
-from kvatlas.core.errors import KvatlasError
+from kvatlas.core.errors import ConfigError, KvatlasError
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
+from kvatlas.runtime.region import L1Region
 from kvatlas.server.app import CacheServer
 from kvatlas.server.config import (
     GIB,
@@ -40,9 +41,7 @@ from kvatlas.server.config import (
     default_state_dir,
     split_host_port,
 )
-from kvatlas.server.errors import ConfigError
-from kvatlas.server.l1region import L1Region
-from kvatlas.server.p2p_transport import Authorize, PeerLink, PeerRead, ReadOutcome
+from kvatlas.server.p2p.transport import Authorize, PeerLink, PeerRead, ReadOutcome
 from kvatlas.transfer.base import (
     Endpoint,
     FaultPlan,

@@ -28,6 +28,7 @@ from kvatlas.coordinator.http_server import HttpServer
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.core.fleet import FleetState
+from kvatlas.runtime.net import bind
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +102,7 @@ class Coordinator:
     def bind(self) -> int:
         """Bind the HTTP socket now; returns the port (useful with port 0)."""
         if self._sock is None:
-            sock = socket.socket(socket.AF_INET6 if ":" in self.config.host else socket.AF_INET)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self.config.host, self.config.port))
+            sock = bind(self.config.host, self.config.port, "coordinator HTTP", "--port")
             sock.listen(2048)
             sock.set_inheritable(True)
             self._sock = sock

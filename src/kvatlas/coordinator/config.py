@@ -10,13 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvatlas.core.errors import KvatlasError
+from kvatlas.core.errors import ConfigError
 
 EventTransport = Literal["http", "kafka"]
-
-
-class ConfigError(KvatlasError):
-    """A configuration an operator must fix; the message names the flag."""
 
 
 @dataclass(frozen=True)

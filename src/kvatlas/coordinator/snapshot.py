@@ -16,10 +16,10 @@ import threading
 import time
 from pathlib import Path
 
-from kvatlas.coordinator.config import ConfigError, CoordinatorConfig
+from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.service import CoordinatorService
-from kvatlas.core.errors import SnapshotError
+from kvatlas.core.errors import ConfigError, SnapshotError
 from kvatlas.core.fleet import FleetState
 
 log = logging.getLogger(__name__)

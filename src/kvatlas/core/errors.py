@@ -5,7 +5,13 @@
      |    +-- ContractMismatch   a hash contract contradicts the fleet's (names the field)
      |    +-- StaleIncarnation   an incarnation below the highest seen for its instance id
      |    +-- TooLarge           over a configured size limit (HTTP 413)
+     |    +-- ConfigError        a configuration refused at startup (names the flags)
      +-- SnapshotError           a snapshot cannot be read or restored
+     +-- ServiceError            a process cannot do what it was asked (bind, files, ...)
+          +-- PortInUse          a port the process must bind is already taken
+
+The processes add their own branches under these (``server.errors``,
+``transfer.errors``, ``connector.kv_connector``); the tree stays one tree.
 
 Shells translate their library errors into these with ``raise ... from exc``.
 """
@@ -23,6 +29,11 @@ class InvalidInput(KvatlasError):
 
 class TooLarge(InvalidInput):
     """Well-formed input over a configured size limit (entries per batch, tokens, keys)."""
+
+
+class ConfigError(InvalidInput):
+    """A configuration an operator must fix, refused at startup; the message names the
+    flags."""
 
 
 class ContractMismatch(InvalidInput):
@@ -53,3 +64,20 @@ class StaleIncarnation(InvalidInput):
 
 class SnapshotError(KvatlasError):
     """A snapshot that cannot be decoded or restored."""
+
+
+class ServiceError(KvatlasError):
+    """A process cannot do what it was asked (a port, a file, a peer library)."""
+
+
+class PortInUse(ServiceError):
+    """A port the process must bind is already taken by another process."""
+
+    def __init__(self, what: str, host: str, port: int, flag: str) -> None:
+        super().__init__(
+            f"{what} port {host}:{port} is already in use; pick another {flag}"
+            " (two processes on one machine need different ports)"
+        )
+        self.host = host
+        self.port = port
+        self.flag = flag

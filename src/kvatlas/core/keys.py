@@ -26,6 +26,9 @@ from kvatlas.core.errors import ContractMismatch, InvalidInput
 from kvatlas.core.types import ChunkHash
 
 DEFAULT_CHUNK_SIZE: Final = 256
+
+KV_DTYPE_SIZES: Final = {"float32": 4, "float16": 2, "bfloat16": 2}
+"""Bytes per element of each KV dtype name a contract may declare."""
 HASH_ALGORITHM: Final = "blake3"
 HASH_BYTES: Final = 32
 MAX_TOKEN_ID: Final = 2**32 - 1
@@ -176,6 +179,21 @@ class HashContract(msgspec.Struct, frozen=True):
     kv_layout: tuple[int, int, int] = (0, 0, 0)
     """(layers, kv heads, head dim); zeros mean "not declared"."""
     world_size: int = 1
+
+    @property
+    def chunk_nbytes(self) -> int:
+        """Bytes of one chunk: layers x (K, V) x kv heads x chunk size x head dim x dtype.
+
+        Raises InvalidInput when the contract declares no layout or an unknown dtype.
+        """
+        layers, heads, head_dim = self.kv_layout
+        size = KV_DTYPE_SIZES.get(self.kv_dtype)
+        if size is None or min(layers, heads, head_dim, self.chunk_size) <= 0:
+            raise InvalidInput(
+                f"contract of {self.model_name!r} declares no usable KV layout"
+                f" (dtype {self.kv_dtype!r}, layout {self.kv_layout})"
+            )
+        return layers * 2 * heads * self.chunk_size * head_dim * size
 
     def mismatch(self, other: HashContract) -> str | None:
         """Name of the first field on which ``other`` contradicts this contract, or None."""

@@ -1,6 +1,5 @@
-"""kvatlas.engine: what inference engines use to talk to their local cache server.
+"""kvatlas.engine: the reference engine (SmolLM2 on the CPU behind an OpenAI API).
 
-``kvatlas.engine.client.CacheClient`` is the engine side of the engine API: register a
-model's hash contract, look up how many leading tokens are cached, store and read chunks
-through the server's shared L1 region (``store_chunks`` / ``retrieve_prefix``).
+One user of ``kvatlas.connector``: it asks its local cache server before prefilling and
+stores what it computed. This package imports torch; nothing outside it may.
 """

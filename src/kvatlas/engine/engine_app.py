@@ -34,14 +34,14 @@ import torch
 import uvicorn
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvatlas.connector.client import CacheClient
+from kvatlas.connector.kv_connector import CachedPrefix, FetchStats, KVConnector, KVLoadFailed
 from kvatlas.core.errors import KvatlasError
-from kvatlas.engine.client import CacheClient
 from kvatlas.engine.config import EngineConfig, LoadFailurePolicy
-from kvatlas.engine.connector import CachedPrefix, FetchStats, KVConnector, KVLoadFailed
 from kvatlas.engine.generate import Decoder, Detokenizer, Sampler, prefill
 from kvatlas.engine.model import LoadedModel, load_model
 from kvatlas.engine.openai_server import GenOutcome, GenRequest, TextCallback, build_app
-from kvatlas.server.http_app import bind
+from kvatlas.runtime.net import bind
 
 log = logging.getLogger(__name__)
 
@@ -371,9 +371,8 @@ class EngineApp:
                 auth_token=config.cache.auth_token,
             )
             self.connector = KVConnector(
-                self.model,
+                self.model.contract(config.chunk_size),
                 self.client,
-                chunk_size=config.chunk_size,
                 timeout_s=config.cache.timeout_s,
                 reconnect_interval_s=config.cache.reconnect_interval_s,
                 lease_s=config.cache.lease_s,

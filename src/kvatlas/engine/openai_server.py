@@ -31,8 +31,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from kvatlas.connector.kv_connector import KVLoadFailed
 from kvatlas.core.errors import InvalidInput
-from kvatlas.engine.connector import KVLoadFailed
 from kvatlas.engine.generate import SamplingParams
 from kvatlas.engine.model import LoadedModel
 from kvatlas.engine.openai_proto import (

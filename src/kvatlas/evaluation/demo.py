@@ -21,7 +21,8 @@ from typing import Any
 import httpx
 
 from kvatlas.evaluation.fleet import ENGINE_MODEL as MODEL
-from kvatlas.evaluation.fleet import Fleet, FleetConfig, FleetError
+from kvatlas.evaluation.fleet import Fleet, FleetConfig
+from kvatlas.runtime.procs import ProcessError
 
 Say = Callable[[str], None]
 CHARS_PER_TOKEN = 4
@@ -101,7 +102,7 @@ def _ask(http: httpx.Client, url: str, document: str, max_tokens: int) -> dict[s
     }
     resp = http.post(f"{url}/v1/chat/completions", json=body)
     if resp.status_code != 200:
-        raise FleetError(f"engine {url} answered {resp.status_code}: {resp.text[:300]}")
+        raise ProcessError(f"engine {url} answered {resp.status_code}: {resp.text[:300]}")
     answer: dict[str, Any] = resp.json()
     return answer
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from kvatlas.engine.client import CacheClient, EngineClientError
+from kvatlas.connector.client import CacheClient, EngineClientError
 from kvatlas.evaluation.fleet import Fleet
 from kvatlas.evaluation.workload import Request, expected_kv
 from kvatlas.wire.http_api import LookupRequest, LookupResponse

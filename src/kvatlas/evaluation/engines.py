@@ -20,9 +20,10 @@ import httpx
 import numpy as np
 
 from kvatlas.evaluation.fleet import ENGINE_MODEL as MODEL
-from kvatlas.evaluation.fleet import Fleet, FleetConfig, FleetError
+from kvatlas.evaluation.fleet import Fleet, FleetConfig
 from kvatlas.evaluation.metrics import percentiles
 from kvatlas.evaluation.workload import VOCAB_SIZE
+from kvatlas.runtime.procs import ProcessError
 
 Say = Callable[[str], None]
 
@@ -133,7 +134,7 @@ def run_engine_phase(
                 say=say,
                 label=label,
             )
-        except (httpx.HTTPError, OSError, FleetError) as exc:
+        except (httpx.HTTPError, OSError, ProcessError) as exc:
             say(f"  engine phase skipped: {type(exc).__name__}: {exc}")
             return {"skipped": f"{type(exc).__name__}: {str(exc)[:500]}"}
     return {"model": MODEL, "sessions": sessions, "turns": turns, "max_tokens": max_tokens,

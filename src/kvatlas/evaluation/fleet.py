@@ -12,20 +12,17 @@ temporary directory, and it runs on errors and Ctrl-C through the context manage
 Linux the children also get SIGKILL if this process dies without cleaning up
 (``PR_SET_PDEATHSIG``). Must not: signal any process it did not start.
 
-Exceptions::
-
-    FleetError            a process did not come up, or exited early (its log tail attached)
+Exceptions: ``kvatlas.runtime.procs.ProcessError`` when a process did not come up, or
+exited early (its log tail attached).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,83 +35,18 @@ from typing import Any, Self
 
 import httpx
 
-from kvatlas.core.errors import KvatlasError
+from kvatlas.runtime.procs import (
+    HOST,
+    ProcessError,
+    die_with_parent,
+    free_port,
+    free_ports,
+)
 
 log = logging.getLogger(__name__)
 
-HOST = "127.0.0.1"
 ENGINE_MODEL = "smollm2-135m"
 """The reference engine's model in every evaluation with engines."""
-_PR_SET_PDEATHSIG = 1
-
-
-class FleetError(KvatlasError):
-    """A fleet process did not start or stopped unexpectedly."""
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free TCP ports on 127.0.0.1: all are held while they are
-    chosen, since a port just released is often the next one handed out."""
-    held: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            held.append(s)
-            s.bind((HOST, 0))
-        return [int(s.getsockname()[1]) for s in held]
-    finally:
-        for s in held:
-            s.close()
-
-
-def free_port(pair: bool = False, exclude: frozenset[int] = frozenset()) -> int:
-    """A free TCP port on 127.0.0.1, not in ``exclude``; with ``pair``, one whose
-    successor is free and outside ``exclude`` too (the tcp transfer engine listens on
-    the P2P port + 1)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind((HOST, 0))
-            port = int(s.getsockname()[1])
-        if port in exclude or (pair and port + 1 in exclude):
-            continue
-        if not pair:
-            return port
-        if port < 65535:
-            with socket.socket() as s2:
-                try:
-                    s2.bind((HOST, port + 1))
-                except OSError:
-                    continue
-            return port
-    raise FleetError("no free port pair on 127.0.0.1")
-
-
-def wait_http(
-    url: str, proc: subprocess.Popen[bytes], log: Path | None = None, timeout: float = 30.0
-) -> None:
-    """Until ``url`` answers 200; FleetError early (with the log's tail) if ``proc``
-    exits, or when ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise FleetError(f"process exited with {proc.returncode}{_tail(log)}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=0.5).status_code == 200:
-                return
-        time.sleep(0.05)
-    raise FleetError(f"{url} did not come up in {timeout:.0f}s{_tail(log)}")
-
-
-def _tail(log: Path | None) -> str:
-    if log is None or not log.exists():
-        return ""
-    return "\n" + log.read_text(errors="replace")[-4000:]
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,19 +213,19 @@ class Fleet:
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
             )
 
     def _wait_healthy(self, proc: Proc, path: str = "/healthz") -> None:
         deadline = time.monotonic() + self.cfg.start_timeout_s
         while time.monotonic() < deadline:
             if not proc.alive():
-                raise FleetError(f"{proc.name} exited during startup:\n{proc.log_tail()}")
+                raise ProcessError(f"{proc.name} exited during startup:\n{proc.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if self._http.get(proc.base_url + path, timeout=0.5).status_code == 200:
                     return
             time.sleep(0.05)
-        raise FleetError(f"{proc.name} did not answer {path} in time:\n{proc.log_tail()}")
+        raise ProcessError(f"{proc.name} did not answer {path} in time:\n{proc.log_tail()}")
 
     def start(self, on_progress: Callable[[str], None] | None = None) -> None:
         """Start the coordinator, then every server; wait until all are registered."""
@@ -320,7 +252,7 @@ class Fleet:
         """
         s = self.servers[i]
         if s.alive():
-            raise FleetError(f"{s.name} is still running")
+            raise ProcessError(f"{s.name} is still running")
         if new_ports:
             fresh = self._server_proc(i)
             fresh.starts = s.starts
@@ -364,7 +296,7 @@ class Fleet:
         return urls
 
     def wait_p2p_peers(self, timeout_s: float) -> None:
-        """Until every server lists at least one P2P peer (FleetError after the timeout)."""
+        """Until every server lists at least one P2P peer (ProcessError after the timeout)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if all(
@@ -373,7 +305,7 @@ class Fleet:
             ):
                 return
             time.sleep(0.2)
-        raise FleetError("the cache servers did not discover each other as P2P peers")
+        raise ProcessError("the cache servers did not discover each other as P2P peers")
 
     def kill(self, proc: Proc) -> None:
         """SIGKILL (no clean shutdown: no deregistration, no snapshot)."""
@@ -468,7 +400,7 @@ class Fleet:
             if set(ids) <= {str(i.get("instance_id")) for i in inst}:
                 return
             time.sleep(0.1)
-        raise FleetError(f"instances {ids} did not all register within {timeout_s}s")
+        raise ProcessError(f"instances {ids} did not all register within {timeout_s}s")
 
 
 def describe_machine() -> dict[str, str]:

@@ -22,26 +22,26 @@ import time
 from types import FrameType
 from typing import Any
 
+from kvatlas.core.errors import ConfigError
 from kvatlas.core.events import Entry
 from kvatlas.core.l1pool import L1Pool
 from kvatlas.core.types import EventType, Tier
-from kvatlas.server.chunkstore import ChunkStore, ChunkStoreStats
+from kvatlas.runtime.region import L1Region, RegionBusy
 from kvatlas.server.config import GIB, ServerConfig
 from kvatlas.server.engine_api import EngineApi
 from kvatlas.server.engine_service import EngineService, ServiceIdentity
-from kvatlas.server.errors import ConfigError
 from kvatlas.server.http_app import HttpServer, build_app
 from kvatlas.server.incarnation import next_incarnation
-from kvatlas.server.l1region import L1Region, RegionBusy
-from kvatlas.server.l2 import L2Adapter
-from kvatlas.server.l2_disk import DiskL2Adapter
 from kvatlas.server.metrics import ServerMetrics
-from kvatlas.server.p2p_node import P2PNode
-from kvatlas.server.p2p_transport import Transport
+from kvatlas.server.p2p.node import P2PNode
+from kvatlas.server.p2p.transport import Transport
 from kvatlas.server.publisher import EventPublisher
 from kvatlas.server.registrar import Identity, Registrar
 from kvatlas.server.sinks import EventSink, HttpSink, KafkaSink
 from kvatlas.server.status import build_status
+from kvatlas.server.storage.chunkstore import ChunkStore, ChunkStoreStats
+from kvatlas.server.storage.l2 import L2Adapter
+from kvatlas.server.storage.l2_disk import DiskL2Adapter
 
 log = logging.getLogger(__name__)
 

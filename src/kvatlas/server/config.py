@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal
 
+from kvatlas.core.errors import ConfigError
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
 from kvatlas.core.l1pool import MIN_ALIGN_BYTES, POLICIES
-from kvatlas.server.errors import ConfigError
 
 GIB: Final = 1 << 30
 MAX_PORT: Final = 65535

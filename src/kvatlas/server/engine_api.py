@@ -20,8 +20,9 @@ import threading
 import msgspec
 import zmq
 
+from kvatlas.core.errors import PortInUse
 from kvatlas.server.engine_service import EngineService
-from kvatlas.server.errors import PortInUse, ServerError
+from kvatlas.server.errors import ServerError
 from kvatlas.wire import engine_proto as p
 
 log = logging.getLogger(__name__)

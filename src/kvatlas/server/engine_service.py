@@ -40,7 +40,7 @@ from kvatlas.core.keys import (
 )
 from kvatlas.core.l1pool import LeaseId, ReadLease, Refusal, Reserved, Slot
 from kvatlas.core.types import EventType, Tier
-from kvatlas.server.chunkstore import ChunkStore, batches
+from kvatlas.server.storage.chunkstore import ChunkStore, batches
 from kvatlas.wire import engine_proto as p
 
 log = logging.getLogger(__name__)

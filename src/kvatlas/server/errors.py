@@ -2,11 +2,12 @@
 
     KvatlasError
      +-- InvalidInput
-     |    +-- ConfigError        flags that contradict each other or are out of range
-     +-- ServerError             the cache server process cannot do what it was asked
-          +-- PortInUse          a port the server must bind is already taken
-          +-- SinkError          an event sink could not deliver a request (retried)
-          +-- CoordinatorError   the coordinator refused or could not be reached
+     |    +-- ConfigError        (core) flags that contradict each other or are out of range
+     +-- ServiceError            (core)
+          +-- PortInUse          (core) a port the server must bind is already taken
+          +-- ServerError        the cache server process cannot do what it was asked
+               +-- SinkError          an event sink could not deliver a request (retried)
+               +-- CoordinatorError   the coordinator refused or could not be reached
 
 Shells translate library errors (OSError, zmq.ZMQError, httpx errors, Kafka errors) into
 these with ``raise ... from exc``; nothing here does I/O.
@@ -14,28 +15,11 @@ these with ``raise ... from exc``; nothing here does I/O.
 
 from __future__ import annotations
 
-from kvatlas.core.errors import InvalidInput, KvatlasError
+from kvatlas.core.errors import ServiceError
 
 
-class ConfigError(InvalidInput):
-    """A configuration the server refuses at startup; the message names the flags."""
-
-
-class ServerError(KvatlasError):
+class ServerError(ServiceError):
     """The cache server cannot do what it was asked."""
-
-
-class PortInUse(ServerError):
-    """A port the server must bind is already taken by another process."""
-
-    def __init__(self, what: str, host: str, port: int, flag: str) -> None:
-        super().__init__(
-            f"{what} port {host}:{port} is already in use; pick another {flag}"
-            " (two servers on one machine need different ports and instance ids)"
-        )
-        self.host = host
-        self.port = port
-        self.flag = flag
 
 
 class SinkError(ServerError):

@@ -1,16 +1,14 @@
 """The server's HTTP endpoints (/status, /metrics, /healthz) and their uvicorn thread.
 
-Owns the starlette app and binding ``--http-port`` (a taken port raises PortInUse before
-anything runs). The documents come from callables the composition root passes in. Must
-not: reach into the chunk store or take its lock.
+Owns the starlette app and its uvicorn thread; ``--http-port`` is bound at construction
+(a taken port raises PortInUse before anything runs). The documents come from callables
+the composition root passes in. Must not: reach into the chunk store or take its lock.
 """
 
 from __future__ import annotations
 
-import errno
 import hmac
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +21,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kvatlas.server.errors import PortInUse, ServerError
+from kvatlas.runtime.net import bind
+from kvatlas.server.errors import ServerError
 from kvatlas.server.metrics import CONTENT_TYPE
 
 log = logging.getLogger(__name__)
@@ -65,22 +64,6 @@ def build_app(
             Route("/healthz", healthz, methods=["GET"]),
         ]
     )
-
-
-def bind(host: str, port: int, what: str, flag: str) -> socket.socket:
-    """A listening-ready TCP socket on host:port; PortInUse when taken."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    # A restarted server must get its port back while the old connections sit in
-    # TIME_WAIT; a port another process listens on still fails (Linux semantics).
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise PortInUse(what, host, port, flag) from exc
-        raise ServerError(f"cannot bind {what} on {host}:{port} ({flag}): {exc}") from exc
-    return sock
 
 
 class HttpServer:

@@ -13,10 +13,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvatlas.server.chunkstore import ChunkStoreStats
-from kvatlas.server.p2p_node import P2PStats
+from kvatlas.server.p2p.node import P2PStats
 from kvatlas.server.publisher import PublisherStats
 from kvatlas.server.registrar import RegistrarStats, RegistrationState
+from kvatlas.server.storage.chunkstore import ChunkStoreStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from kvatlas.server.chunkstore import ChunkStoreStats
-from kvatlas.server.p2p_node import P2PStats
+from kvatlas.server.p2p.node import P2PStats
 from kvatlas.server.publisher import PublisherStats
 from kvatlas.server.registrar import RegistrarStats, RegistrationState
+from kvatlas.server.storage.chunkstore import ChunkStoreStats
 
 
 def build_status(

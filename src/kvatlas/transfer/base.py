@@ -49,7 +49,7 @@ cover ``[offset, offset + size)`` of the owner's region? The owner's lease table
 
 
 class LocalMemory(Protocol):
-    """What an engine needs of a region: ``kvatlas.server.l1region.L1Region`` fits, and so
+    """What an engine needs of a region: ``kvatlas.runtime.region.L1Region`` fits, and so
     does ``ArrayMemory`` (tests, benchmarks). Transfer must not import the server package
     (the layer contract keeps them independent), hence a protocol."""
 

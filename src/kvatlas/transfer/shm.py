@@ -10,7 +10,7 @@ plane (the controller only reads ranges ``lookup_and_lock`` returned) and by the
 this engine enforces only the region boundary. /dev/shm file permissions (owner's uid,
 mode 0600) are what keeps other users out; the token plays no part.
 
-The mapping is done here rather than through ``kvatlas.server.l1region.L1Region.attach``
+The mapping is done here rather than through ``kvatlas.runtime.region.L1Region.attach``
 because the layer contract keeps transfer and server independent; it is the same
 read-only attach (mmap of /dev/shm, never ``SharedMemory``, whose resource tracker would
 unlink the owner's region when this process exits).

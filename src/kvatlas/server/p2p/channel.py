@@ -26,7 +26,8 @@ from typing import Final
 import msgspec
 import zmq
 
-from kvatlas.server.errors import PortInUse, ServerError
+from kvatlas.core.errors import PortInUse
+from kvatlas.server.errors import ServerError
 from kvatlas.wire import p2p_proto as pp
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from kvatlas.core.checksum import copy_and_checksum
 from kvatlas.core.errors import KvatlasError
 from kvatlas.core.keys import Namespace, as_token_array, chunk_hashes, default_kv_rank
 from kvatlas.core.types import ChunkHash
-from kvatlas.server.l1region import L1Region
+from kvatlas.runtime.region import L1Region
 from kvatlas.wire import engine_proto as p
 
 

@@ -36,9 +36,9 @@ from kvatlas.core.l1pool import Refusal, Slot
 from kvatlas.core.peers import PeerHealth, p2p_deadline
 from kvatlas.server.config import P2PConfig
 from kvatlas.server.engine_service import EngineService, PeerFetch
-from kvatlas.server.p2p_channel import ChannelError
-from kvatlas.server.p2p_controller import P2PController, PeerAdapter
-from kvatlas.server.p2p_transport import PeerRead, ReadOutcome
+from kvatlas.server.p2p.channel import ChannelError
+from kvatlas.server.p2p.controller import P2PController, PeerAdapter
+from kvatlas.server.p2p.transport import PeerRead, ReadOutcome
 from kvatlas.server.sinks import auth_headers
 from kvatlas.wire import p2p_proto as pp
 from kvatlas.wire.http_api import KeyWire, LookupRequest, LookupResponse

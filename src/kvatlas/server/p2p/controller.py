@@ -30,9 +30,9 @@ import msgspec
 import zmq
 
 from kvatlas.core.peers import ActionKind, PeerEndpoint, PeerTable
-from kvatlas.server.l1region import L1Region
-from kvatlas.server.p2p_channel import ChannelClient
-from kvatlas.server.p2p_transport import PeerLink, Transport
+from kvatlas.runtime.region import L1Region
+from kvatlas.server.p2p.channel import ChannelClient
+from kvatlas.server.p2p.transport import PeerLink, Transport
 from kvatlas.server.sinks import auth_headers
 from kvatlas.wire.http_api import InstancesResponse
 

@@ -40,8 +40,8 @@ from kvatlas.core.l1pool import (
     SlotInfo,
 )
 from kvatlas.core.types import EventType, Tier
-from kvatlas.server.l1region import L1Region
-from kvatlas.server.l2 import L2Adapter, L2Error, as_bytes_view
+from kvatlas.runtime.region import L1Region
+from kvatlas.server.storage.l2 import L2Adapter, L2Error, as_bytes_view
 
 log = logging.getLogger(__name__)
 

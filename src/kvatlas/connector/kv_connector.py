@@ -42,10 +42,7 @@ from typing import Final, Self
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.core.checksum import checksum
-from kvatlas.core.errors import KvatlasError
-from kvatlas.core.keys import as_token_array
-from kvatlas.engine.client import (
+from kvatlas.connector.client import (
     CacheClient,
     ContractRefused,
     EngineClientError,
@@ -53,8 +50,9 @@ from kvatlas.engine.client import (
     RequestRefused,
     ServerUnavailable,
 )
-from kvatlas.engine.kv_layout import chunk_nbytes
-from kvatlas.engine.model import LoadedModel
+from kvatlas.core.checksum import checksum
+from kvatlas.core.errors import KvatlasError
+from kvatlas.core.keys import HashContract, as_token_array
 from kvatlas.wire import engine_proto as p
 
 log = logging.getLogger(__name__)
@@ -178,25 +176,24 @@ class KVConnector:
 
     def __init__(
         self,
-        model: LoadedModel,
+        contract: HashContract,
         client: CacheClient,
         *,
-        chunk_size: int,
         timeout_s: float = 2.0,
         reconnect_interval_s: float = 5.0,
         lease_s: float = 0.0,
         verify_checksums: bool = True,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.model = model
+        self.contract = contract
         self.client = client
-        self.chunk_size = chunk_size
+        self.chunk_size = contract.chunk_size
         self.timeout_s = timeout_s
         self.reconnect_interval_s = reconnect_interval_s
         self.lease_s = lease_s
         self.verify_checksums = verify_checksums
         self._clock = clock
-        self._chunk_bytes = chunk_nbytes(model.kv_spec, chunk_size)
+        self._chunk_bytes = contract.chunk_nbytes
         self._state = threading.Lock()
         self._connected = False
         self._stop = threading.Event()
@@ -223,7 +220,7 @@ class KVConnector:
         Raises ContractRejected (naming the field) when the server or fleet refuses it:
         a fleet that hashes differently would silently never hit, so it must not start.
         """
-        contract = self.model.contract(self.chunk_size)
+        contract = self.contract
         try:
             info = self.client.register(
                 contract.model_name,

@@ -30,15 +30,15 @@ from typing import Any
 
 import zmq
 
+from kvatlas.core.errors import ConfigError
 from kvatlas.core.keys import HASH_BYTES, object_keys
+from kvatlas.runtime.region import L1Region
 from kvatlas.server.config import P2PConfig, split_host_port
 from kvatlas.server.engine_service import EngineService
-from kvatlas.server.errors import ConfigError
-from kvatlas.server.l1region import L1Region
-from kvatlas.server.p2p_channel import ChannelServer
-from kvatlas.server.p2p_controller import ENDPOINT_METADATA_KEY, P2PController, P2PState
-from kvatlas.server.p2p_fetch import FetchStats, PeerFetcher
-from kvatlas.server.p2p_transport import Transport, endpoint_url
+from kvatlas.server.p2p.channel import ChannelServer
+from kvatlas.server.p2p.controller import ENDPOINT_METADATA_KEY, P2PController, P2PState
+from kvatlas.server.p2p.fetch import FetchStats, PeerFetcher
+from kvatlas.server.p2p.transport import Transport, endpoint_url
 from kvatlas.wire import p2p_proto as pp
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
-from kvatlas.server.l1region import L1Region
+from kvatlas.runtime.region import L1Region
 
 Authorize = Callable[[str, str, int, int], bool]
 """``authorize(peer_id, lease_id, offset, size)``: does a live lease cover the range?"""

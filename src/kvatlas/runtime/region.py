@@ -34,14 +34,13 @@ from typing import Final, Self
 import numpy as np
 import numpy.typing as npt
 
-from kvatlas.core.errors import InvalidInput
-from kvatlas.server.errors import ServerError
+from kvatlas.core.errors import InvalidInput, ServiceError
 
 SHM_DIR: Final = Path("/dev/shm")
 _NAME_OK = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 
-class RegionError(ServerError):
+class RegionError(ServiceError):
     """The L1 region cannot be created, attached or closed."""
 
 

@@ -1,7 +1,7 @@
 """The disk L2 backend: one file per chunk in one directory, found again after a restart.
 
 Owns the on-disk format and the directory's LRU. It follows the ``L2Adapter`` contract in
-``kvatlas.server.l2`` and, like every adapter, records events instead of delivering them
+``kvatlas.server.storage.l2`` and, like every adapter, records events instead of delivering them
 and does not log.
 
 File ``<blake3(msgpack(key)) hex>.kv`` (safe names whatever the key holds)::
@@ -42,7 +42,7 @@ from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.l1pool import PoolEvent
 from kvatlas.core.types import EventType
-from kvatlas.server.l2 import L2Capabilities, L2Error, L2Item, as_bytes_view, check_capacity
+from kvatlas.server.storage.l2 import L2Capabilities, L2Error, L2Item, as_bytes_view, check_capacity
 
 MAGIC: Final = b"KVL2"
 VERSION: Final = 1
