@@ -25,13 +25,13 @@ from collections.abc import Sequence
 from kvatlas.coordinator.metrics import CoordinatorMetrics, StateSample
 from kvatlas.coordinator.views import KeysPage, StatsResponse, key_view, stats_response
 from kvatlas.core.blend import BlendMatch
-from kvatlas.core.directory import KeyColumns, KeyResult, PrefixResult
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import EventBatch
 from kvatlas.core.fleet import Fenced, FleetState
 from kvatlas.core.gate import Verdict
 from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes
 from kvatlas.core.membership import InstanceInfo, RegisterOutcome
+from kvatlas.core.placements import KeyColumns, KeyResult, PrefixResult
 from kvatlas.core.types import Tier
 from kvatlas.wire.http_api import EventsResponse, InstanceWire
 

@@ -14,10 +14,10 @@ from itertools import chain
 
 import msgspec
 
-from kvatlas.core.directory import DirectoryStats, KeyColumns, KeyResult, Placement, PrefixResult
 from kvatlas.core.fleet import BlendStats
 from kvatlas.core.gate import Cursor
 from kvatlas.core.keys import Namespace
+from kvatlas.core.placements import DirectoryStats, KeyColumns, KeyResult, Placement, PrefixResult
 from kvatlas.wire.http_api import (
     HolderWire,
     KeyWire,

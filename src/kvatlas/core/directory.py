@@ -20,32 +20,45 @@ verifies the full key before any byte moves):
 
 A 64-bit prefix collision between two keys of one namespace merges their placements:
 the answer is a hint, and the owner's full-key check turns it into a miss.
+
+The result types and the int layout live in ``placements``; the snapshot format and the
+capture a shell encodes outside its lock live in ``directory_snapshot``.
 """
 
 from __future__ import annotations
 
 import array
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import groupby, islice
+from itertools import islice
 from operator import attrgetter
 
-import msgspec
 import numpy as np
-from blake3 import blake3
 
-from kvatlas.core.errors import InvalidInput, SnapshotError
+from kvatlas.core.directory_snapshot import DirectoryCapture, decode_snapshot
+from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import EventBatch, KeyBlock
 from kvatlas.core.keys import HASH_BYTES, MAX_TOKEN_ID, Namespace, ObjectKey, same_namespace
-from kvatlas.core.keys import object_keys as object_keys_of
+from kvatlas.core.placements import (
+    HASH_BITS,
+    HASH_MASK,
+    SIZE_BITS,
+    SIZE_MASK,
+    Applied,
+    DirectoryStats,
+    KeyColumns,
+    KeyResult,
+    MapValue,
+    Owner,
+    OwnerStats,
+    Placement,
+    PrefixResult,
+    decode_placements,
+    prefix_holders,
+)
 from kvatlas.core.types import EventType, Tier
 
-_SIZE_BITS = 40
-_SIZE_MASK = (1 << _SIZE_BITS) - 1
-_HASH_BITS = 64
-_HASH_MASK = (1 << _HASH_BITS) - 1
 _COMPACT_SLACK = 1024
 _CACHE_LIMIT = 65536
-SNAPSHOT_VERSION = 1
 
 _get_key = attrgetter("key")
 _get_size = attrgetter("size_bytes")
@@ -63,242 +76,9 @@ def _check_sizes(sizes: Sequence[int]) -> bool:
     first = sizes[0]
     uniform = sizes.count(first) == len(sizes)
     lo, hi = (first, first) if uniform else (min(sizes), max(sizes))
-    if lo < 0 or hi > _SIZE_MASK:
-        raise InvalidInput(f"size_bytes must be in [0, {_SIZE_MASK}]")
+    if lo < 0 or hi > SIZE_MASK:
+        raise InvalidInput(f"size_bytes must be in [0, {SIZE_MASK}]")
     return uniform
-
-
-class Owner(msgspec.Struct, frozen=True, gc=False):
-    """Who holds a placement: one process of one instance, in one tier and backend."""
-
-    instance_id: str
-    incarnation: int
-    tier: Tier
-    backend: str
-    shared: bool
-
-
-class Placement(msgspec.Struct, frozen=True, gc=False):
-    """One copy of a chunk, as reported by its owner (a hint, not a promise)."""
-
-    instance_id: str
-    incarnation: int
-    tier: Tier
-    backend: str
-    size_bytes: int
-    shared: bool
-
-
-class KeyResult(msgspec.Struct, frozen=True):
-    """Placements of one key, with its access count and tokens when known."""
-
-    key: ObjectKey
-    placements: tuple[Placement, ...]
-    access_count: int = 0
-    token_ids: tuple[int, ...] | None = None
-
-
-class PrefixHolder(msgspec.Struct, frozen=True):
-    """How many leading chunks of a lookup one instance holds in one tier."""
-
-    instance_id: str
-    tier: Tier
-    chunks: int
-
-
-class KeyColumns(msgspec.Struct, frozen=True):
-    """Per key of a lookup, in order: placements, access count, tokens (when kept)."""
-
-    placements: tuple[tuple[Placement, ...], ...]
-    access_counts: tuple[int, ...]
-    token_ids: tuple[tuple[int, ...] | None, ...] | None
-
-
-class PrefixResult(msgspec.Struct, frozen=True):
-    """A lookup by token sequence: per chunk who holds it, per instance the longest prefix.
-
-    Columnar (one tuple per field, one item per chunk) so that a 128-chunk lookup does
-    not build 256 small objects; `keys()` and `results()` give the per-key view.
-    """
-
-    namespace: Namespace
-    hashes: tuple[bytes, ...]
-    placements: tuple[tuple[Placement, ...], ...]
-    access_counts: tuple[int, ...]
-    token_ids: tuple[tuple[int, ...] | None, ...] | None
-    holders: tuple[PrefixHolder, ...]
-    """Sorted by chunks held (descending), then instance id, then tier."""
-
-    def keys(self) -> list[ObjectKey]:
-        return object_keys_of(self.hashes, self.namespace)  # type: ignore[arg-type]
-
-    def results(self) -> list[KeyResult]:
-        toks = self.token_ids or (None,) * len(self.hashes)
-        return [
-            KeyResult(k, p, a, t)
-            for k, p, a, t in zip(
-                self.keys(), self.placements, self.access_counts, toks, strict=True
-            )
-        ]
-
-
-class Applied(msgspec.Struct, frozen=True):
-    """Outcome of applying one batch."""
-
-    entries: int
-    created: int = 0
-    """Placements created (STORE) or removed (DELETE)."""
-    ignored: int = 0
-    """ACCESS or DELETE of a key the directory does not hold for this owner."""
-
-
-class OwnerStats(msgspec.Struct, frozen=True):
-    instance_id: str
-    incarnation: int
-    tier: Tier
-    backend: str
-    placements: int
-    bytes: int
-
-
-class DirectoryStats(msgspec.Struct, frozen=True):
-    keys: int
-    placements: int
-    bytes: int
-    placements_by_tier: dict[str, int]
-    bytes_by_tier: dict[str, int]
-    owners: tuple[OwnerStats, ...]
-    namespaces: int
-
-
-class _SnapshotOwner(msgspec.Struct, array_like=True):
-    owner: Owner
-    keys: list[int]
-    sizes: list[int]
-
-
-class _Snapshot(msgspec.Struct, array_like=True):
-    version: int
-    namespaces: list[Namespace]
-    owners: list[_SnapshotOwner]
-    access: list[tuple[int, int]]
-    tokens: list[tuple[int, int, bytes]]
-
-
-def _decode(owners: Sequence[Owner], cur: int | tuple[int, ...]) -> list[Placement]:
-    """The placements a map value encodes (one code, or a tuple of codes)."""
-    codes: tuple[int, ...] = (cur,) if type(cur) is int else cur  # type: ignore[assignment]
-    return [
-        Placement(o.instance_id, o.incarnation, o.tier, o.backend, c & _SIZE_MASK, o.shared)
-        for c in codes
-        for o in (owners[c >> _SIZE_BITS],)
-    ]
-
-
-def _placement_order(p: Placement) -> tuple[str, int, Tier, str, bool]:
-    return (p.instance_id, p.incarnation, p.tier, p.backend, p.shared)
-
-
-class DirectoryCapture:
-    """A point-in-time copy of a `KeyDirectory`'s state (see `KeyDirectory.capture`)."""
-
-    def __init__(
-        self,
-        keys: dict[int, int | tuple[int, ...]],
-        owners: tuple[Owner, ...],
-        namespaces: tuple[Namespace, ...],
-        access: dict[int, int],
-        tokens: dict[int, tuple[int, bytes]],
-    ) -> None:
-        self._keys = keys
-        self._owners = owners
-        self._namespaces = namespaces
-        self._access = access
-        self._tokens = tokens
-
-    def _placements(self, cur: int | tuple[int, ...]) -> tuple[Placement, ...]:
-        return tuple(sorted(_decode(self._owners, cur), key=_placement_order))
-
-    def _canonical_rows(self) -> list[tuple[Namespace, bytes, tuple[Placement, ...], int]]:
-        """(namespace, hash prefix, sorted placements, access count) per key, sorted by
-        namespace and prefix: the content independent of interning order."""
-        rows = []
-        for ik, cur in self._keys.items():
-            ns = self._namespaces[ik >> _HASH_BITS]
-            prefix = (ik & _HASH_MASK).to_bytes(8, "big")
-            rows.append((ns, prefix, self._placements(cur), self._access.get(ik, 0)))
-        rows.sort(
-            key=lambda r: (
-                r[0].model_name,
-                r[0].kv_rank,
-                r[0].object_group_id,
-                r[0].cache_salt,
-                r[1],
-            )
-        )
-        return rows
-
-    def canonical(self) -> list[tuple[Namespace, bytes, tuple[Placement, ...]]]:
-        """The content independent of interning order (see `KeyDirectory.canonical`)."""
-        return [(ns, prefix, ps) for ns, prefix, ps, _ in self._canonical_rows()]
-
-    def digest(self) -> str:
-        """blake3 hex digest of the canonical content (placements and access counts)."""
-        h = blake3()
-        enc = msgspec.msgpack.Encoder()
-        for row in self._canonical_rows():
-            h.update(enc.encode(row))
-        digest: str = h.hexdigest()
-        return digest
-
-    def encode(self) -> bytes:
-        """The snapshot bytes; `KeyDirectory.restore` replays them."""
-        per_owner: dict[int, tuple[list[int], list[int]]] = {}
-        for ik, cur in self._keys.items():
-            codes: tuple[int, ...] = (cur,) if type(cur) is int else cur  # type: ignore[assignment]
-            for c in codes:
-                ks, ss = per_owner.setdefault(c >> _SIZE_BITS, ([], []))
-                ks.append(ik)
-                ss.append(c & _SIZE_MASK)
-        snap = _Snapshot(
-            version=SNAPSHOT_VERSION,
-            namespaces=list(self._namespaces),
-            owners=[_SnapshotOwner(self._owners[o], ks, ss) for o, (ks, ss) in per_owner.items()],
-            access=list(self._access.items()),
-            tokens=[(ik, off, toks) for ik, (off, toks) in self._tokens.items()],
-        )
-        return msgspec.msgpack.encode(snap)
-
-
-def _holders(placements: Sequence[tuple[Placement, ...]]) -> tuple[PrefixHolder, ...]:
-    """Per (instance, tier), the number of leading chunks it holds.
-
-    Runs of chunks share one interned placements tuple, so this walks runs, not chunks.
-    """
-    running: dict[tuple[str, Tier], int] = {}
-    done: dict[tuple[str, Tier], int] = {}
-    first = True
-    for ps, run in groupby(placements):
-        length = len(list(run))
-        here = {(p.instance_id, p.tier) for p in ps}
-        if first:
-            running = dict.fromkeys(here, length)
-            first = False
-        else:
-            for holder in list(running):
-                if holder in here:
-                    running[holder] += length
-                else:
-                    done[holder] = running.pop(holder)
-        if not running:
-            break
-    done.update(running)
-    return tuple(
-        sorted(
-            (PrefixHolder(inst, tier, n) for (inst, tier), n in done.items()),
-            key=lambda h: (-h.chunks, h.instance_id, h.tier),
-        )
-    )
 
 
 class KeyDirectory:
@@ -312,13 +92,13 @@ class KeyDirectory:
         self._owners: list[Owner] = []
         self._owners_by_instance: dict[str, set[int]] = {}
         self._codes: dict[int, int] = {}
-        self._map: dict[int, int | tuple[int, ...]] = {}
+        self._map: dict[int, MapValue] = {}
         self._rev: dict[int, list[int]] = {}
         self._count: list[int] = []
         self._bytes: list[int] = []
         self._access: dict[int, int] = {}
         self._tokens: dict[int, tuple[int, bytes]] = {}
-        self._pl_cache: dict[int | tuple[int, ...] | None, tuple[Placement, ...]] = {None: ()}
+        self._pl_cache: dict[MapValue | None, tuple[Placement, ...]] = {None: ()}
 
     # ---- interning -------------------------------------------------------------------
 
@@ -337,7 +117,7 @@ class KeyDirectory:
     def _key_int(self, key: ObjectKey) -> int:
         if len(key.chunk_hash) < 8:
             raise InvalidInput("chunk hash must have at least 8 bytes")
-        return self._ns_id(key) << _HASH_BITS | int.from_bytes(key.chunk_hash[:8], "big")
+        return self._ns_id(key) << HASH_BITS | int.from_bytes(key.chunk_hash[:8], "big")
 
     def _key_ints(self, keys: Sequence[ObjectKey]) -> list[int]:
         """Key ints of many keys; C-speed when they share a namespace and full hashes."""
@@ -354,7 +134,7 @@ class KeyDirectory:
         prefixes: list[int] = np.frombuffer(blob, dtype=">u8")[:: HASH_BYTES // 8].tolist()
         if ns_id == 0:
             return prefixes
-        base = ns_id << _HASH_BITS
+        base = ns_id << HASH_BITS
         return [base | h for h in prefixes]
 
     def _block_ints(self, block: KeyBlock) -> list[int]:
@@ -377,7 +157,7 @@ class KeyDirectory:
         ns = self._ns_ids.get((key.model_name, key.kv_rank, key.object_group_id, key.cache_salt))
         if ns is None or len(key.chunk_hash) < 8:
             return None
-        return ns << _HASH_BITS | int.from_bytes(key.chunk_hash[:8], "big")
+        return ns << HASH_BITS | int.from_bytes(key.chunk_hash[:8], "big")
 
     def _owner_id(self, owner: Owner) -> int:
         oid = self._owner_ids.get(owner)
@@ -393,9 +173,9 @@ class KeyDirectory:
         return oid
 
     def _code(self, oid: int, size: int) -> int:
-        if not 0 <= size <= _SIZE_MASK:
-            raise InvalidInput(f"size_bytes must be in [0, {_SIZE_MASK}], got {size}")
-        code = oid << _SIZE_BITS | size
+        if not 0 <= size <= SIZE_MASK:
+            raise InvalidInput(f"size_bytes must be in [0, {SIZE_MASK}], got {size}")
+        code = oid << SIZE_BITS | size
         return self._codes.setdefault(code, code)
 
     # ---- events ----------------------------------------------------------------------
@@ -472,7 +252,7 @@ class KeyDirectory:
         if uniform is None:
             uniform = _check_sizes(sizes)
         n = len(keys)
-        base = oid << _SIZE_BITS
+        base = oid << SIZE_BITS
         if uniform and n:
             code = base | sizes[0]
             new = dict.fromkeys(keys, codes.setdefault(code, code))
@@ -492,23 +272,23 @@ class KeyDirectory:
         created = 0
         added_bytes = 0
         for ik, size in zip(keys, sizes, strict=True):
-            code = oid << _SIZE_BITS | size
+            code = oid << SIZE_BITS | size
             code = codes.setdefault(code, code)
             cur = m.get(ik)
             if cur is None:
                 m[ik] = code
             elif type(cur) is int:
-                if cur >> _SIZE_BITS == oid:
+                if cur >> SIZE_BITS == oid:
                     m[ik] = code
-                    added_bytes += size - (cur & _SIZE_MASK)
+                    added_bytes += size - (cur & SIZE_MASK)
                     continue
                 m[ik] = (cur, code)
             else:
                 assert isinstance(cur, tuple)
                 for i, c in enumerate(cur):
-                    if c >> _SIZE_BITS == oid:
+                    if c >> SIZE_BITS == oid:
                         m[ik] = (*cur[:i], code, *cur[i + 1 :])
-                        added_bytes += size - (c & _SIZE_MASK)
+                        added_bytes += size - (c & SIZE_MASK)
                         break
                 else:
                     m[ik] = (*cur, code)
@@ -530,7 +310,7 @@ class KeyDirectory:
         if cur is None:
             return False
         if type(cur) is int:
-            if cur >> _SIZE_BITS != oid:
+            if cur >> SIZE_BITS != oid:
                 return False
             del self._map[ik]
             self._access.pop(ik, None)
@@ -538,13 +318,13 @@ class KeyDirectory:
             removed = cur
         else:
             assert isinstance(cur, tuple)
-            keep = tuple(c for c in cur if c >> _SIZE_BITS != oid)
+            keep = tuple(c for c in cur if c >> SIZE_BITS != oid)
             if len(keep) == len(cur):
                 return False
-            removed = next(c for c in cur if c >> _SIZE_BITS == oid)
+            removed = next(c for c in cur if c >> SIZE_BITS == oid)
             self._map[ik] = keep[0] if len(keep) == 1 else keep
         self._count[oid] -= 1
-        self._bytes[oid] -= removed & _SIZE_MASK
+        self._bytes[oid] -= removed & SIZE_MASK
         if compact:
             self._maybe_compact(oid)
         return True
@@ -560,9 +340,9 @@ class KeyDirectory:
         if cur is None:
             return False
         if type(cur) is int:
-            return cur >> _SIZE_BITS == oid
+            return cur >> SIZE_BITS == oid
         assert isinstance(cur, tuple)
-        return any(c >> _SIZE_BITS == oid for c in cur)
+        return any(c >> SIZE_BITS == oid for c in cur)
 
     def _bind(self, ik: int, offset: int, tokens: Sequence[int]) -> None:
         self._tokens[ik] = (offset, array.array("I", tokens).tobytes())
@@ -605,13 +385,13 @@ class KeyDirectory:
 
     # ---- lookups ---------------------------------------------------------------------
 
-    def _placements_of(self, cur: int | tuple[int, ...] | None) -> tuple[Placement, ...]:
+    def _placements_of(self, cur: MapValue | None) -> tuple[Placement, ...]:
         if cur is None:
             return ()
         cached = self._pl_cache.get(cur)
         if cached is not None:
             return cached
-        out = _decode(self._owners, cur)
+        out = decode_placements(self._owners, cur)
         if len(self._pl_cache) >= _CACHE_LIMIT:
             self._pl_cache.clear()
             self._pl_cache[None] = ()
@@ -663,7 +443,7 @@ class KeyDirectory:
             cols.placements,
             cols.access_counts,
             cols.token_ids,
-            _holders(cols.placements),
+            prefix_holders(cols.placements),
         )
 
     def lookup_blob(self, blob: bytes, ns: Namespace) -> KeyColumns:
@@ -679,7 +459,7 @@ class KeyDirectory:
         ns_id = self._find_ns(ns)
         if ns_id is None or n == 0:
             return KeyColumns(((),) * n, (0,) * n, None)
-        base = ns_id << _HASH_BITS
+        base = ns_id << HASH_BITS
         iks = [base | h for h in prefixes] if base else prefixes
         vals = list(map(self._map.get, iks))
         cached = list(map(self._pl_cache.get, vals))
@@ -736,8 +516,8 @@ class KeyDirectory:
                     and (backend is None or p.backend == backend)
                 )
             if placements:
-                ns = self._namespaces[ik >> _HASH_BITS]
-                rows.append((ns, (ik & _HASH_MASK).to_bytes(8, "big"), placements))
+                ns = self._namespaces[ik >> HASH_BITS]
+                rows.append((ns, (ik & HASH_MASK).to_bytes(8, "big"), placements))
         return rows
 
     # ---- stats, digest, snapshot -----------------------------------------------------
@@ -796,19 +576,14 @@ class KeyDirectory:
     @classmethod
     def restore(cls, data: bytes, keep_tokens: bool = False) -> KeyDirectory:
         """Rebuild a directory from `snapshot` bytes by replaying its stores."""
-        try:
-            snap = msgspec.msgpack.decode(data, type=_Snapshot)
-        except msgspec.DecodeError as exc:
-            raise SnapshotError(f"directory snapshot cannot be decoded: {exc}") from exc
-        if snap.version != SNAPSHOT_VERSION:
-            raise SnapshotError(f"directory snapshot version {snap.version} is not supported")
+        snap = decode_snapshot(data)
         d = cls(keep_tokens=keep_tokens)
         remap: dict[int, int] = {}
         for old, ns in enumerate(snap.namespaces):
             remap[old] = d._ns_id(ns)
 
         def fix(ik: int) -> int:
-            return remap[ik >> _HASH_BITS] << _HASH_BITS | (ik & _HASH_MASK)
+            return remap[ik >> HASH_BITS] << HASH_BITS | (ik & HASH_MASK)
 
         for so in snap.owners:
             d._store(d._owner_id(so.owner), [fix(k) for k in so.keys], so.sizes)

@@ -24,19 +24,14 @@ import msgspec
 import numpy as np
 
 from kvatlas.core.blend import BlendIndex, BlendMatch
-from kvatlas.core.directory import (
-    Applied,
-    DirectoryCapture,
-    DirectoryStats,
-    KeyDirectory,
-    KeyResult,
-    PrefixResult,
-)
+from kvatlas.core.directory import KeyDirectory
+from kvatlas.core.directory_snapshot import DirectoryCapture
 from kvatlas.core.errors import SnapshotError, StaleIncarnation
 from kvatlas.core.events import EventBatch
 from kvatlas.core.gate import Cursor, Verdict, admit
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE, Namespace, ObjectKey, chunk_hashes
 from kvatlas.core.membership import InstanceInfo, Membership, RegisterOutcome
+from kvatlas.core.placements import Applied, DirectoryStats, KeyResult, PrefixResult
 from kvatlas.core.types import EventType
 
 SNAPSHOT_VERSION = 1

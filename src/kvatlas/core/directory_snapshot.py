@@ -1,0 +1,127 @@
+"""The key directory's snapshot: a point-in-time capture, its encoding and its decoding.
+
+Owns the snapshot format (``DirectorySnapshot``, version ``SNAPSHOT_VERSION``: namespaces,
+per owner its keys and sizes, access counts, token bindings), ``DirectoryCapture`` (the
+copy a shell takes under its lock, encoded and digested after the lock is released) and
+``decode_snapshot`` (bytes -> format, refusing what it cannot read). Must not: rebuild a
+directory (``KeyDirectory.restore`` replays the decoded stores through its own path).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+from blake3 import blake3
+
+from kvatlas.core.errors import SnapshotError
+from kvatlas.core.keys import Namespace
+from kvatlas.core.placements import (
+    HASH_BITS,
+    HASH_MASK,
+    SIZE_BITS,
+    SIZE_MASK,
+    MapValue,
+    Owner,
+    Placement,
+    decode_placements,
+    placement_order,
+)
+
+SNAPSHOT_VERSION: Final = 1
+
+
+class SnapshotOwner(msgspec.Struct, array_like=True):
+    owner: Owner
+    keys: list[int]
+    sizes: list[int]
+
+
+class DirectorySnapshot(msgspec.Struct, array_like=True):
+    version: int
+    namespaces: list[Namespace]
+    owners: list[SnapshotOwner]
+    access: list[tuple[int, int]]
+    tokens: list[tuple[int, int, bytes]]
+
+
+class DirectoryCapture:
+    """A point-in-time copy of a `KeyDirectory`'s state (see `KeyDirectory.capture`)."""
+
+    def __init__(
+        self,
+        keys: dict[int, MapValue],
+        owners: tuple[Owner, ...],
+        namespaces: tuple[Namespace, ...],
+        access: dict[int, int],
+        tokens: dict[int, tuple[int, bytes]],
+    ) -> None:
+        self._keys = keys
+        self._owners = owners
+        self._namespaces = namespaces
+        self._access = access
+        self._tokens = tokens
+
+    def _placements(self, cur: MapValue) -> tuple[Placement, ...]:
+        return tuple(sorted(decode_placements(self._owners, cur), key=placement_order))
+
+    def _canonical_rows(self) -> list[tuple[Namespace, bytes, tuple[Placement, ...], int]]:
+        """(namespace, hash prefix, sorted placements, access count) per key, sorted by
+        namespace and prefix: the content independent of interning order."""
+        rows = []
+        for ik, cur in self._keys.items():
+            ns = self._namespaces[ik >> HASH_BITS]
+            prefix = (ik & HASH_MASK).to_bytes(8, "big")
+            rows.append((ns, prefix, self._placements(cur), self._access.get(ik, 0)))
+        rows.sort(
+            key=lambda r: (
+                r[0].model_name,
+                r[0].kv_rank,
+                r[0].object_group_id,
+                r[0].cache_salt,
+                r[1],
+            )
+        )
+        return rows
+
+    def canonical(self) -> list[tuple[Namespace, bytes, tuple[Placement, ...]]]:
+        """The content independent of interning order (see `KeyDirectory.canonical`)."""
+        return [(ns, prefix, ps) for ns, prefix, ps, _ in self._canonical_rows()]
+
+    def digest(self) -> str:
+        """blake3 hex digest of the canonical content (placements and access counts)."""
+        h = blake3()
+        enc = msgspec.msgpack.Encoder()
+        for row in self._canonical_rows():
+            h.update(enc.encode(row))
+        digest: str = h.hexdigest()
+        return digest
+
+    def encode(self) -> bytes:
+        """The snapshot bytes; `KeyDirectory.restore` replays them."""
+        per_owner: dict[int, tuple[list[int], list[int]]] = {}
+        for ik, cur in self._keys.items():
+            codes: tuple[int, ...] = (cur,) if type(cur) is int else cur  # type: ignore[assignment]
+            for c in codes:
+                ks, ss = per_owner.setdefault(c >> SIZE_BITS, ([], []))
+                ks.append(ik)
+                ss.append(c & SIZE_MASK)
+        snap = DirectorySnapshot(
+            version=SNAPSHOT_VERSION,
+            namespaces=list(self._namespaces),
+            owners=[SnapshotOwner(self._owners[o], ks, ss) for o, (ks, ss) in per_owner.items()],
+            access=list(self._access.items()),
+            tokens=[(ik, off, toks) for ik, (off, toks) in self._tokens.items()],
+        )
+        return msgspec.msgpack.encode(snap)
+
+
+def decode_snapshot(data: bytes) -> DirectorySnapshot:
+    """The snapshot format from bytes; SnapshotError when undecodable or of another version."""
+    try:
+        snap = msgspec.msgpack.decode(data, type=DirectorySnapshot)
+    except msgspec.DecodeError as exc:
+        raise SnapshotError(f"directory snapshot cannot be decoded: {exc}") from exc
+    if snap.version != SNAPSHOT_VERSION:
+        raise SnapshotError(f"directory snapshot version {snap.version} is not supported")
+    return snap
