@@ -190,21 +190,20 @@ class CoordinatorService:
             "Instance %s (incarnation %d) %s after more than %.1f s without a heartbeat",
             f.instance_id,
             f.incarnation,
-            f.reason,
+            f.reason.description,
             self.fleet.instance_timeout,
         )
         self._log_fence(f)
 
     def _log_fence(self, f: Fenced) -> None:
-        reason = f.reason.split(" ")[0]
-        self.metrics.fences.labels(reason).inc()
-        self.metrics.fenced_placements.labels(reason).inc(f.placements)
+        self.metrics.fences.labels(f.reason.value).inc()
+        self.metrics.fenced_placements.labels(f.reason.value).inc(f.placements)
         log.info(
             "Fenced %d L1 placements of instance %s incarnation %d (%s)",
             f.placements,
             f.instance_id,
             f.incarnation,
-            f.reason,
+            f.reason.description,
         )
 
     # ---- events ----------------------------------------------------------------------

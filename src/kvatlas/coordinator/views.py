@@ -14,7 +14,7 @@ from itertools import chain
 
 import msgspec
 
-from kvatlas.core.fleet import BlendStats
+from kvatlas.core.blend import BlendStats
 from kvatlas.core.gate import Cursor
 from kvatlas.core.keys import Namespace
 from kvatlas.core.placements import DirectoryStats, KeyColumns, KeyResult, Placement, PrefixResult

@@ -19,11 +19,13 @@ Rules it enforces (DESIGN.md section 3):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import StrEnum
+from typing import Final
 
 import msgspec
 import numpy as np
 
-from kvatlas.core.blend import BlendIndex, BlendMatch
+from kvatlas.core.blend import BlendIndex, BlendMatch, BlendStats
 from kvatlas.core.directory import KeyDirectory
 from kvatlas.core.directory_snapshot import DirectoryCapture
 from kvatlas.core.errors import SnapshotError, StaleIncarnation
@@ -49,19 +51,37 @@ class IngestOutcome(msgspec.Struct, frozen=True):
     """The instance was not registered; it now has a provisional membership."""
 
 
+class FenceReason(StrEnum):
+    """Why an instance's L1 slice was fenced (the value is the metrics label)."""
+
+    NEW_INCARNATION = "new_incarnation"
+    """A newer process of the same instance id registered or sent events."""
+    DEREGISTERED = "deregistered"
+    EXPIRED = "expired"
+    """No heartbeat for the instance timeout."""
+    EXPIRED_UNREGISTERED = "expired_unregistered"
+    """Events arrived, but the instance never registered and fell silent."""
+
+    @property
+    def description(self) -> str:
+        return _FENCE_DESCRIPTIONS[self]
+
+
+_FENCE_DESCRIPTIONS: Final = {
+    FenceReason.NEW_INCARNATION: "new incarnation",
+    FenceReason.DEREGISTERED: "deregistered",
+    FenceReason.EXPIRED: "expired",
+    FenceReason.EXPIRED_UNREGISTERED: "expired (never registered)",
+}
+
+
 class Fenced(msgspec.Struct, frozen=True):
     """An instance whose L1 slice was fenced, and why."""
 
     instance_id: str
     incarnation: int
     placements: int
-    reason: str
-
-
-class BlendStats(msgspec.Struct, frozen=True):
-    chunks: int
-    namespaces: int
-    token_bytes: int
+    reason: FenceReason
 
 
 class _Provisional(msgspec.Struct, array_like=True):
@@ -143,7 +163,7 @@ class FleetState:
             old = prov.incarnation
         if old is not None:
             n = self.directory.fence_below(info.instance_id, info.incarnation)
-            fenced = Fenced(info.instance_id, old, n, "new incarnation")
+            fenced = Fenced(info.instance_id, old, n, FenceReason.NEW_INCARNATION)
         self._high_water[info.instance_id] = max(
             info.incarnation, self._high_water.get(info.instance_id, info.incarnation)
         )
@@ -158,23 +178,26 @@ class FleetState:
         info = self.membership.deregister(instance_id)
         prov = self._provisional.pop(instance_id, None)
         self.cursors.pop(instance_id, None)
-        if info is None and prov is None:
+        if info is not None:
+            inc = info.incarnation
+        elif prov is not None:
+            inc = prov.incarnation
+        else:
             return None
-        inc = info.incarnation if info is not None else prov.incarnation  # type: ignore[union-attr]
         n = self.directory.fence(instance_id)
-        return Fenced(instance_id, inc, n, "deregistered")
+        return Fenced(instance_id, inc, n, FenceReason.DEREGISTERED)
 
     def expire(self, now: float) -> list[Fenced]:
         """Expire silent instances (registered or provisional) and fence their L1 slices."""
         out = []
         for info in self.membership.expire(now):
             n = self.directory.fence(info.instance_id)
-            out.append(Fenced(info.instance_id, info.incarnation, n, "expired"))
+            out.append(Fenced(info.instance_id, info.incarnation, n, FenceReason.EXPIRED))
         for iid, prov in sorted(self._provisional.items()):
             if now - prov.last_seen > self.instance_timeout:
                 del self._provisional[iid]
                 n = self.directory.fence(iid)
-                out.append(Fenced(iid, prov.incarnation, n, "expired (never registered)"))
+                out.append(Fenced(iid, prov.incarnation, n, FenceReason.EXPIRED_UNREGISTERED))
         return out
 
     def expire_instance(
@@ -189,13 +212,13 @@ class FleetState:
                 return None
             self.membership.deregister(instance_id)
             n = self.directory.fence(instance_id)
-            return Fenced(instance_id, incarnation, n, "expired")
+            return Fenced(instance_id, incarnation, n, FenceReason.EXPIRED)
         prov = self._provisional.get(instance_id)
         if prov is None or prov.incarnation != incarnation or prov.last_seen > last_seen:
             return None
         del self._provisional[instance_id]
         n = self.directory.fence(instance_id)
-        return Fenced(instance_id, incarnation, n, "expired (never registered)")
+        return Fenced(instance_id, incarnation, n, FenceReason.EXPIRED_UNREGISTERED)
 
     def instances(self) -> list[InstanceInfo]:
         return self.membership.instances()
@@ -272,10 +295,7 @@ class FleetState:
         return self.directory.stats()
 
     def blend_stats(self) -> BlendStats | None:
-        if self.blend is None:
-            return None
-        s = self.blend.stats()
-        return BlendStats(s.chunks, s.namespaces, s.token_bytes)
+        return None if self.blend is None else self.blend.stats()
 
     # ---- snapshot --------------------------------------------------------------------
 
