@@ -1,14 +1,18 @@
 """`kvatlas`: the console script. Picks a subcommand and hands it its arguments.
 
 Each subcommand module parses its own flags and calls its process's composition root.
+Only the chosen command's module is imported: a coordinator or a cache server never
+loads the reference engine's torch, and ``kvatlas coordinator --help`` answers at once.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
+from collections.abc import Callable
+from typing import Final
 
 from kvatlas import __version__
-from kvatlas.cli import bench, coordinator, demo, engine, server
 
 USAGE = f"""usage: kvatlas <command> [options]
 
@@ -25,25 +29,29 @@ Run `kvatlas <command> --help` for the options of a command.
 """
 
 
+COMMANDS: Final = {
+    "coordinator": "kvatlas.cli.coordinator",
+    "server": "kvatlas.cli.server",
+    "engine": "kvatlas.cli.engine",
+    "bench": "kvatlas.cli.bench",
+    "demo": "kvatlas.cli.demo",
+}
+"""Command -> the module whose ``main(argv) -> int`` runs it (imported on use)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    commands = {
-        "coordinator": coordinator.main,
-        "server": server.main,
-        "engine": engine.main,
-        "bench": bench.main,
-        "demo": demo.main,
-    }
     if not args or args[0] in {"-h", "--help"}:
         print(USAGE)
         return 0
     if args[0] == "--version":
         print(__version__)
         return 0
-    command = commands.get(args[0])
-    if command is None:
+    module = COMMANDS.get(args[0])
+    if module is None:
         print(f"kvatlas: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr)
         return 2
+    command: Callable[[list[str]], int] = importlib.import_module(module).main
     return command(args[1:])
 
 
