@@ -28,11 +28,12 @@ from kvatlas.coordinator.http_server import HttpRequest, HttpResponse, HttpServe
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.openapi import openapi_document
 from kvatlas.coordinator.service import CoordinatorService
-from kvatlas.coordinator.views import ReadyResponse, holders_wire, keys_response, lookup_json
+from kvatlas.coordinator.views import holders_wire, keys_response, lookup_json
 from kvatlas.core.errors import ContractMismatch, InvalidInput, StaleIncarnation, TooLarge
 from kvatlas.core.keys import Namespace, default_kv_rank
 from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.types import Tier
+from kvatlas.wire.coordinator_views import ReadyResponse
 from kvatlas.wire.http_api import (
     BlendLookupRequest,
     BlendLookupResponse,

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from kvatlas.coordinator.views import KeysPage, ReadyResponse, StatsResponse
+from kvatlas.wire.coordinator_views import KeysPage, ReadyResponse, StatsResponse
 from kvatlas.wire.http_api import (
     BlendLookupRequest,
     BlendLookupResponse,

@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 
 from kvatlas.coordinator.metrics import CoordinatorMetrics, StateSample
-from kvatlas.coordinator.views import KeysPage, StatsResponse, key_view, stats_response
+from kvatlas.coordinator.views import key_view, stats_response
 from kvatlas.core.blend import BlendMatch
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import EventBatch
@@ -33,6 +33,7 @@ from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes
 from kvatlas.core.membership import InstanceInfo, RegisterOutcome
 from kvatlas.core.placements import KeyColumns, KeyResult, PrefixResult
 from kvatlas.core.types import Tier
+from kvatlas.wire.coordinator_views import KeysPage, StatsResponse
 from kvatlas.wire.http_api import EventsResponse, InstanceWire
 
 log = logging.getLogger(__name__)

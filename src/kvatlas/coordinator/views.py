@@ -1,10 +1,10 @@
-"""Response shapes of the coordinator's read-only HTTP endpoints that `wire.http_api`
-does not define yet (`/directory/stats`, `/directory/keys`, `/readyz`), and the mapping
-of core lookup results to `wire` shapes.
+"""The mapping of core snapshots and lookup results to the coordinator's response shapes.
 
-Owns these msgspec Structs and their mapping from core snapshots, and the direct JSON
-encoding of a lookup answer (`lookup_json`); no I/O, no state. They belong in
-`kvatlas.wire` once the wire layer takes them over.
+Owns the builders of `wire` Structs from core results (`stats_response`, `key_view`,
+`prefix_response`, `keys_response`, `holders_wire`) and the direct JSON encoding of a
+lookup answer (`lookup_json`, checked byte for byte against msgspec); no I/O, no state.
+The shapes themselves are in `wire.http_api` and `wire.coordinator_views`, where the
+coordinator client decodes them too.
 """
 
 from __future__ import annotations
@@ -18,6 +18,13 @@ from kvatlas.core.blend import BlendStats
 from kvatlas.core.gate import Cursor
 from kvatlas.core.keys import Namespace
 from kvatlas.core.placements import DirectoryStats, KeyColumns, KeyResult, Placement, PrefixResult
+from kvatlas.wire.coordinator_views import (
+    BlendView,
+    CursorView,
+    KeyView,
+    OwnerView,
+    StatsResponse,
+)
 from kvatlas.wire.http_api import (
     HolderWire,
     KeyWire,
@@ -25,83 +32,6 @@ from kvatlas.wire.http_api import (
     PlacementWire,
     ResultWire,
 )
-
-
-class OwnerView(msgspec.Struct, frozen=True):
-    """Placements and bytes of one (instance, incarnation, tier, backend)."""
-
-    instance_id: str
-    incarnation: int
-    tier: str
-    backend: str
-    placements: int
-    bytes: int
-
-
-class CursorView(msgspec.Struct, frozen=True):
-    """The event gate's cursor of one instance."""
-
-    instance_id: str
-    incarnation: int
-    last_seq: int
-    gaps: int
-    missing: int
-
-
-class BlendView(msgspec.Struct, frozen=True):
-    chunks: int
-    namespaces: int
-    token_bytes: int
-
-
-class StatsResponse(msgspec.Struct, frozen=True):
-    """`GET /directory/stats`."""
-
-    keys: int
-    placements: int
-    bytes: int
-    placements_by_tier: dict[str, int]
-    bytes_by_tier: dict[str, int]
-    namespaces: int
-    owners: list[OwnerView]
-    cursors: list[CursorView]
-    live_instances: int
-    provisional_instances: list[str]
-    blend: BlendView | None
-    digest: str | None = None
-    """Only with `?digest=1`: blake3 of the directory content (replicas compare it)."""
-    kafka_positions: dict[str, int] = {}
-    """With Kafka: next offset to consume per partition."""
-
-
-class KeyView(msgspec.Struct, frozen=True):
-    """One stored key. The directory keeps only the first 8 bytes of a chunk hash (as a
-    hint; owners verify the full key), so this is a prefix, not the full hash."""
-
-    chunk_hash_prefix_hex: str
-    model_name: str
-    kv_rank: int
-    object_group_id: int
-    cache_salt: str
-    placements: list[PlacementWire]
-
-
-class KeysPage(msgspec.Struct, frozen=True):
-    """`GET /directory/keys`: one page; ``next_offset`` is None on the last page.
-
-    Offsets walk the directory's insertion order, which ingest changes between pages:
-    a page is a consistent view of its own keys, not of the whole listing."""
-
-    offset: int
-    limit: int
-    keys: list[KeyView]
-    next_offset: int | None
-    note: str = "keys are stored as 8-byte chunk hash prefixes"
-
-
-class ReadyResponse(msgspec.Struct, frozen=True):
-    ready: bool
-    reason: str
 
 
 def placement_wire(p: Placement) -> PlacementWire:

@@ -1,0 +1,91 @@
+"""Response shapes of the coordinator's read-only HTTP endpoints: `GET /directory/stats`,
+`GET /directory/keys` and `GET /readyz`.
+
+The coordinator encodes these Structs and `runtime.coordinator_client` decodes its
+answers into the same ones, so both sides share one definition (the rest of the API's
+shapes are in `wire.http_api`). Owns the shapes only: no I/O, no state, no mapping from
+core snapshots (the coordinator's `views` builds them).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvatlas.wire.http_api import PlacementWire
+
+
+class OwnerView(msgspec.Struct, frozen=True):
+    """Placements and bytes of one (instance, incarnation, tier, backend)."""
+
+    instance_id: str
+    incarnation: int
+    tier: str
+    backend: str
+    placements: int
+    bytes: int
+
+
+class CursorView(msgspec.Struct, frozen=True):
+    """The event gate's cursor of one instance."""
+
+    instance_id: str
+    incarnation: int
+    last_seq: int
+    gaps: int
+    missing: int
+
+
+class BlendView(msgspec.Struct, frozen=True):
+    chunks: int
+    namespaces: int
+    token_bytes: int
+
+
+class StatsResponse(msgspec.Struct, frozen=True):
+    """`GET /directory/stats`."""
+
+    keys: int
+    placements: int
+    bytes: int
+    placements_by_tier: dict[str, int]
+    bytes_by_tier: dict[str, int]
+    namespaces: int
+    owners: list[OwnerView]
+    cursors: list[CursorView]
+    live_instances: int
+    provisional_instances: list[str]
+    blend: BlendView | None
+    digest: str | None = None
+    """Only with `?digest=1`: blake3 of the directory content (replicas compare it)."""
+    kafka_positions: dict[str, int] = {}
+    """With Kafka: next offset to consume per partition."""
+
+
+class KeyView(msgspec.Struct, frozen=True):
+    """One stored key. The directory keeps only the first 8 bytes of a chunk hash (as a
+    hint; owners verify the full key), so this is a prefix, not the full hash."""
+
+    chunk_hash_prefix_hex: str
+    model_name: str
+    kv_rank: int
+    object_group_id: int
+    cache_salt: str
+    placements: list[PlacementWire]
+
+
+class KeysPage(msgspec.Struct, frozen=True):
+    """`GET /directory/keys`: one page; ``next_offset`` is None on the last page.
+
+    Offsets walk the directory's insertion order, which ingest changes between pages:
+    a page is a consistent view of its own keys, not of the whole listing."""
+
+    offset: int
+    limit: int
+    keys: list[KeyView]
+    next_offset: int | None
+    note: str = "keys are stored as 8-byte chunk hash prefixes"
+
+
+class ReadyResponse(msgspec.Struct, frozen=True):
+    ready: bool
+    reason: str
