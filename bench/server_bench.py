@@ -33,6 +33,7 @@ import numpy as np
 
 from kvatlas.connector.client import CacheClient
 from kvatlas.runtime.procs import free_port, free_ports, wait_http
+from kvatlas.wire.server_status import decode_status
 
 MIB = 1 << 20
 CHUNK_TOKENS = 256
@@ -153,8 +154,8 @@ def bench_events(tmp: Path, seconds: float) -> dict[str, float]:
                 elapsed = time.perf_counter() - t0
             deadline = time.monotonic() + 30
             while True:
-                ev = httpx.get(status, timeout=5).json()["events"]
-                if ev["pending"] == 0 and ev["buffered_batches"] == 0:
+                ev = decode_status(httpx.get(status, timeout=5).content).events
+                if ev.pending == 0 and ev.buffered_batches == 0:
                     break
                 if time.monotonic() > deadline:
                     break
@@ -162,10 +163,10 @@ def bench_events(tmp: Path, seconds: float) -> dict[str, float]:
             drained = time.perf_counter() - t0
             return {
                 "engine_store_chunks_per_s": stored / elapsed,
-                "events_sent": float(ev["sent_events"]),
-                "events_per_s": ev["sent_events"] / drained,
-                "event_batches_sent": float(ev["sent_batches"]),
-                "events_dropped": float(ev["dropped_events"]),
+                "events_sent": float(ev.sent_events),
+                "events_per_s": ev.sent_events / drained,
+                "event_batches_sent": float(ev.sent_batches),
+                "events_dropped": float(ev.dropped_events),
             }
         finally:
             stop(proc)

@@ -20,7 +20,6 @@ import signal
 import threading
 import time
 from types import FrameType
-from typing import Any
 
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.events import Entry
@@ -42,6 +41,7 @@ from kvatlas.server.status import build_status
 from kvatlas.server.storage.chunkstore import ChunkStore, ChunkStoreStats
 from kvatlas.server.storage.l2 import L2Adapter
 from kvatlas.server.storage.l2_disk import DiskL2Adapter
+from kvatlas.wire.server_status import ServerStatus
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +282,7 @@ class CacheServer:
         with self.service.lock:
             return self.store.stats()
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> ServerStatus:
         store = self._store_stats()
         return build_status(
             instance_id=self.config.instance_id,

@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 import uvicorn
@@ -24,12 +23,13 @@ from starlette.routing import Route
 from kvatlas.runtime.net import bind
 from kvatlas.server.errors import ServerError
 from kvatlas.server.metrics import CONTENT_TYPE
+from kvatlas.wire.server_status import ServerStatus
 
 log = logging.getLogger(__name__)
 
 
 def build_app(
-    status: Callable[[], dict[str, Any]],
+    status: Callable[[], ServerStatus],
     metrics: Callable[[], bytes],
     auth_token: str | None = None,
 ) -> Starlette:

@@ -1,18 +1,26 @@
-"""The /status document: one JSON-able dict built from the parts' stats snapshots.
+"""The /status document: one `wire.server_status.ServerStatus` built from the parts'
+stats snapshots.
 
-Owns the field names operators and tests read. Must not: hold state or take the store
-lock for long (it copies snapshots and returns).
+Owns the mapping from the parts' stats to the document's fields (the shapes and their
+names are ``wire.server_status``'s). Must not: hold state or take the store lock for
+long (it copies snapshots and returns).
 """
 
 from __future__ import annotations
-
-from dataclasses import asdict
-from typing import Any
 
 from kvatlas.server.p2p.node import P2PStats
 from kvatlas.server.publisher import PublisherStats
 from kvatlas.server.registrar import RegistrarStats, RegistrationState
 from kvatlas.server.storage.chunkstore import ChunkStoreStats
+from kvatlas.wire.server_status import (
+    EventStatus,
+    L1Status,
+    L2Status,
+    LeaseStatus,
+    P2PStatus,
+    RegistrarStatus,
+    ServerStatus,
+)
 
 
 def build_status(
@@ -31,94 +39,104 @@ def build_status(
     engines: int,
     uptime_s: float,
     p2p: P2PStats | None = None,
-) -> dict[str, Any]:
+) -> ServerStatus:
     l1 = store.l1
-    return {
-        "instance_id": instance_id,
-        "incarnation": incarnation,
-        "uptime_s": round(uptime_s, 3),
-        "engine_port": engine_port,
-        "http_port": http_port,
-        "chunk_size": chunk_size,
-        "registration_state": (
+    return ServerStatus(
+        instance_id=instance_id,
+        incarnation=incarnation,
+        uptime_s=round(uptime_s, 3),
+        engine_port=engine_port,
+        http_port=http_port,
+        chunk_size=chunk_size,
+        registration_state=(
             registrar.state.value if registrar else RegistrationState.UNREGISTERED.value
         ),
-        "coordinator": asdict(registrar) if registrar else None,
-        "l1": {
-            "region_name": region_name,
-            "capacity_bytes": l1.capacity_bytes,
-            "used_bytes": l1.used_bytes,
-            "free_bytes": l1.free_bytes,
-            "chunks": l1.chunks,
-            "writing": l1.writing,
-            "evictions": l1.evictions,
-            "largest_free_bytes": l1.largest_free_bytes,
-        },
-        "l2": {
-            "enabled": store.l2_capacity_bytes > 0,
-            "capacity_bytes": store.l2_capacity_bytes,
-            "used_bytes": store.l2_used_bytes,
-            "promotions": store.promotions,
-            "promotion_failures": store.promotion_failures,
-            "demotions": store.demotions,
-            "demotion_failures": store.demotion_failures,
-        },
-        "leases": {"read": l1.read_leases, "write": l1.write_leases},
-        "events": {
-            "transport": event_transport if publisher else "none",
-            "pending": (publisher.pending_entries if publisher else 0),
-            "buffered_batches": publisher.buffered_batches if publisher else 0,
-            "sent_batches": publisher.sent_batches if publisher else 0,
-            "sent_events": publisher.sent_entries if publisher else 0,
-            "retries": publisher.retried_batches if publisher else 0,
-            "failed_sends": publisher.failed_sends if publisher else 0,
-            "dropped_batches": publisher.dropped_batches if publisher else 0,
-            "dropped_events": publisher.dropped_entries if publisher else 0,
-            "last_seq": publisher.last_seq if publisher else 0,
-            "last_error": publisher.last_error if publisher else "",
-        },
-        "models": models,
-        "engines": engines,
-        **p2p_fields(p2p),
-    }
+        coordinator=registrar_status(registrar) if registrar else None,
+        l1=L1Status(
+            region_name=region_name,
+            capacity_bytes=l1.capacity_bytes,
+            used_bytes=l1.used_bytes,
+            free_bytes=l1.free_bytes,
+            chunks=l1.chunks,
+            writing=l1.writing,
+            evictions=l1.evictions,
+            largest_free_bytes=l1.largest_free_bytes,
+        ),
+        l2=L2Status(
+            enabled=store.l2_capacity_bytes > 0,
+            capacity_bytes=store.l2_capacity_bytes,
+            used_bytes=store.l2_used_bytes,
+            promotions=store.promotions,
+            promotion_failures=store.promotion_failures,
+            demotions=store.demotions,
+            demotion_failures=store.demotion_failures,
+        ),
+        leases=LeaseStatus(read=l1.read_leases, write=l1.write_leases),
+        events=event_status(publisher, event_transport),
+        models=models,
+        engines=engines,
+        p2p_enabled=p2p is not None,
+        p2p_state=p2p.state.value if p2p else "unregistered",
+        p2p_peer_count=len(p2p.peers) if p2p else 0,
+        p2p_peers=list(p2p.peers) if p2p else [],
+        active_p2p_lookup_jobs=p2p.active_lookup_jobs if p2p else 0,
+        p2p=p2p_status(p2p) if p2p else None,
+    )
 
 
-def p2p_fields(p2p: P2PStats | None) -> dict[str, Any]:
-    """The ``p2p_*`` fields (LMCache's names first, then kvatlas' counters)."""
-    if p2p is None:
-        return {
-            "p2p_enabled": False,
-            "p2p_state": "unregistered",
-            "p2p_peer_count": 0,
-            "p2p_peers": [],
-            "active_p2p_lookup_jobs": 0,
-        }
+def registrar_status(r: RegistrarStats) -> RegistrarStatus:
+    return RegistrarStatus(
+        state=r.state.value,
+        registrations=r.registrations,
+        heartbeats=r.heartbeats,
+        heartbeat_failures=r.heartbeat_failures,
+        reregistrations_after_404=r.reregistrations_after_404,
+        resyncs=r.resyncs,
+        contracts=list(r.contracts),
+        last_error=r.last_error,
+    )
+
+
+def event_status(publisher: PublisherStats | None, transport: str) -> EventStatus:
+    """The publisher's counters; zeros and transport ``none`` without one."""
+    if publisher is None:
+        return EventStatus("none", 0, 0, 0, 0, 0, 0, 0, 0, 0, "")
+    return EventStatus(
+        transport=transport,
+        pending=publisher.pending_entries,
+        buffered_batches=publisher.buffered_batches,
+        sent_batches=publisher.sent_batches,
+        sent_events=publisher.sent_entries,
+        retries=publisher.retried_batches,
+        failed_sends=publisher.failed_sends,
+        dropped_batches=publisher.dropped_batches,
+        dropped_events=publisher.dropped_entries,
+        last_seq=publisher.last_seq,
+        last_error=publisher.last_error,
+    )
+
+
+def p2p_status(p2p: P2PStats) -> P2PStatus:
+    """kvatlas' P2P counters (the ``p2p`` object)."""
     f = p2p.fetch
-    return {
-        "p2p_enabled": True,
-        "p2p_state": p2p.state.value,
-        "p2p_peer_count": len(p2p.peers),
-        "p2p_peers": list(p2p.peers),
-        "active_p2p_lookup_jobs": p2p.active_lookup_jobs,
-        "p2p": {
-            "transfer_engine": p2p.transfer_engine,
-            "advertise_url": p2p.advertise_url,
-            "transfer_url": p2p.transfer_url,
-            "lookups": f.lookups,
-            "chunks_fetched": f.chunks_fetched,
-            "bytes_read": f.bytes_read,
-            "lock_requests": f.locks_requested,
-            "directory_lookups": f.directory_lookups,
-            "directory_failures": f.directory_failures,
-            "all_peer_fallbacks": f.all_peer_fallbacks,
-            "fallbacks": dict(f.fallbacks),
-            "cooling_peers": list(p2p.cooling_peers),
-            "served_locks": p2p.served_locks,
-            "served_chunks": p2p.served_chunks,
-            "served_unlocks": p2p.served_unlocks,
-            "refused_requests": p2p.refused_requests,
-            "adapters_added": p2p.adapters_added,
-            "adapters_removed": p2p.adapters_removed,
-            "adapters_rebuilt": p2p.adapters_rebuilt,
-        },
-    }
+    return P2PStatus(
+        transfer_engine=p2p.transfer_engine,
+        advertise_url=p2p.advertise_url,
+        transfer_url=p2p.transfer_url,
+        lookups=f.lookups,
+        chunks_fetched=f.chunks_fetched,
+        bytes_read=f.bytes_read,
+        lock_requests=f.locks_requested,
+        directory_lookups=f.directory_lookups,
+        directory_failures=f.directory_failures,
+        all_peer_fallbacks=f.all_peer_fallbacks,
+        fallbacks=dict(f.fallbacks),
+        cooling_peers=list(p2p.cooling_peers),
+        served_locks=p2p.served_locks,
+        served_chunks=p2p.served_chunks,
+        served_unlocks=p2p.served_unlocks,
+        refused_requests=p2p.refused_requests,
+        adapters_added=p2p.adapters_added,
+        adapters_removed=p2p.adapters_removed,
+        adapters_rebuilt=p2p.adapters_rebuilt,
+    )

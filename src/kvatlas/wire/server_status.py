@@ -1,0 +1,134 @@
+"""The cache server's ``GET /status`` document, as msgspec Structs.
+
+The server builds and encodes a `ServerStatus`; the evaluation, the benches and anyone
+else decode the same Struct (`decode_status`), so a field cannot be renamed on one side
+only. The field names are the operators' (LMCache's ``p2p_*`` names first, then kvatlas'
+counters); ``p2p`` is left out of the document when P2P is off.
+
+Owns the shapes only: no I/O, no state, no mapping from the server's stats (that is
+``server.status``'s).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class RegistrarStatus(msgspec.Struct, frozen=True):
+    """``coordinator``: the registrar's standing with the coordinator."""
+
+    state: str
+    """registered, disconnected or unregistered."""
+    registrations: int
+    heartbeats: int
+    heartbeat_failures: int
+    reregistrations_after_404: int
+    resyncs: int
+    contracts: list[str]
+    """Models whose hash contract this server declared."""
+    last_error: str
+
+
+class L1Status(msgspec.Struct, frozen=True):
+    region_name: str
+    capacity_bytes: int
+    used_bytes: int
+    free_bytes: int
+    chunks: int
+    writing: int
+    evictions: int
+    largest_free_bytes: int
+
+
+class L2Status(msgspec.Struct, frozen=True):
+    enabled: bool
+    capacity_bytes: int
+    used_bytes: int
+    promotions: int
+    promotion_failures: int
+    demotions: int
+    demotion_failures: int
+
+
+class LeaseStatus(msgspec.Struct, frozen=True):
+    read: int
+    write: int
+
+
+class EventStatus(msgspec.Struct, frozen=True):
+    """The event publisher (zeros, transport ``none``, without a coordinator)."""
+
+    transport: str
+    pending: int
+    buffered_batches: int
+    sent_batches: int
+    sent_events: int
+    retries: int
+    failed_sends: int
+    dropped_batches: int
+    dropped_events: int
+    last_seq: int
+    last_error: str
+
+
+class P2PStatus(msgspec.Struct, frozen=True):
+    """kvatlas' P2P counters: the requester's reads and fallbacks, the owner's service."""
+
+    transfer_engine: str
+    advertise_url: str
+    transfer_url: str
+    lookups: int
+    chunks_fetched: int
+    bytes_read: int
+    lock_requests: int
+    directory_lookups: int
+    directory_failures: int
+    all_peer_fallbacks: int
+    fallbacks: dict[str, int]
+    """Fallbacks to recompute by cause."""
+    cooling_peers: list[str]
+    served_locks: int
+    served_chunks: int
+    served_unlocks: int
+    refused_requests: int
+    adapters_added: int
+    adapters_removed: int
+    adapters_rebuilt: int
+
+
+class ServerStatus(msgspec.Struct, frozen=True, omit_defaults=True):
+    """``GET /status`` of a cache server."""
+
+    instance_id: str
+    incarnation: int
+    uptime_s: float
+    engine_port: int
+    http_port: int
+    chunk_size: int
+    registration_state: str
+    """registered, disconnected or unregistered (also without a coordinator)."""
+    coordinator: RegistrarStatus | None
+    """None when the server runs without a coordinator."""
+    l1: L1Status
+    l2: L2Status
+    leases: LeaseStatus
+    events: EventStatus
+    models: list[str]
+    engines: int
+    p2p_enabled: bool
+    p2p_state: str
+    """registered, disconnected or unregistered: this server in the peer listing."""
+    p2p_peer_count: int
+    p2p_peers: list[str]
+    """Instance ids of the peers with an adapter, sorted."""
+    active_p2p_lookup_jobs: int
+    p2p: P2PStatus | None = None
+    """Absent from the document when P2P is off (the one field with a default)."""
+
+
+_decoder = msgspec.json.Decoder(ServerStatus)
+
+
+def decode_status(body: bytes) -> ServerStatus:
+    """A ``/status`` body; msgspec.DecodeError or ValidationError when it is not one."""
+    return _decoder.decode(body)
