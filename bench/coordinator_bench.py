@@ -35,6 +35,7 @@ import numpy as np
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes, default_kv_rank
 from kvatlas.core.types import EventType, Tier
+from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.runtime.procs import free_port
 from kvatlas.wire.http_api import (
     LookupRequest,
@@ -87,6 +88,7 @@ class Server:
                 self.log.seek(0)
                 raise RuntimeError("server did not start: " + self.log.read().decode())
             time.sleep(0.05)
+        self.client = CoordinatorClient(self.url)
 
     def rss(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -96,13 +98,14 @@ class Server:
 
     def wait_ready(self, timeout: float) -> float:
         t0 = time.perf_counter()
-        while httpx.get(self.url + "/readyz").status_code != 200:
+        while not self.client.ready().ready:
             if time.perf_counter() - t0 > timeout:
                 raise RuntimeError("not ready")
             time.sleep(0.01)
         return time.perf_counter() - t0
 
     def stop(self) -> None:
+        self.client.close()
         self.proc.terminate()
         self.proc.wait(30)
         self.log.close()
@@ -355,7 +358,7 @@ def _kafka(n_events: int) -> dict[str, Any]:
         )
         try:
             catch_up = server.wait_ready(300)
-            keys = httpx.get(server.url + "/directory/stats").json()["keys"]
+            keys = server.client.directory_stats().keys
         finally:
             server.stop()
     return {
@@ -426,12 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens = list(range(7, 7 + 32768))
         hs = chunk_hashes(tokens, 256)
         held = [_batch("holder", 1, list(hs[:100]))]
-        with httpx.Client(base_url=server.url) as c:
-            c.post(
-                "/events",
-                content=encode_events_msgpack(held),
-                headers={"content-type": "application/msgpack"},
-            )
+        server.client.post_events(held)
         tokens_body = json.dumps({"token_ids": tokens, "model_name": MODEL}).encode()
         keys_body = json.dumps(
             {

@@ -28,6 +28,7 @@ from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import HashContract, Namespace, ObjectKey, chunk_hashes, object_keys
 from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.types import EventType, Tier
+from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.server.incarnation import next_incarnation
 from kvatlas.server.publisher import EventPublisher
 from kvatlas.server.registrar import Identity, Registrar, RegistrationState
@@ -186,6 +187,25 @@ def coordinator() -> Iterator[StandInCoordinator]:
         c.stop()
 
 
+_clients: list[CoordinatorClient] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    while _clients:
+        _clients.pop().close()
+
+
+def client_of(
+    c: StandInCoordinator, token: str | None = None, timeout_s: float = 2.0
+) -> CoordinatorClient:
+    """A client of ``c``, closed after the test."""
+    client = CoordinatorClient(c.url, auth_token=token, timeout_s=timeout_s)
+    _clients.append(client)
+    return client
+
+
 def keys(n: int, salt: int = 0) -> list[ObjectKey]:
     tokens = [salt * 1_000_003 + i for i in range(n * 4)]
     return object_keys(chunk_hashes(tokens, 4), NS)
@@ -245,14 +265,7 @@ def make_registrar(
     token: str | None = None,
 ) -> Registrar:
     ident = Identity("node-a", incarnation, "127.0.0.1", http_port=7555, mq_port=6555)
-    return Registrar(
-        c.url,
-        ident,
-        heartbeat_interval_s=0.1,
-        timeout_s=2.0,
-        on_resync=on_resync,
-        auth_token=token,
-    )
+    return Registrar(client_of(c, token), ident, heartbeat_interval_s=0.1, on_resync=on_resync)
 
 
 def test_registrar_registers_heartbeats_and_deregisters(coordinator: StandInCoordinator) -> None:
@@ -303,7 +316,7 @@ def test_registrar_declares_contracts_and_reports_a_mismatch(
     coordinator: StandInCoordinator,
 ) -> None:
     other = Identity("node-b", 1, "127.0.0.1", http_port=7556, mq_port=6556)
-    reg_b = Registrar(coordinator.url, other, heartbeat_interval_s=0.1)
+    reg_b = Registrar(client_of(coordinator, timeout_s=5.0), other, heartbeat_interval_s=0.1)
     assert reg_b.declare_contract(HashContract("llama", kv_dtype="float16")) is None
     reg = make_registrar(coordinator)
     reg.start()
@@ -348,7 +361,7 @@ def make_publisher(
     fmt: str = "msgpack",
     on_loss: Callable[[], None] | None = None,
 ) -> EventPublisher:
-    sink = HttpSink(c.url, fmt="json" if fmt == "json" else "msgpack", timeout_s=2.0)
+    sink = HttpSink(client_of(c), fmt="json" if fmt == "json" else "msgpack")
     return EventPublisher(
         sink,
         "node-a",

@@ -43,7 +43,6 @@ from kvatlas.evaluation.metrics import (
 from kvatlas.evaluation.observe import (
     Sampler,
     cursors,
-    integer,
     owner_placements,
     stale_hint_fallbacks,
 )
@@ -192,10 +191,7 @@ class _Scenario:
         for k, srv in enumerate(self.fleet.servers):
             st = self.fleet.server_status(k)
             if st is not None:
-                self.catchup_target[srv.instance_id] = (
-                    integer(st, "incarnation") or 0,
-                    integer(st, "events", "last_seq") or 0,
-                )
+                self.catchup_target[srv.instance_id] = (st.incarnation, st.events.last_seq)
         self.say("  churn: coordinator restarted from its snapshot")
         self.step = "catchup"
 
@@ -204,9 +200,13 @@ class _Scenario:
         detail: dict[str, Any] = {}
         done = bool(self.catchup_target)
         for iid, (inc, seq) in self.catchup_target.items():
-            c = cur.get(iid, {})
-            ok = c.get("incarnation") == inc and c.get("last_seq", -1) >= seq
-            detail[iid] = {"target_seq": seq, "directory_seq": c.get("last_seq"), "ok": ok}
+            c = cur.get(iid)
+            ok = c is not None and c.incarnation == inc and c.last_seq >= seq
+            detail[iid] = {
+                "target_seq": seq,
+                "directory_seq": c.last_seq if c is not None else None,
+                "ok": ok,
+            }
             done = done and ok
         if done:
             self.mark("caught_up")

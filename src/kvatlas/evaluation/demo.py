@@ -23,6 +23,8 @@ import httpx
 from kvatlas.evaluation.fleet import ENGINE_MODEL as MODEL
 from kvatlas.evaluation.fleet import Fleet, FleetConfig
 from kvatlas.runtime.procs import ProcessError
+from kvatlas.wire.coordinator_views import StatsResponse
+from kvatlas.wire.http_api import InstanceWire
 
 Say = Callable[[str], None]
 CHARS_PER_TOKEN = 4
@@ -67,8 +69,9 @@ class NodeRun:
 class DemoResult:
     cold: NodeRun
     warm: NodeRun
-    instances: list[dict[str, Any]]
-    directory: dict[str, Any]
+    instances: list[InstanceWire]
+    directory: StatsResponse | None
+    """None when the coordinator did not answer."""
 
     @property
     def same_text(self) -> bool:
@@ -108,17 +111,18 @@ def _ask(http: httpx.Client, url: str, document: str, max_tokens: int) -> dict[s
 
 
 def _peer_bytes(fleet: Fleet, i: int) -> int:
-    status = fleet.server_status(i) or {}
-    p2p = status.get("p2p") or {}
-    return int(p2p.get("bytes_read", 0))
+    status = fleet.server_status(i)
+    if status is None or status.p2p is None:
+        return 0
+    return status.p2p.bytes_read
 
 
 def _wait_for_directory(fleet: Fleet, chunks: int, timeout_s: float) -> None:
     """Until the coordinator's directory lists node A's chunks (events flush async)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        stats = fleet.directory_stats() or {}
-        if int(stats.get("keys", 0)) >= chunks:
+        stats = fleet.directory_stats()
+        if stats is not None and stats.keys >= chunks:
             return
         time.sleep(0.1)
 
@@ -176,7 +180,7 @@ def run_demo(cfg: DemoConfig, say: Say) -> DemoResult:
             answer = _ask(http, urls[1], document, cfg.max_tokens)
             warm = _node_run("B", answer, _peer_bytes(fleet, 1) - before)
         instances = fleet.instances() or []
-        directory = fleet.directory_stats() or {}
+        directory = fleet.directory_stats()
     return DemoResult(cold, warm, instances, directory)
 
 
@@ -210,13 +214,13 @@ def render(result: DemoResult, cfg: DemoConfig) -> str:
     ]
     for inst in result.instances:
         lines.append(
-            f"  {inst.get('instance_id')}: incarnation {inst.get('incarnation')},"
-            f" p2p {inst.get('p2p_advertised_url')},"
-            f" heartbeat {float(inst.get('heartbeat_age_s', 0.0)):.1f} s ago"
+            f"  {inst.instance_id}: incarnation {inst.incarnation},"
+            f" p2p {inst.p2p_advertised_url},"
+            f" heartbeat {inst.heartbeat_age_s:.1f} s ago"
         )
     d = result.directory
     lines.append(
-        f"  directory: {d.get('keys', 0)} keys, {d.get('placements', 0)} placements"
+        f"  directory: {d.keys if d else 0} keys, {d.placements if d else 0} placements"
         f" ({_per_instance(d)})"
     )
     return "\n".join(lines) + "\n"
@@ -230,10 +234,7 @@ def _fallback(cause: str | None) -> str:
     return cause
 
 
-def _per_instance(stats: dict[str, Any]) -> str:
-    parts = [
-        f"{o.get('instance_id')} {o.get('tier')}: {o.get('placements')}"
-        for o in stats.get("owners") or []
-        if isinstance(o, dict)
-    ]
+def _per_instance(stats: StatsResponse | None) -> str:
+    owners = stats.owners if stats is not None else []
+    parts = [f"{o.instance_id} {o.tier}: {o.placements}" for o in owners]
     return ", ".join(parts) or "no placements"

@@ -23,13 +23,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import msgspec
 import numpy as np
 
 from kvatlas.connector.client import CacheClient, EngineClientError
 from kvatlas.evaluation.fleet import Fleet
 from kvatlas.evaluation.workload import Request, expected_kv
-from kvatlas.wire.http_api import LookupRequest, LookupResponse
+from kvatlas.wire.http_api import LookupRequest
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +36,6 @@ MODEL = "kvatlas-eval"
 KV_DTYPE = "float16"
 KV_LAYOUT = (4, 2, 16)
 """A made-up contract: the runner's chunks are opaque bytes of ``chunk_bytes`` each."""
-
-_lookup_resp = msgspec.json.Decoder(LookupResponse)
 
 
 @dataclass(slots=True)
@@ -169,19 +166,16 @@ class NodeDriver:
 
     def _directory(self, req: Request, rec: RequestRecord) -> list[list[tuple[str, int]]] | None:
         """Per leading chunk, the (instance, incarnation) L1 owners the directory names."""
-        body = msgspec.json.encode(
-            LookupRequest(
-                tokens_b64=req.tokens.astype("<u4").tobytes(),  # base64 in JSON
-                model_name=MODEL,
-            )
+        request = LookupRequest(
+            tokens_b64=req.tokens.astype("<u4").tobytes(),  # base64 in JSON
+            model_name=MODEL,
         )
         t = time.perf_counter()
-        raw = self.fleet.post_json(self.fleet.coordinator_url + "/directory/lookup", body)
+        resp = self.fleet.lookup(request)
         rec.dir_lookup_s = time.perf_counter() - t
-        if raw is None:
+        if resp is None:
             rec.dir_ok = False
             return None
-        resp = _lookup_resp.decode(raw)
         out: list[list[tuple[str, int]]] = []
         for r in resp.results:
             owners = [(p.instance_id, p.incarnation) for p in r.placements if p.tier == "l1"]

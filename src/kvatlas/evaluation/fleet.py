@@ -4,7 +4,8 @@ Owns starting, killing, restarting and stopping the processes of an evaluation r
 one through its real CLI, ``python -m kvatlas.cli.coordinator`` / ``kvatlas.cli.server``),
 their ports (free ports on 127.0.0.1, chosen up front so that a restarted process comes
 back at the same address), their log files and temporary directories, and the read-only
-HTTP probes of their state (``/status``, ``GET /instances``, ``GET /directory/stats``).
+probes of their state, typed: each server's ``/status`` as a `ServerStatus`, and the
+coordinator's instances, directory stats and lookups through one `CoordinatorClient`.
 
 Safety: only 127.0.0.1 is used; processes are stopped by pid (SIGTERM, then SIGKILL after
 a grace period); ``close`` stops every process this object started and removes its
@@ -31,10 +32,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Self
 
 import httpx
+import msgspec
 
+from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.runtime.procs import (
     HOST,
     ProcessError,
@@ -42,9 +45,14 @@ from kvatlas.runtime.procs import (
     free_port,
     free_ports,
 )
+from kvatlas.wire.coordinator_views import StatsResponse
+from kvatlas.wire.http_api import InstanceWire, LookupRequest, LookupResponse
+from kvatlas.wire.server_status import ServerStatus, decode_status
 
 log = logging.getLogger(__name__)
 
+PROBE_TIMEOUT_S = 3.0
+"""Bound of each probe of a process's state."""
 ENGINE_MODEL = "smollm2-135m"
 """The reference engine's model in every evaluation with engines."""
 
@@ -137,7 +145,7 @@ class Fleet:
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="kvatlas-fleet-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.p2p = cfg.p2p
-        self._http = httpx.Client(timeout=3.0)
+        self._http = httpx.Client(timeout=PROBE_TIMEOUT_S)
         cport = free_port()
         snapshot = (
             [
@@ -156,6 +164,8 @@ class Fleet:
             "--chunk-size", str(cfg.chunk_size), "--log-level", cfg.log_level, *snapshot,
         ]  # fmt: skip
         self.coordinator = Proc("coordinator", args, cport, self.workdir / "coordinator.log")
+        self.coordinator_client = CoordinatorClient(self.coordinator_url, timeout_s=PROBE_TIMEOUT_S)
+        """The coordinator's API; it reconnects to a restarted coordinator by itself."""
         self.servers = [self._server_proc(i) for i in range(cfg.nodes)]
         self.extras: list[Proc] = []
         """Other processes of the run (engines), stopped first by ``close``."""
@@ -216,16 +226,24 @@ class Fleet:
                 preexec_fn=die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
             )
 
-    def _wait_healthy(self, proc: Proc, path: str = "/healthz") -> None:
+    def _wait_healthy(self, proc: Proc) -> None:
+        """Until ``proc`` answers /healthz."""
+
+        def healthy() -> bool:
+            return self._http.get(proc.base_url + "/healthz", timeout=0.5).status_code == 200
+
+        self._wait_up(proc, healthy, "/healthz")
+
+    def _wait_up(self, proc: Proc, up: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + self.cfg.start_timeout_s
         while time.monotonic() < deadline:
             if not proc.alive():
                 raise ProcessError(f"{proc.name} exited during startup:\n{proc.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if self._http.get(proc.base_url + path, timeout=0.5).status_code == 200:
+            with contextlib.suppress(httpx.HTTPError, CoordinatorError):
+                if up():
                     return
             time.sleep(0.05)
-        raise ProcessError(f"{proc.name} did not answer {path} in time:\n{proc.log_tail()}")
+        raise ProcessError(f"{proc.name} did not answer {what} in time:\n{proc.log_tail()}")
 
     def start(self, on_progress: Callable[[str], None] | None = None) -> None:
         """Start the coordinator, then every server; wait until all are registered."""
@@ -241,7 +259,9 @@ class Fleet:
 
     def start_coordinator(self) -> None:
         self._spawn(self.coordinator)
-        self._wait_healthy(self.coordinator, "/readyz")
+        self._wait_up(
+            self.coordinator, lambda: self.coordinator_client.ready(timeout_s=0.5).ready, "/readyz"
+        )
 
     def start_server(self, i: int, *, new_ports: bool = True) -> None:
         """(Re)start server ``i`` with its instance id and state dir: a new incarnation.
@@ -299,10 +319,8 @@ class Fleet:
         """Until every server lists at least one P2P peer (ProcessError after the timeout)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if all(
-                int((self.server_status(i) or {}).get("p2p_peer_count", 0)) >= 1
-                for i in range(len(self.servers))
-            ):
+            statuses = [self.server_status(i) for i in range(len(self.servers))]
+            if all(st is not None and st.p2p_peer_count >= 1 for st in statuses):
                 return
             time.sleep(0.2)
         raise ProcessError("the cache servers did not discover each other as P2P peers")
@@ -337,6 +355,7 @@ class Fleet:
             codes[s.name] = self.stop(s)
         codes["coordinator"] = self.stop(self.coordinator)
         self._http.close()
+        self.coordinator_client.close()
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
         return codes
@@ -351,53 +370,49 @@ class Fleet:
 
     # ------------------------------------------------------------------ probes
 
-    def get_json(self, url: str, timeout: float = 3.0) -> Any | None:
-        """GET ``url`` as JSON; None when the process does not answer (down, restarting)."""
+    def server_status(self, i: int) -> ServerStatus | None:
+        """Server ``i``'s /status; None when it does not answer (down, restarting)."""
+        s = self.servers[i]
+        if not s.alive():
+            return None
         try:
-            r = self._http.get(url, timeout=timeout)
+            r = self._http.get(s.base_url + "/status", timeout=PROBE_TIMEOUT_S)
         except httpx.HTTPError:
             return None
         if r.status_code != 200:
             return None
         try:
-            return r.json()
-        except ValueError:
+            return decode_status(r.content)
+        except (msgspec.DecodeError, msgspec.ValidationError):
             return None
 
-    def post_json(self, url: str, body: bytes, timeout: float = 3.0) -> bytes | None:
-        """POST a JSON body; the raw 200 answer (callers decode it into their type)."""
+    def instances(self) -> list[InstanceWire] | None:
+        """The coordinator's live instances; None when it does not answer."""
         try:
-            r = self._http.post(
-                url, content=body, headers={"content-type": "application/json"}, timeout=timeout
-            )
-        except httpx.HTTPError:
+            return self.coordinator_client.instances()
+        except CoordinatorError:
             return None
-        return r.content if r.status_code == 200 else None
 
-    def server_status(self, i: int) -> dict[str, Any] | None:
-        s = self.servers[i]
-        if not s.alive():
+    def directory_stats(self) -> StatsResponse | None:
+        """The coordinator's directory stats; None when it does not answer."""
+        try:
+            return self.coordinator_client.directory_stats()
+        except CoordinatorError:
             return None
-        st = self.get_json(s.base_url + "/status")
-        return st if isinstance(st, dict) else None
 
-    def instances(self) -> list[dict[str, Any]] | None:
-        doc = self.get_json(self.coordinator_url + "/instances")
-        if not isinstance(doc, dict):
+    def lookup(self, request: LookupRequest) -> LookupResponse | None:
+        """A directory lookup; None when the coordinator does not answer."""
+        try:
+            return self.coordinator_client.lookup(request)
+        except CoordinatorError:
             return None
-        inst = doc.get("instances")
-        return inst if isinstance(inst, list) else None
-
-    def directory_stats(self) -> dict[str, Any] | None:
-        doc = self.get_json(self.coordinator_url + "/directory/stats")
-        return doc if isinstance(doc, dict) else None
 
     def wait_registered(self, ids: list[str], timeout_s: float = 30.0) -> None:
         """Until ``GET /instances`` lists every id in ``ids``."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             inst = self.instances() or []
-            if set(ids) <= {str(i.get("instance_id")) for i in inst}:
+            if set(ids) <= {i.instance_id for i in inst}:
                 return
             time.sleep(0.1)
         raise ProcessError(f"instances {ids} did not all register within {timeout_s}s")

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvatlas.evaluation.driver import RequestRecord
 from kvatlas.evaluation.fleet import Fleet
-from kvatlas.evaluation.observe import cursors, integer, num, owner_placements
+from kvatlas.evaluation.observe import cursors, owner_placements
 
 
 def delivery_state(fleet: Fleet) -> tuple[bool, dict[str, Any]]:
@@ -31,23 +31,24 @@ def delivery_state(fleet: Fleet) -> tuple[bool, dict[str, Any]]:
         st = fleet.server_status(k)
         if st is None:
             continue
-        inc = integer(st, "incarnation") or 0
-        last = int(num(st, "events", "last_seq") or 0)
-        pending = int(num(st, "events", "pending") or 0)
-        buffered = int(num(st, "events", "buffered_batches") or 0)
-        c = cur.get(s.instance_id, {})
+        inc = st.incarnation
+        last = st.events.last_seq
+        pending = st.events.pending
+        buffered = st.events.buffered_batches
+        c = cur.get(s.instance_id)
         ok = (
             pending == 0
             and buffered == 0
-            and c.get("incarnation") == inc
-            and c.get("last_seq", -1) >= last
-            and st.get("registration_state") == "registered"
+            and c is not None
+            and c.incarnation == inc
+            and c.last_seq >= last
+            and st.registration_state == "registered"
         )
         done = done and ok
         detail[s.instance_id] = {
             "incarnation": inc,
             "server_last_seq": last,
-            "directory_last_seq": c.get("last_seq"),
+            "directory_last_seq": c.last_seq if c is not None else None,
             "pending": pending,
             "buffered_batches": buffered,
             "delivered": ok,
@@ -79,15 +80,15 @@ def inventory_check(fleet: Fleet) -> dict[str, Any]:
         st = fleet.server_status(k)
         if st is None:
             continue
-        inc = integer(st, "incarnation") or 0
+        inc = st.incarnation
         live_keys.add((s.instance_id, inc))
-        held = int(num(st, "l1", "chunks") or 0)
+        held = st.l1.chunks
         listed = owners.get((s.instance_id, inc), 0)
         match = match and held == listed
         per[s.instance_id] = {"server_chunks": held, "directory_placements": listed}
     orphans = {f"{i}@{n}": c for (i, n), c in owners.items() if (i, n) not in live_keys and c}
-    gaps = sum(c["gaps"] for c in cur.values())
-    missing = sum(c["missing"] for c in cur.values())
+    gaps = sum(c.gaps for c in cur.values())
+    missing = sum(c.missing for c in cur.values())
     return {
         "directory_matches_servers": match and not orphans,
         "per_server": per,
@@ -103,7 +104,7 @@ def events_lost(fleet: Fleet) -> dict[str, int]:
     for k, s in enumerate(fleet.servers):
         st = fleet.server_status(k)
         if st is not None:
-            out[s.instance_id] = int(num(st, "events", "dropped_events") or 0)
+            out[s.instance_id] = st.events.dropped_events
     return out
 
 

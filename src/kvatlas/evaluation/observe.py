@@ -2,9 +2,9 @@
 
 Owns the sampler thread (every ``interval_s``: ``GET /instances`` for heartbeat ages,
 ``GET /directory/stats`` for placements per owner and the event gate's cursors, each live
-server's ``/status`` for its publisher and P2P counters) and the defensive readers of those
-documents: a field that is missing or of another type reads as absent, never as an error,
-so the evaluation follows the servers' status as it grows (P2P counters included).
+server's ``/status`` for its publisher and P2P counters) and the readers of those typed
+documents. The P2P counters are taken as every numeric field whose dotted path names
+p2p, so the evaluation follows the servers' P2P counters as they grow.
 
 Must not: change the fleet's state (read-only GETs only).
 """
@@ -18,33 +18,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from kvatlas.evaluation.fleet import Fleet
+from kvatlas.wire.coordinator_views import CursorView, StatsResponse
+from kvatlas.wire.server_status import ServerStatus
 
 log = logging.getLogger(__name__)
-
-
-def num(doc: Any, *path: str) -> float | None:
-    """``doc[path[0]][path[1]]...`` as a float, or None when absent or not a number."""
-    cur = doc
-    for key in path:
-        if not isinstance(cur, Mapping) or key not in cur:
-            return None
-        cur = cur[key]
-    if isinstance(cur, bool) or not isinstance(cur, int | float):
-        return None
-    return float(cur)
-
-
-def integer(doc: Any, *path: str) -> int | None:
-    """Like ``num`` but exact for integers (incarnations exceed a float's 53 bits)."""
-    cur = doc
-    for key in path:
-        if not isinstance(cur, Mapping) or key not in cur:
-            return None
-        cur = cur[key]
-    if isinstance(cur, bool) or not isinstance(cur, int):
-        return None
-    return cur
 
 
 def flat_numbers(doc: Any, prefix: str = "") -> dict[str, float]:
@@ -58,11 +38,12 @@ def flat_numbers(doc: Any, prefix: str = "") -> dict[str, float]:
     return out
 
 
-def p2p_counters(status: Mapping[str, Any] | None) -> dict[str, float]:
+def p2p_counters(status: ServerStatus | None) -> dict[str, float]:
     """The server's P2P numbers: every numeric field whose dotted path mentions p2p."""
-    if not status:
+    if status is None:
         return {}
-    return {k: v for k, v in flat_numbers(status).items() if "p2p" in k.lower()}
+    doc = msgspec.to_builtins(status)
+    return {k: v for k, v in flat_numbers(doc).items() if "p2p" in k.lower()}
 
 
 def stale_hint_fallbacks(counters: Mapping[str, float]) -> float:
@@ -70,29 +51,23 @@ def stale_hint_fallbacks(counters: Mapping[str, float]) -> float:
     return sum(v for k, v in counters.items() if "stale" in k.lower() and "fallback" in k.lower())
 
 
-def owner_placements(stats: Mapping[str, Any] | None) -> dict[tuple[str, int], int]:
+def owner_placements(stats: StatsResponse | None) -> dict[tuple[str, int], int]:
     """(instance, incarnation) -> L1 placements the directory holds for it."""
     out: dict[tuple[str, int], int] = {}
-    if not stats:
+    if stats is None:
         return out
-    for o in stats.get("owners") or []:
-        if isinstance(o, Mapping) and o.get("tier") == "l1":
-            key = (str(o.get("instance_id")), int(o.get("incarnation") or 0))
-            out[key] = out.get(key, 0) + int(o.get("placements") or 0)
+    for o in stats.owners:
+        if o.tier == "l1":
+            key = (o.instance_id, o.incarnation)
+            out[key] = out.get(key, 0) + o.placements
     return out
 
 
-def cursors(stats: Mapping[str, Any] | None) -> dict[str, dict[str, int]]:
-    """instance -> {incarnation, last_seq, gaps, missing} of the event gate."""
-    out: dict[str, dict[str, int]] = {}
-    if not stats:
-        return out
-    for c in stats.get("cursors") or []:
-        if isinstance(c, Mapping):
-            out[str(c.get("instance_id"))] = {
-                k: int(c.get(k) or 0) for k in ("incarnation", "last_seq", "gaps", "missing")
-            }
-    return out
+def cursors(stats: StatsResponse | None) -> dict[str, CursorView]:
+    """instance -> the event gate's cursor (incarnation, last_seq, gaps, missing)."""
+    if stats is None:
+        return {}
+    return {c.instance_id: c for c in stats.cursors}
 
 
 @dataclass(slots=True)
@@ -143,9 +118,7 @@ class Sampler:
         if inst is not None:
             s.coordinator_up = True
             for i in inst:
-                age = num(i, "heartbeat_age_s")
-                if age is not None:
-                    s.heartbeat_ages[str(i.get("instance_id"))] = age
+                s.heartbeat_ages[i.instance_id] = i.heartbeat_age_s
             stats = f.directory_stats()
             for (iid, inc), n in owner_placements(stats).items():
                 s.placements[f"{iid}@{inc}"] = n
@@ -153,15 +126,13 @@ class Sampler:
             st = f.server_status(k)
             if st is None:
                 continue
-            chunks = num(st, "l1", "chunks")
-            if chunks is not None:
-                s.server_chunks[srv.instance_id] = int(chunks)
+            s.server_chunks[srv.instance_id] = st.l1.chunks
             s.p2p[srv.instance_id] = p2p_counters(st)
-            ev = st.get("events")
-            if isinstance(ev, Mapping):
-                s.events[srv.instance_id] = {
-                    k2: float(v) for k2, v in ev.items() if isinstance(v, int | float)
-                }
+            s.events[srv.instance_id] = {
+                k2: float(v)
+                for k2, v in msgspec.structs.asdict(st.events).items()
+                if isinstance(v, int | float)
+            }
         return s
 
     def _loop(self) -> None:

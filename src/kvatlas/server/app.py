@@ -1,13 +1,20 @@
 """The cache server's composition root: builds, names, starts and stops every part.
 
 Parts, in start order: incarnation (state dir) -> L1 region + pool -> L2 (disk, optional)
--> chunk store -> event publisher + sink and registrar (only with a coordinator URL) ->
+-> chunk store -> coordinator client, event publisher + sink and registrar (only with a
+coordinator URL) ->
 engine service -> engine API (ZeroMQ, --port) -> HTTP (/status, /metrics, /healthz,
 --http-port) -> P2P (with --p2p-advertise-url: control channel, transfer engine serving
 the region, controller; its endpoint goes into the registration) -> lease sweeper.
 Ports are bound before any background thread starts, so a taken port fails the start
 with PortInUse. Stop runs in reverse: engines first, then P2P, a last event flush,
 deregistration, HTTP, and the region is unlinked.
+
+One `CoordinatorClient` serves every part that talks to the coordinator (registrar,
+HTTP event sink, P2P controller and fetcher): httpx.Client is thread-safe, so they share
+one keep-alive pool, one base URL and one token, and their requests keep the one
+timeout they all had (``--coordinator-timeout``; the fetcher lowers it per lookup to its
+deadline). The root closes it after the last user, the deregistration.
 
 Must not: parse flags or read the environment (``kvatlas.cli.server`` does), or hold
 business logic (the parts do).
@@ -25,6 +32,7 @@ from kvatlas.core.errors import ConfigError
 from kvatlas.core.events import Entry
 from kvatlas.core.l1pool import L1Pool
 from kvatlas.core.types import EventType, Tier
+from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.runtime.region import L1Region, RegionBusy
 from kvatlas.server.config import GIB, ServerConfig
 from kvatlas.server.engine_api import EngineApi
@@ -49,15 +57,11 @@ DEFAULT_L2_BYTES = 10 * GIB
 SWEEP_INTERVAL_S = 1.0
 
 
-def make_sink(config: ServerConfig) -> EventSink:
+def make_sink(config: ServerConfig, coordinator: CoordinatorClient) -> EventSink:
     ev = config.events
-    co = config.coordinator
     if ev.transport == "kafka":
         return KafkaSink(ev.kafka.bootstrap_servers, ev.kafka.topic, timeout_s=10.0)
-    assert co.url is not None
-    return HttpSink(
-        co.url, fmt=ev.http_format, timeout_s=co.request_timeout_s, auth_token=co.auth_token
-    )
+    return HttpSink(coordinator, fmt=ev.http_format)
 
 
 class CacheServer:
@@ -80,6 +84,7 @@ class CacheServer:
                 config.l1.size_bytes / 2**30,
                 time.monotonic() - t0,
             )
+        self.coordinator: CoordinatorClient | None = None
         try:
             self.pool = L1Pool(
                 config.l1.size_bytes, config.l1.align_bytes, config.l1.eviction_policy
@@ -92,8 +97,11 @@ class CacheServer:
             self.registrar: Registrar | None = None
             co = config.coordinator
             if co.url is not None:
+                self.coordinator = CoordinatorClient(
+                    co.url, auth_token=co.auth_token, timeout_s=co.request_timeout_s
+                )
                 self.publisher = EventPublisher(
-                    make_sink(config),
+                    make_sink(config, self.coordinator),
                     config.instance_id,
                     self.incarnation,
                     flush_interval_s=config.events.flush_interval_s,
@@ -133,9 +141,9 @@ class CacheServer:
                     self.engine_api.stop()
                     self.http.stop()
                     raise
-            if co.url is not None:
+            if self.coordinator is not None:
                 self.registrar = Registrar(
-                    co.url,
+                    self.coordinator,
                     Identity(
                         config.instance_id,
                         self.incarnation,
@@ -146,8 +154,6 @@ class CacheServer:
                         metadata=self.p2p.registration_metadata() if self.p2p else {},
                     ),
                     heartbeat_interval_s=co.heartbeat_interval_s,
-                    timeout_s=co.request_timeout_s,
-                    auth_token=co.auth_token,
                     on_resync=self._resync,
                 )
                 self.service.set_contract_declarer(self.registrar.declare_contract)
@@ -160,6 +166,8 @@ class CacheServer:
                 p2p=lambda: self.p2p.stats() if self.p2p else None,
             )
         except BaseException:
+            if self.coordinator is not None:
+                self.coordinator.close()
             self._close_region()
             raise
         self._stop = threading.Event()
@@ -173,7 +181,7 @@ class CacheServer:
                 f"P2P is enabled (--p2p-advertise-url) but no transfer engine"
                 f" {config.p2p.transfer_engine!r} was given to the server"
             )
-        assert co.url is not None  # validate(): P2P requires a coordinator
+        assert self.coordinator is not None  # validate(): P2P requires a coordinator
         return P2PNode(
             config=config.p2p,
             instance_id=config.instance_id,
@@ -182,7 +190,7 @@ class CacheServer:
             service=self.service,
             region=self.region,
             transport=transport,
-            coordinator_url=co.url,
+            coordinator=self.coordinator,
             heartbeat_interval_s=co.heartbeat_interval_s,
             coordinator_timeout_s=co.request_timeout_s,
             auth_token=co.auth_token,
@@ -242,6 +250,8 @@ class CacheServer:
             self.publisher.stop(final_flush=True)
         if self.registrar is not None:
             self.registrar.stop(deregister=True)
+        if self.coordinator is not None:
+            self.coordinator.close()
         self.http.stop()
         if self.l2 is not None:
             self.l2.close()

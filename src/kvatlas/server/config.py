@@ -17,6 +17,7 @@ from typing import Final, Literal
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
 from kvatlas.core.l1pool import MIN_ALIGN_BYTES, POLICIES
+from kvatlas.wire.http_api import EventFormat
 
 GIB: Final = 1 << 30
 MAX_PORT: Final = 65535
@@ -25,7 +26,6 @@ EventTransport = Literal["http", "kafka"]
 P2P_ENGINES: Final = ("tcp", "shm", "mooncake", "nixl")
 """``--p2p-transfer-engine`` choices (the transfer package's names; the server may not
 import it, the layer contract keeps them independent)."""
-EventFormat = Literal["msgpack", "json"]
 
 
 def default_state_dir() -> Path:

@@ -7,9 +7,10 @@
           +-- PortInUse          (core) a port the server must bind is already taken
           +-- ServerError        the cache server process cannot do what it was asked
                +-- SinkError          an event sink could not deliver a request (retried)
-               +-- CoordinatorError   the coordinator refused or could not be reached
 
-Shells translate library errors (OSError, zmq.ZMQError, httpx errors, Kafka errors) into
+The coordinator's refusals and outages are ``runtime.coordinator_client``'s branch
+(``CoordinatorError`` and below, also under ServiceError), raised by the one client every
+process uses. Shells translate library errors (OSError, zmq.ZMQError, Kafka errors) into
 these with ``raise ... from exc``; nothing here does I/O.
 """
 
@@ -24,11 +25,3 @@ class ServerError(ServiceError):
 
 class SinkError(ServerError):
     """An event sink could not deliver; the publisher keeps the batches and retries."""
-
-
-class CoordinatorError(ServerError):
-    """The coordinator refused a request (``status``) or could not be reached (0)."""
-
-    def __init__(self, message: str, status: int = 0) -> None:
-        super().__init__(message)
-        self.status = status

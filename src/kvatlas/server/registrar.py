@@ -10,7 +10,9 @@ STORE for everything it holds and the directory is rebuilt.
 A coordinator that cannot be reached only changes the state to ``disconnected``: the
 server keeps serving its engines and the loop keeps trying every interval.
 
-Must not: touch the chunk store or the event stream itself (``on_resync`` does that).
+Must not: touch the chunk store or the event stream itself (``on_resync`` does that),
+build coordinator URLs or close the `CoordinatorClient` (its owner, the composition
+root, does).
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
-import msgspec
-
 from kvatlas.core.keys import HashContract
-from kvatlas.server.errors import CoordinatorError
-from kvatlas.server.sinks import auth_headers
-from kvatlas.wire.http_api import ContractWire, ErrorResponse, RegisterRequest, RegisterResponse
+from kvatlas.runtime.coordinator_client import (
+    CoordinatorClient,
+    CoordinatorError,
+    CoordinatorRefused,
+    CoordinatorUnreachable,
+    UnknownInstance,
+)
+from kvatlas.wire.http_api import ContractWire, RegisterRequest
 
 log = logging.getLogger(__name__)
 
@@ -74,18 +78,15 @@ class Registrar:
 
     def __init__(
         self,
-        base_url: str,
+        coordinator: CoordinatorClient,
         identity: Identity,
         *,
         heartbeat_interval_s: float = 5.0,
-        timeout_s: float = 5.0,
-        auth_token: str | None = None,
         on_resync: Callable[[], None] | None = None,
     ) -> None:
-        self._base = base_url.rstrip("/")
+        self._coordinator = coordinator
         self.identity = identity
         self._interval = heartbeat_interval_s
-        self._client = httpx.Client(timeout=timeout_s, headers=auth_headers(auth_token))
         self._on_resync = on_resync
         self._lock = threading.Lock()  # one request at a time; guards the fields below
         self._state = RegistrationState.UNREGISTERED
@@ -124,17 +125,7 @@ class Registrar:
             incarnation=ident.incarnation,
             contract=(ContractWire.from_core(self._last_contract) if self._last_contract else None),
         )
-        try:
-            resp = self._client.post(self._base + "/instances", content=msgspec.json.encode(req))
-        except httpx.HTTPError as exc:
-            raise CoordinatorError(f"POST {self._base}/instances failed: {exc!r}") from exc
-        if resp.status_code not in (200, 201):
-            raise CoordinatorError(
-                f"coordinator refused the registration of {ident.instance_id}"
-                f" ({resp.status_code}): {_error_text(resp)}",
-                resp.status_code,
-            )
-        body = msgspec.json.decode(resp.content, type=RegisterResponse)
+        body = self._coordinator.register(req)
         self._registrations += 1
         self._state = RegistrationState.REGISTERED
         self._last_error = ""
@@ -143,24 +134,16 @@ class Registrar:
             "registered instance %s incarnation %d at %s (re_registered=%s)",
             ident.instance_id,
             ident.incarnation,
-            self._base,
+            self._coordinator.url,
             body.re_registered,
         )
 
     def _heartbeat_locked(self) -> bool:
         """True: alive; False: the coordinator answered 404 (must re-register)."""
-        iid = self.identity.instance_id
-        url = f"{self._base}/instances/{iid}/heartbeat"
         try:
-            resp = self._client.put(url)
-        except httpx.HTTPError as exc:
-            raise CoordinatorError(f"PUT {url} failed: {exc!r}") from exc
-        if resp.status_code == 404:
+            self._coordinator.heartbeat(self.identity.instance_id)
+        except UnknownInstance:
             return False
-        if resp.status_code != 200:
-            raise CoordinatorError(
-                f"heartbeat answered {resp.status_code}: {_error_text(resp)}", resp.status_code
-            )
         self._heartbeats += 1
         self._state = RegistrationState.REGISTERED
         return True
@@ -191,9 +174,10 @@ class Registrar:
                     resync = True
             except CoordinatorError as exc:
                 self._hb_failures += 1
-                if exc.status == 0 and self._registrations:
-                    self._state = RegistrationState.DISCONNECTED
-                elif exc.status != 0:
+                if isinstance(exc, CoordinatorUnreachable):
+                    if self._registrations:
+                        self._state = RegistrationState.DISCONNECTED
+                else:  # refused, or an answer this server cannot read
                     self._state = RegistrationState.UNREGISTERED
                 if str(exc) != self._last_error:
                     log.warning(
@@ -221,11 +205,14 @@ class Registrar:
             try:
                 self._register_locked()
             except CoordinatorError as exc:
-                if exc.status == 409:
+                if isinstance(exc, CoordinatorRefused) and exc.status == 409:
                     del self._contracts[contract.model_name]
                     self._last_contract = known
                     self._needs_register = True  # restore the previous declaration
-                    return str(exc)
+                    return (
+                        f"coordinator refused the registration of {self.identity.instance_id}"
+                        f" (409): {exc.reason}"
+                    )
                 self._needs_register = True
                 self._last_error = str(exc)
             return None
@@ -235,10 +222,10 @@ class Registrar:
         with self._lock:
             iid = self.identity.instance_id
             try:
-                resp = self._client.delete(f"{self._base}/instances/{iid}")
-                log.info("deregistered instance %s (%d)", iid, resp.status_code)
-            except httpx.HTTPError as exc:
-                log.warning("deregistration of instance %s failed: %r", iid, exc)
+                self._coordinator.deregister(iid)
+                log.info("deregistered instance %s", iid)
+            except CoordinatorError as exc:
+                log.warning("deregistration of instance %s failed: %s", iid, exc)
             self._state = RegistrationState.UNREGISTERED
 
     # ------------------------------------------------------------------ lifecycle
@@ -267,7 +254,6 @@ class Registrar:
             self._thread = None
         if deregister and self._registrations:
             self.deregister()
-        self._client.close()
 
     def stats(self) -> RegistrarStats:
         # No lock: a request in flight may hold it for a whole timeout, and /status must
@@ -282,10 +268,3 @@ class Registrar:
             contracts=tuple(sorted(self._contracts)),
             last_error=self._last_error,
         )
-
-
-def _error_text(resp: httpx.Response) -> str:
-    try:
-        return msgspec.json.decode(resp.content, type=ErrorResponse).error
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return resp.text[:300]

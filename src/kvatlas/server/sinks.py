@@ -4,7 +4,8 @@ Owns the transport of already-cut batches; one interface, two backends. ``send``
 delivers every batch it was given (in order) or raises SinkError, in which case the
 publisher keeps them all and sends them again later with the same seqs: the coordinator's
 gate drops any that did arrive as duplicates. A sink must not buffer, reorder, retry on its
-own or assign seqs; that is the publisher's job.
+own or assign seqs; that is the publisher's job. The HTTP sink sends through the
+process's `CoordinatorClient` and does not close it (its owner does).
 """
 
 from __future__ import annotations
@@ -12,17 +13,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-import httpx
-
 from kvatlas.core.events import EventBatch
-from kvatlas.server.config import EventFormat
+from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.server.errors import SinkError
-from kvatlas.wire.http_api import (
-    MSGPACK_CONTENT_TYPE,
-    compact_batch,
-    encode_events_json,
-    encode_events_msgpack,
-)
+from kvatlas.wire.http_api import EventFormat, compact_batch
 from kvatlas.wire.kafka_records import encode_batch_msgpack
 
 log = logging.getLogger(__name__)
@@ -40,45 +34,24 @@ class EventSink(Protocol):
     def close(self) -> None: ...
 
 
-def auth_headers(token: str | None) -> dict[str, str]:
-    """``Authorization: Bearer`` when a token is configured."""
-    return {"Authorization": f"Bearer {token}"} if token else {}
-
-
 class HttpSink:
-    """``POST {coordinator}/events`` with msgpack (default; each batch as a key block
-    where `compact_batch` can make one) or JSON bodies."""
+    """``POST /events`` of the coordinator with msgpack (default; each batch as a key
+    block where `compact_batch` can make one) or JSON bodies."""
 
     name = "http"
 
-    def __init__(
-        self,
-        base_url: str,
-        fmt: EventFormat = "msgpack",
-        timeout_s: float = 5.0,
-        auth_token: str | None = None,
-    ) -> None:
-        self._url = base_url.rstrip("/") + "/events"
+    def __init__(self, coordinator: CoordinatorClient, fmt: EventFormat = "msgpack") -> None:
+        self._coordinator = coordinator
         self._fmt = fmt
-        headers = auth_headers(auth_token)
-        headers["Content-Type"] = MSGPACK_CONTENT_TYPE if fmt == "msgpack" else "application/json"
-        self._client = httpx.Client(timeout=timeout_s, headers=headers)
 
     def send(self, batches: list[EventBatch]) -> None:
-        body = (
-            encode_events_msgpack([compact_batch(b) for b in batches])
-            if self._fmt == "msgpack"
-            else (encode_events_json(batches))
-        )
         try:
-            resp = self._client.post(self._url, content=body)
-        except httpx.HTTPError as exc:
-            raise SinkError(f"POST {self._url} failed: {exc!r}") from exc
-        if resp.status_code != 200:
-            raise SinkError(f"POST {self._url} answered {resp.status_code}: {resp.text[:200]}")
+            self._coordinator.post_events(batches, self._fmt)
+        except CoordinatorError as exc:
+            raise SinkError(str(exc)) from exc
 
     def close(self) -> None:
-        self._client.close()
+        """Nothing of its own to release: the client is its owner's to close."""
 
 
 class KafkaSink:

@@ -35,6 +35,8 @@ from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.types import EventType, Tier
 
 MSGPACK_CONTENT_TYPE = "application/msgpack"
+EventFormat = Literal["msgpack", "json"]
+"""Body of `POST /events`: kvatlas' compact msgpack or LMCache's JSON."""
 MAX_SIZE_BYTES = (1 << 40) - 1
 """The directory packs sizes into 40 bits (1 TiB per chunk)."""
 COMPACT_VERSION = 2

@@ -13,7 +13,8 @@ other through the outage.
 listing), unregistered (it is not, or never got one), disconnected (the last poll failed
 after an earlier success).
 
-Must not: move KV bytes or touch the chunk store (``p2p_fetch`` does).
+Must not: move KV bytes or touch the chunk store (``p2p_fetch`` does), or close the
+`CoordinatorClient` it lists through (the composition root owns it).
 """
 
 from __future__ import annotations
@@ -25,16 +26,13 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-import msgspec
 import zmq
 
 from kvatlas.core.peers import ActionKind, PeerEndpoint, PeerTable
+from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.runtime.region import L1Region
 from kvatlas.server.p2p.channel import ChannelClient
 from kvatlas.server.p2p.transport import PeerLink, Transport
-from kvatlas.server.sinks import auth_headers
-from kvatlas.wire.http_api import InstancesResponse
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +85,8 @@ class P2PController:
         *,
         instance_id: str,
         incarnation: int,
-        coordinator_url: str,
+        coordinator: CoordinatorClient,
         interval_s: float,
-        timeout_s: float,
         auth_token: str | None,
         transport: Transport,
         region: L1Region,
@@ -97,9 +94,8 @@ class P2PController:
     ) -> None:
         self.instance_id = instance_id
         self.incarnation = incarnation
-        self._base = coordinator_url.rstrip("/")
+        self._coordinator = coordinator
         self._interval = interval_s
-        self._client = httpx.Client(timeout=timeout_s, headers=auth_headers(auth_token))
         self._token = auth_token
         self._transport = transport
         self._region = region
@@ -142,13 +138,9 @@ class P2PController:
     # ------------------------------------------------------------------ polling
 
     def _listing(self) -> list[PeerEndpoint] | None:
-        url = self._base + "/instances"
         try:
-            resp = self._client.get(url)
-            if resp.status_code != 200:
-                raise ValueError(f"GET {url} answered {resp.status_code}")
-            body = msgspec.json.decode(resp.content, type=InstancesResponse)
-        except (httpx.HTTPError, ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            instances = self._coordinator.instances()
+        except CoordinatorError as exc:
             self._poll_failures += 1
             if self._ever_listed:
                 self._state = P2PState.DISCONNECTED
@@ -163,7 +155,7 @@ class P2PController:
             return None
         self._ever_listed = True
         self._last_error = ""
-        me = [i for i in body.instances if i.instance_id == self.instance_id]
+        me = [i for i in instances if i.instance_id == self.instance_id]
         self._state = P2PState.REGISTERED if me else P2PState.UNREGISTERED
         return [
             PeerEndpoint(
@@ -173,7 +165,7 @@ class P2PController:
                 # only the endpoint: other metadata (models) changing is no reason to rebuild
                 metadata={ENDPOINT_METADATA_KEY: i.metadata[ENDPOINT_METADATA_KEY]},
             )
-            for i in body.instances
+            for i in instances
             if i.p2p_advertised_url and ENDPOINT_METADATA_KEY in i.metadata
         ]
 
@@ -269,4 +261,3 @@ class P2PController:
             adapters, self._adapters = list(self._adapters.values()), {}
         for adapter in adapters:
             adapter.close()
-        self._client.close()

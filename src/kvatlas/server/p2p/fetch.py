@@ -14,8 +14,8 @@ and is counted by cause: timeout, peer_dead, checksum_mismatch, refused, stale_h
 It runs WITHOUT the engine service's lock and takes it only briefly, through the
 service's ``reserve_for_peer_fetch`` / ``commit_peer_fetch``.
 
-Must not: write into a peer's memory, forward a read to a third node, or wait past a
-deadline.
+Must not: write into a peer's memory, forward a read to a third node, wait past a
+deadline, or close the `CoordinatorClient` it asks (the composition root owns it).
 """
 
 from __future__ import annotations
@@ -28,20 +28,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Final
 
-import httpx
-import msgspec
-
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.l1pool import Refusal, Slot
 from kvatlas.core.peers import PeerHealth, p2p_deadline
+from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.server.config import P2PConfig
 from kvatlas.server.engine_service import EngineService, PeerFetch
 from kvatlas.server.p2p.channel import ChannelError
 from kvatlas.server.p2p.controller import P2PController, PeerAdapter
 from kvatlas.server.p2p.transport import PeerRead, ReadOutcome
-from kvatlas.server.sinks import auth_headers
 from kvatlas.wire import p2p_proto as pp
-from kvatlas.wire.http_api import KeyWire, LookupRequest, LookupResponse
+from kvatlas.wire.http_api import KeyWire, LookupRequest
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +82,7 @@ class PeerFetcher:
         controller: P2PController,
         config: P2PConfig,
         chunk_size: int,
-        coordinator_url: str,
+        coordinator: CoordinatorClient,
         coordinator_timeout_s: float,
         auth_token: str | None,
         clock: Callable[[], float] = time.monotonic,
@@ -95,9 +92,8 @@ class PeerFetcher:
         self._controller = controller
         self._config = config
         self._chunk_size = chunk_size
-        self._base = coordinator_url.rstrip("/")
+        self._coordinator = coordinator
         self._dir_timeout = coordinator_timeout_s
-        self._http = httpx.Client(timeout=coordinator_timeout_s, headers=auth_headers(auth_token))
         self._token = auth_token or ""
         self._clock = clock
         self.health = PeerHealth(cooloff_s=config.cooloff_s)
@@ -125,9 +121,6 @@ class PeerFetcher:
     def cooling(self) -> list[str]:
         with self._lock:
             return self.health.cooling(self._clock())
-
-    def close(self) -> None:
-        self._http.close()
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -229,16 +222,8 @@ class PeerFetcher:
             self.stats.directory_lookups += 1
         req = LookupRequest(keys=[KeyWire.from_core(k) for k in keys])
         try:
-            resp = self._http.post(
-                self._base + "/directory/lookup",
-                content=msgspec.json.encode(req),
-                headers={"content-type": "application/json"},
-                timeout=timeout,
-            )
-            if resp.status_code != 200:
-                raise ValueError(f"directory lookup answered {resp.status_code}")
-            body = msgspec.json.decode(resp.content, type=LookupResponse)
-        except (httpx.HTTPError, ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            body = self._coordinator.lookup(req, timeout_s=timeout)
+        except CoordinatorError as exc:
             with self._lock:
                 self.stats.directory_failures += 1
             log.debug("directory lookup failed on instance %s: %s", self.instance_id, exc)

@@ -32,6 +32,7 @@ import zmq
 
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.keys import HASH_BYTES, object_keys
+from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.runtime.region import L1Region
 from kvatlas.server.config import P2PConfig, split_host_port
 from kvatlas.server.engine_service import EngineService
@@ -89,11 +90,15 @@ class P2PNode:
         service: EngineService,
         region: L1Region,
         transport: Transport,
-        coordinator_url: str,
+        coordinator: CoordinatorClient,
         heartbeat_interval_s: float,
         coordinator_timeout_s: float,
         auth_token: str | None,
     ) -> None:
+        """``coordinator``: the process's client, shared by the controller's listings
+        and the fetcher's directory lookups (bounded by ``coordinator_timeout_s``); the
+        composition root closes it. ``auth_token`` guards the control channel and the
+        transfer engine."""
         check_single_region(region, service.store.pool.capacity_bytes)
         listen = split_host_port(config.bind_url)
         if listen is None:  # validate() refused this already
@@ -124,9 +129,8 @@ class P2PNode:
         self.controller = P2PController(
             instance_id=instance_id,
             incarnation=incarnation,
-            coordinator_url=coordinator_url,
+            coordinator=coordinator,
             interval_s=heartbeat_interval_s,
-            timeout_s=coordinator_timeout_s,
             auth_token=auth_token,
             transport=transport,
             region=region,
@@ -138,7 +142,7 @@ class P2PNode:
             controller=self.controller,
             config=config,
             chunk_size=chunk_size,
-            coordinator_url=coordinator_url,
+            coordinator=coordinator,
             coordinator_timeout_s=coordinator_timeout_s,
             auth_token=auth_token,
         )
@@ -215,7 +219,6 @@ class P2PNode:
         self._service.set_peer_source(None)
         self.controller.stop()
         self._channel.stop()
-        self.fetcher.close()
         self._transport.stop()
         self._ctx.term()
 
