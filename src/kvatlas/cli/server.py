@@ -53,6 +53,7 @@ from kvatlas.transfer.base import (
 from kvatlas.transfer.config import MooncakeConfig, NixlConfig, ShmConfig, TcpConfig
 from kvatlas.transfer.errors import TransferError
 from kvatlas.transfer.factory import ENGINES, EngineConfig, make_engine
+from kvatlas.wire.kafka_records import DEFAULT_PARTITIONER, DEFAULT_TOPIC
 
 AUTH_TOKEN_ENV = "KVATLAS_AUTH_TOKEN"
 
@@ -94,7 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--event-buffer-batches", type=int, default=4096)
     ap.add_argument("--event-max-batch-entries", type=int, default=512)
     ap.add_argument("--kafka-bootstrap-servers", default="")
-    ap.add_argument("--kafka-topic", default="kvatlas-cache-events")
+    ap.add_argument("--kafka-topic", default=DEFAULT_TOPIC, help="(default %(default)s)")
+    ap.add_argument(
+        "--kafka-partitioner",
+        default=DEFAULT_PARTITIONER,
+        help="librdkafka partitioner of the event records; must match the coordinators'"
+        " --kafka-partitioner (default %(default)s)",
+    )
     p2p = ap.add_argument_group("P2P KV sharing (needs --coordinator-url)")
     p2p.add_argument(
         "--p2p-advertise-url",
@@ -174,7 +181,9 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
             flush_interval_s=args.event_flush_interval,
             buffer_batches=args.event_buffer_batches,
             max_batch_entries=args.event_max_batch_entries,
-            kafka=KafkaConfig(args.kafka_bootstrap_servers, args.kafka_topic),
+            kafka=KafkaConfig(
+                args.kafka_bootstrap_servers, args.kafka_topic, args.kafka_partitioner
+            ),
         ),
         p2p=P2PConfig(
             advertise_url=args.p2p_advertise_url or None,

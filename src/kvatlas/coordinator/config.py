@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvatlas.core.errors import ConfigError
+from kvatlas.wire.kafka_records import DEFAULT_PARTITIONER, DEFAULT_TOPIC
 
 EventTransport = Literal["http", "kafka"]
 
@@ -38,12 +39,13 @@ class CoordinatorConfig:
     (any number of replicas on one topic) (`--event-transport`)."""
     kafka_bootstrap_servers: str = ""
     """Kafka bootstrap servers, `host:port[,host:port]` (`--kafka-bootstrap-servers`)."""
-    kafka_topic: str = "kvatlas-cache-events"
+    kafka_topic: str = DEFAULT_TOPIC
     """Topic carrying event batches and membership records (`--kafka-topic`)."""
-    kafka_partitioner: str = "murmur2_random"
+    kafka_partitioner: str = DEFAULT_PARTITIONER
     """librdkafka partitioner for membership records; it must be the one the servers'
-    event sinks use, so that an instance's membership records and events share a
-    partition and keep their order (`--kafka-partitioner`)."""
+    event sinks use (`--kafka-partitioner` of `kvatlas server`, same default), so that an
+    instance's membership records and events share a partition and keep their order
+    (`--kafka-partitioner`)."""
     snapshot_path: str = ""
     """File the state is snapshotted to and restored from; empty: no snapshots
     (`--snapshot-path`)."""

@@ -60,7 +60,12 @@ SWEEP_INTERVAL_S = 1.0
 def make_sink(config: ServerConfig, coordinator: CoordinatorClient) -> EventSink:
     ev = config.events
     if ev.transport == "kafka":
-        return KafkaSink(ev.kafka.bootstrap_servers, ev.kafka.topic, timeout_s=10.0)
+        return KafkaSink(
+            ev.kafka.bootstrap_servers,
+            ev.kafka.topic,
+            timeout_s=10.0,
+            partitioner=ev.kafka.partitioner,
+        )
     return HttpSink(coordinator, fmt=ev.http_format)
 
 

@@ -18,6 +18,7 @@ from kvatlas.core.errors import ConfigError
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
 from kvatlas.core.l1pool import MIN_ALIGN_BYTES, POLICIES
 from kvatlas.wire.http_api import EventFormat
+from kvatlas.wire.kafka_records import DEFAULT_PARTITIONER, DEFAULT_TOPIC
 
 GIB: Final = 1 << 30
 MAX_PORT: Final = 65535
@@ -84,8 +85,12 @@ class KafkaConfig:
 
     bootstrap_servers: str = ""
     """``host:port[,host:port]`` of the brokers (``--kafka-bootstrap-servers``)."""
-    topic: str = "kvatlas-cache-events"
+    topic: str = DEFAULT_TOPIC
     """Topic the batches go to, keyed by instance id (``--kafka-topic``)."""
+    partitioner: str = DEFAULT_PARTITIONER
+    """librdkafka partitioner of the batches (``--kafka-partitioner``); it must be the
+    coordinators' ``--kafka-partitioner``, so that an instance's events and membership
+    records share a partition."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +239,8 @@ def _problems(c: ServerConfig) -> list[str]:
         out.append("--event-transport kafka needs --kafka-bootstrap-servers")
     if ev.transport == "kafka" and not ev.kafka.topic:
         out.append("--kafka-topic must not be empty")
+    if ev.transport == "kafka" and not ev.kafka.partitioner:
+        out.append("--kafka-partitioner must not be empty")
     if ev.http_format not in ("msgpack", "json"):
         out.append(f"--event-format must be msgpack or json, got {ev.http_format!r}")
     if not ev.flush_interval_s > 0:

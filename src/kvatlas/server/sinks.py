@@ -17,7 +17,7 @@ from kvatlas.core.events import EventBatch
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.server.errors import SinkError
 from kvatlas.wire.http_api import EventFormat, compact_batch
-from kvatlas.wire.kafka_records import encode_batch_msgpack
+from kvatlas.wire.kafka_records import DEFAULT_PARTITIONER, encode_batch_msgpack
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +59,22 @@ class KafkaSink:
     (as a key block where `compact_batch` can make one).
 
     Keyed by instance id so each emitter's order holds within its partition; the
-    ``murmur2_random`` partitioner puts keys where Java and aiokafka clients would.
-    ``send`` waits for every record's delivery report (bounded by ``timeout_s``).
+    partitioner must be the coordinators' (``wire.kafka_records.DEFAULT_PARTITIONER``
+    on both sides unless configured), so that an instance's membership records land in
+    the same partition. ``send`` waits for every record's delivery report (bounded by
+    ``timeout_s``).
     """
 
     name = "kafka"
 
     def __init__(
-        self, bootstrap_servers: str, topic: str, timeout_s: float = 10.0, **extra: Any
+        self,
+        bootstrap_servers: str,
+        topic: str,
+        timeout_s: float = 10.0,
+        *,
+        partitioner: str = DEFAULT_PARTITIONER,
+        **extra: Any,
     ) -> None:
         from confluent_kafka import Producer  # optional dependency: kafka extra
 
@@ -74,7 +82,7 @@ class KafkaSink:
         self._timeout_s = timeout_s
         conf: dict[str, Any] = {
             "bootstrap.servers": bootstrap_servers,
-            "partitioner": "murmur2_random",
+            "partitioner": partitioner,
             "linger.ms": 5,
             "acks": "all",
             "message.timeout.ms": int(timeout_s * 1000),

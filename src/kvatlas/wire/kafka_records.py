@@ -11,10 +11,14 @@ them in the same order:
   `MembershipRecord` (register, heartbeat, deregister, expire). Neither JSON nor a
   msgpack map starts with ``MAGIC``'s first byte, so the kinds cannot be confused.
 
-Owns the encodings and the decode-and-validate of a record; no I/O, no state.
+Owns the topic's defaults that every producer and consumer must agree on (the topic
+name, the partitioner), the encodings and the decode-and-validate of a record; no I/O,
+no state.
 """
 
 from __future__ import annotations
+
+from typing import Final
 
 import msgspec
 
@@ -23,6 +27,15 @@ from kvatlas.core.events import EventBatch
 from kvatlas.core.membership import InstanceInfo
 from kvatlas.wire.http_api import BatchWire, batch_to_core, check_batch
 
+DEFAULT_TOPIC: Final = "kvatlas-cache-events"
+"""The topic of event batches and membership records (``--kafka-topic`` of the
+coordinator and of the server)."""
+DEFAULT_PARTITIONER: Final = "murmur2_random"
+"""The librdkafka partitioner of every producer on the topic (``--kafka-partitioner`` of
+the coordinator and of the server). The servers' event batches and the coordinators'
+membership records are keyed by instance id; only with one partitioner on both sides
+do an instance's records share a partition and keep their relative order.
+``murmur2_random`` puts keys where Java and aiokafka clients would."""
 MAGIC = b"KVM1"
 
 
