@@ -3,9 +3,9 @@
 Builds, in order: metrics, the fleet state (restored from the snapshot when there is
 one), the service, the membership frontend (direct, or through Kafka with the consumer
 and the publisher), the HTTP app, the snapshot writer and the expiry loop; then serves
-HTTP (`http_server`: uvloop, httptools) on a socket it bound itself (so a port of 0 is
-known before serving) until told to stop (SIGINT/SIGTERM or `stop()`), and on a clean
-shutdown writes a last snapshot. Must not contain logic of its own beyond wiring.
+HTTP (`kvatlas.runtime.http_server`: uvloop, httptools) on a socket it bound itself (so
+a port of 0 is known before serving) until told to stop (SIGINT/SIGTERM or `stop()`),
+and on a clean shutdown writes a last snapshot. Must not contain logic of its own beyond wiring.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from kvatlas.coordinator import snapshot
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.frontend import LocalMembership, MembershipFrontend
 from kvatlas.coordinator.http_app import CoordinatorApp
-from kvatlas.coordinator.http_server import HttpServer
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.core.fleet import FleetState
+from kvatlas.runtime.http_server import HttpServer
 from kvatlas.runtime.net import bind
 
 log = logging.getLogger(__name__)

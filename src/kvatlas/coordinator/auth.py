@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hmac
 
-from kvatlas.coordinator.http_server import HttpRequest, HttpResponse
+from kvatlas.runtime.http_server import HttpRequest, HttpResponse
 
 OPEN_PATHS = frozenset({"/healthz"})
 _BODY = b'{"error":"missing or wrong bearer token (Authorization: Bearer <token>)"}'

@@ -7,7 +7,7 @@ runs: small requests on the event loop, large ones (big bodies, scans) in the th
 pool, so one heavy request never stalls the loop. Must not hold state beyond its
 collaborators, nor touch the fleet state except through the service and the
 membership frontend. Connections, limits on the request itself and dispatch are
-`http_server`'s.
+`kvatlas.runtime.http_server`'s.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import msgspec
 from kvatlas.coordinator.auth import BearerAuth
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.frontend import MembershipFrontend, Unavailable
-from kvatlas.coordinator.http_server import HttpRequest, HttpResponse, HttpServer, Router, always
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.openapi import openapi_document
 from kvatlas.coordinator.service import CoordinatorService
@@ -33,6 +32,7 @@ from kvatlas.core.errors import ContractMismatch, InvalidInput, StaleIncarnation
 from kvatlas.core.keys import Namespace, default_kv_rank
 from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.types import Tier
+from kvatlas.runtime.http_server import HttpRequest, HttpResponse, HttpServer, Router, always
 from kvatlas.wire.coordinator_views import ReadyResponse
 from kvatlas.wire.http_api import (
     BlendLookupRequest,

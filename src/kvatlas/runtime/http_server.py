@@ -1,5 +1,8 @@
 """The coordinator's HTTP/1.1 server: uvloop and httptools, without an ASGI layer.
 
+It lives in the runtime room because nothing in it is the coordinator's: any service
+may serve its routes with it.
+
 Owns connections and their life: parsing (httptools), keep-alive and pipelining (one
 request at a time per connection, answered in order), limits (request line, headers,
 body: 414 / 431 / 413 before a body over the limit is read), `Expect: 100-continue`,
@@ -174,7 +177,7 @@ def _head(status: int, content_type: str, length: int, extra: bytes, close: bool
 
 
 def _error_body(reason: str) -> bytes:
-    """The shape of the coordinator's ErrorResponse, without knowing the coordinator."""
+    """``{"error": reason}``, the shape of every kvatlas service's error answer."""
     return msgspec.json.encode({"error": reason})
 
 

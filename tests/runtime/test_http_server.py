@@ -1,4 +1,4 @@
-"""The coordinator's HTTP/1.1 server on its own, over real loopback sockets: routing,
+"""The runtime HTTP/1.1 server on its own, over real loopback sockets: routing,
 keep-alive and pipelining order, limits, `Expect: 100-continue`, coroutine and
 thread-pool handlers, errors, idle timeouts and shutdown."""
 
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvatlas.coordinator.http_server import (
+from kvatlas.runtime.http_server import (
     HttpRequest,
     HttpResponse,
     HttpServer,
