@@ -32,6 +32,8 @@ def test_defaults_and_env_token() -> None:
         {},
     )
     assert (cfg.event_transport, cfg.enable_blend_lookup, cfg.chunk_size) == ("kafka", True, 16)
+    assert config_from_args([], {}).max_connections == 0  # from the open-file limit
+    assert config_from_args(["--max-connections", "64"], {}).max_connections == 64
 
 
 @pytest.mark.parametrize(
@@ -45,6 +47,7 @@ def test_defaults_and_env_token() -> None:
         ({"snapshot_interval": -1}, "--snapshot-interval"),
         ({"max_body_bytes": 0}, "--max-body-bytes"),
         ({"max_lookup_tokens": -5}, "--max-lookup-tokens"),
+        ({"max_connections": -1}, "--max-connections"),
     ],
 )
 def test_validation_names_the_flag(overrides: dict[str, object], flag: str) -> None:

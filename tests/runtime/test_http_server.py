@@ -1,15 +1,17 @@
 """The runtime HTTP/1.1 server on its own, over real loopback sockets: routing,
 keep-alive and pipelining order, limits, `Expect: 100-continue`, coroutine and
-thread-pool handlers, errors, idle timeouts and shutdown."""
+thread-pool handlers, errors, idle timeouts, read deadlines (408), the connection cap
+(503) and shutdown."""
 
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from typing import BinaryIO
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
 
 import httpx
 import pytest
@@ -17,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvatlas.runtime.http_server import (
+    LINGER_S,
     HttpRequest,
     HttpResponse,
     HttpServer,
@@ -62,8 +65,17 @@ def _boom(request: HttpRequest) -> HttpResponse:
     raise Boom("bug")
 
 
+_BIG = b"b" * (16 << 20)
+
+
+def _big(request: HttpRequest) -> HttpResponse:
+    return HttpResponse(200, _BIG, "application/octet-stream")
+
+
 class Served:
-    def __init__(self, idle_timeout: float = 75.0, shutdown_grace: float = 5.0) -> None:
+    def __init__(
+        self, idle_timeout: float = 75.0, shutdown_grace: float = 5.0, **limits: Any
+    ) -> None:
         r = Router()
         r.add("POST", "/echo", _echo)
         r.add("GET", "/items/{name}", _item)
@@ -71,12 +83,14 @@ class Served:
         r.add("GET", "/thread", _thread, offload=always)
         r.add("GET", "/value-error", _value_error)
         r.add("GET", "/boom", _boom)
+        r.add("GET", "/big", _big)
         self.server = HttpServer(
             r,
             _translate,
             max_body_bytes=1024,
             idle_timeout=idle_timeout,
             shutdown_grace=shutdown_grace,
+            **limits,
         )
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -319,3 +333,136 @@ def test_garbled_requests_never_break_the_server(served: Served, data: bytes) ->
         assert int(status_line.split()[1]) < 500, got[:300]
     with httpx.Client(base_url=f"http://127.0.0.1:{served.port}") as c:
         assert c.post("/echo", content=b"ok").content == b"ok"
+
+
+def _trickle(s: socket.socket, data: bytes, every_s: float, limit_s: float = 5.0) -> float:
+    """Send ``data`` a byte at a time until the server answers (or closes), all of it
+    is sent, or ``limit_s`` passes; the seconds it took."""
+    t0 = time.monotonic()
+    for i in range(len(data)):
+        if time.monotonic() - t0 > limit_s:
+            break
+        readable, _, _ = select.select([s], [], [], every_s)
+        if readable:
+            break
+        s.sendall(data[i : i + 1])
+    return time.monotonic() - t0
+
+
+def _wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_headers_trickled_byte_by_byte_get_408() -> None:
+    """Every byte is activity, yet the headers must be complete within the header
+    timeout of the request's first byte."""
+    served = Served(header_timeout=0.5)
+    try:
+        s = served.connect()
+        s.sendall(b"GET /items/a HTTP/1.1\r\n")
+        took = _trickle(s, b"X-Slow: " + b"z" * 200 + b"\r\n\r\n", every_s=0.05)
+        status, headers, body = _read_response(s.makefile("rb"))
+        assert status == 408
+        assert b"headers" in body
+        assert headers["connection"] == "close"
+        assert 0.4 < took < 3.0
+        assert s.recv(1) == b""  # closed
+        s.close()
+    finally:
+        served.stop()
+
+
+def test_the_header_deadline_counts_per_request_on_a_kept_alive_connection() -> None:
+    """Four requests each arriving within the deadline are served, though together they
+    took longer than it."""
+    served = Served(header_timeout=0.6)
+    try:
+        s = served.connect()
+        f = s.makefile("rb")
+        t0 = time.monotonic()
+        for name in "abcd":
+            _trickle(s, f"GET /items/{name} HTTP/1.1\r\nHost: x\r\n\r\n".encode(), every_s=0.01)
+            assert _read_response(f)[::2] == (200, f"{name}?".encode())
+        assert time.monotonic() - t0 > 0.6
+        s.close()
+    finally:
+        served.stop()
+
+
+def test_a_body_trickled_below_the_minimum_rate_gets_408() -> None:
+    served = Served(body_timeout=0.3, min_body_rate=1000)
+    try:
+        s = served.connect()
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        took = _trickle(s, b"x" * 1000, every_s=0.05)  # 20 bytes/s
+        status, _, body = _read_response(s.makefile("rb"))
+        assert status == 408
+        assert b"1000 bytes/s" in body
+        assert 0.25 < took < 3.0
+        s.close()
+    finally:
+        served.stop()
+
+
+def test_a_body_at_the_minimum_rate_is_served() -> None:
+    served = Served(body_timeout=0.3, min_body_rate=1000)
+    try:
+        s = served.connect()
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        t0 = time.monotonic()
+        for _ in range(10):  # 100 bytes every 0.05 s: 2000 bytes/s
+            time.sleep(0.05)
+            s.sendall(b"y" * 100)
+        assert _read_response(s.makefile("rb"))[::2] == (200, b"y" * 1000)
+        assert time.monotonic() - t0 > 0.3  # past the grace, the rate held it open
+        s.close()
+    finally:
+        served.stop()
+
+
+def test_connections_over_the_cap_get_503_and_the_next_one_after_a_close_is_served() -> None:
+    served = Served(max_connections=2)
+    try:
+        held = [served.connect() for _ in range(2)]
+        for s in held:  # both are served (so both are counted)
+            s.sendall(b"GET /items/a HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_response(s.makefile("rb"))[0] == 200
+        with httpx.Client(base_url=f"http://127.0.0.1:{served.port}") as c:
+            r = c.get("/items/b")
+        assert r.status_code == 503
+        assert r.headers["retry-after"] == "1"
+        assert r.headers["connection"] == "close"
+        assert "too many open connections (the limit is 2)" in r.json()["error"]
+        silent = served.connect()  # a client that sends nothing still gets the answer
+        f = silent.makefile("rb")
+        assert _read_response(f)[0] == 503
+        assert f.read() == b""
+        silent.close()
+        held.pop().close()
+        _wait_for(lambda: len(served.server.connections) < 2)
+        with httpx.Client(base_url=f"http://127.0.0.1:{served.port}") as c:
+            assert c.get("/items/c").status_code == 200
+        for s in held:
+            s.close()
+    finally:
+        served.stop()
+
+
+def test_a_client_that_does_not_read_its_last_answer_is_reset_after_the_linger() -> None:
+    """A closed connection whose answer cannot flush must not hold its place forever."""
+    served = Served(header_timeout=0.3)
+    try:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", served.port))
+        s.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        _wait_for(lambda: len(served.server.connections) == 1)
+        t0 = time.monotonic()
+        _wait_for(lambda: not served.server.connections, timeout=LINGER_S + 5)
+        assert time.monotonic() - t0 > LINGER_S / 2
+        s.close()
+    finally:
+        served.stop()

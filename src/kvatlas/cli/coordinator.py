@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=_D.max_lookup_keys,
         help="most keys per lookup (default %(default)s)",
     )
+    a(
+        "--max-connections",
+        type=int,
+        default=_D.max_connections,
+        help="most open HTTP connections; more get 503 (default: 4096, or fewer when"
+        " ulimit -n leaves no room)",
+    )
     a("--log-level", default=_D.log_level, help="logging level (default %(default)s)")
     return p
 
@@ -129,6 +136,7 @@ def config_from_args(argv: list[str] | None, environ: dict[str, str]) -> Coordin
         max_batch_entries=ns.max_batch_entries,
         max_lookup_tokens=ns.max_lookup_tokens,
         max_lookup_keys=ns.max_lookup_keys,
+        max_connections=ns.max_connections,
         log_level=ns.log_level.upper(),
     )
 

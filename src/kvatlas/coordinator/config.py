@@ -63,6 +63,10 @@ class CoordinatorConfig:
     """Most tokens in one lookup or blend lookup (`--max-lookup-tokens`); more: 413."""
     max_lookup_keys: int = 65536
     """Most keys in one keys lookup (`--max-lookup-keys`); more: 413."""
+    max_connections: int = 0
+    """Most open HTTP connections served at once (`--max-connections`); more are
+    answered 503 with Retry-After. 0: 4096, or fewer when the open-file limit
+    (`ulimit -n`) leaves no room for them."""
     log_level: str = "INFO"
     """Python logging level name (`--log-level`)."""
 
@@ -102,5 +106,10 @@ class CoordinatorConfig:
         ):
             if value <= 0:
                 raise ConfigError(f"{flag} must be > 0, got {value}")
+        if self.max_connections < 0:
+            raise ConfigError(
+                f"--max-connections must be >= 0 (0: from the open-file limit),"
+                f" got {self.max_connections}"
+            )
         if self.auth_token and (self.auth_token != self.auth_token.strip()):
             raise ConfigError("--auth-token must not start or end with whitespace")

@@ -146,6 +146,7 @@ class CoordinatorApp:
             self.router(),
             translate_error,
             max_body_bytes=self._cfg.max_body_bytes,
+            max_connections=self._cfg.max_connections or None,
             gate=BearerAuth(self._cfg.auth_token) if self._cfg.auth_token else None,
         )
 

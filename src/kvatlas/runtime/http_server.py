@@ -1,22 +1,26 @@
-"""The coordinator's HTTP/1.1 server: uvloop and httptools, without an ASGI layer.
-
-It lives in the runtime room because nothing in it is the coordinator's: any service
-may serve its routes with it.
+"""kvatlas' HTTP/1.1 server: uvloop and httptools, without an ASGI layer.
 
 Owns connections and their life: parsing (httptools), keep-alive and pipelining (one
 request at a time per connection, answered in order), limits (request line, headers,
-body: 414 / 431 / 413 before a body over the limit is read), `Expect: 100-continue`,
-idle timeouts, write back-pressure, graceful shutdown, and dispatch through a
-`Router` by method and path. Must not know the coordinator's routes, state or error
-tree: the app hands it handlers and an error translator.
+body: 414 / 431 / 413 before a body over the limit is read), read deadlines (the request
+line and headers within ``header_timeout`` of the request's first byte, the body at
+``min_body_rate`` after ``body_timeout``: 408), a cap on open connections (over it, a
+503 with ``Retry-After``), ``Expect: 100-continue``, idle timeouts, write back-pressure,
+graceful shutdown, and dispatch through a ``Router`` by method and path. Must not know
+any service's routes, state or error tree: the service hands it handlers, a gate and an
+error translator.
 
-Why not uvicorn and Starlette: an empty POST round trip costs ~150 us p50 through
-uvicorn's ASGI cycle (a task, a scope dict, receive/send coroutines per request)
-against ~70 us through a bare protocol, while the coordinator's hot requests (an
-events batch, a lookup) do 30-300 us of work. So a handler here is a plain function
-called on the loop as soon as its request is complete; the few that must wait (a
-membership change through Kafka) are coroutines, and the few that are heavy (a big
-body, a scan) are sent to a thread pool by the route's `offload` predicate.
+Why not uvicorn and Starlette: the service's hot requests (an events batch, a lookup)
+do 30-300 us of work, so the per-request cost of the server matters. Here a handler is a
+plain function called on the loop as soon as its request is complete; the few that must
+wait (a membership change through Kafka) are coroutines, and the few that are heavy (a
+big body, a scan) are sent to a thread pool by the route's ``offload`` predicate. What
+that saves against uvicorn's ASGI cycle (a task, a scope dict, receive/send coroutines
+per request) is measured by ``python -m bench.http_edge_bench`` (docs/benchmarks.md).
+
+Deadlines cost nothing per byte or per request: the time of the data that began a
+request is kept (the clock is read once per received chunk anyway) and one sweep per
+server, every second or less, checks every connection.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import resource
 import threading
 import time
 from collections import deque
@@ -43,6 +48,26 @@ log = logging.getLogger(__name__)
 
 MAX_URL_BYTES = 8 * 1024
 MAX_HEADER_BYTES = 64 * 1024
+
+MAX_CONNECTIONS = 4096
+"""The default cap on open connections when the open-file limit allows it."""
+FD_HEADROOM = 256
+"""Descriptors left to everything else a process opens (files, threads' pipes, clients)."""
+MAX_REFUSING = 64
+"""Refused connections kept open at once to deliver their 503; beyond, reset at once.
+Open descriptors thus never exceed the cap plus this."""
+LINGER_S = 1.0
+"""How long a closed connection may take to flush its answer (a client that does not
+read) and a refused one may keep sending, before it is reset."""
+
+
+def default_max_connections() -> int:
+    """MAX_CONNECTIONS, or fewer when RLIMIT_NOFILE leaves no room for them plus
+    FD_HEADROOM and MAX_REFUSING (a quarter of the limit at the least)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(1, soft // 4, min(MAX_CONNECTIONS, soft - FD_HEADROOM - MAX_REFUSING))
 
 
 @dataclass(slots=True)
@@ -181,17 +206,27 @@ def _error_body(reason: str) -> bytes:
     return msgspec.json.encode({"error": reason})
 
 
+def _head_and_body(status: int, reason: str, extra: bytes) -> bytes:
+    """A whole error answer that closes the connection."""
+    body = _error_body(reason)
+    return _head(status, "application/json", len(body), extra, True) + body
+
+
 class _Pending:
-    """A request whose headers are in and whose body is arriving."""
+    """A request that is arriving: its line and headers, then its body."""
 
-    __slots__ = ("body", "headers", "method", "size", "url")
+    __slots__ = ("body", "body_since", "headers", "method", "size", "started", "url")
 
-    def __init__(self) -> None:
+    def __init__(self, started: float) -> None:
         self.url = b""
         self.headers: dict[str, str] = {}
         self.body: list[bytes] = []
         self.size = 0
         self.method = ""
+        # When the data holding the request's first byte arrived, and the data that
+        # completed its headers (0 while they are arriving): the deadlines count from them.
+        self.started = started
+        self.body_since = 0.0
 
 
 class _Refuse(Exception):
@@ -219,18 +254,24 @@ class HttpProtocol(asyncio.Protocol):
         self._read_paused = False
         self._eof = False
         self.last_active = time.monotonic()
+        self.closed_at = 0.0  # when closed: its answer may still be flushing
 
     # ---- asyncio.Protocol ------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self._transport = cast(asyncio.Transport, transport)
-        self._server.connections.add(self)
+        server = self._server
+        if len(server.connections) < server.max_connections:
+            server.connections.add(self)
+        else:
+            self._refuse_connection()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
         self._queue.clear()
         self._server.connections.discard(self)
+        self._server.refusing.discard(self)
 
     def data_received(self, data: bytes) -> None:
         self.last_active = time.monotonic()
@@ -251,7 +292,8 @@ class HttpProtocol(asyncio.Protocol):
     def eof_received(self) -> bool:
         """The client will send no more: close now, or once what it asked is answered."""
         self._eof = True
-        return not self.idle  # True keeps the transport open for the answers
+        # True keeps the transport open for the answers; a lingering close is over.
+        return not self._closing and not self.idle
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -264,7 +306,7 @@ class HttpProtocol(asyncio.Protocol):
     # ---- httptools callbacks ---------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        self._pending = _Pending()
+        self._pending = _Pending(self.last_active)
         self._header_bytes = 0
 
     def on_url(self, url: bytes) -> None:
@@ -288,6 +330,7 @@ class HttpProtocol(asyncio.Protocol):
         p = self._pending
         assert p is not None
         p.method = self._parser.get_method().decode("ascii", "replace")
+        p.body_since = self.last_active
         limit = self._server.max_body_bytes
         declared = p.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -401,15 +444,43 @@ class HttpProtocol(asyncio.Protocol):
             self._abort()
 
     def _refuse(self, status: int, reason: str) -> None:
-        """Answer a request the parser could not take, then close: the stream is lost."""
+        """Answer a request that cannot be taken, then close: the stream is lost."""
         self._pending = None
         self._queue.clear()
-        body = _error_body(reason)
-        if self._transport is not None and not self._closing:
-            self._transport.write(_head(status, "application/json", len(body), b"", True) + body)
-        self._abort()
+        if self._closing:
+            return
+        self._linger(_head_and_body(status, reason, b""))
+
+    def _refuse_connection(self) -> None:
+        """Over the cap: answer 503 at once and close."""
+        server, t = self._server, self._transport
+        assert t is not None
+        if len(server.refusing) >= MAX_REFUSING:
+            self._closing = True
+            t.abort()  # a flood: descriptors matter more than the courtesy
+            return
+        server.refusing.add(self)
+        reason = f"too many open connections (the limit is {server.max_connections}); retry later"
+        self._linger(_head_and_body(503, reason, b"retry-after: 1\r\n"))
+
+    def _linger(self, answer: bytes) -> None:
+        """Send the last answer and close our side, then read and drop what the client
+        still sends until it closes or LINGER_S passes: closing with its bytes unread
+        would reset the connection, and the client could lose the answer."""
+        t = self._transport
+        self._closing = True
+        self.closed_at = time.monotonic()
+        if t is None:
+            return
+        t.write(answer)
+        if t.can_write_eof():
+            t.write_eof()
+        else:
+            t.close()
 
     def _abort(self) -> None:
+        if not self._closing:
+            self.closed_at = time.monotonic()
         self._closing = True
         if self._transport is not None:
             self._transport.close()
@@ -438,6 +509,33 @@ class HttpProtocol(asyncio.Protocol):
     def close(self) -> None:
         self._abort()
 
+    def sweep(self, now: float) -> None:
+        """Enforce the deadlines at ``now``: a closed connection that has not gone within
+        LINGER_S is reset; a request arriving too slowly gets 408; an idle connection is
+        closed. A request that arrives behind one being answered waits with its deadline:
+        its answer must not overtake the earlier one."""
+        server = self._server
+        if self._closing:
+            if now - self.closed_at > LINGER_S and self._transport is not None:
+                self._transport.abort()
+            return
+        p = self._pending
+        if p is not None and self.idle:
+            if not p.body_since:
+                if now - p.started > server.header_timeout:
+                    self._refuse(
+                        408, f"request line and headers not received in {server.header_timeout} s"
+                    )
+                    return
+            elif p.size < (now - p.body_since - server.body_timeout) * server.min_body_rate:
+                self._refuse(
+                    408,
+                    f"request body arriving slower than {server.min_body_rate:.0f} bytes/s",
+                )
+                return
+        if self.idle and now - self.last_active > server.idle_timeout:
+            self._abort()
+
 
 def _not_routed(request: HttpRequest, allowed: list[str]) -> HttpResponse:
     if allowed:
@@ -450,7 +548,15 @@ def _not_routed(request: HttpRequest, allowed: list[str]) -> HttpResponse:
 
 
 class HttpServer:
-    """Serves a router on a bound socket, in the calling thread, until `stop()`."""
+    """Serves a router on a bound socket, in the calling thread, until `stop()`.
+
+    ``header_timeout``: seconds from a request's first byte to the end of its headers.
+    ``body_timeout`` and ``min_body_rate``: a body must have arrived at ``min_body_rate``
+    bytes/s from ``body_timeout`` seconds after its headers on (a body of n bytes thus
+    has ``body_timeout + n / min_body_rate`` seconds). ``idle_timeout``: seconds a
+    connection may stay silent between requests. ``max_connections``: open connections
+    served at once (default: ``default_max_connections()``); more are answered 503.
+    """
 
     def __init__(
         self,
@@ -460,6 +566,10 @@ class HttpServer:
         max_body_bytes: int,
         gate: Gate | None = None,
         idle_timeout: float = 75.0,
+        header_timeout: float = 10.0,
+        body_timeout: float = 10.0,
+        min_body_rate: float = 16 * 1024,
+        max_connections: int | None = None,
         shutdown_grace: float = 5.0,
         offload_threads: int = 4,
     ) -> None:
@@ -468,9 +578,20 @@ class HttpServer:
         self.gate = gate
         self.max_body_bytes = max_body_bytes
         self.idle_timeout = idle_timeout
+        self.header_timeout = header_timeout
+        self.body_timeout = body_timeout
+        self.min_body_rate = min_body_rate
+        self.max_connections = (
+            default_max_connections() if max_connections is None else max_connections
+        )
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         self.shutdown_grace = shutdown_grace
         self.executor = ThreadPoolExecutor(offload_threads, thread_name_prefix="http-offload")
         self.connections: set[HttpProtocol] = set()
+        """Connections being served (at most max_connections)."""
+        self.refusing: set[HttpProtocol] = set()
+        """Connections over the cap whose 503 is on its way (at most MAX_REFUSING)."""
         self.tasks: set[asyncio.Future[Any]] = set()
         self.stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -505,7 +626,7 @@ class HttpServer:
         if self._stop_asked.is_set():
             self._stop.set()
         server = await loop.create_server(lambda: HttpProtocol(self), sock=sock, backlog=2048)
-        sweeper = asyncio.ensure_future(self._sweep_idle())
+        sweeper = asyncio.ensure_future(self._sweep())
         self.serving.set()
         try:
             await self._stop.wait()
@@ -517,13 +638,16 @@ class HttpServer:
             self.executor.shutdown(wait=False, cancel_futures=True)
             self._loop = None
 
-    async def _sweep_idle(self) -> None:
+    async def _sweep(self) -> None:
+        """The one timer of the server: deadlines are late by at most one period."""
+        period = min(1.0, self.idle_timeout, self.header_timeout, self.body_timeout)
         while True:
-            await asyncio.sleep(min(1.0, self.idle_timeout))
-            cutoff = time.monotonic() - self.idle_timeout
+            await asyncio.sleep(period)
+            now = time.monotonic()
             for conn in list(self.connections):
-                if conn.idle and conn.last_active < cutoff:
-                    conn.close()
+                conn.sweep(now)
+            for conn in list(self.refusing):
+                conn.sweep(now)
 
     async def _drain(self) -> None:
         """Close idle connections now; give busy ones the grace period to answer."""
@@ -535,7 +659,7 @@ class HttpServer:
             if not self.connections or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.02)
-        for conn in list(self.connections):
+        for conn in list(self.connections) + list(self.refusing):
             conn.close()
         for task in list(self.tasks):
             task.cancel()
