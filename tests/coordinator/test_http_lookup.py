@@ -286,6 +286,9 @@ def test_auth_token_guards_everything_but_healthz(start_coordinator: object) -> 
             assert "bearer" in r.json()["error"]
         r = anon.get("/instances", headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401
+        for value in ("Bearer é".encode(), "Bearer é".encode("latin-1"), b"\xff\xfe"):
+            r = anon.get("/instances", headers={"Authorization": value})
+            assert r.status_code == 401, value
     assert rc.client.get("/instances").status_code == 200
     assert rc.client.post("/instances", json=register_body("a")).status_code == 200
 

@@ -207,9 +207,14 @@ def silent_peer(engine: str) -> None:
 
 
 def bad_token(engine: str) -> None:
-    """tcp: a wrong or missing token is refused; the right one reads."""
+    """tcp: a wrong, missing or non-ASCII token is refused; the right one reads."""
     with OwnerProcess(engine, REGION, leases=[ALL], token="s3cret") as owner:
-        for token, expected in (("wrong", "refused"), (None, "refused"), ("s3cret", "ok")):
+        for token, expected in (
+            ("wrong", "refused"),
+            (None, "refused"),
+            ("é", "refused"),
+            ("s3cret", "ok"),
+        ):
             with requester(engine, token=token) as (_, c):
                 results = c.connect(owner.endpoint).read([op(0, 4 * KiB, 0)], 5.0)
                 assert statuses(results) == [expected], (token, results)

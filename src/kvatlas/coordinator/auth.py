@@ -1,14 +1,13 @@
 """Bearer-token guard of the coordinator API.
 
-Owns the check of `Authorization: Bearer <token>` against the shared token, in
-constant time, as the HTTP server's gate: every path but `/healthz` is guarded when a
-token is set. Must not log the token or the header it was offered.
+Owns which paths are guarded (every path but `/healthz` when a token is set) and the 401
+answer, as the HTTP server's gate; the comparison is the fleet's one `TokenGate`. Must
+not log the token or the header it was offered.
 """
 
 from __future__ import annotations
 
-import hmac
-
+from kvatlas.runtime.auth import TokenGate
 from kvatlas.runtime.http_server import HttpRequest, HttpResponse
 
 OPEN_PATHS = frozenset({"/healthz"})
@@ -20,12 +19,11 @@ class BearerAuth:
     """Refuse guarded requests without the right bearer token with 401."""
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._gate = TokenGate(token)
 
     def __call__(self, request: HttpRequest) -> HttpResponse | None:
-        if request.path in OPEN_PATHS:
-            return None
-        offered = request.headers.get("authorization", "").encode("latin-1")
-        if hmac.compare_digest(offered, self._expected):
+        if request.path in OPEN_PATHS or self._gate.check_header(
+            request.headers.get("authorization")
+        ):
             return None
         return _REFUSED

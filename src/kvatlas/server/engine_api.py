@@ -12,7 +12,6 @@ lock. Must not: interpret requests beyond decoding, or touch the chunk store.
 from __future__ import annotations
 
 import errno
-import hmac
 import logging
 import secrets
 import threading
@@ -21,6 +20,7 @@ import msgspec
 import zmq
 
 from kvatlas.core.errors import PortInUse
+from kvatlas.runtime.auth import TokenGate
 from kvatlas.server.engine_service import EngineService
 from kvatlas.server.errors import ServerError
 from kvatlas.wire import engine_proto as p
@@ -43,7 +43,7 @@ class EngineApi:
         auth_token: str | None = None,
     ) -> None:
         self._service = service
-        self._token = auth_token or ""
+        self._gate = TokenGate(auth_token)
         self._host = host
         self._port = port
         self._workers_n = workers
@@ -143,7 +143,7 @@ class EngineApi:
                 f"engine protocol version {req.v} is not supported; this server speaks"
                 f" {p.PROTOCOL_VERSION}",
             )
-        elif self._token and not hmac.compare_digest(req.token, self._token):
+        elif not self._gate.check(req.token):
             body = p.ErrorReply(
                 "unauthorized", "this cache server requires its --auth-token on engine requests"
             )

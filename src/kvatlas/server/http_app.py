@@ -2,12 +2,12 @@
 
 Owns the starlette app and its uvicorn thread; ``--http-port`` is bound at construction
 (a taken port raises PortInUse before anything runs). The documents come from callables
-the composition root passes in. Must not: reach into the chunk store or take its lock.
+the composition root passes in; the token check is the fleet's one ``TokenGate``.
+Must not: reach into the chunk store or take its lock.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 import time
@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kvatlas.runtime.auth import TokenGate
 from kvatlas.runtime.net import bind
 from kvatlas.server.errors import ServerError
 from kvatlas.server.metrics import CONTENT_TYPE
@@ -35,10 +36,10 @@ def build_app(
 ) -> Starlette:
     """/status and /metrics need ``Authorization: Bearer <auth_token>`` when it is set;
     /healthz never does (probes carry no secrets)."""
-    expected = f"Bearer {auth_token}" if auth_token else ""
+    gate = TokenGate(auth_token)
 
     def denied(request: Request) -> Response | None:
-        if expected and not hmac.compare_digest(request.headers.get("authorization", ""), expected):
+        if not gate.check_header(request.headers.get("authorization")):
             return Response(
                 b'{"error":"this endpoint requires Authorization: Bearer <auth token>"}',
                 status_code=401,

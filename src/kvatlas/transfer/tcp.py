@@ -18,7 +18,6 @@ Must not: bind anything the config does not name, or read outside the owner's re
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import socket
 import struct
@@ -29,6 +28,7 @@ from typing import ClassVar
 import msgspec
 
 from kvatlas.core.checksum import checksum_stream
+from kvatlas.runtime.auth import TokenGate
 from kvatlas.transfer.base import (
     Authorizer,
     Deadline,
@@ -132,7 +132,7 @@ class TcpServer(TransferServer):
     ) -> None:
         self._region = region
         self._authorize = authorize
-        self._token = (token or "").encode()
+        self._gate = TokenGate(token)
         self._faults = FaultCounter(faults)
         self._config = config or TcpConfig()
         self._listener: socket.socket | None = None
@@ -228,7 +228,7 @@ class TcpServer(TransferServer):
             conn.close()
 
     def _refusal(self, req: _Request) -> str:
-        if self._token and not hmac.compare_digest(req.token.encode(), self._token):
+        if not self._gate.check(req.token):
             return "bad auth token"
         if req.size <= 0 or req.offset < 0 or req.offset + req.size > self._region.size:
             return f"range [{req.offset}, {req.offset + req.size}) is outside the region"

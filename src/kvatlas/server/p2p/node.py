@@ -21,7 +21,6 @@ Must not: parse flags, or import ``kvatlas.transfer`` (the CLI passes a ``Transp
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
@@ -32,6 +31,7 @@ import zmq
 
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.keys import HASH_BYTES, object_keys
+from kvatlas.runtime.auth import TokenGate
 from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.runtime.region import L1Region
 from kvatlas.server.config import P2PConfig, split_host_port
@@ -108,7 +108,7 @@ class P2PNode:
         self.incarnation = incarnation
         self._service = service
         self._transport = transport
-        self._token = auth_token or ""
+        self._gate = TokenGate(auth_token)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.served_locks = 0
         self.served_chunks = 0
@@ -158,12 +158,9 @@ class P2PNode:
             time.sleep(self.config.fault_read_delay_s)
         return self._service.peer_may_read(peer_id, lease_id, offset, size)
 
-    def _token_ok(self, token: str) -> bool:
-        return not self._token or hmac.compare_digest(token.encode(), self._token.encode())
-
     def handle(self, body: pp.P2PRequestBody) -> pp.P2PResponseBody:
         """Answer one control request (the channel's thread)."""
-        if not self._token_ok(body.token):
+        if not self._gate.check(body.token):
             self.refused += 1
             log.warning(
                 "P2P request from %s refused on instance %s: bad auth token",
