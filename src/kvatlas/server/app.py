@@ -37,7 +37,7 @@ from kvatlas.runtime.region import L1Region, RegionBusy
 from kvatlas.server.config import GIB, ServerConfig
 from kvatlas.server.engine_api import EngineApi
 from kvatlas.server.engine_service import EngineService, ServiceIdentity
-from kvatlas.server.http_app import HttpServer, build_app
+from kvatlas.server.http_app import UvicornThread, build_app
 from kvatlas.server.incarnation import next_incarnation
 from kvatlas.server.metrics import ServerMetrics
 from kvatlas.server.p2p.node import P2PNode
@@ -130,7 +130,7 @@ class CacheServer:
             )
             self.engine_api.start()  # binds --port: PortInUse before anything else runs
             try:
-                self.http = HttpServer(
+                self.http = UvicornThread(
                     build_app(self.status, self._render_metrics, config.coordinator.auth_token),
                     config.host,
                     config.http_port,

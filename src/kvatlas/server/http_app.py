@@ -1,9 +1,9 @@
 """The server's HTTP endpoints (/status, /metrics, /healthz) and their uvicorn thread.
 
-Owns the starlette app and its uvicorn thread; ``--http-port`` is bound at construction
-(a taken port raises PortInUse before anything runs). The documents come from callables
-the composition root passes in; the token check is the fleet's one ``TokenGate``.
-Must not: reach into the chunk store or take its lock.
+Owns the starlette app and ``UvicornThread``, which serves it; ``--http-port`` is bound
+at construction (a taken port raises PortInUse before anything runs). The documents come
+from callables the composition root passes in; the token check is the fleet's one
+``TokenGate``. Must not: reach into the chunk store or take its lock.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def build_app(
     )
 
 
-class HttpServer:
-    """uvicorn on a pre-bound socket, in a thread."""
+class UvicornThread:
+    """uvicorn serving an ASGI app on a pre-bound socket, in a thread."""
 
     def __init__(self, app: Starlette, host: str, port: int) -> None:
         self._sock = bind(host, port, "HTTP", "--http-port")
