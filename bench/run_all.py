@@ -9,6 +9,7 @@ import sys
 MODULES = [
     "bench.core_bench",
     "bench.coordinator_bench",
+    "bench.http_edge_bench",
     "bench.server_bench",
     "bench.transfer_bench",
     "bench.p2p_bench",

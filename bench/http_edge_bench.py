@@ -1,0 +1,512 @@
+"""HTTP edge benchmark: kvatlas' own HTTP/1.1 server against uvicorn, on the same handlers.
+
+Run: `python -m bench.http_edge_bench [--seconds 0.75] [--repeats 3] [--conns 4]`.
+
+Why it exists: the coordinator serves HTTP with `kvatlas.runtime.http_server` (uvloop and
+httptools, no ASGI) instead of uvicorn and Starlette, which the cache server and the
+engine use, on the ground that the ASGI cycle costs more per request than the handlers
+of the coordinator's hot routes do. This measures that, so that anyone can re-check it.
+
+Servers, each its own process on 127.0.0.1, one worker, uvloop and httptools everywhere:
+- `runtime`: `kvatlas.runtime.http_server.HttpServer` with a `Router` of plain handlers
+  (as the coordinator's routes are);
+- `uvicorn+starlette`: uvicorn serving a Starlette app (as the cache server does);
+- `uvicorn (raw ASGI)`: uvicorn serving a bare ASGI callable, to tell uvicorn's part from
+  Starlette's;
+- `bare protocol`: an asyncio protocol that finds the end of each request and writes a
+  canned answer: no parsing, no handler. It is the floor under every server (the client,
+  the loopback and the event loop), so that `server - bare` is what a server costs.
+
+Handlers, the same logic in every server: `GET /healthz` answers `{"ok":true}`; `POST
+/ingest` decodes a ~20 KB JSON body (256 entries, pre-encoded once) with a msgspec
+decoder into Structs and answers how many entries it held.
+
+Client: this process, plain sockets, keep-alive, requests pre-encoded, responses framed
+by their content-length. Two modes per server and handler: `1 conn` (one request at a
+time on one connection: the latency of a request) and `N conns` (N connections, one
+request in flight on each, driven by one selector loop: requests/s under load). Servers
+are measured in turn within each repeat, so that all see the same noise; each figure is
+the median over the repeats. Bounded: every measurement stops after --seconds (or
+--max-requests); the whole run takes under a minute. Prints a markdown table; writes
+JSON to bench/results/http_edge.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import selectors
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from bench.machine import describe
+from kvatlas.runtime.procs import HOST, free_ports, wait_http
+
+RESULTS = Path(__file__).resolve().parent / "results" / "http_edge.json"
+SERVERS = ["runtime", "uvicorn+starlette", "uvicorn-asgi", "bare"]
+LABELS = {
+    "runtime": "runtime (httptools, no ASGI)",
+    "uvicorn+starlette": "uvicorn + Starlette",
+    "uvicorn-asgi": "uvicorn, raw ASGI app",
+    "bare": "bare protocol (floor)",
+}
+HANDLERS = ["healthz", "ingest"]
+WARMUP = 200
+
+
+# ---- the handlers' logic, shared by every server -------------------------------------
+
+
+class Entry(msgspec.Struct, frozen=True):
+    chunk_hash: str
+    size: int
+    tier: str
+
+
+class Batch(msgspec.Struct, frozen=True):
+    instance_id: str
+    seq: int
+    entries: list[Entry]
+
+
+class Applied(msgspec.Struct, frozen=True):
+    applied: int
+
+
+_decoder = msgspec.json.Decoder(Batch)
+_encoder = msgspec.json.Encoder()
+HEALTHZ = b'{"ok":true}'
+
+
+def ingest(body: bytes) -> bytes:
+    return _encoder.encode(Applied(len(_decoder.decode(body).entries)))
+
+
+def ingest_body() -> bytes:
+    entries = [Entry(f"{i:064x}", 65536, "l1") for i in range(256)]
+    return msgspec.json.encode(Batch("bench-instance", 1, entries))
+
+
+def requests() -> dict[str, bytes]:
+    body = ingest_body()
+    return {
+        "healthz": b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+        "ingest": b"POST /ingest HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body),
+    }
+
+
+# ---- servers (each runs in its own process: `--serve NAME --port N`) -----------------
+
+
+def serve_runtime(port: int) -> None:
+    from kvatlas.runtime.http_server import HttpRequest, HttpResponse, HttpServer, Router
+
+    def healthz(request: HttpRequest) -> HttpResponse:
+        return HttpResponse(200, HEALTHZ)
+
+    def post(request: HttpRequest) -> HttpResponse:
+        return HttpResponse(200, ingest(request.body))
+
+    router = Router()
+    router.add("GET", "/healthz", healthz)
+    router.add("POST", "/ingest", post)
+    server = HttpServer(router, lambda exc: None, max_body_bytes=1 << 20)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    sock = socket.socket()
+    sock.bind((HOST, port))
+    sock.listen(1024)
+    server.run(sock)
+
+
+def serve_starlette(port: int) -> None:
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    async def healthz(request: Request) -> Response:
+        return Response(HEALTHZ, media_type="application/json")
+
+    async def post(request: Request) -> Response:
+        return Response(ingest(await request.body()), media_type="application/json")
+
+    app = Starlette(
+        routes=[
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/ingest", post, methods=["POST"]),
+        ]
+    )
+    _uvicorn(uvicorn, app, port)
+
+
+def serve_asgi(port: int) -> None:
+    import uvicorn
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/ingest":
+            parts = []
+            while True:
+                message = await receive()
+                parts.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
+            body = ingest(b"".join(parts))
+        else:
+            body = HEALTHZ
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    _uvicorn(uvicorn, app, port)
+
+
+def _uvicorn(uvicorn: Any, app: Any, port: int) -> None:
+    uvicorn.run(
+        app,
+        host=HOST,
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="off",
+        log_level="warning",
+        access_log=False,
+    )
+
+
+class _Bare(asyncio.Protocol):
+    """Finds where each request ends (headers, then content-length bytes) and answers
+    with canned bytes."""
+
+    ANSWER = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+        % (
+            len(HEALTHZ),
+            HEALTHZ,
+        )
+    )
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.transport: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf + data
+        while True:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                break
+            at = buf.find(b"Content-Length: ", 0, end)
+            length = int(buf[at + 16 : buf.find(b"\r\n", at)]) if at >= 0 else 0
+            if len(buf) < end + 4 + length:
+                break
+            buf = buf[end + 4 + length :]
+            self.transport.write(self.ANSWER)
+        self.buf = buf
+
+
+def serve_bare(port: int) -> None:
+    import uvloop
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(_Bare, HOST, port, backlog=1024)
+        await server.serve_forever()
+
+    uvloop.run(main())
+
+
+SERVE: dict[str, Callable[[int], None]] = {
+    "runtime": serve_runtime,
+    "uvicorn+starlette": serve_starlette,
+    "uvicorn-asgi": serve_asgi,
+    "bare": serve_bare,
+}
+
+
+class Served:
+    """One server process, started and stopped by pid; its output goes to ``log``."""
+
+    def __init__(self, name: str, port: int, log: Path) -> None:
+        self.name, self.port, self.log = name, port, log
+        cmd = [sys.executable, "-m", "bench.http_edge_bench", "--serve", name, "--port", str(port)]
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait(self) -> None:
+        # The bare protocol answers any request, so the readiness probe works on all four.
+        wait_http(f"http://{HOST}:{self.port}/healthz", self.proc, self.log, timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+# ---- the client ------------------------------------------------------------------------
+
+
+def _framed(buf: bytes | bytearray) -> int:
+    """The length of the first whole response in ``buf``, or 0 while it is incomplete."""
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        return 0
+    head = bytes(buf[:end]).lower()
+    at = head.find(b"content-length:")
+    length = 0
+    if at >= 0:
+        eol = head.find(b"\r\n", at)
+        length = int(head[at + 15 : eol if eol >= 0 else end])
+    total = end + 4 + length
+    return total if len(buf) >= total else 0
+
+
+def _connect(port: int) -> socket.socket:
+    s = socket.create_connection((HOST, port), timeout=10)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def one_connection(
+    port: int, request: bytes, seconds: float, max_requests: int
+) -> tuple[list[int], float]:
+    """Latencies (ns) of requests sent one at a time on one kept-alive connection, and
+    the elapsed seconds, for ``seconds`` after a warm-up."""
+    s = _connect(port)
+    lat: list[int] = []
+    started = stop_at = 0
+    try:
+        n = 0
+        while n < max_requests + WARMUP:
+            t0 = time.perf_counter_ns()
+            s.sendall(request)
+            buf = s.recv(65536)
+            while not (size := _framed(buf)):
+                more = s.recv(65536)
+                if not more:
+                    raise ConnectionError("server closed the connection")
+                buf += more
+            if size != len(buf):
+                raise ConnectionError("more bytes than one response")
+            t1 = time.perf_counter_ns()
+            n += 1
+            if n > WARMUP:
+                lat.append(t1 - t0)
+                if t1 > stop_at:
+                    break
+            elif n == WARMUP:
+                started, stop_at = t1, t1 + int(seconds * 1e9)
+    finally:
+        s.close()
+    return lat, (time.perf_counter_ns() - started) / 1e9
+
+
+def many_connections(
+    port: int, request: bytes, seconds: float, max_requests: int, conns: int
+) -> tuple[list[int], float]:
+    """Latencies (ns) and the elapsed seconds with ``conns`` connections, one request in
+    flight on each, for ``seconds`` after a warm-up."""
+    sel = selectors.DefaultSelector()
+    socks = [_connect(port) for _ in range(conns)]
+    state: dict[socket.socket, list[Any]] = {}
+    lat: list[int] = []
+    done = 0
+    started = stop_at = 0
+    try:
+        for s in socks:
+            s.setblocking(False)
+            sel.register(s, selectors.EVENT_READ)
+            state[s] = [time.perf_counter_ns(), b""]
+            s.sendall(request)
+        while True:
+            for key, _ in sel.select(10):
+                s = key.fileobj  # type: ignore[assignment]
+                st = state[s]
+                data = s.recv(65536)
+                if not data:
+                    raise ConnectionError("server closed the connection")
+                st[1] += data
+                if not _framed(st[1]):
+                    continue
+                now = time.perf_counter_ns()
+                done += 1
+                if done == WARMUP:
+                    started, stop_at = now, now + int(seconds * 1e9)
+                elif done > WARMUP:
+                    lat.append(now - st[0])
+                st[0], st[1] = now, b""
+                s.sendall(request)
+            if stop_at and (time.perf_counter_ns() > stop_at or len(lat) >= max_requests):
+                break
+    finally:
+        sel.close()
+        for s in socks:
+            s.close()
+    return lat, (time.perf_counter_ns() - started) / 1e9
+
+
+def _summary(lat: list[int], elapsed_s: float) -> dict[str, float]:
+    ordered = sorted(lat)
+    n = len(ordered)
+    return {
+        "requests": n,
+        "rps": n / elapsed_s,
+        "p50_us": ordered[n // 2] / 1e3,
+        "p99_us": ordered[min(n - 1, int(n * 0.99))] / 1e3,
+    }
+
+
+# ---- the run ---------------------------------------------------------------------------
+
+
+def measure(
+    servers: Sequence[str], repeats: int, seconds: float, max_requests: int, conns: int
+) -> dict[str, Any]:
+    reqs = requests()
+    ports = free_ports(len(servers))
+    logs = Path(tempfile.mkdtemp(prefix="kvatlas-http-edge-"))
+    procs = {
+        name: Served(name, port, logs / f"{i}.log")
+        for i, (name, port) in enumerate(zip(servers, ports, strict=True))
+    }
+    runs: dict[str, list[dict[str, float]]] = {}
+    try:
+        for p in procs.values():
+            p.wait()
+        for _ in range(repeats):
+            for name, p in procs.items():
+                for handler in HANDLERS:
+                    lat, took = one_connection(p.port, reqs[handler], seconds, max_requests)
+                    runs.setdefault(f"{name}|{handler}|1", []).append(_summary(lat, took))
+                    lat, took = many_connections(
+                        p.port, reqs[handler], seconds, max_requests, conns
+                    )
+                    runs.setdefault(f"{name}|{handler}|{conns}", []).append(_summary(lat, took))
+    finally:
+        for p in procs.values():
+            p.stop()
+    medians = {
+        key: {m: statistics.median(r[m] for r in rs) for m in ("rps", "p50_us", "p99_us")}
+        for key, rs in runs.items()
+    }
+    return {"runs": runs, "medians": medians}
+
+
+def table(medians: dict[str, dict[str, float]], servers: Sequence[str], conns: int) -> str:
+    rows = [
+        "| handler | server | 1 conn: req/s | p50 / p99 | p50 over the floor |"
+        f" {conns} conns: req/s | p50 / p99 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for handler in HANDLERS:
+        floor = medians.get(f"bare|{handler}|1", {}).get("p50_us")
+        for name in servers:
+            one, many = medians[f"{name}|{handler}|1"], medians[f"{name}|{handler}|{conns}"]
+            cost = "" if floor is None or name == "bare" else f"{one['p50_us'] - floor:.0f} us"
+            rows.append(
+                f"| {handler} | {LABELS[name]} | {one['rps']:,.0f} |"
+                f" {one['p50_us']:.0f} / {one['p99_us']:.0f} us | {cost} |"
+                f" {many['rps']:,.0f} | {many['p50_us']:.0f} / {many['p99_us']:.0f} us |"
+            )
+    return "\n".join(rows)
+
+
+def ratios(medians: dict[str, dict[str, float]], conns: int) -> dict[str, dict[str, float]]:
+    """uvicorn + Starlette against the runtime server: how many times slower."""
+    out: dict[str, dict[str, float]] = {}
+    for handler in HANDLERS:
+        rt1, uv1 = (
+            medians.get(f"runtime|{handler}|1"),
+            medians.get(f"uvicorn+starlette|{handler}|1"),
+        )
+        rtn = medians.get(f"runtime|{handler}|{conns}")
+        uvn = medians.get(f"uvicorn+starlette|{handler}|{conns}")
+        if rt1 and uv1 and rtn and uvn:
+            out[handler] = {
+                "p50_1conn": uv1["p50_us"] / rt1["p50_us"],
+                "rps_1conn": rt1["rps"] / uv1["rps"],
+                f"rps_{conns}conns": rtn["rps"] / uvn["rps"],
+            }
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=0.75, help="per measurement")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-requests", type=int, default=50_000, help="per measurement")
+    ap.add_argument("--conns", type=int, default=4, help="connections of the loaded mode")
+    ap.add_argument("--servers", default=",".join(SERVERS))
+    ap.add_argument("--serve", choices=SERVERS, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.serve:
+        SERVE[args.serve](args.port)
+        return 0
+    servers = [s for s in args.servers.split(",") if s]
+    started = time.time()
+    out = measure(servers, args.repeats, args.seconds, args.max_requests, args.conns)
+    machine = describe()
+    print(
+        f"\nHTTP edge: {args.repeats} repeats of {args.seconds} s per measurement, medians;"
+        f" {machine['cpu']}, {machine['cores']} cores (client and servers share them)\n"
+    )
+    print(table(out["medians"], servers, args.conns))
+    rat = ratios(out["medians"], args.conns)
+    for handler, r in rat.items():
+        print(
+            f"\n{handler}: uvicorn + Starlette p50 (1 conn) is {r['p50_1conn']:.2f}x the"
+            f" runtime server's; the runtime server serves {r['rps_1conn']:.2f}x the"
+            f" requests/s on 1 conn and {r[f'rps_{args.conns}conns']:.2f}x on"
+            f" {args.conns} conns",
+            end="",
+        )
+    print()
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "machine": machine,
+                "args": vars(args),
+                "seconds": round(time.time() - started, 1),
+                "ratios": rat,
+                **out,
+            },
+            indent=1,
+        )
+    )
+    print(f"\nwrote {RESULTS} in {time.time() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
