@@ -36,7 +36,7 @@ from tests.p2p.cluster import (
 
 from kvatlas.core.keys import Namespace
 from kvatlas.server.p2p.channel import ChannelClient
-from kvatlas.wire import p2p_proto as pp
+from kvatlas.wire.p2p_proto import Locked, LookupAndLock, Unlock
 
 RESULTS = Path(__file__).resolve().parent / "results" / "p2p.json"
 MIB = 1 << 20
@@ -61,10 +61,10 @@ def bench_lock_rtt(tmp: Path, iterations: int) -> dict[str, Any]:
         try:
             for _ in range(iterations):
                 t0 = time.perf_counter()
-                ans = chan.call(pp.LookupAndLock("bench", ns, hashes, 5.0), 5.0)
+                ans = chan.call(LookupAndLock("bench", ns, hashes, 5.0), 5.0)
                 t1 = time.perf_counter()
-                assert isinstance(ans, pp.Locked) and len(ans.chunks) == 8
-                chan.call(pp.Unlock("bench", [c.lease_id for c in ans.chunks]), 5.0)
+                assert isinstance(ans, Locked) and len(ans.chunks) == 8
+                chan.call(Unlock("bench", [c.lease_id for c in ans.chunks]), 5.0)
                 unlock_s.append(time.perf_counter() - t1)
                 lock_s.append(t1 - t0)
         finally:
@@ -114,10 +114,13 @@ def bench_death_to_fallback(tmp: Path, repeats: int) -> dict[str, Any]:
     }
 
 
-def bench_throughput(tmp: Path, engine: str, chunks: int, rounds: int) -> dict[str, Any]:
+def bench_throughput(tmp: Path, transport: str, chunks: int, rounds: int) -> dict[str, Any]:
     size = 4 * MIB
     l1 = (chunks * rounds * size * 1.3) / (1 << 30)
-    with cluster(tmp / engine, "node-a", "node-b", engine=engine, l1_gb=l1) as (coord, (a, b)):
+    with cluster(tmp / transport, "node-a", "node-b", transport=transport, l1_gb=l1) as (
+        coord,
+        (a, b),
+    ):
         wait_peers([a, b])
         ca, cb = a.client(timeout_s=120), b.client(timeout_s=120)
         rates, times = [], []
@@ -134,7 +137,7 @@ def bench_throughput(tmp: Path, engine: str, chunks: int, rounds: int) -> dict[s
             rates.append(chunks * size / dt / 1e9)
         bytes_read = b.status()["p2p"]["bytes_read"]
     return {
-        "engine": engine,
+        "transport": transport,
         "chunk_bytes": size,
         "chunks_per_lookup": chunks,
         "rounds": rounds,
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(d)
         rtt = bench_lock_rtt(tmp / "rtt", iterations)
         death = bench_death_to_fallback(tmp, repeats)
-        tput = [bench_throughput(tmp, e, chunks, rounds) for e in ("tcp", "shm")]
+        tput = [bench_throughput(tmp, t, chunks, rounds) for t in ("tcp", "shm")]
     result = {"lookup_and_lock": rtt, "death_to_fallback": death, "throughput": tput}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| peer death -> fallback done, median (max) | {death['median_ms']:.0f}"
           f" ({death['max_ms']:.0f}) ms |")  # fmt: skip
     for t in tput:
-        print(f"| P2P fetch {t['chunks_per_lookup']} x 4 MiB via server, {t['engine']} |"
+        print(f"| P2P fetch {t['chunks_per_lookup']} x 4 MiB via server, {t['transport']} |"
               f" {t['median_gbps']:.2f} GB/s median, {t['best_gbps']:.2f} best"
               f" ({t['median_lookup_ms']:.0f} ms/lookup) |")  # fmt: skip
     print(f"\nwritten to {RESULTS}")

@@ -1,10 +1,10 @@
-"""Read bandwidth of every transfer engine next to its baseline, measured in one run.
+"""Read bandwidth of every transport next to its baseline, measured in one run.
 
-    python -m bench.transfer_bench [--region-mib 128] [--repeats 11] [--engines tcp,shm,...]
+    python -m bench.transfer_bench [--region-mib 128] [--repeats 11] [--transports tcp,shm,...]
 
 The owner is a separate process holding a real L1 region; the requester reads the whole
 region in chunks of 256 KiB, 4 MiB and 16 MiB into its own region and verifies every
-chunk's checksum (that is part of every engine's read). Baselines, same sizes, same run:
+chunk's checksum (that is part of every transport's read). Baselines, same sizes, same run:
 
 - raw socket: a plain TCP socket between two processes, ``sendall`` on one side and
   ``recv_into`` a preallocated buffer on the other (no protocol, no checksum);
@@ -38,11 +38,10 @@ from bench.machine import describe
 from kvatlas.core.checksum import checksum
 from kvatlas.runtime.region import L1Region
 from kvatlas.transfer.base import Endpoint, ReadOp
-from kvatlas.transfer.factory import make_engine
+from kvatlas.transfer.factory import TRANSPORTS, make_transport
 
 KiB, MiB = 1 << 10, 1 << 20
 CHUNKS = (256 * KiB, 4 * MiB, 16 * MiB)
-ENGINES = ("tcp", "shm", "mooncake", "nixl")
 NETNS = frozenset({"mooncake"})
 TARGETS = {"tcp": ("raw socket", 0.80), "shm": ("copy", 0.70)}
 RESULTS = Path(__file__).resolve().parent / "results" / "transfer.json"
@@ -62,13 +61,13 @@ def cpu_seconds(pid: int) -> float:
 # ------------------------------------------------------------------------- owner side
 
 
-def owner_main(engine: str, size: int) -> int:
-    """Child process: serve a region through ``engine`` (or a raw socket) until stdin closes."""
+def owner_main(transport: str, size: int) -> int:
+    """Child process: serve a region through ``transport`` (or a raw socket) until stdin closes."""
     with L1Region.create(size, "bench-owner") as region:
         np.copyto(region.array, pattern(size))
-        if engine == "raw":
+        if transport == "raw":
             return _raw_owner(region)
-        server = make_engine(engine).server(region, lambda *_: True)
+        server = make_transport(transport).server(region, lambda *_: True)
         endpoint = server.start()
         print("ENDPOINT " + json.dumps(endpoint.to_builtins()), flush=True)
         sys.stdin.read()
@@ -98,8 +97,8 @@ def _raw_owner(region: L1Region) -> int:
 
 
 class Owner:
-    def __init__(self, engine: str, size: int) -> None:
-        args = [sys.executable, "-m", "bench.transfer_bench", "--owner", engine]
+    def __init__(self, transport: str, size: int) -> None:
+        args = [sys.executable, "-m", "bench.transfer_bench", "--owner", transport]
         self.proc = subprocess.Popen(
             [*args, "--region-mib", str(size // MiB)],
             stdin=subprocess.PIPE,
@@ -114,7 +113,7 @@ class Owner:
                 break
         if not self.line:
             self.proc.kill()
-            raise RuntimeError(f"{engine} owner did not start")
+            raise RuntimeError(f"{transport} owner did not start")
 
     def endpoint(self) -> Endpoint:
         return Endpoint.from_builtins(json.loads(self.line.split(" ", 1)[1]))
@@ -138,7 +137,7 @@ Run = Callable[[int], None]
 
 
 def measure(run: Run, baseline: Run | None, size: int, repeats: int) -> dict[str, Any]:
-    """Median GB/s per chunk size. A baseline is timed interleaved with the engine, one
+    """Median GB/s per chunk size. A baseline is timed interleaved with the transport, one
     repeat each in turn, so that both see the same noise of a shared machine."""
     rows: dict[str, Any] = {}
     for chunk in CHUNKS:
@@ -169,7 +168,7 @@ class RawSocket:
         port = int(self.owner.line.split()[1])
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        # Received into a region of the same kind as the engines write into.
+        # Received into a region of the same kind as the transports write into.
         self.region = L1Region.create(size, "bench-raw")
         self.size = size
 
@@ -202,12 +201,14 @@ class Copy:
             np.copyto(self.dst[o : o + chunk], self.src[o : o + chunk])
 
 
-def bench_engine(engine: str, size: int, repeats: int, baseline: Run | None) -> dict[str, Any]:
+def bench_transport(
+    transport: str, size: int, repeats: int, baseline: Run | None
+) -> dict[str, Any]:
     expected = pattern(size)
-    owner = Owner(engine, size)
+    owner = Owner(transport, size)
     try:
         with L1Region.create(size, "bench-reader") as local:
-            client = make_engine(engine).client(local, PEER)
+            client = make_transport(transport).client(local, PEER)
             peer = client.connect(owner.endpoint())
             plans = {
                 chunk: [
@@ -221,7 +222,7 @@ def bench_engine(engine: str, size: int, repeats: int, baseline: Run | None) -> 
                 results = peer.read(plans[chunk], 60.0)
                 bad = [r for r in results if not r.ok]
                 if bad:
-                    raise RuntimeError(f"{engine}: {len(bad)} failed reads, first {bad[0]}")
+                    raise RuntimeError(f"{transport}: {len(bad)} failed reads, first {bad[0]}")
 
             rows = measure(run, baseline, size, repeats)
             time.sleep(0.2)
@@ -237,8 +238,8 @@ def bench_engine(engine: str, size: int, repeats: int, baseline: Run | None) -> 
     return rows
 
 
-def bench_in_netns(engine: str, size: int, repeats: int) -> dict[str, Any]:
-    args = [sys.executable, "-m", "bench.transfer_bench", "--engines", engine, "--child"]
+def bench_in_netns(transport: str, size: int, repeats: int) -> dict[str, Any]:
+    args = [sys.executable, "-m", "bench.transfer_bench", "--transports", transport, "--child"]
     args += ["--region-mib", str(size // MiB), "--repeats", str(repeats)]
     script = 'ip link set lo up && exec "$@"'
     proc = subprocess.run(
@@ -250,24 +251,24 @@ def bench_in_netns(engine: str, size: int, repeats: int) -> dict[str, Any]:
     )
     for line in proc.stdout.splitlines():
         if line.startswith("CHILD "):
-            result: dict[str, Any] = json.loads(line[6:])[engine]
+            result: dict[str, Any] = json.loads(line[6:])[transport]
             return result
     tail = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("I1"))
     return {"error": f"netns run failed (rc {proc.returncode}): {tail[-600:]}"}
 
 
-def run_engine(
-    engine: str, size: int, repeats: int, child: bool, baseline: Run | None = None
+def run_transport(
+    transport: str, size: int, repeats: int, child: bool, baseline: Run | None = None
 ) -> dict[str, Any]:
     try:
-        make_engine(engine)
+        make_transport(transport)
     except Exception as exc:
         return {"error": f"skipped: {exc}"}
-    if engine in NETNS and not child:
-        return bench_in_netns(engine, size, repeats)
+    if transport in NETNS and not child:
+        return bench_in_netns(transport, size, repeats)
     try:
-        return bench_engine(engine, size, repeats, baseline)
-    except Exception as exc:  # one failing engine must not hide the others
+        return bench_transport(transport, size, repeats, baseline)
+    except Exception as exc:  # one failing transport must not hide the others
         return {"error": repr(exc)}
 
 
@@ -276,7 +277,7 @@ def run_engine(
 
 def table(results: dict[str, dict[str, Any]]) -> str:
     lines = [
-        "| engine | chunk | GB/s (median) | baseline GB/s, same run | ratio | target |"
+        "| transport | chunk | GB/s (median) | baseline GB/s, same run | ratio | target |"
         " idle CPU owner / requester |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -307,16 +308,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--region-mib", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=11)
-    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--transports", default=",".join(TRANSPORTS))
     parser.add_argument("--owner", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     size = args.region_mib * MiB
     if args.owner:
         return owner_main(args.owner, size)
-    engines = [e for e in args.engines.split(",") if e]
+    transports = [e for e in args.transports.split(",") if e]
     if args.child:
-        out = {e: run_engine(e, size, args.repeats, child=True) for e in engines}
+        out = {e: run_transport(e, size, args.repeats, child=True) for e in transports}
         print("CHILD " + json.dumps(out), flush=True)
         return 0
     started = time.time()
@@ -324,9 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     baselines: dict[str, Run] = {"tcp": raw.run, "shm": copy.run}
     results: dict[str, dict[str, Any]] = {}
     try:
-        for engine in engines:
-            results[engine] = run_engine(
-                engine, size, args.repeats, child=False, baseline=baselines.get(engine)
+        for transport in transports:
+            results[transport] = run_transport(
+                transport, size, args.repeats, child=False, baseline=baselines.get(transport)
             )
     finally:
         raw.close()

@@ -122,7 +122,7 @@ def start_node(
     instance_id: str,
     coord: Coordinator | None,
     *extra: str,
-    engine: str = "tcp",
+    transport: str = "tcp",
     l1_gb: float = 0.02,
     p2p_port: int | None = None,
     p2p: bool = True,
@@ -141,7 +141,9 @@ def start_node(
     if coord is not None:
         args += ["--coordinator-url", coord.url]
     if p2p:
-        args += ["--p2p-advertise-url", f"127.0.0.1:{p2p_port}", "--p2p-transfer-engine", engine]
+        args += [
+            "--p2p-advertise-url", f"127.0.0.1:{p2p_port}", "--p2p-transfer-engine", transport
+        ]  # fmt: skip
     args += list(extra)
     with log.open("wb") as f:
         proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
@@ -163,7 +165,7 @@ def prompt(n_chunks: int, seed: int) -> list[int]:
 def cluster(
     tmp: Path,
     *names: str,
-    engine: str = "tcp",
+    transport: str = "tcp",
     extra: dict[str, Sequence[str]] | None = None,
     l1_gb: float = 0.02,
 ) -> Iterator[tuple[Coordinator, list[Node]]]:
@@ -174,7 +176,12 @@ def cluster(
         for name in names:
             nodes.append(
                 start_node(
-                    tmp, name, coord, *(extra or {}).get(name, ()), engine=engine, l1_gb=l1_gb
+                    tmp,
+                    name,
+                    coord,
+                    *(extra or {}).get(name, ()),
+                    transport=transport,
+                    l1_gb=l1_gb,
                 )
             )
         yield coord, nodes

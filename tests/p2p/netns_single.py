@@ -1,6 +1,6 @@
-"""``python -m p2p.netns_single ENGINE TMPDIR``: the single-machine P2P test, run as one
+"""``python -m p2p.netns_single TRANSPORT TMPDIR``: the single-machine P2P test, run as one
 script (coordinator, two servers and their engines) inside a private network namespace
-that has only loopback, for engines that listen on 0.0.0.0 whatever they are told
+that has only loopback, for transports that listen on 0.0.0.0 whatever they are told
 (mooncake). ``test_single_machine`` starts it under ``unshare -rn``."""
 
 from __future__ import annotations

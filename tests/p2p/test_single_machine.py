@@ -42,8 +42,8 @@ def fetch(
         client.release([loc.lease_id for loc in res.chunks])
 
 
-def single_machine(tmp_path: Path, engine: str, n_chunks: int = 6, size: int = 3000) -> None:
-    with cluster(tmp_path, "node-a", "node-b", engine=engine) as (coord, (a, b)):
+def single_machine(tmp_path: Path, transport: str, n_chunks: int = 6, size: int = 3000) -> None:
+    with cluster(tmp_path, "node-a", "node-b", transport=transport) as (coord, (a, b)):
         wait_peers([a, b])
         for node, other in ((a, b), (b, a)):
             st = node.status()
@@ -51,7 +51,7 @@ def single_machine(tmp_path: Path, engine: str, n_chunks: int = 6, size: int = 3
             assert st["p2p_state"] == "registered"
             assert st["p2p_peer_count"] == 1 and st["p2p_peers"] == [other.instance_id]
             assert st["active_p2p_lookup_jobs"] == 0
-            assert st["p2p"]["transfer_engine"] == engine
+            assert st["p2p"]["transfer_engine"] == transport
         tokens = prompt(n_chunks, seed=1)
         data = chunk_data(n_chunks, size, seed=1)
         ca, cb = a.client(), b.client()
@@ -140,11 +140,11 @@ def test_p2p_needs_one_contiguous_region(tmp_path: Path) -> None:
             check_single_region(region, 1 << 17)
 
 
-def _engine_missing(engine: str) -> str | None:
-    from kvatlas.transfer.factory import make_engine
+def _transport_missing(transport: str) -> str | None:
+    from kvatlas.transfer.factory import make_transport
 
     try:
-        make_engine(engine)
+        make_transport(transport)
     except Exception as exc:
         return str(exc)
     return None
@@ -161,7 +161,7 @@ def _netns_ok() -> bool:
 
 @pytest.mark.slow
 def test_single_machine_mooncake_in_a_private_netns(tmp_path: Path) -> None:
-    if reason := _engine_missing("mooncake"):
+    if reason := _transport_missing("mooncake"):
         pytest.skip(reason)
     if not _netns_ok():
         pytest.skip("unshare -rn (a private network namespace) is not available here")
@@ -181,6 +181,6 @@ def test_single_machine_mooncake_in_a_private_netns(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_single_machine_nixl(tmp_path: Path) -> None:
-    if reason := _engine_missing("nixl"):
+    if reason := _transport_missing("nixl"):
         pytest.skip(reason)
     single_machine(tmp_path, "nixl")

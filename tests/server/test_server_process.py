@@ -274,7 +274,7 @@ def test_incarnation_grows_across_restarts(tmp_path: Path) -> None:
                 "--p2p-advertise-url",
                 "127.0.0.1:7600",
             ],
-            "--http-port 7601 is also the tcp transfer engine's port",
+            "--http-port 7601 is also the tcp transport's port",
         ),
         (
             [

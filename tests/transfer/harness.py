@@ -1,7 +1,7 @@
 """Owner processes for the transfer tests and benchmark: a real L1 region in a real second
-process, serving through a real engine, that a test can SIGKILL or SIGSTOP by pid.
+process, serving through a real transport, that a test can SIGKILL or SIGSTOP by pid.
 
-    python -m transfer.harness --engine tcp --size N [--seed S] [--token T]
+    python -m transfer.harness --transport tcp --size N [--seed S] [--token T]
         [--lease PEER,LEASE,OFFSET,SIZE ...] [--corrupt-read N]
 
 prints ``ENDPOINT <json>`` once serving, then answers ``checksum`` lines on stdin with
@@ -26,12 +26,11 @@ import numpy.typing as npt
 
 from kvatlas.core.checksum import checksum
 from kvatlas.transfer.base import Endpoint, FaultPlan
-from kvatlas.transfer.factory import make_engine
+from kvatlas.transfer.factory import TRANSPORTS, make_transport
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
-ENGINES = ("tcp", "shm", "mooncake", "nixl")
-NETNS_ENGINES = frozenset({"mooncake"})
-"""Engines that listen on 0.0.0.0 whatever they are told: run them in a private netns."""
+NETNS_TRANSPORTS = frozenset({"mooncake"})
+"""Transports that listen on 0.0.0.0 whatever they are told: run them in a private netns."""
 
 
 def pattern(size: int, seed: int = 1) -> npt.NDArray[np.uint8]:
@@ -39,10 +38,10 @@ def pattern(size: int, seed: int = 1) -> npt.NDArray[np.uint8]:
     return np.frombuffer(np.random.default_rng(seed).bytes(size), dtype=np.uint8)
 
 
-def importable(engine: str) -> str | None:
-    """None when the engine's package imports; otherwise the reason."""
+def importable(transport: str) -> str | None:
+    """None when the transport's package imports; otherwise the reason."""
     try:
-        make_engine(engine)
+        make_transport(transport)
     except Exception as exc:
         return str(exc)
     return None
@@ -67,7 +66,7 @@ class OwnerProcess:
 
     def __init__(
         self,
-        engine: str,
+        transport: str,
         size: int,
         *,
         seed: int = 1,
@@ -76,7 +75,7 @@ class OwnerProcess:
         corrupt_read: int | None = None,
         timeout_s: float = 30.0,
     ) -> None:
-        args = [sys.executable, "-m", "transfer.harness", "--engine", engine]
+        args = [sys.executable, "-m", "transfer.harness", "--transport", transport]
         args += ["--size", str(size), "--seed", str(seed)]
         if token:
             args += ["--token", token]
@@ -110,7 +109,7 @@ class OwnerProcess:
         reader.join(timeout_s)
         if not found:
             self.kill()
-            raise RuntimeError(f"{engine} owner did not start:\n" + "".join(self.stderr[-30:]))
+            raise RuntimeError(f"{transport} owner did not start:\n" + "".join(self.stderr[-30:]))
         self.endpoint = found[0]
 
     def _drain_stderr(self) -> None:
@@ -164,7 +163,7 @@ def owner_main(argv: Sequence[str] | None = None) -> int:
     from kvatlas.runtime.region import L1Region
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--engine", required=True, choices=ENGINES)
+    parser.add_argument("--transport", required=True, choices=TRANSPORTS)
     parser.add_argument("--size", type=int, required=True)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--token")
@@ -182,10 +181,10 @@ def owner_main(argv: Sequence[str] | None = None) -> int:
             for p, lid, o, s in leases
         )
 
-    engine = make_engine(args.engine)
+    transport = make_transport(args.transport)
     with L1Region.create(args.size, "owner") as region:
         np.copyto(region.array, pattern(args.size, args.seed))
-        server = engine.server(
+        server = transport.server(
             region, authorize, token=args.token, faults=FaultPlan(corrupt_read=args.corrupt_read)
         )
         endpoint = server.start()

@@ -1,6 +1,6 @@
-"""The conformance scenarios, one function per behaviour, each taking an engine name.
+"""The conformance scenarios, one function per behaviour, each taking a transport name.
 
-test_conformance.py calls them in-process, or (for engines in NETNS_ENGINES) runs
+test_conformance.py calls them in-process, or (for transports in NETNS_TRANSPORTS) runs
 
     python -m transfer.scenarios SCENARIO ENGINE
 
@@ -28,7 +28,7 @@ from kvatlas.transfer.base import (
     ReadResult,
     TransferClient,
 )
-from kvatlas.transfer.factory import make_engine
+from kvatlas.transfer.factory import make_transport
 from transfer.harness import OwnerProcess, pattern
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -47,10 +47,10 @@ def op(remote: int, size: int, local: int, lease: str = LEASE) -> ReadOp:
 
 @contextmanager
 def requester(
-    engine: str, token: str | None = None, faults: FaultPlan | None = None
+    transport: str, token: str | None = None, faults: FaultPlan | None = None
 ) -> Iterator[tuple[L1Region, TransferClient]]:
     with L1Region.create(REGION, "requester") as local:
-        client = make_engine(engine).client(local, PEER, token=token, faults=faults)
+        client = make_transport(transport).client(local, PEER, token=token, faults=faults)
         try:
             yield local, client
         finally:
@@ -70,10 +70,10 @@ def landed(local: L1Region, o: ReadOp) -> bool:
 # ------------------------------------------------------------------------------ scenarios
 
 
-def roundtrip(engine: str) -> None:
+def roundtrip(transport: str) -> None:
     """4 KiB, 256 KiB and 4 MiB chunks, singly and many in one call; bytes identical,
     checksums ok, the owner's region untouched."""
-    with OwnerProcess(engine, REGION, leases=[ALL]) as owner, requester(engine) as (local, c):
+    with OwnerProcess(transport, REGION, leases=[ALL]) as owner, requester(transport) as (local, c):
         before = owner.region_checksum()
         peer = c.connect(owner.endpoint)
         ops: list[ReadOp] = []
@@ -100,11 +100,11 @@ def roundtrip(engine: str) -> None:
         peer.close()
 
 
-def outside_lease(engine: str) -> None:
+def outside_lease(transport: str) -> None:
     """tcp: the owner refuses ranges no live lease of this peer covers, per op. One-sided
-    engines: only the region boundary is enforced (documented in transfer.base)."""
+    transports: only the region boundary is enforced (documented in transfer.base)."""
     lease = (PEER, LEASE, 1 * MiB, 1 * MiB)
-    with OwnerProcess(engine, REGION, leases=[lease]) as owner, requester(engine) as (_, c):
+    with OwnerProcess(transport, REGION, leases=[lease]) as owner, requester(transport) as (_, c):
         peer = c.connect(owner.endpoint)
         inside = op(1 * MiB, 64 * KiB, 0)
         outside = op(4 * MiB, 64 * KiB, 64 * KiB)
@@ -114,23 +114,26 @@ def outside_lease(engine: str) -> None:
         results = peer.read([inside, outside, wrong_lease, straddling, beyond_region], 5.0)
         got = statuses(results)
         assert got[0] == "ok" and got[4] == "refused", results
-        if make_engine(engine).enforces_leases:
+        if make_transport(transport).enforces_leases:
             assert got[1:4] == ["refused"] * 3, results
             assert "lease" in results[1].detail
         else:
-            # Not enforced by a one-sided engine: the control plane never hands out such
+            # Not enforced by a one-sided transport: the control plane never hands out such
             # ranges, and the checksum is what a reader relies on.
             assert got[1:4] == ["ok"] * 3, results
 
 
-def corrupted(engine: str) -> None:
+def corrupted(transport: str) -> None:
     """A corrupted transfer is reported as checksum_mismatch, never ok."""
-    server_side = make_engine(engine).enforces_leases  # tcp corrupts what the owner sends
+    server_side = make_transport(transport).enforces_leases  # tcp corrupts what the owner sends
     with (
         OwnerProcess(
-            engine, REGION, leases=[ALL], corrupt_read=2 if server_side else None
+            transport, REGION, leases=[ALL], corrupt_read=2 if server_side else None
         ) as owner,
-        requester(engine, faults=None if server_side else FaultPlan(corrupt_read=2)) as (local, c),
+        requester(transport, faults=None if server_side else FaultPlan(corrupt_read=2)) as (
+            local,
+            c,
+        ),
     ):
         peer = c.connect(owner.endpoint)
         ops = [op(i * MiB, 256 * KiB, i * MiB) for i in range(3)]
@@ -140,10 +143,10 @@ def corrupted(engine: str) -> None:
         assert c.stats.ops["checksum_mismatch"] == 1
 
 
-def peer_killed(engine: str) -> None:
+def peer_killed(transport: str) -> None:
     """The owner is SIGKILLed mid-read: failures come within deadline + 1 s."""
     deadline_s = 5.0
-    with OwnerProcess(engine, REGION, leases=[ALL]) as owner, requester(engine) as (_, c):
+    with OwnerProcess(transport, REGION, leases=[ALL]) as owner, requester(transport) as (_, c):
         peer = c.connect(owner.endpoint)
         assert statuses(peer.read([op(0, 4 * KiB, 0)], 5.0)) == ["ok"]  # connected, warm
         ops = [op((i % 7) * 4 * MiB, 4 * MiB, (i % 8) * 4 * MiB) for i in range(1024)]  # 4 GiB
@@ -166,11 +169,11 @@ def peer_killed(engine: str) -> None:
         assert peer.drain(10.0)
 
 
-def owner_stopped(engine: str) -> None:
+def owner_stopped(transport: str) -> None:
     """The owner hangs (SIGSTOP): the read returns within deadline + 1 s; ops either
-    landed (one-sided engines need no owner CPU) or timed out."""
+    landed (one-sided transports need no owner CPU) or timed out."""
     deadline_s = 1.0
-    with OwnerProcess(engine, REGION, leases=[ALL]) as owner, requester(engine) as (local, c):
+    with OwnerProcess(transport, REGION, leases=[ALL]) as owner, requester(transport) as (local, c):
         peer = c.connect(owner.endpoint)
         assert statuses(peer.read([op(0, 4 * KiB, 0)], 5.0)) == ["ok"]
         os.kill(owner.pid, signal.SIGSTOP)
@@ -186,15 +189,15 @@ def owner_stopped(engine: str) -> None:
         assert peer.drain(15.0), "an abandoned transfer still runs"
 
 
-def silent_peer(engine: str) -> None:
+def silent_peer(transport: str) -> None:
     """tcp: a peer that accepts but never answers gives timeouts within the deadline."""
     listener = socket.create_server(("127.0.0.1", 0))
     accepted: list[socket.socket] = []
     threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
     endpoint_url = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
-    endpoint = Endpoint(engine=engine, url=endpoint_url, region_size=REGION)
+    endpoint = Endpoint(transport=transport, url=endpoint_url, region_size=REGION)
     try:
-        with requester(engine) as (_, c):
+        with requester(transport) as (_, c):
             peer = c.connect(endpoint)
             started = time.monotonic()
             results = peer.read([op(0, 64 * KiB, 0), op(MiB, 64 * KiB, MiB)], 0.5)
@@ -206,16 +209,16 @@ def silent_peer(engine: str) -> None:
             s.close()
 
 
-def bad_token(engine: str) -> None:
+def bad_token(transport: str) -> None:
     """tcp: a wrong, missing or non-ASCII token is refused; the right one reads."""
-    with OwnerProcess(engine, REGION, leases=[ALL], token="s3cret") as owner:
+    with OwnerProcess(transport, REGION, leases=[ALL], token="s3cret") as owner:
         for token, expected in (
             ("wrong", "refused"),
             (None, "refused"),
             ("é", "refused"),
             ("s3cret", "ok"),
         ):
-            with requester(engine, token=token) as (_, c):
+            with requester(transport, token=token) as (_, c):
                 results = c.connect(owner.endpoint).read([op(0, 4 * KiB, 0)], 5.0)
                 assert statuses(results) == [expected], (token, results)
                 if expected == "refused":
@@ -228,10 +231,10 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def idle_cpu(engine: str) -> None:
+def idle_cpu(transport: str) -> None:
     """Neither an idle owner nor an idle connected requester spins a core (NIXL's own
     progress thread would: ~99% of one)."""
-    with OwnerProcess(engine, REGION, leases=[ALL]) as owner, requester(engine) as (_, c):
+    with OwnerProcess(transport, REGION, leases=[ALL]) as owner, requester(transport) as (_, c):
         peer = c.connect(owner.endpoint)
         assert statuses(peer.read([op(0, 4 * KiB, 0)], 5.0)) == ["ok"]
         time.sleep(0.2)
@@ -244,7 +247,7 @@ def idle_cpu(engine: str) -> None:
         elapsed = time.monotonic() - t0
         owner_pct = 100 * (_cpu_seconds(owner.pid) - owner_before) / elapsed
         mine_pct = 100 * (_cpu_seconds(os.getpid()) - mine_before) / elapsed
-        print(f"idle cpu {engine}: owner {owner_pct:.1f}% requester {mine_pct:.1f}%")
+        print(f"idle cpu {transport}: owner {owner_pct:.1f}% requester {mine_pct:.1f}%")
         assert owner_pct < 10 and mine_pct < 10, (owner_pct, mine_pct)
 
 

@@ -1,4 +1,4 @@
-"""make_engine, engine configs and the interface's shapes (no second process needed)."""
+"""make_transport, transport configs and the interface's shapes (no second process needed)."""
 
 from __future__ import annotations
 
@@ -12,38 +12,38 @@ from kvatlas.transfer.config import MooncakeConfig, NixlConfig, TcpConfig
 from kvatlas.transfer.errors import (
     BadReadRequest,
     EndpointMismatch,
-    EngineUnavailable,
     TransferConfigError,
+    TransportUnavailable,
 )
-from kvatlas.transfer.factory import make_engine
+from kvatlas.transfer.factory import make_transport
 
 
-def test_unknown_engine_names_the_accepted_ones() -> None:
-    with pytest.raises(TransferConfigError, match="accepted engines: tcp, shm, mooncake, nixl"):
-        make_engine("rdma")
+def test_unknown_transport_names_the_accepted_ones() -> None:
+    with pytest.raises(TransferConfigError, match="accepted transports: tcp, shm, mooncake, nixl"):
+        make_transport("rdma")
 
 
-def test_a_config_of_another_engine_is_refused() -> None:
+def test_a_config_of_another_transport_is_refused() -> None:
     with pytest.raises(TransferConfigError, match="takes a TcpConfig"):
-        make_engine("tcp", NixlConfig())
+        make_transport("tcp", NixlConfig())
 
 
 @pytest.mark.parametrize(
-    ("module", "engine", "hint"),
+    ("module", "transport", "hint"),
     [
         ("mooncake.engine", "mooncake", "mooncake-transfer-engine-non-cuda"),
         ("nixl_cu12", "nixl", "pip install --no-deps nixl-cu12"),
     ],
 )
 def test_missing_package_says_what_to_install(
-    monkeypatch: pytest.MonkeyPatch, module: str, engine: str, hint: str
+    monkeypatch: pytest.MonkeyPatch, module: str, transport: str, hint: str
 ) -> None:
     monkeypatch.setitem(sys.modules, module, None)  # makes `import module` fail
     monkeypatch.setitem(sys.modules, "nixl._api", None)
-    monkeypatch.delitem(sys.modules, f"kvatlas.transfer.{engine}", raising=False)
-    monkeypatch.delattr(sys.modules["kvatlas.transfer"], engine, raising=False)
-    with pytest.raises(EngineUnavailable, match=hint.replace("-", ".")):
-        make_engine(engine)
+    monkeypatch.delitem(sys.modules, f"kvatlas.transfer.{transport}", raising=False)
+    monkeypatch.delattr(sys.modules["kvatlas.transfer"], transport, raising=False)
+    with pytest.raises(TransportUnavailable, match=hint.replace("-", ".")):
+        make_transport(transport)
 
 
 def test_mooncake_config_from_env() -> None:
@@ -61,22 +61,22 @@ def test_mooncake_config_from_env() -> None:
 
 
 def test_endpoint_round_trips_through_builtins() -> None:
-    endpoint = Endpoint(engine="nixl", url="nixl://a", region_size=4096, extra={"k": "v"})
+    endpoint = Endpoint(transport="nixl", url="nixl://a", region_size=4096, extra={"k": "v"})
     assert Endpoint.from_builtins(endpoint.to_builtins()) == endpoint
     with pytest.raises(EndpointMismatch, match="not 'tcp'"):
-        make_engine("tcp").client(ArrayMemory(np.zeros(16, np.uint8)), "b").connect(endpoint)
+        make_transport("tcp").client(ArrayMemory(np.zeros(16, np.uint8)), "b").connect(endpoint)
 
 
 def test_a_local_range_outside_the_region_is_a_caller_bug() -> None:
-    client = make_engine("tcp", TcpConfig()).client(ArrayMemory(np.zeros(4096, np.uint8)), "b")
-    peer = client.connect(Endpoint(engine="tcp", url="tcp://127.0.0.1:9", region_size=1 << 20))
+    client = make_transport("tcp", TcpConfig()).client(ArrayMemory(np.zeros(4096, np.uint8)), "b")
+    peer = client.connect(Endpoint(transport="tcp", url="tcp://127.0.0.1:9", region_size=1 << 20))
     with pytest.raises(BadReadRequest, match="outside the local region"):
         peer.read([ReadOp(0, 4096, 1, "l", 0)], 1.0)
     client.close()
 
 
 def test_shm_refuses_a_peer_on_another_host() -> None:
-    client = make_engine("shm").client(ArrayMemory(np.zeros(16, np.uint8)), "b")
-    other = Endpoint(engine="shm", url="shm://x", region_size=16, extra={"boot_id": "elsewhere"})
+    client = make_transport("shm").client(ArrayMemory(np.zeros(16, np.uint8)), "b")
+    other = Endpoint(transport="shm", url="shm://x", region_size=16, extra={"boot_id": "elsewhere"})
     with pytest.raises(EndpointMismatch, match="another host"):
         client.connect(other)

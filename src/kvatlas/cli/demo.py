@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kvatlas.core.errors import KvatlasError
 from kvatlas.evaluation.demo import DemoConfig, render, run_demo
-from kvatlas.transfer.factory import ENGINES
+from kvatlas.transfer.factory import TRANSPORTS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,9 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--transfer-engine",
-        choices=ENGINES,
-        default=d.transfer_engine,
-        help=f"P2P transfer engine of both servers (default {d.transfer_engine}; mooncake"
+        choices=TRANSPORTS,
+        default=d.transport,
+        help=f"P2P transport of both servers (default {d.transport}; mooncake"
         " listens on all interfaces, so run it only inside an isolated network namespace)",
     )
     ap.add_argument(
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = DemoConfig(
         prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens,
-        transfer_engine=args.transfer_engine,
+        transport=args.transfer_engine,
         l1_size_mb=args.l1_size_mb,
         model_cache_dir=Path(args.model_cache_dir).expanduser() if args.model_cache_dir else None,
         workdir=Path(args.workdir) if args.workdir else None,

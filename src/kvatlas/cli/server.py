@@ -2,13 +2,10 @@
 
 The one place where the cache server's configuration is read (flags, plus
 ``KVATLAS_AUTH_TOKEN`` and, for mooncake, ``MC_TE_*``); everything else receives the
-frozen ServerConfig. Exit codes: 0 after a clean stop, 2 for a configuration refused at
-startup (the message names the flags), 1 when the server cannot start (a port in use,
-an unwritable state dir, a transfer engine that is not installed).
-
-It also builds the P2P transfer engine: the layer contract keeps ``kvatlas.server`` and
-``kvatlas.transfer`` independent, so this module (above both) adapts the engine to the
-server's ``Transport`` port (``TransferBridge``) and hands it to the composition root.
+frozen ServerConfig, from which the composition root builds every part, the P2P
+transport included. Exit codes: 0 after a clean stop, 2 for a configuration refused at
+startup (the message names the flags or variables), 1 when the server cannot start (a
+port in use, an unwritable state dir, a transport whose package is not installed).
 """
 
 from __future__ import annotations
@@ -18,16 +15,10 @@ import logging
 import os
 import socket
 import sys
-import threading
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import msgspec
 
 from kvatlas.core.errors import ConfigError, KvatlasError
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
-from kvatlas.runtime.region import L1Region
 from kvatlas.server.app import CacheServer
 from kvatlas.server.config import (
     GIB,
@@ -39,20 +30,9 @@ from kvatlas.server.config import (
     P2PConfig,
     ServerConfig,
     default_state_dir,
-    split_host_port,
 )
-from kvatlas.server.p2p.transport import Authorize, PeerLink, PeerRead, ReadOutcome
-from kvatlas.transfer.base import (
-    Endpoint,
-    FaultPlan,
-    PeerConnection,
-    ReadOp,
-    TransferClient,
-    TransferServer,
-)
-from kvatlas.transfer.config import MooncakeConfig, NixlConfig, ShmConfig, TcpConfig
-from kvatlas.transfer.errors import TransferError
-from kvatlas.transfer.factory import ENGINES, EngineConfig, make_engine
+from kvatlas.transfer.config import MooncakeConfig
+from kvatlas.transfer.factory import TRANSPORTS
 from kvatlas.wire.kafka_records import DEFAULT_PARTITIONER, DEFAULT_TOPIC
 
 AUTH_TOKEN_ENV = "KVATLAS_AUTH_TOKEN"
@@ -107,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--p2p-advertise-url",
         default=None,
         help="HOST:PORT of this server's P2P control channel as peers reach it; setting it"
-        " enables P2P. The tcp transfer engine uses PORT+1 on the same hosts",
+        " enables P2P. The tcp transport uses PORT+1 on the same hosts",
     )
     p2p.add_argument(
         "--p2p-listen-url",
@@ -118,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p2p.add_argument("--p2p-lookup-timeout", type=float, default=30.0, help="seconds")
     p2p.add_argument("--p2p-load-timeout", type=float, default=30.0, help="seconds")
     p2p.add_argument(
-        "--p2p-transfer-engine", default="tcp", help=f"one of {', '.join(ENGINES)} (default tcp)"
+        "--p2p-transfer-engine",
+        default="tcp",
+        help=f"the transport that moves KV bytes: one of {', '.join(TRANSPORTS)} (default tcp)",
     )
     p2p.add_argument(
         "--p2p-expected-recompute-s-per-token",
@@ -138,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--p2p-fault-read-delay",
         type=float,
         default=0.0,
-        help="TESTS ONLY: delay every read this server serves to peers (tcp engine)",
+        help="TESTS ONLY: delay every read this server serves to peers (tcp transport)",
     )
     ap.add_argument("--log-level", default="INFO")
     return ap
@@ -190,7 +172,12 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
             listen_url=args.p2p_listen_url or None,
             lookup_timeout_s=args.p2p_lookup_timeout,
             load_timeout_s=args.p2p_load_timeout,
-            transfer_engine=args.p2p_transfer_engine,
+            transport=args.p2p_transfer_engine,
+            mooncake=(
+                MooncakeConfig.from_env(env)
+                if args.p2p_transfer_engine == "mooncake"
+                else MooncakeConfig()
+            ),
             recompute_s_per_token=args.p2p_expected_recompute_s_per_token,
             lock_lease_s=args.p2p_lock_lease_seconds,
             cooloff_s=args.p2p_cooloff_seconds,
@@ -214,9 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvatlas server: {exc}", file=sys.stderr)
         return 2
     try:
-        transport = build_transport(config.p2p, dict(os.environ)) if config.p2p.enabled else None
-        server = CacheServer(config, transport)
-        server.run()
+        CacheServer(config).run()
     except ConfigError as exc:
         print(f"kvatlas server: {exc}", file=sys.stderr)
         return 2
@@ -224,117 +209,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvatlas server: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-# ------------------------------------------------------------------------ P2P transport
-
-
-def engine_config(p2p: P2PConfig, env: dict[str, str]) -> EngineConfig:
-    """The transfer engine's config from the P2P flags (and ``MC_TE_*`` for mooncake)."""
-    listen = split_host_port(p2p.bind_url)
-    advertise = split_host_port(p2p.advertise_url or "")
-    if listen is None or advertise is None:  # validate() refused these already
-        raise ConfigError("--p2p-advertise-url and --p2p-listen-url must be HOST:PORT")
-    name = p2p.transfer_engine
-    if name == "tcp":
-        return TcpConfig(host=listen[0], port=listen[1] + 1, advertise_host=advertise[0])
-    if name == "shm":
-        return ShmConfig()
-    if name == "mooncake":
-        return MooncakeConfig.from_env(env, host=advertise[0])
-    return NixlConfig()
-
-
-def build_transport(p2p: P2PConfig, env: dict[str, str]) -> TransferBridge:
-    try:
-        engine = make_engine(p2p.transfer_engine, engine_config(p2p, env))
-    except TransferError as exc:
-        raise ConfigError(f"--p2p-transfer-engine {p2p.transfer_engine}: {exc}") from exc
-    faults = FaultPlan(p2p.fault_corrupt_read) if p2p.fault_corrupt_read else None
-    return TransferBridge(engine.name, engine.enforces_leases, engine.server, engine.client, faults)
-
-
-class TransferBridge:
-    """``kvatlas.transfer`` as the server's ``Transport`` port. One client (the local
-    region registered once) serves every peer link; ``faults`` go to that client, so
-    ``--p2p-fault-corrupt-read`` corrupts the Nth chunk this server reads, whatever the
-    engine."""
-
-    def __init__(
-        self,
-        name: str,
-        enforces_leases: bool,
-        server_factory: Any,
-        client_factory: Any,
-        faults: FaultPlan | None,
-    ) -> None:
-        self._name = name
-        self._enforces = enforces_leases
-        self._server_factory = server_factory
-        self._client_factory = client_factory
-        self._faults = faults
-        self._server: TransferServer | None = None
-        self._client: TransferClient | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def enforces_leases(self) -> bool:
-        return self._enforces
-
-    def serve(self, region: L1Region, authorize: Authorize, *, token: str | None) -> dict[str, Any]:
-        server: TransferServer = self._server_factory(region, authorize, token=token)
-        endpoint = server.start()
-        self._server = server
-        return endpoint.to_builtins()
-
-    def connect(
-        self, local: L1Region, self_id: str, endpoint: dict[str, Any], *, token: str | None
-    ) -> PeerLink:
-        try:
-            ep = Endpoint.from_builtins(endpoint)
-        except msgspec.ValidationError as exc:
-            raise ValueError(f"bad transfer endpoint {endpoint!r}: {exc}") from exc
-        with self._lock:
-            if self._client is None:
-                self._client = self._client_factory(
-                    local, self_id, token=token, faults=self._faults
-                )
-            client = self._client
-        try:
-            return _Link(client.connect(ep))
-        except TransferError as exc:
-            raise ValueError(str(exc)) from exc
-
-    def stop(self) -> None:
-        with self._lock:
-            client, self._client = self._client, None
-            server, self._server = self._server, None
-        if client is not None:
-            client.close()
-        if server is not None:
-            server.stop()
-
-
-class _Link:
-    def __init__(self, conn: PeerConnection) -> None:
-        self._conn = conn
-
-    def read(self, reads: Sequence[PeerRead], deadline_s: float) -> list[ReadOutcome]:
-        ops = [
-            ReadOp(r.remote_offset, r.size, r.local_offset, str(r.lease_id), r.checksum)
-            for r in reads
-        ]
-        return [ReadOutcome(r.status.value, r.detail) for r in self._conn.read(ops, deadline_s)]
-
-    def drain(self, timeout_s: float) -> bool:
-        return self._conn.drain(timeout_s)
-
-    def close(self) -> None:
-        self._conn.close()
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ class InstanceInfo(msgspec.Struct, frozen=True):
     http_port: int
     metadata: dict[str, str]
     p2p_advertised_url: str = ""
-    """Where peers reach this server's transfer engine; empty: no P2P."""
+    """Where peers reach this server's P2P control channel; empty: no P2P."""
     mq_port: int = 0
     incarnation: int = 0
     """Strictly increasing per process start of this instance id."""

@@ -38,7 +38,7 @@ class DemoConfig:
     """About how many prompt tokens (a numbered document; several 256-token chunks)."""
     max_tokens: int = 24
     """Tokens generated per request (greedy, so both nodes must agree)."""
-    transfer_engine: str = "tcp"
+    transport: str = "tcp"
     """``--p2p-transfer-engine`` of both servers."""
     l1_size_mb: float = 1024.0
     """L1 region of each server (SmolLM2 KV is 45 KiB per token in float32)."""
@@ -149,7 +149,7 @@ def run_demo(cfg: DemoConfig, say: Say) -> DemoResult:
         nodes=2,
         l1_size_mb=cfg.l1_size_mb,
         p2p=True,
-        p2p_transfer_engine=cfg.transfer_engine,
+        p2p_transfer_engine=cfg.transport,
         p2p_lookup_timeout_s=5.0,
         p2p_load_timeout_s=10.0,
         instance_timeout_s=10.0,
@@ -158,7 +158,7 @@ def run_demo(cfg: DemoConfig, say: Say) -> DemoResult:
     )
     document = build_document(cfg.prompt_tokens)
     with Fleet(fcfg, workdir=cfg.workdir) as fleet:
-        say(f"starting a coordinator and 2 cache servers (P2P over {cfg.transfer_engine})")
+        say(f"starting a coordinator and 2 cache servers (P2P over {cfg.transport})")
         fleet.start(lambda m: say(f"  {m}"))
 
         def loading(name: str, url: str) -> None:
@@ -199,7 +199,7 @@ def render(result: DemoResult, cfg: DemoConfig) -> str:
         ("cache fallback", _fallback(c.fallback), _fallback(w.fallback)),
     ]
     width = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = ["", f"kvatlas demo: {MODEL}, transfer engine {cfg.transfer_engine}", ""]
+    lines = ["", f"kvatlas demo: {MODEL}, transport {cfg.transport}", ""]
     for k, r in enumerate(rows):
         lines.append("  ".join(cell.ljust(width[i]) for i, cell in enumerate(r)).rstrip())
         if k == 0:

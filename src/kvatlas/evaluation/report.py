@@ -147,7 +147,7 @@ def markdown(result: Mapping[str, Any], plots: list[str]) -> str:
         f" took {result.get('elapsed_s', 0):.0f} s.",
         "",
         f"Fleet: {cfg.get('nodes')} cache servers and one coordinator on 127.0.0.1,"
-        f" P2P transfer engine `{cfg.get('p2p_transfer_engine')}`, chunk"
+        f" P2P transport `{cfg.get('p2p_transfer_engine')}`, chunk"
         f" {cfg.get('chunk_size')} tokens = {cfg.get('chunk_bytes', 0) // 1024} KiB of KV,"
         f" L1 {cfg.get('l1_size_mb')} MiB per server, heartbeat"
         f" {cfg.get('heartbeat_interval_s')} s, instance timeout"

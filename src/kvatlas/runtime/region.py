@@ -98,10 +98,14 @@ class L1Region:
         return cls(shm.name, size, mapping, owner=True, readonly=False, shm=shm)
 
     @classmethod
-    def attach(cls, name: str, size: int, readonly: bool = True) -> Self:
+    def attach(cls, name: str, size: int, readonly: bool = True, *, populate: bool = True) -> Self:
         """Map an existing region created by another process (Linux ``/dev/shm``).
 
         ``readonly`` maps it ``PROT_READ``: writes through any view raise TypeError.
+        ``populate`` fills this process's page tables for the whole region now (see
+        ``_populate``): right for the local engine, which uses all of it; a same-host peer
+        that reads a few leased ranges of a large region passes False, so that attaching
+        costs neither the time nor the page tables of the whole region.
         """
         _check_name(name)
         path = SHM_DIR / name
@@ -122,7 +126,8 @@ class L1Region:
             raise RegionError(f"cannot map shared memory {name!r}: {exc}") from exc
         finally:
             os.close(fd)
-        _populate(mapping, readonly)
+        if populate:
+            _populate(mapping, readonly)
         return cls(name, size, mapping, owner=False, readonly=readonly)
 
     # ------------------------------------------------------------------------- access
@@ -182,7 +187,7 @@ class L1Region:
         return self.buffer[offset : offset + size]
 
     def address(self) -> int:
-        """Base address of the mapping in this process (for transfer engines that register
+        """Base address of the mapping in this process (for transports that register
         memory or take pointers)."""
         return int(self.array.ctypes.data)
 

@@ -4,8 +4,9 @@ Parts, in start order: incarnation (state dir) -> L1 region + pool -> L2 (disk, 
 -> chunk store -> coordinator client, event publisher + sink and registrar (only with a
 coordinator URL) ->
 engine service -> engine API (ZeroMQ, --port) -> HTTP (/status, /metrics, /healthz,
---http-port) -> P2P (with --p2p-advertise-url: control channel, transfer engine serving
-the region, controller; its endpoint goes into the registration) -> lease sweeper.
+--http-port) -> P2P (with --p2p-advertise-url: control channel, the transport built
+from the config by ``kvatlas.transfer.factory`` serving the region, controller; its
+endpoint goes into the registration) -> lease sweeper.
 Ports are bound before any background thread starts, so a taken port fails the start
 with PortInUse. Stop runs in reverse: engines first, then P2P, a last event flush,
 deregistration, HTTP, and the region is unlinked.
@@ -26,6 +27,7 @@ import logging
 import signal
 import threading
 import time
+from dataclasses import replace
 from types import FrameType
 
 from kvatlas.core.errors import ConfigError
@@ -34,14 +36,13 @@ from kvatlas.core.l1pool import L1Pool
 from kvatlas.core.types import EventType, Tier
 from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.runtime.region import L1Region, RegionBusy
-from kvatlas.server.config import GIB, ServerConfig
+from kvatlas.server.config import GIB, P2PConfig, ServerConfig, split_host_port
 from kvatlas.server.engine_api import EngineApi
 from kvatlas.server.engine_service import EngineService, ServiceIdentity
 from kvatlas.server.http_app import UvicornThread, build_app
 from kvatlas.server.incarnation import next_incarnation
 from kvatlas.server.metrics import ServerMetrics
 from kvatlas.server.p2p.node import P2PNode
-from kvatlas.server.p2p.transport import Transport
 from kvatlas.server.publisher import EventPublisher
 from kvatlas.server.registrar import Identity, Registrar
 from kvatlas.server.sinks import EventSink, HttpSink, KafkaSink
@@ -49,6 +50,8 @@ from kvatlas.server.status import build_status
 from kvatlas.server.storage.chunkstore import ChunkStore, ChunkStoreStats
 from kvatlas.server.storage.l2 import L2Adapter
 from kvatlas.server.storage.l2_disk import DiskL2Adapter
+from kvatlas.transfer.config import NixlConfig, ShmConfig, TcpConfig
+from kvatlas.transfer.factory import TransportConfig, make_transport
 from kvatlas.wire.server_status import ServerStatus
 
 log = logging.getLogger(__name__)
@@ -69,12 +72,27 @@ def make_sink(config: ServerConfig, coordinator: CoordinatorClient) -> EventSink
     return HttpSink(coordinator, fmt=ev.http_format)
 
 
+def transport_config(p2p: P2PConfig) -> TransportConfig:
+    """The transport's own config from the P2P settings: tcp binds the listen host at
+    PORT+1 and announces the advertise host; mooncake names the advertise host; shm and
+    nixl take their defaults."""
+    listen = split_host_port(p2p.bind_url)
+    advertise = split_host_port(p2p.advertise_url or "")
+    if listen is None or advertise is None:  # validate() refused these already
+        raise ConfigError("--p2p-advertise-url and --p2p-listen-url must be HOST:PORT")
+    if p2p.transport == "tcp":
+        return TcpConfig(host=listen[0], port=listen[1] + 1, advertise_host=advertise[0])
+    if p2p.transport == "shm":
+        return ShmConfig()
+    if p2p.transport == "mooncake":
+        return replace(p2p.mooncake, host=advertise[0])
+    return NixlConfig()
+
+
 class CacheServer:
     """One ``kvatlas server`` process."""
 
-    def __init__(self, config: ServerConfig, transport: Transport | None = None) -> None:
-        """``transport``: the P2P transfer engine (``kvatlas.cli.server`` builds it from
-        ``--p2p-transfer-engine``); required when P2P is enabled."""
+    def __init__(self, config: ServerConfig) -> None:
         config.validate()
         self.config = config
         self.started_at = time.monotonic()
@@ -141,7 +159,7 @@ class CacheServer:
             self.p2p: P2PNode | None = None
             if config.p2p.enabled:
                 try:
-                    self.p2p = self._build_p2p(transport)
+                    self.p2p = self._build_p2p()
                 except BaseException:
                     self.engine_api.stop()
                     self.http.stop()
@@ -178,15 +196,12 @@ class CacheServer:
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="kvatlas-sweeper", daemon=True)
 
-    def _build_p2p(self, transport: Transport | None) -> P2PNode:
+    def _build_p2p(self) -> P2PNode:
         config = self.config
         co = config.coordinator
-        if transport is None:
-            raise ConfigError(
-                f"P2P is enabled (--p2p-advertise-url) but no transfer engine"
-                f" {config.p2p.transfer_engine!r} was given to the server"
-            )
         assert self.coordinator is not None  # validate(): P2P requires a coordinator
+        # TransportUnavailable (a package missing, a port taken) goes up as it is.
+        transport = make_transport(config.p2p.transport, transport_config(config.p2p))
         return P2PNode(
             config=config.p2p,
             instance_id=config.instance_id,

@@ -17,6 +17,8 @@ from typing import Final, Literal
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
 from kvatlas.core.l1pool import MIN_ALIGN_BYTES, POLICIES
+from kvatlas.transfer.config import MooncakeConfig
+from kvatlas.transfer.factory import TRANSPORTS
 from kvatlas.wire.http_api import EventFormat
 from kvatlas.wire.kafka_records import DEFAULT_PARTITIONER, DEFAULT_TOPIC
 
@@ -24,9 +26,6 @@ GIB: Final = 1 << 30
 MAX_PORT: Final = 65535
 
 EventTransport = Literal["http", "kafka"]
-P2P_ENGINES: Final = ("tcp", "shm", "mooncake", "nixl")
-"""``--p2p-transfer-engine`` choices (the transfer package's names; the server may not
-import it, the layer contract keeps them independent)."""
 
 
 def default_state_dir() -> Path:
@@ -117,8 +116,8 @@ class P2PConfig:
 
     advertise_url: str | None = None
     """``HOST:PORT`` of this server's P2P control channel as peers reach it
-    (``--p2p-advertise-url``); setting it enables P2P. The tcp transfer engine uses the
-    next port (``PORT+1``) on the same hosts."""
+    (``--p2p-advertise-url``); setting it enables P2P. The tcp transport uses the next
+    port (``PORT+1``) on the same hosts."""
     listen_url: str | None = None
     """``HOST:PORT`` the control channel binds (``--p2p-listen-url``); defaults to the
     advertise URL (bind 0.0.0.0 while advertising a routable address)."""
@@ -126,8 +125,13 @@ class P2PConfig:
     """Longest wait for a peer's ``lookup_and_lock`` answer (``--p2p-lookup-timeout``)."""
     load_timeout_s: float = 30.0
     """Longest wait for a load from a peer (``--p2p-load-timeout``)."""
-    transfer_engine: str = "tcp"
-    """tcp, shm, mooncake or nixl (``--p2p-transfer-engine``)."""
+    transport: str = "tcp"
+    """The transport that moves KV bytes: tcp, shm, mooncake or nixl
+    (``--p2p-transfer-engine``)."""
+    mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
+    """Mooncake's settings from ``MC_TE_PROTOCOL``, ``MC_TE_DEVICE`` and
+    ``MC_TRANSFER_TIMEOUT`` (read by the CLI); only the mooncake transport uses them, and
+    its host is the advertise URL's."""
     recompute_s_per_token: float = 0.0
     """Expected recompute seconds per missing token when an engine sends no estimate
     (``--p2p-expected-recompute-s-per-token``); 0: only the configured timeouts apply."""
@@ -274,18 +278,17 @@ def _p2p_problems(c: ServerConfig) -> list[str]:
     bound = split_host_port(pp.bind_url)
     if bound is not None:
         p2p_ports = {bound[1]: "the P2P control port"}
-        if pp.transfer_engine == "tcp":
-            p2p_ports[bound[1] + 1] = "the tcp transfer engine's port (P2P port + 1)"
+        if pp.transport == "tcp":
+            p2p_ports[bound[1] + 1] = "the tcp transport's port (P2P port + 1)"
         for flag, port in (("--port", c.port), ("--http-port", c.http_port)):
             if port and port in p2p_ports:
                 out.append(
                     f"{flag} {port} is also {p2p_ports[port]} of --p2p-listen-url or"
                     " --p2p-advertise-url; give them different ports"
                 )
-    if pp.transfer_engine not in P2P_ENGINES:
+    if pp.transport not in TRANSPORTS:
         out.append(
-            f"--p2p-transfer-engine {pp.transfer_engine!r} is unknown;"
-            f" accepted: {', '.join(P2P_ENGINES)}"
+            f"--p2p-transfer-engine {pp.transport!r} is unknown; accepted: {', '.join(TRANSPORTS)}"
         )
     for flag, value in (
         ("--p2p-lookup-timeout", pp.lookup_timeout_s),

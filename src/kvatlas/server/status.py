@@ -120,7 +120,7 @@ def p2p_status(p2p: P2PStats) -> P2PStatus:
     """kvatlas' P2P counters (the ``p2p`` object)."""
     f = p2p.fetch
     return P2PStatus(
-        transfer_engine=p2p.transfer_engine,
+        transfer_engine=p2p.transport,
         advertise_url=p2p.advertise_url,
         transfer_url=p2p.transfer_url,
         lookups=f.lookups,

@@ -1,6 +1,6 @@
 """The transfer interface: one-sided reads of KV bytes from a peer's L1 region.
 
-Owns the shapes every engine shares (endpoint descriptor, read ops and their results, the
+Owns the shapes every transport shares (endpoint descriptor, read ops and their results, the
 fault-injection plan) and the two roles:
 
 - ``TransferServer`` runs on the OWNER. It exposes the owner's registered L1 region and
@@ -13,9 +13,9 @@ fault-injection plan) and the two roles:
   peer_dead, within the deadline.
 
 Lease enforcement, honestly: the P2P controller hands out ranges only under a lease
-(``lookup_and_lock``). An engine with ``enforces_leases`` (tcp) asks the owner's
+(``lookup_and_lock``). A transport with ``enforces_leases`` (tcp) asks the owner's
 ``authorize`` callback on every request and refuses ranges no live lease of that peer
-covers. The one-sided engines (shm, mooncake, nixl) cannot: the owner's CPU is not
+covers. The one-sided transports (shm, mooncake, nixl) cannot: the owner's CPU is not
 involved in a read. What they enforce is the region boundary (the client refuses ranges
 outside the advertised region; mooncake and nixl also reject unregistered addresses on
 the owner side; shm maps the region read-only, so a peer can never write), and the
@@ -23,7 +23,7 @@ checksum every read is verified against catches bytes that changed under a reade
 lease had lapsed. A token cannot be checked by them either: network reachability (and
 /dev/shm permissions for shm) is the guard there.
 
-This module must not import an engine's library, open sockets or start threads.
+This module must not import a transport's library, open sockets or start threads.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ cover ``[offset, offset + size)`` of the owner's region? The owner's lease table
 
 
 class LocalMemory(Protocol):
-    """What an engine needs of a region: ``kvatlas.runtime.region.L1Region`` fits, and so
-    does ``ArrayMemory`` (tests, benchmarks). Transfer must not import the server package
-    (the layer contract keeps them independent), hence a protocol."""
+    """What a transport needs of a region: ``kvatlas.runtime.region.L1Region`` fits, and so
+    does ``ArrayMemory`` (tests and benchmarks, which need no shared memory), hence a
+    protocol rather than the region class."""
 
     @property
     def name(self) -> str: ...
@@ -89,17 +89,19 @@ class ArrayMemory:
 
 
 class Endpoint(msgspec.Struct, frozen=True, kw_only=True):
-    """What a server advertises; the controller puts ``url`` into its registration as
-    ``p2p_advertised_url`` and the whole struct (``to_builtins``) as extra metadata."""
+    """What an owner's transport advertises. The cache server puts the whole struct
+    (``to_builtins``, as JSON) into its coordinator registration's metadata as
+    ``p2p_endpoint``; peers read it from the instance listing and ``connect`` to it. The
+    url holds the address the transport actually bound (a port 0 asked for is resolved)."""
 
-    engine: str
-    """Engine name: tcp, shm, mooncake or nixl."""
+    transport: str
+    """Transport name: tcp, shm, mooncake or nixl."""
     url: str
     """tcp://host:port, shm://<region name>, mooncake://<session id>, nixl://<agent>."""
     region_size: int
     """Bytes of the owner's region: the client refuses ranges beyond it."""
     extra: dict[str, str] = {}
-    """Engine-specific facts (base address, agent metadata, boot id...), all strings."""
+    """Transport-specific facts (base address, agent metadata, boot id...), all strings."""
 
     def to_builtins(self) -> dict[str, object]:
         result: dict[str, object] = msgspec.to_builtins(self)
@@ -109,10 +111,10 @@ class Endpoint(msgspec.Struct, frozen=True, kw_only=True):
     def from_builtins(cls, data: object) -> Endpoint:
         return msgspec.convert(data, cls)
 
-    def expect(self, engine: str) -> None:
-        if self.engine != engine:
+    def expect(self, transport: str) -> None:
+        if self.transport != transport:
             raise EndpointMismatch(
-                f"endpoint {self.url!r} is for engine {self.engine!r}, not {engine!r}"
+                f"endpoint {self.url!r} is for transport {self.transport!r}, not {transport!r}"
             )
 
 
@@ -125,7 +127,7 @@ class ReadStatus(enum.StrEnum):
     REFUSED = "refused"
     """The owner (or the client's own bounds check) refused the range or the token."""
     PEER_DEAD = "peer_dead"
-    """The peer is gone or the engine reported a failed transfer."""
+    """The peer is gone or the transport reported a failed transfer."""
 
 
 class ReadOp(msgspec.Struct, frozen=True):
@@ -154,7 +156,7 @@ class FaultPlan:
 
     corrupt_read: int | None = None
     """Corrupt the bytes of the Nth read op (1-based, counted over the object's lifetime):
-    tcp servers flip a byte of what they send; the other engines' clients flip a byte of
+    tcp servers flip a byte of what they send; the other transports' clients flip a byte of
     the landed slot before verifying."""
 
 
@@ -202,12 +204,12 @@ class ReadStats:
 
 class TransferServer(ABC):
     """The owner's side. Build with ``(region, authorize, *, token=None, faults=None)`` plus
-    the engine's config; ``start()`` once, ``stop()`` once (idempotent)."""
+    the transport's config; ``start()`` once, ``stop()`` once (idempotent)."""
 
-    engine: ClassVar[str]
+    transport: ClassVar[str]
     enforces_leases: ClassVar[bool]
     """True when every request is checked against ``authorize`` (and the token) on the
-    owner; False for one-sided engines (see the module docstring)."""
+    owner; False for one-sided transports (see the module docstring)."""
 
     @abstractmethod
     def start(self) -> Endpoint:
@@ -215,7 +217,7 @@ class TransferServer(ABC):
 
     @abstractmethod
     def stop(self) -> None:
-        """Stop serving and release the engine's resources (idempotent)."""
+        """Stop serving and release the transport's resources (idempotent)."""
 
     def __enter__(self) -> TransferServer:
         return self
@@ -225,7 +227,7 @@ class TransferServer(ABC):
 
 
 class OneSidedServer(TransferServer):
-    """The owner's side of an engine whose reads do not involve the owner's CPU (shm,
+    """The owner's side of a transport whose reads do not involve the owner's CPU (shm,
     mooncake, nixl). It takes ``authorize``, ``token`` and ``faults`` for the uniform
     constructor and has no request to check them against (see the module docstring)."""
 
@@ -254,7 +256,7 @@ class PeerConnection(ABC):
         in order, returned within ``deadline_s`` (plus a few ms): never hangs on a dead
         or silent peer. Raises BadReadRequest for local ranges outside the local region.
 
-        The frame every engine shares; the engine's own part is `_read`."""
+        The frame every transport shares; the transport's own part is `_read`."""
         client = self.client
         client.check_local(ops)
         deadline = Deadline(deadline_s)
@@ -276,9 +278,9 @@ class PeerConnection(ABC):
         their regions), putting one result per index into ``results`` by ``deadline``."""
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait until no engine operation started by this connection can still write into
+        """Wait until no transport operation started by this connection can still write into
         the local region; True when none can. A slot whose op timed out must not be
-        reused before this returns True (engines whose transfers cannot be abandoned
+        reused before this returns True (transports whose transfers cannot be abandoned
         keep writing after the deadline)."""
         return True
 
@@ -289,9 +291,9 @@ class PeerConnection(ABC):
 
 class TransferClient(ABC):
     """The requester's side: the local region is registered once, at construction. Build
-    with ``(local, peer_id, *, token=None, faults=None)`` plus the engine's config."""
+    with ``(local, peer_id, *, token=None, faults=None)`` plus the transport's config."""
 
-    engine: ClassVar[str]
+    transport: ClassVar[str]
 
     def __init__(
         self,
@@ -314,7 +316,7 @@ class TransferClient(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Unregister the local region and release the engine (idempotent)."""
+        """Unregister the local region and release the transport (idempotent)."""
 
     def __enter__(self) -> TransferClient:
         return self
@@ -322,7 +324,7 @@ class TransferClient(ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---------------------------------------------------------- helpers for engines
+    # ---------------------------------------------------------- helpers for transports
 
     def check_local(self, ops: Sequence[ReadOp]) -> None:
         size = self.local.size
@@ -340,7 +342,7 @@ class TransferClient(ABC):
         return self.verify_digest(op, digest)
 
     def verify_digest(self, op: ReadOp, digest: int) -> ReadResult:
-        """Like ``verify`` for an engine that hashed the bytes as they landed."""
+        """Like ``verify`` for a transport that hashed the bytes as they landed."""
         if self.faults.corrupt_next():
             view = self.local.buffer[op.local_offset : op.local_offset + op.size]
             try:

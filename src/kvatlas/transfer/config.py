@@ -1,8 +1,8 @@
-"""Transfer engine configuration: data only, read from the environment in one place
+"""Transport configuration: data only, read from the environment in one place
 (``from_env``) and validated there with messages an operator understands.
 
-Must not import an engine's library: the factory reads the config before it knows
-whether the engine's package is installed.
+Must not import a transport's library: the factory reads the config before it knows
+whether the transport's package is installed.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ class TcpConfig:
 
 @dataclass(frozen=True)
 class ShmConfig:
-    """The shm engine has no settings; the type keeps the factory uniform."""
+    """The shm transport has no settings; the type keeps the factory uniform."""
 
 
 @dataclass(frozen=True)
 class MooncakeConfig:
     host: str = "127.0.0.1"
-    """Host name this engine gives Mooncake; the session id peers use is host:rpc_port.
+    """Host name this transport gives Mooncake; the session id peers use is host:rpc_port.
     Mooncake listens on 0.0.0.0 whatever this says (keep it in a private netns in tests)."""
     protocol: str = "tcp"
     """Mooncake transport: tcp, or rdma (from ``MC_TE_PROTOCOL``)."""

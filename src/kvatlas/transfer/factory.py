@@ -1,7 +1,7 @@
-"""``make_engine``: the one way to get a transfer engine by name (``--p2p-transfer-engine``).
+"""``make_transport``: the one way to get a transport by name (``--p2p-transfer-engine``).
 
 Imports mooncake and nixl only when asked for, so that their packages stay optional
-extras; a missing package becomes EngineUnavailable naming what to install.
+extras; a missing package becomes TransportUnavailable naming what to install.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from kvatlas.transfer.base import (
     TransferServer,
 )
 from kvatlas.transfer.config import MooncakeConfig, NixlConfig, ShmConfig, TcpConfig
-from kvatlas.transfer.errors import EngineUnavailable, TransferConfigError
+from kvatlas.transfer.errors import TransferConfigError, TransportUnavailable
 
-ENGINES: Final = ("tcp", "shm", "mooncake", "nixl")
-EngineConfig = TcpConfig | ShmConfig | MooncakeConfig | NixlConfig
+TRANSPORTS: Final = ("tcp", "shm", "mooncake", "nixl")
+TransportConfig = TcpConfig | ShmConfig | MooncakeConfig | NixlConfig
 
 INSTALL_HINTS: Final = {
     "mooncake": "pip install 'kvatlas[mooncake]' (mooncake-transfer-engine-non-cuda)"
@@ -56,20 +56,20 @@ class ClientFactory(Protocol):
 
 
 @dataclass(frozen=True)
-class Engine:
-    """A configured engine: builds owner-side servers and requester-side clients."""
+class Transport:
+    """A configured transport: builds owner-side servers and requester-side clients."""
 
     name: str
-    config: EngineConfig
+    config: TransportConfig
     server: ServerFactory
     client: ClientFactory
     enforces_leases: bool
     """True when the owner checks every read against its lease table and the token
-    (tcp); False for one-sided engines, where the control plane and checksums do."""
+    (tcp); False for one-sided transports, where the control plane and checksums do."""
 
 
-def default_config(name: str) -> EngineConfig:
-    """The engine's config with defaults, from the environment where it reads any."""
+def default_config(name: str) -> TransportConfig:
+    """The transport's config with defaults, from the environment where it reads any."""
     if name == "tcp":
         return TcpConfig()
     if name == "shm":
@@ -79,18 +79,18 @@ def default_config(name: str) -> EngineConfig:
     if name == "nixl":
         return NixlConfig()
     raise TransferConfigError(
-        f"unknown transfer engine {name!r}; accepted engines: {', '.join(ENGINES)}"
+        f"unknown transport {name!r}; accepted transports: {', '.join(TRANSPORTS)}"
     )
 
 
-def make_engine(name: str, config: EngineConfig | None = None) -> Engine:
-    """The engine called ``name`` (tcp, shm, mooncake, nixl) with ``config`` (the engine's
+def make_transport(name: str, config: TransportConfig | None = None) -> Transport:
+    """The transport called ``name`` (tcp, shm, mooncake, nixl) with ``config`` (the transport's
     own config type; defaults and environment when None)."""
     cfg = config if config is not None else default_config(name)
     expected = type(default_config(name)) if name != "mooncake" else MooncakeConfig
     if not isinstance(cfg, expected):
         raise TransferConfigError(
-            f"transfer engine {name!r} takes a {expected.__name__}, got {type(cfg).__name__}"
+            f"transport {name!r} takes a {expected.__name__}, got {type(cfg).__name__}"
         )
     if isinstance(cfg, TcpConfig):
         from kvatlas.transfer import tcp
@@ -99,7 +99,7 @@ def make_engine(name: str, config: EngineConfig | None = None) -> Engine:
     if isinstance(cfg, ShmConfig):
         from kvatlas.transfer import shm
 
-        return Engine(name, cfg, shm.ShmServer, shm.ShmClient, shm.ShmServer.enforces_leases)
+        return Transport(name, cfg, shm.ShmServer, shm.ShmClient, shm.ShmServer.enforces_leases)
     if isinstance(cfg, MooncakeConfig):
         mooncake = _optional("mooncake")
         return _configured(name, cfg, mooncake.MooncakeServer, mooncake.MooncakeClient)
@@ -109,15 +109,15 @@ def make_engine(name: str, config: EngineConfig | None = None) -> Engine:
 
 def _configured(
     name: str,
-    cfg: EngineConfig,
+    cfg: TransportConfig,
     server: type[TransferServer],
     client: type[TransferClient],
-) -> Engine:
-    """An engine whose classes take their ``config=`` besides the uniform arguments."""
+) -> Transport:
+    """A transport whose classes take their ``config=`` besides the uniform arguments."""
     # As plain callables: the base classes' signatures do not list ``config``.
     make_server: Callable[..., TransferServer] = server
     make_client: Callable[..., TransferClient] = client
-    return Engine(
+    return Transport(
         name,
         cfg,
         partial(make_server, config=cfg),
@@ -127,12 +127,11 @@ def _configured(
 
 
 def _optional(name: str) -> ModuleType:
-    """An engine module whose package is an optional extra; EngineUnavailable naming
+    """A transport module whose package is an optional extra; TransportUnavailable naming
     what to install when it is missing."""
     try:
         return importlib.import_module(f"kvatlas.transfer.{name}")
     except ImportError as exc:
-        raise EngineUnavailable(
-            f"the {name} transfer engine cannot be imported ({exc});"
-            f" install it: {INSTALL_HINTS[name]}"
+        raise TransportUnavailable(
+            f"the {name} transport cannot be imported ({exc}); install it: {INSTALL_HINTS[name]}"
         ) from exc

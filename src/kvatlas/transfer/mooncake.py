@@ -1,11 +1,11 @@
-"""The ``mooncake`` engine: Mooncake Transfer Engine, TCP here, RDMA in production
+"""The ``mooncake`` transport: Mooncake Transfer Engine, TCP here, RDMA in production
 (``MC_TE_PROTOCOL=rdma`` and ``MC_TE_DEVICE``, read by ``MooncakeConfig.from_env``).
 
-The owner initializes an engine without a metadata server (``P2PHANDSHAKE``), registers
-its whole region and advertises the session id (host:rpc_port) and the region's base
-address. The requester registers its own region once and reads with
-``batch_transfer_sync_read`` into it, then verifies every op's checksum: Mooncake has
-been seen to report success before the bytes landed.
+The owner initializes a Mooncake ``TransferEngine`` without a metadata server
+(``P2PHANDSHAKE``), registers its whole region and advertises the session id
+(host:rpc_port) and the region's base address. The requester registers its own region
+once and reads with ``batch_transfer_sync_read`` into it, then verifies every op's
+checksum: Mooncake has been seen to report success before the bytes landed.
 
 Deadlines: Mooncake's Python calls block until the transfer ends or its own timeout
 (``MC_TRANSFER_TIMEOUT``, at least 5 s) passes. Each batch therefore runs on its own
@@ -13,8 +13,8 @@ thread; ``read`` waits for it only until the deadline and reports the rest as ti
 A batch left running may still write into its local slots: ``drain`` waits for those
 threads, and the caller must not reuse the slots of timed-out ops before it returns True.
 
-One-sided: the owner's engine rejects addresses outside registered memory but cannot
-check leases or a token (see ``kvatlas.transfer.base``). Mooncake listens on 0.0.0.0
+One-sided: the owner's ``TransferEngine`` rejects addresses outside registered memory
+but cannot check leases or a token (see ``kvatlas.transfer.base``). Mooncake listens on 0.0.0.0
 whatever host it is given: keep it off untrusted networks, and in tests inside a private
 network namespace.
 
@@ -44,33 +44,33 @@ from kvatlas.transfer.base import (
     TransferClient,
 )
 from kvatlas.transfer.config import MooncakeConfig
-from kvatlas.transfer.errors import EndpointMismatch, EngineUnavailable
+from kvatlas.transfer.errors import EndpointMismatch, TransportUnavailable
 
-ENGINE = "mooncake"
+TRANSPORT = "mooncake"
 BATCH_BYTES = 64 << 20
 """Bytes per submitted batch: a failure or timeout costs at most this much progress."""
 
 
-def _start_engine(config: MooncakeConfig, region: LocalMemory) -> tuple[Any, int]:
+def _start_te(config: MooncakeConfig, region: LocalMemory) -> tuple[Any, int]:
     # TransferEnginePy reads MC_TRANSFER_TIMEOUT in its constructor; the environment is
     # the only way in. An operator's own setting wins.
     os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(config.transfer_timeout_s))
-    engine = TransferEngine()
-    rc = engine.initialize(config.host, "P2PHANDSHAKE", config.protocol, config.device)
+    te = TransferEngine()
+    rc = te.initialize(config.host, "P2PHANDSHAKE", config.protocol, config.device)
     if rc != 0:
-        raise EngineUnavailable(
+        raise TransportUnavailable(
             f"mooncake initialize({config.host!r}, P2PHANDSHAKE, {config.protocol!r},"
             f" {config.device!r}) failed with {rc}"
         )
     address = region.address()
-    rc = engine.register_memory(address, region.size)
+    rc = te.register_memory(address, region.size)
     if rc != 0:
-        raise EngineUnavailable(f"mooncake register_memory of {region.size} bytes failed: {rc}")
-    return engine, address
+        raise TransportUnavailable(f"mooncake register_memory of {region.size} bytes failed: {rc}")
+    return te, address
 
 
 class MooncakeServer(OneSidedServer):
-    engine: ClassVar[str] = ENGINE
+    transport: ClassVar[str] = TRANSPORT
 
     def __init__(
         self,
@@ -83,16 +83,16 @@ class MooncakeServer(OneSidedServer):
     ) -> None:
         super().__init__(region, authorize)
         self._config = config or MooncakeConfig()
-        self._engine: Any = None
+        self._te: Any = None
         self._address = 0
 
     def start(self) -> Endpoint:
-        if self._engine is not None:
-            raise EngineUnavailable("mooncake transfer server already started")
-        self._engine, self._address = _start_engine(self._config, self._region)
-        session = f"{self._config.host}:{self._engine.get_rpc_port()}"
+        if self._te is not None:
+            raise TransportUnavailable("mooncake transfer server already started")
+        self._te, self._address = _start_te(self._config, self._region)
+        session = f"{self._config.host}:{self._te.get_rpc_port()}"
         return Endpoint(
-            engine=ENGINE,
+            transport=TRANSPORT,
             url=f"mooncake://{session}",
             region_size=self._region.size,
             extra={
@@ -103,14 +103,14 @@ class MooncakeServer(OneSidedServer):
         )
 
     def stop(self) -> None:
-        engine, self._engine = self._engine, None
-        if engine is not None:
-            engine.unregister_memory(self._address)
-            del engine  # the engine's destructor stops its listener
+        te, self._te = self._te, None
+        if te is not None:
+            te.unregister_memory(self._address)
+            del te  # the TransferEngine's destructor stops its listener
 
 
 class MooncakeClient(TransferClient):
-    engine: ClassVar[str] = ENGINE
+    transport: ClassVar[str] = TRANSPORT
 
     def __init__(
         self,
@@ -124,15 +124,15 @@ class MooncakeClient(TransferClient):
         super().__init__(local, peer_id, token=token, faults=faults)
         self.config = config or MooncakeConfig()
         self.mc: Any
-        self.mc, self.address = _start_engine(self.config, local)
+        self.mc, self.address = _start_te(self.config, local)
         self._peers: list[MooncakePeer] = []
 
     def connect(self, endpoint: Endpoint) -> MooncakePeer:
-        endpoint.expect(ENGINE)
+        endpoint.expect(TRANSPORT)
         if endpoint.extra.get("protocol", "tcp") != self.config.protocol:
             raise EndpointMismatch(
                 f"peer {endpoint.url!r} speaks {endpoint.extra.get('protocol')!r},"
-                f" this engine {self.config.protocol!r}"
+                f" this transport {self.config.protocol!r}"
             )
         base = endpoint.extra.get("base_address", "")
         if not base.isdigit() or not endpoint.extra.get("session_id"):
@@ -233,7 +233,7 @@ class MooncakePeer(PeerConnection):
             return not self._running
 
     def close(self) -> None:
-        return None  # Mooncake keeps one segment handle per session inside the engine
+        return None  # Mooncake keeps one segment handle per session inside the TransferEngine
 
 
 def _split(ops: Sequence[ReadOp], todo: list[int], limit: int) -> list[list[int]]:

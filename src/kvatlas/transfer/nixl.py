@@ -1,4 +1,4 @@
-"""The ``nixl`` engine: NIXL with its UCX backend over DRAM descriptors.
+"""The ``nixl`` transport: NIXL with its UCX backend over DRAM descriptors.
 
 The owner creates an agent, registers its whole region and advertises the agent's
 metadata (base64) with the region's descriptor (base address, size, DRAM, device 0).
@@ -12,7 +12,7 @@ already sets them (on one host UCX then reads with CMA, ``process_vm_readv``).
 Progress without spinning: NIXL's progress thread polls with no delay and keeps a core
 ~99% busy in an idle process, so no agent here runs one. The requester drives progress by
 polling the transfer's state, sleeping between polls (20 us doubling to
-``poll_max_sleep_s``); the owner, whose engine must answer connection setup from new
+``poll_max_sleep_s``); the owner, whose transport must answer connection setup from new
 peers, drives it from one thread every ``progress_interval_s`` (~0.5-1% of a core idle).
 Reads themselves need no owner CPU.
 
@@ -49,7 +49,7 @@ from kvatlas.transfer.base import (
     TransferClient,
 )
 from kvatlas.transfer.config import NixlConfig
-from kvatlas.transfer.errors import EndpointMismatch, EngineUnavailable
+from kvatlas.transfer.errors import EndpointMismatch, TransportUnavailable
 
 
 def _load_api() -> Any:
@@ -65,7 +65,7 @@ def _load_api() -> Any:
 
 _api = _load_api()
 
-ENGINE = "nixl"
+TRANSPORT = "nixl"
 _POLL_MIN_SLEEP_S = 20e-6
 
 
@@ -80,9 +80,9 @@ def _make_agent(config: NixlConfig, role: str) -> Any:
     try:
         agent = _api.nixl_agent(name, conf)
     except Exception as exc:
-        raise EngineUnavailable(f"cannot create a NIXL agent with UCX: {exc}") from exc
+        raise TransportUnavailable(f"cannot create a NIXL agent with UCX: {exc}") from exc
     if "UCX" not in agent.backends:
-        raise EngineUnavailable("NIXL has no UCX backend here (UCX_TLS needs tcp or cma)")
+        raise TransportUnavailable("NIXL has no UCX backend here (UCX_TLS needs tcp or cma)")
     return agent
 
 
@@ -91,12 +91,12 @@ def _register(agent: Any, region: LocalMemory) -> tuple[Any, int]:
     try:
         descs = agent.register_memory([(address, region.size, 0, "")], "DRAM")
     except Exception as exc:
-        raise EngineUnavailable(f"NIXL cannot register {region.size} bytes: {exc}") from exc
+        raise TransportUnavailable(f"NIXL cannot register {region.size} bytes: {exc}") from exc
     return descs, address
 
 
 class NixlServer(OneSidedServer):
-    engine: ClassVar[str] = ENGINE
+    transport: ClassVar[str] = TRANSPORT
 
     def __init__(
         self,
@@ -116,7 +116,7 @@ class NixlServer(OneSidedServer):
 
     def start(self) -> Endpoint:
         if self._agent is not None:
-            raise EngineUnavailable("nixl transfer server already started")
+            raise TransportUnavailable("nixl transfer server already started")
         agent = _make_agent(self._config, "owner")
         self._descs, address = _register(agent, self._region)
         self._agent = agent
@@ -124,7 +124,7 @@ class NixlServer(OneSidedServer):
         self._ticker = threading.Thread(target=self._progress, name="kvatlas-nixl", daemon=True)
         self._ticker.start()
         return Endpoint(
-            engine=ENGINE,
+            transport=TRANSPORT,
             url=f"nixl://{agent.name}",
             region_size=self._region.size,
             extra={
@@ -152,7 +152,7 @@ class NixlServer(OneSidedServer):
 
 
 class NixlClient(TransferClient):
-    engine: ClassVar[str] = ENGINE
+    transport: ClassVar[str] = TRANSPORT
 
     def __init__(
         self,
@@ -172,7 +172,7 @@ class NixlClient(TransferClient):
         self._peers: list[NixlPeer] = []
 
     def connect(self, endpoint: Endpoint) -> NixlPeer:
-        endpoint.expect(ENGINE)
+        endpoint.expect(TRANSPORT)
         extra = endpoint.extra
         if extra.get("mem_type", "DRAM") != "DRAM" or not extra.get("base_address", "").isdigit():
             raise EndpointMismatch(f"nixl endpoint {endpoint.url!r} lacks a DRAM region")

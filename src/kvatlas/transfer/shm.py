@@ -1,4 +1,4 @@
-"""The ``shm`` engine: same-host peers map the owner's L1 region read-only and copy.
+"""The ``shm`` transport: same-host peers map the owner's L1 region read-only and copy.
 
 The owner advertises its region's shared-memory name and size, its pid and the host's
 boot id. The requester maps ``/dev/shm/<name>`` with ``mmap.ACCESS_READ`` (so it can never
@@ -7,13 +7,13 @@ then verifies the checksum.
 
 One-sided: the owner is not involved in a read, so leases are enforced at the control
 plane (the controller only reads ranges ``lookup_and_lock`` returned) and by the checksum;
-this engine enforces only the region boundary. /dev/shm file permissions (owner's uid,
+this transport enforces only the region boundary. /dev/shm file permissions (owner's uid,
 mode 0600) are what keeps other users out; the token plays no part.
 
-The mapping is done here rather than through ``kvatlas.runtime.region.L1Region.attach``
-because the layer contract keeps transfer and server independent; it is the same
-read-only attach (mmap of /dev/shm, never ``SharedMemory``, whose resource tracker would
-unlink the owner's region when this process exits).
+The mapping is ``kvatlas.runtime.region.L1Region.attach`` read-only (an mmap of
+/dev/shm, never ``SharedMemory``, whose resource tracker would unlink the owner's region
+when this process exits), without populating the page tables of the whole region: a peer
+reads only the ranges it leased.
 
 A dead owner: its mapping stays readable here, but the lease it granted died with it, so
 reads report ``peer_dead`` once a pidfd of the owner says it exited.
@@ -22,7 +22,6 @@ reads report ``peer_dead`` once a pidfd of the owner says it exited.
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import select
 import threading
@@ -35,6 +34,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.core.checksum import copy_and_checksum
+from kvatlas.core.errors import InvalidInput
+from kvatlas.runtime.region import SHM_DIR, L1Region, RegionBusy, RegionError
 from kvatlas.transfer.base import (
     Deadline,
     Endpoint,
@@ -47,12 +48,11 @@ from kvatlas.transfer.base import (
     ReadStatus,
     TransferClient,
 )
-from kvatlas.transfer.errors import EndpointMismatch, EngineUnavailable
+from kvatlas.transfer.errors import EndpointMismatch, TransportUnavailable
 
-ENGINE = "shm"
+TRANSPORT = "shm"
 LIVENESS_INTERVAL_S = 0.005
 """How often a long read checks that the owner still lives (a select() on its pidfd)."""
-SHM_DIR = Path("/dev/shm")
 
 
 def boot_id() -> str:
@@ -72,17 +72,16 @@ def pid_namespace() -> str:
 
 
 class ShmServer(OneSidedServer):
-    engine: ClassVar[str] = ENGINE
+    transport: ClassVar[str] = TRANSPORT
 
     def start(self) -> Endpoint:
         name = self._region.name
         if not name or not (SHM_DIR / name).exists():
-            raise EngineUnavailable(
-                "the shm transfer engine needs an L1 region in /dev/shm;"
-                f" region {name!r} is not one"
+            raise TransportUnavailable(
+                f"the shm transport needs an L1 region in /dev/shm; region {name!r} is not one"
             )
         return Endpoint(
-            engine=ENGINE,
+            transport=TRANSPORT,
             url=f"shm://{name}",
             region_size=self._region.size,
             extra={"boot_id": boot_id(), "pid": str(os.getpid()), "pid_ns": pid_namespace()},
@@ -93,7 +92,7 @@ class ShmServer(OneSidedServer):
 
 
 class ShmClient(TransferClient):
-    engine: ClassVar[str] = ENGINE
+    transport: ClassVar[str] = TRANSPORT
 
     def __init__(
         self,
@@ -112,11 +111,11 @@ class ShmClient(TransferClient):
     @property
     def local_array(self) -> npt.NDArray[np.uint8]:
         if self._local_array is None:
-            raise EngineUnavailable("shm transfer client is closed")
+            raise TransportUnavailable("shm transfer client is closed")
         return self._local_array
 
     def connect(self, endpoint: Endpoint) -> ShmPeer:
-        endpoint.expect(ENGINE)
+        endpoint.expect(TRANSPORT)
         if endpoint.extra.get("boot_id") != boot_id():
             raise EndpointMismatch(f"shm endpoint {endpoint.url!r} is on another host")
         peer = ShmPeer(self, endpoint)
@@ -136,18 +135,14 @@ class ShmPeer(PeerConnection):
     def __init__(self, client: ShmClient, endpoint: Endpoint) -> None:
         super().__init__(client, endpoint)
         name = endpoint.url.removeprefix("shm://")
-        size = endpoint.region_size
         try:
-            fd = os.open(SHM_DIR / name, os.O_RDONLY)
-        except OSError as exc:
-            raise EngineUnavailable(f"cannot open the peer's region {name!r}: {exc}") from exc
-        try:
-            if os.fstat(fd).st_size < size:
-                raise EndpointMismatch(f"the peer's region {name!r} is smaller than {size}")
-            self._mmap: mmap.mmap | None = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
-        finally:
-            os.close(fd)
-        self._remote: npt.NDArray[np.uint8] | None = np.frombuffer(self._mmap, dtype=np.uint8)
+            region = L1Region.attach(name, endpoint.region_size, readonly=True, populate=False)
+        except InvalidInput as exc:
+            raise EndpointMismatch(f"bad shm endpoint {endpoint.url!r}: {exc}") from exc
+        except RegionError as exc:
+            raise TransportUnavailable(f"cannot attach the peer's region: {exc}") from exc
+        self._region: L1Region | None = region
+        self._remote: npt.NDArray[np.uint8] | None = region.array
         same_ns = endpoint.extra.get("pid_ns") == pid_namespace() != ""
         self._pidfd = _pidfd(endpoint.extra.get("pid", "")) if same_ns else None
         self._lock = threading.Lock()
@@ -186,11 +181,11 @@ class ShmPeer(PeerConnection):
     def close(self) -> None:
         with self._lock:
             self._remote = None
-            if self._mmap is not None:
+            if self._region is not None:
                 # A read in another thread may still hold a view; then it unmaps on GC.
-                with contextlib.suppress(BufferError):
-                    self._mmap.close()
-                self._mmap = None
+                with contextlib.suppress(RegionBusy):
+                    self._region.close()
+                self._region = None
             if self._pidfd is not None:
                 os.close(self._pidfd)
                 self._pidfd = None

@@ -1,4 +1,4 @@
-"""The built-in ``tcp`` engine: a threaded TCP server on the owner, pooled connections on
+"""The built-in ``tcp`` transport: a threaded TCP server on the owner, pooled connections on
 the requester, no copy through Python bytes on either side.
 
 Wire, per request (the requester pipelines up to ``PIPELINE`` of them on a connection):
@@ -45,11 +45,11 @@ from kvatlas.transfer.base import (
     flip_first_byte,
 )
 from kvatlas.transfer.config import TcpConfig
-from kvatlas.transfer.errors import EndpointMismatch, EngineUnavailable
+from kvatlas.transfer.errors import EndpointMismatch, TransportUnavailable
 
 log = logging.getLogger(__name__)
 
-ENGINE = "tcp"
+TRANSPORT = "tcp"
 PIPELINE = 32
 """Requests in flight per connection: enough to hide the round trip, small enough that
 the request bytes never fill the socket buffers while the owner is blocked sending."""
@@ -118,7 +118,7 @@ def _sendmsg_all(sock: socket.socket, parts: list[memoryview]) -> None:
 
 
 class TcpServer(TransferServer):
-    engine: ClassVar[str] = ENGINE
+    transport: ClassVar[str] = TRANSPORT
     enforces_leases: ClassVar[bool] = True
 
     def __init__(
@@ -143,19 +143,21 @@ class TcpServer(TransferServer):
 
     def start(self) -> Endpoint:
         if self._listener is not None:
-            raise EngineUnavailable("tcp transfer server already started")
+            raise TransportUnavailable("tcp transfer server already started")
         cfg = self._config
         try:
             listener = socket.create_server((cfg.host, cfg.port), backlog=64)
         except OSError as exc:
-            raise EngineUnavailable(f"cannot listen on {cfg.host}:{cfg.port}: {exc}") from exc
+            raise TransportUnavailable(f"cannot listen on {cfg.host}:{cfg.port}: {exc}") from exc
         self._listener = listener
         port = listener.getsockname()[1]
         thread = threading.Thread(target=self._accept_loop, name="kvatlas-tcp-accept", daemon=True)
         thread.start()
         self._threads.append(thread)
         host = cfg.advertise_host or cfg.host
-        return Endpoint(engine=ENGINE, url=f"tcp://{host}:{port}", region_size=self._region.size)
+        return Endpoint(
+            transport=TRANSPORT, url=f"tcp://{host}:{port}", region_size=self._region.size
+        )
 
     def stop(self) -> None:
         self._stopping.set()
@@ -252,7 +254,7 @@ def _recv_blocking(conn: socket.socket, view: memoryview) -> bool:
 
 
 class TcpClient(TransferClient):
-    engine: ClassVar[str] = ENGINE
+    transport: ClassVar[str] = TRANSPORT
 
     def __init__(
         self,
@@ -268,7 +270,7 @@ class TcpClient(TransferClient):
         self._peers: list[TcpPeer] = []
 
     def connect(self, endpoint: Endpoint) -> TcpPeer:
-        endpoint.expect(ENGINE)
+        endpoint.expect(TRANSPORT)
         host, _, port = endpoint.url.removeprefix("tcp://").rpartition(":")
         if not host or not port.isdigit():
             raise EndpointMismatch(f"bad tcp endpoint url {endpoint.url!r}")

@@ -3,7 +3,7 @@
 Control only: KV bytes never travel here. The owner answers ``lookup_and_lock`` with the
 addresses (offset, size, checksum) of the chunks it read-locked in its registered L1
 region plus their lease ids; the requester then reads them one-sided through the
-transfer engine and releases the leases with an acknowledged ``unlock``.
+transport and releases the leases with an acknowledged ``unlock``.
 
 Transport: the requester's DEALER sends ``[b"", msgpack(P2PRequest)]``; the owner's
 ROUTER answers ``[b"", msgpack(P2PResponse)]`` with the same ``id``. ``v`` is the
@@ -68,7 +68,7 @@ class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
     instance_id: str
     incarnation: int
     endpoint: dict[str, Any]
-    """The transfer engine's Endpoint as builtins (``Endpoint.to_builtins()``)."""
+    """The transport's Endpoint as builtins (``Endpoint.to_builtins()``)."""
 
 
 class LockedChunk(msgspec.Struct, frozen=True, array_like=True):

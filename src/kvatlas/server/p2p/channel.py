@@ -28,7 +28,7 @@ import zmq
 
 from kvatlas.core.errors import PortInUse
 from kvatlas.server.errors import ServerError
-from kvatlas.wire import p2p_proto as pp
+from kvatlas.wire import p2p_proto
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class ChannelError(ServerError):
         self.cause = cause
 
 
-Handler = Callable[[pp.P2PRequestBody], pp.P2PResponseBody]
+Handler = Callable[[p2p_proto.P2PRequestBody], p2p_proto.P2PResponseBody]
 
 
 class ChannelServer:
@@ -91,29 +91,31 @@ class ChannelServer:
             self.requests += 1
             answer = self._answer(handler, payload)
             try:
-                sock.send_multipart([ident, b"", pp.encode(answer)])
+                sock.send_multipart([ident, b"", p2p_proto.encode(answer)])
             except zmq.ZMQError:
                 return
 
-    def _answer(self, handler: Handler, payload: bytes) -> pp.P2PResponse:
+    def _answer(self, handler: Handler, payload: bytes) -> p2p_proto.P2PResponse:
         try:
-            req = pp.decode_request(payload)
+            req = p2p_proto.decode_request(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.errors += 1
-            env = pp.decode_envelope(payload)
-            code: pp.P2PErrorCode = (
-                "version" if env.v != pp.P2P_PROTOCOL_VERSION else "invalid_input"
+            env = p2p_proto.decode_envelope(payload)
+            code: p2p_proto.P2PErrorCode = (
+                "version" if env.v != p2p_proto.P2P_PROTOCOL_VERSION else "invalid_input"
             )
-            return pp.P2PResponse(
-                pp.P2P_PROTOCOL_VERSION, env.id, pp.P2PError(code, f"bad request: {exc}")
+            return p2p_proto.P2PResponse(
+                p2p_proto.P2P_PROTOCOL_VERSION,
+                env.id,
+                p2p_proto.P2PError(code, f"bad request: {exc}"),
             )
-        if req.v != pp.P2P_PROTOCOL_VERSION:
+        if req.v != p2p_proto.P2P_PROTOCOL_VERSION:
             self.errors += 1
-            return pp.P2PResponse(
-                pp.P2P_PROTOCOL_VERSION,
+            return p2p_proto.P2PResponse(
+                p2p_proto.P2P_PROTOCOL_VERSION,
                 req.id,
-                pp.P2PError(
-                    "version", f"protocol version {req.v} is not {pp.P2P_PROTOCOL_VERSION}"
+                p2p_proto.P2PError(
+                    "version", f"protocol version {req.v} is not {p2p_proto.P2P_PROTOCOL_VERSION}"
                 ),
             )
         try:
@@ -121,8 +123,8 @@ class ChannelServer:
         except Exception as exc:
             self.errors += 1
             log.exception("P2P request %s failed", type(req.body).__name__)
-            body = pp.P2PError("internal", f"{type(exc).__name__}: {exc}")
-        return pp.P2PResponse(pp.P2P_PROTOCOL_VERSION, req.id, body)
+            body = p2p_proto.P2PError("internal", f"{type(exc).__name__}: {exc}")
+        return p2p_proto.P2PResponse(p2p_proto.P2P_PROTOCOL_VERSION, req.id, body)
 
     def stop(self) -> None:
         self._stop.set()
@@ -159,7 +161,7 @@ class ChannelClient:
                 return
         sock.close(0)
 
-    def call(self, body: pp.P2PRequestBody, timeout_s: float) -> pp.P2PResponseBody:
+    def call(self, body: p2p_proto.P2PRequestBody, timeout_s: float) -> p2p_proto.P2PResponseBody:
         """The peer's answer within ``timeout_s``; ChannelError otherwise (P2PError
         answers are raised too, as ``refused``)."""
         if timeout_s <= 0:
@@ -168,7 +170,12 @@ class ChannelClient:
         sock = self._take()
         try:
             sock.send_multipart(
-                [b"", pp.encode(pp.P2PRequest(pp.P2P_PROTOCOL_VERSION, rid, body))],
+                [
+                    b"",
+                    p2p_proto.encode(
+                        p2p_proto.P2PRequest(p2p_proto.P2P_PROTOCOL_VERSION, rid, body)
+                    ),
+                ],
                 flags=zmq.NOBLOCK,
             )
             if not sock.poll(max(1, int(timeout_s * 1000)), zmq.POLLIN):
@@ -176,7 +183,7 @@ class ChannelClient:
                     f"{self.url} did not answer {type(body).__name__} within {timeout_s:.3f}s",
                     "timeout",
                 )
-            resp = pp.decode_response(sock.recv_multipart(copy=True)[-1])
+            resp = p2p_proto.decode_response(sock.recv_multipart(copy=True)[-1])
         except zmq.ZMQError as exc:
             sock.close(0)
             raise ChannelError(f"control channel to {self.url} failed: {exc}", "peer_dead") from exc
@@ -190,7 +197,7 @@ class ChannelClient:
             sock.close(0)
             raise ChannelError(f"{self.url} answered request {resp.id}, not {rid}", "refused")
         self._give_back(sock)
-        if isinstance(resp.body, pp.P2PError):
+        if isinstance(resp.body, p2p_proto.P2PError):
             raise ChannelError(
                 f"{self.url} refused: {resp.body.code}: {resp.body.message}", "refused"
             )

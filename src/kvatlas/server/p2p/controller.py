@@ -4,8 +4,11 @@ Owns the poll loop (``GET /instances`` every heartbeat interval, in one thread t
 on an event between polls), the ``PeerTable`` it reconciles each successful listing
 into (add / rebuild on a changed endpoint or incarnation / remove after 3 successful
 listings without the peer; never this server itself), and the adapters: a control
-channel client plus a transfer link per peer, built from the listing alone (the peer's
-transfer endpoint travels in its registration metadata, ``p2p_endpoint``). A coordinator
+channel client plus a ``PeerConnection`` per peer, built from the listing alone (the
+peer's transport ``Endpoint`` travels in its registration metadata, ``p2p_endpoint``).
+All connections come from one ``TransferClient`` (the local region registered once),
+made when the first peer appears; ``faults`` go to it, so ``--p2p-fault-corrupt-read``
+corrupts the Nth chunk this server reads, whatever the transport. A coordinator
 that cannot be reached is not a listing: nothing is removed, and peers keep serving each
 other through the outage.
 
@@ -13,31 +16,32 @@ other through the outage.
 listing), unregistered (it is not, or never got one), disconnected (the last poll failed
 after an earlier success).
 
-Must not: move KV bytes or touch the chunk store (``p2p_fetch`` does), or close the
+Must not: move KV bytes or touch the chunk store (``fetch`` does), or close the
 `CoordinatorClient` it lists through (the composition root owns it).
 """
 
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
 
+import msgspec
 import zmq
 
 from kvatlas.core.peers import ActionKind, PeerEndpoint, PeerTable
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.runtime.region import L1Region
 from kvatlas.server.p2p.channel import ChannelClient
-from kvatlas.server.p2p.transport import PeerLink, Transport
+from kvatlas.transfer.base import Endpoint, FaultPlan, PeerConnection, TransferClient
+from kvatlas.transfer.errors import TransferError
+from kvatlas.transfer.factory import Transport
 
 log = logging.getLogger(__name__)
 
 ENDPOINT_METADATA_KEY = "p2p_endpoint"
-"""Registration metadata key holding the transfer Endpoint as JSON."""
+"""Registration metadata key holding the transport's Endpoint as JSON."""
 
 
 class P2PState(enum.StrEnum):
@@ -48,13 +52,13 @@ class P2PState(enum.StrEnum):
 
 @dataclass
 class PeerAdapter:
-    """How to reach one peer: its control channel and a transfer link into its L1."""
+    """How to reach one peer: its control channel and a transport connection into its L1."""
 
     index: int
     peer: PeerEndpoint
-    endpoint: dict[str, Any]
+    endpoint: Endpoint
     control: ChannelClient
-    link: PeerLink
+    link: PeerConnection
 
     @property
     def instance_id(self) -> str:
@@ -89,6 +93,7 @@ class P2PController:
         interval_s: float,
         auth_token: str | None,
         transport: Transport,
+        faults: FaultPlan | None,
         region: L1Region,
         ctx: zmq.Context[zmq.Socket[bytes]],
     ) -> None:
@@ -98,6 +103,8 @@ class P2PController:
         self._interval = interval_s
         self._token = auth_token
         self._transport = transport
+        self._faults = faults
+        self._transfer: TransferClient | None = None  # made for the first peer
         self._region = region
         self._ctx = ctx
         self._table = PeerTable(instance_id)
@@ -198,15 +205,19 @@ class P2PController:
                 )
             self._add(peer)
 
+    def _transfer_client(self) -> TransferClient:
+        """The one transfer client of this server (the poll thread alone calls this)."""
+        if self._transfer is None:
+            self._transfer = self._transport.client(
+                self._region, self.instance_id, token=self._token, faults=self._faults
+            )
+        return self._transfer
+
     def _add(self, peer: PeerEndpoint) -> None:
         try:
-            endpoint = json.loads(peer.metadata[ENDPOINT_METADATA_KEY])
-            if not isinstance(endpoint, dict):
-                raise ValueError("the endpoint is not a JSON object")
-            link = self._transport.connect(
-                self._region, self.instance_id, endpoint, token=self._token
-            )
-        except (ValueError, KeyError) as exc:
+            endpoint = msgspec.json.decode(peer.metadata[ENDPOINT_METADATA_KEY], type=Endpoint)
+            link = self._transfer_client().connect(endpoint)
+        except (msgspec.DecodeError, KeyError, TransferError) as exc:
             log.warning(
                 "cannot build a P2P adapter for peer %s (%s) on instance %s: %s",
                 peer.instance_id,
@@ -261,3 +272,6 @@ class P2PController:
             adapters, self._adapters = list(self._adapters.values()), {}
         for adapter in adapters:
             adapter.close()
+        if self._transfer is not None:
+            self._transfer.close()
+            self._transfer = None

@@ -5,7 +5,7 @@ configured lookup and load timeouts at most, less when recomputing is quicker), 
 choice of peers (the coordinator's directory names who holds the keys; every live peer
 when the directory is unreachable or knows no holder; peers cooling off after repeated
 failures are skipped), ``lookup_and_lock`` to them one after the other until the prefix
-is covered, the load into freshly reserved local slots through the transfer link, a
+is covered, the load into freshly reserved local slots through the transport, a
 second checksum pass over what landed, commit (STOREs are published like any local
 store), and the acknowledged unlock. Every failure is a miss for the rest of the prefix
 and is counted by cause: timeout, peer_dead, checksum_mismatch, refused, stale_hint
@@ -36,9 +36,9 @@ from kvatlas.server.config import P2PConfig
 from kvatlas.server.engine_service import EngineService, PeerFetch
 from kvatlas.server.p2p.channel import ChannelError
 from kvatlas.server.p2p.controller import P2PController, PeerAdapter
-from kvatlas.server.p2p.transport import PeerRead, ReadOutcome
-from kvatlas.wire import p2p_proto as pp
+from kvatlas.transfer.base import ReadOp, ReadResult, ReadStatus
 from kvatlas.wire.http_api import KeyWire, LookupRequest
+from kvatlas.wire.p2p_proto import Locked, LockedChunk, LookupAndLock, Unlock
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ class PeerFetcher:
         try:
             with _timed(timings, "lock"):
                 answer = adapter.control.call(
-                    pp.LookupAndLock(
+                    LookupAndLock(
                         self.instance_id, ns, [k.chunk_hash for k in keys], lease_s, self._token
                     ),
                     lookup_s,
@@ -266,7 +266,7 @@ class PeerFetcher:
             log.info("lookup_and_lock to peer %s failed (%s): %s", peer, exc.cause, exc)
             self._failed(peer, exc.cause)
             return _Loaded(), exc.cause
-        if not isinstance(answer, pp.Locked):
+        if not isinstance(answer, Locked):
             self._failed(peer, "refused")
             return _Loaded(), "refused"
         chunks = answer.chunks
@@ -309,7 +309,7 @@ class PeerFetcher:
         self,
         adapter: PeerAdapter,
         keys: Sequence[ObjectKey],
-        chunks: Sequence[pp.LockedChunk],
+        chunks: Sequence[LockedChunk],
         load_budget: float,
         timings: dict[str, float],
     ) -> tuple[_Loaded, str]:
@@ -319,32 +319,34 @@ class PeerFetcher:
                 [(k, c.size) for k, c in zip(keys, chunks, strict=True)],
                 load_budget + WRITE_GRACE_S,
             )
-        reads: list[PeerRead] = []
+        reads: list[ReadOp] = []
         slots: list[Slot] = []
         for grant, chunk in zip(grants, chunks, strict=True):
             if isinstance(grant, Slot):
                 reads.append(
-                    PeerRead(chunk.offset, chunk.size, grant.offset, chunk.lease_id, chunk.checksum)
+                    ReadOp(
+                        chunk.offset, chunk.size, grant.offset, str(chunk.lease_id), chunk.checksum
+                    )
                 )
                 slots.append(grant)
-        outcomes: list[ReadOutcome] = []
+        outcomes: list[ReadResult] = []
         if reads:
             try:
                 with _timed(timings, "transfer"):
                     outcomes = adapter.link.read(reads, load_budget)
-            except Exception as exc:  # an engine bug must cost a miss, not the lookup
+            except Exception as exc:  # a transport bug must cost a miss, not the lookup
                 log.warning("P2P read from %s failed: %r", adapter.instance_id, exc)
-                outcomes = [ReadOutcome("peer_dead", repr(exc)) for _ in reads]
+                outcomes = [ReadResult(op, ReadStatus.PEER_DEAD, repr(exc)) for op in reads]
         done: list[tuple[Slot, int]] = []
         failed: list[Slot] = []
         cause = ""
         nbytes = 0
-        # ``ok`` already means the link hashed the landed bytes against the owner's
-        # checksum (the Transport contract), so they are not hashed a second time here.
+        # ``ok`` already means the transport hashed the landed bytes against the owner's
+        # checksum (``PeerConnection.read``'s contract), so they are not hashed again here.
         for slot, read, outcome in zip(slots, reads, outcomes, strict=True):
             status = outcome.status
-            if status == "ok":
-                done.append((slot, read.checksum))
+            if outcome.ok:
+                done.append((slot, read.expected_checksum))
                 nbytes += read.size
             else:
                 failed.append(slot)
@@ -354,11 +356,11 @@ class PeerFetcher:
                         read.size,
                         adapter.instance_id,
                         self.instance_id,
-                        status,
+                        status.value,
                         outcome.detail,
                     )
-                cause = cause or status
-        keep = any(o.status == "timeout" for o in outcomes) and not adapter.link.drain(
+                cause = cause or status.value
+        keep = any(o.status is ReadStatus.TIMEOUT for o in outcomes) and not adapter.link.drain(
             DRAIN_TIMEOUT_S
         )
         with _timed(timings, "commit"):
@@ -380,9 +382,7 @@ class PeerFetcher:
         if not lease_ids:
             return
         try:
-            adapter.control.call(
-                pp.Unlock(self.instance_id, lease_ids, self._token), UNLOCK_TIMEOUT_S
-            )
+            adapter.control.call(Unlock(self.instance_id, lease_ids, self._token), UNLOCK_TIMEOUT_S)
         except ChannelError as exc:
             log.info(
                 "unlock at peer %s failed (%s); its leases expire instead", adapter.instance_id, exc

@@ -1,22 +1,23 @@
 """P2P for one cache server: the owner side, the requester side, and their wiring.
 
-Owns the parts of P2P and their order: the transfer engine serving this server's L1
-region (its endpoint goes into the registration metadata), the control channel's ROUTER
-on the listen URL answering ``hello`` / ``lookup_and_lock`` / ``unlock`` (with the
-shared token checked when one is set), the controller (peers and adapters) and the
-fetcher (the read path, plugged into the engine service as its peer source), plus the
-``p2p_*`` fields of /status and the P2P metrics.
+Owns the parts of P2P and their order: the transport's ``TransferServer`` serving this
+server's L1 region (its endpoint goes into the registration metadata), the control
+channel's ROUTER on the listen URL answering ``hello`` / ``lookup_and_lock`` / ``unlock``
+(with the shared token checked when one is set), the controller (peers and adapters)
+and the fetcher (the read path, plugged into the engine service as its peer source),
+plus the ``p2p_*`` fields of /status and the P2P metrics.
 
 Ports: the control channel binds ``--p2p-listen-url`` and is advertised as
-``--p2p-advertise-url``; the tcp transfer engine binds the listen host at PORT+1 and
-advertises the advertise host at PORT+1; the other engines choose their own (shm: the
+``--p2p-advertise-url``; the tcp transport binds the listen host at PORT+1 and
+advertises the advertise host at PORT+1; the other transports choose their own (shm: the
 region's name, mooncake: its RPC port, nixl: its agent).
 
 Owner-side lease rules: a peer is handed addresses only under read leases held as
 ``peer:<its id>``, released by its ``unlock`` (its own leases only) or by expiry; the
-tcp engine checks each read against those leases (``EngineService.peer_may_read``).
+tcp transport checks each read against those leases (``EngineService.peer_may_read``).
 
-Must not: parse flags, or import ``kvatlas.transfer`` (the CLI passes a ``Transport``).
+Must not: parse flags or choose the transport (the composition root passes a configured
+``kvatlas.transfer.factory.Transport``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import zmq
 
@@ -39,8 +39,20 @@ from kvatlas.server.engine_service import EngineService
 from kvatlas.server.p2p.channel import ChannelServer
 from kvatlas.server.p2p.controller import ENDPOINT_METADATA_KEY, P2PController, P2PState
 from kvatlas.server.p2p.fetch import FetchStats, PeerFetcher
-from kvatlas.server.p2p.transport import Transport, endpoint_url
-from kvatlas.wire import p2p_proto as pp
+from kvatlas.transfer.base import Endpoint, FaultPlan, TransferServer
+from kvatlas.transfer.factory import Transport
+from kvatlas.wire.p2p_proto import (
+    Hello,
+    HelloReply,
+    Locked,
+    LockedChunk,
+    LookupAndLock,
+    P2PError,
+    P2PRequestBody,
+    P2PResponseBody,
+    Unlock,
+    Unlocked,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +64,7 @@ class P2PStats:
     state: P2PState
     peers: tuple[str, ...]
     active_lookup_jobs: int
-    transfer_engine: str
+    transport: str
     advertise_url: str
     transfer_url: str
     fetch: FetchStats
@@ -98,7 +110,7 @@ class P2PNode:
         """``coordinator``: the process's client, shared by the controller's listings
         and the fetcher's directory lookups (bounded by ``coordinator_timeout_s``); the
         composition root closes it. ``auth_token`` guards the control channel and the
-        transfer engine."""
+        tcp transport."""
         check_single_region(region, service.store.pool.capacity_bytes)
         listen = split_host_port(config.bind_url)
         if listen is None:  # validate() refused this already
@@ -117,9 +129,10 @@ class P2PNode:
         try:
             self._channel = ChannelServer(self._ctx, listen[0], listen[1])
             try:
-                self.endpoint: dict[str, Any] = transport.serve(
+                self._server: TransferServer = transport.server(
                     region, self._authorize, token=auth_token
                 )
+                self.endpoint: Endpoint = self._server.start()
             except BaseException:
                 self._channel.stop()
                 raise
@@ -133,6 +146,7 @@ class P2PNode:
             interval_s=heartbeat_interval_s,
             auth_token=auth_token,
             transport=transport,
+            faults=FaultPlan(config.fault_corrupt_read) if config.fault_corrupt_read else None,
             region=region,
             ctx=self._ctx,
         )
@@ -149,7 +163,7 @@ class P2PNode:
         service.set_peer_source(self.fetcher)
 
     def registration_metadata(self) -> dict[str, str]:
-        return {ENDPOINT_METADATA_KEY: json.dumps(self.endpoint, sort_keys=True)}
+        return {ENDPOINT_METADATA_KEY: json.dumps(self.endpoint.to_builtins(), sort_keys=True)}
 
     # ------------------------------------------------------------------ owner side
 
@@ -158,7 +172,7 @@ class P2PNode:
             time.sleep(self.config.fault_read_delay_s)
         return self._service.peer_may_read(peer_id, lease_id, offset, size)
 
-    def handle(self, body: pp.P2PRequestBody) -> pp.P2PResponseBody:
+    def handle(self, body: P2PRequestBody) -> P2PResponseBody:
         """Answer one control request (the channel's thread)."""
         if not self._gate.check(body.token):
             self.refused += 1
@@ -167,32 +181,32 @@ class P2PNode:
                 body.requester,
                 self.instance_id,
             )
-            return pp.P2PError("unauthorized", "bad or missing auth token")
+            return P2PError("unauthorized", "bad or missing auth token")
         match body:
-            case pp.Hello():
-                return pp.HelloReply(self.instance_id, self.incarnation, self.endpoint)
-            case pp.LookupAndLock():
+            case Hello():
+                return HelloReply(self.instance_id, self.incarnation, self.endpoint.to_builtins())
+            case LookupAndLock():
                 if any(len(h) != HASH_BYTES for h in body.hashes) or not body.lease_s > 0:
                     self.refused += 1
-                    return pp.P2PError("invalid_input", "hashes must be 32 bytes, lease_s > 0")
+                    return P2PError("invalid_input", "hashes must be 32 bytes, lease_s > 0")
                 keys = object_keys(body.hashes, body.ns)  # type: ignore[arg-type]
                 lease_s = min(body.lease_s, self.config.lock_lease_s)
                 leases = self._service.lock_for_peer(body.requester, keys, lease_s)
                 self.served_locks += 1
                 self.served_chunks += len(leases)
-                return pp.Locked(
+                return Locked(
                     self.instance_id,
                     self.incarnation,
                     [
-                        pp.LockedChunk(
+                        LockedChunk(
                             ls.key.chunk_hash, ls.offset, ls.size, ls.checksum, int(ls.lease_id)
                         )
                         for ls in leases
                     ],
                 )
-            case pp.Unlock():
+            case Unlock():
                 self.served_unlocks += 1
-                return pp.Unlocked(self._service.unlock_for_peer(body.requester, body.lease_ids))
+                return Unlocked(self._service.unlock_for_peer(body.requester, body.lease_ids))
         raise AssertionError(f"unhandled P2P request {type(body).__name__}")
 
     # ------------------------------------------------------------------ lifecycle
@@ -202,21 +216,21 @@ class P2PNode:
         self.controller.start()
         log.info(
             "P2P on instance %s incarnation %d: control tcp://%s:%d advertised as %s,"
-            " transfer engine %s at %s",
+            " transport %s at %s",
             self.instance_id,
             self.incarnation,
             self._channel.host,
             self._channel.port,
             self.config.advertise_url,
             self._transport.name,
-            endpoint_url(self.endpoint),
+            self.endpoint.url,
         )
 
     def stop(self) -> None:
         self._service.set_peer_source(None)
         self.controller.stop()
         self._channel.stop()
-        self._transport.stop()
+        self._server.stop()
         self._ctx.term()
 
     def stats(self) -> P2PStats:
@@ -225,9 +239,9 @@ class P2PNode:
             state=c.state,
             peers=c.peers,
             active_lookup_jobs=self.fetcher.active_jobs,
-            transfer_engine=self._transport.name,
+            transport=self._transport.name,
             advertise_url=self.config.advertise_url or "",
-            transfer_url=endpoint_url(self.endpoint),
+            transfer_url=self.endpoint.url,
             fetch=self.fetcher.snapshot(),
             cooling_peers=tuple(self.fetcher.cooling()),
             served_locks=self.served_locks,
