@@ -127,8 +127,8 @@ def start_node(
     p2p_port: int | None = None,
     p2p: bool = True,
 ) -> Node:
-    port, http_port = free_ports(2)
-    p2p_port = p2p_port or free_port(pair=True, exclude=frozenset((port, http_port)))
+    port, http_port, free_p2p_port = free_ports(3)
+    p2p_port = p2p_port or free_p2p_port
     log = tmp / f"{instance_id}-{port}.log"
     args = [
         sys.executable, "-m", "kvatlas.cli.server",

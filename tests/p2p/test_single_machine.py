@@ -4,7 +4,6 @@ serves the same prompt from A's L1 through P2P, byte for byte; plus startup refu
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,8 @@ import pytest
 
 from kvatlas.connector.client import CacheClient
 from kvatlas.wire import engine_proto as p
+from procs import free_port
+from transfer.harness import netns_available
 
 from .cluster import (
     CHUNK,
@@ -88,6 +89,22 @@ def test_single_machine_shm(tmp_path: Path) -> None:
     single_machine(tmp_path, "shm")
 
 
+def test_tcp_binds_and_announces_the_data_port_given(tmp_path: Path) -> None:
+    port = free_port()
+    extra = {"node-a": ["--p2p-data-port", str(port)]}
+    with cluster(tmp_path, "node-a", "node-b", extra=extra) as (coord, (a, b)):
+        wait_peers([a, b])
+        assert a.status()["p2p"]["transfer_url"] == f"tcp://127.0.0.1:{port}"
+        assert b.status()["p2p"]["transfer_url"] != f"tcp://127.0.0.1:{port}"
+        tokens, data = prompt(2, seed=3), chunk_data(2, 1000, seed=3)
+        ca, cb = a.client(), b.client()
+        assert ca.store_chunks(tokens, data).stored == 2
+        wait_until(lambda: coord.held(ca, tokens).get("node-a") == 2, what="directory")
+        res, got = fetch(cb, tokens)
+        assert (res.peer_chunks, res.p2p_fallback) == (2, "")
+        assert all(np.array_equal(x, y) for x, y in zip(got, data, strict=True))
+
+
 def test_p2p_without_coordinator_refuses_to_start(tmp_path: Path) -> None:
     r = subprocess.run(
         [
@@ -150,20 +167,11 @@ def _transport_missing(transport: str) -> str | None:
     return None
 
 
-def _netns_ok() -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    r = subprocess.run(
-        ["unshare", "-rn", "sh", "-c", "ip link set lo up"], check=False, capture_output=True
-    )
-    return r.returncode == 0
-
-
 @pytest.mark.slow
 def test_single_machine_mooncake_in_a_private_netns(tmp_path: Path) -> None:
     if reason := _transport_missing("mooncake"):
         pytest.skip(reason)
-    if not _netns_ok():
+    if not netns_available():
         pytest.skip("unshare -rn (a private network namespace) is not available here")
     tests_dir = Path(__file__).resolve().parent.parent
     env = {

@@ -273,9 +273,36 @@ def test_incarnation_grows_across_restarts(tmp_path: Path) -> None:
                 "http://x",
                 "--p2p-advertise-url",
                 "127.0.0.1:7600",
+                "--p2p-data-port",
+                "7601",
             ],
-            "--http-port 7601 is also the tcp transport's port",
+            "--http-port 7601 is also --p2p-data-port, the tcp transport's data port",
         ),
+        (
+            [
+                "--coordinator-url",
+                "http://x",
+                "--p2p-advertise-url",
+                "127.0.0.1:7600",
+                "--p2p-data-port",
+                "7600",
+            ],
+            "--p2p-data-port 7600 is also the P2P control port",
+        ),
+        (
+            [
+                "--coordinator-url",
+                "http://x",
+                "--p2p-advertise-url",
+                "127.0.0.1:7600",
+                "--p2p-transfer-engine",
+                "shm",
+                "--p2p-data-port",
+                "7601",
+            ],
+            "--p2p-data-port is the tcp transport's",
+        ),
+        (["--p2p-data-port", "7601"], "--p2p-data-port needs --p2p-advertise-url"),
         (
             [
                 "--port",

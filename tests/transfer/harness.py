@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,6 +46,17 @@ def importable(transport: str) -> str | None:
     except Exception as exc:
         return str(exc)
     return None
+
+
+def netns_available() -> bool:
+    """Whether this machine lets an unprivileged process make a private network
+    namespace (``unshare -rn``) and bring its loopback up."""
+    if shutil.which("unshare") is None:
+        return False
+    r = subprocess.run(
+        ["unshare", "-rn", "sh", "-c", "ip link set lo up"], check=False, capture_output=True
+    )
+    return r.returncode == 0
 
 
 def netns_command(argv: Sequence[str]) -> list[str]:

@@ -87,13 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--p2p-advertise-url",
         default=None,
         help="HOST:PORT of this server's P2P control channel as peers reach it; setting it"
-        " enables P2P. The tcp transport uses PORT+1 on the same hosts",
+        " enables P2P. The transport announces its own address to peers",
     )
     p2p.add_argument(
         "--p2p-listen-url",
         default=None,
         help="HOST:PORT the P2P control channel binds (default: the advertise URL; e.g."
-        " 0.0.0.0:PORT while advertising a routable address); tcp binds PORT+1",
+        " 0.0.0.0:PORT while advertising a routable address)",
+    )
+    p2p.add_argument(
+        "--p2p-data-port",
+        type=int,
+        default=0,
+        help="port of the tcp transport's data channel, bound on the --p2p-listen-url host"
+        " (default 0: a free port the OS picks; peers learn the bound port from the"
+        " endpoint this server registers)",
     )
     p2p.add_argument("--p2p-lookup-timeout", type=float, default=30.0, help="seconds")
     p2p.add_argument("--p2p-load-timeout", type=float, default=30.0, help="seconds")
@@ -173,6 +181,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
             lookup_timeout_s=args.p2p_lookup_timeout,
             load_timeout_s=args.p2p_load_timeout,
             transport=args.p2p_transfer_engine,
+            data_port=args.p2p_data_port,
             mooncake=(
                 MooncakeConfig.from_env(env)
                 if args.p2p_transfer_engine == "mooncake"

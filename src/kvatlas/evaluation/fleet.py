@@ -177,7 +177,7 @@ class Fleet:
     def _server_proc(self, i: int) -> ServerProc:
         c = self.cfg
         iid = f"node-{i}"
-        engine_port, http_port = free_ports(2)
+        engine_port, http_port, p2p_port = free_ports(3)
         args = [
             "-m", "kvatlas.cli.server", "--host", HOST, "--port", str(engine_port),
             "--http-port", str(http_port), "--instance-id", iid,
@@ -192,9 +192,7 @@ class Fleet:
             "--event-buffer-batches", str(c.event_buffer_batches),
             "--log-level", c.log_level,
         ]  # fmt: skip
-        p2p_port = 0
         if self.p2p:
-            p2p_port = free_port(pair=True, exclude=frozenset((engine_port, http_port)))
             args += [
                 "--p2p-advertise-url", f"{HOST}:{p2p_port}",
                 "--p2p-transfer-engine", c.p2p_transfer_engine,
@@ -208,7 +206,7 @@ class Fleet:
             self.workdir / f"{iid}.log",
             instance_id=iid,
             engine_port=engine_port,
-            p2p_port=p2p_port,
+            p2p_port=p2p_port if self.p2p else 0,
         )
 
     # ------------------------------------------------------------------ lifecycle

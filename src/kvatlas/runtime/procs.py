@@ -44,26 +44,9 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def free_port(pair: bool = False, exclude: frozenset[int] = frozenset()) -> int:
-    """A free TCP port on 127.0.0.1, not in ``exclude``; with ``pair``, one whose
-    successor is free and outside ``exclude`` too (the tcp transfer engine listens on
-    the P2P port + 1)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind((HOST, 0))
-            port = int(s.getsockname()[1])
-        if port in exclude or (pair and port + 1 in exclude):
-            continue
-        if not pair:
-            return port
-        if port < 65535:
-            with socket.socket() as s2:
-                try:
-                    s2.bind((HOST, port + 1))
-                except OSError:
-                    continue
-            return port
-    raise ProcessError("no free port pair on 127.0.0.1")
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    return free_ports(1)[0]
 
 
 def wait_http(

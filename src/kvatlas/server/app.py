@@ -74,14 +74,14 @@ def make_sink(config: ServerConfig, coordinator: CoordinatorClient) -> EventSink
 
 def transport_config(p2p: P2PConfig) -> TransportConfig:
     """The transport's own config from the P2P settings: tcp binds the listen host at
-    PORT+1 and announces the advertise host; mooncake names the advertise host; shm and
-    nixl take their defaults."""
+    ``--p2p-data-port`` and announces the advertise host; mooncake names the advertise
+    host; shm and nixl take their defaults."""
     listen = split_host_port(p2p.bind_url)
     advertise = split_host_port(p2p.advertise_url or "")
     if listen is None or advertise is None:  # validate() refused these already
         raise ConfigError("--p2p-advertise-url and --p2p-listen-url must be HOST:PORT")
     if p2p.transport == "tcp":
-        return TcpConfig(host=listen[0], port=listen[1] + 1, advertise_host=advertise[0])
+        return TcpConfig(host=listen[0], port=p2p.data_port, advertise_host=advertise[0])
     if p2p.transport == "shm":
         return ShmConfig()
     if p2p.transport == "mooncake":

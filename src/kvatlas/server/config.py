@@ -116,8 +116,8 @@ class P2PConfig:
 
     advertise_url: str | None = None
     """``HOST:PORT`` of this server's P2P control channel as peers reach it
-    (``--p2p-advertise-url``); setting it enables P2P. The tcp transport uses the next
-    port (``PORT+1``) on the same hosts."""
+    (``--p2p-advertise-url``); setting it enables P2P. The transport's own address is
+    not derived from it: peers read it from the endpoint in the registration."""
     listen_url: str | None = None
     """``HOST:PORT`` the control channel binds (``--p2p-listen-url``); defaults to the
     advertise URL (bind 0.0.0.0 while advertising a routable address)."""
@@ -128,6 +128,10 @@ class P2PConfig:
     transport: str = "tcp"
     """The transport that moves KV bytes: tcp, shm, mooncake or nixl
     (``--p2p-transfer-engine``)."""
+    data_port: int = 0
+    """Port the tcp transport's data channel binds on the listen host
+    (``--p2p-data-port``); 0: a free port the OS picks. The bound port is announced in
+    the endpoint this server registers, so peers never guess it."""
     mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
     """Mooncake's settings from ``MC_TE_PROTOCOL``, ``MC_TE_DEVICE`` and
     ``MC_TRANSFER_TIMEOUT`` (read by the CLI); only the mooncake transport uses them, and
@@ -263,6 +267,8 @@ def _p2p_problems(c: ServerConfig) -> list[str]:
     if not pp.enabled:
         if pp.listen_url:
             out.append("--p2p-listen-url needs --p2p-advertise-url (which enables P2P)")
+        if pp.data_port:
+            out.append("--p2p-data-port needs --p2p-advertise-url (which enables P2P)")
         return out
     if c.coordinator.url is None:
         out.append(
@@ -275,17 +281,27 @@ def _p2p_problems(c: ServerConfig) -> list[str]:
     ):
         if url is not None and split_host_port(url) is None:
             out.append(f"{flag} must be HOST:PORT with a port in [1, {MAX_PORT - 1}], got {url!r}")
+    p2p_ports: dict[int, str] = {}
     bound = split_host_port(pp.bind_url)
     if bound is not None:
-        p2p_ports = {bound[1]: "the P2P control port"}
-        if pp.transport == "tcp":
-            p2p_ports[bound[1] + 1] = "the tcp transport's port (P2P port + 1)"
-        for flag, port in (("--port", c.port), ("--http-port", c.http_port)):
-            if port and port in p2p_ports:
-                out.append(
-                    f"{flag} {port} is also {p2p_ports[port]} of --p2p-listen-url or"
-                    " --p2p-advertise-url; give them different ports"
-                )
+        p2p_ports[bound[1]] = "the P2P control port of --p2p-listen-url or --p2p-advertise-url"
+    if not 0 <= pp.data_port <= MAX_PORT:
+        out.append(f"--p2p-data-port must be in [0, {MAX_PORT}], got {pp.data_port}")
+    elif pp.data_port and pp.transport != "tcp":
+        out.append(
+            f"--p2p-data-port is the tcp transport's; --p2p-transfer-engine {pp.transport}"
+            " chooses its own address"
+        )
+    elif pp.data_port in p2p_ports:
+        out.append(
+            f"--p2p-data-port {pp.data_port} is also {p2p_ports[pp.data_port]};"
+            " give them different ports"
+        )
+    elif pp.data_port:
+        p2p_ports[pp.data_port] = "--p2p-data-port, the tcp transport's data port"
+    for flag, port in (("--port", c.port), ("--http-port", c.http_port)):
+        if port and port in p2p_ports:
+            out.append(f"{flag} {port} is also {p2p_ports[port]}; give them different ports")
     if pp.transport not in TRANSPORTS:
         out.append(
             f"--p2p-transfer-engine {pp.transport!r} is unknown; accepted: {', '.join(TRANSPORTS)}"

@@ -8,9 +8,10 @@ and the fetcher (the read path, plugged into the engine service as its peer sour
 plus the ``p2p_*`` fields of /status and the P2P metrics.
 
 Ports: the control channel binds ``--p2p-listen-url`` and is advertised as
-``--p2p-advertise-url``; the tcp transport binds the listen host at PORT+1 and
-advertises the advertise host at PORT+1; the other transports choose their own (shm: the
-region's name, mooncake: its RPC port, nixl: its agent).
+``--p2p-advertise-url``; the transport binds what its own config names (tcp: the listen
+host at ``--p2p-data-port``, a free port when 0; shm: the region's name; mooncake: its
+RPC port; nixl: its agent) and announces it in the endpoint, which peers read from the
+registration, never derive from the control port.
 
 Owner-side lease rules: a peer is handed addresses only under read leases held as
 ``peer:<its id>``, released by its ``unlock`` (its own leases only) or by expiry; the
