@@ -2,9 +2,11 @@
 
 Random streams of batches from several instances, with duplicates, redeliveries of old
 batches, losses (gaps), restarts with new incarnations, heartbeats, expiries and
-deregistrations; batches carry their objects as entries, as a key block, or both. After
-every step the directory must equal the model (no phantom L1 placement of a fenced
-incarnation, L2 kept) and snapshot -> restore gives the same digest.
+deregistrations; batches carry their objects as entries, as a key block, or both; config
+batches declare capacities and batches of unknown event types only move the gate. After
+every step the directory and the declared capacities must equal the model (no phantom L1
+placement of a fenced incarnation, L2 kept, no declaration of a fenced incarnation or a
+departed instance) and snapshot -> restore gives the same digest and declarations.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvatlas.core.errors import StaleIncarnation
-from kvatlas.core.events import Entry, EventBatch, KeyBlock
+from kvatlas.core.events import Entry, EventBatch, KeyBlock, UnknownBatch
 from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import ObjectKey, default_kv_rank
 from kvatlas.core.membership import InstanceInfo
@@ -26,13 +28,17 @@ TIMEOUT = 10.0
 INSTANCES = ["a", "b", "c"]
 KEYS = [ObjectKey(bytes([i]) * 32, "m", default_kv_rank()) for i in range(6)]
 OwnerT = tuple[str, int, Tier, str, bool]
+PLACEMENT_TYPES = [t for t in EventType if t is not EventType.CONFIG]
+DeclT = tuple[int, int, dict[tuple[Tier, str], int]]
+"""(incarnation, revision, (tier, backend) -> capacity bytes)."""
 
 
 @dataclass
 class Emitter:
     incarnation: int = 1
     next_seq: int = 1
-    sent: list[EventBatch] = field(default_factory=list)
+    sent: list[EventBatch | UnknownBatch] = field(default_factory=list)
+    revision: int = 0
 
 
 @dataclass
@@ -43,8 +49,12 @@ class Model:
     high: dict[str, int] = field(default_factory=dict)
     live: dict[str, tuple[int, float]] = field(default_factory=dict)
     prov: dict[str, tuple[int, float]] = field(default_factory=dict)
+    declared: dict[str, DeclT] = field(default_factory=dict)
 
     def fence(self, iid: str, below: int | None = None) -> None:
+        decl = self.declared.get(iid)
+        if decl is not None and (below is None or decl[0] < below):
+            del self.declared[iid]
         for h in list(self.placements):
             ps = self.placements[h]
             for o in list(ps):
@@ -65,7 +75,7 @@ class Model:
         self.high[iid] = max(inc, self.high.get(iid, inc))
         return True
 
-    def ingest(self, b: EventBatch, now: float) -> None:
+    def ingest(self, b: EventBatch | UnknownBatch, now: float) -> None:
         iid = b.instance_id
         if iid in self.high and b.incarnation < self.high[iid]:
             return
@@ -77,7 +87,29 @@ class Model:
                 self.fence(iid, below=b.incarnation)
         live = self.live.get(iid)
         provisional = live is None or live[0] != b.incarnation
-        owner = (iid, b.incarnation, b.tier, b.backend, b.shared)
+        if isinstance(b, UnknownBatch):
+            pass
+        elif b.event_type is EventType.CONFIG:
+            self.declare(b)
+        else:
+            self.place(b)
+        self.cursor[iid] = (b.incarnation, b.seq)
+        self.high[iid] = max(b.incarnation, self.high.get(iid, 0))
+        if provisional:
+            self.prov[iid] = (b.incarnation, now)
+
+    def declare(self, b: EventBatch) -> None:
+        stamp = (b.incarnation, b.capacity_revision)
+        old = self.declared.get(b.instance_id)
+        if old is not None and stamp < old[:2]:
+            return
+        if old is None or stamp > old[:2]:
+            old = (*stamp, {})
+            self.declared[b.instance_id] = old
+        old[2][(b.tier, b.backend)] = b.capacity_bytes
+
+    def place(self, b: EventBatch) -> None:
+        owner = (b.instance_id, b.incarnation, b.tier, b.backend, b.shared)
         for e in b.all_entries():  # entries, then the block's
             h = e.key.chunk_hash
             if b.event_type is EventType.STORE:
@@ -90,10 +122,6 @@ class Model:
                 if not self.placements[h]:
                     del self.placements[h]
                     self.access.pop(h, None)
-        self.cursor[iid] = (b.incarnation, b.seq)
-        self.high[iid] = max(b.incarnation, self.high.get(iid, 0))
-        if provisional:
-            self.prov[iid] = (b.incarnation, now)
 
     def expire(self, now: float) -> None:
         for iid in sorted(self.live):
@@ -158,7 +186,7 @@ class FleetMachine(RuleBasedStateMachine):
 
     @rule(
         iid=st.sampled_from(INSTANCES),
-        kind=st.sampled_from(list(EventType)),
+        kind=st.sampled_from(PLACEMENT_TYPES),
         tier=st.sampled_from(list(Tier)),
         keys=st.lists(st.sampled_from(range(len(KEYS))), min_size=1, max_size=4),
         size=st.integers(0, 3),
@@ -193,11 +221,47 @@ class FleetMachine(RuleBasedStateMachine):
             block=block,
         )
         assert batch.all_entries() == entries
+        self._send(em, batch, deliver)
+
+    def _send(self, em: Emitter, batch: EventBatch | UnknownBatch, deliver: bool) -> None:
         em.next_seq += 1
         em.sent.append(batch)
         if deliver:  # not delivering is a loss: the next batch shows a gap
             self.model.ingest(batch, self.now)
             self.state.ingest(batch, self.now)
+
+    @rule(
+        iid=st.sampled_from(INSTANCES),
+        tier=st.sampled_from(list(Tier)),
+        backend=st.sampled_from(["cpu", "disk"]),
+        capacity=st.integers(0, 3),
+        new_revision=st.booleans(),
+        deliver=st.booleans(),
+    )
+    def declare(
+        self, iid: str, tier: Tier, backend: str, capacity: int, new_revision: bool, deliver: bool
+    ) -> None:
+        """A config batch: a new declaration, or one more compartment of the current one."""
+        em = self.emitters[iid]
+        em.revision += new_revision
+        batch = EventBatch(
+            iid,
+            em.incarnation,
+            em.next_seq,
+            EventType.CONFIG,
+            tier,
+            (),
+            backend=backend,
+            capacity_bytes=capacity << 30,
+            capacity_revision=em.revision,
+        )
+        self._send(em, batch, deliver)
+
+    @rule(iid=st.sampled_from(INSTANCES), deliver=st.booleans())
+    def emit_unknown(self, iid: str, deliver: bool) -> None:
+        """A batch of an event type from the future: it only moves the gate."""
+        em = self.emitters[iid]
+        self._send(em, UnknownBatch(iid, em.incarnation, em.next_seq, "hint"), deliver)
 
     @rule(iid=st.sampled_from(INSTANCES), pick=st.integers(0, 1000))
     def redeliver(self, iid: str, pick: int) -> None:
@@ -234,12 +298,25 @@ class FleetMachine(RuleBasedStateMachine):
         assert {i.instance_id for i in self.state.instances()} == set(self.model.live)
 
     @invariant()
+    def capacity_equals_model(self) -> None:
+        got = {
+            iid: (
+                d.incarnation,
+                d.revision,
+                {(c.tier, c.backend): c.capacity_bytes for c in d.compartments},
+            )
+            for iid, d in self.state.capacity.declarations().items()
+        }
+        assert got == self.model.declared
+
+    @invariant()
     def snapshot_restores_same_digest(self) -> None:
         data = self.state.snapshot(extra={"p0": 7})
         restored, extra = FleetState.restore(data)
         assert extra == {"p0": 7}
         assert restored.digest() == self.state.digest()
         assert restored.cursors == self.state.cursors
+        assert restored.capacity.declarations() == self.state.capacity.declarations()
 
 
 FleetMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)

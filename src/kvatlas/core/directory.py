@@ -186,6 +186,8 @@ class KeyDirectory:
         A batch's objects are its entries followed by its block's. Validates every entry
         and the block before changing anything, so a bad batch applies nothing.
         """
+        if batch.event_type is EventType.CONFIG:
+            raise InvalidInput("a config batch declares capacity; it has no placements to apply")
         owner = Owner(batch.instance_id, batch.incarnation, batch.tier, batch.backend, batch.shared)
         entries = batch.entries
         block = batch.block
@@ -535,7 +537,9 @@ class KeyDirectory:
                 continue
             by_tier_n[o.tier.value] += n
             by_tier_b[o.tier.value] += b
-            owners.append(OwnerStats(o.instance_id, o.incarnation, o.tier, o.backend, n, b))
+            owners.append(
+                OwnerStats(o.instance_id, o.incarnation, o.tier, o.backend, n, b, o.shared)
+            )
         return DirectoryStats(
             keys=len(self._map),
             placements=sum(by_tier_n.values()),

@@ -1,8 +1,14 @@
-"""Cache events: STORE / ACCESS / DELETE batches as reported by one server process.
+"""Cache events: STORE / ACCESS / DELETE / CONFIG batches as reported by one server process.
 
 A batch belongs to one (instance id, incarnation, seq, tier, backend, shared); the seq
 is per batch and starts at 1 for every incarnation. Semantics, applied by the directory:
 STORE is an upsert, ACCESS never creates a record, DELETE of something absent is a no-op.
+CONFIG carries no objects: it declares the capacity of its (tier, backend), as one part
+of the sender's declaration number ``capacity_revision`` (`core.capacity`).
+
+A batch of an event type this coordinator does not know (a newer sender's) is an
+`UnknownBatch`: only what the gate needs (instance, incarnation, seq) and its type name.
+It passes the gate, so the next seq is not a gap, and changes nothing else.
 
 A batch carries its objects in up to two forms, and means its ``entries`` followed by
 the entries of its ``block``:
@@ -137,6 +143,10 @@ class EventBatch(msgspec.Struct, frozen=True):
     block: KeyBlock | None = None
     """More objects after ``entries``, in columnar form (optional: older emitters and the
     JSON form never send one)."""
+    capacity_bytes: int = 0
+    """CONFIG only: the capacity of (tier, backend); 0 declares none."""
+    capacity_revision: int = 0
+    """CONFIG only: which declaration of the sender this batch belongs to."""
 
     @property
     def n_entries(self) -> int:
@@ -149,3 +159,12 @@ class EventBatch(msgspec.Struct, frozen=True):
         if self.block is None:
             return self.entries
         return self.entries + self.block.entries()
+
+
+class UnknownBatch(msgspec.Struct, frozen=True, gc=False):
+    """A batch whose ``event_type`` this coordinator does not know: what the gate needs."""
+
+    instance_id: str
+    incarnation: int
+    seq: int
+    event_type: str

@@ -1,4 +1,5 @@
-"""The fleet state: membership, gate cursors, key directory and blend index together.
+"""The fleet state: membership, gate cursors, key directory, declared capacities and
+blend index together.
 
 This is the coordinator's whole brain as one single-threaded, clock-free object: every
 state change comes in through one method that returns an outcome (`register`,
@@ -14,6 +15,10 @@ Rules it enforces (DESIGN.md section 3):
   the coordinator before the registration (Kafka) are not lost.
 - Events of an incarnation lower than the highest seen for that instance are stale,
   also after a deregistration or an expiry.
+- CONFIG batches declare capacity (`core.capacity`); a declaration is fenced with its
+  instance's L1 slice and forgotten when the instance leaves.
+- A batch of an event type this coordinator does not know (`UnknownBatch`) passes the
+  gate, so its seq is not counted as a gap, and changes nothing else.
 """
 
 from __future__ import annotations
@@ -26,17 +31,20 @@ import msgspec
 import numpy as np
 
 from kvatlas.core.blend import BlendIndex, BlendMatch, BlendStats
+from kvatlas.core.capacity import CapacityRegistry, Compartment, Declaration
 from kvatlas.core.directory import KeyDirectory
 from kvatlas.core.directory_snapshot import DirectoryCapture
 from kvatlas.core.errors import SnapshotError, StaleIncarnation
-from kvatlas.core.events import EventBatch
+from kvatlas.core.events import EventBatch, UnknownBatch
 from kvatlas.core.gate import Cursor, Verdict, admit
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE, Namespace, ObjectKey, chunk_hashes
 from kvatlas.core.membership import InstanceInfo, Membership, RegisterOutcome
 from kvatlas.core.placements import Applied, DirectoryStats, KeyResult, PrefixResult
 from kvatlas.core.types import EventType
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2
+"""2 added the declared capacities; a version 1 snapshot restores with none."""
+_READABLE_VERSIONS = frozenset({1, 2})
 
 
 class IngestOutcome(msgspec.Struct, frozen=True):
@@ -49,6 +57,8 @@ class IngestOutcome(msgspec.Struct, frozen=True):
     applied: Applied | None = None
     provisional: bool = False
     """The instance was not registered; it now has a provisional membership."""
+    skipped: str = ""
+    """The event type of an admitted `UnknownBatch` (nothing of it was applied)."""
 
 
 class FenceReason(StrEnum):
@@ -104,6 +114,8 @@ class _Snapshot(msgspec.Struct, array_like=True):
     directory: bytes
     blend: list[tuple[Namespace, bytes, bytes, int]]
     extra: dict[str, int]
+    capacity: dict[str, Declaration] = {}
+    """Version 2: the declared capacities, with the stamps that ordered them."""
 
 
 class FleetCapture:
@@ -133,6 +145,7 @@ class FleetState:
         self.membership = Membership(instance_timeout)
         self.directory = KeyDirectory(keep_tokens=enable_blend)
         self.blend: BlendIndex | None = BlendIndex(chunk_size) if enable_blend else None
+        self.capacity = CapacityRegistry()
         self.cursors: dict[str, Cursor] = {}
         self._provisional: dict[str, _Provisional] = {}
         self._high_water: dict[str, int] = {}
@@ -163,6 +176,7 @@ class FleetState:
             old = prov.incarnation
         if old is not None:
             n = self.directory.fence_below(info.instance_id, info.incarnation)
+            self.capacity.fence_below(info.instance_id, info.incarnation)
             fenced = Fenced(info.instance_id, old, n, FenceReason.NEW_INCARNATION)
         self._high_water[info.instance_id] = max(
             info.incarnation, self._high_water.get(info.instance_id, info.incarnation)
@@ -178,6 +192,7 @@ class FleetState:
         info = self.membership.deregister(instance_id)
         prov = self._provisional.pop(instance_id, None)
         self.cursors.pop(instance_id, None)
+        self.capacity.forget(instance_id)
         if info is not None:
             inc = info.incarnation
         elif prov is not None:
@@ -192,11 +207,13 @@ class FleetState:
         out = []
         for info in self.membership.expire(now):
             n = self.directory.fence(info.instance_id)
+            self.capacity.forget(info.instance_id)
             out.append(Fenced(info.instance_id, info.incarnation, n, FenceReason.EXPIRED))
         for iid, prov in sorted(self._provisional.items()):
             if now - prov.last_seen > self.instance_timeout:
                 del self._provisional[iid]
                 n = self.directory.fence(iid)
+                self.capacity.forget(iid)
                 out.append(Fenced(iid, prov.incarnation, n, FenceReason.EXPIRED_UNREGISTERED))
         return out
 
@@ -212,12 +229,14 @@ class FleetState:
                 return None
             self.membership.deregister(instance_id)
             n = self.directory.fence(instance_id)
+            self.capacity.forget(instance_id)
             return Fenced(instance_id, incarnation, n, FenceReason.EXPIRED)
         prov = self._provisional.get(instance_id)
         if prov is None or prov.incarnation != incarnation or prov.last_seen > last_seen:
             return None
         del self._provisional[instance_id]
         n = self.directory.fence(instance_id)
+        self.capacity.forget(instance_id)
         return Fenced(instance_id, incarnation, n, FenceReason.EXPIRED_UNREGISTERED)
 
     def instances(self) -> list[InstanceInfo]:
@@ -229,8 +248,12 @@ class FleetState:
 
     # ---- events ----------------------------------------------------------------------
 
-    def ingest(self, batch: EventBatch, now: float) -> IngestOutcome:
-        """Gate and apply one batch. Raises InvalidInput (nothing applied) on bad data."""
+    def ingest(self, batch: EventBatch | UnknownBatch, now: float) -> IngestOutcome:
+        """Gate and apply one batch. Raises InvalidInput (nothing applied) on bad data.
+
+        An `UnknownBatch` is gated like any batch (it may fence an older incarnation and
+        it moves the cursor) and applies nothing: its outcome names it in ``skipped``.
+        """
         iid = batch.instance_id
         high = self._max_incarnation(iid)
         if high is not None and batch.incarnation < high:
@@ -247,14 +270,29 @@ class FleetState:
         fenced = 0
         if adm.fence_incarnation is not None:
             fenced = self.directory.fence_below(iid, batch.incarnation)
-        applied = self.directory.apply(batch)
+            self.capacity.fence_below(iid, batch.incarnation)
+        applied = None
+        skipped = ""
+        placed: EventBatch | None = None
+        if isinstance(batch, UnknownBatch):
+            skipped = batch.event_type
+        elif batch.event_type is EventType.CONFIG:
+            self.capacity.declare(
+                iid,
+                batch.incarnation,
+                batch.capacity_revision,
+                Compartment(batch.tier, batch.backend, batch.capacity_bytes, batch.shared),
+            )
+        else:
+            applied = self.directory.apply(batch)
+            placed = batch
         self.cursors[iid] = adm.cursor
         self._high_water[iid] = max(batch.incarnation, self._high_water.get(iid, 0))
         if provisional:
             self._provisional[iid] = _Provisional(batch.incarnation, now)
-        if self.blend is not None:
-            self._update_blend(batch)
-        return IngestOutcome(Verdict.APPLY, adm.gap, fenced, applied, provisional)
+        if self.blend is not None and placed is not None:
+            self._update_blend(placed)
+        return IngestOutcome(Verdict.APPLY, adm.gap, fenced, applied, provisional, skipped)
 
     def _update_blend(self, batch: EventBatch) -> None:
         assert self.blend is not None
@@ -329,6 +367,7 @@ class FleetState:
                 directory=b"",
                 blend=blend_items,
                 extra=dict(extra or {}),
+                capacity=self.capacity.declarations(),
             ),
             self.directory.capture(),
         )
@@ -347,7 +386,7 @@ class FleetState:
             snap = msgspec.msgpack.decode(data, type=_Snapshot)
         except msgspec.DecodeError as exc:
             raise SnapshotError(f"fleet snapshot cannot be decoded: {exc}") from exc
-        if snap.version != SNAPSHOT_VERSION:
+        if snap.version not in _READABLE_VERSIONS:
             raise SnapshotError(f"fleet snapshot version {snap.version} is not supported")
         timeout = snap.instance_timeout if instance_timeout is None else instance_timeout
         state = cls(timeout, snap.chunk_size, snap.blend_enabled)
@@ -357,6 +396,7 @@ class FleetState:
         state._high_water = dict(snap.event_high_water)
         state.cursors = dict(snap.cursors)
         state._provisional = dict(snap.provisional)
+        state.capacity = CapacityRegistry.restore(snap.capacity)
         state.directory = KeyDirectory.restore(snap.directory, keep_tokens=snap.blend_enabled)
         if state.blend is not None:
             for ns, h, toks, start in snap.blend:

@@ -119,6 +119,7 @@ class OwnerStats(msgspec.Struct, frozen=True):
     backend: str
     placements: int
     bytes: int
+    shared: bool = False
 
 
 class DirectoryStats(msgspec.Struct, frozen=True):

@@ -27,8 +27,11 @@ class Tier(enum.StrEnum):
 
 
 class EventType(enum.StrEnum):
-    """The cache lifecycle events a server reports."""
+    """The cache lifecycle events a server reports. CONFIG carries no placement: it
+    declares the capacity of one (tier, backend) of the sender (LMCache's servers open
+    their event streams with it)."""
 
     STORE = "store"
     ACCESS = "access"
     DELETE = "delete"
+    CONFIG = "config"
