@@ -44,6 +44,7 @@ def test_json_and_msgpack_ingest_with_gate_outcomes(coord: RunningCoordinator) -
         "gaps": 0,
         "missing_seqs": 0,
         "provisional": 0,
+        "skipped": {},
     }
     r = c.post(
         "/events",

@@ -21,6 +21,7 @@ from kvatlas.wire.kafka_records import encode_batch_msgpack
 
 from .conftest import RunningCoordinator
 from .events import batch, block_batch, fake_hash, key, register_body
+from .lmcache_shapes import INCARNATION, config_batch, events_body, store_batch
 from .processes import CoordinatorProcess
 
 pytestmark = [pytest.mark.kafka]
@@ -173,6 +174,35 @@ def test_undecodable_records_are_counted_and_skipped(
     wait_for(lambda: stats(a.client)["keys"] == 1)
     m = a.client.get("/metrics").text
     assert 'kvatlas_coordinator_kafka_records_total{kind="undecodable"} 4.0' in m
+
+
+def test_lmcache_records_config_and_unknown_types(
+    kafka_broker: Any, topic: str, producer: Any, start_coordinator: Start
+) -> None:
+    """LMCache's sinks send ``{"batches": [batch]}`` per record: config batches declare,
+    a batch of an unknown type is skipped and still moves the gate, and a record whose
+    known batch is malformed is skipped whole."""
+    a = start_coordinator(**kafka_cfg(kafka_broker, topic))
+    future = {"instance_id": "mp-1", "incarnation": INCARNATION, "seq": 3, "event_type": "pin"}
+    records = [
+        events_body(config_batch("mp-1", 1, "l1", "dram", 1 << 30, 1)),
+        events_body(store_batch("mp-1", 2, [fake_hash(i) for i in range(4)], 1 << 20)),
+        events_body(future),
+        events_body(config_batch("mp-1", 9, "l1", "", 1, 2)),  # malformed: no backend
+        msgspec.json.encode(store_batch("mp-1", 4, [fake_hash(7)], 1 << 20)),  # a bare batch
+    ]
+    for value in records:
+        producer.produce(topic, key="mp-1", value=value)
+    assert producer.flush(10) == 0
+    a.wait_ready()
+    wait_for(lambda: stats(a.client)["keys"] == 5)
+    s = stats(a.client)
+    assert [(c["last_seq"], c["gaps"]) for c in s["cursors"]] == [(4, 0)]
+    [module] = a.client.get("/instances/mp-1/usage").json()["modules"]
+    assert (module["used_bytes"], module["capacity_bytes"]) == (5 << 20, 1 << 30)
+    m = a.client.get("/metrics").text
+    assert 'kvatlas_coordinator_skipped_batches_total{event_type="pin",transport="kafka"} 1.0' in m
+    assert 'kvatlas_coordinator_kafka_records_total{kind="undecodable"} 1.0' in m
 
 
 def test_key_block_records_are_applied(

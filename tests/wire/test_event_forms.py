@@ -57,7 +57,7 @@ def test_block_batches_survive_every_encoding() -> None:
     body = encode_events_msgpack([c, b])
     assert len(body) < len(encode_events_msgpack([b, b]))
     assert decode_events(body, MSGPACK_CONTENT_TYPE, 100) == [c, b]
-    assert decode_record(encode_batch_msgpack(c), 100) == c
+    assert decode_record(encode_batch_msgpack(c), 100) == [c]
     # JSON has no block: the block's objects become entries, so the JSON is unchanged
     assert encode_events_json([c]) == encode_events_json([b])
     [back] = decode_events(encode_events_json([c]), "application/json", 100)

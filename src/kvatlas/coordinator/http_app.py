@@ -127,6 +127,8 @@ class CoordinatorApp:
         r = Router()
         r.add("POST", "/instances", self.register)
         r.add("GET", "/instances", self.list_instances)
+        r.add("GET", "/instances/usage", self.usage, offload=always)
+        r.add("GET", "/instances/{instance_id}/usage", self.instance_usage, offload=always)
         r.add("PUT", "/instances/{instance_id}/heartbeat", self.heartbeat)
         r.add("DELETE", "/instances/{instance_id}", self.deregister)
         r.add("POST", "/events", self.events, offload=_big_body)
@@ -180,6 +182,17 @@ class CoordinatorApp:
 
     def list_instances(self, request: HttpRequest) -> HttpResponse:
         return _json(InstancesResponse(self._svc.instances(self._clock())))
+
+    def usage(self, request: HttpRequest) -> HttpResponse:
+        """In the pool: it walks the directory's owners."""
+        return _json(self._svc.usage())
+
+    def instance_usage(self, request: HttpRequest) -> HttpResponse:
+        iid = request.path_params["instance_id"]
+        for inst in self._svc.usage().instances:
+            if inst.instance_id == iid:
+                return _json(inst)
+        raise HttpError(404, f"unknown instance {iid!r}")
 
     # ---- events ----------------------------------------------------------------------
 

@@ -5,9 +5,11 @@ EVERY partition of the topic by hand (no consumer group, no rebalancing, no offs
 committed to the broker): its position per partition is stored with its own snapshot,
 changed under the same lock as the state it led to, so a restart resumes exactly there
 and the event gate absorbs any overlap. Event batches go to the service's ingest,
-membership records to the membership frontend; a record that decodes as neither is
-counted and skipped. Readiness: not ready until every partition has reached the high
-watermark seen at start (catch-up).
+membership records to the membership frontend; a record that decodes as neither, or
+whose batch of a known type is malformed, is counted and skipped (batches of unknown
+event types in a good record are skipped by the service and still move the gate).
+Readiness: not ready until every partition has reached the high watermark seen at start
+(catch-up).
 
 Must not: decide anything about membership or events itself, or commit offsets to the
 broker (a group's committed offsets would be shared between replicas).
@@ -26,7 +28,6 @@ from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.service import CoordinatorService, Position
 from kvatlas.core.errors import InvalidInput
-from kvatlas.core.events import EventBatch
 from kvatlas.wire.kafka_records import MembershipRecord, decode_record
 
 log = logging.getLogger(__name__)
@@ -200,8 +201,8 @@ class KafkaIngest:
             if value is None:
                 raise InvalidInput("empty record")
             record = decode_record(value, self._cfg.max_batch_entries)
-            if isinstance(record, EventBatch):
-                self._svc.ingest([record], now, transport="kafka", position=position)
+            if isinstance(record, list):
+                self._svc.ingest(record, now, transport="kafka", position=position)
                 self._metrics.kafka_records.labels("batch").inc()
             else:
                 self._on_membership(record, position)

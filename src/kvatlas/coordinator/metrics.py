@@ -43,6 +43,8 @@ class StateSample(msgspec.Struct, frozen=True):
     gaps: dict[str, int]
     missing: dict[str, int]
     blend_chunks: int
+    declared_capacity: list[tuple[str, str, str, int]] = []
+    """(instance, tier, backend, bytes) of every declared compartment."""
 
 
 class _StateCollector(Collector):
@@ -92,7 +94,14 @@ class _StateCollector(Collector):
             missing.add_metric([iid], s.missing.get(iid, 0))
         blend = GaugeMetricFamily("kvatlas_coordinator_blend_chunks", "Chunks in the blend index")
         blend.add_metric([], s.blend_chunks)
-        return [keys, placements, nbytes, live, prov, age, gaps, missing, blend]
+        capacity = GaugeMetricFamily(
+            "kvatlas_coordinator_declared_capacity_bytes",
+            "Capacity each instance declared per tier and backend (config batches)",
+            labels=["instance", "tier", "backend"],
+        )
+        for iid, tier, backend, n in s.declared_capacity:
+            capacity.add_metric([iid, tier, backend], n)
+        return [keys, placements, nbytes, live, prov, age, gaps, missing, blend, capacity]
 
 
 class CoordinatorMetrics:
@@ -103,7 +112,7 @@ class CoordinatorMetrics:
         r = self.registry
         self.ingest_batches = Counter(
             "kvatlas_coordinator_ingest_batches",
-            "Event batches by outcome (apply, duplicate, stale, invalid)",
+            "Event batches by outcome (applied, skipped, duplicate, stale, invalid)",
             ["outcome", "transport"],
             registry=r,
         )
@@ -111,6 +120,19 @@ class CoordinatorMetrics:
             "kvatlas_coordinator_ingest_entries",
             "Event entries by batch outcome",
             ["outcome", "transport"],
+            registry=r,
+        )
+        self.config_batches = Counter(
+            "kvatlas_coordinator_config_batches",
+            "Capacity declarations (config batches) applied",
+            ["transport"],
+            registry=r,
+        )
+        self.skipped_batches = Counter(
+            "kvatlas_coordinator_skipped_batches",
+            "Batches of event types this coordinator does not know, skipped after the gate"
+            " (their seqs count), by type (the first 32 types; later ones are 'other')",
+            ["event_type", "transport"],
             registry=r,
         )
         self.ingest_gaps = Counter(

@@ -18,8 +18,10 @@ from kvatlas.wire.http_api import (
     ErrorResponse,
     EventsRequest,
     EventsResponse,
+    FleetUsageResponse,
     HeartbeatResponse,
     InstancesResponse,
+    InstanceUsageWire,
     LookupRequest,
     LookupResponse,
     RegisterRequest,
@@ -32,6 +34,8 @@ _TYPES: tuple[Any, ...] = (
     RegisterResponse,
     HeartbeatResponse,
     InstancesResponse,
+    FleetUsageResponse,
+    InstanceUsageWire,
     EventsRequest,
     EventsResponse,
     LookupRequest,
@@ -80,6 +84,20 @@ def _errors(*codes: int) -> dict[str, Any]:
     }
 
 
+_EVENTS_RULES = (
+    "Batches apply in order, each through its sender's gate (duplicates and stale"
+    " incarnations are dropped and counted). `config` batches declare the capacity of one"
+    " (tier, backend) and carry no entries. Forward compatibility: a batch whose"
+    " `event_type` this coordinator does not know needs only `instance_id`, `incarnation`,"
+    " `seq` and `event_type`; it is skipped, counted by type in `skipped` (and in"
+    " `kvatlas_coordinator_skipped_batches`), and still advances its sender's gate cursor,"
+    " so the next seq is not a gap; the known batches of the same body apply. A batch of"
+    " a known type that is malformed fails the whole body with 400 and a reason naming"
+    " the batch, and nothing of the body applies. Unknown fields are ignored. The same"
+    " rules hold for the batches of Kafka records."
+)
+
+
 def openapi_document() -> dict[str, Any]:
     """The whole document (paths + component schemas)."""
     _, components = msgspec.json.schema_components(_TYPES, ref_template=_REF)
@@ -111,6 +129,23 @@ def openapi_document() -> dict[str, Any]:
                 "responses": {**_ok(InstancesResponse), **_errors(401)},
             },
         },
+        "/instances/usage": {
+            "get": {
+                "summary": (
+                    "Bytes held (the directory's placements) against the capacities the"
+                    " instances declared in config batches, per (tier, backend); LMCache's"
+                    " shape, usage_ratio null without a capacity"
+                ),
+                "responses": {**_ok(FleetUsageResponse), **_errors(401)},
+            }
+        },
+        "/instances/{instance_id}/usage": {
+            "get": {
+                "summary": "One instance of /instances/usage",
+                "parameters": [instance_id],
+                "responses": {**_ok(InstanceUsageWire), **_errors(401, 404)},
+            }
+        },
         "/instances/{instance_id}/heartbeat": {
             "put": {
                 "summary": "Heartbeat; 404 means re-register",
@@ -131,6 +166,7 @@ def openapi_document() -> dict[str, Any]:
         "/events": {
             "post": {
                 "summary": "Cache events: JSON, or msgpack with Content-Type application/msgpack",
+                "description": _EVENTS_RULES,
                 "requestBody": _body(EventsRequest, ("application/msgpack",)),
                 "responses": {**_ok(EventsResponse), **_errors(400, 401, 409, 413)},
             }

@@ -32,9 +32,15 @@ from kvatlas.core.gate import Verdict
 from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes
 from kvatlas.core.membership import InstanceInfo, RegisterOutcome
 from kvatlas.core.placements import KeyColumns, KeyResult, PrefixResult
-from kvatlas.core.types import Tier
+from kvatlas.core.types import EventType, Tier
 from kvatlas.wire.coordinator_views import KeysPage, StatsResponse
-from kvatlas.wire.http_api import EventsResponse, InstanceWire
+from kvatlas.wire.http_api import (
+    AnyBatch,
+    EventsResponse,
+    FleetUsageResponse,
+    InstanceWire,
+    fleet_usage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,9 @@ _SCAN_STEP = 2048
 """Keys checked per lock hold when a filtered key listing walks the directory."""
 
 _OUTCOME = {Verdict.APPLY: "applied", Verdict.DUPLICATE: "duplicate", Verdict.STALE: "stale"}
+_MAX_UNKNOWN_TYPES = 32
+"""Distinct unknown event types that get their own metric label; the rest are "other"
+(the names come from senders, and a label per name would grow without bound)."""
 
 Position = tuple[str, int]
 """(position key, next offset): where a consumer stands once a record is applied."""
@@ -58,6 +67,7 @@ class CoordinatorService:
         """Consumer positions (``kafka:<topic>:<partition>`` -> next offset)."""
         self._ready = threading.Event()
         self._not_ready_reason = "starting"
+        self._unknown_types: set[str] = set()
 
     # ---- readiness -------------------------------------------------------------------
 
@@ -185,6 +195,15 @@ class CoordinatorService:
             infos = self.fleet.instances()
         return [InstanceWire.from_core(i, now) for i in infos]
 
+    def usage(self) -> FleetUsageResponse:
+        """`GET /instances/usage`: placements' bytes against declared capacities."""
+        with self.lock:
+            fl = self.fleet
+            owners = fl.stats().owners
+            declarations = fl.capacity.declarations()
+            registered = {i.instance_id for i in fl.instances()}
+        return fleet_usage(owners, declarations, registered)
+
     def _log_expiry(self, f: Fenced) -> None:
         self.metrics.expiries.inc()
         log.warning(
@@ -211,13 +230,15 @@ class CoordinatorService:
 
     def ingest(
         self,
-        batches: Sequence[EventBatch],
+        batches: Sequence[AnyBatch],
         now: float,
         transport: str = "http",
         position: Position | None = None,
     ) -> EventsResponse:
-        """Gate and apply validated batches, one lock hold per batch."""
+        """Gate and apply validated batches, one lock hold per batch. Batches of unknown
+        event types pass the gate and are counted by type in ``skipped``."""
         applied = duplicates = stale = gaps = missing = provisional = 0
+        skipped: dict[str, int] = {}
         m = self.metrics
         for i, b in enumerate(batches):
             with self.lock:
@@ -226,12 +247,18 @@ class CoordinatorService:
                 finally:
                     if i == len(batches) - 1:
                         self._advance(position)
-            n = b.n_entries
-            verdict = _OUTCOME[out.verdict]
+            n = b.n_entries if isinstance(b, EventBatch) else 0
+            verdict = "skipped" if out.skipped else _OUTCOME[out.verdict]
             m.ingest_batches.labels(verdict, transport).inc()
             m.ingest_entries.labels(verdict, transport).inc(n)
             if out.verdict is Verdict.APPLY:
-                applied += 1
+                if out.skipped:
+                    skipped[out.skipped] = skipped.get(out.skipped, 0) + 1
+                    self._count_unknown(out.skipped, transport, b)
+                else:
+                    applied += 1
+                    if isinstance(b, EventBatch) and b.event_type is EventType.CONFIG:
+                        m.config_batches.labels(transport).inc()
                 provisional += out.provisional
                 if out.fenced:
                     m.fences.labels("new").inc()
@@ -268,7 +295,22 @@ class CoordinatorService:
         if not batches:
             with self.lock:
                 self._advance(position)
-        return EventsResponse(applied, duplicates, stale, gaps, missing, provisional)
+        return EventsResponse(applied, duplicates, stale, gaps, missing, provisional, skipped)
+
+    def _count_unknown(self, event_type: str, transport: str, b: AnyBatch) -> None:
+        """Count a skipped batch; the first of each type is logged (a newer sender)."""
+        if event_type not in self._unknown_types and len(self._unknown_types) < _MAX_UNKNOWN_TYPES:
+            self._unknown_types.add(event_type)
+            log.warning(
+                "Skipped a batch of unknown event type %r (instance %s incarnation %d seq %d);"
+                " its seq still counts, later ones of this type are skipped silently",
+                event_type[:64],
+                b.instance_id,
+                b.incarnation,
+                b.seq,
+            )
+        label = event_type if event_type in self._unknown_types else "other"
+        self.metrics.skipped_batches.labels(label, transport).inc()
 
     def advance(self, position: Position) -> None:
         """Move a consumer position past a record that changes nothing (undecodable)."""
@@ -314,6 +356,7 @@ class CoordinatorService:
             live = len(fl.membership)
             provisional = sorted(fl.provisional())
             blend = fl.blend_stats()
+            declarations = fl.capacity.declarations()
             positions = dict(self.positions)
             capture = fl.directory.capture() if with_digest else None
         return stats_response(
@@ -322,6 +365,7 @@ class CoordinatorService:
             live=live,
             provisional=provisional,
             blend=blend,
+            declarations=declarations,
             digest=capture.digest() if capture is not None else None,
             positions=positions,
         )
@@ -377,6 +421,11 @@ class CoordinatorService:
                 gaps={iid: c.gaps for iid, c in fl.cursors.items()},
                 missing={iid: c.missing for iid, c in fl.cursors.items()},
                 blend_chunks=blend.chunks if blend else 0,
+                declared_capacity=[
+                    (iid, c.tier.value, c.backend, c.capacity_bytes)
+                    for iid, d in sorted(fl.capacity.declarations().items())
+                    for c in d.compartments
+                ],
             )
 
     def snapshot(self) -> tuple[bytes, float]:

@@ -15,12 +15,15 @@ from itertools import chain
 import msgspec
 
 from kvatlas.core.blend import BlendStats
+from kvatlas.core.capacity import Declaration
 from kvatlas.core.gate import Cursor
 from kvatlas.core.keys import Namespace
 from kvatlas.core.placements import DirectoryStats, KeyColumns, KeyResult, Placement, PrefixResult
 from kvatlas.wire.coordinator_views import (
     BlendView,
+    CompartmentView,
     CursorView,
+    DeclarationView,
     KeyView,
     OwnerView,
     StatsResponse,
@@ -58,6 +61,7 @@ def stats_response(
     live: int,
     provisional: list[str],
     blend: BlendStats | None,
+    declarations: dict[str, Declaration],
     digest: str | None,
     positions: dict[str, int],
 ) -> StatsResponse:
@@ -81,6 +85,18 @@ def stats_response(
         blend=BlendView(blend.chunks, blend.namespaces, blend.token_bytes) if blend else None,
         digest=digest,
         kafka_positions=positions,
+        capacity=[
+            DeclarationView(
+                iid,
+                d.incarnation,
+                d.revision,
+                [
+                    CompartmentView(c.tier.value, c.backend, c.capacity_bytes, c.shared)
+                    for c in d.compartments
+                ],
+            )
+            for iid, d in sorted(declarations.items())
+        ],
     )
 
 

@@ -41,6 +41,22 @@ class BlendView(msgspec.Struct, frozen=True):
     token_bytes: int
 
 
+class CompartmentView(msgspec.Struct, frozen=True):
+    tier: str
+    backend: str
+    capacity_bytes: int
+    shared: bool
+
+
+class DeclarationView(msgspec.Struct, frozen=True):
+    """An instance's newest capacity declaration (config batches)."""
+
+    instance_id: str
+    incarnation: int
+    revision: int
+    compartments: list[CompartmentView]
+
+
 class StatsResponse(msgspec.Struct, frozen=True):
     """`GET /directory/stats`."""
 
@@ -59,6 +75,9 @@ class StatsResponse(msgspec.Struct, frozen=True):
     """Only with `?digest=1`: blake3 of the directory content (replicas compare it)."""
     kafka_positions: dict[str, int] = {}
     """With Kafka: next offset to consume per partition."""
+    capacity: list[DeclarationView] = []
+    """The declared capacities, per instance (`GET /instances/usage` joins them with
+    the placements' bytes)."""
 
 
 class KeyView(msgspec.Struct, frozen=True):

@@ -10,18 +10,28 @@ decodes into three objects instead of two per entry. The block is an optional tr
 field, so bodies without one decode as before; the JSON form expands a block into
 entries.
 
+Forward compatibility of `POST /events` (and of Kafka records, `wire.kafka_records`): a
+batch whose ``event_type`` is not one this coordinator knows decodes into a core
+`UnknownBatch` (only instance, incarnation, seq and the type name are read, so a newer
+sender may shape the rest as it likes); the coordinator skips it, counts it by type and
+still moves its sender's gate cursor. A batch of a known type that is malformed fails
+the whole body with a reason, and nothing of the body applies. Unknown fields are
+ignored in every shape.
+
 Owns encoding and validation of shapes only; no I/O and no state.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from operator import attrgetter
 from typing import Literal
 
 import msgspec
 
+from kvatlas.core.capacity import UNDECLARED, Declaration
 from kvatlas.core.errors import InvalidInput, TooLarge
-from kvatlas.core.events import Entry, EventBatch, KeyBlock
+from kvatlas.core.events import Entry, EventBatch, KeyBlock, UnknownBatch
 from kvatlas.core.keys import (
     DEFAULT_CHUNK_SIZE,
     HASH_ALGORITHM,
@@ -32,6 +42,7 @@ from kvatlas.core.keys import (
     ObjectKey,
 )
 from kvatlas.core.membership import InstanceInfo
+from kvatlas.core.placements import OwnerStats
 from kvatlas.core.types import EventType, Tier
 
 MSGPACK_CONTENT_TYPE = "application/msgpack"
@@ -135,6 +146,98 @@ class InstancesResponse(msgspec.Struct, frozen=True):
     instances: list[InstanceWire]
 
 
+class ModuleUsageWire(msgspec.Struct, frozen=True):
+    """One (tier, backend) of `GET /instances/usage` (LMCache's `ModuleMemoryStatus`)."""
+
+    tier: str
+    backend: str
+    shared: bool
+    used_bytes: int
+    """Bytes of the directory's placements there."""
+    capacity_bytes: int
+    """Declared by the instance's CONFIG batches; 0: none declared."""
+    usage_ratio: float | None
+    """``used_bytes / capacity_bytes``, null without a capacity; not clamped at 1."""
+
+
+class InstanceUsageWire(msgspec.Struct, frozen=True):
+    """One instance of `GET /instances/usage` (LMCache's `InstanceMemoryStatus`)."""
+
+    instance_id: str
+    registered: bool
+    declared_capacity: bool
+    modules: list[ModuleUsageWire]
+
+
+class FleetUsageResponse(msgspec.Struct, frozen=True):
+    """`GET /instances/usage` (LMCache's `FleetMemoryResponse`): every instance that is
+    registered, holds bytes or declared capacity, and the shared pools."""
+
+    instances: list[InstanceUsageWire]
+    shared_modules: list[ModuleUsageWire]
+
+
+def _module(tier: str, backend: str, used: int, capacity: int, shared: bool) -> ModuleUsageWire:
+    ratio = used / capacity if capacity > UNDECLARED else None
+    return ModuleUsageWire(tier, backend, shared, used, capacity, ratio)
+
+
+def instance_usage(
+    instance_id: str,
+    registered: bool,
+    used: dict[tuple[str, str], int],
+    declared: Declaration | None,
+) -> InstanceUsageWire:
+    """One instance's compartments: those it holds bytes in, then those it declared but
+    holds nothing in (a fresh server does not look unmonitored), by (tier, backend)."""
+    compartments = declared.compartments if declared is not None else ()
+    capacities = {(c.tier.value, c.backend): c.capacity_bytes for c in compartments}
+    modules = [
+        _module(tier, backend, n, capacities.get((tier, backend), UNDECLARED), False)
+        for (tier, backend), n in used.items()
+    ]
+    modules.extend(
+        _module(c.tier.value, c.backend, 0, c.capacity_bytes, False)
+        for c in compartments
+        if not c.shared and (c.tier.value, c.backend) not in used
+    )
+    modules.sort(key=lambda m: (m.tier, m.backend))
+    return InstanceUsageWire(instance_id, registered, bool(compartments), modules)
+
+
+def fleet_usage(
+    owners: Sequence[OwnerStats],
+    declarations: dict[str, Declaration],
+    registered: set[str],
+) -> FleetUsageResponse:
+    """`GET /instances/usage` from the directory's owners, the declarations and the
+    registered ids. A shared pool's capacity is the one its declarers agree on (a
+    disagreement reads as undeclared), as in LMCache."""
+    private: dict[str, dict[tuple[str, str], int]] = {}
+    shared_used: dict[tuple[str, str], int] = {}
+    for o in owners:
+        where = (o.tier.value, o.backend)
+        if o.shared:
+            shared_used[where] = shared_used.get(where, 0) + o.bytes
+        else:
+            mine = private.setdefault(o.instance_id, {})
+            mine[where] = mine.get(where, 0) + o.bytes
+    claims: dict[tuple[str, str], set[int]] = {}
+    for d in declarations.values():
+        for c in d.compartments:
+            if c.shared:
+                claims.setdefault((c.tier.value, c.backend), set()).add(c.capacity_bytes)
+    agreed = {w: (min(v) if len(v) == 1 else UNDECLARED) for w, v in claims.items()}
+    ids = sorted(registered | set(private) | set(declarations))
+    return FleetUsageResponse(
+        [instance_usage(i, i in registered, private.get(i, {}), declarations.get(i)) for i in ids],
+        [
+            _module(tier, backend, n, agreed.get((tier, backend), UNDECLARED), True)
+            for (tier, backend), n in sorted(shared_used.items())
+        ],
+    )
+
+
 class ErrorResponse(msgspec.Struct, frozen=True):
     error: str
 
@@ -187,17 +290,33 @@ class EntryWire(msgspec.Struct, frozen=True):
 
 
 class BatchWire(msgspec.Struct, frozen=True):
-    """One batch in the JSON form of `POST /events`."""
+    """One batch in the JSON form of `POST /events` (LMCache's `CacheEventBatch`)."""
 
     instance_id: str
     incarnation: int
     seq: int
-    event_type: Literal["store", "access", "delete"]
+    event_type: Literal["store", "access", "delete", "config"]
     tier: Literal["l1", "l2"]
     entries: list[EntryWire]
     backend: str = "cpu"
     shared: bool = False
     ts: float = 0.0
+    capacity_bytes: int = 0
+    """``config`` only: the capacity of (tier, backend); 0 declares none."""
+    capacity_revision: int = 0
+    """``config`` only: the sender's declaration this batch belongs to."""
+
+
+KNOWN_EVENT_TYPES = frozenset(t.value for t in EventType)
+
+
+class BatchHead(msgspec.Struct, frozen=True):
+    """What every batch must carry, whatever its type: all the gate reads."""
+
+    instance_id: str
+    incarnation: int
+    seq: int
+    event_type: str
 
 
 class EventsRequest(msgspec.Struct, frozen=True):
@@ -220,16 +339,29 @@ class EventsResponse(msgspec.Struct, frozen=True):
     gaps: int = 0
     missing_seqs: int = 0
     provisional: int = 0
+    skipped: dict[str, int] = {}
+    """kvatlas: batches of event types this coordinator does not know, by type: they
+    passed the gate (their seqs are no gap) and nothing of them applied."""
 
 
-def check_batch(b: EventBatch, max_entries: int) -> None:
-    """Validate what msgspec's types cannot express; raise InvalidInput with a reason."""
+def check_head(b: EventBatch | UnknownBatch) -> None:
+    """Validate what the gate reads of any batch; raise InvalidInput with a reason."""
     if not b.instance_id:
         raise InvalidInput("instance_id must not be empty")
     if b.seq < 1:
         raise InvalidInput(f"seq must be >= 1, got {b.seq} (instance {b.instance_id})")
     if b.incarnation < 0:
         raise InvalidInput(f"incarnation must be >= 0, got {b.incarnation}")
+
+
+def check_batch(b: EventBatch | UnknownBatch, max_entries: int) -> None:
+    """Validate what msgspec's types cannot express; raise InvalidInput with a reason."""
+    check_head(b)
+    if isinstance(b, UnknownBatch):
+        return
+    if b.event_type is EventType.CONFIG:
+        _check_config(b)
+        return
     n = b.n_entries
     if n > max_entries:
         raise TooLarge(
@@ -251,6 +383,17 @@ def check_batch(b: EventBatch, max_entries: int) -> None:
             )
     if b.block is not None:
         _check_block(b.block, b)
+
+
+def _check_config(b: EventBatch) -> None:
+    """A CONFIG batch declares one (tier, backend) and carries no objects (LMCache's rules)."""
+    where = f"(instance {b.instance_id}, seq {b.seq})"
+    if b.n_entries:
+        raise InvalidInput(f"a config batch declares capacity and carries no entries {where}")
+    if not b.backend:
+        raise InvalidInput(f"a config batch must name its backend {where}")
+    if b.capacity_bytes < 0 or b.capacity_revision < 0:
+        raise InvalidInput(f"capacity_bytes and capacity_revision must be >= 0 {where}")
 
 
 def _check_block(block: KeyBlock, b: EventBatch) -> None:
@@ -282,7 +425,8 @@ def batch_to_core(b: BatchWire) -> EventBatch:
         Entry(
             e.key.to_core(),
             e.size_bytes,
-            tuple(e.token_ids) if e.token_ids is not None else None,
+            # LMCache sends [] for "no tokens known": the same as none.
+            tuple(e.token_ids) if e.token_ids else None,
             e.token_offset,
         )
         for e in b.entries
@@ -297,6 +441,8 @@ def batch_to_core(b: BatchWire) -> EventBatch:
         backend=b.backend,
         shared=b.shared,
         ts=b.ts,
+        capacity_bytes=b.capacity_bytes,
+        capacity_revision=b.capacity_revision,
     )
 
 
@@ -320,26 +466,73 @@ def batch_from_core(b: EventBatch) -> BatchWire:
         backend=b.backend,
         shared=b.shared,
         ts=b.ts,
+        capacity_bytes=b.capacity_bytes,
+        capacity_revision=b.capacity_revision,
     )
+
+
+class _RawEvents(msgspec.Struct, frozen=True):
+    """An events body with its batches undecoded (the path of bodies with unknown types)."""
+
+    batches: list[msgspec.Raw]
+    version: int = COMPACT_VERSION
 
 
 _json_events = msgspec.json.Decoder(EventsRequest)
 _msgpack_events = msgspec.msgpack.Decoder(CompactEvents)
+_json_raw_events = msgspec.json.Decoder(_RawEvents)
+_msgpack_raw_events = msgspec.msgpack.Decoder(_RawEvents)
+_json_head = msgspec.json.Decoder(BatchHead)
+_msgpack_head = msgspec.msgpack.Decoder(BatchHead)
+_json_batch = msgspec.json.Decoder(BatchWire)
+_msgpack_batch = msgspec.msgpack.Decoder(EventBatch)
+
+AnyBatch = EventBatch | UnknownBatch
+"""What a body or a record decodes into: batches to apply and batches to skip."""
 
 
-def decode_events(body: bytes, content_type: str, max_entries: int) -> list[EventBatch]:
+def decode_any_batch(raw: bytes | msgspec.Raw, msgpack: bool, where: str = "") -> AnyBatch:
+    """One batch of either form, known type or not (not yet checked: `check_batch`);
+    ``where`` prefixes the path in a ValidationError. Raises msgspec's errors."""
+    try:
+        head = (_msgpack_head if msgpack else _json_head).decode(raw)
+        if head.event_type not in KNOWN_EVENT_TYPES:
+            return UnknownBatch(head.instance_id, head.incarnation, head.seq, head.event_type)
+        if msgpack:
+            return _msgpack_batch.decode(raw)
+        return batch_to_core(_json_batch.decode(raw))
+    except msgspec.ValidationError as exc:
+        raise msgspec.ValidationError(str(exc).replace("`$", f"`${where}")) from exc
+
+
+def _tolerant_batches(body: bytes, msgpack: bool) -> tuple[list[msgspec.Raw], int]:
+    """The body's batches undecoded, and its compact version (JSON: the current one)."""
+    raw = (_msgpack_raw_events if msgpack else _json_raw_events).decode(body)
+    return raw.batches, raw.version
+
+
+def decode_events(body: bytes, content_type: str, max_entries: int) -> list[AnyBatch]:
     """Decode and validate a whole `POST /events` body; raise InvalidInput on any error.
 
-    Nothing is returned unless every batch is valid, so a bad body applies nothing.
+    Nothing is returned unless every batch is valid, so a bad body applies nothing. A
+    body whose batches are all of known types takes one typed decode; only when that
+    fails are the batches decoded one by one, to tell unknown types (skipped) from
+    malformed known batches (the body fails, naming the batch).
     """
+    msgpack = content_type.split(";", maxsplit=1)[0].strip() == MSGPACK_CONTENT_TYPE
+    batches: list[AnyBatch]
     try:
-        if content_type.split(";", maxsplit=1)[0].strip() == MSGPACK_CONTENT_TYPE:
-            compact = _msgpack_events.decode(body)
-            if compact.version not in _READABLE_VERSIONS:
-                raise InvalidInput(f"compact events version {compact.version} is not supported")
-            batches = compact.batches
-        else:
-            batches = [batch_to_core(b) for b in _json_events.decode(body).batches]
+        try:
+            if msgpack:
+                compact = _msgpack_events.decode(body)
+                _check_version(compact.version)
+                batches = list(compact.batches)
+            else:
+                batches = [batch_to_core(b) for b in _json_events.decode(body).batches]
+        except msgspec.ValidationError:
+            raws, version = _tolerant_batches(body, msgpack)
+            _check_version(version)
+            batches = [decode_any_batch(r, msgpack, f".batches[{i}]") for i, r in enumerate(raws)]
     except msgspec.ValidationError as exc:
         raise InvalidInput(f"invalid events body: {exc}") from exc
     except msgspec.DecodeError as exc:
@@ -347,6 +540,11 @@ def decode_events(body: bytes, content_type: str, max_entries: int) -> list[Even
     for b in batches:
         check_batch(b, max_entries)
     return batches
+
+
+def _check_version(version: int) -> None:
+    if version not in _READABLE_VERSIONS:
+        raise InvalidInput(f"compact events version {version} is not supported")
 
 
 def encode_events_json(batches: list[EventBatch]) -> bytes:

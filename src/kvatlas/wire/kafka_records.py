@@ -4,9 +4,12 @@ Two kinds of records share the topic, all keyed by instance id so that an instan
 membership records and its event batches land in one partition and every replica reads
 them in the same order:
 
-- an event batch (the servers' event sinks): one batch per record, either JSON (one
-  `wire.http_api.BatchWire` object) or msgpack (one core `EventBatch`, with or without
-  a `KeyBlock`: the sinks send `wire.http_api.compact_batch`'s form);
+- event batches (the servers' event sinks): one batch per record, either JSON (one
+  `wire.http_api.BatchWire` object, or LMCache's sinks' ``{"batches": [batch]}``, the
+  body of `POST /events`) or msgpack (one core `EventBatch`, with or without a
+  `KeyBlock`: kvatlas' sinks send `wire.http_api.compact_batch`'s form). A batch of an
+  event type this coordinator does not know decodes into an `UnknownBatch`, as in
+  `POST /events` (the rule is in `wire.http_api`'s docstring);
 - a membership record (coordinators): ``MAGIC`` followed by a msgpack-encoded tagged
   `MembershipRecord` (register, heartbeat, deregister, expire). Neither JSON nor a
   msgpack map starts with ``MAGIC``'s first byte, so the kinds cannot be confused.
@@ -25,7 +28,7 @@ import msgspec
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import EventBatch
 from kvatlas.core.membership import InstanceInfo
-from kvatlas.wire.http_api import BatchWire, batch_to_core, check_batch
+from kvatlas.wire.http_api import AnyBatch, check_batch, decode_any_batch, decode_events
 
 DEFAULT_TOPIC: Final = "kvatlas-cache-events"
 """The topic of event batches and membership records (``--kafka-topic`` of the
@@ -72,8 +75,15 @@ MembershipRecord = RegisterRecord | HeartbeatRecord | DeregisterRecord | ExpireR
 
 _membership_encoder = msgspec.msgpack.Encoder()
 _membership_decoder = msgspec.msgpack.Decoder(MembershipRecord)
-_json_batch = msgspec.json.Decoder(BatchWire)
-_msgpack_batch = msgspec.msgpack.Decoder(EventBatch)
+
+
+class _Envelope(msgspec.Struct, frozen=True):
+    """Tells LMCache's ``{"batches": [...]}`` from a bare JSON batch."""
+
+    batches: list[msgspec.Raw] | None = None
+
+
+_json_envelope = msgspec.json.Decoder(_Envelope)
 
 
 def encode_membership(record: MembershipRecord) -> bytes:
@@ -85,17 +95,19 @@ def encode_batch_msgpack(batch: EventBatch) -> bytes:
     return msgspec.msgpack.encode(batch)
 
 
-def decode_record(value: bytes, max_entries: int) -> EventBatch | MembershipRecord:
-    """Decode and validate one record value; InvalidInput if it is neither kind."""
+def decode_record(value: bytes, max_entries: int) -> list[AnyBatch] | MembershipRecord:
+    """Decode and validate one record value: its batches, or a membership record.
+    InvalidInput if it is neither, or if a batch of a known type is malformed (then
+    nothing of the record applies)."""
     try:
         if value.startswith(MAGIC):
             record: MembershipRecord = _membership_decoder.decode(memoryview(value)[len(MAGIC) :])
             return record
-        if value.lstrip()[:1] == b"{":
-            batch = batch_to_core(_json_batch.decode(value))
-        else:
-            batch = _msgpack_batch.decode(value)
+        is_json = value.lstrip()[:1] == b"{"
+        if is_json and _json_envelope.decode(value).batches is not None:
+            return decode_events(value, "application/json", max_entries)
+        batch = decode_any_batch(value, msgpack=not is_json)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise InvalidInput(f"undecodable record: {exc}") from exc
     check_batch(batch, max_entries)
-    return batch
+    return [batch]
