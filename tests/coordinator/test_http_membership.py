@@ -12,6 +12,7 @@ from kvatlas.core.types import Tier
 
 from .conftest import RunningCoordinator
 from .events import batch, fake_hash, json_body, key, register_body
+from .lmcache_shapes import INCARNATION, events_body, store_batch
 
 JSON = {"content-type": "application/json"}
 
@@ -173,3 +174,43 @@ def test_events_before_registration_are_provisional_and_expire(start_coordinator
     while placements(rc, h) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert placements(rc, h) == []
+
+
+def test_lmcache_registration_without_incarnation_takes_the_events_one(
+    start_coordinator: object,
+) -> None:
+    """LMCache's `POST /instances` has no incarnation; its events carry the process start
+    time. The instance stays registered (not provisional, so it does not expire while it
+    heartbeats) and lists the events' incarnation."""
+    rc: RunningCoordinator = start_coordinator(instance_timeout=1.0, health_check_interval=0.1)  # type: ignore[operator]
+    c = rc.client
+    body = {
+        "instance_id": "mp-1",
+        "ip": "127.0.0.1",
+        "http_port": 8080,
+        "metadata": {},
+        "p2p_advertised_url": "127.0.0.1:7700",
+        "mq_port": 5555,
+    }
+    r = c.post("/instances", json=body)
+    assert r.json() == {"instance_id": "mp-1", "re_registered": False, "incarnation": 0}
+    r = c.post(
+        "/events",
+        content=events_body(store_batch("mp-1", 1, [fake_hash(1)], 10)),
+        headers=JSON,
+    )
+    assert (r.json()["applied"], r.json()["provisional"]) == (1, 0)
+    for _ in range(6):  # three timeouts, alive by heartbeats alone
+        time.sleep(0.5)
+        assert c.put("/instances/mp-1/heartbeat").status_code == 200
+    [inst] = c.get("/instances").json()["instances"]
+    assert (inst["incarnation"], inst["p2p_advertised_url"], inst["mq_port"]) == (
+        INCARNATION,
+        "127.0.0.1:7700",
+        5555,
+    )
+    assert c.get("/directory/stats").json()["provisional_instances"] == []
+    assert placements(rc, fake_hash(1))[0]["incarnation"] == INCARNATION
+    # a re-registration (LMCache re-registers after a 404) is not refused as stale
+    r = c.post("/instances", json=body)
+    assert r.json() == {"instance_id": "mp-1", "re_registered": True, "incarnation": INCARNATION}

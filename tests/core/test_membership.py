@@ -32,7 +32,9 @@ LLAMA = HashContract("llama", kv_dtype="bfloat16", kv_layout=(32, 8, 128))
 def test_first_registration_sets_times_and_is_not_a_re_registration() -> None:
     m = Membership()
     out = m.register(info(), now=100.0)
-    assert out == RegisterOutcome("node-a", re_registered=False, fenced_incarnation=None)
+    assert out == RegisterOutcome(
+        "node-a", re_registered=False, fenced_incarnation=None, incarnation=1
+    )
     got = m.get("node-a")
     assert got is not None
     assert (got.registration_time, got.last_heartbeat) == (100.0, 100.0)
@@ -47,7 +49,9 @@ def test_same_incarnation_re_registers_without_fence() -> None:
     m = Membership()
     m.register(info(), now=1.0)
     out = m.register(info(port=9000), now=2.0)
-    assert out == RegisterOutcome("node-a", re_registered=True, fenced_incarnation=None)
+    assert out == RegisterOutcome(
+        "node-a", re_registered=True, fenced_incarnation=None, incarnation=1
+    )
     got = m.get("node-a")
     assert got is not None
     assert got.http_port == 9000
@@ -58,7 +62,7 @@ def test_higher_incarnation_of_a_live_instance_fences_the_old_one() -> None:
     m = Membership()
     m.register(info(incarnation=3), now=1.0)
     out = m.register(info(incarnation=5), now=2.0)
-    assert out == RegisterOutcome("node-a", re_registered=True, fenced_incarnation=3)
+    assert out == RegisterOutcome("node-a", re_registered=True, fenced_incarnation=3, incarnation=5)
     assert m.is_live("node-a", 5)
     assert not m.is_live("node-a", 3)
     assert m.max_incarnation("node-a") == 5
@@ -92,8 +96,8 @@ def test_stale_incarnation_is_refused_after_deregister_and_expiry() -> None:
     with pytest.raises(StaleIncarnation):
         m.register(info("b", 1), now=12.0)
     # Coming back after leaving: known, but nothing live to fence.
-    assert m.register(info("a", 8), now=12.0) == RegisterOutcome("a", True, None)
-    assert m.register(info("b", 2), now=12.0) == RegisterOutcome("b", True, None)
+    assert m.register(info("a", 8), now=12.0) == RegisterOutcome("a", True, None, 8)
+    assert m.register(info("b", 2), now=12.0) == RegisterOutcome("b", True, None, 2)
 
 
 @pytest.mark.parametrize(

@@ -166,9 +166,10 @@ class CoordinatorApp:
             mq_port=req.mq_port or 0,
             incarnation=req.incarnation or 0,
             contract=req.contract.to_core() if req.contract is not None else None,
+            incarnation_from_events=req.incarnation is None,
         )
         outcome = await self._members.register(info)
-        return _json(RegisterResponse(iid, outcome.re_registered, info.incarnation))
+        return _json(RegisterResponse(iid, outcome.re_registered, outcome.incarnation))
 
     async def heartbeat(self, request: HttpRequest) -> HttpResponse:
         iid = request.path_params["instance_id"]

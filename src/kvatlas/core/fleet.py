@@ -163,8 +163,13 @@ class FleetState:
         """Register (or re-register) an instance; fences a superseded incarnation.
 
         Raises StaleIncarnation below the highest incarnation seen (also from events),
-        ContractMismatch when the hash contract contradicts the fleet's.
+        ContractMismatch when the hash contract contradicts the fleet's. An instance that
+        registers without an incarnation (``incarnation_from_events``) takes the highest
+        one known for its id, so it is never stale; its events move it up from there.
         """
+        if info.incarnation_from_events:
+            known = self._max_incarnation(info.instance_id)
+            info = msgspec.structs.replace(info, incarnation=known or 0)
         high = self._max_incarnation(info.instance_id)
         if high is not None and info.incarnation < high:
             raise StaleIncarnation(info.instance_id, info.incarnation, high)
@@ -266,7 +271,9 @@ class FleetState:
         if live is None or live.incarnation != batch.incarnation:
             if live is not None and live.incarnation > batch.incarnation:
                 return IngestOutcome(Verdict.STALE)
-            provisional = True
+            # A live instance registered without an incarnation takes its events' own
+            # (LMCache's servers); anyone else sending an unknown incarnation is provisional.
+            provisional = not self.membership.adopt_incarnation(iid, batch.incarnation)
         fenced = 0
         if adm.fence_incarnation is not None:
             fenced = self.directory.fence_below(iid, batch.incarnation)

@@ -40,6 +40,10 @@ class InstanceInfo(msgspec.Struct, frozen=True):
     registration_time: float = 0.0
     last_heartbeat: float = 0.0
     contract: HashContract | None = None
+    incarnation_from_events: bool = False
+    """Registered without an incarnation (LMCache's servers): its events carry the process
+    start time as incarnation, and the live instance takes each higher one they bring
+    (`Membership.adopt_incarnation`) instead of being superseded by it."""
 
 
 class RegisterOutcome(msgspec.Struct, frozen=True):
@@ -50,6 +54,8 @@ class RegisterOutcome(msgspec.Struct, frozen=True):
     """The instance id was known here before (live, or seen and since gone)."""
     fenced_incarnation: int | None
     """The live older incarnation this registration replaced, or None."""
+    incarnation: int = 0
+    """The incarnation the instance is registered with."""
 
 
 class MembershipStats(msgspec.Struct, frozen=True, gc=False):
@@ -98,7 +104,7 @@ class Membership:
             info, metadata=dict(info.metadata), registration_time=now, last_heartbeat=now
         )
         self._high[iid] = info.incarnation
-        return RegisterOutcome(iid, re_registered=highest is not None, fenced_incarnation=fenced)
+        return RegisterOutcome(iid, highest is not None, fenced, info.incarnation)
 
     def heartbeat(self, instance_id: str, now: float) -> bool:
         """Extend the life of a live instance; False if it is unknown (the shell answers
@@ -109,6 +115,17 @@ class Membership:
             return False
         if now > info.last_heartbeat:
             self._live[instance_id] = msgspec.structs.replace(info, last_heartbeat=now)
+        return True
+
+    def adopt_incarnation(self, instance_id: str, incarnation: int) -> bool:
+        """Move a live instance registered without an incarnation up to ``incarnation``
+        (its events' own); False, changing nothing, for any other instance or a lower or
+        equal incarnation."""
+        info = self._live.get(instance_id)
+        if info is None or not info.incarnation_from_events or incarnation <= info.incarnation:
+            return False
+        self._live[instance_id] = msgspec.structs.replace(info, incarnation=incarnation)
+        self._high[instance_id] = max(incarnation, self._high.get(instance_id, incarnation))
         return True
 
     def deregister(self, instance_id: str) -> InstanceInfo | None:

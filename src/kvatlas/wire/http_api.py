@@ -97,7 +97,8 @@ class RegisterRequest(msgspec.Struct, frozen=True):
     p2p_advertised_url: str | None = None
     mq_port: int | None = None
     incarnation: int | None = None
-    """kvatlas: strictly increasing per process start; None means 0 (LMCache servers)."""
+    """kvatlas: strictly increasing per process start. None (LMCache's servers): the
+    instance takes the incarnation its events carry (their process start time)."""
     contract: ContractWire | None = None
     """kvatlas: the server's hash contract; a contradiction with the fleet's is a 409."""
 
