@@ -48,6 +48,7 @@ def test_defaults_and_env_token() -> None:
         ({"max_body_bytes": 0}, "--max-body-bytes"),
         ({"max_lookup_tokens": -5}, "--max-lookup-tokens"),
         ({"max_connections": -1}, "--max-connections"),
+        ({"drop_token_ids": True, "enable_blend_lookup": True}, "--drop-token-ids"),
     ],
 )
 def test_validation_names_the_flag(overrides: dict[str, object], flag: str) -> None:

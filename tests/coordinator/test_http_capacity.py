@@ -10,8 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from .conftest import RunningCoordinator
-from .events import fake_hash, register_body
-from .lmcache_shapes import INCARNATION, config_batch, events_body, lmcache_batch, store_batch
+from .events import MODEL, fake_hash, prompt_hashes, register_body
+from .lmcache_shapes import (
+    INCARNATION,
+    config_batch,
+    events_body,
+    lmcache_batch,
+    lmcache_key,
+    store_batch,
+)
 
 JSON = {"content-type": "application/json"}
 GIB = 1 << 30
@@ -189,3 +196,35 @@ def test_the_rule_is_in_the_openapi_document(coord: RunningCoordinator) -> None:
     assert "config" in schemas["BatchWire"]["properties"]["event_type"]["enum"]
     assert "skipped" in schemas["EventsResponse"]["properties"]
     assert "usage_ratio" in schemas["ModuleUsageWire"]["properties"]
+
+
+def test_token_ids_are_kept_by_default_and_their_bytes_reported(
+    start_coordinator: Any, tmp_path: Path
+) -> None:
+    """LMCache's servers send each chunk's token ids with STORE and its coordinator
+    returns them in lookups; kvatlas does so with no flag. `--drop-token-ids` drops them."""
+    tokens = list(range(500, 500 + 2 * 256))
+    hashes = list(prompt_hashes(tokens))
+    chunks = [tokens[:256], tokens[256:]]
+
+    def stored(rc: RunningCoordinator) -> Any:
+        entries = [
+            {"key": lmcache_key(h), "size_bytes": 10, "token_ids": t, "token_offset": 256 * i}
+            for i, (h, t) in enumerate(zip(hashes, chunks, strict=True))
+        ]
+        post(rc, lmcache_batch("mp-1", 1, "store", entries=entries))
+        body = {"token_ids": tokens, "model_name": MODEL, "world_size": 1}
+        return rc.client.post("/directory/lookup", json=body).json()
+
+    path = str(tmp_path / "fleet.snap")
+    rc: RunningCoordinator = start_coordinator(snapshot_path=path)
+    assert [r["token_ids"] for r in stored(rc)["results"]] == chunks
+    assert rc.client.get("/directory/stats").json()["token_ids"] == {"keys": 2, "bytes": 2048}
+    assert "kvatlas_coordinator_directory_token_bytes 2048.0" in rc.client.get("/metrics").text
+    rc.stop()
+    again: RunningCoordinator = start_coordinator(snapshot_path=path)  # kept in the snapshot
+    assert again.client.get("/directory/stats").json()["token_ids"] == {"keys": 2, "bytes": 2048}
+    again.stop()
+    dropped: RunningCoordinator = start_coordinator(drop_token_ids=True)
+    assert [r["token_ids"] for r in stored(dropped)["results"]] == [None, None]
+    assert dropped.client.get("/directory/stats").json()["token_ids"] is None

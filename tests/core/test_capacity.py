@@ -101,8 +101,10 @@ def test_a_version_1_snapshot_restores_without_declarations() -> None:
     fleet = FleetState()
     fleet.register(InstanceInfo("a", "127.0.0.1", 1, {}, incarnation=1), 0.0)
     head = msgspec.msgpack.decode(fleet.snapshot())
-    assert head[0] == 2 and len(head) == 13  # version 2 appended the declarations
+    assert head[0] == 2 and len(head) == 14  # 2 appended declarations and keep_tokens
     old = msgspec.msgpack.encode([1, *head[1:12]])  # what version 1 wrote
     restored, extra = FleetState.restore(old)
     assert [i.instance_id for i in restored.instances()] == ["a"]
     assert restored.capacity.declarations() == {} and extra == {}
+    assert not restored.directory.keep_tokens  # version 1 kept them only with blend
+    assert FleetState.restore(old, keep_tokens=True)[0].directory.keep_tokens

@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="index chunk tokens and serve POST /directory/blend-lookup",
     )
     a(
+        "--drop-token-ids",
+        action="store_true",
+        help="do not keep the token ids senders send with STORE (lookups answer null)",
+    )
+    a(
         "--event-transport",
         choices=["http", "kafka"],
         default=_D.event_transport,
@@ -125,6 +130,7 @@ def config_from_args(argv: list[str] | None, environ: dict[str, str]) -> Coordin
         health_check_interval=ns.health_check_interval,
         chunk_size=ns.chunk_size,
         enable_blend_lookup=ns.enable_blend_lookup,
+        drop_token_ids=ns.drop_token_ids,
         event_transport=ns.event_transport,
         kafka_bootstrap_servers=ns.kafka_bootstrap_servers,
         kafka_topic=ns.kafka_topic,

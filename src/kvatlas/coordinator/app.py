@@ -55,7 +55,10 @@ class Coordinator:
         restored = snapshot.load(config, None if kafka else clock())
         if restored is None:
             fleet = FleetState(
-                config.instance_timeout, config.chunk_size, config.enable_blend_lookup
+                config.instance_timeout,
+                config.chunk_size,
+                config.enable_blend_lookup,
+                keep_tokens=not config.drop_token_ids,
             )
             positions: dict[str, int] = {}
         else:

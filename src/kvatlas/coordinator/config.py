@@ -34,6 +34,11 @@ class CoordinatorConfig:
     enable_blend_lookup: bool = False
     """Keep chunk tokens and answer `POST /directory/blend-lookup`
     (`--enable-blend-lookup`)."""
+    drop_token_ids: bool = False
+    """Do not keep the token ids senders send with STORE (`--drop-token-ids`): lookups
+    then answer ``token_ids`` null. Kept by default, as LMCache's coordinator does; they
+    cost 4 bytes per token of the chunks whose senders send them (`token_bytes` in
+    /directory/stats), nothing for senders that send none."""
     event_transport: EventTransport = "http"
     """Where cache events and membership come from: `http` (one coordinator) or `kafka`
     (any number of replicas on one topic) (`--event-transport`)."""
@@ -87,6 +92,10 @@ class CoordinatorConfig:
             )
         if self.chunk_size <= 0:
             raise ConfigError(f"--chunk-size must be > 0, got {self.chunk_size}")
+        if self.drop_token_ids and self.enable_blend_lookup:
+            raise ConfigError(
+                "--drop-token-ids contradicts --enable-blend-lookup (blend lookup needs them)"
+            )
         if self.event_transport not in ("http", "kafka"):
             raise ConfigError(
                 f"--event-transport must be http or kafka, got {self.event_transport!r}"

@@ -43,6 +43,7 @@ class StateSample(msgspec.Struct, frozen=True):
     gaps: dict[str, int]
     missing: dict[str, int]
     blend_chunks: int
+    token_bytes: int = 0
     declared_capacity: list[tuple[str, str, str, int]] = []
     """(instance, tier, backend, bytes) of every declared compartment."""
 
@@ -94,6 +95,11 @@ class _StateCollector(Collector):
             missing.add_metric([iid], s.missing.get(iid, 0))
         blend = GaugeMetricFamily("kvatlas_coordinator_blend_chunks", "Chunks in the blend index")
         blend.add_metric([], s.blend_chunks)
+        tokens = GaugeMetricFamily(
+            "kvatlas_coordinator_directory_token_bytes",
+            "Bytes of the chunk token ids kept for lookups (4 per token)",
+        )
+        tokens.add_metric([], s.token_bytes)
         capacity = GaugeMetricFamily(
             "kvatlas_coordinator_declared_capacity_bytes",
             "Capacity each instance declared per tier and backend (config batches)",
@@ -101,7 +107,7 @@ class _StateCollector(Collector):
         )
         for iid, tier, backend, n in s.declared_capacity:
             capacity.add_metric([iid, tier, backend], n)
-        return [keys, placements, nbytes, live, prov, age, gaps, missing, blend, capacity]
+        return [keys, placements, nbytes, live, prov, age, gaps, missing, blend, tokens, capacity]
 
 
 class CoordinatorMetrics:

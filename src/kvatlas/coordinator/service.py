@@ -357,6 +357,7 @@ class CoordinatorService:
             provisional = sorted(fl.provisional())
             blend = fl.blend_stats()
             declarations = fl.capacity.declarations()
+            keep_tokens = fl.directory.keep_tokens
             positions = dict(self.positions)
             capture = fl.directory.capture() if with_digest else None
         return stats_response(
@@ -366,6 +367,7 @@ class CoordinatorService:
             provisional=provisional,
             blend=blend,
             declarations=declarations,
+            keep_tokens=keep_tokens,
             digest=capture.digest() if capture is not None else None,
             positions=positions,
         )
@@ -421,6 +423,7 @@ class CoordinatorService:
                 gaps={iid: c.gaps for iid, c in fl.cursors.items()},
                 missing={iid: c.missing for iid, c in fl.cursors.items()},
                 blend_chunks=blend.chunks if blend else 0,
+                token_bytes=st.token_bytes,
                 declared_capacity=[
                     (iid, c.tier.value, c.backend, c.capacity_bytes)
                     for iid, d in sorted(fl.capacity.declarations().items())

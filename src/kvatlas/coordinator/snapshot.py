@@ -61,7 +61,10 @@ def load(config: CoordinatorConfig, now: float | None) -> tuple[FleetState, dict
     t0 = time.perf_counter()
     try:
         fleet, extra = FleetState.restore(
-            path.read_bytes(), now, instance_timeout=config.instance_timeout
+            path.read_bytes(),
+            now,
+            instance_timeout=config.instance_timeout,
+            keep_tokens=not config.drop_token_ids,
         )
     except (OSError, SnapshotError) as exc:
         raise ConfigError(

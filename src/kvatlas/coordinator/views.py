@@ -27,6 +27,7 @@ from kvatlas.wire.coordinator_views import (
     KeyView,
     OwnerView,
     StatsResponse,
+    TokenIdsView,
 )
 from kvatlas.wire.http_api import (
     HolderWire,
@@ -62,6 +63,7 @@ def stats_response(
     provisional: list[str],
     blend: BlendStats | None,
     declarations: dict[str, Declaration],
+    keep_tokens: bool,
     digest: str | None,
     positions: dict[str, int],
 ) -> StatsResponse:
@@ -97,6 +99,7 @@ def stats_response(
             )
             for iid, d in sorted(declarations.items())
         ],
+        token_ids=TokenIdsView(stats.token_keys, stats.token_bytes) if keep_tokens else None,
     )
 
 

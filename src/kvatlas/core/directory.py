@@ -85,6 +85,8 @@ class KeyDirectory:
     """Object key -> placements, with a reverse index per L1 owner. Single-threaded."""
 
     def __init__(self, keep_tokens: bool = False) -> None:
+        """``keep_tokens``: bind the token ids that STORE entries carry to their keys
+        (lookups answer them); the memory is spent only on entries that carry tokens."""
         self.keep_tokens = keep_tokens
         self._ns_ids: dict[tuple[str, int, int, str], int] = {}
         self._namespaces: list[Namespace] = []
@@ -98,6 +100,8 @@ class KeyDirectory:
         self._bytes: list[int] = []
         self._access: dict[int, int] = {}
         self._tokens: dict[int, tuple[int, bytes]] = {}
+        self._token_bytes = 0
+        """Bytes of the kept token arrays (4 per token), for stats."""
         self._pl_cache: dict[MapValue | None, tuple[Placement, ...]] = {None: ()}
 
     # ---- interning -------------------------------------------------------------------
@@ -316,7 +320,10 @@ class KeyDirectory:
                 return False
             del self._map[ik]
             self._access.pop(ik, None)
-            self._tokens.pop(ik, None)
+            if self._tokens:
+                old = self._tokens.pop(ik, None)
+                if old is not None:
+                    self._token_bytes -= len(old[1])
             removed = cur
         else:
             assert isinstance(cur, tuple)
@@ -347,7 +354,10 @@ class KeyDirectory:
         return any(c >> SIZE_BITS == oid for c in cur)
 
     def _bind(self, ik: int, offset: int, tokens: Sequence[int]) -> None:
-        self._tokens[ik] = (offset, array.array("I", tokens).tobytes())
+        raw = array.array("I", tokens).tobytes()
+        old = self._tokens.get(ik)
+        self._tokens[ik] = (offset, raw)
+        self._token_bytes += len(raw) - (len(old[1]) if old is not None else 0)
 
     # ---- fencing ---------------------------------------------------------------------
 
@@ -548,6 +558,8 @@ class KeyDirectory:
             bytes_by_tier=by_tier_b,
             owners=tuple(owners),
             namespaces=len(self._namespaces),
+            token_keys=len(self._tokens),
+            token_bytes=self._token_bytes,
         )
 
     def canonical(self) -> list[tuple[Namespace, bytes, tuple[Placement, ...]]]:
@@ -594,7 +606,9 @@ class KeyDirectory:
         for ik, n in snap.access:
             if fix(ik) in d._map:
                 d._access[fix(ik)] = n
-        for ik, off, toks in snap.tokens:
-            if fix(ik) in d._map:
-                d._tokens[fix(ik)] = (off, toks)
+        if keep_tokens:
+            for ik, off, toks in snap.tokens:
+                if fix(ik) in d._map:
+                    d._tokens[fix(ik)] = (off, toks)
+                    d._token_bytes += len(toks)
         return d

@@ -43,7 +43,8 @@ from kvatlas.core.placements import Applied, DirectoryStats, KeyResult, PrefixRe
 from kvatlas.core.types import EventType
 
 SNAPSHOT_VERSION = 2
-"""2 added the declared capacities; a version 1 snapshot restores with none."""
+"""2 added the declared capacities and whether token ids are kept; a version 1 snapshot
+restores with no declaration, keeping token ids if it had blend lookup on."""
 _READABLE_VERSIONS = frozenset({1, 2})
 
 
@@ -116,6 +117,8 @@ class _Snapshot(msgspec.Struct, array_like=True):
     extra: dict[str, int]
     capacity: dict[str, Declaration] = {}
     """Version 2: the declared capacities, with the stamps that ordered them."""
+    keep_tokens: bool | None = None
+    """Version 2: whether the directory kept token ids (None: as ``blend_enabled``)."""
 
 
 class FleetCapture:
@@ -139,11 +142,15 @@ class FleetState:
         instance_timeout: float = 30.0,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         enable_blend: bool = False,
+        keep_tokens: bool = True,
     ) -> None:
+        """``keep_tokens``: keep the token ids that senders send with STORE (LMCache's
+        servers do; lookups then answer them, as LMCache's coordinator does). The blend
+        index needs them, so ``enable_blend`` keeps them whatever this says."""
         self.instance_timeout = instance_timeout
         self.chunk_size = chunk_size
         self.membership = Membership(instance_timeout)
-        self.directory = KeyDirectory(keep_tokens=enable_blend)
+        self.directory = KeyDirectory(keep_tokens=keep_tokens or enable_blend)
         self.blend: BlendIndex | None = BlendIndex(chunk_size) if enable_blend else None
         self.capacity = CapacityRegistry()
         self.cursors: dict[str, Cursor] = {}
@@ -375,19 +382,25 @@ class FleetState:
                 blend=blend_items,
                 extra=dict(extra or {}),
                 capacity=self.capacity.declarations(),
+                keep_tokens=self.directory.keep_tokens,
             ),
             self.directory.capture(),
         )
 
     @classmethod
     def restore(
-        cls, data: bytes, now: float | None = None, instance_timeout: float | None = None
+        cls,
+        data: bytes,
+        now: float | None = None,
+        instance_timeout: float | None = None,
+        keep_tokens: bool | None = None,
     ) -> tuple[FleetState, dict[str, int]]:
         """Rebuild a state from `snapshot` bytes; returns it and the shell's ``extra``.
 
         With ``now``, every restored instance gets a full timeout from ``now`` to prove
         itself alive (the snapshot's clock may not be this process's). ``instance_timeout``
-        overrides the snapshot's (the operator's flag wins).
+        overrides the snapshot's (the operator's flag wins); so does ``keep_tokens`` (token
+        ids are dropped on restore when it is False).
         """
         try:
             snap = msgspec.msgpack.decode(data, type=_Snapshot)
@@ -396,7 +409,9 @@ class FleetState:
         if snap.version not in _READABLE_VERSIONS:
             raise SnapshotError(f"fleet snapshot version {snap.version} is not supported")
         timeout = snap.instance_timeout if instance_timeout is None else instance_timeout
-        state = cls(timeout, snap.chunk_size, snap.blend_enabled)
+        kept = snap.blend_enabled if snap.keep_tokens is None else snap.keep_tokens
+        keep = kept if keep_tokens is None else keep_tokens
+        state = cls(timeout, snap.chunk_size, snap.blend_enabled, keep)
         state.membership = Membership.restore(
             snap.instances, snap.high_water, instance_timeout=timeout, now=now
         )
@@ -404,7 +419,9 @@ class FleetState:
         state.cursors = dict(snap.cursors)
         state._provisional = dict(snap.provisional)
         state.capacity = CapacityRegistry.restore(snap.capacity)
-        state.directory = KeyDirectory.restore(snap.directory, keep_tokens=snap.blend_enabled)
+        state.directory = KeyDirectory.restore(
+            snap.directory, keep_tokens=state.directory.keep_tokens
+        )
         if state.blend is not None:
             for ns, h, toks, start in snap.blend:
                 state.blend.add(ns, h, np.frombuffer(toks, dtype=np.uint32), start)

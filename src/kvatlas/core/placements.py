@@ -130,6 +130,10 @@ class DirectoryStats(msgspec.Struct, frozen=True):
     bytes_by_tier: dict[str, int]
     owners: tuple[OwnerStats, ...]
     namespaces: int
+    token_keys: int = 0
+    """Keys whose chunk token ids are kept."""
+    token_bytes: int = 0
+    """Bytes of those token ids (4 per token)."""
 
 
 def decode_placements(owners: Sequence[Owner], cur: MapValue) -> list[Placement]:

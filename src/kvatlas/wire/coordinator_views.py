@@ -41,6 +41,13 @@ class BlendView(msgspec.Struct, frozen=True):
     token_bytes: int
 
 
+class TokenIdsView(msgspec.Struct, frozen=True):
+    keys: int
+    """Keys whose chunk token ids are kept (those their senders sent)."""
+    bytes: int
+    """Memory of those token ids (4 bytes per token)."""
+
+
 class CompartmentView(msgspec.Struct, frozen=True):
     tier: str
     backend: str
@@ -78,6 +85,8 @@ class StatsResponse(msgspec.Struct, frozen=True):
     capacity: list[DeclarationView] = []
     """The declared capacities, per instance (`GET /instances/usage` joins them with
     the placements' bytes)."""
+    token_ids: TokenIdsView | None = None
+    """Token ids kept for lookups (None with `--drop-token-ids`)."""
 
 
 class KeyView(msgspec.Struct, frozen=True):
