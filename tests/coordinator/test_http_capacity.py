@@ -226,5 +226,5 @@ def test_token_ids_are_kept_by_default_and_their_bytes_reported(
     assert again.client.get("/directory/stats").json()["token_ids"] == {"keys": 2, "bytes": 2048}
     again.stop()
     dropped: RunningCoordinator = start_coordinator(drop_token_ids=True)
-    assert [r["token_ids"] for r in stored(dropped)["results"]] == [None, None]
+    assert [r["token_ids"] for r in stored(dropped)["results"]] == [[], []]
     assert dropped.client.get("/directory/stats").json()["token_ids"] is None

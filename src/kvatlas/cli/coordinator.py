@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--drop-token-ids",
         action="store_true",
-        help="do not keep the token ids senders send with STORE (lookups answer null)",
+        help="do not keep the token ids senders send with STORE (lookups answer [])",
     )
     a(
         "--event-transport",

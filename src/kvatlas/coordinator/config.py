@@ -36,7 +36,7 @@ class CoordinatorConfig:
     (`--enable-blend-lookup`)."""
     drop_token_ids: bool = False
     """Do not keep the token ids senders send with STORE (`--drop-token-ids`): lookups
-    then answer ``token_ids`` null. Kept by default, as LMCache's coordinator does; they
+    then answer ``token_ids`` [] (unknown). Kept by default, as LMCache's coordinator does; they
     cost 4 bytes per token of the chunks whose senders send them (`token_bytes` in
     /directory/stats), nothing for senders that send none."""
     event_transport: EventTransport = "http"

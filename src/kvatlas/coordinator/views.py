@@ -127,7 +127,7 @@ def _results_wire(
         ResultWire(
             KeyWire(h, ns.model_name, ns.kv_rank, ns.object_group_id, ns.cache_salt),
             placements(ps),
-            list(t) if t is not None else None,
+            list(t) if t is not None else [],
             a,
         )
         for h, ps, a, t in zip(hexes, cols.placements, cols.access_counts, tokens, strict=True)
@@ -153,7 +153,7 @@ def keys_response(results: list[KeyResult], asked: list[KeyWire] | None = None) 
         ResultWire(
             asked[i] if asked is not None else KeyWire.from_core(r.key),
             placements(r.placements),
-            list(r.token_ids) if r.token_ids is not None else None,
+            list(r.token_ids) if r.token_ids is not None else [],
             r.access_count,
         )
         for i, r in enumerate(results)
@@ -200,9 +200,7 @@ def lookup_json(
     tails: dict[object, str] = {}
     for ident, (ps, access) in distinct.items():
         pj = _encoder.encode([placement_wire(p) for p in ps]).decode()
-        tails[ident] = (
-            f'{key_rest},"placements":{pj},"token_ids":null,"access_count":{access}}}{sep}'
-        )
+        tails[ident] = f'{key_rest},"placements":{pj},"token_ids":[],"access_count":{access}}}{sep}'
     body = "".join(chain.from_iterable(zip(hexes, map(tails.__getitem__, idents), strict=True)))
     return b"".join(
         (

@@ -630,7 +630,8 @@ class PlacementWire(msgspec.Struct, frozen=True):
 class ResultWire(msgspec.Struct, frozen=True):
     key: KeyWire
     placements: list[PlacementWire]
-    token_ids: list[int] | None
+    token_ids: list[int]
+    """The chunk's tokens as its sender sent them; empty when unknown (LMCache's form)."""
     access_count: int
 
 
