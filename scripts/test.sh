@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The README's test command: build the environment from scratch if needed, then run
-# every check (format, lint, mypy --strict, import contracts, tests).
+# The README's test command: build the environments from scratch if needed (.venv, and
+# .venv-lmcache for the LMCache compatibility suite), then run every check (format, lint,
+# mypy --strict, import contracts, tests).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/bootstrap.sh"
+# LMCache 0.5.6 (CPU) in its own environment, for the compatibility suite (marker lmcache).
+bash "$ROOT/scripts/lmcache_env.sh"
 cd "$ROOT"
 make check VENV="${KVATLAS_VENV:-$ROOT/.venv}"

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Build (or reuse) .venv-lmcache: LMCache 0.5.6 for the CPU, the environment the LMCache
+# compatibility suite (tests/lmcache/, marker `lmcache`) starts real `lmcache server` and
+# `lmcache coordinator` processes from. The recipe is the one that works on these machines
+# (shared/design/DEPENDENCIES.md): the lmcache wheel with --no-deps (its own requirements
+# pull a CUDA torch of several GB), CPU torch==2.13.0, the packages its server and
+# coordinator import, and NIXL with --no-deps for its P2P (nixl-cu12 holds the library;
+# the `nixl` package is the name LMCache imports, `nixl._api`, and forwards to it; either
+# with its dependencies pulls a CUDA torch). Safe to run again: a venv whose stamp
+# matches this recipe is reused at once.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${KVATLAS_LMCACHE_VENV:-$ROOT/.venv-lmcache}"
+# --no-warn-conflicts: lmcache's own requirements (CUDA packages) are left out on purpose.
+PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check --no-warn-conflicts)
+# Nothing this venv runs may phone home, not even pip's build of it.
+export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1
+
+DEPS=(
+    "torch==2.13.0" fastapi uvicorn httptools httpx "numpy<=2.2.6" numba blake3 msgspec
+    pyzmq "prometheus_client<=0.24.1" "opentelemetry-api<=1.40.0" opentelemetry-sdk
+    "opentelemetry-exporter-prometheus<=0.61b0" psutil pyyaml sortedcontainers cachetools
+    py-cpuinfo aiohttp requests cryptography msgpack
+)
+NO_DEPS=("lmcache==0.5.6" "nixl==1.5.1" "nixl-cu12==1.5.1")
+RECIPE="${NO_DEPS[*]} --no-deps; ${DEPS[*]}"
+STAMP="$VENV/.kvatlas-recipe"
+
+built() { [[ -f "$STAMP" && "$(cat "$STAMP")" == "$RECIPE" && -x "$VENV/bin/lmcache" ]]; }
+built && exit 0
+# One builder at a time (the test suite and scripts/test.sh may both ask for it).
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"
+flock 9
+built && exit 0
+echo "[kvatlas] building the LMCache 0.5.6 environment in $VENV" >&2
+rm -rf "$VENV"
+python3 -m venv "$VENV"
+"${PIP[@]}" --no-deps "${NO_DEPS[@]}"
+"${PIP[@]}" "${DEPS[@]}"
+"$VENV/bin/python" -c "import lmcache.v1.multiprocess.server, nixl" >/dev/null
+printf '%s' "$RECIPE" >"$STAMP"
