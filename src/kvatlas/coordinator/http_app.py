@@ -23,6 +23,8 @@ import msgspec
 
 from kvatlas.coordinator.auth import BearerAuth
 from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.fleet_page import FleetPage
+from kvatlas.coordinator.fleet_view import FleetView
 from kvatlas.coordinator.frontend import MembershipFrontend, Unavailable
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.openapi import openapi_document
@@ -122,6 +124,7 @@ class CoordinatorApp:
         self._clock = clock
         self._events_refusal = events_refusal
         self._openapi = _encoder.encode(openapi_document())
+        self._page = FleetPage(FleetView(config, service, metrics, clock=clock))
 
     def router(self) -> Router:
         r = Router()
@@ -140,6 +143,7 @@ class CoordinatorApp:
         r.add("GET", "/readyz", self.readyz)
         r.add("GET", "/metrics", self.metrics, offload=always)
         r.add("GET", "/openapi.json", self.openapi)
+        self._page.add_routes(r)
         return r
 
     def server(self) -> HttpServer:

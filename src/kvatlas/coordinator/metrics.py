@@ -1,8 +1,9 @@
 """Prometheus metrics of the coordinator, in a per-app registry (never the global one).
 
 Owns the counters and histograms the shells bump at the edges (ingest outcomes, fences,
-lookups, Kafka records) and a collector that reads a state sample at scrape time
-(directory sizes, live instances, heartbeat ages, gaps). Must not hold state of its own
+lookups, Kafka records), a collector that reads a state sample at scrape time
+(directory sizes, live instances, heartbeat ages, gaps), and the counters' totals as one
+Struct for the fleet page (`counters()`). Must not hold state of its own
 beyond the counters, nor take the fleet lock itself: the sample function does that.
 """
 
@@ -14,6 +15,8 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvatlas.wire.fleet_view import CoordinatorCounters
 
 _LOOKUP_BUCKETS = (
     0.0001,
@@ -209,3 +212,31 @@ class CoordinatorMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def counters(self) -> CoordinatorCounters:
+        """The totals of the counters (and the Kafka lag), summed over the labels the
+        page does not show; reads only these metrics, never the state collector."""
+        return CoordinatorCounters(
+            batches=_totals(self.ingest_batches, "outcome", "_total"),
+            entries=_totals(self.ingest_entries, "outcome", "_total"),
+            lookups=_totals(self.lookup_seconds, "kind", "_count"),
+            gaps=sum(_totals(self.ingest_gaps, "", "_total").values()),
+            missing_seqs=sum(_totals(self.ingest_missing, "", "_total").values()),
+            fences=_totals(self.fences, "reason", "_total"),
+            expiries=sum(_totals(self.expiries, "", "_total").values()),
+            kafka_records=_totals(self.kafka_records, "kind", "_total"),
+            kafka_lag=_totals(self.kafka_lag, "partition", ""),
+        )
+
+
+def _totals(metric: Collector, label: str, suffix: str) -> dict[str, float]:
+    """Sample values of ``metric`` whose name ends in ``suffix`` ("" for a gauge's own
+    samples), summed by the value of ``label``."""
+    out: dict[str, float] = {}
+    for family in metric.collect():
+        name = family.name + suffix
+        for sample in family.samples:
+            if sample.name == name:
+                key = sample.labels.get(label, "")
+                out[key] = out.get(key, 0.0) + sample.value
+    return out

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from kvatlas.wire.coordinator_views import KeysPage, ReadyResponse, StatsResponse
+from kvatlas.wire.fleet_view import FleetDocument
 from kvatlas.wire.http_api import (
     BlendLookupRequest,
     BlendLookupResponse,
@@ -46,6 +47,7 @@ _TYPES: tuple[Any, ...] = (
     KeysPage,
     ReadyResponse,
     ErrorResponse,
+    FleetDocument,
 )
 
 
@@ -64,6 +66,10 @@ def _ok(t: type | None, status: str = "200", text: str = "OK") -> dict[str, Any]
     if t is None:
         return {status: {"description": text}}
     return {status: {"description": text, "content": {"application/json": {"schema": _ref(t)}}}}
+
+
+def _page(content_type: str) -> dict[str, Any]:
+    return {"200": {"description": "OK", "content": {content_type: {"schema": {"type": "string"}}}}}
 
 
 def _errors(*codes: int) -> dict[str, Any]:
@@ -230,6 +236,23 @@ def openapi_document() -> dict[str, Any]:
         },
         "/openapi.json": {
             "get": {"summary": "This document", "responses": {**_ok(None), **_errors(401)}}
+        },
+        **{
+            path: {"get": {"summary": summary, "security": [], "responses": _page(ctype)}}
+            for path, summary, ctype in (
+                ("/ui", "The fleet page (asks for the token itself)", "text/html"),
+                ("/ui/app.js", "The fleet page's script", "text/javascript"),
+                ("/ui/style.css", "The fleet page's style sheet", "text/css"),
+            )
+        },
+        "/ui/fleet.json": {
+            "get": {
+                "summary": (
+                    "The fleet page's data: counters, directory stats and every live"
+                    " member with its /status (or why it did not answer)"
+                ),
+                "responses": {**_ok(FleetDocument), **_errors(401)},
+            }
         },
     }
     return {

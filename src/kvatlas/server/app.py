@@ -52,6 +52,7 @@ from kvatlas.server.storage.l2 import L2Adapter
 from kvatlas.server.storage.l2_disk import DiskL2Adapter
 from kvatlas.transfer.config import NixlConfig, ShmConfig, TcpConfig
 from kvatlas.transfer.factory import TransportConfig, make_transport
+from kvatlas.wire.fleet_view import HEARTBEAT_INTERVAL_KEY, STATUS_URL_KEY, status_url
 from kvatlas.wire.server_status import ServerStatus
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,12 @@ class CacheServer:
                         http_port=self.http.port,
                         mq_port=self.engine_api.bound_port,
                         p2p_advertised_url=config.p2p.advertise_url,
-                        metadata=self.p2p.registration_metadata() if self.p2p else {},
+                        metadata={
+                            # Where the coordinator's fleet page reads this server.
+                            STATUS_URL_KEY: status_url(co.advertise_ip, self.http.port),
+                            HEARTBEAT_INTERVAL_KEY: str(co.heartbeat_interval_s),
+                            **(self.p2p.registration_metadata() if self.p2p else {}),
+                        },
                     ),
                     heartbeat_interval_s=co.heartbeat_interval_s,
                     on_resync=self._resync,
@@ -186,6 +192,7 @@ class CacheServer:
                 lambda: self.publisher.stats() if self.publisher else None,
                 lambda: self.registrar.stats() if self.registrar else None,
                 lambda: (self.service.requests, self.service.errors),
+                lookups=self.service.lookup_counts,
                 p2p=lambda: self.p2p.stats() if self.p2p else None,
             )
         except BaseException:
@@ -328,6 +335,7 @@ class CacheServer:
             models=sorted(self.service.contracts()),
             engines=self.service.engines(),
             uptime_s=time.monotonic() - self.started_at,
+            lookups=self.service.lookup_counts(),
             p2p=self.p2p.stats() if self.p2p else None,
         )
 

@@ -1,11 +1,12 @@
 """The engine service: what each engine API request does to the chunk store.
 
 Owns the per-model hash contracts engines registered, the translation of engine requests
-into ChunkStore calls under the store lock, and handing the store's events to the
-publisher in the order they happened (also under the lock, so the event stream's order
-is the store's). It is transport-free: ``engine_api`` moves bytes over ZeroMQ and calls
-``handle``. Must not: copy KV bytes (engines do that through the shared region) or talk to
-the network itself (``declare_contract`` is the registrar's).
+into ChunkStore calls under the store lock, the lookup counts (the hit rate), and handing
+the store's events to the publisher in the order they happened (also under the lock, so
+the event stream's order is the store's). It is transport-free: ``engine_api`` moves
+bytes over ZeroMQ and calls ``handle``. Must not: copy KV bytes (engines do that through
+the shared region) or talk to the network itself (``declare_contract`` is the
+registrar's).
 
 P2P seam: on a local miss a lookup calls ``peer_source.fetch_prefix`` WITHOUT the lock
 (a peer fetch may take up to the load timeout, and other engines must not wait for it):
@@ -80,6 +81,20 @@ class NotRegistered(InvalidInput):
 
 
 @dataclass(frozen=True, slots=True)
+class LookupCounts:
+    """Engine lookups since the start, for ``/status`` and ``/metrics`` (the hit rate is
+    ``hit_chunks / chunks``)."""
+
+    lookups: int = 0
+    chunks: int = 0
+    """Full chunks the engines asked about."""
+    hit_chunks: int = 0
+    """Of those, the leading chunks answered as a hit (local or fetched from peers)."""
+    peer_chunks: int = 0
+    """Of the hits, chunks read from peers for this lookup."""
+
+
+@dataclass(frozen=True, slots=True)
 class ServiceIdentity:
     instance_id: str
     incarnation: int
@@ -111,6 +126,7 @@ class EngineService:
         self._engines: dict[str, str] = {}  # engine id -> model
         self.requests = 0
         self.errors = 0
+        self._lookups = LookupCounts()
 
     # ------------------------------------------------------------------ helpers
 
@@ -126,6 +142,15 @@ class EngineService:
 
     def engines(self) -> int:
         return len(self._engines)
+
+    def lookup_counts(self) -> LookupCounts:
+        return self._lookups
+
+    def _count_lookup_locked(self, asked: int, hit: int, peer: int = 0) -> None:
+        c = self._lookups
+        self._lookups = LookupCounts(
+            c.lookups + 1, c.chunks + asked, c.hit_chunks + hit, c.peer_chunks + peer
+        )
 
     def _keys(self, ns: Namespace, hashes: Sequence[bytes]) -> list[ObjectKey]:
         if ns.model_name not in self._contracts:
@@ -286,14 +311,17 @@ class EngineService:
         with self.lock:
             hit = self.store.lookup_prefix(keys, self._clock())
             if hit == len(keys) or self._peer_source is None:
-                return self._answer_locked(keys, req.acquire, lease_s)
+                local = self._answer_locked(keys, req.acquire, lease_s)
+                self._count_lookup_locked(len(keys), local.hit_chunks)
+                return local
         local_ms = (time.perf_counter() - t0) * 1000
         # Outside the lock: a peer fetch may take up to the load timeout.
         fetch = self._peer_source.fetch_prefix(keys[hit:], req.recompute_s)
         with self.lock:
             self.store.lookup_prefix(keys, self._clock())  # promotes what L2 got meanwhile
             result = self._answer_locked(keys, req.acquire, lease_s)
-        peer = sum(1 for k in keys[: result.hit_chunks] if k in fetch.fetched)
+            peer = sum(1 for k in keys[: result.hit_chunks] if k in fetch.fetched)
+            self._count_lookup_locked(len(keys), result.hit_chunks, peer)
         return msgspec.structs.replace(
             result,
             peer_chunks=peer,

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvatlas.server.engine_service import LookupCounts
 from kvatlas.server.p2p.node import P2PStats
 from kvatlas.server.publisher import PublisherStats
 from kvatlas.server.registrar import RegistrarStats, RegistrationState
@@ -30,9 +31,11 @@ class _StatsCollector(Collector):
         registrar: Callable[[], RegistrarStats | None],
         requests: Callable[[], tuple[int, int]],
         *,
+        lookups: Callable[[], LookupCounts],
         p2p: Callable[[], P2PStats | None] = lambda: None,
     ) -> None:
         self._iid = instance_id
+        self._lookups = lookups
         self._p2p = p2p
         self._store = store
         self._publisher = publisher
@@ -64,6 +67,11 @@ class _StatsCollector(Collector):
         req, err = self._requests()
         yield self._c("engine_requests", "Engine API requests served.", req)
         yield self._c("engine_request_errors", "Engine API requests answered with an error.", err)
+        lk = self._lookups()
+        yield self._c("lookups", "Engine lookups.", lk.lookups)
+        yield self._c("lookup_chunks", "Chunks engines looked up.", lk.chunks)
+        yield self._c("lookup_hit_chunks", "Looked-up chunks answered as hits.", lk.hit_chunks)
+        yield self._c("lookup_peer_chunks", "Hit chunks read from peers.", lk.peer_chunks)
         pub = self._publisher()
         if pub is not None:
             yield self._c("events_sent", "Cache events delivered.", pub.sent_entries)
@@ -117,11 +125,14 @@ class ServerMetrics:
         registrar: Callable[[], RegistrarStats | None],
         requests: Callable[[], tuple[int, int]],
         *,
+        lookups: Callable[[], LookupCounts],
         p2p: Callable[[], P2PStats | None] = lambda: None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(
-            _StatsCollector(instance_id, store, publisher, registrar, requests, p2p=p2p)
+            _StatsCollector(
+                instance_id, store, publisher, registrar, requests, lookups=lookups, p2p=p2p
+            )
         )
 
     def render(self) -> bytes:

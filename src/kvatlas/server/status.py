@@ -8,6 +8,7 @@ long (it copies snapshots and returns).
 
 from __future__ import annotations
 
+from kvatlas.server.engine_service import LookupCounts
 from kvatlas.server.p2p.node import P2PStats
 from kvatlas.server.publisher import PublisherStats
 from kvatlas.server.registrar import RegistrarStats, RegistrationState
@@ -17,6 +18,7 @@ from kvatlas.wire.server_status import (
     L1Status,
     L2Status,
     LeaseStatus,
+    LookupStatus,
     P2PStatus,
     RegistrarStatus,
     ServerStatus,
@@ -38,6 +40,7 @@ def build_status(
     models: list[str],
     engines: int,
     uptime_s: float,
+    lookups: LookupCounts,
     p2p: P2PStats | None = None,
 ) -> ServerStatus:
     l1 = store.l1
@@ -75,6 +78,12 @@ def build_status(
         events=event_status(publisher, event_transport),
         models=models,
         engines=engines,
+        lookups=LookupStatus(
+            requests=lookups.lookups,
+            chunks=lookups.chunks,
+            hit_chunks=lookups.hit_chunks,
+            peer_chunks=lookups.peer_chunks,
+        ),
         p2p_enabled=p2p is not None,
         p2p_state=p2p.state.value if p2p else "unregistered",
         p2p_peer_count=len(p2p.peers) if p2p else 0,

@@ -71,6 +71,19 @@ class EventStatus(msgspec.Struct, frozen=True):
     last_error: str
 
 
+class LookupStatus(msgspec.Struct, frozen=True):
+    """``lookups``: engine lookups since the server started (the hit rate is
+    ``hit_chunks / chunks``)."""
+
+    requests: int
+    chunks: int
+    """Full chunks the engines asked about."""
+    hit_chunks: int
+    """Of those, the leading chunks answered as a hit (local or read from peers)."""
+    peer_chunks: int
+    """Of the hits, chunks read from peers for the lookup."""
+
+
 class P2PStatus(msgspec.Struct, frozen=True):
     """kvatlas' P2P counters: the requester's reads and fallbacks, the owner's service."""
 
@@ -115,6 +128,7 @@ class ServerStatus(msgspec.Struct, frozen=True, omit_defaults=True):
     events: EventStatus
     models: list[str]
     engines: int
+    lookups: LookupStatus
     p2p_enabled: bool
     p2p_state: str
     """registered, disconnected or unregistered: this server in the peer listing."""

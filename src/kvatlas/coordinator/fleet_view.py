@@ -1,0 +1,211 @@
+"""The fleet page's data: `GET /ui/fleet.json`, assembled from the coordinator and from
+every live member's `/status`.
+
+Owns the aggregation: the member list, each member's `/status` fetched concurrently with
+one short deadline each (a member that does not answer in time, refuses, or answers
+something unreadable is shown with the reason, never waited for longer), the
+coordinator's counters and directory stats, and one cached document per `cache_s` that
+every viewer shares (at most one assembly in flight, however many pages poll). It runs on
+the coordinator's event loop without blocking it: the fetches are asynchronous, and
+what takes the service lock or decodes and encodes (member list, stats, the document) is
+done in a worker thread. Must not: change the fleet state, fetch anything but the
+members' status URLs, or follow redirects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import httpx
+import msgspec
+
+from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.metrics import CoordinatorMetrics
+from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.wire.fleet_view import (
+    HEARTBEAT_INTERVAL_KEY,
+    STATUS_URL_KEY,
+    FleetDocument,
+    MemberStatus,
+    MemberView,
+    status_url,
+)
+from kvatlas.wire.http_api import InstanceWire
+
+log = logging.getLogger(__name__)
+
+CACHE_S = 1.0
+"""A document is served to every viewer for this long: pages poll every 2 s by default,
+so members are asked at most once a second whatever the number of viewers."""
+STATUS_TIMEOUT_S = 1.0
+"""Deadline of one member's `/status` (connect, answer and body together)."""
+MAX_PARALLEL = 32
+"""Status fetches in flight at once."""
+MAX_STATUS_BYTES = 1 << 20
+"""A `/status` answer larger than this is not read (a server's is a few kB)."""
+_MISSED_HEARTBEATS = 3
+
+_status_decoder = msgspec.json.Decoder(MemberStatus)
+_encoder = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True, slots=True)
+class _Fetched:
+    body: bytes | None
+    error: str
+    ms: float
+
+
+class FleetView:
+    """Assembles and caches the fleet page's document."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        service: CoordinatorService,
+        metrics: CoordinatorMetrics,
+        *,
+        clock: Callable[[], float] = time.time,
+        cache_s: float = CACHE_S,
+        status_timeout_s: float = STATUS_TIMEOUT_S,
+    ) -> None:
+        self._cfg = config
+        self._svc = service
+        self._metrics = metrics
+        self._clock = clock
+        self._cache_s = cache_s
+        self._timeout = status_timeout_s
+        self._headers = (
+            {"authorization": f"Bearer {config.auth_token}"} if config.auth_token else {}
+        )
+        self._doc = b""
+        self._doc_at = -float("inf")
+        self._assembling: asyncio.Task[bytes] | None = None
+
+    async def document(self) -> bytes:
+        """The cached document, or a fresh one (shared with concurrent callers)."""
+        if time.monotonic() - self._doc_at < self._cache_s:
+            return self._doc
+        task = self._assembling
+        if task is None:
+            task = self._assembling = asyncio.ensure_future(self._assemble())
+        return await task
+
+    async def _assemble(self) -> bytes:
+        try:
+            loop = asyncio.get_running_loop()
+            now = self._clock()
+            members = await loop.run_in_executor(None, self._svc.instances, now)
+            fetched = await self._fetch_all([_url(m) for m in members])
+            doc = await loop.run_in_executor(None, self._encode, now, members, fetched)
+            self._doc, self._doc_at = doc, time.monotonic()
+            return doc
+        finally:
+            self._assembling = None
+
+    # ---- fetching (on the loop) ------------------------------------------------------
+
+    async def _fetch_all(self, urls: Sequence[str]) -> list[_Fetched]:
+        if not urls:
+            return []
+        limits = httpx.Limits(max_connections=MAX_PARALLEL, max_keepalive_connections=0)
+        # trust_env=False: a proxy set for the operator's shell must not carry fleet traffic.
+        async with httpx.AsyncClient(
+            headers=self._headers,
+            timeout=self._timeout,
+            limits=limits,
+            trust_env=False,
+            follow_redirects=False,
+        ) as client:
+            return list(await asyncio.gather(*(self._fetch(client, u) for u in urls)))
+
+    async def _fetch(self, client: httpx.AsyncClient, url: str) -> _Fetched:
+        t0 = time.perf_counter()
+
+        def done(body: bytes | None, error: str = "") -> _Fetched:
+            return _Fetched(body, error, round((time.perf_counter() - t0) * 1000, 1))
+
+        if not url:
+            return done(None, "no status URL registered")
+        try:
+            async with asyncio.timeout(self._timeout), client.stream("GET", url) as r:
+                if r.status_code != 200:
+                    return done(None, f"/status answered HTTP {r.status_code}")
+                body = bytearray()
+                async for part in r.aiter_bytes():
+                    body += part
+                    if len(body) > MAX_STATUS_BYTES:
+                        return done(None, f"/status is larger than {MAX_STATUS_BYTES} bytes")
+                return done(bytes(body))
+        except TimeoutError:
+            return done(None, f"no answer in {self._timeout:g} s")
+        except httpx.HTTPError as exc:
+            return done(None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+
+    # ---- the document (in a worker thread) -------------------------------------------
+
+    def _encode(self, now: float, members: list[InstanceWire], fetched: list[_Fetched]) -> bytes:
+        views = [self._member(m, f) for m, f in zip(members, fetched, strict=True)]
+        return _encoder.encode(
+            FleetDocument(
+                generated_at=now,
+                cache_s=self._cache_s,
+                event_transport=self._cfg.event_transport,
+                ready=self._svc.ready,
+                not_ready_reason=self._svc.not_ready_reason,
+                instance_timeout_s=self._cfg.instance_timeout,
+                counters=self._metrics.counters(),
+                directory=self._svc.stats(),
+                members=views,
+            )
+        )
+
+    def _member(self, m: InstanceWire, f: _Fetched) -> MemberView:
+        status: MemberStatus | None = None
+        error = f.error
+        if f.body is not None:
+            try:
+                status = _status_decoder.decode(f.body)
+            except msgspec.DecodeError as exc:  # ValidationError included
+                error = f"unreadable /status: {exc}"
+        stale_after = self._stale_after(m.metadata)
+        return MemberView(
+            instance_id=m.instance_id,
+            incarnation=m.incarnation,
+            address=f"{m.ip}:{m.http_port}",
+            heartbeat_age_s=round(m.heartbeat_age_s, 3),
+            stale_after_s=stale_after,
+            stale=m.heartbeat_age_s > stale_after,
+            status_url=_url(m),
+            status=status,
+            error=error,
+            fetch_ms=f.ms,
+            p2p_advertised_url=m.p2p_advertised_url or "",
+        )
+
+    def _stale_after(self, metadata: dict[str, str]) -> float:
+        """Three missed heartbeats when the member said how often it beats, a third of
+        the instance timeout otherwise; never more than half the timeout."""
+        half = self._cfg.instance_timeout / 2
+        try:
+            interval = float(metadata.get(HEARTBEAT_INTERVAL_KEY, ""))
+        except ValueError:
+            return round(self._cfg.instance_timeout / 3, 3)
+        if not interval > 0:
+            return round(self._cfg.instance_timeout / 3, 3)
+        return round(min(half, _MISSED_HEARTBEATS * interval), 3)
+
+
+def _url(m: InstanceWire) -> str:
+    """The member's registered status URL when it is an http(s) URL, else its address's
+    `/status` (a member of an older version registers none)."""
+    url = m.metadata.get(STATUS_URL_KEY, "")
+    if url.startswith(("http://", "https://")):
+        return url
+    if m.ip and m.http_port > 0:
+        return status_url(m.ip, m.http_port)
+    return ""

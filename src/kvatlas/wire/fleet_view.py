@@ -1,0 +1,157 @@
+"""The fleet page's shapes: `GET /ui/fleet.json`, and what it reads of each server.
+
+Owns the document the coordinator's fleet page polls (`FleetDocument`: the coordinator's
+counters, its directory stats, and one `MemberView` per live member with what that
+member's `/status` said or why it said nothing), the page's lenient reading of a server's
+`/status` (`MemberStatus`), and the registration metadata keys a server uses to tell the
+coordinator where its `/status` is and how often it heartbeats. Must not: fetch, hold
+state, or know the coordinator's or the server's internals.
+
+Why `MemberStatus` is not `server_status.ServerStatus`: that Struct is the document a
+server writes, every field required, so that both sides agree on it. The coordinator
+reads the servers of a whole fleet, which are upgraded after it (docs/deploy.md) or may
+be another implementation: here every field the page shows has a default and unknown
+fields are ignored, so a server of another version still shows what it shares with this
+one instead of turning "unreadable". Its field names are ServerStatus's (a test decodes
+one as the other).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvatlas.wire.coordinator_views import StatsResponse
+
+STATUS_URL_KEY = "status_url"
+"""Registration metadata: the URL of the server's `/status` as the coordinator reaches it."""
+HEARTBEAT_INTERVAL_KEY = "heartbeat_interval_s"
+"""Registration metadata: seconds between the server's heartbeats."""
+
+
+def status_url(ip: str, http_port: int) -> str:
+    """`/status` on ``ip:http_port`` (an IPv6 address in brackets)."""
+    host = f"[{ip}]" if ":" in ip and not ip.startswith("[") else ip
+    return f"http://{host}:{http_port}/status"
+
+
+# ---- a server's /status, as the page reads it -------------------------------------------
+
+
+class L1View(msgspec.Struct, frozen=True):
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    chunks: int = 0
+    evictions: int = 0
+
+
+class L2View(msgspec.Struct, frozen=True):
+    enabled: bool = False
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+
+
+class EventsView(msgspec.Struct, frozen=True):
+    """The server's event publisher: its backlog and its failures."""
+
+    transport: str = ""
+    pending: int = 0
+    buffered_batches: int = 0
+    sent_events: int = 0
+    failed_sends: int = 0
+    dropped_events: int = 0
+    last_error: str = ""
+
+
+class LookupsView(msgspec.Struct, frozen=True):
+    """Engine lookups since the server started (the hit rate is hit_chunks / chunks)."""
+
+    requests: int = 0
+    chunks: int = 0
+    hit_chunks: int = 0
+    peer_chunks: int = 0
+
+
+class P2PView(msgspec.Struct, frozen=True):
+    transfer_engine: str = ""
+    lookups: int = 0
+    chunks_fetched: int = 0
+    bytes_read: int = 0
+    served_chunks: int = 0
+    fallbacks: dict[str, int] = {}
+    """P2P misses that became a recompute, by cause (``stale_hint`` among them)."""
+    cooling_peers: list[str] = []
+
+
+class MemberStatus(msgspec.Struct, frozen=True):
+    """What the page shows of one server's `/status`."""
+
+    uptime_s: float = 0.0
+    registration_state: str = ""
+    l1: L1View = L1View()
+    l2: L2View = L2View()
+    events: EventsView = EventsView()
+    lookups: LookupsView = LookupsView()
+    p2p_enabled: bool = False
+    p2p_state: str = ""
+    p2p_peer_count: int = 0
+    p2p_peers: list[str] = []
+    active_p2p_lookup_jobs: int = 0
+    p2p: P2PView | None = None
+
+
+# ---- the document -----------------------------------------------------------------------
+
+
+class MemberView(msgspec.Struct, frozen=True):
+    """One live member: the coordinator's view of it, and its own `/status`."""
+
+    instance_id: str
+    incarnation: int
+    address: str
+    """``ip:http_port`` as the member registered it."""
+    heartbeat_age_s: float
+    stale_after_s: float
+    """A heartbeat older than this means the member missed several (or is gone)."""
+    stale: bool
+    status_url: str
+    status: MemberStatus | None
+    """None when the member did not answer (``error`` says why)."""
+    error: str = ""
+    fetch_ms: float = 0.0
+    p2p_advertised_url: str = ""
+
+
+class CoordinatorCounters(msgspec.Struct, frozen=True):
+    """The coordinator's own counters since it started (the page derives rates)."""
+
+    batches: dict[str, float]
+    """Event batches by outcome (applied, duplicate, stale, invalid)."""
+    entries: dict[str, float]
+    """Event entries by batch outcome."""
+    lookups: dict[str, float]
+    """Directory lookups by kind (keys, tokens, blend)."""
+    gaps: float
+    missing_seqs: float
+    fences: dict[str, float]
+    """L1 slices fenced, by reason."""
+    expiries: float
+    kafka_records: dict[str, float]
+    kafka_lag: dict[str, float]
+    """Records behind the high watermark, by partition (empty without Kafka)."""
+
+
+class FleetDocument(msgspec.Struct, frozen=True):
+    """`GET /ui/fleet.json`."""
+
+    generated_at: float
+    """Unix time the document was assembled."""
+    cache_s: float
+    """How long the coordinator serves this same document before assembling a new one."""
+    event_transport: str
+    ready: bool
+    not_ready_reason: str
+    instance_timeout_s: float
+    counters: CoordinatorCounters
+    directory: StatsResponse
+    """What `GET /directory/stats` answers."""
+    members: list[MemberView]

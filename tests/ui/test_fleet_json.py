@@ -1,0 +1,145 @@
+"""`GET /ui` and `GET /ui/fleet.json` against a real coordinator and real servers: the page
+is served without the token and fetches nothing from elsewhere, the data needs the token,
+every member shows its `/status`, and a member that does not answer is reported with the
+reason within the status deadline while the coordinator keeps answering."""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+
+from kvatlas.wire.fleet_view import STATUS_URL_KEY, FleetDocument
+
+from .fleet import Fleet, fleet, store_and_share, wait_until
+
+SVG_NAMESPACE = "http://www.w3.org/2000/svg"  # a name, never fetched
+
+
+def test_page_is_open_and_data_needs_the_token(tmp_path: Path) -> None:
+    with fleet(tmp_path, "node-a", token="s3cret") as fl:
+        page = httpx.get(fl.url + "/ui", timeout=5)
+        assert page.status_code == 200
+        assert page.headers["content-type"].startswith("text/html")
+        assert "script-src 'self'" in page.headers["content-security-policy"]
+        for asset in re.findall(r'(?:src|href)="([^"]+)"', page.text):
+            # Relative paths only: nothing is fetched from another origin.
+            assert not asset.startswith(("http:", "https:", "//", "/")), asset
+            r = httpx.get(f"{fl.url}/{asset}", timeout=5)
+            assert r.status_code == 200, asset
+            urls = set(re.findall(r"https?://[^\s\"')]+", r.text)) - {SVG_NAMESPACE}
+            assert not urls, asset
+        assert httpx.get(fl.url + "/ui/fleet.json", timeout=5).status_code == 401
+        bad = {"authorization": "Bearer wrong"}
+        assert httpx.get(fl.url + "/ui/fleet.json", headers=bad, timeout=5).status_code == 401
+        doc = fl.fleet_json()
+        # The coordinator sent its token to the member's /status, which needs it too.
+        assert [m["instance_id"] for m in doc["members"]] == ["node-a"]
+        assert doc["members"][0]["error"] == ""
+        assert doc["members"][0]["status"]["registration_state"] == "registered"
+
+
+def test_members_counters_and_directory(tmp_path: Path) -> None:
+    with fleet(tmp_path, "node-a", "node-b") as fl:
+        a, b = fl.nodes
+        assert store_and_share(a.client(), b.client(), seed=1) == 8
+
+        def shared_counted() -> bool:
+            doc = msgspec_doc(fl)
+            by_id = {m.instance_id: m for m in doc.members}
+            st_b = by_id["node-b"].status
+            return (
+                doc.counters.entries.get("applied", 0) >= 8
+                and st_b is not None
+                and st_b.p2p is not None
+                and st_b.p2p.bytes_read >= 8 * 4096
+            )
+
+        wait_until(shared_counted, 10, "the peer read shows in fleet.json")
+        doc = msgspec_doc(fl)
+        assert doc.ready and doc.event_transport == "http"
+        assert doc.instance_timeout_s == 4.0
+        by_id = {m.instance_id: m for m in doc.members}
+        assert sorted(by_id) == ["node-a", "node-b"]
+        for m in by_id.values():
+            assert m.status is not None and m.error == ""
+            assert m.status_url.endswith(f":{m.address.split(':')[1]}/status")
+            assert not m.stale and m.heartbeat_age_s < m.stale_after_s
+            assert m.stale_after_s == 0.75  # three heartbeats of 0.25 s
+            assert m.status.l1.capacity_bytes > 0
+            assert m.status.p2p_enabled and m.status.p2p_state == "registered"
+        st_a, st_b = by_id["node-a"].status, by_id["node-b"].status
+        assert st_a is not None and st_b is not None
+        assert st_a.l1.chunks == 8 and st_b.l1.chunks == 8
+        assert st_b.lookups.hit_chunks >= 8 and st_b.lookups.peer_chunks == 8
+        assert st_b.p2p is not None and st_b.p2p.chunks_fetched == 8
+        stats = httpx.get(fl.url + "/directory/stats", timeout=5).json()
+        directory = msgspec.json.decode(doc.directory)
+        assert directory["keys"] == stats["keys"] == 8
+        assert directory["placements_by_tier"] == stats["placements_by_tier"]
+
+
+def test_a_silent_member_costs_one_deadline_and_is_named(tmp_path: Path) -> None:
+    with fleet(tmp_path, "node-a") as fl:
+        # A member whose /status port accepts connections but never answers.
+        silent = socket.socket()
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        try:
+            body = {
+                "instance_id": "silent",
+                "ip": "127.0.0.1",
+                "http_port": port,
+                "metadata": {STATUS_URL_KEY: f"http://127.0.0.1:{port}/status"},
+            }
+            assert httpx.post(fl.url + "/instances", json=body, timeout=5).status_code == 200
+            t0 = time.monotonic()
+            doc = fl.fleet_json()
+            took = time.monotonic() - t0
+            by_id = {m["instance_id"]: m for m in doc["members"]}
+            assert by_id["silent"]["status"] is None
+            assert by_id["silent"]["error"] == "no answer in 1 s"
+            assert by_id["node-a"]["status"] is not None
+            assert took < 3.0, took
+            # While a document is assembled the coordinator answers other requests.
+            assert httpx.get(fl.url + "/healthz", timeout=1).status_code == 200
+            # A member that refuses connections is named too.
+            gone = {**body, "instance_id": "gone", "http_port": 1, "metadata": {}}
+            assert httpx.post(fl.url + "/instances", json=gone, timeout=5).status_code == 200
+            wait_until(
+                lambda: any(
+                    m["instance_id"] == "gone" and m["error"].startswith("ConnectError")
+                    for m in fl.fleet_json()["members"]
+                ),
+                5,
+                "the refusing member is reported",
+            )
+        finally:
+            silent.close()
+
+
+def test_one_document_per_cache_period(tmp_path: Path) -> None:
+    with fleet(tmp_path, "node-a") as fl:
+        first = fl.get("/ui/fleet.json").content
+        again = fl.get("/ui/fleet.json").content
+        assert first == again  # served from the cache: the member was asked once
+        doc = msgspec.json.decode(first, type=FleetDocument)
+        wait_until(
+            lambda: (
+                msgspec.json.decode(
+                    fl.get("/ui/fleet.json").content, type=FleetDocument
+                ).generated_at
+                > doc.generated_at
+            ),
+            5,
+            "a fresh document after the cache period",
+        )
+
+
+def msgspec_doc(fl: Fleet) -> FleetDocument:
+    return msgspec.json.decode(fl.get("/ui/fleet.json").content, type=FleetDocument)
