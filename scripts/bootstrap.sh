@@ -10,9 +10,11 @@ EXTRAS="${1:-dev,engine,mooncake}"
 PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
 
 # System packages: Mooncake's library needs libibverbs1; its tests run in a private
-# network namespace set up with iproute2's `ip`. Installed only when missing.
+# network namespace set up with iproute2's `ip`; the fleet page's browser tests drive
+# Debian's headless chromium (Playwright uses it through executable_path: never
+# `playwright install`, which downloads a browser). Installed only when missing.
 missing=()
-for pkg in libibverbs1 iproute2; do
+for pkg in libibverbs1 iproute2 chromium; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
 if ((${#missing[@]})); then
@@ -21,7 +23,7 @@ if ((${#missing[@]})); then
         apt-get update -qq >/dev/null
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     else
-        echo "[kvatlas] warning: missing system packages ${missing[*]} (the mooncake engine needs them)" >&2
+        echo "[kvatlas] warning: missing system packages ${missing[*]} (the mooncake engine and the browser tests need them)" >&2
     fi
 fi
 if [[ ! -x "$VENV/bin/python" ]]; then

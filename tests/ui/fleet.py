@@ -53,10 +53,16 @@ class Proc:
 class Node(Proc):
     port: int = 0
     http_port: int = 0
+    token: str = ""
     clients: list[CacheClient] = field(default_factory=list)
 
     def client(self) -> CacheClient:
-        c = CacheClient(f"tcp://{HOST}:{self.port}", timeout_s=10.0, engine_id=f"e-{self.name}")
+        c = CacheClient(
+            f"tcp://{HOST}:{self.port}",
+            timeout_s=10.0,
+            engine_id=f"e-{self.name}",
+            auth_token=self.token or None,
+        )
         c.register(MODEL, "float16", (2, 2, 8), chunk_size=CHUNK)
         self.clients.append(c)
         return c
@@ -112,14 +118,16 @@ class Fleet:
             args += ["--auth-token", self.token]
         with log.open("wb") as f:
             proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
-        node = Node(name, proc, log, port, http_port)
+        node = Node(name, proc, log, port, http_port, self.token)
         self.nodes.append(node)
         wait_http(f"http://{HOST}:{http_port}/healthz", proc, log)
         return node
 
 
 @contextmanager
-def fleet(tmp: Path, *names: str, token: str = "") -> Iterator[Fleet]:
+def fleet(
+    tmp: Path, *names: str, token: str = "", instance_timeout: float = INSTANCE_TIMEOUT_S
+) -> Iterator[Fleet]:
     """A coordinator and one server per name, each registered before this yields."""
     tmp.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -127,7 +135,7 @@ def fleet(tmp: Path, *names: str, token: str = "") -> Iterator[Fleet]:
     args = [
         sys.executable, "-m", "kvatlas.cli.coordinator", "--host", HOST, "--port", str(port),
         "--chunk-size", str(CHUNK), "--snapshot-interval", "0",
-        "--instance-timeout", str(INSTANCE_TIMEOUT_S), "--health-check-interval", "0.25",
+        "--instance-timeout", str(instance_timeout), "--health-check-interval", "0.25",
     ]  # fmt: skip
     if token:
         args += ["--auth-token", token]

@@ -247,7 +247,7 @@
           { class: "chart", id: "chart-" + c.id },
           el("div", { class: "head" }, el("span", { text: c.title }), el("span", { class: "value", id: "rate-" + c.id, text: "-" })),
           svg,
-          el("div", { class: "axis" }, el("span", { text: "-5 min" }), el("span", { class: "peak", text: "" }), el("span", { text: "now" })),
+          el("div", { class: "axis" }, el("span", { class: "from", text: "" }), el("span", { class: "peak", text: "" }), el("span", { text: "now" })),
         ),
       );
     }
@@ -256,6 +256,8 @@
   function renderCharts() {
     const pts = state.points;
     const tEnd = pts.length ? pts[pts.length - 1].t : 0;
+    // The x axis spans the history there is (at least 30 s), up to the whole window.
+    const span = pts.length ? Math.min(WINDOW_S, Math.max(30, tEnd - pts[0].t)) : WINDOW_S;
     for (const c of CHARTS) {
       const box = $("chart-" + c.id);
       const values = pts.filter((p) => p[c.key] !== null);
@@ -263,11 +265,13 @@
       const out = $("rate-" + c.id);
       out.textContent = last === null ? "-" : c.fmt(last);
       out.setAttribute("data-value", last === null ? "" : String(last));
-      const peak = c.max || Math.max(0, ...values.map((p) => p[c.key]));
-      box.querySelector(".peak").textContent = values.length ? "peak " + c.fmt(Math.max(...values.map((p) => p[c.key]))) : "";
+      const top = values.length ? Math.max(...values.map((p) => p[c.key])) : 0;
+      const scale = c.max || top;
+      box.querySelector(".peak").textContent = values.length ? "peak " + c.fmt(top) : "";
+      box.querySelector(".from").textContent = "-" + fmtAge(span);
       const xy = values.map((p) => {
-        const x = 300 - ((tEnd - p.t) / WINDOW_S) * 300;
-        const y = peak > 0 ? 67 - (p[c.key] / peak) * 62 : 67;
+        const x = 300 - ((tEnd - p.t) / span) * 300;
+        const y = scale > 0 ? 67 - (p[c.key] / scale) * 62 : 67;
         return x.toFixed(1) + "," + y.toFixed(1);
       });
       box.querySelector("polyline").setAttribute("points", xy.join(" "));
@@ -335,7 +339,9 @@
     for (const r of shown) {
       const s = r.s;
       const tr = el("tr", { class: r.state, "data-instance": r.instance, "data-state": r.state });
-      const p2pCell = el("td", { text: s ? (s.p2p_enabled ? s.p2p_state + ", " + s.p2p_peer_count + " peers" : "off") : "-" });
+      const p2pCell = el("td", {
+        text: s ? (s.p2p_enabled ? s.p2p_state + ", " + s.p2p_peer_count + (s.p2p_peer_count === 1 ? " peer" : " peers") : "off") : "-",
+      });
       if (s && s.p2p_peers.length) p2pCell.title = "peers: " + s.p2p_peers.join(", ");
       const fb = s && s.p2p ? s.p2p.fallbacks : {};
       const fbCell = el("td", { class: "num", text: s && s.p2p ? fmtNum(sum(fb)) : "-" });
