@@ -45,102 +45,104 @@ def test_page_is_open_and_data_needs_the_token(tmp_path: Path) -> None:
         assert doc["members"][0]["status"]["registration_state"] == "registered"
 
 
-def test_members_counters_and_directory(tmp_path: Path) -> None:
-    with fleet(tmp_path, "node-a", "node-b") as fl:
-        a, b = fl.nodes
-        assert store_and_share(a.client(), b.client(), seed=1) == 8
+def test_members_counters_and_directory(two_nodes: Fleet) -> None:
+    fl = two_nodes
+    a, b = fl.nodes
+    before = msgspec_doc(fl)
+    keys_before = msgspec.json.decode(before.directory)["keys"]
+    applied_before = before.counters.entries.get("applied", 0)
+    was = {m.instance_id: m.status for m in before.members}
+    assert was["node-a"] is not None and was["node-b"] is not None
+    read_before = was["node-b"].p2p.bytes_read if was["node-b"].p2p else 0
+    assert store_and_share(a.client(), b.client(), seed=101) == 8
 
-        def shared_counted() -> bool:
-            doc = msgspec_doc(fl)
-            by_id = {m.instance_id: m for m in doc.members}
-            st_b = by_id["node-b"].status
-            return (
-                doc.counters.entries.get("applied", 0) >= 8
-                and st_b is not None
-                and st_b.p2p is not None
-                and st_b.p2p.bytes_read >= 8 * 4096
-            )
-
-        wait_until(shared_counted, 10, "the peer read shows in fleet.json")
+    def shared_counted() -> bool:
         doc = msgspec_doc(fl)
-        assert doc.ready and doc.event_transport == "http"
-        assert doc.instance_timeout_s == 4.0
-        by_id = {m.instance_id: m for m in doc.members}
-        assert sorted(by_id) == ["node-a", "node-b"]
-        for m in by_id.values():
-            assert m.status is not None and m.error == ""
-            assert m.status_url.endswith(f":{m.address.split(':')[1]}/status")
-            assert not m.stale and m.heartbeat_age_s < m.stale_after_s
-            assert m.stale_after_s == 0.75  # three heartbeats of 0.25 s
-            assert m.status.l1.capacity_bytes > 0
-            assert m.status.p2p_enabled and m.status.p2p_state == "registered"
-        st_a, st_b = by_id["node-a"].status, by_id["node-b"].status
-        assert st_a is not None and st_b is not None
-        assert st_a.l1.chunks == 8 and st_b.l1.chunks == 8
-        assert st_b.lookups.hit_chunks >= 8 and st_b.lookups.peer_chunks == 8
-        assert st_b.p2p is not None and st_b.p2p.chunks_fetched == 8
-        stats = httpx.get(fl.url + "/directory/stats", timeout=5).json()
-        directory = msgspec.json.decode(doc.directory)
-        assert directory["keys"] == stats["keys"] == 8
-        assert directory["placements_by_tier"] == stats["placements_by_tier"]
-
-
-def test_a_silent_member_costs_one_deadline_and_is_named(tmp_path: Path) -> None:
-    with fleet(tmp_path, "node-a") as fl:
-        # A member whose /status port accepts connections but never answers.
-        silent = socket.socket()
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(8)
-        port = silent.getsockname()[1]
-        try:
-            body = {
-                "instance_id": "silent",
-                "ip": "127.0.0.1",
-                "http_port": port,
-                "metadata": {STATUS_URL_KEY: f"http://127.0.0.1:{port}/status"},
-            }
-            assert httpx.post(fl.url + "/instances", json=body, timeout=5).status_code == 200
-            t0 = time.monotonic()
-            doc = fl.fleet_json()
-            took = time.monotonic() - t0
-            by_id = {m["instance_id"]: m for m in doc["members"]}
-            assert by_id["silent"]["status"] is None
-            assert by_id["silent"]["error"] == "no answer in 1 s"
-            assert by_id["node-a"]["status"] is not None
-            assert took < 3.0, took
-            # While a document is assembled the coordinator answers other requests.
-            assert httpx.get(fl.url + "/healthz", timeout=1).status_code == 200
-            # A member that refuses connections is named too.
-            gone = {**body, "instance_id": "gone", "http_port": 1, "metadata": {}}
-            assert httpx.post(fl.url + "/instances", json=gone, timeout=5).status_code == 200
-            wait_until(
-                lambda: any(
-                    m["instance_id"] == "gone" and m["error"].startswith("ConnectError")
-                    for m in fl.fleet_json()["members"]
-                ),
-                5,
-                "the refusing member is reported",
-            )
-        finally:
-            silent.close()
-
-
-def test_one_document_per_cache_period(tmp_path: Path) -> None:
-    with fleet(tmp_path, "node-a") as fl:
-        first = fl.get("/ui/fleet.json").content
-        again = fl.get("/ui/fleet.json").content
-        assert first == again  # served from the cache: the member was asked once
-        doc = msgspec.json.decode(first, type=FleetDocument)
-        wait_until(
-            lambda: (
-                msgspec.json.decode(
-                    fl.get("/ui/fleet.json").content, type=FleetDocument
-                ).generated_at
-                > doc.generated_at
-            ),
-            5,
-            "a fresh document after the cache period",
+        st_b = {m.instance_id: m for m in doc.members}["node-b"].status
+        return (
+            doc.counters.entries.get("applied", 0) >= applied_before + 8
+            and st_b is not None
+            and st_b.p2p is not None
+            and st_b.p2p.bytes_read >= read_before + 8 * 4096
         )
+
+    wait_until(shared_counted, 10, "the peer read shows in fleet.json")
+    doc = msgspec_doc(fl)
+    assert doc.ready and doc.event_transport == "http"
+    assert doc.instance_timeout_s == 4.0
+    by_id = {m.instance_id: m for m in doc.members}
+    assert sorted(by_id) == ["node-a", "node-b"]
+    for m in by_id.values():
+        assert m.status is not None and m.error == ""
+        assert m.status_url.endswith(f":{m.address.split(':')[1]}/status")
+        assert not m.stale and m.heartbeat_age_s < m.stale_after_s
+        assert m.stale_after_s == 0.75  # three heartbeats of 0.25 s
+        assert m.status.l1.capacity_bytes > 0
+        assert m.status.p2p_enabled and m.status.p2p_state == "registered"
+    st_a, st_b, was_a, was_b = by_id["node-a"].status, by_id["node-b"].status, *was.values()
+    assert st_a is not None and st_b is not None and was_a is not None and was_b is not None
+    assert st_a.l1.chunks == was_a.l1.chunks + 8 and st_b.l1.chunks == was_b.l1.chunks + 8
+    assert st_b.lookups.hit_chunks >= was_b.lookups.hit_chunks + 8
+    assert st_b.lookups.peer_chunks == was_b.lookups.peer_chunks + 8
+    assert st_b.p2p is not None and was_b.p2p is not None
+    assert st_b.p2p.chunks_fetched == was_b.p2p.chunks_fetched + 8
+    stats = httpx.get(fl.url + "/directory/stats", timeout=5).json()
+    directory = msgspec.json.decode(doc.directory)
+    assert directory["keys"] == stats["keys"] == keys_before + 8
+    assert directory["placements_by_tier"] == stats["placements_by_tier"]
+
+
+def test_a_silent_member_costs_one_deadline_and_is_named(two_nodes: Fleet) -> None:
+    fl = two_nodes
+    # A member whose /status port accepts connections but never answers.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    port = silent.getsockname()[1]
+    body = {
+        "instance_id": "silent",
+        "ip": "127.0.0.1",
+        "http_port": port,
+        "metadata": {STATUS_URL_KEY: f"http://127.0.0.1:{port}/status"},
+    }
+    # A member that refuses connections.
+    gone = {**body, "instance_id": "gone", "http_port": 1, "metadata": {}}
+    try:
+        for member in (body, gone):
+            assert httpx.post(fl.url + "/instances", json=member, timeout=5).status_code == 200
+        time.sleep(1.1)  # past the cached document
+        t0 = time.monotonic()
+        doc = fl.fleet_json()
+        took = time.monotonic() - t0
+        by_id = {m["instance_id"]: m for m in doc["members"]}
+        assert by_id["silent"]["status"] is None
+        assert by_id["silent"]["error"] == "no answer in 1 s"
+        assert by_id["gone"]["status"] is None
+        assert by_id["gone"]["error"].startswith("ConnectError"), by_id["gone"]["error"]
+        assert by_id["gone"]["status_url"] == "http://127.0.0.1:1/status"
+        assert by_id["node-a"]["status"] is not None and by_id["node-b"]["status"] is not None
+        assert took < 3.0, took
+        # While a document is assembled the coordinator answers other requests.
+        assert httpx.get(fl.url + "/healthz", timeout=1).status_code == 200
+    finally:
+        for member in ("silent", "gone"):
+            httpx.delete(f"{fl.url}/instances/{member}", timeout=5)
+        silent.close()
+
+
+def test_one_document_per_cache_period(two_nodes: Fleet) -> None:
+    fl = two_nodes
+    first = fl.get("/ui/fleet.json").content
+    again = fl.get("/ui/fleet.json").content
+    assert first == again  # served from the cache: the members were asked once
+    doc = msgspec.json.decode(first, type=FleetDocument)
+    assert doc.cache_s == 1.0
+
+    def fresh() -> bool:
+        now = msgspec.json.decode(fl.get("/ui/fleet.json").content, type=FleetDocument)
+        return now.generated_at > doc.generated_at
+
+    wait_until(fresh, 5, "a fresh document after the cache period")
 
 
 def msgspec_doc(fl: Fleet) -> FleetDocument:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .fleet import HOST, fleet, store_and_share
+from .fleet import HOST, Fleet, store_and_share
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvatlas-fleet.json"
@@ -106,7 +106,7 @@ def test_promql_parsing() -> None:
         metric_names("summ(kvatlas_a)")
 
 
-def test_dashboard_metrics_exist_on_a_running_fleet(tmp_path: Path) -> None:
+def test_dashboard_metrics_exist_on_a_running_fleet(two_nodes: Fleet) -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     wanted: dict[str, str] = {}
     for expr in expressions(dashboard):
@@ -114,13 +114,13 @@ def test_dashboard_metrics_exist_on_a_running_fleet(tmp_path: Path) -> None:
             assert name.startswith("kvatlas_"), (name, expr)
             wanted.setdefault(name, expr)
     assert len(wanted) > 20
-    with fleet(tmp_path, "node-a", "node-b") as fl:
-        a, b = fl.nodes
-        store_and_share(a.client(), b.client(), seed=3, n_chunks=2)
-        available = exposed(fl.get("/metrics").text)
-        for node in fl.nodes:
-            r = httpx.get(f"http://{HOST}:{node.http_port}/metrics", timeout=5)
-            available |= exposed(r.text)
+    fl = two_nodes
+    a, b = fl.nodes
+    store_and_share(a.client(), b.client(), seed=201, n_chunks=2)
+    available = exposed(fl.get("/metrics").text)
+    for node in fl.nodes:
+        r = httpx.get(f"http://{HOST}:{node.http_port}/metrics", timeout=5)
+        available |= exposed(r.text)
     missing = {name: expr for name, expr in wanted.items() if name not in available}
     assert not missing, f"the dashboard queries metrics nobody exposes: {missing}"
 

@@ -7,7 +7,8 @@ runs: small requests on the event loop, large ones (big bodies, scans) in the th
 pool, so one heavy request never stalls the loop. Must not hold state beyond its
 collaborators, nor touch the fleet state except through the service and the
 membership frontend. Connections, limits on the request itself and dispatch are
-`kvatlas.runtime.http_server`'s.
+`kvatlas.runtime.http_server`'s; the fleet page's routes (`/ui`, `/ui/fleet.json`) are
+`fleet_page`'s.
 """
 
 from __future__ import annotations
