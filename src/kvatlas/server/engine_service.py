@@ -126,7 +126,8 @@ class EngineService:
         self._engines: dict[str, str] = {}  # engine id -> model
         self.requests = 0
         self.errors = 0
-        self._lookups = LookupCounts()
+        # Bumped under the lock by each lookup; read as one LookupCounts snapshot.
+        self._lookups = self._lookup_chunks = self._hit_chunks = self._peer_chunks = 0
 
     # ------------------------------------------------------------------ helpers
 
@@ -144,13 +145,16 @@ class EngineService:
         return len(self._engines)
 
     def lookup_counts(self) -> LookupCounts:
-        return self._lookups
+        with self.lock:
+            return LookupCounts(
+                self._lookups, self._lookup_chunks, self._hit_chunks, self._peer_chunks
+            )
 
     def _count_lookup_locked(self, asked: int, hit: int, peer: int = 0) -> None:
-        c = self._lookups
-        self._lookups = LookupCounts(
-            c.lookups + 1, c.chunks + asked, c.hit_chunks + hit, c.peer_chunks + peer
-        )
+        self._lookups += 1
+        self._lookup_chunks += asked
+        self._hit_chunks += hit
+        self._peer_chunks += peer
 
     def _keys(self, ns: Namespace, hashes: Sequence[bytes]) -> list[ObjectKey]:
         if ns.model_name not in self._contracts:
