@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from kvatlas.wire.fleet_view import STATUS_URL_KEY, FleetDocument
+from kvatlas.wire.fleet_view import STATUS_URL_KEY, FleetDocument, MemberStatus
+from kvatlas.wire.server_status import ServerStatus, decode_status
 
 from .fleet import Fleet, fleet, store_and_share, wait_until
 
@@ -49,7 +50,7 @@ def test_members_counters_and_directory(two_nodes: Fleet) -> None:
     fl = two_nodes
     a, b = fl.nodes
     before = msgspec_doc(fl)
-    keys_before = msgspec.json.decode(before.directory)["keys"]
+    keys_before = before.directory.keys
     applied_before = before.counters.entries.get("applied", 0)
     was = {m.instance_id: m.status for m in before.members}
     assert was["node-a"] is not None and was["node-b"] is not None
@@ -87,9 +88,8 @@ def test_members_counters_and_directory(two_nodes: Fleet) -> None:
     assert st_b.p2p is not None and was_b.p2p is not None
     assert st_b.p2p.chunks_fetched == was_b.p2p.chunks_fetched + 8
     stats = httpx.get(fl.url + "/directory/stats", timeout=5).json()
-    directory = msgspec.json.decode(doc.directory)
-    assert directory["keys"] == stats["keys"] == keys_before + 8
-    assert directory["placements_by_tier"] == stats["placements_by_tier"]
+    assert doc.directory.keys == stats["keys"] == keys_before + 8
+    assert doc.directory.placements_by_tier == stats["placements_by_tier"]
 
 
 def test_a_silent_member_costs_one_deadline_and_is_named(two_nodes: Fleet) -> None:
@@ -147,3 +147,27 @@ def test_one_document_per_cache_period(two_nodes: Fleet) -> None:
 
 def msgspec_doc(fl: Fleet) -> FleetDocument:
     return msgspec.json.decode(fl.get("/ui/fleet.json").content, type=FleetDocument)
+
+
+def test_the_lenient_view_reads_what_a_server_writes(two_nodes: Fleet) -> None:
+    """MemberStatus is ServerStatus with defaults: the same names, the same values."""
+    node = two_nodes.nodes[1]
+    body = httpx.get(f"http://127.0.0.1:{node.http_port}/status", timeout=5).content
+    strict = decode_status(body)
+    lenient = msgspec.json.decode(body, type=MemberStatus)
+    assert isinstance(strict, ServerStatus)
+
+    def shared(view: msgspec.Struct, full: msgspec.Struct) -> None:
+        for name in view.__struct_fields__:
+            mine, theirs = getattr(view, name), getattr(full, name)
+            if isinstance(mine, msgspec.Struct):
+                shared(mine, theirs)
+            else:
+                assert mine == theirs, name
+
+    shared(lenient, strict)
+    # A server of an older version, without the newer fields, still reads.
+    old = msgspec.json.decode(body)
+    del old["lookups"], old["p2p"]
+    got = msgspec.json.decode(msgspec.json.encode(old), type=MemberStatus)
+    assert got.lookups.chunks == 0 and got.p2p is None and got.l1 == lenient.l1
