@@ -101,8 +101,7 @@ class Fleet:
         return sorted(i["instance_id"] for i in r.json()["instances"])
 
     def start_node(self, name: str) -> Node:
-        port, http_port = free_ports(2)
-        p2p = free_port(pair=True, exclude=frozenset((port, http_port)))
+        port, http_port, p2p = free_ports(3)
         log = self.tmp / f"{name}-{port}.log"
         args = [
             sys.executable, "-m", "kvatlas.cli.server",
