@@ -12,7 +12,10 @@ from pathlib import Path
 import numpy as np
 
 from kvatlas.core.checksum import checksum
-from kvatlas.wire import engine_proto as p
+from kvatlas.wire.engine_proto import (
+    CommitItem,
+    LookupResult,
+)
 
 from .cluster import chunk_data, cluster, prompt, wait_peers, wait_until
 from .test_single_machine import fetch
@@ -28,7 +31,7 @@ def test_peer_killed_mid_load_falls_back_within_a_second(tmp_path: Path) -> None
         ca, cb = a.client(), b.client()
         assert ca.store_chunks(tokens, data).stored == n
         wait_until(lambda: coord.held(ca, tokens).get("node-a") == n, what="directory")
-        result: list[tuple[p.LookupResult, list[np.ndarray]]] = []
+        result: list[tuple[LookupResult, list[np.ndarray]]] = []
         done_at: list[float] = []
 
         def lookup() -> None:
@@ -90,7 +93,7 @@ def test_stale_directory_hint_is_a_counted_miss(tmp_path: Path) -> None:
             (g,) = ca.reserve([h], [d.size])  # one at a time: each can evict older ones
             assert g.status == "reserved"
             ca.view(g.offset, g.size)[:] = d
-            assert ca.commit([p.CommitItem(h, g.lease_id, checksum(d.data))]) == [True]
+            assert ca.commit([CommitItem(h, g.lease_id, checksum(d.data))]) == [True]
         assert ca.lookup(tokens).hit_chunks == 0
         assert coord.held(ca, tokens).get("node-a") == n  # the directory still says yes
         res, _ = fetch(cb, tokens)

@@ -13,7 +13,7 @@ import numpy.typing as npt
 import pytest
 
 from kvatlas.connector.client import CacheClient
-from kvatlas.wire import engine_proto as p
+from kvatlas.wire.engine_proto import LookupResult
 from procs import free_port
 from transfer.harness import netns_available
 
@@ -29,7 +29,7 @@ from .cluster import (
 
 def fetch(
     client: CacheClient, tokens: list[int]
-) -> tuple[p.LookupResult, list[npt.NDArray[np.uint8]]]:
+) -> tuple[LookupResult, list[npt.NDArray[np.uint8]]]:
     """B's engine: lookup with read leases, copy the hit chunks out, release."""
     res = client.lookup(tokens, acquire=True)
     try:

@@ -25,7 +25,12 @@ from kvatlas.connector.client import (
     ServerUnavailable,
     Unauthorized,
 )
-from kvatlas.wire import engine_proto as p
+from kvatlas.wire.engine_proto import (
+    CommitItem,
+    ErrorReply,
+    Lookup,
+    decode_response,
+)
 from kvatlas.wire.http_api import LookupRequest, LookupResponse
 from procs import free_port, free_ports, stop, wait_http
 
@@ -123,7 +128,7 @@ def test_read_leases_context_manager_and_writes_in_progress(server: Server) -> N
         c.view(grants[0].offset, 100)[:] = 7
         from kvatlas.core.checksum import checksum
 
-        item = p.CommitItem(h[0], grants[0].lease_id, checksum(c.view(grants[0].offset, 100).data))
+        item = CommitItem(h[0], grants[0].lease_id, checksum(c.view(grants[0].offset, 100).data))
         assert c.commit([item]) == [True]
         with c.read_leases(h) as locs:
             assert locs[1] is None and locs[0] is not None
@@ -143,7 +148,7 @@ def test_l2_holds_what_l1_evicts_and_lookup_promotes_it(server: Server) -> None:
             (g,) = c.reserve([h], [size])
             assert g.status == "reserved"
             c.view(g.offset, g.size)[:] = d
-            assert c.commit([p.CommitItem(h, g.lease_id, checksum(d.data))]) == [True]
+            assert c.commit([CommitItem(h, g.lease_id, checksum(d.data))]) == [True]
         st = server.status()
         assert st["l1"]["evictions"] > 0 and st["l2"]["demotions"] > 0  # type: ignore[index]
         out = c.retrieve_prefix(tokens[: 4 * CHUNK])
@@ -164,7 +169,7 @@ def test_engine_errors_are_clear(server: Server) -> None:
         with pytest.raises(ModelNotRegistered):
             c.lookup(list(range(CHUNK)))
         with pytest.raises(RequestRefused, match="exactly one"):
-            c.call(p.Lookup(Namespace(MODEL, 1)))
+            c.call(Lookup(Namespace(MODEL, 1)))
     # another protocol version is refused by name
     import zmq
 
@@ -173,8 +178,8 @@ def test_engine_errors_are_clear(server: Server) -> None:
     sock.connect(server.engine_url)
     sock.send_multipart([b"", msgspec.msgpack.encode({"v": 99, "id": 7, "body": {}})])
     assert sock.poll(5000)
-    resp = p.decode_response(sock.recv_multipart()[-1])
-    assert resp.id == 7 and isinstance(resp.body, p.ErrorReply) and resp.body.code == "version"
+    resp = decode_response(sock.recv_multipart()[-1])
+    assert resp.id == 7 and isinstance(resp.body, ErrorReply) and resp.body.code == "version"
     sock.close(0)
     ctx.term()
 

@@ -36,7 +36,34 @@ from kvatlas.core.errors import KvatlasError
 from kvatlas.core.keys import Namespace, as_token_array, chunk_hashes, default_kv_rank
 from kvatlas.core.types import ChunkHash
 from kvatlas.runtime.region import L1Region
-from kvatlas.wire import engine_proto as p
+from kvatlas.wire.engine_proto import (
+    PROTOCOL_VERSION,
+    Abort,
+    AbortResult,
+    AcquireRead,
+    AcquireResult,
+    ChunkLoc,
+    Commit,
+    CommitItem,
+    CommitResult,
+    EngineRegistered,
+    ErrorReply,
+    GetStats,
+    Lookup,
+    LookupResult,
+    RegisterEngine,
+    Release,
+    ReleaseResult,
+    Request,
+    RequestBody,
+    Reserve,
+    ReserveResult,
+    ResponseBody,
+    SlotGrant,
+    StatsResult,
+    decode_response,
+    encode,
+)
 
 
 class EngineClientError(KvatlasError):
@@ -113,7 +140,7 @@ class CacheClient:
         self._lock = threading.Lock()
         self._region: L1Region | None = None
         self._array: npt.NDArray[np.uint8] | None = None
-        self.info: p.EngineRegistered | None = None
+        self.info: EngineRegistered | None = None
         self.ns: Namespace | None = None
 
     def _new_socket(self) -> zmq.Socket[bytes]:
@@ -124,13 +151,13 @@ class CacheClient:
 
     # ------------------------------------------------------------------ transport
 
-    def call(self, body: p.RequestBody, timeout_s: float | None = None) -> p.ResponseBody:
+    def call(self, body: RequestBody, timeout_s: float | None = None) -> ResponseBody:
         """Send one request and wait for its answer; raise on timeout or error replies."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             rid = next(self._ids)
             self._sock.send_multipart(
-                [b"", p.encode(p.Request(p.PROTOCOL_VERSION, rid, body, self._token))]
+                [b"", encode(Request(PROTOCOL_VERSION, rid, body, self._token))]
             )
             deadline_ms = int(timeout * 1000)
             while True:
@@ -143,15 +170,15 @@ class CacheClient:
                         f" within {timeout:.1f}s"
                     )
                 frames = self._sock.recv_multipart(copy=True)
-                resp = p.decode_response(frames[-1])
+                resp = decode_response(frames[-1])
                 if resp.id == rid:
                     break  # older ids are answers to requests that timed out
-        if isinstance(resp.body, p.ErrorReply):
+        if isinstance(resp.body, ErrorReply):
             cls = _REFUSALS.get(resp.body.code, RequestRefused)
             raise cls(resp.body.code, resp.body.message)
         return resp.body
 
-    def _expect(self, body: p.RequestBody, kind: type[_T]) -> _T:
+    def _expect(self, body: RequestBody, kind: type[_T]) -> _T:
         resp = self.call(body)
         if not isinstance(resp, kind):
             raise EngineClientError(f"unexpected answer {type(resp).__name__} to {body!r}")
@@ -170,13 +197,11 @@ class CacheClient:
         kv_rank: int | None = None,
         cache_salt: str = "",
         object_group_id: int = 0,
-    ) -> p.EngineRegistered:
+    ) -> EngineRegistered:
         """Declare the model's contract and map the server's L1 region (read-write)."""
         info = self._expect(
-            p.RegisterEngine(
-                self.engine_id, model_name, kv_dtype, kv_layout, chunk_size, world_size
-            ),
-            p.EngineRegistered,
+            RegisterEngine(self.engine_id, model_name, kv_dtype, kv_layout, chunk_size, world_size),
+            EngineRegistered,
         )
         if self._region is None or self._region.name != info.region_name:
             self._close_region()
@@ -209,51 +234,49 @@ class CacheClient:
         hashes: Sequence[bytes] | None = None,
         acquire: bool = False,
         lease_s: float = 0.0,
-    ) -> p.LookupResult:
+    ) -> LookupResult:
         """How many leading tokens the server has (L2 hits are promoted into L1)."""
         token_bytes = None
         if tokens is not None:
             token_bytes = as_token_array(tokens).astype("<u4", copy=False).tobytes()
-        req = p.Lookup(
+        req = Lookup(
             self._ns(),
             token_ids=token_bytes,
             hashes=list(hashes) if hashes is not None else None,
             acquire=acquire,
             lease_s=lease_s,
         )
-        return self._expect(req, p.LookupResult)
+        return self._expect(req, LookupResult)
 
     def reserve(
         self, hashes: Sequence[bytes], sizes: Sequence[int], lease_s: float = 0.0
-    ) -> list[p.SlotGrant]:
+    ) -> list[SlotGrant]:
         return self._expect(
-            p.Reserve(self._ns(), list(hashes), list(sizes), lease_s), p.ReserveResult
+            Reserve(self._ns(), list(hashes), list(sizes), lease_s), ReserveResult
         ).slots
 
-    def commit(self, items: Sequence[p.CommitItem]) -> list[bool]:
-        return self._expect(p.Commit(self._ns(), list(items)), p.CommitResult).committed
+    def commit(self, items: Sequence[CommitItem]) -> list[bool]:
+        return self._expect(Commit(self._ns(), list(items)), CommitResult).committed
 
     def abort(self, hashes: Sequence[bytes]) -> int:
-        return self._expect(p.Abort(self._ns(), list(hashes)), p.AbortResult).aborted
+        return self._expect(Abort(self._ns(), list(hashes)), AbortResult).aborted
 
-    def acquire(self, hashes: Sequence[bytes], lease_s: float = 0.0) -> list[p.ChunkLoc | None]:
-        return self._expect(
-            p.AcquireRead(self._ns(), list(hashes), lease_s), p.AcquireResult
-        ).chunks
+    def acquire(self, hashes: Sequence[bytes], lease_s: float = 0.0) -> list[ChunkLoc | None]:
+        return self._expect(AcquireRead(self._ns(), list(hashes), lease_s), AcquireResult).chunks
 
     def release(self, lease_ids: Sequence[int]) -> int:
         ids = [i for i in lease_ids if i]
         if not ids:
             return 0
-        return self._expect(p.Release(ids), p.ReleaseResult).released
+        return self._expect(Release(ids), ReleaseResult).released
 
     def stats(self) -> dict[str, int]:
-        return self._expect(p.GetStats(), p.StatsResult).values
+        return self._expect(GetStats(), StatsResult).values
 
     @contextmanager
     def read_leases(
         self, hashes: Sequence[bytes], lease_s: float = 0.0
-    ) -> Iterator[list[p.ChunkLoc | None]]:
+    ) -> Iterator[list[ChunkLoc | None]]:
         """Read-lock ``hashes`` for the block; released on exit, also on error."""
         locs = self.acquire(hashes, lease_s)
         try:
@@ -269,7 +292,7 @@ class CacheClient:
             raise EngineClientError("call register() first")
         return self._array[offset : offset + size]
 
-    def read_into(self, loc: p.ChunkLoc, out: ArrayLike, *, verify: bool = True) -> None:
+    def read_into(self, loc: ChunkLoc, out: ArrayLike, *, verify: bool = True) -> None:
         """Copy a leased chunk into ``out`` (contiguous, ``loc.size`` bytes)."""
         dst = _bytes_of(out)
         if dst.size != loc.size:
@@ -304,13 +327,13 @@ class CacheClient:
         hashes = hashes[: len(arrays)]
         sources = [_bytes_of(a) for a in arrays]
         grants = self.reserve(hashes, [s.size for s in sources], lease_s)
-        items: list[p.CommitItem] = []
+        items: list[CommitItem] = []
         try:
             for grant, src in zip(grants, sources, strict=True):
                 if grant.status != "reserved":
                     continue
                 dst = self.view(grant.offset, grant.size)
-                items.append(p.CommitItem(grant.hash, grant.lease_id, copy_and_checksum(src, dst)))
+                items.append(CommitItem(grant.hash, grant.lease_id, copy_and_checksum(src, dst)))
         except BaseException:
             self.abort([g.hash for g in grants if g.status == "reserved"])
             raise

@@ -53,7 +53,12 @@ from kvatlas.connector.client import (
 from kvatlas.core.checksum import checksum
 from kvatlas.core.errors import KvatlasError
 from kvatlas.core.keys import HashContract, as_token_array
-from kvatlas.wire import engine_proto as p
+from kvatlas.wire.engine_proto import (
+    ChunkLoc,
+    EngineRegistered,
+    Lookup,
+    LookupResult,
+)
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +211,7 @@ class KVConnector:
         self._stored = 0
         self._store_failures = 0
         self._reconnects = 0
-        self.info: p.EngineRegistered | None = None
+        self.info: EngineRegistered | None = None
 
     # ------------------------------------------------------------------ connection
 
@@ -360,11 +365,11 @@ class KVConnector:
             self._note_fallback(stats, cause, detail)
         return prefix
 
-    def _lookup(self, token_bytes: bytes, estimate: float) -> p.LookupResult:
+    def _lookup(self, token_bytes: bytes, estimate: float) -> LookupResult:
         ns = self.client.ns
         if ns is None:
             raise ServerUnavailable("the cache client is not registered")
-        req = p.Lookup(
+        req = Lookup(
             ns, token_ids=token_bytes, acquire=True, lease_s=self.lease_s, recompute_s=estimate
         )
         for attempt in (1, 2):
@@ -375,13 +380,13 @@ class KVConnector:
                 if attempt == 2 or not self.register():
                     raise
                 continue
-            if not isinstance(res, p.LookupResult):
+            if not isinstance(res, LookupResult):
                 raise EngineClientError(f"unexpected answer {type(res).__name__} to a lookup")
             return res
         raise AssertionError("unreachable")
 
     def _verify(
-        self, locs: Sequence[p.ChunkLoc]
+        self, locs: Sequence[ChunkLoc]
     ) -> tuple[list[npt.NDArray[np.uint8]], str | None, str]:
         """Views of the leading chunks that check out; the first bad one ends the prefix."""
         out: list[npt.NDArray[np.uint8]] = []

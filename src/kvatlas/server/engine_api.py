@@ -23,7 +23,16 @@ from kvatlas.core.errors import PortInUse
 from kvatlas.runtime.auth import TokenGate
 from kvatlas.server.engine_service import EngineService
 from kvatlas.server.errors import ServerError
-from kvatlas.wire import engine_proto as p
+from kvatlas.wire.engine_proto import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    ErrorReply,
+    Response,
+    ResponseBody,
+    decode_envelope,
+    decode_request,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -125,31 +134,31 @@ class EngineApi:
 
     def _answer(self, data: memoryview) -> bytes:
         try:
-            req = p.decode_request(data)
+            req = decode_request(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            env = p.decode_envelope(data)
-            code: p.ErrorCode = "invalid_input"
+            env = decode_envelope(data)
+            code: ErrorCode = "invalid_input"
             msg = f"malformed engine request: {exc}"
-            if env.v and env.v != p.PROTOCOL_VERSION:
+            if env.v and env.v != PROTOCOL_VERSION:
                 code = "version"
                 msg = (
                     f"engine protocol version {env.v} is not supported; this server speaks"
-                    f" {p.PROTOCOL_VERSION}"
+                    f" {PROTOCOL_VERSION}"
                 )
-            return p.encode(p.Response(p.PROTOCOL_VERSION, env.id, p.ErrorReply(code, msg)))
-        if req.v != p.PROTOCOL_VERSION:
-            body: p.ResponseBody = p.ErrorReply(
+            return encode(Response(PROTOCOL_VERSION, env.id, ErrorReply(code, msg)))
+        if req.v != PROTOCOL_VERSION:
+            body: ResponseBody = ErrorReply(
                 "version",
                 f"engine protocol version {req.v} is not supported; this server speaks"
-                f" {p.PROTOCOL_VERSION}",
+                f" {PROTOCOL_VERSION}",
             )
         elif not self._gate.check(req.token):
-            body = p.ErrorReply(
+            body = ErrorReply(
                 "unauthorized", "this cache server requires its --auth-token on engine requests"
             )
         else:
             body = self._service.handle(req.body)
-        return p.encode(p.Response(p.PROTOCOL_VERSION, req.id, body))
+        return encode(Response(PROTOCOL_VERSION, req.id, body))
 
     def stop(self) -> None:
         """Stop the workers and the proxy, close the sockets (idempotent)."""
