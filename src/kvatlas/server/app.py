@@ -2,11 +2,11 @@
 
 Parts, in start order: incarnation (state dir) -> L1 region + pool -> L2 (disk, optional)
 -> chunk store -> coordinator client, event publisher + sink and registrar (only with a
-coordinator URL) ->
-engine service -> engine API (ZeroMQ, --port) -> HTTP (/status, /metrics, /healthz,
---http-port) -> P2P (with --p2p-advertise-url: control channel, the transport built
-from the config by ``kvatlas.transfer.factory`` serving the region, controller; its
-endpoint goes into the registration) -> lease sweeper.
+coordinator URL) -> guarded store (the store's lock and event drain) -> engine service
+and P2P store access (two facades over it) -> engine API (ZeroMQ, --port) -> HTTP
+(/status, /metrics, /healthz, --http-port) -> P2P (with --p2p-advertise-url: control
+channel, the transport built from the config by ``kvatlas.transfer.factory`` serving the
+region, controller; its endpoint goes into the registration) -> lease sweeper.
 Ports are bound before any background thread starts, so a taken port fails the start
 with PortInUse. Stop runs in reverse: engines first, then P2P, a last event flush,
 deregistration, HTTP, and the region is unlinked.
@@ -43,11 +43,13 @@ from kvatlas.server.http_app import UvicornThread, build_app
 from kvatlas.server.incarnation import next_incarnation
 from kvatlas.server.metrics import ServerMetrics
 from kvatlas.server.p2p.node import P2PNode
+from kvatlas.server.p2p.store_access import PeerStoreAccess
 from kvatlas.server.publisher import EventPublisher
 from kvatlas.server.registrar import Identity, Registrar
 from kvatlas.server.sinks import EventSink, HttpSink, KafkaSink
 from kvatlas.server.status import build_status
-from kvatlas.server.storage.chunkstore import ChunkStore, ChunkStoreStats
+from kvatlas.server.storage.chunkstore import ChunkStore
+from kvatlas.server.storage.guarded import GuardedStore
 from kvatlas.server.storage.l2 import L2Adapter
 from kvatlas.server.storage.l2_disk import DiskL2Adapter
 from kvatlas.transfer.config import NixlConfig, ShmConfig, TcpConfig
@@ -133,12 +135,12 @@ class CacheServer:
                     max_batch_entries=config.events.max_batch_entries,
                     on_loss_recovered=self._resync,
                 )
+            self.guarded = GuardedStore(self.store, publisher=self.publisher)
             self.service = EngineService(
-                self.store,
+                self.guarded,
                 ServiceIdentity(
                     config.instance_id, self.incarnation, config.chunk_size, config.lease_s
                 ),
-                publisher=self.publisher,
             )
             self.engine_api = EngineApi(
                 self.service,
@@ -165,6 +167,7 @@ class CacheServer:
                     self.engine_api.stop()
                     self.http.stop()
                     raise
+                self.service.set_peer_source(self.p2p.fetcher)
             if self.coordinator is not None:
                 self.registrar = Registrar(
                     self.coordinator,
@@ -188,7 +191,7 @@ class CacheServer:
                 self.service.set_contract_declarer(self.registrar.declare_contract)
             self.metrics = ServerMetrics(
                 config.instance_id,
-                self._store_stats,
+                self.guarded.stats,
                 lambda: self.publisher.stats() if self.publisher else None,
                 lambda: self.registrar.stats() if self.registrar else None,
                 lambda: (self.service.requests, self.service.errors),
@@ -214,7 +217,7 @@ class CacheServer:
             instance_id=config.instance_id,
             incarnation=self.incarnation,
             chunk_size=config.chunk_size,
-            service=self.service,
+            store=PeerStoreAccess(self.guarded),
             region=self.region,
             transport=transport,
             coordinator=self.coordinator,
@@ -271,8 +274,9 @@ class CacheServer:
         if self._sweeper.is_alive():
             self._sweeper.join(5)
         if self.p2p is not None:
+            self.service.set_peer_source(None)
             self.p2p.stop()
-        self.service.drain_events()
+        self.guarded.drain()
         if self.publisher is not None:
             self.publisher.stop(final_flush=True)
         if self.registrar is not None:
@@ -315,12 +319,8 @@ class CacheServer:
 
     # ------------------------------------------------------------------ observability
 
-    def _store_stats(self) -> ChunkStoreStats:
-        with self.service.lock:
-            return self.store.stats()
-
     def status(self) -> ServerStatus:
-        store = self._store_stats()
+        store = self.guarded.stats()
         return build_status(
             instance_id=self.config.instance_id,
             incarnation=self.incarnation,

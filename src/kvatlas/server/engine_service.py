@@ -1,26 +1,24 @@
 """The engine service: what each engine API request does to the chunk store.
 
 Owns the per-model hash contracts engines registered, the translation of engine requests
-into ChunkStore calls under the store lock, the lookup counts (the hit rate), and handing
-the store's events to the publisher in the order they happened (also under the lock, so
-the event stream's order is the store's). It is transport-free: ``engine_api`` moves
-bytes over ZeroMQ and calls ``handle``. Must not: copy KV bytes (engines do that through
-the shared region) or talk to the network itself (``declare_contract`` is the
-registrar's).
+into ChunkStore calls under the store lock, and the lookup counts (the hit rate); the
+store's events go to the publisher before the lock is let go (``GuardedStore``, which the
+P2P store access shares). It is transport-free: ``engine_api`` moves bytes over ZeroMQ
+and calls ``handle``. Must not: copy KV bytes (engines do that through the shared
+region), talk to the network itself (``declare_contract`` is the registrar's), or serve
+peers (the owner side of P2P is ``server.p2p.store_access.PeerStoreAccess``).
 
 P2P seam: on a local miss a lookup calls ``peer_source.fetch_prefix`` WITHOUT the lock
 (a peer fetch may take up to the load timeout, and other engines must not wait for it):
 the lookup checks L1/L2 under the lock, releases it, lets the peer source fill L1 (it
-takes the lock only briefly, through ``reserve_for_peer_fetch`` / ``commit_peer_fetch``),
-then takes the lock again to look up and read-lock the whole prefix. A chunk fetched
-from a peer that was evicted again in between is simply not a hit. The owner side of P2P
-uses ``lock_for_peer`` / ``unlock_for_peer`` / ``peer_may_read``.
+takes the lock only briefly, through ``PeerStoreAccess.reserve_for_peer_fetch`` /
+``commit_peer_fetch``), then takes the lock again to look up and read-lock the whole
+prefix. A chunk fetched from a peer that was evicted again in between is simply not a hit.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,16 +37,34 @@ from kvatlas.core.keys import (
     chunk_hashes,
     object_keys,
 )
-from kvatlas.core.l1pool import LeaseId, ReadLease, Refusal, Reserved, Slot
+from kvatlas.core.l1pool import LeaseId, Reserved
 from kvatlas.core.types import EventType, Tier
-from kvatlas.server.storage.chunkstore import ChunkStore, batches
-from kvatlas.wire import engine_proto as p
+from kvatlas.server.storage.guarded import GuardedStore
+from kvatlas.wire.engine_proto import (
+    Abort,
+    AbortResult,
+    AcquireRead,
+    AcquireResult,
+    ChunkLoc,
+    Commit,
+    CommitResult,
+    EngineRegistered,
+    ErrorReply,
+    GetStats,
+    Lookup,
+    LookupResult,
+    RegisterEngine,
+    Release,
+    ReleaseResult,
+    RequestBody,
+    Reserve,
+    ReserveResult,
+    ResponseBody,
+    SlotGrant,
+    StatsResult,
+)
 
 log = logging.getLogger(__name__)
-
-
-class EventPublishing(Protocol):
-    def publish(self, event_type: EventType, tier: Tier, entries: Sequence[Entry]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,10 +86,6 @@ class PeerSource(Protocol):
         """Bring leading ``keys`` into L1 from peers, giving up early when recomputing
         them (``recompute_s``, 0 = unknown) would be quicker."""
         ...
-
-
-PEER_HOLDER_PREFIX = "peer:"
-"""Holder of the read leases a peer's ``lookup_and_lock`` takes: ``peer:<requester id>``."""
 
 
 class NotRegistered(InvalidInput):
@@ -107,21 +119,20 @@ class EngineService:
 
     def __init__(
         self,
-        store: ChunkStore,
+        guarded: GuardedStore,
         identity: ServiceIdentity,
         *,
-        publisher: EventPublishing | None = None,
         declare_contract: Callable[[HashContract], str | None] | None = None,
         peer_source: PeerSource | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.store = store
+        self._guarded = guarded
+        self._store = guarded.store
+        self._lock = guarded.lock
+        self._clock = guarded.clock
+        self._drain_locked = guarded.drain_locked
         self.identity = identity
-        self.lock = threading.Lock()
-        self._publisher = publisher
         self._declare = declare_contract
         self._peer_source = peer_source
-        self._clock = clock
         self._contracts: dict[str, HashContract] = {}
         self._engines: dict[str, str] = {}  # engine id -> model
         self.requests = 0
@@ -145,7 +156,7 @@ class EngineService:
         return len(self._engines)
 
     def lookup_counts(self) -> LookupCounts:
-        with self.lock:
+        with self._lock:
             return LookupCounts(
                 self._lookups, self._lookup_chunks, self._hit_chunks, self._peer_chunks
             )
@@ -167,26 +178,10 @@ class EngineService:
                 raise InvalidInput(f"chunk hashes must be {HASH_BYTES} bytes, got {len(h)}")
         return object_keys(hashes, ns)  # type: ignore[arg-type]  # lengths checked above
 
-    def _drain_locked(self, accessed: Sequence[tuple[ObjectKey, int]] = ()) -> None:
-        events = self.store.take_events()
-        if self._publisher is None:
-            return
-        for kind, tier, entries in batches(events):
-            self._publisher.publish(kind, tier, entries)
-        if accessed:
-            self._publisher.publish(
-                EventType.ACCESS, Tier.L1, [Entry(k, size) for k, size in accessed]
-            )
-
-    def drain_events(self) -> None:
-        """Hand pending store events to the publisher (after a lease sweep, say)."""
-        with self.lock:
-            self._drain_locked()
-
     def expire(self) -> int:
         """End expired leases; returns how many."""
-        with self.lock:
-            n = len(self.store.expire(self._clock()))
+        with self._lock:
+            n = len(self._store.expire(self._clock()))
             self._drain_locked()
         return n
 
@@ -197,20 +192,20 @@ class EngineService:
 
     # ------------------------------------------------------------------ dispatch
 
-    def handle(self, body: p.RequestBody) -> p.ResponseBody:
+    def handle(self, body: RequestBody) -> ResponseBody:
         """Answer one request; errors become ErrorReply, never exceptions."""
         self.requests += 1
         try:
             return self._dispatch(body)
         except ContractMismatch as exc:
             self.errors += 1
-            return p.ErrorReply("contract_mismatch", str(exc))
+            return ErrorReply("contract_mismatch", str(exc))
         except NotRegistered as exc:
             self.errors += 1
-            return p.ErrorReply("not_registered", str(exc))
+            return ErrorReply("not_registered", str(exc))
         except InvalidInput as exc:
             self.errors += 1
-            return p.ErrorReply("invalid_input", str(exc))
+            return ErrorReply("invalid_input", str(exc))
         except Exception as exc:
             self.errors += 1
             log.exception(
@@ -219,27 +214,27 @@ class EngineService:
                 self.identity.instance_id,
                 self.identity.incarnation,
             )
-            return p.ErrorReply("internal", f"{type(exc).__name__}: {exc}")
+            return ErrorReply("internal", f"{type(exc).__name__}: {exc}")
 
-    def _dispatch(self, body: p.RequestBody) -> p.ResponseBody:
+    def _dispatch(self, body: RequestBody) -> ResponseBody:
         match body:
-            case p.Lookup():
+            case Lookup():
                 return self.lookup(body)
-            case p.Reserve():
+            case Reserve():
                 return self.reserve(body)
-            case p.Commit():
+            case Commit():
                 return self.commit(body)
-            case p.AcquireRead():
+            case AcquireRead():
                 return self.acquire(body)
-            case p.Release():
+            case Release():
                 return self.release(body)
-            case p.Abort():
+            case Abort():
                 return self.abort(body)
-            case p.RegisterEngine():
+            case RegisterEngine():
                 return self.register(body)
-            case p.GetStats():
-                s = self.store.stats()
-                return p.StatsResult(
+            case GetStats():
+                s = self._store.stats()
+                return StatsResult(
                     {
                         "l1_chunks": s.l1.chunks,
                         "l1_used_bytes": s.l1.used_bytes,
@@ -253,7 +248,7 @@ class EngineService:
 
     # ------------------------------------------------------------------ operations
 
-    def register(self, req: p.RegisterEngine) -> p.EngineRegistered:
+    def register(self, req: RegisterEngine) -> EngineRegistered:
         cs = self.identity.chunk_size
         if req.chunk_size != cs:
             raise ContractMismatch("chunk_size", cs, req.chunk_size)
@@ -269,7 +264,7 @@ class EngineService:
             kv_layout=req.kv_layout,
             world_size=req.world_size,
         )
-        with self.lock:
+        with self._lock:
             known = self._contracts.get(req.model_name)
         if known is not None:
             known.check_compatible(contract)  # engines of one server agree per model
@@ -277,10 +272,10 @@ class EngineService:
             refusal = self._declare(contract)
             if refusal is not None:
                 raise InvalidInput(f"the coordinator refused the contract: {refusal}")
-        with self.lock:
+        with self._lock:
             self._contracts.setdefault(req.model_name, contract)
             self._engines[req.engine_id] = req.model_name
-        region = self.store.region
+        region = self._store.region
         log.info(
             "engine %s registered model %s (%s, layout %s) on instance %s incarnation %d",
             req.engine_id,
@@ -290,17 +285,17 @@ class EngineService:
             self.identity.instance_id,
             self.identity.incarnation,
         )
-        return p.EngineRegistered(
+        return EngineRegistered(
             engine_id=req.engine_id,
             instance_id=self.identity.instance_id,
             incarnation=self.identity.incarnation,
             region_name=region.name,
             region_size=region.size,
-            align_bytes=self.store.pool.align_bytes,
+            align_bytes=self._store.pool.align_bytes,
             chunk_size=cs,
         )
 
-    def lookup(self, req: p.Lookup) -> p.LookupResult:
+    def lookup(self, req: Lookup) -> LookupResult:
         if (req.token_ids is None) == (req.hashes is None):
             raise InvalidInput("lookup needs exactly one of token_ids and hashes")
         if req.token_ids is not None:
@@ -312,8 +307,8 @@ class EngineService:
         if req.recompute_s < 0:
             raise InvalidInput(f"recompute_s must be >= 0, got {req.recompute_s}")
         t0 = time.perf_counter()
-        with self.lock:
-            hit = self.store.lookup_prefix(keys, self._clock())
+        with self._lock:
+            hit = self._store.lookup_prefix(keys, self._clock())
             if hit == len(keys) or self._peer_source is None:
                 local = self._answer_locked(keys, req.acquire, lease_s)
                 self._count_lookup_locked(len(keys), local.hit_chunks)
@@ -321,8 +316,8 @@ class EngineService:
         local_ms = (time.perf_counter() - t0) * 1000
         # Outside the lock: a peer fetch may take up to the load timeout.
         fetch = self._peer_source.fetch_prefix(keys[hit:], req.recompute_s)
-        with self.lock:
-            self.store.lookup_prefix(keys, self._clock())  # promotes what L2 got meanwhile
+        with self._lock:
+            self._store.lookup_prefix(keys, self._clock())  # promotes what L2 got meanwhile
             result = self._answer_locked(keys, req.acquire, lease_s)
             peer = sum(1 for k in keys[: result.hit_chunks] if k in fetch.fetched)
             self._count_lookup_locked(len(keys), result.hit_chunks, peer)
@@ -335,18 +330,18 @@ class EngineService:
 
     def _answer_locked(
         self, keys: Sequence[ObjectKey], acquire: bool, lease_s: float
-    ) -> p.LookupResult:
+    ) -> LookupResult:
         """The leading run of ``keys`` in L1, read-locked when ``acquire`` (lock held)."""
         now = self._clock()
-        locs: list[p.ChunkLoc] = []
+        locs: list[ChunkLoc] = []
         accessed: list[tuple[ObjectKey, int]] = []
         for key in keys:
             if acquire:
-                lease = self.store.acquire_read(key, "engine", now, lease_s)
+                lease = self._store.acquire_read(key, "engine", now, lease_s)
                 if lease is None:
                     break
                 locs.append(
-                    p.ChunkLoc(
+                    ChunkLoc(
                         key.chunk_hash,
                         lease.offset,
                         lease.size,
@@ -356,148 +351,67 @@ class EngineService:
                 )
                 accessed.append((key, lease.size))
             else:
-                info = self.store.pool.get(key)
+                info = self._store.pool.get(key)
                 if info is None or not info.committed:
                     break
-                locs.append(p.ChunkLoc(key.chunk_hash, info.offset, info.size, info.checksum))
+                locs.append(ChunkLoc(key.chunk_hash, info.offset, info.size, info.checksum))
         self._drain_locked(accessed)
         n = len(locs)
-        return p.LookupResult(n * self.identity.chunk_size, n, len(keys), locs)
+        return LookupResult(n * self.identity.chunk_size, n, len(keys), locs)
 
-    # ------------------------------------------------------------------ P2P: owner side
-
-    def lock_for_peer(
-        self, requester: str, keys: Sequence[ObjectKey], lease_s: float
-    ) -> list[ReadLease]:
-        """Read-lock the leading run of ``keys`` this server holds (L2 hits promoted) for
-        peer ``requester``; the leases expire after ``lease_s`` if it never unlocks."""
-        holder = PEER_HOLDER_PREFIX + requester
-        out: list[ReadLease] = []
-        with self.lock:
-            now = self._clock()
-            hit = self.store.lookup_prefix(keys, now)
-            for key in keys[:hit]:
-                lease = self.store.acquire_read(key, holder, now, lease_s)
-                if lease is None:
-                    break
-                out.append(lease)
-            self._drain_locked()
-        return out
-
-    def unlock_for_peer(self, requester: str, lease_ids: Sequence[int]) -> int:
-        """Release those of ``lease_ids`` that peer ``requester`` holds."""
-        holder = PEER_HOLDER_PREFIX + requester
-        n = 0
-        with self.lock:
-            for raw in lease_ids:
-                lease = self.store.pool.read_lease(LeaseId(raw))
-                if lease is not None and lease.holder == holder:
-                    n += self.store.release(lease.lease_id)
-        return n
-
-    def peer_may_read(self, requester: str, lease_id: str, offset: int, size: int) -> bool:
-        """Does a live lease of ``requester`` cover ``[offset, offset + size)``?"""
-        if not lease_id.isdigit():
-            return False
-        with self.lock:
-            lease = self.store.pool.read_lease(LeaseId(int(lease_id)))
-            now = self._clock()
-        return (
-            lease is not None
-            and lease.holder == PEER_HOLDER_PREFIX + requester
-            and lease.deadline > now
-            and lease.offset <= offset
-            and offset + size <= lease.offset + lease.size
-        )
-
-    # ------------------------------------------------------------------ P2P: requester side
-
-    def reserve_for_peer_fetch(
-        self, items: Sequence[tuple[ObjectKey, int]], lease_s: float
-    ) -> list[Slot | Refusal]:
-        """Write-lock a fresh L1 slot per (key, size), in order; a refusal per item that
-        got none (EXISTS: someone stored it meanwhile)."""
-        out: list[Slot | Refusal] = []
-        with self.lock:
-            now = self._clock()
-            self.store.expire(now)
-            for key, size in items:
-                res = self.store.reserve(key, size, now, lease_s, holder="p2p")
-                out.append(res.slot if isinstance(res, Reserved) else res.reason)
-            self._drain_locked()
-        return out
-
-    def commit_peer_fetch(
-        self, done: Sequence[tuple[Slot, int]], failed: Sequence[Slot], keep_failed: bool
-    ) -> list[ObjectKey]:
-        """Commit slots whose bytes arrived verified (with their checksums) and abort the
-        failed ones, unless ``keep_failed`` (a transfer may still write them: their write
-        leases then expire instead). STOREs are published like any local store."""
-        committed: list[ObjectKey] = []
-        with self.lock:
-            now = self._clock()
-            for slot, checksum in done:
-                if self.store.commit(slot.key, now, checksum, slot.lease_id) is not None:
-                    committed.append(slot.key)
-            if not keep_failed:
-                for slot in failed:
-                    self.store.abort(slot.key)
-            self._drain_locked()
-        return committed
-
-    def reserve(self, req: p.Reserve) -> p.ReserveResult:
+    def reserve(self, req: Reserve) -> ReserveResult:
         if len(req.hashes) != len(req.sizes):
             raise InvalidInput(f"reserve has {len(req.hashes)} hashes but {len(req.sizes)} sizes")
         keys = self._keys(req.ns, req.hashes)
         lease_s = self.lease(req.lease_s)
-        out: list[p.SlotGrant] = []
-        with self.lock:
+        out: list[SlotGrant] = []
+        with self._lock:
             now = self._clock()
-            self.store.expire(now)
+            self._store.expire(now)
             for key, size in zip(keys, req.sizes, strict=True):
-                res = self.store.reserve(key, size, now, lease_s, holder="engine")
+                res = self._store.reserve(key, size, now, lease_s, holder="engine")
                 if isinstance(res, Reserved):
                     s = res.slot
                     out.append(
-                        p.SlotGrant(key.chunk_hash, "reserved", s.offset, s.size, int(s.lease_id))
+                        SlotGrant(key.chunk_hash, "reserved", s.offset, s.size, int(s.lease_id))
                     )
                 else:
-                    out.append(p.SlotGrant(key.chunk_hash, res.reason.value))
+                    out.append(SlotGrant(key.chunk_hash, res.reason.value))
             self._drain_locked()
-        return p.ReserveResult(out)
+        return ReserveResult(out)
 
-    def commit(self, req: p.Commit) -> p.CommitResult:
+    def commit(self, req: Commit) -> CommitResult:
         keys = self._keys(req.ns, [i.hash for i in req.items])
         done: list[bool] = []
-        with self.lock:
+        with self._lock:
             now = self._clock()
             for key, item in zip(keys, req.items, strict=True):
-                info = self.store.commit(key, now, item.checksum, LeaseId(item.lease_id))
+                info = self._store.commit(key, now, item.checksum, LeaseId(item.lease_id))
                 done.append(info is not None)
             self._drain_locked()
-        return p.CommitResult(done)
+        return CommitResult(done)
 
-    def abort(self, req: p.Abort) -> p.AbortResult:
+    def abort(self, req: Abort) -> AbortResult:
         keys = self._keys(req.ns, req.hashes)
-        with self.lock:
-            n = sum(1 for k in keys if self.store.abort(k))
+        with self._lock:
+            n = sum(1 for k in keys if self._store.abort(k))
             self._drain_locked()
-        return p.AbortResult(n)
+        return AbortResult(n)
 
-    def acquire(self, req: p.AcquireRead) -> p.AcquireResult:
+    def acquire(self, req: AcquireRead) -> AcquireResult:
         keys = self._keys(req.ns, req.hashes)
         lease_s = self.lease(req.lease_s)
-        out: list[p.ChunkLoc | None] = []
+        out: list[ChunkLoc | None] = []
         accessed: list[tuple[ObjectKey, int]] = []
-        with self.lock:
+        with self._lock:
             now = self._clock()
             for key in keys:
-                lease = self.store.acquire_read(key, "engine", now, lease_s)
+                lease = self._store.acquire_read(key, "engine", now, lease_s)
                 if lease is None:
                     out.append(None)
                     continue
                 out.append(
-                    p.ChunkLoc(
+                    ChunkLoc(
                         key.chunk_hash,
                         lease.offset,
                         lease.size,
@@ -507,29 +421,30 @@ class EngineService:
                 )
                 accessed.append((key, lease.size))
             self._drain_locked(accessed)
-        return p.AcquireResult(out)
+        return AcquireResult(out)
 
-    def release(self, req: p.Release) -> p.ReleaseResult:
-        with self.lock:
-            n = sum(1 for lease_id in req.lease_ids if self.store.release(LeaseId(lease_id)))
-        return p.ReleaseResult(n)
+    def release(self, req: Release) -> ReleaseResult:
+        with self._lock:
+            n = sum(1 for lease_id in req.lease_ids if self._store.release(LeaseId(lease_id)))
+        return ReleaseResult(n)
 
     # ------------------------------------------------------------------ resync
 
     def resync(self) -> int:
         """Publish a STORE for every chunk in L1 and L2 (the coordinator lost its state)."""
-        if self._publisher is None:
+        publisher = self._guarded.publisher
+        if publisher is None:
             return 0
-        with self.lock:
+        with self._lock:
             self._drain_locked()
-            l1 = [Entry(s.key, s.size) for s in self.store.pool.slots() if s.committed]
+            l1 = [Entry(s.key, s.size) for s in self._store.pool.slots() if s.committed]
             l2 = (
-                [Entry(i.key, i.size) for i in self.store.l2.list()]
-                if self.store.l2 is not None
+                [Entry(i.key, i.size) for i in self._store.l2.list()]
+                if self._store.l2 is not None
                 else []
             )
-            self._publisher.publish(EventType.STORE, Tier.L1, l1)
-            self._publisher.publish(EventType.STORE, Tier.L2, l2)
+            publisher.publish(EventType.STORE, Tier.L1, l1)
+            publisher.publish(EventType.STORE, Tier.L2, l2)
         log.info(
             "resync of instance %s incarnation %d: republished %d L1 and %d L2 chunks",
             self.identity.instance_id,

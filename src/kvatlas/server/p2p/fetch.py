@@ -11,8 +11,8 @@ store), and the acknowledged unlock. Every failure is a miss for the rest of the
 and is counted by cause: timeout, peer_dead, checksum_mismatch, refused, stale_hint
 (the directory named a peer that no longer had the chunks), no_space.
 
-It runs WITHOUT the engine service's lock and takes it only briefly, through the
-service's ``reserve_for_peer_fetch`` / ``commit_peer_fetch``.
+It runs WITHOUT the store lock and takes it only briefly, through
+``PeerStoreAccess.reserve_for_peer_fetch`` / ``commit_peer_fetch``.
 
 Must not: write into a peer's memory, forward a read to a third node, wait past a
 deadline, or close the `CoordinatorClient` it asks (the composition root owns it).
@@ -33,9 +33,10 @@ from kvatlas.core.l1pool import Refusal, Slot
 from kvatlas.core.peers import PeerHealth, p2p_deadline
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.server.config import P2PConfig
-from kvatlas.server.engine_service import EngineService, PeerFetch
+from kvatlas.server.engine_service import PeerFetch
 from kvatlas.server.p2p.channel import ChannelError
 from kvatlas.server.p2p.controller import P2PController, PeerAdapter
+from kvatlas.server.p2p.store_access import PeerStoreAccess
 from kvatlas.transfer.base import ReadOp, ReadResult, ReadStatus
 from kvatlas.wire.http_api import KeyWire, LookupRequest
 from kvatlas.wire.p2p_proto import Locked, LockedChunk, LookupAndLock, Unlock
@@ -78,7 +79,7 @@ class PeerFetcher:
         self,
         *,
         instance_id: str,
-        service: EngineService,
+        store: PeerStoreAccess,
         controller: P2PController,
         config: P2PConfig,
         chunk_size: int,
@@ -88,7 +89,7 @@ class PeerFetcher:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.instance_id = instance_id
-        self._service = service
+        self._store = store
         self._controller = controller
         self._config = config
         self._chunk_size = chunk_size
@@ -313,9 +314,9 @@ class PeerFetcher:
         load_budget: float,
         timings: dict[str, float],
     ) -> tuple[_Loaded, str]:
-        service = self._service
+        store = self._store
         with _timed(timings, "reserve"):
-            grants = service.reserve_for_peer_fetch(
+            grants = store.reserve_for_peer_fetch(
                 [(k, c.size) for k, c in zip(keys, chunks, strict=True)],
                 load_budget + WRITE_GRACE_S,
             )
@@ -364,7 +365,7 @@ class PeerFetcher:
             DRAIN_TIMEOUT_S
         )
         with _timed(timings, "commit"):
-            committed = set(service.commit_peer_fetch(done, failed, keep_failed=keep))
+            committed = set(store.commit_peer_fetch(done, failed, keep_failed=keep))
         present = 0
         for key, grant in zip(keys, grants, strict=True):
             if key in committed or grant is Refusal.EXISTS:

@@ -4,8 +4,9 @@ Owns the parts of P2P and their order: the transport's ``TransferServer`` servin
 server's L1 region (its endpoint goes into the registration metadata), the control
 channel's ROUTER on the listen URL answering ``hello`` / ``lookup_and_lock`` / ``unlock``
 (with the shared token checked when one is set), the controller (peers and adapters)
-and the fetcher (the read path, plugged into the engine service as its peer source),
-plus the ``p2p_*`` fields of /status and the P2P metrics.
+and the fetcher (the read path; the composition root plugs it into the engine service
+as its peer source), plus the ``p2p_*`` fields of /status and the P2P metrics. It
+reaches the chunk store only through ``PeerStoreAccess``.
 
 Ports: the control channel binds ``--p2p-listen-url`` and is advertised as
 ``--p2p-advertise-url``; the transport binds what its own config names (tcp: the listen
@@ -15,10 +16,10 @@ registration, never derive from the control port.
 
 Owner-side lease rules: a peer is handed addresses only under read leases held as
 ``peer:<its id>``, released by its ``unlock`` (its own leases only) or by expiry; the
-tcp transport checks each read against those leases (``EngineService.peer_may_read``).
+tcp transport checks each read against those leases (``PeerStoreAccess.peer_may_read``).
 
-Must not: parse flags or choose the transport (the composition root passes a configured
-``kvatlas.transfer.factory.Transport``).
+Must not: parse flags, choose the transport (the composition root passes a configured
+``kvatlas.transfer.factory.Transport``), or know the engine service.
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ from kvatlas.runtime.auth import TokenGate
 from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.runtime.region import L1Region
 from kvatlas.server.config import P2PConfig, split_host_port
-from kvatlas.server.engine_service import EngineService
 from kvatlas.server.p2p.channel import ChannelServer
 from kvatlas.server.p2p.controller import ENDPOINT_METADATA_KEY, P2PController, P2PState
 from kvatlas.server.p2p.fetch import FetchStats, PeerFetcher
+from kvatlas.server.p2p.store_access import PeerStoreAccess
 from kvatlas.transfer.base import Endpoint, FaultPlan, TransferServer
 from kvatlas.transfer.factory import Transport
 from kvatlas.wire.p2p_proto import (
@@ -100,7 +101,7 @@ class P2PNode:
         instance_id: str,
         incarnation: int,
         chunk_size: int,
-        service: EngineService,
+        store: PeerStoreAccess,
         region: L1Region,
         transport: Transport,
         coordinator: CoordinatorClient,
@@ -112,14 +113,14 @@ class P2PNode:
         and the fetcher's directory lookups (bounded by ``coordinator_timeout_s``); the
         composition root closes it. ``auth_token`` guards the control channel and the
         tcp transport."""
-        check_single_region(region, service.store.pool.capacity_bytes)
+        check_single_region(region, store.pool_capacity)
         listen = split_host_port(config.bind_url)
         if listen is None:  # validate() refused this already
             raise ConfigError(f"--p2p-listen-url must be HOST:PORT, got {config.bind_url!r}")
         self.config = config
         self.instance_id = instance_id
         self.incarnation = incarnation
-        self._service = service
+        self._store = store
         self._transport = transport
         self._gate = TokenGate(auth_token)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -153,7 +154,7 @@ class P2PNode:
         )
         self.fetcher = PeerFetcher(
             instance_id=instance_id,
-            service=service,
+            store=store,
             controller=self.controller,
             config=config,
             chunk_size=chunk_size,
@@ -161,7 +162,6 @@ class P2PNode:
             coordinator_timeout_s=coordinator_timeout_s,
             auth_token=auth_token,
         )
-        service.set_peer_source(self.fetcher)
 
     def registration_metadata(self) -> dict[str, str]:
         return {ENDPOINT_METADATA_KEY: json.dumps(self.endpoint.to_builtins(), sort_keys=True)}
@@ -171,7 +171,7 @@ class P2PNode:
     def _authorize(self, peer_id: str, lease_id: str, offset: int, size: int) -> bool:
         if self.config.fault_read_delay_s > 0:  # tests only: a slow owner
             time.sleep(self.config.fault_read_delay_s)
-        return self._service.peer_may_read(peer_id, lease_id, offset, size)
+        return self._store.peer_may_read(peer_id, lease_id, offset, size)
 
     def handle(self, body: P2PRequestBody) -> P2PResponseBody:
         """Answer one control request (the channel's thread)."""
@@ -192,7 +192,7 @@ class P2PNode:
                     return P2PError("invalid_input", "hashes must be 32 bytes, lease_s > 0")
                 keys = object_keys(body.hashes, body.ns)  # type: ignore[arg-type]
                 lease_s = min(body.lease_s, self.config.lock_lease_s)
-                leases = self._service.lock_for_peer(body.requester, keys, lease_s)
+                leases = self._store.lock_for_peer(body.requester, keys, lease_s)
                 self.served_locks += 1
                 self.served_chunks += len(leases)
                 return Locked(
@@ -207,7 +207,7 @@ class P2PNode:
                 )
             case Unlock():
                 self.served_unlocks += 1
-                return Unlocked(self._service.unlock_for_peer(body.requester, body.lease_ids))
+                return Unlocked(self._store.unlock_for_peer(body.requester, body.lease_ids))
         raise AssertionError(f"unhandled P2P request {type(body).__name__}")
 
     # ------------------------------------------------------------------ lifecycle
@@ -228,7 +228,6 @@ class P2PNode:
         )
 
     def stop(self) -> None:
-        self._service.set_peer_source(None)
         self.controller.stop()
         self._channel.stop()
         self._server.stop()

@@ -6,8 +6,9 @@ promoted into a fresh L1 slot (checksum verified by the L2 adapter, so a corrupt
 a miss, never wrong bytes). It also merges the pool's and the L2 adapter's events into one
 ordered list of per-tier records for the event publisher.
 
-It must not take locks, read clocks or deliver events: the server's engine API holds one
-lock around every call and passes ``now``; the publisher drains ``take_events()``.
+It must not take locks, read clocks or deliver events: ``storage.guarded.GuardedStore``
+holds one lock around every call, passes ``now`` and drains ``take_events()`` to the
+publisher.
 Engines only read and write L1 (through the shared region), so ``acquire_read`` does not
 look at L2: ``lookup_prefix`` is the one place that promotes.
 
