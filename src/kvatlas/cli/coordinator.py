@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     coordinator.run()
-    return 0
+    # Non-zero so that a supervisor notices that a restart loses state (logged above).
+    return 1 if coordinator.final_snapshot_failed else 0
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ one), the service, the membership frontend (direct, or through Kafka with the co
 and the publisher), the HTTP app, the snapshot writer and the expiry loop; then serves
 HTTP (`kvatlas.runtime.http_server`: uvloop, httptools) on a socket it bound itself (so
 a port of 0 is known before serving) until told to stop (SIGINT/SIGTERM or `stop()`),
-and on a clean shutdown writes a last snapshot. Must not contain logic of its own beyond wiring.
+and on a clean shutdown writes a last snapshot (`final_snapshot_failed` says whether
+that failed, for the exit status). Must not contain logic of its own beyond wiring.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ class Coordinator:
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
         self._expiry: threading.Thread | None = None
+        self.final_snapshot_failed = False
+        """True when the snapshot written at shutdown failed: a restart loses state."""
 
     def bind(self) -> int:
         """Bind the HTTP socket now; returns the port (useful with port 0)."""
@@ -163,11 +166,13 @@ class Coordinator:
             self.snapshots.stop()
         for part in reversed(self._parts):
             part.stop()
-        if self.snapshots is not None:
-            try:
-                self.snapshots.write()
-            except OSError:
-                log.exception("Last snapshot failed at shutdown")
+        if self.snapshots is not None and not self.snapshots.try_write():
+            self.final_snapshot_failed = True
+            log.error(
+                "Last snapshot to %s failed at shutdown: a restart restores the last one"
+                " written before it, and loses every change since",
+                self.config.snapshot_path,
+            )
         if self._sock is not None:
             self._sock.close()
         log.info("Coordinator stopped")

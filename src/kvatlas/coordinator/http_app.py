@@ -334,9 +334,10 @@ class CoordinatorApp:
         return _json({"status": "ok"})
 
     def readyz(self, request: HttpRequest) -> HttpResponse:
-        if self._svc.ready:
+        ready, reason = self._svc.readiness()
+        if ready:
             return _json(ReadyResponse(True, ""))
-        return _json(ReadyResponse(False, self._svc.not_ready_reason), 503)
+        return _json(ReadyResponse(False, reason), 503)
 
     def metrics(self, request: HttpRequest) -> HttpResponse:
         return HttpResponse(200, self._metrics.render(), "text/plain; version=0.0.4; charset=utf-8")

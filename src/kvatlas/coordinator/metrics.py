@@ -202,6 +202,11 @@ class CoordinatorMetrics:
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
             registry=r,
         )
+        self.snapshot_failures = Counter(
+            "kvatlas_coordinator_snapshot_failures",
+            "Snapshot writes that failed (each is logged; the next interval retries)",
+            registry=r,
+        )
         self.snapshot_bytes = Gauge(
             "kvatlas_coordinator_snapshot_bytes", "Size of the last snapshot", registry=r
         )

@@ -67,6 +67,7 @@ class CoordinatorService:
         """Consumer positions (``kafka:<topic>:<partition>`` -> next offset)."""
         self._ready = threading.Event()
         self._not_ready_reason = "starting"
+        self._snapshot_failure = ""
         self._unknown_types: set[str] = set()
 
     # ---- readiness -------------------------------------------------------------------
@@ -86,6 +87,21 @@ class CoordinatorService:
     @property
     def not_ready_reason(self) -> str:
         return self._not_ready_reason
+
+    def set_snapshot_failure(self, reason: str) -> None:
+        """Record that the last snapshot write failed (``reason``), or succeeded ("")."""
+        self._snapshot_failure = reason
+
+    def readiness(self) -> tuple[bool, str]:
+        """What `/readyz` answers: serving (`ready`) and the last snapshot write, if
+        any, succeeded; else the reason. A failed snapshot does not stop ingest or
+        membership (only `ready` gates those): it tells the orchestrator that a
+        restart would lose state, until a later write succeeds."""
+        if not self._ready.is_set():
+            return False, self._not_ready_reason
+        if self._snapshot_failure:
+            return False, self._snapshot_failure
+        return True, ""
 
     def _advance(self, position: Position | None) -> None:
         if position is not None:

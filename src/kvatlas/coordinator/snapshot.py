@@ -3,8 +3,13 @@
 Owns the file format's outer handling (the bytes are `FleetState.snapshot`'s), atomic
 replacement (write a temp file in the same folder, fsync, `os.replace`, fsync the
 folder, so a crash leaves the old or the new file, never half of one), the periodic
-writer thread, and the startup checks that a snapshot fits the configuration. Must not
-change the state: it only reads the service's consistent snapshot bytes.
+writer thread, and the startup checks that a snapshot fits the configuration.
+
+A failed write, whatever the cause (disk, permissions, state an encoder cannot hold), is
+logged, counted (``kvatlas_coordinator_snapshot_failures``) and makes `/readyz` fail
+with its reason until a write succeeds again; the writer thread never dies of it and
+the next interval retries. Must not change the state: it only reads the service's
+consistent snapshot bytes.
 """
 
 from __future__ import annotations
@@ -125,6 +130,19 @@ class SnapshotWriter:
         )
         return len(data)
 
+    def try_write(self) -> bool:
+        """`write`, and on any failure log it, count it and mark the service not ready
+        (until a later write succeeds); True when the snapshot was written."""
+        try:
+            self.write()
+        except Exception as exc:
+            self._metrics.snapshot_failures.inc()
+            self._svc.set_snapshot_failure(f"last snapshot to {self._path} failed: {exc!r}")
+            log.exception("Snapshot to %s failed", self._path)
+            return False
+        self._svc.set_snapshot_failure("")
+        return True
+
     def start(self) -> None:
         if self._interval > 0:
             self._thread = threading.Thread(target=self._run, name="snapshot", daemon=True)
@@ -132,10 +150,7 @@ class SnapshotWriter:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
-            try:
-                self.write()
-            except OSError:
-                log.exception("Snapshot to %s failed; the next interval retries", self._path)
+            self.try_write()  # a failure is logged and counted; the next interval retries
 
     def stop(self) -> None:
         self._stop.set()

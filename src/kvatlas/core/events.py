@@ -33,17 +33,17 @@ import msgspec
 
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import HASH_BYTES, Namespace, ObjectKey, same_namespace
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import U63, EventType, Tier, TokenOffset
 
 
 class Entry(msgspec.Struct, frozen=True, gc=False):
     """One object in a batch."""
 
     key: ObjectKey
-    size_bytes: int = 0
+    size_bytes: U63 = 0
     token_ids: tuple[int, ...] | None = None
     """The chunk's tokens, when the emitter sends them (blend lookup needs them)."""
-    token_offset: int = -1
+    token_offset: TokenOffset = -1
     """Position of the chunk's first token in its sequence; -1 means unknown."""
 
 
@@ -132,8 +132,8 @@ class EventBatch(msgspec.Struct, frozen=True):
     """A batch of events of one kind from one server process: ``entries``, then ``block``."""
 
     instance_id: str
-    incarnation: int
-    seq: int
+    incarnation: U63
+    seq: U63
     event_type: EventType
     tier: Tier
     entries: tuple[Entry, ...]
@@ -143,9 +143,9 @@ class EventBatch(msgspec.Struct, frozen=True):
     block: KeyBlock | None = None
     """More objects after ``entries``, in columnar form (optional: older emitters and the
     JSON form never send one)."""
-    capacity_bytes: int = 0
+    capacity_bytes: U63 = 0
     """CONFIG only: the capacity of (tier, backend); 0 declares none."""
-    capacity_revision: int = 0
+    capacity_revision: U63 = 0
     """CONFIG only: which declaration of the sender this batch belongs to."""
 
     @property
@@ -165,6 +165,6 @@ class UnknownBatch(msgspec.Struct, frozen=True, gc=False):
     """A batch whose ``event_type`` this coordinator does not know: what the gate needs."""
 
     instance_id: str
-    incarnation: int
-    seq: int
+    incarnation: U63
+    seq: U63
     event_type: str

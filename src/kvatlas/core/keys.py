@@ -23,7 +23,7 @@ import numpy.typing as npt
 from blake3 import blake3
 
 from kvatlas.core.errors import ContractMismatch, InvalidInput
-from kvatlas.core.types import ChunkHash
+from kvatlas.core.types import I64, ChunkHash
 
 DEFAULT_CHUNK_SIZE: Final = 256
 
@@ -117,8 +117,8 @@ class Namespace(msgspec.Struct, frozen=True, gc=False):
     """Everything of an object key but the chunk hash: the scope hashes live in."""
 
     model_name: str
-    kv_rank: int
-    object_group_id: int = 0
+    kv_rank: I64
+    object_group_id: I64 = 0
     cache_salt: str = ""
 
 
@@ -127,8 +127,8 @@ class ObjectKey(msgspec.Struct, frozen=True, gc=False):
 
     chunk_hash: bytes
     model_name: str
-    kv_rank: int
-    object_group_id: int = 0
+    kv_rank: I64
+    object_group_id: I64 = 0
     cache_salt: str = ""
 
     @property

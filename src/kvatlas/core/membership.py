@@ -21,6 +21,7 @@ import msgspec
 
 from kvatlas.core.errors import InvalidInput, SnapshotError, StaleIncarnation
 from kvatlas.core.keys import HashContract
+from kvatlas.core.types import U63, Port
 
 _MAX_PORT = 65535
 
@@ -30,12 +31,12 @@ class InstanceInfo(msgspec.Struct, frozen=True):
 
     instance_id: str
     ip: str
-    http_port: int
+    http_port: Port
     metadata: dict[str, str]
     p2p_advertised_url: str = ""
     """Where peers reach this server's P2P control channel; empty: no P2P."""
-    mq_port: int = 0
-    incarnation: int = 0
+    mq_port: Port = 0
+    incarnation: U63 = 0
     """Strictly increasing per process start of this instance id."""
     registration_time: float = 0.0
     last_heartbeat: float = 0.0

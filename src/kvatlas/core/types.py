@@ -7,10 +7,25 @@ Owns the small vocabulary (instance ids, incarnations, tiers, event types) so th
 from __future__ import annotations
 
 import enum
-from typing import NewType
+from typing import Annotated, Final, NewType
+
+import msgspec
 
 ChunkHash = NewType("ChunkHash", bytes)
 """32-byte blake3 digest of a chunk in the prefix chain."""
+
+MAX_INT64: Final = 2**63 - 1
+"""The largest integer the coordinator keeps: every encoder (msgpack snapshots, JSON
+readers in other languages, int64 columns) holds it."""
+U63 = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT64)]
+"""A count, seq, incarnation, size or offset as it may arrive on the wire: msgspec
+refuses anything outside [0, 2**63-1] at decode, with the field's path in the reason."""
+I64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=MAX_INT64)]
+"""A signed integer on the wire that must fit 64 bits (kv ranks, group ids)."""
+TokenOffset = Annotated[int, msgspec.Meta(ge=-1, le=MAX_INT64)]
+"""Position of a chunk's first token in its sequence; -1: unknown."""
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+"""A TCP port on the wire (0: none)."""
 
 InstanceId = NewType("InstanceId", str)
 """Name of a cache server in the fleet (``node-a``)."""

@@ -19,6 +19,7 @@ from typing import Final, Literal
 import msgspec
 
 from kvatlas.core.keys import HASH_ALGORITHM, Namespace
+from kvatlas.core.types import U63
 
 PROTOCOL_VERSION: Final = 1
 
@@ -63,7 +64,7 @@ class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
 
     ns: Namespace
     hashes: list[bytes]
-    sizes: list[int]
+    sizes: list[U63]
     lease_s: float = 0.0
 
 
@@ -97,7 +98,7 @@ class AcquireRead(msgspec.Struct, frozen=True, tag="acquire_read"):
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):
-    lease_ids: list[int]
+    lease_ids: list[U63]
 
 
 class GetStats(msgspec.Struct, frozen=True, tag="stats"):

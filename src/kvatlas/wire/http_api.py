@@ -43,7 +43,7 @@ from kvatlas.core.keys import (
 )
 from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.placements import OwnerStats
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import I64, MAX_INT64, U63, EventType, Port, Tier, TokenOffset
 
 MSGPACK_CONTENT_TYPE = "application/msgpack"
 EventFormat = Literal["msgpack", "json"]
@@ -91,12 +91,12 @@ class RegisterRequest(msgspec.Struct, frozen=True):
     """`POST /instances`. ``instance_id`` "" asks the coordinator to generate one."""
 
     ip: str
-    http_port: int
+    http_port: Port
     instance_id: str = ""
     metadata: dict[str, str] = {}
     p2p_advertised_url: str | None = None
-    mq_port: int | None = None
-    incarnation: int | None = None
+    mq_port: Port | None = None
+    incarnation: U63 | None = None
     """kvatlas: strictly increasing per process start. None (LMCache's servers): the
     instance takes the incarnation its events carry (their process start time)."""
     contract: ContractWire | None = None
@@ -251,8 +251,8 @@ class KeyWire(msgspec.Struct, frozen=True):
 
     chunk_hash_hex: str
     model_name: str
-    kv_rank: int
-    object_group_id: int = 0
+    kv_rank: I64
+    object_group_id: I64 = 0
     cache_salt: str = ""
 
     def to_core(self) -> ObjectKey:
@@ -285,17 +285,17 @@ def shared_namespace(keys: list[KeyWire]) -> Namespace | None:
 
 class EntryWire(msgspec.Struct, frozen=True):
     key: KeyWire
-    size_bytes: int = 0
+    size_bytes: U63 = 0
     token_ids: list[int] | None = None
-    token_offset: int = -1
+    token_offset: TokenOffset = -1
 
 
 class BatchWire(msgspec.Struct, frozen=True):
     """One batch in the JSON form of `POST /events` (LMCache's `CacheEventBatch`)."""
 
     instance_id: str
-    incarnation: int
-    seq: int
+    incarnation: U63
+    seq: U63
     event_type: Literal["store", "access", "delete", "config"]
     tier: Literal["l1", "l2"]
     entries: list[EntryWire]
@@ -315,8 +315,8 @@ class BatchHead(msgspec.Struct, frozen=True):
     """What every batch must carry, whatever its type: all the gate reads."""
 
     instance_id: str
-    incarnation: int
-    seq: int
+    incarnation: U63
+    seq: U63
     event_type: str
 
 
@@ -393,8 +393,10 @@ def _check_config(b: EventBatch) -> None:
         raise InvalidInput(f"a config batch declares capacity and carries no entries {where}")
     if not b.backend:
         raise InvalidInput(f"a config batch must name its backend {where}")
-    if b.capacity_bytes < 0 or b.capacity_revision < 0:
-        raise InvalidInput(f"capacity_bytes and capacity_revision must be >= 0 {where}")
+    if not (0 <= b.capacity_bytes <= MAX_INT64 and 0 <= b.capacity_revision <= MAX_INT64):
+        raise InvalidInput(
+            f"capacity_bytes and capacity_revision must be >= 0 and <= {MAX_INT64} {where}"
+        )
 
 
 def _check_block(block: KeyBlock, b: EventBatch) -> None:
@@ -591,11 +593,11 @@ class LookupRequest(msgspec.Struct, frozen=True):
     """kvatlas: the tokens as base64 of little-endian uint32, instead of ``token_ids``
     (decoding 32k JSON ints alone costs ~0.7 ms; this form ~120 us)."""
     model_name: str = ""
-    world_size: int = 1
+    world_size: U63 = 1
     cache_salt: str = ""
-    kv_rank: int | None = None
+    kv_rank: I64 | None = None
     """kvatlas: defaults to rank 0 of ``world_size`` (world size 1 -> 16777472)."""
-    object_group_id: int = 0
+    object_group_id: I64 = 0
 
 
 _json_lookup = msgspec.json.Decoder(LookupRequest)
@@ -653,10 +655,10 @@ class BlendLookupRequest(msgspec.Struct, frozen=True):
     tokens_b64: bytes
     """Base64 in JSON (msgspec decodes and validates it in C); little-endian uint32."""
     model_name: str
-    world_size: int = 1
+    world_size: U63 = 1
     cache_salt: str = ""
-    kv_rank: int | None = None
-    object_group_id: int = 0
+    kv_rank: I64 | None = None
+    object_group_id: I64 = 0
 
 
 class BlendMatchWire(msgspec.Struct, frozen=True):

@@ -28,6 +28,7 @@ import msgspec
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import EventBatch
 from kvatlas.core.membership import InstanceInfo
+from kvatlas.core.types import U63
 from kvatlas.wire.http_api import AnyBatch, check_batch, decode_any_batch, decode_events
 
 DEFAULT_TOPIC: Final = "kvatlas-cache-events"
@@ -66,7 +67,7 @@ class ExpireRecord(msgspec.Struct, frozen=True, tag="expire"):
     """Expire ``incarnation`` of an instance unless it was heard of after ``last_seen``."""
 
     instance_id: str
-    incarnation: int
+    incarnation: U63
     last_seen: float
     at: float
 

@@ -21,6 +21,7 @@ from typing import Any, Final, Literal
 import msgspec
 
 from kvatlas.core.keys import Namespace
+from kvatlas.core.types import U63
 
 P2P_PROTOCOL_VERSION: Final = 1
 
@@ -48,7 +49,7 @@ class Unlock(msgspec.Struct, frozen=True, tag="unlock"):
     """Release leases ``lookup_and_lock`` handed out (only the requester's own)."""
 
     requester: str
-    lease_ids: list[int]
+    lease_ids: list[U63]
     token: str = ""
 
 
