@@ -1,6 +1,6 @@
 """Snapshot files: atomic writes and startup restores of the fleet state.
 
-Owns the file format's outer handling (the bytes are `FleetState.snapshot`'s), atomic
+Owns the file format's outer handling (the body is `FleetState.snapshot`'s bytes), atomic
 replacement (write a temp file in the same folder, fsync, `os.replace`, fsync the
 folder, so a crash leaves the old or the new file, never half of one), the periodic
 writer thread, and the startup checks that a snapshot fits the configuration.
@@ -8,7 +8,15 @@ writer thread, and the startup checks that a snapshot fits the configuration.
 A failed write, whatever the cause (disk, permissions, state an encoder cannot hold), is
 logged, counted (``kvatlas_coordinator_snapshot_failures``) and makes `/readyz` fail
 with its reason until a write succeeds again; the writer thread never dies of it and
-the next interval retries. Must not change the state: it only reads the service's
+the next interval retries.
+
+The file is a header and the body: ``MAGIC`` (8 bytes), the format version (u32), the
+body's length (u64) and the blake3 digest of the body (32 bytes), little-endian. A file
+whose header, length or digest does not match is refused at startup, naming the file and
+the previous snapshot to use instead: before each write the file being replaced is kept
+as ``<file>.prev`` (a hard link, so the file itself never goes missing). A file without
+the header (written before the format had one) is read as a bare body with a warning;
+the next write adds the header. Must not change the state: it only reads the service's
 consistent snapshot bytes.
 """
 
@@ -16,10 +24,14 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Final
+
+from blake3 import blake3
 
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.metrics import CoordinatorMetrics
@@ -28,6 +40,62 @@ from kvatlas.core.errors import ConfigError, SnapshotError
 from kvatlas.core.fleet import FleetState
 
 log = logging.getLogger(__name__)
+
+MAGIC: Final = b"KVATSNAP"
+FORMAT_VERSION: Final = 1
+_HEADER = struct.Struct("<8sIQ32s")
+PREV_SUFFIX: Final = ".prev"
+
+
+def frame(body: bytes) -> bytes:
+    """``body`` behind the header that lets `unframe` tell it intact."""
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, len(body), blake3(body).digest()) + body
+
+
+_LEGACY_FIRST_BYTES: Final = frozenset(bytes([b]) for b in (*range(0x80, 0xA0), *range(0xDC, 0xE0)))
+"""A bare body is a msgpack array or map (`FleetState.snapshot`'s struct); no bit flip
+of ``MAGIC``'s first byte reaches one of these."""
+
+
+def unframe(data: bytes, where: object = "snapshot") -> bytes:
+    """The body of a framed snapshot; SnapshotError when the header, the length or the
+    digest do not match. A file without the header (the format before it) is returned
+    as it is, with a warning."""
+    if not data.startswith(MAGIC):
+        if data[:1] in _LEGACY_FIRST_BYTES:
+            log.warning(
+                "%s has no header (written by an older kvatlas): reading it unchecked;"
+                " the next snapshot is written with a checksum",
+                where,
+            )
+            return data
+        raise SnapshotError("not a kvatlas snapshot (no header)")
+    if len(data) < _HEADER.size:
+        raise SnapshotError(f"truncated header ({len(data)} bytes)")
+    _, version, length, digest = _HEADER.unpack_from(data)
+    if version != FORMAT_VERSION:
+        raise SnapshotError(f"snapshot file format {version} is not supported")
+    body = data[_HEADER.size :]
+    if len(body) != length:
+        raise SnapshotError(f"body is {len(body)} bytes, the header says {length}")
+    if blake3(body).digest() != digest:
+        raise SnapshotError("checksum mismatch: the file is corrupt")
+    return body
+
+
+def keep_previous(path: Path) -> None:
+    """Keep the file about to be replaced as ``<path>.prev`` (hard link, else a copy),
+    so a corrupt newest file leaves one to restore from."""
+    prev = path.with_name(path.name + PREV_SUFFIX)
+    tmp = path.with_name(f".{path.name}.prev.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(path, tmp)
+    except FileNotFoundError:
+        return
+    except OSError:
+        tmp.write_bytes(path.read_bytes())
+    os.replace(tmp, prev)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -54,7 +122,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 def load(config: CoordinatorConfig, now: float | None) -> tuple[FleetState, dict[str, int]] | None:
     """The state restored from ``config.snapshot_path``, or None if there is no file.
 
-    Raises ConfigError (naming the flags) when the file is unreadable or was written
+    Raises ConfigError (naming the flags) when the file is unreadable or corrupt (also
+    naming the previous snapshot to use, when there is an intact one) or was written
     under a contradicting configuration.
     """
     if not config.snapshot_path:
@@ -66,14 +135,14 @@ def load(config: CoordinatorConfig, now: float | None) -> tuple[FleetState, dict
     t0 = time.perf_counter()
     try:
         fleet, extra = FleetState.restore(
-            path.read_bytes(),
+            unframe(path.read_bytes(), path),
             now,
             instance_timeout=config.instance_timeout,
             keep_tokens=not config.drop_token_ids,
         )
     except (OSError, SnapshotError) as exc:
         raise ConfigError(
-            f"--snapshot-path {path} cannot be restored ({exc}); move the file away to start empty"
+            f"--snapshot-path {path} cannot be restored ({exc}); {_fallback(path)}"
         ) from exc
     if fleet.chunk_size != config.chunk_size:
         raise ConfigError(
@@ -97,6 +166,19 @@ def load(config: CoordinatorConfig, now: float | None) -> tuple[FleetState, dict
     return fleet, extra
 
 
+def _fallback(path: Path) -> str:
+    """What the operator can do about an unrestorable ``path``."""
+    prev = path.with_name(path.name + PREV_SUFFIX)
+    try:
+        unframe(prev.read_bytes())
+    except (OSError, SnapshotError):
+        return f"no intact previous snapshot ({prev}); move the file away to start empty"
+    return (
+        f"the previous snapshot {prev} is intact: move it to {path} to restore from it,"
+        " or move the file away to start empty"
+    )
+
+
 class SnapshotWriter:
     """Writes the service's snapshot to a file, periodically and on demand."""
 
@@ -115,7 +197,9 @@ class SnapshotWriter:
         """Write one snapshot now; returns its size in bytes."""
         with self._write_lock:
             t0 = time.perf_counter()
-            data, locked = self._svc.snapshot()
+            body, locked = self._svc.snapshot()
+            data = frame(body)
+            keep_previous(self._path)
             write_atomic(self._path, data)
             took = time.perf_counter() - t0
         self._metrics.snapshot_seconds.observe(took)
