@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable
 from operator import attrgetter
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -34,10 +34,11 @@ from kvatlas.coordinator.views import holders_wire, keys_response, lookup_json
 from kvatlas.core.errors import ContractMismatch, InvalidInput, StaleIncarnation, TooLarge
 from kvatlas.core.keys import Namespace, default_kv_rank
 from kvatlas.core.membership import InstanceInfo
-from kvatlas.core.types import Tier
+from kvatlas.core.types import MAX_INT64, Tier
 from kvatlas.runtime.http_server import HttpRequest, HttpResponse, HttpServer, Router, always
 from kvatlas.wire.coordinator_views import ReadyResponse
 from kvatlas.wire.http_api import (
+    TOO_DEEP,
     BlendLookupRequest,
     BlendLookupResponse,
     BlendMatchWire,
@@ -61,6 +62,16 @@ _MAX_PAGE = 10000
 _register_decoder = msgspec.json.Decoder(RegisterRequest)
 _blend_decoder = msgspec.json.Decoder(BlendLookupRequest)
 _encoder = msgspec.json.Encoder()
+_T = TypeVar("_T")
+
+
+def _decode(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:
+    """``decoder.decode(body)``; a body nested past msgspec's recursion (100k ``[``) is
+    a 400 like any malformed body, not a RecursionError (500)."""
+    try:
+        return decoder.decode(body)
+    except RecursionError as exc:
+        raise HttpError(400, f"malformed body: {TOO_DEEP}") from exc
 
 
 class HttpError(Exception):
@@ -160,7 +171,7 @@ class CoordinatorApp:
     # ---- membership ------------------------------------------------------------------
 
     async def register(self, request: HttpRequest) -> HttpResponse:
-        req = _register_decoder.decode(request.body)
+        req = _decode(_register_decoder, request.body)
         iid = req.instance_id or f"instance-{uuid.uuid4().hex[:12]}"
         info = InstanceInfo(
             instance_id=iid,
@@ -287,7 +298,7 @@ class CoordinatorApp:
         """Always in the pool: a blend lookup scans every position of the prompt."""
         if not self._svc.blend_enabled:
             raise HttpError(404, "blend lookup is disabled; start with --enable-blend-lookup")
-        req = _blend_decoder.decode(request.body)
+        req = _decode(_blend_decoder, request.body)
         raw = _b64_tokens(req.tokens_b64)
         if len(raw) // 4 > self._cfg.max_lookup_tokens:
             raise HttpError(
@@ -319,8 +330,8 @@ class CoordinatorApp:
             limit = int(q.get("limit", "100"))
         except ValueError as exc:
             raise HttpError(400, "offset and limit must be integers") from exc
-        if offset < 0 or not 1 <= limit <= _MAX_PAGE:
-            raise HttpError(400, f"need offset >= 0 and 1 <= limit <= {_MAX_PAGE}")
+        if not 0 <= offset <= MAX_INT64 or not 1 <= limit <= _MAX_PAGE:
+            raise HttpError(400, f"need 0 <= offset <= {MAX_INT64} and 1 <= limit <= {_MAX_PAGE}")
         tier_name = q.get("tier")
         tier = None
         if tier_name is not None:

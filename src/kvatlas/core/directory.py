@@ -503,7 +503,9 @@ class KeyDirectory:
 
     def key_slice(self, start: int, count: int) -> list[int]:
         """The ids of ``count`` keys from position ``start`` in insertion order; the
-        skip runs in C."""
+        skip runs in C (none past the end: islice takes no stop beyond sys.maxsize)."""
+        if start >= len(self._map):
+            return []
         return list(islice(self._map, start, start + count))
 
     def key_rows(

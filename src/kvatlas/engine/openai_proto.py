@@ -134,6 +134,8 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
         return _chat_decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise BadRequest(f"invalid request body: {exc}") from exc
+    except RecursionError as exc:
+        raise BadRequest("invalid request body: nested too deeply") from exc
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
@@ -142,6 +144,8 @@ def decode_completion(body: bytes) -> CompletionRequest:
         return _completion_decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise BadRequest(f"invalid request body: {exc}") from exc
+    except RecursionError as exc:
+        raise BadRequest("invalid request body: nested too deeply") from exc
 
 
 # ---- responses ----------------------------------------------------------------------

@@ -241,8 +241,12 @@ def encode(msg: Request | Response) -> bytes:
 
 
 def decode_request(data: bytes | memoryview) -> Request:
-    """Raise msgspec.DecodeError / ValidationError on a malformed request."""
-    return _request_decoder.decode(data)
+    """Raise msgspec.DecodeError / ValidationError on a malformed request (also one
+    nested too deeply for the decoder's recursion)."""
+    try:
+        return _request_decoder.decode(data)
+    except RecursionError as exc:
+        raise msgspec.DecodeError("nested deeper than the decoder's recursion limit") from exc
 
 
 def decode_response(data: bytes | memoryview) -> Response:
@@ -253,5 +257,5 @@ def decode_envelope(data: bytes | memoryview) -> Envelope:
     """Best effort header of a message that did not decode (zeros when unreadable)."""
     try:
         return _envelope_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return Envelope()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from operator import attrgetter
-from typing import Literal
+from typing import Final, Literal
 
 import msgspec
 
@@ -55,6 +55,9 @@ COMPACT_VERSION = 2
 (msgspec skips unknown fields), so a body says 2 and such a coordinator refuses it with
 a 400 instead of losing events; this one reads both."""
 _READABLE_VERSIONS = frozenset({1, 2})
+TOO_DEEP: Final = "nested deeper than the decoder's recursion limit"
+"""The reason given for a body whose nesting (say 100k ``[``) overflows msgspec's
+recursion: a malformed body like any other, not a server error."""
 
 
 # ---- membership ------------------------------------------------------------------------
@@ -506,6 +509,8 @@ def decode_any_batch(raw: bytes | msgspec.Raw, msgpack: bool, where: str = "") -
         return batch_to_core(_json_batch.decode(raw))
     except msgspec.ValidationError as exc:
         raise msgspec.ValidationError(str(exc).replace("`$", f"`${where}")) from exc
+    except RecursionError as exc:
+        raise msgspec.DecodeError(TOO_DEEP) from exc
 
 
 def _tolerant_batches(body: bytes, msgpack: bool) -> tuple[list[msgspec.Raw], int]:
@@ -540,6 +545,8 @@ def decode_events(body: bytes, content_type: str, max_entries: int) -> list[AnyB
         raise InvalidInput(f"invalid events body: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise InvalidInput(f"malformed events body: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidInput(f"malformed events body: {TOO_DEEP}") from exc
     for b in batches:
         check_batch(b, max_entries)
     return batches
@@ -614,6 +621,8 @@ def decode_lookup(body: bytes, content_type: str) -> LookupRequest:
         raise InvalidInput(f"invalid lookup body: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise InvalidInput(f"malformed lookup body: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidInput(f"malformed lookup body: {TOO_DEEP}") from exc
 
 
 def encode_lookup_msgpack(request: LookupRequest) -> bytes:

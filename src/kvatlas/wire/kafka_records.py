@@ -29,7 +29,13 @@ from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import EventBatch
 from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.types import U63
-from kvatlas.wire.http_api import AnyBatch, check_batch, decode_any_batch, decode_events
+from kvatlas.wire.http_api import (
+    TOO_DEEP,
+    AnyBatch,
+    check_batch,
+    decode_any_batch,
+    decode_events,
+)
 
 DEFAULT_TOPIC: Final = "kvatlas-cache-events"
 """The topic of event batches and membership records (``--kafka-topic`` of the
@@ -110,5 +116,7 @@ def decode_record(value: bytes, max_entries: int) -> list[AnyBatch] | Membership
         batch = decode_any_batch(value, msgpack=not is_json)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise InvalidInput(f"undecodable record: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidInput(f"undecodable record: {TOO_DEEP}") from exc
     check_batch(batch, max_entries)
     return [batch]

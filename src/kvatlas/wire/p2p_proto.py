@@ -128,8 +128,12 @@ def encode(msg: P2PRequest | P2PResponse) -> bytes:
 
 
 def decode_request(data: bytes | memoryview) -> P2PRequest:
-    """Raise msgspec.DecodeError / ValidationError on a malformed request."""
-    return _request_decoder.decode(data)
+    """Raise msgspec.DecodeError / ValidationError on a malformed request (also one
+    nested too deeply for the decoder's recursion)."""
+    try:
+        return _request_decoder.decode(data)
+    except RecursionError as exc:
+        raise msgspec.DecodeError("nested deeper than the decoder's recursion limit") from exc
 
 
 def decode_response(data: bytes | memoryview) -> P2PResponse:
@@ -139,5 +143,5 @@ def decode_response(data: bytes | memoryview) -> P2PResponse:
 def decode_envelope(data: bytes | memoryview) -> P2PEnvelope:
     try:
         return _envelope_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return P2PEnvelope()
