@@ -389,3 +389,23 @@ PoolMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestPoolMachine = PoolMachine.TestCase
+
+
+def test_release_with_a_holder_ends_only_that_holders_lease() -> None:
+    pool = L1Pool(A * 2)
+    store(pool, key(0), A)
+    lease = pool.acquire_read(key(0), "peer:b", 0, 5)
+    assert lease is not None
+    assert not pool.release(lease.lease_id, "engine")
+    assert pool.read_lease(lease.lease_id) is not None
+    assert pool.release(lease.lease_id, "peer:b")
+
+
+def test_lease_ids_come_from_the_source_and_are_never_reused_while_live() -> None:
+    draws = iter([0, 7, 7, 7, 9])  # 0 is no id; 7 is live when drawn again
+    pool = L1Pool(A * 4, lease_ids=lambda: next(draws))
+    store(pool, key(0), A)  # its write lease took 7 and ended at commit
+    first = pool.acquire_read(key(0), "engine", 0, 5)
+    second = pool.acquire_read(key(0), "engine", 0, 5)
+    assert first is not None and second is not None
+    assert (first.lease_id, second.lease_id) == (7, 9)

@@ -219,6 +219,24 @@ def test_concurrent_engines(server: Server) -> None:
     assert errors == []
 
 
+def test_an_engine_cannot_end_another_engines_read_leases(server: Server) -> None:
+    """Issue #14, item 9: lease ids were 1, 2, 3...; a Release of guessed ids ended the
+    leases of every other engine. They are random 63-bit now."""
+    tokens = list(range(CHUNK * 4))
+    with client_for(server) as a, client_for(server) as b:
+        a.store_chunks(tokens, chunks(4, 4096))
+        mine = [loc for loc in a.acquire(a.hashes(tokens), lease_s=60) if loc is not None]
+        assert len(mine) == 4 and a.stats()["read_leases"] == 4
+        theirs = [loc for loc in b.acquire(b.hashes(tokens)[:1], lease_s=60) if loc is not None]
+        guesses = list(range(1, 2000)) + [
+            loc.lease_id + d for loc in theirs for d in range(-64, 65) if d and loc.lease_id + d > 0
+        ]
+        assert b.release(guesses) == 0
+        assert a.stats()["read_leases"] == 5
+        assert a.release([loc.lease_id for loc in mine]) == 4
+        assert b.release([loc.lease_id for loc in theirs]) == 1
+
+
 # --------------------------------------------------------------------------- operations
 
 

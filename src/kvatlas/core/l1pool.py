@@ -44,7 +44,7 @@ import enum
 import heapq
 from bisect import bisect_left, insort
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NewType, Protocol
 
@@ -258,7 +258,12 @@ class L1Pool:
         capacity_bytes: int,
         align_bytes: int = MIN_ALIGN_BYTES,
         policy: str | EvictionPolicy = "LRU",
+        lease_ids: Callable[[], int] | None = None,
     ) -> None:
+        """``lease_ids``: where new lease ids come from (values in [1, 2**63-1]; one in
+        use is drawn again). None: 1, 2, 3, ... (deterministic, for tests). A server
+        passes a random source, so that a lease id cannot be guessed by a client that
+        did not get it (`release` trusts whoever names the id)."""
         if align_bytes < MIN_ALIGN_BYTES or align_bytes & (align_bytes - 1):
             raise InvalidInput(
                 f"L1 alignment must be a power of two >= {MIN_ALIGN_BYTES} bytes, got {align_bytes}"
@@ -282,6 +287,7 @@ class L1Pool:
         self._write_leases: dict[LeaseId, tuple[ObjectKey, float]] = {}
         self._deadlines: list[tuple[float, LeaseId]] = []  # heap, lazily cleaned
         self._next_lease = 1
+        self._lease_source = lease_ids
         self._events: list[PoolEvent] = []
         self._evictions = 0
 
@@ -432,11 +438,13 @@ class L1Pool:
         self._policy.touch(key)
         return lease
 
-    def release(self, lease_id: LeaseId) -> bool:
-        """End a read lease; False when it is unknown (released or expired already)."""
-        lease = self._read_leases.pop(lease_id, None)
-        if lease is None:
+    def release(self, lease_id: LeaseId, holder: str | None = None) -> bool:
+        """End a read lease; False when it is unknown (released or expired already) or,
+        given ``holder``, held by another holder (then it stays)."""
+        lease = self._read_leases.get(lease_id)
+        if lease is None or (holder is not None and lease.holder != holder):
             return False
+        del self._read_leases[lease_id]
         self._chunks[lease.key].readers.discard(lease_id)
         self._maybe_compact_deadlines()
         return True
@@ -480,9 +488,16 @@ class L1Pool:
     # -------------------------------------------------------------------- internals
 
     def _new_lease_id(self) -> LeaseId:
-        lease_id = LeaseId(self._next_lease)
-        self._next_lease += 1
-        return lease_id
+        source = self._lease_source
+        if source is None:
+            lease_id = LeaseId(self._next_lease)
+            self._next_lease += 1
+            return lease_id
+        while True:
+            lease_id = LeaseId(source())
+            taken = lease_id in self._read_leases or lease_id in self._write_leases
+            if lease_id > 0 and not taken:
+                return lease_id
 
     def _maybe_compact_deadlines(self) -> None:
         # Released leases leave their deadline in the heap until it passes; short-lived

@@ -24,6 +24,7 @@ business logic (the parts do).
 from __future__ import annotations
 
 import logging
+import secrets
 import signal
 import threading
 import time
@@ -112,8 +113,12 @@ class CacheServer:
             )
         self.coordinator: CoordinatorClient | None = None
         try:
+            # Random lease ids: a client cannot end a lease it was not given.
             self.pool = L1Pool(
-                config.l1.size_bytes, config.l1.align_bytes, config.l1.eviction_policy
+                config.l1.size_bytes,
+                config.l1.align_bytes,
+                config.l1.eviction_policy,
+                lease_ids=lambda: secrets.randbits(63),
             )
             self.l2: L2Adapter | None = None
             if config.l2.path is not None:

@@ -66,6 +66,9 @@ from kvatlas.wire.engine_proto import (
 
 log = logging.getLogger(__name__)
 
+ENGINE_HOLDER = "engine"
+"""The holder of engines' leases in the pool (a `Release` ends only these)."""
+
 
 @dataclass(frozen=True, slots=True)
 class PeerFetch:
@@ -337,7 +340,7 @@ class EngineService:
         accessed: list[tuple[ObjectKey, int]] = []
         for key in keys:
             if acquire:
-                lease = self._store.acquire_read(key, "engine", now, lease_s)
+                lease = self._store.acquire_read(key, ENGINE_HOLDER, now, lease_s)
                 if lease is None:
                     break
                 locs.append(
@@ -369,7 +372,7 @@ class EngineService:
             now = self._clock()
             self._store.expire(now)
             for key, size in zip(keys, req.sizes, strict=True):
-                res = self._store.reserve(key, size, now, lease_s, holder="engine")
+                res = self._store.reserve(key, size, now, lease_s, holder=ENGINE_HOLDER)
                 if isinstance(res, Reserved):
                     s = res.slot
                     out.append(
@@ -406,7 +409,7 @@ class EngineService:
         with self._lock:
             now = self._clock()
             for key in keys:
-                lease = self._store.acquire_read(key, "engine", now, lease_s)
+                lease = self._store.acquire_read(key, ENGINE_HOLDER, now, lease_s)
                 if lease is None:
                     out.append(None)
                     continue
@@ -425,7 +428,13 @@ class EngineService:
 
     def release(self, req: Release) -> ReleaseResult:
         with self._lock:
-            n = sum(1 for lease_id in req.lease_ids if self._store.release(LeaseId(lease_id)))
+            # Only engines' leases: a peer's lease or the server's own pins are not an
+            # engine's to end (lease ids are random, so another engine's are unknown).
+            n = sum(
+                1
+                for lease_id in req.lease_ids
+                if self._store.release(LeaseId(lease_id), ENGINE_HOLDER)
+            )
         return ReleaseResult(n)
 
     # ------------------------------------------------------------------ resync

@@ -199,8 +199,9 @@ class ChunkStore:
         """The bytes a read lease covers (valid until the lease ends)."""
         return self.region.view(lease.offset, lease.size)
 
-    def release(self, lease_id: LeaseId) -> bool:
-        return self.pool.release(lease_id)
+    def release(self, lease_id: LeaseId, holder: str | None = None) -> bool:
+        """End a read lease (only ``holder``'s, when given)."""
+        return self.pool.release(lease_id, holder)
 
     def expire(self, now: float) -> list[ExpiredLease]:
         return self.pool.expire(now)
