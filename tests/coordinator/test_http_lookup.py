@@ -305,3 +305,29 @@ def test_openapi_describes_every_route(coord: RunningCoordinator) -> None:
 def test_readyz_and_healthz(coord: RunningCoordinator) -> None:
     assert coord.client.get("/healthz").json() == {"status": "ok"}
     assert coord.client.get("/readyz").json() == {"ready": True, "reason": ""}
+
+
+def test_json_token_ids_answer_as_tokens_b64_and_say_their_time(coord: RunningCoordinator) -> None:
+    """The JSON array (read by the fast path, in any spacing) and the base64 form of the
+    same prompt get the same answer; every lookup says its server-side time."""
+    import json
+
+    c = coord.client
+    tokens = list(range(900, 900 + 4 * 256 + 3))
+    c.post("/instances", json=register_body("node-a"))
+    c.post(
+        "/events", content=json_body(batch("node-a", 1, prompt_hashes(tokens)[:3])), headers=JSON
+    )
+    raw = np.asarray(tokens, dtype="<u4").tobytes()
+    answers = []
+    for body in (
+        json.dumps({"token_ids": tokens, "model_name": MODEL}),
+        json.dumps({"model_name": MODEL, "token_ids": tokens}, indent=1),
+        json.dumps({"tokens_b64": base64.b64encode(raw).decode(), "model_name": MODEL}),
+    ):
+        r = c.post("/directory/lookup", content=body.encode(), headers=JSON)
+        assert r.status_code == 200, r.text
+        assert r.headers["server-timing"].startswith("app;dur=")
+        answers.append(r.json())
+    assert answers[0] == answers[1] == answers[2]
+    assert [len(x["placements"]) for x in answers[0]["results"]] == [1, 1, 1, 0]

@@ -44,6 +44,7 @@ from kvatlas.core.keys import (
 from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.placements import OwnerStats
 from kvatlas.core.types import I64, MAX_INT64, U63, EventType, Port, Tier, TokenOffset
+from kvatlas.wire.json_tokens import token_ids_array
 
 MSGPACK_CONTENT_TYPE = "application/msgpack"
 EventFormat = Literal["msgpack", "json"]
@@ -612,10 +613,27 @@ _msgpack_lookup = msgspec.msgpack.Decoder(LookupRequest)
 
 
 def decode_lookup(body: bytes, content_type: str) -> LookupRequest:
-    """A lookup body, JSON or msgpack by its content type; InvalidInput when malformed."""
+    """A lookup body, JSON or msgpack by its content type; InvalidInput when malformed.
+
+    A JSON ``token_ids`` array comes back as the raw little-endian uint32 bytes that
+    ``tokens_b64`` carries (``token_ids`` None) when `json_tokens.token_ids_array` can
+    read it exactly without building Python ints; anything else decodes as before.
+    """
     try:
         if content_type.split(";", maxsplit=1)[0].strip() == MSGPACK_CONTENT_TYPE:
             return _msgpack_lookup.decode(body)
+        fast = token_ids_array(body)
+        if fast is not None:
+            tokens, rest = fast
+            try:
+                req = _json_lookup.decode(rest)
+            except msgspec.MsgspecError:
+                req = None  # the whole body's decode below names the error
+            # The emptied array decoded as the top-level token_ids, and it is the only
+            # form given (else the handler's "exactly one form" answers, as before).
+            only_tokens = req is not None and req.keys is None and req.tokens_b64 is None
+            if req is not None and only_tokens and req.token_ids == []:
+                return msgspec.structs.replace(req, token_ids=None, tokens_b64=tokens.tobytes())
         return _json_lookup.decode(body)
     except msgspec.ValidationError as exc:
         raise InvalidInput(f"invalid lookup body: {exc}") from exc

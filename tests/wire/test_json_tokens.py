@@ -1,0 +1,143 @@
+"""The JSON `token_ids` fast path against msgspec's exact decode.
+
+Property: for any body, the fast path (numpy's parse of the array's digits, used by
+`decode_lookup`) and msgspec's decode into `list[int]` followed by the same token check
+agree: the same tokens when the body is valid, a refusal from both when it is not. Valid
+bodies are drawn with every JSON spacing; invalid ones by mutating valid ones and from a
+list of the shapes the byte checks exist for.
+"""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvatlas.core.errors import InvalidInput
+from kvatlas.core.keys import MAX_TOKEN_ID, as_token_array
+from kvatlas.wire.http_api import LookupRequest, decode_lookup
+from kvatlas.wire.json_tokens import token_ids_array
+
+JSON = "application/json"
+_reference = msgspec.json.Decoder(LookupRequest)
+
+
+def reference(body: bytes) -> list[int] | None:
+    """msgspec's exact decode and the token check; None: refused."""
+    try:
+        req = _reference.decode(body)
+        if req.token_ids is None:
+            return None
+        return [int(t) for t in as_token_array(req.token_ids)]
+    except (msgspec.MsgspecError, InvalidInput):
+        return None
+
+
+def pipeline(body: bytes) -> list[int] | None:
+    """What the coordinator does: `decode_lookup` (fast path or not), the token check."""
+    try:
+        req = decode_lookup(body, JSON)
+        if req.token_ids is not None:
+            tokens: list[int] | bytes = req.token_ids
+        elif req.tokens_b64 is not None:
+            tokens = req.tokens_b64
+        else:
+            return None
+        return [int(t) for t in as_token_array(tokens)]
+    except InvalidInput:
+        return None
+
+
+tokens_st = st.lists(st.integers(0, MAX_TOKEN_ID), max_size=200)
+space_st = st.text(alphabet=" \t\n\r", max_size=2)
+
+
+@st.composite
+def bodies(draw: st.DrawFn) -> bytes:
+    """A valid lookup body in any JSON spacing and field order."""
+    tokens = draw(tokens_st)
+    sep = draw(space_st) + "," + draw(space_st)
+    array = "[" + draw(space_st) + sep.join(map(str, tokens)) + draw(space_st) + "]"
+    fields = [f'"token_ids"{draw(space_st)}:{draw(space_st)}{array}', '"model_name": "m"']
+    if draw(st.booleans()):
+        fields.append('"world_size": 2')
+    order = draw(st.permutations(fields))
+    return ("{" + ", ".join(order) + "}").encode()
+
+
+@given(bodies())
+@settings(max_examples=300, deadline=None)
+def test_valid_bodies_give_the_same_tokens_on_the_fast_path(body: bytes) -> None:
+    want = reference(body)
+    assert want is not None
+    assert token_ids_array(body) is not None  # plain bodies take the fast path
+    assert pipeline(body) == want
+
+
+@given(bodies(), st.data())
+@settings(max_examples=500, deadline=None)
+def test_mutated_bodies_are_refused_or_read_alike(body: bytes, data: st.DataObject) -> None:
+    at = data.draw(st.integers(0, len(body)))
+    junk = data.draw(
+        st.sampled_from([b"-", b"0", b".5", b"e3", b",", b" ", b"[", b"]", b'"', b"\\", b"x"])
+    )
+    cut = data.draw(st.integers(0, 2))
+    mutated = body[:at] + junk + body[at + cut :]
+    assert pipeline(mutated) == reference(mutated)
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        "[-1]",
+        "[4294967296]",
+        "[99999999999999999999999]",
+        "[01, 2]",
+        "[1.0]",
+        "[1e3]",
+        "[1,,2]",
+        "[1 2]",
+        "[,1]",
+        "[1,]",
+        "[[1]]",
+        '["1"]',
+        "[true]",
+        "null",
+        "[]",
+        "[ ]",
+        "[0, 4294967295]",
+    ],
+)
+def test_the_shapes_the_checks_exist_for(array: str) -> None:
+    body = f'{{"token_ids": {array}, "model_name": "m"}}'.encode()
+    assert pipeline(body) == reference(body)
+
+
+def test_only_the_top_level_array_is_read() -> None:
+    """Escapes anywhere, the key twice, a nested key or another form: msgspec decides."""
+    cases = [
+        b'{"extra": {"token_ids": [1, 2]}, "token_ids": [], "model_name": "m"}',
+        b'{"extra": {"token_ids": [1, 2]}, "model_name": "m"}',
+        b'{"token\\u005fids": [5], "model_name": "m"}',
+        b'{"model_name": "a\\"token_ids\\": [1]", "token_ids": [7]}',
+        b'{"token_ids": [1], "token_ids": [2], "model_name": "m"}',
+        b'{"token_ids": [1], "tokens_b64": "AAAAAA==", "model_name": "m"}',
+    ]
+    for body in cases:
+        assert pipeline(body) == reference(body), body
+    assert token_ids_array(cases[0]) is None
+
+
+def test_a_prompt_of_32k_tokens() -> None:
+    tokens = [int(t) for t in np.random.default_rng(7).integers(0, 200_000, 32_768)]
+    for body in (
+        json.dumps({"token_ids": tokens, "model_name": "m"}).encode(),
+        msgspec.json.encode({"token_ids": tokens, "model_name": "m"}),
+    ):
+        got = token_ids_array(body)
+        assert got is not None and got[0].tolist() == tokens
+        assert pipeline(body) == tokens
