@@ -214,3 +214,16 @@ def test_lmcache_registration_without_incarnation_takes_the_events_one(
     # a re-registration (LMCache re-registers after a 404) is not refused as stale
     r = c.post("/instances", json=body)
     assert r.json() == {"instance_id": "mp-1", "re_registered": True, "incarnation": INCARNATION}
+
+
+def test_registration_metadata_and_fields_are_capped(coord: RunningCoordinator) -> None:
+    """Issue #14, item 9: a 10 MB metadata made every `GET /instances` 10 MB."""
+    c = coord.client
+    big = {"k": "x" * (10 * 2**20)}
+    r = c.post("/instances", json=register_body("node-a", metadata=big))
+    assert r.status_code == 413 and "metadata" in r.json()["error"], r.text[:200]
+    r = c.post("/instances", json=register_body("node-a", ip="1" * 5000))
+    assert r.status_code == 413 and "ip" in r.json()["error"], r.text[:200]
+    fits = {f"k{i}": "v" * 1000 for i in range(16)}  # 16 * 1002 bytes < 16 KiB
+    assert c.post("/instances", json=register_body("node-b", metadata=fits)).status_code == 200
+    assert len(c.get("/instances").content) < 32 * 1024

@@ -34,7 +34,7 @@ from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.coordinator.views import holders_wire, keys_response, lookup_json
 from kvatlas.core.errors import ContractMismatch, InvalidInput, StaleIncarnation, TooLarge
 from kvatlas.core.keys import Namespace, default_kv_rank
-from kvatlas.core.membership import InstanceInfo
+from kvatlas.core.membership import InstanceInfo, check_registration
 from kvatlas.core.types import MAX_INT64, Tier
 from kvatlas.runtime.http_server import HttpRequest, HttpResponse, HttpServer, Router, always
 from kvatlas.wire.coordinator_views import ReadyResponse
@@ -185,6 +185,7 @@ class CoordinatorApp:
             contract=req.contract.to_core() if req.contract is not None else None,
             incarnation_from_events=req.incarnation is None,
         )
+        check_registration(info)  # before it travels (Kafka) or is held anywhere
         outcome = await self._members.register(info)
         return _json(RegisterResponse(iid, outcome.re_registered, outcome.incarnation))
 

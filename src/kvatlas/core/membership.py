@@ -19,11 +19,16 @@ from collections.abc import Iterable
 
 import msgspec
 
-from kvatlas.core.errors import InvalidInput, SnapshotError, StaleIncarnation
+from kvatlas.core.errors import InvalidInput, SnapshotError, StaleIncarnation, TooLarge
 from kvatlas.core.keys import HashContract
 from kvatlas.core.types import U63, Port
 
 _MAX_PORT = 65535
+MAX_METADATA_BYTES = 16 * 1024
+"""Registration ``metadata``, keys and values in UTF-8 together: every `GET /instances`
+carries it for every instance, so one registration must not make every listing huge."""
+MAX_FIELD_CHARS = 1024
+"""The instance id, ip and P2P URL of a registration, each."""
 
 
 class InstanceInfo(msgspec.Struct, frozen=True):
@@ -85,12 +90,13 @@ class Membership:
     def register(self, info: InstanceInfo, now: float) -> RegisterOutcome:
         """Admit ``info`` as the live process of its instance id.
 
-        Raises InvalidInput for an empty id or an impossible port or incarnation,
+        Raises InvalidInput for an empty id or an impossible port or incarnation (TooLarge
+        for metadata or fields over their limits),
         StaleIncarnation if a higher incarnation of the id was seen before, and
         ContractMismatch if ``info.contract`` contradicts the contract of another live
         instance of the same model. Nothing changes when it raises.
         """
-        _validate(info)
+        check_registration(info)
         iid = info.instance_id
         highest = self._high.get(iid)
         if highest is not None and info.incarnation < highest:
@@ -223,7 +229,8 @@ class Membership:
         return membership
 
 
-def _validate(info: InstanceInfo) -> None:
+def check_registration(info: InstanceInfo) -> None:
+    """Raise InvalidInput (TooLarge for sizes) unless ``info`` is a registration to admit."""
     if not info.instance_id:
         raise InvalidInput("instance id must not be empty")
     if not 0 <= info.http_port <= _MAX_PORT:
@@ -232,3 +239,16 @@ def _validate(info: InstanceInfo) -> None:
         raise InvalidInput(f"mq_port must be in [0, {_MAX_PORT}], got {info.mq_port}")
     if info.incarnation < 0:
         raise InvalidInput(f"incarnation must be >= 0, got {info.incarnation}")
+    for name, value in (
+        ("instance_id", info.instance_id),
+        ("ip", info.ip),
+        ("p2p_advertised_url", info.p2p_advertised_url),
+    ):
+        if len(value) > MAX_FIELD_CHARS:
+            raise TooLarge(f"{name} has {len(value)} characters, the limit is {MAX_FIELD_CHARS}")
+    meta = sum(len(k.encode()) + len(v.encode()) for k, v in info.metadata.items())
+    if meta > MAX_METADATA_BYTES:
+        raise TooLarge(
+            f"registration metadata has {meta} bytes of keys and values, the limit is"
+            f" {MAX_METADATA_BYTES}"
+        )
