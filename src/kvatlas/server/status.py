@@ -144,8 +144,11 @@ def p2p_status(p2p: P2PStats) -> P2PStatus:
         served_locks=p2p.served_locks,
         served_chunks=p2p.served_chunks,
         served_unlocks=p2p.served_unlocks,
+        served_reads=p2p.served_reads,
         refused_requests=p2p.refused_requests,
         adapters_added=p2p.adapters_added,
         adapters_removed=p2p.adapters_removed,
         adapters_rebuilt=p2p.adapters_rebuilt,
+        polls=p2p.polls,
+        poll_failures=p2p.poll_failures,
     )

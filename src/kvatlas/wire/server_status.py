@@ -103,10 +103,16 @@ class P2PStatus(msgspec.Struct, frozen=True):
     served_locks: int
     served_chunks: int
     served_unlocks: int
+    served_reads: int
+    """Reads of this node's L1 that peers were allowed (one per transfer op)."""
     refused_requests: int
     adapters_added: int
     adapters_removed: int
     adapters_rebuilt: int
+    polls: int
+    """Peer listings asked of the coordinator."""
+    poll_failures: int
+    """Peer listings that failed (the peers were kept)."""
 
 
 class ServerStatus(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -74,10 +74,16 @@ class P2PStats:
     served_locks: int
     served_chunks: int
     served_unlocks: int
+    served_reads: int
+    """Reads of this node's L1 that peers were allowed (one per transfer op)."""
     refused_requests: int
     adapters_added: int
     adapters_removed: int
     adapters_rebuilt: int
+    polls: int
+    """Peer listings asked of the coordinator."""
+    poll_failures: int
+    """Peer listings that failed (the peers were kept)."""
 
 
 def check_single_region(region: L1Region, pool_capacity: int) -> None:
@@ -127,6 +133,7 @@ class P2PNode:
         self.served_locks = 0
         self.served_chunks = 0
         self.served_unlocks = 0
+        self.served_reads = 0
         self.refused = 0
         try:
             self._channel = ChannelServer(self._ctx, listen[0], listen[1])
@@ -171,7 +178,10 @@ class P2PNode:
     def _authorize(self, peer_id: str, lease_id: str, offset: int, size: int) -> bool:
         if self.config.fault_read_delay_s > 0:  # tests only: a slow owner
             time.sleep(self.config.fault_read_delay_s)
-        return self._store.peer_may_read(peer_id, lease_id, offset, size)
+        allowed = self._store.peer_may_read(peer_id, lease_id, offset, size)
+        if allowed:
+            self.served_reads += 1
+        return allowed
 
     def handle(self, body: P2PRequestBody) -> P2PResponseBody:
         """Answer one control request (the channel's thread)."""
@@ -247,8 +257,11 @@ class P2PNode:
             served_locks=self.served_locks,
             served_chunks=self.served_chunks,
             served_unlocks=self.served_unlocks,
+            served_reads=self.served_reads,
             refused_requests=self.refused,
             adapters_added=c.adapters_added,
             adapters_removed=c.adapters_removed,
             adapters_rebuilt=c.adapters_rebuilt,
+            polls=c.polls,
+            poll_failures=c.poll_failures,
         )
