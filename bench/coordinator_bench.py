@@ -329,11 +329,11 @@ async def _mixed(port: int, lookup_body: bytes, seconds: float, base: int) -> di
 
 
 def _kafka(n_events: int) -> dict[str, Any]:
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests"))  # the tests' broker launcher: support.kafka
     from confluent_kafka import Producer
 
-    from kafka_broker import KafkaBroker
     from kvatlas.wire.kafka_records import encode_batch_msgpack
+    from support.kafka import KafkaBroker
 
     with KafkaBroker.start() as broker:
         broker.create_topic("bench", partitions=8)

@@ -18,6 +18,7 @@ import argparse
 import json
 import signal
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -25,18 +26,16 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from tests.p2p.cluster import (
-    MODEL,
-    chunk_data,
-    cluster,
-    prompt,
-    wait_peers,
-    wait_until,
-)
 
 from kvatlas.core.keys import Namespace
 from kvatlas.server.p2p.channel import ChannelClient
 from kvatlas.wire.p2p_proto import Locked, LookupAndLock, Unlock
+
+# The cluster runner and the launcher it uses are the P2P tests' (tests/p2p, tests/support),
+# importable with tests/ on the path as pytest puts it there.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from p2p.cluster import MODEL, chunk_data, cluster, prompt, wait_peers
+from support.wait import wait_until
 
 RESULTS = Path(__file__).resolve().parent / "results" / "p2p.json"
 MIB = 1 << 20
@@ -88,7 +87,10 @@ def bench_death_to_fallback(tmp: Path, repeats: int) -> dict[str, Any]:
             ca, cb = a.client(), b.client()
             tokens = prompt(40, seed=20 + r)
             assert ca.store_chunks(tokens, chunk_data(40, 4096, seed=20 + r)).stored == 40
-            wait_until(lambda ca=ca, t=tokens: coord.held(ca, t).get("node-a") == 40)
+            wait_until(
+                lambda ca=ca, t=tokens: coord.held(ca, t).get("node-a") == 40,
+                what="the directory lists A's 40 chunks",
+            )
             done: list[float] = []
             fallback: list[str] = []
 
@@ -100,10 +102,14 @@ def bench_death_to_fallback(tmp: Path, repeats: int) -> dict[str, Any]:
 
             th = threading.Thread(target=lookup)
             th.start()
-            wait_until(lambda b=b: b.status()["active_p2p_lookup_jobs"] == 1, 10)
+            wait_until(
+                lambda b=b: b.status()["active_p2p_lookup_jobs"] == 1,
+                what="B's load started",
+                timeout=10,
+            )
             time.sleep(0.3)
             killed = time.monotonic()
-            a.proc.send_signal(signal.SIGKILL)
+            a.popen.send_signal(signal.SIGKILL)
             th.join(60)
             assert done and fallback == ["peer_dead"], fallback
             samples.append(done[0] - killed)
@@ -128,7 +134,10 @@ def bench_throughput(tmp: Path, transport: str, chunks: int, rounds: int) -> dic
             tokens = prompt(chunks, seed=100 + r)
             stored = ca.store_chunks(tokens, chunk_data(chunks, size, seed=100 + r))
             assert stored.stored == chunks, (stored, a.status()["l1"])
-            wait_until(lambda ca=ca, t=tokens: coord.held(ca, t).get("node-a") == chunks)
+            wait_until(
+                lambda ca=ca, t=tokens: coord.held(ca, t).get("node-a") == chunks,
+                what=f"the directory lists A's {chunks} chunks",
+            )
             t0 = time.perf_counter()
             res = cb.lookup(tokens)
             dt = time.perf_counter() - t0

@@ -23,6 +23,7 @@ from kvatlas.runtime.coordinator_client import (
     CoordinatorUnreachable,
     UnknownInstance,
 )
+from kvatlas.runtime.procs import free_port
 from kvatlas.wire.coordinator_views import ReadyResponse
 from kvatlas.wire.http_api import (
     ContractWire,
@@ -32,9 +33,8 @@ from kvatlas.wire.http_api import (
     RegisterRequest,
     RegisterResponse,
 )
-from procs import free_port
+from support.coordinator import RunningCoordinator
 
-from .conftest import RunningCoordinator
 from .events import MODEL, RANK, batch, fake_hash, key, prompt_hashes
 
 

@@ -20,8 +20,7 @@ from kvatlas.wire.http_api import (
     LookupRequest,
     RegisterRequest,
 )
-
-from .conftest import RunningCoordinator
+from support.coordinator import RunningCoordinator
 
 
 @pytest.fixture

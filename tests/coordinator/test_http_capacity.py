@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .conftest import RunningCoordinator
+from support.coordinator import RunningCoordinator
+
 from .events import MODEL, fake_hash, prompt_hashes, register_body
 from .lmcache_shapes import (
     INCARNATION,

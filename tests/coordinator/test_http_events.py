@@ -9,8 +9,8 @@ from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import Namespace
 from kvatlas.core.types import EventType, Tier
 from kvatlas.wire.http_api import MSGPACK_CONTENT_TYPE
+from support.coordinator import RunningCoordinator
 
-from .conftest import RunningCoordinator
 from .events import (
     MODEL,
     RANK,

@@ -10,8 +10,8 @@ import numpy as np
 from kvatlas.core.keys import pack_kv_rank
 from kvatlas.core.types import Tier
 from kvatlas.wire.http_api import LookupRequest, encode_lookup_msgpack
+from support.coordinator import RunningCoordinator
 
-from .conftest import RunningCoordinator
 from .events import (
     MODEL,
     batch,

@@ -9,8 +9,9 @@ import time
 import pytest
 
 from kvatlas.core.types import Tier
+from support.coordinator import RunningCoordinator
+from support.wait import wait_until
 
-from .conftest import RunningCoordinator
 from .events import batch, fake_hash, json_body, key, register_body
 from .lmcache_shapes import INCARNATION, events_body, store_batch
 
@@ -145,15 +146,19 @@ def test_heartbeat_expiry_fences_l1(
         content=json_body(batch("node-a", 1, [h1]), batch("node-a", 2, [h2], tier=Tier.L2)),
         headers=JSON,
     )
+
+    def beat_and_list() -> list[str]:
+        """node-b keeps beating; who the coordinator lists."""
+        c.put("/instances/node-b/heartbeat")
+        return rc.instance_ids()
+
     with caplog.at_level(logging.INFO, logger="kvatlas.coordinator"):
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            c.put("/instances/node-b/heartbeat")
-            ids = [i["instance_id"] for i in c.get("/instances").json()["instances"]]
-            if ids == ["node-b"]:
-                break
-            time.sleep(0.05)
-    assert ids == ["node-b"]
+        wait_until(
+            beat_and_list,
+            lambda ids: ids == ["node-b"],
+            what="node-a expired while node-b beats",
+            timeout=5,
+        )
     assert placements(coord := rc, h1) == []
     assert len(placements(coord, h2)) == 1
     assert "Instance node-a (incarnation 1) expired" in caplog.text
@@ -170,10 +175,12 @@ def test_events_before_registration_are_provisional_and_expire(start_coordinator
     r = c.post("/events", content=json_body(batch("ghost", 1, [h])), headers=JSON)
     assert r.json()["provisional"] == 1
     assert c.get("/directory/stats").json()["provisional_instances"] == ["ghost"]
-    deadline = time.monotonic() + 5
-    while placements(rc, h) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert placements(rc, h) == []
+    wait_until(
+        lambda: placements(rc, h),
+        lambda ps: ps == [],
+        what="the provisional placement to expire",
+        timeout=5,
+    )
 
 
 def test_lmcache_registration_without_incarnation_takes_the_events_one(
@@ -201,7 +208,7 @@ def test_lmcache_registration_without_incarnation_takes_the_events_one(
     )
     assert (r.json()["applied"], r.json()["provisional"]) == (1, 0)
     for _ in range(6):  # three timeouts, alive by heartbeats alone
-        time.sleep(0.5)
+        time.sleep(0.5)  # the time that passes is the test: heartbeats alone keep it
         assert c.put("/instances/mp-1/heartbeat").status_code == 200
     [inst] = c.get("/instances").json()["instances"]
     assert (inst["incarnation"], inst["p2p_advertised_url"], inst["mq_port"]) == (

@@ -4,25 +4,28 @@ directory; restarts resume from the offsets stored with the snapshot."""
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 from confluent_kafka import Producer
 
+from kvatlas.coordinator.snapshot import unframe
 from kvatlas.core.events import EventBatch
+from kvatlas.core.fleet import FleetState
 from kvatlas.core.types import EventType, Tier
 from kvatlas.wire.http_api import batch_from_core, compact_batch
 from kvatlas.wire.kafka_records import encode_batch_msgpack
+from support.coordinator import RunningCoordinator
+from support.services import start_coordinator_process
+from support.wait import wait_until
 
-from .conftest import RunningCoordinator
 from .events import batch, block_batch, fake_hash, key, register_body
 from .lmcache_shapes import INCARNATION, config_batch, events_body, store_batch
-from .processes import CoordinatorProcess
 
 pytestmark = [pytest.mark.kafka]
 
@@ -70,27 +73,19 @@ def stats(client: Any) -> dict[str, Any]:
     return out
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
-
-
 def converge(*clients: Any, keys: int) -> str:
     """Wait until every replica holds ``keys`` keys and all digests agree."""
 
-    def same() -> bool:
+    def views() -> list[tuple[int, str, list[Any], dict[str, int]]]:
         ss = [stats(c) for c in clients]
-        return all(s["keys"] == keys for s in ss) and len({s["digest"] for s in ss}) == 1
+        return [(s["keys"], s["digest"], s["cursors"], s["kafka_positions"]) for s in ss]
 
-    try:
-        wait_for(same)
-    except AssertionError:
-        for c in clients:
-            s = stats(c)
-            print(s["keys"], s["digest"], s["cursors"], s["kafka_positions"])
-        raise
+    wait_until(
+        views,
+        lambda vs: all(v[0] == keys for v in vs) and len({v[1] for v in vs}) == 1,
+        what=f"every replica at {keys} keys with one digest",
+        timeout=15,
+    )
     return str(stats(clients[0])["digest"])
 
 
@@ -111,7 +106,7 @@ def test_replicas_agree_on_directory_and_membership(
         json=register_body("node-c", contract={"model_name": "llama", "chunk_size": 16}),
     )
     assert r.status_code == 409 and "chunk_size" in r.json()["error"]
-    wait_for(lambda: len(b.client.get("/instances").json()["instances"]) == 2)
+    wait_until(b.instance_ids, lambda ids: len(ids) == 2, what="B lists both", timeout=15)
     assert b.client.put("/instances/node-a/heartbeat").status_code == 200
     assert a.client.put("/instances/nobody/heartbeat").status_code == 404
     # events from the log, both encodings, with a duplicate and a gap
@@ -147,11 +142,7 @@ def test_replicas_agree_on_directory_and_membership(
     assert [i["instance_id"] for i in b.client.get("/instances").json()["instances"]] == ["node-b"]
     after = converge(a.client, b.client, keys=64 * 3)
     assert after != digest
-    wait_for(
-        lambda: (
-            [i["instance_id"] for i in a.client.get("/instances").json()["instances"]] == ["node-b"]
-        )
-    )
+    wait_until(a.instance_ids, lambda ids: ids == ["node-b"], what="A lists only node-b")
     # POST /events is refused: events must go through the topic
     r = a.client.post("/events", content=b'{"batches": []}')
     assert r.status_code == 409 and topic in r.json()["error"]
@@ -171,7 +162,7 @@ def test_undecodable_records_are_counted_and_skipped(
         producer.produce(topic, key="node-x", value=value)
     publish(producer, topic, [batch("node-x", 1, [fake_hash(1)])])
     a.wait_ready()
-    wait_for(lambda: stats(a.client)["keys"] == 1)
+    wait_until(lambda: stats(a.client)["keys"], lambda n: n == 1, what="one key", timeout=15)
     m = a.client.get("/metrics").text
     assert 'kvatlas_coordinator_kafka_records_total{kind="undecodable"} 4.0' in m
 
@@ -195,7 +186,7 @@ def test_lmcache_records_config_and_unknown_types(
         producer.produce(topic, key="mp-1", value=value)
     assert producer.flush(10) == 0
     a.wait_ready()
-    wait_for(lambda: stats(a.client)["keys"] == 5)
+    wait_until(lambda: stats(a.client)["keys"], lambda n: n == 5, what="five keys", timeout=15)
     s = stats(a.client)
     assert [(c["last_seq"], c["gaps"]) for c in s["cursors"]] == [(4, 0)]
     [module] = a.client.get("/instances/mp-1/usage").json()["modules"]
@@ -220,7 +211,9 @@ def test_key_block_records_are_applied(
     publish(producer, topic, blocks)
     publish(producer, topic, [block_batch("node-j", 1, hs[:3])], json=True)
     a.wait_ready()
-    wait_for(lambda: stats(a.client)["placements"] == 250 + 45 + 3)
+    wait_until(
+        lambda: stats(a.client)["placements"], lambda n: n == 250 + 45 + 3, what="298 placements"
+    )
     s = stats(a.client)
     assert s["keys"] == 297  # hs[0] is still in L2; hs[1:3] only at node-j
     assert {c["instance_id"]: c["last_seq"] for c in s["cursors"]} == {"node-a": 3, "node-j": 1}
@@ -249,18 +242,20 @@ def test_expiry_travels_through_the_log(
         ],
     )
     converge(a.client, b.client, keys=3)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # node-b keeps beating, alternately on each replica
+
+    def beat_and_list() -> list[set[str]]:
+        """node-b keeps beating, on each replica in turn; who each replica lists."""
         for rc in (a, b):
             rc.client.put("/instances/node-b/heartbeat")
-        ids = [
-            {i["instance_id"] for i in rc.client.get("/instances").json()["instances"]}
-            for rc in (a, b)
-        ]
-        if ids == [{"node-b"}, {"node-b"}]:
-            break
-        time.sleep(0.1)
-    assert ids == [{"node-b"}, {"node-b"}]
+        return [set(rc.instance_ids()) for rc in (a, b)]
+
+    wait_until(
+        beat_and_list,
+        lambda ids: ids == [{"node-b"}, {"node-b"}],
+        what="node-a expired on both replicas while node-b beats",
+        timeout=10,
+        every=0.1,
+    )
     converge(a.client, b.client, keys=2)  # node-a's L1 key fenced, its L2 key kept
     assert a.client.put("/instances/node-a/heartbeat").status_code == 404
 
@@ -296,49 +291,52 @@ def test_restart_resumes_from_snapshot_offsets(
     assert [i["instance_id"] for i in a2.client.get("/instances").json()["instances"]] == ["node-a"]
 
 
+def snapshot_positions(path: Path) -> dict[str, int]:
+    """The Kafka positions stored in a snapshot file (none when there is no file)."""
+    if not path.exists():
+        return {}
+    _, positions = FleetState.restore(unframe(path.read_bytes()))
+    return positions
+
+
 @pytest.mark.slow
 def test_kill_9_replica_restores_and_replays_to_the_same_digest(
     kafka_broker: Any, topic: str, producer: Any, start_coordinator: Start, tmp_path: Path
 ) -> None:
-    snap = str(tmp_path / "p.snap")
+    snap = tmp_path / "p.snap"
     args = (
-        "--event-transport",
-        "kafka",
-        "--kafka-bootstrap-servers",
-        kafka_broker.bootstrap,
-        "--kafka-topic",
-        topic,
-        "--snapshot-path",
-        snap,
-        "--snapshot-interval",
-        "0.2",
-    )
+        "--event-transport", "kafka", "--kafka-bootstrap-servers", kafka_broker.bootstrap,
+        "--kafka-topic", topic, "--snapshot-path", str(snap), "--snapshot-interval", "0.2",
+    )  # fmt: skip
     b = start_coordinator(**kafka_cfg(kafka_broker, topic))
-    p = CoordinatorProcess(*args)
-    try:
-        p.wait_ready()
-        p.client.post("/instances", json=register_body("node-a"))
+    with start_coordinator_process(*args, log=tmp_path / "p.log") as p:
+        p.wait_http("/readyz")
+        client = httpx.Client(base_url=p.url, timeout=30)
+        client.post("/instances", json=register_body("node-a"))
         publish(
             producer,
             topic,
             [batch("node-a", s, [fake_hash(i, s) for i in range(50)]) for s in range(1, 11)],
         )
-        converge(p.client, b.client, keys=500)
-        time.sleep(0.3)
-        # more records after the last snapshot: the restart must replay them (the gate
-        # absorbs whatever it had already applied)
+        converge(client, b.client, keys=500)
+        consumed = stats(client)["kafka_positions"]
+        wait_until(
+            lambda: snapshot_positions(snap),
+            lambda stored: stored == consumed,
+            what=f"a snapshot of the state at positions {consumed}",
+        )
+        # more records after that snapshot: the restart must replay them (the gate
+        # absorbs whatever a later snapshot had already applied)
         publish(
             producer,
             topic,
             [batch("node-a", s, [fake_hash(i, s) for i in range(50)]) for s in range(11, 13)],
         )
         p.kill()
-    finally:
-        p.close()
+        client.close()
     publish(producer, topic, [batch("node-a", 13, [fake_hash(i, 13) for i in range(50)])])
-    p2 = CoordinatorProcess(*args)
-    try:
-        p2.wait_ready()
-        converge(p2.client, b.client, keys=650)
-    finally:
-        p2.close()
+    with start_coordinator_process(*args, log=tmp_path / "p2.log") as p2:
+        p2.wait_http("/readyz")
+        client = httpx.Client(base_url=p2.url, timeout=30)
+        converge(client, b.client, keys=650)
+        client.close()

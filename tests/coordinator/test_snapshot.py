@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
+import httpx
 import pytest
 
-from kvatlas.coordinator.snapshot import write_atomic
+from kvatlas.coordinator.snapshot import unframe, write_atomic
+from kvatlas.core.fleet import FleetState
 from kvatlas.core.types import Tier
+from support.coordinator import RunningCoordinator
+from support.services import start_coordinator_process
+from support.wait import wait_until
 
-from .conftest import RunningCoordinator
 from .events import batch, fake_hash, json_body, register_body
-from .processes import CoordinatorProcess
 
 JSON = {"content-type": "application/json"}
 
@@ -61,34 +63,32 @@ def test_clean_shutdown_writes_snapshot_and_restore_keeps_everything(
     assert rc2.client.put("/instances/node-a/heartbeat").status_code == 200
 
 
+def snapshot_digest(path: Path) -> str:
+    """The directory digest of the state in a snapshot file ("" when there is none)."""
+    return FleetState.restore(unframe(path.read_bytes()))[0].digest() if path.exists() else ""
+
+
 @pytest.mark.slow
 def test_kill_9_and_restart_restores_the_same_digest(tmp_path: Path) -> None:
-    path = str(tmp_path / "fleet.snap")
-    args = ("--snapshot-path", path, "--snapshot-interval", "0.2")
-    p1 = CoordinatorProcess(*args)
-    try:
-        c = p1.client
-        c.post("/instances", json=register_body("node-a"))
-        for seq in range(1, 6):
-            hs = [fake_hash(i, seq) for i in range(200)]
-            c.post("/events", content=json_body(batch("node-a", seq, hs)), headers=JSON)
-        before = digest(c)
-        mtime = Path(path).stat().st_mtime if Path(path).exists() else 0.0
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            time.sleep(0.3)
-            if Path(path).exists() and Path(path).stat().st_mtime > mtime:
-                break
-        time.sleep(0.5)  # a snapshot written after the last change
+    path = tmp_path / "fleet.snap"
+    args = ("--snapshot-path", str(path), "--snapshot-interval", "0.2")
+    with start_coordinator_process(*args, log=tmp_path / "p1.log") as p1:
+        with httpx.Client(base_url=p1.url, timeout=30) as c:
+            c.post("/instances", json=register_body("node-a"))
+            for seq in range(1, 6):
+                hs = [fake_hash(i, seq) for i in range(200)]
+                c.post("/events", content=json_body(batch("node-a", seq, hs)), headers=JSON)
+            before = digest(c)
+        wait_until(
+            lambda: snapshot_digest(path),
+            lambda d: d == before,
+            what=f"a snapshot written after the last change (digest {before})",
+        )
         p1.kill()
-    finally:
-        p1.close()
-    p2 = CoordinatorProcess(*args)
-    try:
-        p2.wait_ready()
-        assert digest(p2.client) == before
-        assert "Restored snapshot" in "".join(p2.lines)
-        assert p2.terminate() == 0
-        assert "Wrote snapshot" in "".join(p2.lines)
-    finally:
-        p2.close()
+    with start_coordinator_process(*args, log=tmp_path / "p2.log") as p2:
+        p2.wait_http("/readyz")
+        with httpx.Client(base_url=p2.url, timeout=30) as c:
+            assert digest(c) == before
+        assert "Restored snapshot" in p2.text()
+        assert p2.stop() == 0
+        assert "Wrote snapshot" in p2.text()

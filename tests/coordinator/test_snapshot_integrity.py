@@ -17,8 +17,8 @@ import pytest
 from kvatlas.coordinator import snapshot
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.types import Tier
+from support.coordinator import BASE, RunningCoordinator
 
-from .conftest import BASE, RunningCoordinator
 from .events import batch, fake_hash, json_body, register_body
 
 JSON = {"content-type": "application/json"}

@@ -12,9 +12,11 @@ from typing import Any
 import msgspec
 import pytest
 
-from .conftest import RunningCoordinator
+from support.coordinator import RunningCoordinator
+from support.services import start_coordinator_process
+from support.wait import wait_until
+
 from .events import batch, fake_hash, register_body
-from .processes import CoordinatorProcess
 
 MAX_INT64 = 2**63 - 1  # kvatlas.core.types.MAX_INT64, spelled out: the contract
 KEY = {"chunk_hash_hex": "ab" * 32, "model_name": "m", "kv_rank": 0}
@@ -104,24 +106,23 @@ def _failures(rc: RunningCoordinator) -> float:
     raise AssertionError("no snapshot failure counter")
 
 
-def _wait(cond: Callable[[], bool], what: str, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 def test_snapshot_failures_are_counted_retried_and_fail_readyz(
     start_coordinator: Callable[..., RunningCoordinator], tmp_path: Path
 ) -> None:
     blocker = tmp_path / "sub"
     blocker.write_bytes(b"a file where the snapshot folder should be")
     rc = start_coordinator(snapshot_path=str(blocker / "fleet.snap"), snapshot_interval=0.1)
-    _wait(lambda: _failures(rc) >= 2, "the writer did not retry after a failure")
+    wait_until(
+        lambda: _failures(rc), lambda n: n >= 2, what="the writer retrying after a failure",
+        timeout=10,
+    )  # fmt: skip
     r = rc.client.get("/readyz")
     assert r.status_code == 503 and "snapshot" in r.json()["reason"], r.text
     blocker.unlink()
-    _wait(lambda: rc.client.get("/readyz").status_code == 200, "a good snapshot did not clear it")
+    wait_until(
+        lambda: rc.client.get("/readyz").status_code, lambda status: status == 200,
+        what="a good snapshot clearing /readyz", timeout=10,
+    )  # fmt: skip
     assert (blocker / "fleet.snap").exists()
 
 
@@ -132,7 +133,10 @@ def test_state_no_encoder_holds_fails_the_snapshot_not_the_writer(
     that cannot encode it is a counted failure and the thread lives on."""
     rc = start_coordinator(snapshot_path=str(tmp_path / "fleet.snap"), snapshot_interval=0.1)
     rc.coordinator.service.ingest([batch("node-x", 2**64, [fake_hash(1)])], time.time())
-    _wait(lambda: _failures(rc) >= 2, "the writer stopped after an unencodable state")
+    wait_until(
+        lambda: _failures(rc), lambda n: n >= 2,
+        what="the writer going on after an unencodable state", timeout=10,
+    )  # fmt: skip
     assert rc.client.get("/readyz").status_code == 503
     writer = rc.coordinator.snapshots
     assert writer is not None and writer._thread is not None and writer._thread.is_alive()
@@ -142,11 +146,9 @@ def test_state_no_encoder_holds_fails_the_snapshot_not_the_writer(
 def test_sigterm_with_a_failing_last_snapshot_exits_non_zero(tmp_path: Path) -> None:
     blocker = tmp_path / "sub"
     blocker.write_bytes(b"")
-    p = CoordinatorProcess("--snapshot-path", str(blocker / "fleet.snap"))
-    try:
-        p.wait_ready()
-        assert p.terminate() == 1
-        p._reader.join(10)
-        assert "Last snapshot to" in "".join(p.lines) and "failed at shutdown" in "".join(p.lines)
-    finally:
-        p.close()
+    with start_coordinator_process(
+        "--snapshot-path", str(blocker / "fleet.snap"), log=tmp_path / "coordinator.log"
+    ) as p:
+        p.wait_http("/readyz")
+        assert p.stop() == 1
+        assert "Last snapshot to" in p.text() and "failed at shutdown" in p.text()

@@ -29,8 +29,11 @@ from kvatlas.engine.config import CacheLinkConfig, EngineConfig
 from kvatlas.engine.engine_app import EngineApp
 from kvatlas.engine.generate import SamplingParams, prefill_and_generate
 from kvatlas.engine.model import LoadedModel, load_model
+from kvatlas.runtime.procs import free_port
+from support.services import ServerProc
+from support.wait import wait_until
 
-from .conftest import CacheServerProc, StartCacheServer, free_port
+from .conftest import StartCacheServer
 
 CHUNK = 256
 GREEDY = SamplingParams(max_new_tokens=16, stop_token_ids=())
@@ -51,8 +54,8 @@ def chat_body(content: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-def connector_for(model: LoadedModel, server: CacheServerProc, **kw: Any) -> KVConnector:
-    client = CacheClient(server.url, timeout_s=2.0, engine_id="test-engine")
+def connector_for(model: LoadedModel, server: ServerProc, **kw: Any) -> KVConnector:
+    client = CacheClient(server.engine_url, timeout_s=2.0, engine_id="test-engine")
     return KVConnector(model.contract(CHUNK), client, timeout_s=2.0, **kw)
 
 
@@ -76,11 +79,12 @@ def ask(app: EngineApp, body: dict[str, Any], expect: int = 200) -> dict[str, An
     return dict(r.json())
 
 
-def wait_for(cond: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
+def wait_connected(app: EngineApp) -> None:
+    wait_until(
+        lambda: app.connector is not None and app.connector.connected,
+        what="the engine connected to its cache server",
+        timeout=10,
+    )
 
 
 # ----------------------------------------------------------------------------- connector
@@ -230,7 +234,7 @@ def test_killed_cache_server_costs_a_recompute_then_the_engine_reconnects(
         # a new server on the same port: the engine registers again and stores anew
         start_cache_server(port=server.port)
         assert app.connector is not None
-        wait_for(lambda: app.connector is not None and app.connector.connected)
+        wait_connected(app)
         assert ask(app, body)["cached_token_stats"]["fallback"] is None
         back = ask(app, body)
         assert back["cached_token_stats"]["num_cached_tokens"] > 0
@@ -247,7 +251,7 @@ def test_engine_starts_without_its_cache_server_and_connects_later(
         alone = ask(app, body)
         assert alone["cached_token_stats"]["fallback"] == SERVER_UNAVAILABLE
         start_cache_server(port=port)
-        wait_for(lambda: app.connector is not None and app.connector.connected)
+        wait_connected(app)
         ask(app, body)
         assert ask(app, body)["cached_token_stats"]["num_cached_tokens"] > 0
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,9 +22,10 @@ from kvatlas.cli.engine import main as engine_main
 from kvatlas.engine.config import CacheLinkConfig, EngineConfig
 from kvatlas.engine.engine_app import EngineApp
 from kvatlas.engine.model import LoadedModel
-from procs import wait_http
+from kvatlas.runtime.procs import free_port
+from support.launch import launch, python_module
 
-from .conftest import StartCacheServer, free_port
+from .conftest import StartCacheServer
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 1024
@@ -252,15 +252,13 @@ def test_engine_process_and_send_request_example(
     """The reference guide's single-machine flow: cache server, engine, send_request x2."""
     server = start_cache_server()
     port = free_port()
-    log = tmp_path / "engine.log"
-    args = [
-        sys.executable, "-m", "kvatlas.cli.engine", "--model", "tiny-random",
-        "--port", str(port), "--cache-port", str(server.port), "--log-level", "INFO",
-    ]  # fmt: skip
-    with log.open("wb") as f:
-        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/healthz", proc, log, timeout=60)
+    argv = python_module(
+        "kvatlas.cli.engine", "--model", "tiny-random", "--port", str(port),
+        "--cache-port", str(server.port), "--log-level", "INFO",
+    )  # fmt: skip
+    with launch(
+        argv, name="engine", log=tmp_path / "engine.log", http_port=port, timeout=60
+    ) as eng:
         example = [
             sys.executable, str(ROOT / "examples" / "send_request.py"),
             "--port", str(port), "--tokens", "300", "--max-tokens", "8",
@@ -276,13 +274,9 @@ def test_engine_process_and_send_request_example(
         assert cold == 0 and warm >= 256, runs[1].stdout
         answers = [r.stdout.split("answer:", 1)[1] for r in runs]
         assert answers[0] == answers[1]
-        assert server.status()["l1"]["chunks"] >= 4  # type: ignore[operator,index]
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
-    assert proc.returncode == 0, log.read_text()
-    text = log.read_text()
+        assert server.status()["l1"]["chunks"] >= 4
+        assert eng.stop(grace_s=30) == 0, eng.text()
+    text = eng.text()
     assert "loading model tiny-random" in text and "registered model" in text
 
 

@@ -7,9 +7,9 @@
 - `Engine`: `lmcache_driver.py` in .venv-lmcache, a stand-in engine that stores and
   retrieves KV through LMCache's own client path (CPU tensors over POSIX shared memory).
 
-The launcher and the HTTP wait are the test suites' (`procs`); nothing else here starts
-or signals a process. Every LMCache process runs with LMCACHE_TRACK_USAGE=false and
-DO_NOT_TRACK=1, so nothing phones home.
+The launcher and the wait are the test suites' (`support.launch`, `support.wait`);
+nothing else here starts or signals a process. Every LMCache process runs with
+LMCACHE_TRACK_USAGE=false and DO_NOT_TRACK=1, so nothing phones home.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import httpx
 
-from procs import HOST, free_ports, stop, wait_http
+from kvatlas.runtime.procs import HOST, free_ports
+from support.launch import Proc, launch
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("lmcache_driver.py")
@@ -41,6 +41,9 @@ NIXL_ON_LOOPBACK = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,cma,self"}
 MODEL = "test-model"
 """The model name LMCache's client path stores under."""
 CHUNK = 256
+WAIT_S = 30.0
+"""How long the suite waits for what an LMCache process does next (its heartbeats and
+event flushes come every second or less)."""
 
 
 def lmcache_env(venv: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -51,21 +54,28 @@ def lmcache_env(venv: Path, extra: dict[str, str] | None = None) -> dict[str, st
 
 
 class Process:
-    """One child with its log file; `stop` signals only this pid."""
+    """One child started by the one launcher, with its log file; `stop` signals only its
+    pid (SIGTERM, or the signal given, then SIGKILL)."""
 
-    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_dir: Path,
+        env: dict[str, str],
+        *,
+        http_port: int = 0,
+        pipes: bool = False,
+    ) -> None:
         self.name = name
-        log_dir.mkdir(parents=True, exist_ok=True)
         self.log = log_dir / f"{name}.log"
-        self._log_file = self.log.open("wb")
-        self.proc: subprocess.Popen[bytes] = subprocess.Popen(
-            argv, stdout=self._log_file, stderr=subprocess.STDOUT, env=env
+        self.launched: Proc = launch(
+            argv, name=name, log=self.log, env=env, http_port=http_port, wait=False, pipes=pipes
         )
+        self.proc = self.launched.popen
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
-        code = stop(self.proc, sig)
-        self._log_file.close()
-        return code
+        return self.launched.stop(sig)
 
     def pause(self) -> None:
         """SIGSTOP: the process stays alive but sends nothing (heartbeats stop)."""
@@ -75,7 +85,7 @@ class Process:
         self.proc.send_signal(signal.SIGCONT)
 
     def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
+        return self.launched.text()
 
 
 class KvatlasCoordinator(Process):
@@ -98,11 +108,12 @@ class KvatlasCoordinator(Process):
             ],
             log_dir,
             {**os.environ, "PYTHONPATH": str(ROOT / "src")},
+            http_port=self.port,
         )
         self.http = httpx.Client(base_url=self.url, timeout=10)
 
     def wait(self) -> None:
-        wait_http(f"{self.url}/healthz", self.proc, self.log)
+        self.launched.wait_http("/healthz")
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         self.http.close()
@@ -127,11 +138,12 @@ class LMCacheCoordinator(Process):
             ],
             log_dir,
             lmcache_env(venv),
+            http_port=self.port,
         )
         self.http = httpx.Client(base_url=self.url, timeout=10)
 
     def wait(self) -> None:
-        wait_http(f"{self.url}/instances", self.proc, self.log, timeout=60)
+        self.launched.wait_http("/instances", timeout=60)
 
     def stop(self, sig: int = signal.SIGINT) -> int:
         self.http.close()
@@ -196,10 +208,11 @@ class LMCacheServer(Process):
             argv,
             log_dir,
             lmcache_env(venv, NIXL_ON_LOOPBACK if p2p else None),
+            http_port=self.http_port,
         )
 
     def wait(self) -> None:
-        wait_http(f"{self.http_url}/healthcheck", self.proc, self.log, timeout=90)
+        self.launched.wait_http("/healthcheck", timeout=90)
 
     def stop(self, sig: int = signal.SIGINT) -> int:
         """SIGINT: LMCache's server stops cleanly on it (and deregisters); SIGTERM kills
@@ -211,16 +224,12 @@ class Engine(Process):
     """The stand-in engine of one server (`lmcache_driver.py`), spoken to over pipes."""
 
     def __init__(self, log_dir: Path, venv: Path, server: LMCacheServer) -> None:
-        self.name = f"engine-{server.instance_id}"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log = log_dir / f"{self.name}.log"
-        self._log_file = self.log.open("wb")
-        self.proc = subprocess.Popen(
+        super().__init__(
+            f"engine-{server.instance_id}",
             [str(venv / "bin" / "python"), str(DRIVER), server.rpc_url, server.http_url],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log_file,
-            env=lmcache_env(venv),
+            log_dir,
+            lmcache_env(venv),
+            pipes=True,
         )
         self._ready = False
 
@@ -230,7 +239,7 @@ class Engine(Process):
             self._ready = True
         assert self.proc.stdin is not None
         line = json.dumps({"op": op, "tokens": tokens or [], **extra}) + "\n"
-        self.proc.stdin.write(line.encode())
+        self.proc.stdin.write(line)
         self.proc.stdin.flush()
         return self._read()
 
@@ -245,15 +254,12 @@ class Engine(Process):
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.proc.poll() is None and self.proc.stdin is not None:
             try:
-                self.proc.stdin.write(b'{"op": "quit"}\n')
+                self.proc.stdin.write('{"op": "quit"}\n')
                 self.proc.stdin.close()
                 self.proc.wait(20)
             except (BrokenPipeError, subprocess.TimeoutExpired):
                 pass
-        code = super().stop(sig)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        return code
+        return super().stop(sig)
 
 
 class Exchange(NamedTuple):
@@ -341,15 +347,3 @@ class Tee:
 def prompt(first: int, chunks: int) -> list[int]:
     """``chunks`` full chunks of distinct tokens, plus the one token never cached."""
     return list(range(first, first + chunks * CHUNK + 1))
-
-
-def wait_for(what: str, cond: Any, timeout: float = 30.0, every: float = 0.1) -> Any:
-    """Poll ``cond()`` until it returns something truthy; its value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(every)

@@ -27,16 +27,18 @@ from typing import Any
 import httpx
 import pytest
 
+from support.wait import wait_until
+
 from .fleet import (
     CHUNK,
     MODEL,
+    WAIT_S,
     Engine,
     KvatlasCoordinator,
     LMCacheCoordinator,
     LMCacheServer,
     Tee,
     prompt,
-    wait_for,
 )
 
 pytestmark = [pytest.mark.lmcache]
@@ -159,8 +161,8 @@ def test_registration_without_incarnation_and_heartbeats(fleet: Fleet) -> None:
     values. Differences: kvatlas writes "no P2P" as null where LMCache writes "" and 0,
     and adds incarnation, last_heartbeat and heartbeat_age_s."""
     kv, lm = fleet.kv, fleet.lm
-    mine = wait_for("a registration", lambda: instance(kv))
-    theirs = wait_for("a registration", lambda: instance(lm))
+    mine = wait_until(lambda: instance(kv), what="a registration", timeout=WAIT_S)
+    theirs = wait_until(lambda: instance(lm), what="a registration", timeout=WAIT_S)
     [register] = fleet.tee.calls("POST", "/instances")
     sent, answer, _ = register.json()
     assert "incarnation" not in sent
@@ -175,16 +177,22 @@ def test_registration_without_incarnation_and_heartbeats(fleet: Fleet) -> None:
     assert set(mine) - set(theirs) == {"incarnation", "last_heartbeat", "heartbeat_age_s"}
     # the first event batch (the config flush) brings the incarnation, which the
     # registered instance takes: never a provisional one
-    stats = wait_for(
-        "the first events", lambda: (s := get(kv, "/directory/stats"))["cursors"] and s
+    stats = wait_until(
+        lambda: get(kv, "/directory/stats"),
+        lambda st: st["cursors"],
+        what="the first events",
+        timeout=WAIT_S,
     )
     [cursor] = stats["cursors"]
     assert stats["provisional_instances"] == []
     assert abs(cursor["incarnation"] - mine["registration_time"]) < 120
-    assert wait_for("the incarnation", lambda: instance(kv)["incarnation"]) == cursor["incarnation"]
+    assert (
+        wait_until(lambda: instance(kv)["incarnation"], what="the incarnation", timeout=WAIT_S)
+        == cursor["incarnation"]
+    )
     # heartbeats every second keep it fresh
     first = instance(kv)["last_heartbeat"]
-    wait_for("a heartbeat", lambda: instance(kv)["last_heartbeat"] > first, timeout=5)
+    wait_until(lambda: instance(kv)["last_heartbeat"] > first, what="a heartbeat", timeout=5)
     assert instance(kv)["heartbeat_age_s"] < 2.5
     assert assert_same_answers(fleet, "PUT", "/instances/mp-a/heartbeat") >= 1
 
@@ -194,7 +202,11 @@ def test_capacity_declarations_read_the_same(fleet: Fleet) -> None:
     body with 400 before (issue #12). Both coordinators now answer every `POST /events`
     alike and `GET /instances/usage` identically."""
     for coord in fleet.coordinators:
-        wait_for("a declaration", lambda c=coord: get(c, "/instances/usage")["instances"])
+        wait_until(
+            lambda c=coord: get(c, "/instances/usage")["instances"],
+            what="a declaration",
+            timeout=WAIT_S,
+        )
     mine, theirs = get(fleet.kv, "/instances/usage"), get(fleet.lm, "/instances/usage")
     assert mine == theirs
     [inst] = mine["instances"]
@@ -219,7 +231,11 @@ def test_a_stored_chunk_appears_in_the_tokens_lookup_with_its_token_ids(fleet: F
         "hit": 0,
         "error": None,
     }
-    wait_for("the stored chunks", lambda: both_hold(fleet, PROMPT, [["mp-a"], ["mp-a"]]))
+    wait_until(
+        lambda: both_hold(fleet, PROMPT, [["mp-a"], ["mp-a"]]),
+        what="the stored chunks",
+        timeout=WAIT_S,
+    )
     mine, theirs = lookup(fleet.kv, PROMPT), lookup(fleet.lm, PROMPT)
     assert mine["chunks"] == theirs["chunks"] == 2
     assert mine["results"] == theirs["results"]
@@ -255,7 +271,7 @@ def test_access_counts_move(fleet: Fleet) -> None:
         mine = counts(fleet.kv)
         return mine == counts(fleet.lm) and all(a > b for a, b in zip(mine, before, strict=True))
 
-    wait_for("the access counts", moved)
+    wait_until(moved, what="the access counts", timeout=WAIT_S)
     sent = [b for e in fleet.tee.calls("POST", "/events") for b in e.json()[0]["batches"]]
     assert any(b["event_type"] == "access" and b["backend"] == "" for b in sent)
 
@@ -269,7 +285,7 @@ def test_deletions_remove_placements(fleet: Fleet) -> None:
             "DELETE", "/cache/objects", json={"keys": keys, "tier": "l1", "force": True}
         )
     assert r.status_code == 200 and r.json()["deleted"] == 2, r.text
-    wait_for("the deletes", lambda: both_hold(fleet, PROMPT, [[], []]))
+    wait_until(lambda: both_hold(fleet, PROMPT, [[], []]), what="the deletes", timeout=WAIT_S)
     assert lookup(fleet.kv, PROMPT)["results"] == lookup(fleet.lm, PROMPT)["results"]
     for coord in fleet.coordinators:
         [module] = get(coord, "/instances/usage")["instances"][0]["modules"]
@@ -282,7 +298,11 @@ def test_evictions_remove_placements(fleet: Fleet) -> None:
     with the chunks the server really holds."""
     prompts = [prompt(10_000 + 3000 * i, 6) for i in range(8)]  # 48 chunks, L1 holds 32
     assert fleet.engine.call("store", prompts[0], rid="evict-0")["ok"]
-    wait_for("the first prompt", lambda: both_hold(fleet, prompts[0], [["mp-a"]] * 6))
+    wait_until(
+        lambda: both_hold(fleet, prompts[0], [["mp-a"]] * 6),
+        what="the first prompt",
+        timeout=WAIT_S,
+    )
     for i, p in enumerate(prompts[1:], 1):
         assert fleet.engine.call("store", p, rid=f"evict-{i}")["ok"]
 
@@ -291,7 +311,7 @@ def test_evictions_remove_placements(fleet: Fleet) -> None:
         theirs = [held(fleet.lm, p) for p in prompts]
         return mine == theirs and mine[0] == [[]] * 6 and [["mp-a"]] * 6 in mine
 
-    wait_for("the eviction of the first prompt", settled, timeout=20, every=0.5)
+    wait_until(settled, what="the eviction of the first prompt", timeout=20, every=0.5)
     mine, theirs = get(fleet.kv, "/instances/usage"), get(fleet.lm, "/instances/usage")
     assert mine == theirs
     [module] = mine["instances"][0]["modules"]
@@ -307,12 +327,14 @@ def test_heartbeat_expiry_fences_and_the_server_comes_back(fleet: Fleet) -> None
     registration's `re_registered` is true at kvatlas, false at LMCache (`DIFFERENT`)."""
     one = prompt(80_000, 1)
     assert fleet.engine.call("store", one, rid="before-expiry")["ok"]
-    wait_for("a stored chunk", lambda: both_hold(fleet, one, [["mp-a"]]))
+    wait_until(lambda: both_hold(fleet, one, [["mp-a"]]), what="a stored chunk", timeout=WAIT_S)
     fleet.server.pause()
     try:
         for coord in fleet.coordinators:
-            wait_for("the expiry", lambda c=coord: instance(c) is None, timeout=TIMEOUT_S + 10)
-        wait_for("the fence", lambda: both_hold(fleet, one, [[]]), timeout=5)
+            wait_until(
+                lambda c=coord: instance(c) is None, what="the expiry", timeout=TIMEOUT_S + 10
+            )
+        wait_until(lambda: both_hold(fleet, one, [[]]), what="the fence", timeout=5)
         assert "expired after more than" in fleet.kv.log_text()
         assert get(fleet.kv, "/instances/usage")["instances"] == []
         [gone] = get(fleet.lm, "/instances/usage")["instances"]
@@ -320,20 +342,22 @@ def test_heartbeat_expiry_fences_and_the_server_comes_back(fleet: Fleet) -> None
     finally:
         fleet.server.resume()
     for coord in fleet.coordinators:
-        wait_for("the re-registration", lambda c=coord: instance(c), timeout=15)
+        wait_until(lambda c=coord: instance(c), what="the re-registration", timeout=15)
 
     def redeclared() -> bool:
         mine = get(fleet.kv, "/instances/usage")
         return bool(mine["instances"]) and mine == get(fleet.lm, "/instances/usage")
 
-    wait_for("the new declaration", redeclared, timeout=15)
+    wait_until(redeclared, what="the new declaration", timeout=15)
     assert [e.kv_status for e in fleet.tee.calls("PUT", "/instances/mp-a/heartbeat")].count(404)
     _, again = fleet.tee.calls("POST", "/instances")
     assert assert_same_answers(fleet, "POST", "/instances") == 2
     assert (again.json()[1]["re_registered"], again.json()[2]["re_registered"]) == (True, False)
     again = prompt(90_000, 1)  # the server's events apply again
     assert fleet.engine.call("store", again, rid="after-expiry")["ok"]
-    wait_for("a store after the expiry", lambda: both_hold(fleet, again, [["mp-a"]]))
+    wait_until(
+        lambda: both_hold(fleet, again, [["mp-a"]]), what="a store after the expiry", timeout=WAIT_S
+    )
 
 
 def test_deregistration_fences(fleet: Fleet) -> None:

@@ -21,7 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
-from .fleet import MODEL, Engine, KvatlasCoordinator, LMCacheServer, prompt, wait_for
+from support.wait import wait_until
+
+from .fleet import MODEL, WAIT_S, Engine, KvatlasCoordinator, LMCacheServer, prompt
 
 pytestmark = [pytest.mark.lmcache]
 
@@ -82,11 +84,15 @@ def test_p2p_peers_discover_each_other_through_kvatlas_and_serve_a_prefix(pair: 
         got = {i["instance_id"]: i for i in kv.http.get("/instances").json()["instances"]}
         return got if set(got) == {"mp-a", "mp-b"} else None
 
-    insts = wait_for("both registrations", listed)
+    insts = wait_until(listed, what="both registrations", timeout=WAIT_S)
     for server in (a, b):  # registered with their P2P address and message-queue port
         inst = insts[server.instance_id]
         assert (inst["p2p_advertised_url"], inst["mq_port"]) == (server.p2p_url, server.port)
-    wait_for("A and B peers of each other", lambda: (peers(a), peers(b)) == (["mp-b"], ["mp-a"]))
+    wait_until(
+        lambda: (peers(a), peers(b)) == (["mp-b"], ["mp-a"]),
+        what="A and B peers of each other",
+        timeout=WAIT_S,
+    )
     tokens = prompt(50_000, 2)
     assert ea.call("store", tokens, rid="a-store")["ok"]
     stored = ea.call("checksums", tokens)["checksums"]
@@ -96,13 +102,17 @@ def test_p2p_peers_discover_each_other_through_kvatlas_and_serve_a_prefix(pair: 
         results = kv.http.post("/directory/lookup", json=body).json()["results"]
         return [sorted(p["instance_id"] for p in r["placements"]) for r in results]
 
-    wait_for("A's chunks in kvatlas' directory", lambda: holders() == [["mp-a"], ["mp-a"]])
+    wait_until(
+        lambda: holders() == [["mp-a"], ["mp-a"]],
+        what="A's chunks in kvatlas' directory",
+        timeout=WAIT_S,
+    )
     got = eb.call("fetch", tokens, rid="b-fetch")
     assert (got["ok"], got["hit"]) == (True, 2), got
     assert eb.call("checksums", tokens)["checksums"] == stored
     # idle CPU of each server over two seconds, for the record
     before = {s.instance_id: cpu_seconds(s.proc.pid) for s in (a, b)}
-    time.sleep(2.0)
+    time.sleep(2.0)  # the idle window measured, not synchronisation
     idle = {
         s.instance_id: round((cpu_seconds(s.proc.pid) - before[s.instance_id]) / 2.0, 2)
         for s in (a, b)

@@ -1,15 +1,14 @@
 """Real processes for the P2P tests and benchmark: a coordinator (``python -m
 kvatlas.cli.coordinator``) and cache servers (``python -m kvatlas.cli.server``) on
-127.0.0.1, started and stopped by pid, and a CacheClient as each node's engine."""
+127.0.0.1, started by the one launcher and stopped by pid, and a CacheClient as each
+node's engine."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,31 +19,20 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.connector.client import CacheClient
+from kvatlas.runtime.procs import free_port, free_ports
 from kvatlas.wire.http_api import LookupRequest, LookupResponse
-from procs import free_port, free_ports, stop, wait_http
+from support.launch import Proc
+from support.services import ServerProc, start_coordinator_process, start_server_process
+from support.wait import wait_until
 
 CHUNK = 16
 MODEL = "tiny"
 HEARTBEAT_S = 0.2
 
 
-def wait_until(cond: Callable[[], object], timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met in {timeout}s: {what}")
-        time.sleep(0.05)
-
-
-@dataclass
-class Coordinator:
-    proc: subprocess.Popen[bytes]
-    port: int
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+@dataclass(eq=False, kw_only=True)
+class Coordinator(Proc):
+    """The fleet's coordinator process."""
 
     def held(self, client: CacheClient, tokens: Sequence[int]) -> dict[str, int]:
         """Per instance, how many leading chunks of ``tokens`` the directory lists."""
@@ -62,44 +50,21 @@ class Coordinator:
         return list(r.json()["instances"])
 
 
-def start_coordinator(tmp: Path, port: int | None = None) -> Coordinator:
+def start_coordinator(tmp: Path, port: int = 0) -> Coordinator:
     port = port or free_port()
-    log = tmp / f"coord-{port}-{time.monotonic_ns()}.log"
-    args = [
-        sys.executable, "-m", "kvatlas.cli.coordinator", "--host", "127.0.0.1",
-        "--port", str(port), "--chunk-size", str(CHUNK), "--snapshot-interval", "0",
+    return start_coordinator_process(
+        "--chunk-size", str(CHUNK), "--snapshot-interval", "0",
         "--instance-timeout", "30", "--health-check-interval", "0.5",
-    ]  # fmt: skip
-    with log.open("wb") as f:
-        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
-    wait_http(f"http://127.0.0.1:{port}/healthz", proc, log)
-    return Coordinator(proc, port, log)
+        port=port, log=tmp / f"coord-{port}-{time.monotonic_ns()}.log", cls=Coordinator,
+    )  # fmt: skip
 
 
-@dataclass
-class Node:
-    instance_id: str
-    proc: subprocess.Popen[bytes]
-    port: int
-    http_port: int
+@dataclass(eq=False, kw_only=True)
+class Node(ServerProc):
+    """A cache server with P2P, and the engines (CacheClients) a test opened on it."""
+
     p2p_port: int
-    log: Path
     clients: list[CacheClient] = field(default_factory=list)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def engine_url(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
-
-    def status(self) -> dict[str, Any]:
-        r = httpx.get(f"http://127.0.0.1:{self.http_port}/status", timeout=5)
-        return dict(r.json())
-
-    def metrics(self) -> str:
-        return httpx.get(f"http://127.0.0.1:{self.http_port}/metrics", timeout=5).text
 
     def client(self, timeout_s: float = 30.0) -> CacheClient:
         c = CacheClient(self.engine_url, timeout_s=timeout_s, engine_id=f"eng-{self.instance_id}")
@@ -110,11 +75,11 @@ class Node:
     def peers(self) -> list[str]:
         return list(self.status()["p2p_peers"])
 
-    def stop(self, sig: int = signal.SIGTERM) -> int:
+    def stop(self, sig: int = signal.SIGTERM, grace_s: float = 20.0) -> int:
         for c in self.clients:
             c.close()
         self.clients.clear()
-        return stop(self.proc, sig)
+        return super().stop(sig, grace_s)
 
 
 def start_node(
@@ -129,12 +94,8 @@ def start_node(
 ) -> Node:
     port, http_port, free_p2p_port = free_ports(3)
     p2p_port = p2p_port or free_p2p_port
-    log = tmp / f"{instance_id}-{port}.log"
     args = [
-        sys.executable, "-m", "kvatlas.cli.server",
-        "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),
-        "--instance-id", instance_id, "--l1-size-gb", str(l1_gb), "--chunk-size", str(CHUNK),
-        "--state-dir", str(tmp / "state"), "--engine-workers", "2",
+        "--l1-size-gb", str(l1_gb), "--chunk-size", str(CHUNK), "--engine-workers", "2",
         "--coordinator-heartbeat-interval", str(HEARTBEAT_S), "--event-flush-interval", "0.1",
         "--coordinator-timeout", "1", "--log-level", "DEBUG",
     ]  # fmt: skip
@@ -145,10 +106,10 @@ def start_node(
             "--p2p-advertise-url", f"127.0.0.1:{p2p_port}", "--p2p-transfer-engine", transport
         ]  # fmt: skip
     args += list(extra)
-    with log.open("wb") as f:
-        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
-    node = Node(instance_id, proc, port, http_port, p2p_port, log)
-    wait_http(f"http://127.0.0.1:{http_port}/healthz", proc, log)
+    node = start_server_process(
+        tmp, instance_id, *args, port=port, http_port=http_port, cls=Node, p2p_port=p2p_port
+    )
+    assert isinstance(node, Node)
     return node
 
 
@@ -187,8 +148,8 @@ def cluster(
         yield coord, nodes
     finally:
         for n in nodes:
-            n.stop(signal.SIGKILL if n.proc.poll() is not None else signal.SIGTERM)
-        stop(coord.proc)
+            n.stop()
+        coord.stop()
 
 
 def wait_peers(nodes: Sequence[Node], timeout: float = 20.0) -> None:
@@ -196,11 +157,12 @@ def wait_peers(nodes: Sequence[Node], timeout: float = 20.0) -> None:
     for n in nodes:
         want = sorted(m.instance_id for m in nodes if m is not n)
 
-        def ready(n: Node = n, want: list[str] = want) -> bool:
-            st = n.status()
-            return st["p2p_peers"] == want and st["p2p_state"] == "registered"
-
-        wait_until(ready, timeout, f"{n.instance_id} peers")
+        wait_until(
+            n.status,
+            lambda st, want=want: st["p2p_peers"] == want and st["p2p_state"] == "registered",
+            what=f"{n.instance_id} registered with peers {want}",
+            timeout=timeout,
+        )
 
 
 def read_all(client: CacheClient, tokens: Sequence[int]) -> list[npt.NDArray[np.uint8]]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import shlex
 import socket
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +21,8 @@ import httpx
 import numpy as np
 
 from kvatlas.connector.client import CacheClient
-from p2p.cluster import wait_until
-from procs import stop, wait_http
+from support.launch import Proc, launch, python_module
+from support.wait import wait_until
 
 DEPLOY_MD = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
 SECTION = "## Single-machine test"
@@ -57,10 +56,10 @@ def documented_commands(text: str | None = None) -> list[Command]:
     return commands
 
 
-def _start(cmd: Command, log: Path, extra: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", f"kvatlas.cli.{cmd.subcommand}", *cmd.args, *extra]
-    with log.open("wb") as f:
-        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
+def _start(cmd: Command, log: Path, http_port: str, extra: tuple[str, ...] = ()) -> Proc:
+    """The documented command through the one launcher, once its /healthz answers."""
+    argv = python_module(f"kvatlas.cli.{cmd.subcommand}", *cmd.args, *extra)
+    return launch(argv, name=log.stem, log=log, http_port=int(http_port))
 
 
 def _status(http_port: str) -> dict[str, Any]:
@@ -78,26 +77,28 @@ def run(tmp: Path) -> None:
     servers = [c for c in commands if c.subcommand == "server"]
     assert len(coord) == 1 and len(servers) == 2, commands
     coordinator_url = f"http://{coord[0].flag('--host')}:{coord[0].flag('--port')}"
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Proc] = []
     try:
-        log = tmp / "coordinator.log"
-        procs.append(_start(coord[0], log))
-        wait_http(coordinator_url + "/healthz", procs[-1], log)
+        procs.append(_start(coord[0], tmp / "coordinator.log", coord[0].flag("--port")))
         for i, cmd in enumerate(servers):
             assert cmd.flag("--coordinator-url") == coordinator_url
-            log = tmp / f"server-{i}.log"
             state = ("--state-dir", str(tmp / f"state-{i}"))
-            procs.append(_start(cmd, log, SERVER_OVERRIDES + state))
-            wait_http(f"http://127.0.0.1:{cmd.flag('--http-port')}/healthz", procs[-1], log)
+            log = tmp / f"server-{i}.log"
+            procs.append(_start(cmd, log, cmd.flag("--http-port"), SERVER_OVERRIDES + state))
         ids = [cmd.flag("--instance-id") for cmd in servers]
         for cmd, me in zip(servers, ids, strict=True):
             want = ("registered", [i for i in ids if i != me])
             port = cmd.flag("--http-port")
-            wait_until(lambda p=port, w=want: _peers_of(p) == w, 60, f"{me} sees its peer")
+            wait_until(
+                lambda p=port: _peers_of(p),
+                lambda seen, w=want: seen == w,
+                what=f"{me} registered, with its peer",
+                timeout=60,
+            )
         check_endpoints(coordinator_url, commands)
         move_a_chunk(servers)
     finally:
-        codes = [stop(proc) for proc in reversed(procs)]
+        codes = [proc.stop() for proc in reversed(procs)]
     assert codes == [0] * len(procs), f"exit codes after SIGTERM, last started first: {codes}"
 
 
@@ -133,11 +134,12 @@ def move_a_chunk(servers: list[Command]) -> None:
         data = [np.full(4096, i + 1, np.uint8) for i in range(2)]
         assert a.store_chunks(tokens, data).stored == 2
 
-        def fetched() -> bool:
-            res = b.lookup(tokens)
-            return res.hit_chunks == 2
-
-        wait_until(fetched, 30, "node B reads node A's chunks through P2P")
+        wait_until(
+            lambda: b.lookup(tokens).hit_chunks,
+            lambda hit: hit == 2,
+            what="node B reads node A's chunks through P2P",
+            timeout=30,
+        )
         b_status = _status(servers[1].flag("--http-port"))
         assert b_status["p2p"]["chunks_fetched"] == 2
 

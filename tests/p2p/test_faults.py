@@ -16,8 +16,9 @@ from kvatlas.wire.engine_proto import (
     CommitItem,
     LookupResult,
 )
+from support.wait import wait_until
 
-from .cluster import chunk_data, cluster, prompt, wait_peers, wait_until
+from .cluster import chunk_data, cluster, prompt, wait_peers
 from .test_single_machine import fetch
 
 
@@ -30,7 +31,7 @@ def test_peer_killed_mid_load_falls_back_within_a_second(tmp_path: Path) -> None
         tokens, data = prompt(n, seed=2), chunk_data(n, 2000, seed=2)
         ca, cb = a.client(), b.client()
         assert ca.store_chunks(tokens, data).stored == n
-        wait_until(lambda: coord.held(ca, tokens).get("node-a") == n, what="directory")
+        wait_until(lambda: coord.held(ca, tokens), lambda h: h.get("node-a") == n, what="directory")
         result: list[tuple[LookupResult, list[np.ndarray]]] = []
         done_at: list[float] = []
 
@@ -38,12 +39,23 @@ def test_peer_killed_mid_load_falls_back_within_a_second(tmp_path: Path) -> None
             result.append(fetch(cb, tokens))
             done_at.append(time.monotonic())
 
+        served = a.status()["p2p"]["served_reads"]
         t = threading.Thread(target=lookup)
         t.start()
-        wait_until(lambda: b.status()["active_p2p_lookup_jobs"] == 1, 10, "load started")
-        time.sleep(0.5)  # a few chunks in (0.1 s each)
+        wait_until(
+            lambda: b.status()["active_p2p_lookup_jobs"],
+            lambda jobs: jobs == 1,
+            what="B's load started",
+            timeout=10,
+        )
+        wait_until(  # a few chunks in (0.1 s each)
+            lambda: a.status()["p2p"]["served_reads"],
+            lambda reads: reads >= served + 3,
+            what="A serving its third chunk to B",
+            timeout=10,
+        )
         killed_at = time.monotonic()
-        a.proc.send_signal(signal.SIGKILL)
+        a.popen.send_signal(signal.SIGKILL)
         t.join(30)
         assert done_at, "B's lookup did not return"
         assert done_at[0] - killed_at < 1.0, done_at[0] - killed_at
@@ -66,7 +78,7 @@ def test_corrupted_transfer_is_a_miss_never_wrong_bytes(tmp_path: Path) -> None:
         tokens, data = prompt(n, seed=3), chunk_data(n, 3000, seed=3)
         ca, cb = a.client(), b.client()
         assert ca.store_chunks(tokens, data).stored == n
-        wait_until(lambda: coord.held(ca, tokens).get("node-a") == n, what="directory")
+        wait_until(lambda: coord.held(ca, tokens), lambda h: h.get("node-a") == n, what="directory")
         res, got = fetch(cb, tokens)
         assert (res.hit_chunks, res.p2p_fallback) == (2, "checksum_mismatch")
         assert all(np.array_equal(x, y) for x, y in zip(got, data, strict=False))
@@ -86,7 +98,12 @@ def test_stale_directory_hint_is_a_counted_miss(tmp_path: Path) -> None:
         tokens, data = prompt(n, seed=4), chunk_data(n, 3000, seed=4)
         ca, cb = a.client(), b.client()
         assert ca.store_chunks(tokens, data).stored == n
-        wait_until(lambda: coord.held(ca, tokens).get("node-a") == n, 10, "directory")
+        wait_until(
+            lambda: coord.held(ca, tokens),
+            lambda h: h.get("node-a") == n,
+            what="directory",
+            timeout=10,
+        )
         # A's L1 (20 MiB) evicts the prompt; its DELETEs wait for the next flush (4 s)
         filler = prompt(24, seed=5)
         for h, d in zip(ca.hashes(filler), chunk_data(24, 1 << 20, seed=5), strict=True):

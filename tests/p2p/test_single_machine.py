@@ -13,18 +13,12 @@ import numpy.typing as npt
 import pytest
 
 from kvatlas.connector.client import CacheClient
+from kvatlas.runtime.procs import free_port
 from kvatlas.wire.engine_proto import LookupResult
-from procs import free_port
+from support.wait import wait_until
 from transfer.harness import netns_available
 
-from .cluster import (
-    CHUNK,
-    chunk_data,
-    cluster,
-    prompt,
-    wait_peers,
-    wait_until,
-)
+from .cluster import CHUNK, chunk_data, cluster, prompt, wait_peers
 
 
 def fetch(
@@ -57,7 +51,9 @@ def single_machine(tmp_path: Path, transport: str, n_chunks: int = 6, size: int 
         data = chunk_data(n_chunks, size, seed=1)
         ca, cb = a.client(), b.client()
         assert ca.store_chunks(tokens, data).stored == n_chunks
-        wait_until(lambda: coord.held(ca, tokens).get("node-a") == n_chunks, what="directory")
+        wait_until(
+            lambda: coord.held(ca, tokens), lambda h: h.get("node-a") == n_chunks, what="directory"
+        )
         res, got = fetch(cb, tokens)
         assert (res.hit_chunks, res.peer_chunks, res.p2p_fallback) == (n_chunks, n_chunks, "")
         assert res.hit_tokens == n_chunks * CHUNK
@@ -66,7 +62,9 @@ def single_machine(tmp_path: Path, transport: str, n_chunks: int = 6, size: int 
         res2 = cb.lookup(tokens)
         assert (res2.hit_chunks, res2.peer_chunks) == (n_chunks, 0)
         # B published STOREs: the directory lists both
-        wait_until(lambda: coord.held(cb, tokens).get("node-b") == n_chunks, what="B's STOREs")
+        wait_until(
+            lambda: coord.held(cb, tokens), lambda h: h.get("node-b") == n_chunks, what="B's STOREs"
+        )
         assert coord.held(cb, tokens)["node-a"] == n_chunks
         sb, sa = b.status(), a.status()
         assert sb["p2p"]["chunks_fetched"] == n_chunks
@@ -76,7 +74,7 @@ def single_machine(tmp_path: Path, transport: str, n_chunks: int = 6, size: int 
         metrics = b.metrics()
         assert 'kvatlas_server_p2p_bytes_read_total{instance_id="node-b"}' in metrics
         assert "kvatlas_server_active_p2p_lookup_jobs" in metrics
-        logs_b = b.log.read_text()
+        logs_b = b.text()
         assert "Registered with coordinator as node-b" in logs_b
         assert "Added P2P adapter 0 for peer node-a (127.0.0.1:" in logs_b
 
@@ -99,7 +97,7 @@ def test_tcp_binds_and_announces_the_data_port_given(tmp_path: Path) -> None:
         tokens, data = prompt(2, seed=3), chunk_data(2, 1000, seed=3)
         ca, cb = a.client(), b.client()
         assert ca.store_chunks(tokens, data).stored == 2
-        wait_until(lambda: coord.held(ca, tokens).get("node-a") == 2, what="directory")
+        wait_until(lambda: coord.held(ca, tokens), lambda h: h.get("node-a") == 2, what="directory")
         res, got = fetch(cb, tokens)
         assert (res.peer_chunks, res.p2p_fallback) == (2, "")
         assert all(np.array_equal(x, y) for x, y in zip(got, data, strict=True))

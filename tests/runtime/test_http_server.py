@@ -26,6 +26,7 @@ from kvatlas.runtime.http_server import (
     Router,
     always,
 )
+from support.wait import wait_until
 
 
 class Boom(Exception):
@@ -47,13 +48,19 @@ def _item(request: HttpRequest) -> HttpResponse:
     return HttpResponse(200, body, "text/plain")
 
 
+_slow_started: list[float] = []
+"""When each /slow request entered its handler (a test waits for one to be in flight)."""
+
+
 async def _slow(request: HttpRequest) -> HttpResponse:
+    _slow_started.append(time.monotonic())
+    # the handler's own work, not synchronisation: a coroutine that takes its time
     await asyncio.sleep(float(request.query.get("s", "0.05")))
     return HttpResponse(200, b"slow", "text/plain")
 
 
 def _thread(request: HttpRequest) -> HttpResponse:
-    time.sleep(0.02)
+    time.sleep(0.02)  # the handler's own work: a blocking call the pool must absorb
     return HttpResponse(200, threading.current_thread().name.encode(), "text/plain")
 
 
@@ -284,8 +291,9 @@ def test_half_closed_client_still_gets_its_answers(served: Served) -> None:
 def test_stop_lets_a_busy_request_finish() -> None:
     served = Served(shutdown_grace=5.0)
     s = served.connect()
+    started = len(_slow_started)
     s.sendall(b"GET /slow?s=0.3 HTTP/1.1\r\nHost: x\r\n\r\n")
-    time.sleep(0.1)
+    wait_until(lambda: len(_slow_started), lambda n: n > started, what="the request in its handler")
     idle = served.connect()
     stopper = threading.Thread(target=served.stop)
     stopper.start()

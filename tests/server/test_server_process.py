@@ -8,8 +8,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -25,6 +24,7 @@ from kvatlas.connector.client import (
     ServerUnavailable,
     Unauthorized,
 )
+from kvatlas.runtime.procs import free_port
 from kvatlas.wire.engine_proto import (
     CommitItem,
     ErrorReply,
@@ -32,53 +32,29 @@ from kvatlas.wire.engine_proto import (
     decode_response,
 )
 from kvatlas.wire.http_api import LookupRequest, LookupResponse
-from procs import free_port, free_ports, stop, wait_http
+from support.launch import Proc
+from support.services import ServerProc, start_coordinator_process, start_server_process
+from support.wait import wait_until
 
 CHUNK = 16
 MODEL = "tiny"
 
 
-@dataclass
-class Server:
-    proc: subprocess.Popen[bytes]
-    port: int
-    http_port: int
-    log: Path
-
-    @property
-    def engine_url(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
-
-    def status(self) -> dict[str, object]:
-        r = httpx.get(f"http://127.0.0.1:{self.http_port}/status", timeout=5)
-        return dict(r.json())
-
-
-def start_server(tmp: Path, instance_id: str, *extra: str, wait: bool = True) -> Server:
-    port, http_port = free_ports(2)
-    log = tmp / f"{instance_id}-{port}.log"
-    args = [
-        sys.executable, "-m", "kvatlas.cli.server",
-        "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),
-        "--instance-id", instance_id, "--l1-size-gb", "0.01", "--chunk-size", str(CHUNK),
-        "--state-dir", str(tmp / "state"), "--engine-workers", "2", *extra,
-    ]  # fmt: skip
-    with log.open("wb") as f:
-        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
-    server = Server(proc, port, http_port, log)
-    if wait:
-        wait_http(f"http://127.0.0.1:{http_port}/healthz", proc)
-    return server
+def start_server(tmp: Path, instance_id: str, *extra: str) -> ServerProc:
+    return start_server_process(
+        tmp, instance_id,
+        "--l1-size-gb", "0.01", "--chunk-size", str(CHUNK), "--engine-workers", "2", *extra,
+    )  # fmt: skip
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
+def server(tmp_path: Path) -> Iterator[ServerProc]:
     s = start_server(tmp_path, "node-a", "--l2-path", str(tmp_path / "l2"), "--l2-size-gb", "0.1")
     yield s
-    assert stop(s.proc) == 0, s.log.read_text()
+    assert s.stop() == 0, s.text()
 
 
-def client_for(s: Server) -> CacheClient:
+def client_for(s: ServerProc) -> CacheClient:
     c = CacheClient(s.engine_url, timeout_s=5.0, engine_id="test-engine")
     c.register(MODEL, "float16", (2, 2, 8), chunk_size=CHUNK)
     return c
@@ -92,7 +68,7 @@ def chunks(n: int, size: int, seed: int = 0) -> list[np.ndarray]:
 # ----------------------------------------------------------------------------- engine API
 
 
-def test_store_and_retrieve_through_the_shared_region(server: Server) -> None:
+def test_store_and_retrieve_through_the_shared_region(server: ServerProc) -> None:
     tokens = list(range(CHUNK * 5 + 3))
     data = chunks(5, 20_000)
     with client_for(server) as c:
@@ -116,7 +92,7 @@ def test_store_and_retrieve_through_the_shared_region(server: Server) -> None:
     assert st["models"] == [MODEL]
 
 
-def test_read_leases_context_manager_and_writes_in_progress(server: Server) -> None:
+def test_read_leases_context_manager_and_writes_in_progress(server: ServerProc) -> None:
     tokens = list(range(CHUNK * 2))
     with client_for(server) as c:
         h = c.hashes(tokens)
@@ -137,7 +113,7 @@ def test_read_leases_context_manager_and_writes_in_progress(server: Server) -> N
         assert c.stats()["read_leases"] == 0
 
 
-def test_l2_holds_what_l1_evicts_and_lookup_promotes_it(server: Server) -> None:
+def test_l2_holds_what_l1_evicts_and_lookup_promotes_it(server: ServerProc) -> None:
     size = 1 << 20  # 10 MiB of L1 holds fewer than 10 chunks of 1 MiB
     tokens = list(range(CHUNK * 16))
     data = chunks(16, size, seed=3)
@@ -156,7 +132,7 @@ def test_l2_holds_what_l1_evicts_and_lookup_promotes_it(server: Server) -> None:
         assert server.status()["l2"]["promotions"] >= 4  # type: ignore[index]
 
 
-def test_engine_errors_are_clear(server: Server) -> None:
+def test_engine_errors_are_clear(server: ServerProc) -> None:
     with CacheClient(server.engine_url, timeout_s=5.0) as c:
         with pytest.raises(ContractRefused, match="chunk_size"):
             c.register(MODEL, "float16", (2, 2, 8), chunk_size=CHUNK * 2)
@@ -192,7 +168,7 @@ def test_client_times_out_without_a_server() -> None:
         assert time.monotonic() - t0 < 2
 
 
-def test_concurrent_engines(server: Server) -> None:
+def test_concurrent_engines(server: ServerProc) -> None:
     import threading
 
     errors: list[BaseException] = []
@@ -219,7 +195,7 @@ def test_concurrent_engines(server: Server) -> None:
     assert errors == []
 
 
-def test_an_engine_cannot_end_another_engines_read_leases(server: Server) -> None:
+def test_an_engine_cannot_end_another_engines_read_leases(server: ServerProc) -> None:
     """Issue #14, item 9: lease ids were 1, 2, 3...; a Release of guessed ids ended the
     leases of every other engine. They are random 63-bit now."""
     tokens = list(range(CHUNK * 4))
@@ -240,7 +216,7 @@ def test_an_engine_cannot_end_another_engines_read_leases(server: Server) -> Non
 # --------------------------------------------------------------------------- operations
 
 
-def test_http_endpoints(server: Server) -> None:
+def test_http_endpoints(server: ServerProc) -> None:
     base = f"http://127.0.0.1:{server.http_port}"
     assert httpx.get(base + "/healthz").json() == {"ok": True}
     st = server.status()
@@ -250,13 +226,13 @@ def test_http_endpoints(server: Server) -> None:
     assert 'kvatlas_server_l1_capacity_bytes{instance_id="node-a"}' in metrics
 
 
-def test_two_servers_and_a_port_in_use(tmp_path: Path, server: Server) -> None:
+def test_two_servers_and_a_port_in_use(tmp_path: Path, server: ServerProc) -> None:
     second = start_server(tmp_path, "node-b")
     try:
         a, b = server.status(), second.status()
         assert a["l1"]["region_name"] != b["l1"]["region_name"]  # type: ignore[index]
     finally:
-        assert stop(second.proc) == 0
+        assert second.stop() == 0
     clash = subprocess.run(
         [
             sys.executable, "-m", "kvatlas.cli.server", "--port", str(server.port),
@@ -275,7 +251,7 @@ def test_incarnation_grows_across_restarts(tmp_path: Path) -> None:
     for _ in range(2):
         s = start_server(tmp_path, "node-r")
         seen.append(int(s.status()["incarnation"]))  # type: ignore[call-overload]
-        assert stop(s.proc) == 0
+        assert s.stop() == 0
     assert seen[1] > seen[0]
 
 
@@ -363,33 +339,16 @@ def test_refusal_message_names_the_flags(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ with the coordinator
 
 
-@dataclass
-class Coordinator:
-    proc: subprocess.Popen[bytes]
-    port: int
-    snapshot: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-def start_coordinator(tmp: Path, port: int | None = None, snapshot: bool = True) -> Coordinator:
-    port = port or free_port()
-    snap = tmp / "coord.snapshot"
-    args = [
-        sys.executable, "-m", "kvatlas.cli.coordinator", "--host", "127.0.0.1",
-        "--port", str(port), "--chunk-size", str(CHUNK), "--snapshot-interval", "60",
-    ]  # fmt: skip
+def start_coordinator(tmp: Path, port: int = 0, snapshot: bool = True) -> Proc:
+    flags = ["--chunk-size", str(CHUNK), "--snapshot-interval", "60"]
     if snapshot:
-        args += ["--snapshot-path", str(snap)]
-    with (tmp / f"coord-{time.monotonic_ns()}.log").open("wb") as f:
-        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
-    wait_http(f"http://127.0.0.1:{port}/healthz", proc)
-    return Coordinator(proc, port, snap)
+        flags += ["--snapshot-path", str(tmp / "coord.snapshot")]
+    return start_coordinator_process(
+        *flags, port=port, log=tmp / f"coord-{time.monotonic_ns()}.log"
+    )
 
 
-def held_prefix(c: Coordinator, tokens: list[int], iid: str) -> int:
+def held_prefix(c: Proc, tokens: list[int], iid: str) -> int:
     req = LookupRequest(token_ids=tokens, model_name=MODEL)
     r = httpx.post(c.url + "/directory/lookup", content=msgspec.json.encode(req), timeout=5)
     assert r.status_code == 200, r.text
@@ -397,18 +356,20 @@ def held_prefix(c: Coordinator, tokens: list[int], iid: str) -> int:
     return max((h.chunks for h in resp.prefix_holders if h.instance_id == iid), default=0)
 
 
-def gaps(c: Coordinator, iid: str) -> float:
+def gaps(c: Proc, iid: str) -> float:
     text = httpx.get(c.url + "/metrics", timeout=5).text
     m = re.search(rf'kvatlas_coordinator_instance_seq_gaps{{instance_id="{iid}"}} (\S+)', text)
     return float(m.group(1)) if m else 0.0
 
 
-def wait_until(cond: object, timeout: float = 20.0) -> None:
-    assert callable(cond)
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.1)
+def wait_registration(s: ServerProc, state: str) -> None:
+    wait_until(
+        lambda: s.status()["registration_state"], lambda st: st == state, what=f"{s.name} {state}"
+    )
+
+
+def wait_events(s: ServerProc, field: str, done: Callable[[int], bool], what: str) -> None:
+    wait_until(lambda: s.status()["events"][field], done, what=what)
 
 
 @pytest.mark.slow
@@ -420,26 +381,28 @@ def test_coordinator_outage_loses_no_event(tmp_path: Path) -> None:
         "--coordinator-timeout", "1",
     )  # fmt: skip
     try:
-        wait_until(lambda: s.status()["registration_state"] == "registered")
+        wait_registration(s, "registered")
         before = list(range(CHUNK * 4))
         during = [7] * CHUNK + list(range(1000, 1000 + CHUNK * 5))
         with client_for(s) as c:
             c.store_chunks(before, chunks(4, 1000))
-            wait_until(lambda: held_prefix(coord, before, "node-e") == 4)
-            assert stop(coord.proc) == 0  # writes its snapshot
-            wait_until(lambda: s.status()["registration_state"] == "disconnected")
+            wait_until(
+                lambda: held_prefix(coord, before, "node-e"), lambda n: n == 4, what="4 chunks"
+            )
+            assert coord.stop() == 0  # writes its snapshot
+            wait_registration(s, "disconnected")
             assert c.store_chunks(during, chunks(6, 1000)).stored == 6  # engines keep working
-            wait_until(lambda: s.status()["events"]["failed_sends"] > 0)  # type: ignore[index]
-        coord = start_coordinator(tmp_path, coord.port)
-        wait_until(lambda: s.status()["events"]["buffered_batches"] == 0)  # type: ignore[index]
+            wait_events(s, "failed_sends", lambda n: n > 0, "a failed send")
+        coord = start_coordinator(tmp_path, coord.http_port)
+        wait_events(s, "buffered_batches", lambda n: n == 0, "the buffer to drain")
         assert held_prefix(coord, before, "node-e") == 4
         assert held_prefix(coord, during, "node-e") == 6
         assert gaps(coord, "node-e") == 0
         ev = s.status()["events"]
-        assert ev["dropped_batches"] == 0 and ev["retries"] > 0  # type: ignore[index]
+        assert ev["dropped_batches"] == 0 and ev["retries"] > 0
     finally:
-        assert stop(s.proc) == 0, s.log.read_text()
-        stop(coord.proc)
+        assert s.stop() == 0, s.text()
+        coord.stop()
 
 
 @pytest.mark.slow
@@ -454,16 +417,18 @@ def test_coordinator_that_lost_its_state_is_resynced(tmp_path: Path) -> None:
         tokens = list(range(CHUNK * 3))
         with client_for(s) as c:
             c.store_chunks(tokens, chunks(3, 1000))
-        wait_until(lambda: held_prefix(coord, tokens, "node-f") == 3)
-        assert stop(coord.proc) == 0
-        coord = start_coordinator(tmp_path, coord.port, snapshot=False)
-        wait_until(lambda: held_prefix(coord, tokens, "node-f") == 3)
+        wait_until(lambda: held_prefix(coord, tokens, "node-f"), lambda n: n == 3, what="3 chunks")
+        assert coord.stop() == 0
+        coord = start_coordinator(tmp_path, coord.http_port, snapshot=False)
+        wait_until(
+            lambda: held_prefix(coord, tokens, "node-f"), lambda n: n == 3, what="3 chunks resynced"
+        )
         st = s.status()
-        assert st["coordinator"]["resyncs"] >= 1  # type: ignore[index]
+        assert st["coordinator"]["resyncs"] >= 1
         assert st["registration_state"] == "registered"
     finally:
-        assert stop(s.proc) == 0, s.log.read_text()
-        stop(coord.proc)
+        assert s.stop() == 0, s.text()
+        coord.stop()
 
 
 def test_auth_token_guards_the_engine_api_and_status(tmp_path: Path) -> None:
@@ -487,7 +452,7 @@ def test_auth_token_guards_the_engine_api_and_status(tmp_path: Path) -> None:
         assert trusted.lookup(list(range(CHUNK))).hit_tokens == 0
         trusted.close()
     finally:
-        assert stop(s.proc) == 0, s.log.read_text()
+        assert s.stop() == 0, s.text()
 
 
 def test_non_ascii_tokens_are_refused_and_the_server_keeps_serving(tmp_path: Path) -> None:
@@ -512,4 +477,4 @@ def test_non_ascii_tokens_are_refused_and_the_server_keeps_serving(tmp_path: Pat
         good = {"Authorization": "Bearer s3cret"}
         assert httpx.get(f"{base}/status", headers=good, timeout=5).status_code == 200
     finally:
-        assert stop(s.proc) == 0, s.log.read_text()
+        assert s.stop() == 0, s.text()

@@ -26,8 +26,11 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.core.checksum import checksum
+from kvatlas.runtime.procs import ProcessError
 from kvatlas.transfer.base import Endpoint, FaultPlan
 from kvatlas.transfer.factory import TRANSPORTS, make_transport
+from support.launch import launch, python_module
+from support.wait import wait_until
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
 NETNS_TRANSPORTS = frozenset({"mooncake"})
@@ -74,7 +77,8 @@ def python_env() -> dict[str, str]:
 
 
 class OwnerProcess:
-    """An owner started with ``python -m transfer.harness``; stop() or kill() it."""
+    """An owner started with ``python -m transfer.harness`` by the one launcher (its
+    stderr in a log file, stdin and stdout the line protocol); stop() or kill() it."""
 
     def __init__(
         self,
@@ -87,82 +91,70 @@ class OwnerProcess:
         corrupt_read: int | None = None,
         timeout_s: float = 30.0,
     ) -> None:
-        args = [sys.executable, "-m", "transfer.harness", "--transport", transport]
-        args += ["--size", str(size), "--seed", str(seed)]
+        args = ["--transport", transport, "--size", str(size), "--seed", str(seed)]
         if token:
             args += ["--token", token]
         for lease in leases:
             args += ["--lease", ",".join(map(str, lease))]
         if corrupt_read is not None:
             args += ["--corrupt-read", str(corrupt_read)]
-        self.proc = subprocess.Popen(
-            args,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        self.proc = launch(
+            python_module("transfer.harness", *args),
+            name=f"{transport}-owner",
             env=python_env(),
+            pipes=True,
         )
         self.pid = self.proc.pid
-        self.stderr: list[str] = []
-        self._stderr_reader = threading.Thread(target=self._drain_stderr, daemon=True)
-        self._stderr_reader.start()
         found: list[Endpoint] = []
 
-        def wait_endpoint() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
+        def read_endpoint() -> None:
+            stdout = self.proc.popen.stdout
+            assert stdout is not None
+            for line in stdout:
                 if line.startswith("ENDPOINT "):
                     found.append(Endpoint.from_builtins(json.loads(line[9:])))
                     return
 
-        reader = threading.Thread(target=wait_endpoint, daemon=True)
-        reader.start()
-        reader.join(timeout_s)
-        if not found:
+        # a thread reads the line, so that the wait can also see the owner die
+        threading.Thread(target=read_endpoint, daemon=True).start()
+
+        def announced() -> bool:
+            if not self.proc.alive() and not found:
+                raise ProcessError(f"{transport} owner exited:\n{self.proc.tail()}")
+            return bool(found)
+
+        try:
+            wait_until(announced, what=f"the {transport} owner's ENDPOINT line", timeout=timeout_s)
+        except BaseException:
             self.kill()
-            raise RuntimeError(f"{transport} owner did not start:\n" + "".join(self.stderr[-30:]))
+            raise
         self.endpoint = found[0]
 
-    def _drain_stderr(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.stderr.append(line)
-
     def region_checksum(self) -> int:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write("checksum\n")
-        self.proc.stdin.flush()
-        for line in self.proc.stdout:
+        stdin, stdout = self.proc.popen.stdin, self.proc.popen.stdout
+        assert stdin is not None and stdout is not None
+        stdin.write("checksum\n")
+        stdin.flush()
+        for line in stdout:
             if line.startswith("CHECKSUM "):
                 return int(line.split()[1])
         raise RuntimeError("owner exited before answering")
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        self.proc.wait(10)
-        self._close_pipes()
+        self.proc.kill()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        """Resume it if stopped, close its stdin (its signal to leave), SIGKILL after 10 s."""
+        if self.proc.alive():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGCONT)
-            assert self.proc.stdin is not None
+            stdin = self.proc.popen.stdin
+            assert stdin is not None
             with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._close_pipes()
-
-    def _close_pipes(self) -> None:
-        self._stderr_reader.join(5)  # the process is gone: its stderr hits EOF
-        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
+                stdin.close()
+            with contextlib.suppress(AssertionError):
+                self.proc.wait_exit(10)
+        self.proc.kill()
 
     def __enter__(self) -> OwnerProcess:
         return self

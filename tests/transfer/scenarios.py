@@ -29,6 +29,7 @@ from kvatlas.transfer.base import (
     TransferClient,
 )
 from kvatlas.transfer.factory import make_transport
+from support.wait import wait_until
 from transfer.harness import OwnerProcess, pattern
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -146,7 +147,7 @@ def corrupted(transport: str) -> None:
 def peer_killed(transport: str) -> None:
     """The owner is SIGKILLed mid-read: failures come within deadline + 1 s."""
     deadline_s = 5.0
-    with OwnerProcess(transport, REGION, leases=[ALL]) as owner, requester(transport) as (_, c):
+    with OwnerProcess(transport, REGION, leases=[ALL]) as owner, requester(transport) as (local, c):
         peer = c.connect(owner.endpoint)
         assert statuses(peer.read([op(0, 4 * KiB, 0)], 5.0)) == ["ok"]  # connected, warm
         ops = [op((i % 7) * 4 * MiB, 4 * MiB, (i % 8) * 4 * MiB) for i in range(1024)]  # 4 GiB
@@ -154,7 +155,13 @@ def peer_killed(transport: str) -> None:
         started = time.monotonic()
         reader = threading.Thread(target=lambda: out.append(peer.read(ops, deadline_s)))
         reader.start()
-        time.sleep(0.05)
+        # mid-read: the first op's bytes (beyond the warm-up's 4 KiB) are landing
+        wait_until(
+            lambda: bool(local.array[4 * KiB : 4 * MiB].any()),
+            what="the first bytes of the 4 GiB read in the requester's region",
+            timeout=deadline_s,
+            every=0.002,
+        )
         owner.kill()
         reader.join(deadline_s + 1.0)
         elapsed = time.monotonic() - started
@@ -237,13 +244,15 @@ def idle_cpu(transport: str) -> None:
     with OwnerProcess(transport, REGION, leases=[ALL]) as owner, requester(transport) as (_, c):
         peer = c.connect(owner.endpoint)
         assert statuses(peer.read([op(0, 4 * KiB, 0)], 5.0)) == ["ok"]
+        # Not synchronisation: idleness is what is measured, and it starts with a moment
+        # in which nothing is asked of either side (the warm-up read's tail excluded).
         time.sleep(0.2)
         owner_before, mine_before, t0 = (
             _cpu_seconds(owner.pid),
             _cpu_seconds(os.getpid()),
             time.monotonic(),
         )
-        time.sleep(1.5)
+        time.sleep(1.5)  # the idle window whose CPU time is measured
         elapsed = time.monotonic() - t0
         owner_pct = 100 * (_cpu_seconds(owner.pid) - owner_before) / elapsed
         mine_pct = 100 * (_cpu_seconds(os.getpid()) - mine_before) / elapsed

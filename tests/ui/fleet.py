@@ -1,15 +1,13 @@
 """A small real fleet for the fleet page's tests: a coordinator (`python -m
 kvatlas.cli.coordinator`) with a short instance timeout and cache servers (`python -m
-kvatlas.cli.server`) with P2P over tcp, all on 127.0.0.1, started and stopped by pid;
-traffic through a real CacheClient (stores on one server, P2P reads on another)."""
+kvatlas.cli.server`) with P2P over tcp, all on 127.0.0.1, started by the one launcher
+and stopped by pid; traffic through a real CacheClient (stores on one server, P2P reads
+on another)."""
 
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +17,10 @@ import httpx
 import numpy as np
 
 from kvatlas.connector.client import CacheClient
-from procs import HOST, free_port, free_ports, stop, wait_http
+from kvatlas.runtime.procs import HOST, free_ports
+from support.launch import Proc
+from support.services import ServerProc, start_coordinator_process, start_server_process
+from support.wait import wait_until
 
 CHUNK = 16
 MODEL = "tiny"
@@ -27,38 +28,16 @@ HEARTBEAT_S = 0.25
 INSTANCE_TIMEOUT_S = 4.0
 
 
-def wait_until(cond: Callable[[], object], timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g} s: {what}")
-        time.sleep(0.05)
+@dataclass(eq=False, kw_only=True)
+class Node(ServerProc):
+    """A cache server, and the engines (CacheClients) a test opened on it."""
 
-
-@dataclass
-class Proc:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
-
-
-@dataclass
-class Node(Proc):
-    port: int = 0
-    http_port: int = 0
     token: str = ""
     clients: list[CacheClient] = field(default_factory=list)
 
     def client(self) -> CacheClient:
         c = CacheClient(
-            f"tcp://{HOST}:{self.port}",
+            self.engine_url,
             timeout_s=10.0,
             engine_id=f"e-{self.name}",
             auth_token=self.token or None,
@@ -72,18 +51,21 @@ class Node(Proc):
             c.close()
         self.clients.clear()
 
+    def stop(self, sig: int = signal.SIGTERM, grace_s: float = 20.0) -> int:
+        self.close_clients()
+        return super().stop(sig, grace_s)
+
 
 @dataclass
 class Fleet:
     tmp: Path
     token: str
     coordinator: Proc
-    port: int
     nodes: list[Node] = field(default_factory=list)
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return self.coordinator.url
 
     def headers(self) -> dict[str, str]:
         return {"authorization": f"Bearer {self.token}"} if self.token else {}
@@ -102,12 +84,8 @@ class Fleet:
 
     def start_node(self, name: str) -> Node:
         port, http_port, p2p = free_ports(3)
-        log = self.tmp / f"{name}-{port}.log"
         args = [
-            sys.executable, "-m", "kvatlas.cli.server",
-            "--host", HOST, "--port", str(port), "--http-port", str(http_port),
-            "--instance-id", name, "--l1-size-gb", "0.02", "--chunk-size", str(CHUNK),
-            "--state-dir", str(self.tmp / "state"), "--engine-workers", "2",
+            "--l1-size-gb", "0.02", "--chunk-size", str(CHUNK), "--engine-workers", "2",
             "--coordinator-url", self.url,
             "--coordinator-heartbeat-interval", str(HEARTBEAT_S),
             "--event-flush-interval", "0.1", "--coordinator-timeout", "1",
@@ -115,11 +93,11 @@ class Fleet:
         ]  # fmt: skip
         if self.token:
             args += ["--auth-token", self.token]
-        with log.open("wb") as f:
-            proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
-        node = Node(name, proc, log, port, http_port, self.token)
+        node = start_server_process(
+            self.tmp, name, *args, port=port, http_port=http_port, cls=Node, token=self.token
+        )
+        assert isinstance(node, Node)
         self.nodes.append(node)
-        wait_http(f"http://{HOST}:{http_port}/healthz", proc, log)
         return node
 
 
@@ -129,29 +107,23 @@ def fleet(
 ) -> Iterator[Fleet]:
     """A coordinator and one server per name, each registered before this yields."""
     tmp.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    log = tmp / f"coordinator-{port}.log"
-    args = [
-        sys.executable, "-m", "kvatlas.cli.coordinator", "--host", HOST, "--port", str(port),
+    flags = [
         "--chunk-size", str(CHUNK), "--snapshot-interval", "0",
         "--instance-timeout", str(instance_timeout), "--health-check-interval", "0.25",
     ]  # fmt: skip
     if token:
-        args += ["--auth-token", token]
-    with log.open("wb") as f:
-        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT)
-    fl = Fleet(tmp, token, Proc("coordinator", proc, log), port)
+        flags += ["--auth-token", token]
+    coordinator = start_coordinator_process(*flags, log=tmp / "coordinator.log")
+    fl = Fleet(tmp, token, coordinator)
     try:
-        wait_http(f"{fl.url}/healthz", proc, log)
         for name in names:
             fl.start_node(name)
-        wait_until(lambda: fl.member_ids() == sorted(names), what=f"{names} registered")
+        wait_until(fl.member_ids, lambda ids: ids == sorted(names), what=f"{names} registered")
         yield fl
     finally:
         for n in fl.nodes:
-            n.close_clients()
-            stop(n.proc, signal.SIGTERM)
-        stop(proc)
+            n.stop()
+        coordinator.stop()
 
 
 def prompt(n_chunks: int, seed: int) -> list[int]:
@@ -167,12 +139,9 @@ def store_and_share(owner: CacheClient, reader: CacheClient, seed: int, n_chunks
     owner.store_chunks(
         tokens, [rng.integers(0, 256, 4096, dtype=np.uint8) for _ in range(n_chunks)]
     )
-    got = 0
-
-    def shared() -> bool:
-        nonlocal got
-        got = reader.lookup(tokens).hit_chunks
-        return got == n_chunks
-
-    wait_until(shared, 20, f"seed {seed}: the reader's server reads the chunks from its peer")
-    return got
+    return wait_until(
+        lambda: reader.lookup(tokens).hit_chunks,
+        lambda hit: hit == n_chunks,
+        what=f"seed {seed}: the reader's server reads the chunks from its peer",
+        timeout=20,
+    )

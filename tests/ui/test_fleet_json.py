@@ -9,14 +9,16 @@ import re
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
 
 from kvatlas.wire.fleet_view import STATUS_URL_KEY, FleetDocument, MemberStatus
 from kvatlas.wire.server_status import ServerStatus, decode_status
+from support.wait import wait_until
 
-from .fleet import Fleet, fleet, store_and_share, wait_until
+from .fleet import Fleet, fleet, store_and_share
 
 SVG_NAMESPACE = "http://www.w3.org/2000/svg"  # a name, never fetched
 
@@ -67,7 +69,7 @@ def test_members_counters_and_directory(two_nodes: Fleet) -> None:
             and st_b.p2p.bytes_read >= read_before + 8 * 4096
         )
 
-    wait_until(shared_counted, 10, "the peer read shows in fleet.json")
+    wait_until(shared_counted, what="the peer read shows in fleet.json", timeout=10)
     doc = msgspec_doc(fl)
     assert doc.ready and doc.event_transport == "http"
     assert doc.instance_timeout_s == 4.0
@@ -110,10 +112,20 @@ def test_a_silent_member_costs_one_deadline_and_is_named(two_nodes: Fleet) -> No
     try:
         for member in (body, gone):
             assert httpx.post(fl.url + "/instances", json=member, timeout=5).status_code == 200
-        time.sleep(1.1)  # past the cached document
-        t0 = time.monotonic()
-        doc = fl.fleet_json()
-        took = time.monotonic() - t0
+
+        def timed() -> tuple[float, dict[str, Any]]:
+            t0 = time.monotonic()
+            doc = fl.fleet_json()
+            return time.monotonic() - t0, doc
+
+        # the first document assembled after the two joined (past the cached one)
+        took, doc = wait_until(
+            timed,
+            lambda seen: "silent" in {m["instance_id"] for m in seen[1]["members"]},
+            what="a document that lists the silent member",
+            timeout=5,
+            every=0.1,
+        )
         by_id = {m["instance_id"]: m for m in doc["members"]}
         assert by_id["silent"]["status"] is None
         assert by_id["silent"]["error"] == "no answer in 1 s"
@@ -138,11 +150,12 @@ def test_one_document_per_cache_period(two_nodes: Fleet) -> None:
     doc = msgspec.json.decode(first, type=FleetDocument)
     assert doc.cache_s == 1.0
 
-    def fresh() -> bool:
-        now = msgspec.json.decode(fl.get("/ui/fleet.json").content, type=FleetDocument)
-        return now.generated_at > doc.generated_at
-
-    wait_until(fresh, 5, "a fresh document after the cache period")
+    wait_until(
+        lambda: msgspec.json.decode(fl.get("/ui/fleet.json").content, type=FleetDocument),
+        lambda now: now.generated_at > doc.generated_at,
+        what="a fresh document after the cache period",
+        timeout=5,
+    )
 
 
 def msgspec_doc(fl: Fleet) -> FleetDocument:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,9 +18,10 @@ import httpx
 import pytest
 
 from kvatlas.wire.fleet_view import STATUS_URL_KEY
+from support.wait import wait_until
 
 from .browser import Page, chromium_page
-from .fleet import fleet, store_and_share, wait_until
+from .fleet import fleet, store_and_share
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -37,7 +37,7 @@ def rate(page: Page, chart: str) -> float:
 def wait_js(page: Page, expression: str, what: str) -> None:
     """Until ``expression`` is true in the page. Polled from here: Playwright's own
     wait_for_function evaluates strings with eval, which the page's CSP forbids."""
-    wait_until(lambda: page.evaluate(expression), WAIT_MS / 1000, what)
+    wait_until(lambda: page.evaluate(expression), what=what, timeout=WAIT_MS / 1000)
 
 
 def rows(page: Page) -> int:
@@ -97,7 +97,9 @@ def test_fleet_page_in_chromium(tmp_path: Path) -> None:
 
             # The table filters and sorts.
             page.fill("#filter", "node-b")
-            wait_until(lambda: rows(page) == 1, 5, "the filter leaves node-b")
+            wait_until(
+                lambda: rows(page), lambda n: n == 1, what="the filter leaves node-b", timeout=5
+            )
             page.fill("#filter", "")
             page.click('#members th[data-sort="instance"]')  # ascending was the default
             page.wait_for_selector('#members th.sorted-desc[data-sort="instance"]')
@@ -114,8 +116,7 @@ def test_fleet_page_in_chromium(tmp_path: Path) -> None:
             # A server killed without a word: stale, then gone from the page.
             reader.close()
             b.clients.clear()
-            os.kill(b.pid, signal.SIGKILL)
-            b.proc.wait(10)
+            b.kill()
             page.wait_for_selector(
                 '#members tr[data-instance="node-b"][data-state="stale"]', timeout=WAIT_MS
             )
@@ -189,16 +190,30 @@ def test_hundred_members_sort_and_filter(tmp_path: Path) -> None:
             }
             r = httpx.post(fl.url + "/instances", json=body, timeout=5)
             assert r.status_code == 200, r.text
-        wait_until(lambda: len(fl.fleet_json()["members"]) == 100, 10, "100 members listed")
+        wait_until(
+            lambda: len(fl.fleet_json()["members"]),
+            lambda n: n == 100,
+            what="100 members listed",
+            timeout=10,
+        )
         with chromium_page(tmp_path / "profile") as page:
             page.goto(fl.url + "/ui")
-            wait_until(lambda: rows(page) == 100, WAIT_MS / 1000, "100 rows")
+            wait_until(
+                lambda: rows(page), lambda n: n == 100, what="100 rows", timeout=WAIT_MS / 1000
+            )
             assert "showing 100 of 100" in page.inner_text("#members-count")
             page.fill("#filter", "node-00")
-            wait_until(lambda: rows(page) == 10, 5, "the filter leaves node-000..node-009")
+            wait_until(
+                lambda: rows(page),
+                lambda n: n == 10,
+                what="the filter leaves node-000..node-009",
+                timeout=5,
+            )
             page.fill("#filter", "")
             page.check("#problems")
-            wait_until(lambda: rows(page) == 1, 5, "one member with problems")
+            wait_until(
+                lambda: rows(page), lambda n: n == 1, what="one member with problems", timeout=5
+            )
             assert page.get_attribute("#members tbody tr", "data-instance") == "node-007"
             page.uncheck("#problems")
             page.click('#members th[data-sort="l1"]')

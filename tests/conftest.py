@@ -1,0 +1,61 @@
+"""Fixtures and hooks every test suite shares.
+
+pytest imports this file first (the rootdir's conftest: tests/ has no ``__init__.py``) and
+puts tests/ on sys.path, so ``support`` and each suite's helpers import by name from any
+test, however pytest is started (``make check`` runs ``python -m pytest -q`` at the repo
+root). A failed test's report carries the log tails of the processes it launched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterator
+from typing import Any
+
+import pytest
+
+from support import launch
+from support.coordinator import RunningCoordinator
+from support.kafka import KafkaBroker
+
+_FIRST_LAUNCHED = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_FIRST_LAUNCHED] = len(launch.LAUNCHED)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        first = item.stash.get(_FIRST_LAUNCHED, len(launch.LAUNCHED))
+        for proc in launch.LAUNCHED[first:]:
+            report.sections.append((f"log of {proc.name} (pid {proc.pid})", proc.tail()))
+
+
+@pytest.fixture
+def start_coordinator() -> Iterator[Callable[..., RunningCoordinator]]:
+    """Start real coordinators in this process (``CoordinatorConfig`` fields as keywords,
+    on ``support.coordinator.BASE``); every one still running is stopped at the end."""
+    running: list[RunningCoordinator] = []
+
+    def start(**overrides: Any) -> RunningCoordinator:
+        rc = RunningCoordinator.start(**overrides)
+        running.append(rc)
+        return rc
+
+    yield start
+    for rc in running:
+        if rc.running:
+            rc.stop()
+
+
+@pytest.fixture(scope="session")
+def kafka_broker() -> Iterator[KafkaBroker]:
+    """One tansu broker for the session (tests create their own topics)."""
+    with KafkaBroker.start() as broker:
+        yield broker
