@@ -1,190 +1,52 @@
-"""Registrar, event publisher and HTTP sink against a real HTTP coordinator on loopback.
+"""Registrar, event publisher and HTTP sink against the real coordinator on loopback.
 
-The coordinator here is a small starlette app over the real core ``FleetState`` (the
-same gate and directory the coordinator process uses), served by uvicorn on 127.0.0.1;
-it can be stopped and restarted on the same port, with or without its snapshot.
+The coordinator is `kvatlas.coordinator.app.Coordinator` served from a thread of this
+process (``support.coordinator``); it is stopped and started again on the same port, from
+the snapshot its clean stop wrote or from nothing. Tests observe it through its HTTP API
+(``/instances``, ``/directory/lookup``, ``/directory/stats``) and, where they look at what
+a sink put on the wire, through a recording tap in front of it (``support.tap``).
 """
 
 from __future__ import annotations
 
 import itertools
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-import msgspec
 import pytest
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
-from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import Entry
-from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import HashContract, Namespace, ObjectKey, chunk_hashes, object_keys
-from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.types import EventType, Tier
 from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.server.incarnation import next_incarnation
 from kvatlas.server.publisher import EventPublisher
 from kvatlas.server.registrar import Identity, Registrar, RegistrationState
 from kvatlas.server.sinks import HttpSink
-from kvatlas.wire.http_api import (
-    EventsResponse,
-    RegisterRequest,
-    RegisterResponse,
-    decode_events,
-)
+from kvatlas.wire.http_api import decode_events
+from support.coordinator import RunningCoordinator
+from support.launch import launch
+from support.tap import HttpTap
+from support.wait import wait_until
 
 NS = Namespace("m", 16777472)
 
-
-class StandInCoordinator:
-    """The coordinator's HTTP membership and events endpoints over a real FleetState."""
-
-    def __init__(self, port: int = 0, token: str | None = None) -> None:
-        self.state = FleetState(instance_timeout=30.0)
-        self.lock = threading.Lock()
-        self.token = token
-        self.gaps = 0
-        self.requests = 0
-        self.block_forms: list[bool] = []
-        """Per batch received, whether it came in the key block form."""
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-        self.port = port
-
-    # ---- endpoints
-    def _authorized(self, request: Request) -> bool:
-        return self.token is None or request.headers.get("authorization") == (
-            f"Bearer {self.token}"
-        )
-
-    async def register(self, request: Request) -> Response:
-        if not self._authorized(request):
-            return JSONResponse({"error": "unauthorized"}, 401)
-        req = msgspec.json.decode(await request.body(), type=RegisterRequest)
-        info = InstanceInfo(
-            instance_id=req.instance_id,
-            ip=req.ip,
-            http_port=req.http_port,
-            metadata=req.metadata,
-            mq_port=req.mq_port or 0,
-            incarnation=req.incarnation or 0,
-            contract=req.contract.to_core() if req.contract else None,
-        )
-        with self.lock:
-            try:
-                outcome, _ = self.state.register(info, time.time())
-            except InvalidInput as exc:
-                return JSONResponse({"error": str(exc)}, 409)
-        body = RegisterResponse(outcome.instance_id, outcome.re_registered, info.incarnation)
-        return Response(msgspec.json.encode(body), media_type="application/json")
-
-    async def heartbeat(self, request: Request) -> Response:
-        with self.lock:
-            ok = self.state.heartbeat(request.path_params["iid"], time.time())
-        if not ok:
-            return JSONResponse({"error": "unknown instance"}, 404)
-        return JSONResponse({"instance_id": request.path_params["iid"]})
-
-    async def deregister(self, request: Request) -> Response:
-        with self.lock:
-            self.state.deregister(request.path_params["iid"])
-        return JSONResponse({})
-
-    async def events(self, request: Request) -> Response:
-        if not self._authorized(request):
-            return JSONResponse({"error": "unauthorized"}, 401)
-        self.requests += 1
-        batches = decode_events(await request.body(), request.headers.get("content-type", ""), 4096)
-        counts = {"apply": 0, "duplicate": 0, "stale": 0}
-        gaps = provisional = 0
-        with self.lock:
-            for b in batches:
-                self.block_forms.append(b.block is not None and not b.entries)
-                out = self.state.ingest(b, time.time())
-                counts[out.verdict.value] += 1
-                gaps += 1 if out.gap else 0
-                provisional += out.provisional
-            self.gaps += gaps
-        resp = EventsResponse(
-            counts["apply"], counts["duplicate"], counts["stale"], gaps, 0, provisional
-        )
-        return Response(msgspec.json.encode(resp), media_type="application/json")
-
-    # ---- lifecycle
-    def start(self) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", self.port))
-        self.port = sock.getsockname()[1]
-        app = Starlette(
-            routes=[
-                Route("/instances", self.register, methods=["POST"]),
-                Route("/instances/{iid}/heartbeat", self.heartbeat, methods=["PUT"]),
-                Route("/instances/{iid}", self.deregister, methods=["DELETE"]),
-                Route("/events", self.events, methods=["POST"]),
-            ]
-        )
-        config = uvicorn.Config(app, log_level="warning", lifespan="off")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [sock]}, daemon=True
-        )
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            assert time.monotonic() < deadline, "stand-in coordinator did not start"
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        assert self._server is not None and self._thread is not None
-        self._server.should_exit = True
-        self._thread.join(10)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def restart(self, keep_state: bool) -> None:
-        """Start again on the same port, from a snapshot of the state or from nothing."""
-        if keep_state:
-            self.state, _ = FleetState.restore(self.state.snapshot(), now=time.time())
-        else:
-            self.state = FleetState(instance_timeout=30.0)
-        self.start()
-
-    def held_keys(self, iid: str, tier: Tier = Tier.L1) -> set[bytes]:
-        with self.lock:
-            out: set[bytes] = set()
-            for key in self._known:
-                for res in self.state.lookup_keys([key]):
-                    if any(p.instance_id == iid and p.tier == tier for p in res.placements):
-                        out.add(key.chunk_hash)
-            return out
-
-    _known: list[ObjectKey] = []
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
+Start = Callable[..., RunningCoordinator]
 
 
 @pytest.fixture
-def coordinator() -> Iterator[StandInCoordinator]:
-    c = StandInCoordinator()
-    c.start()
-    yield c
-    if c._server is not None and not c._server.should_exit:
-        c.stop()
+def coordinator(start_coordinator: Start, tmp_path: Path) -> RunningCoordinator:
+    """A real coordinator whose clean stop writes a snapshot (see ``restart``)."""
+    return start_coordinator(snapshot_path=str(tmp_path / "coordinator.snap"))
+
+
+def restart(start: Start, c: RunningCoordinator, keep_state: bool) -> RunningCoordinator:
+    """A stopped coordinator started again on its port: from the snapshot its clean stop
+    wrote, or from nothing (it lost its state)."""
+    assert not c.running
+    return start(port=c.port, snapshot_path=c.config.snapshot_path if keep_state else "")
 
 
 _clients: list[CoordinatorClient] = []
@@ -197,11 +59,9 @@ def _close_clients() -> Iterator[None]:
         _clients.pop().close()
 
 
-def client_of(
-    c: StandInCoordinator, token: str | None = None, timeout_s: float = 2.0
-) -> CoordinatorClient:
-    """A client of ``c``, closed after the test."""
-    client = CoordinatorClient(c.url, auth_token=token, timeout_s=timeout_s)
+def client_of(url: str, token: str | None = None, timeout_s: float = 2.0) -> CoordinatorClient:
+    """A client of the coordinator at ``url``, closed after the test."""
+    client = CoordinatorClient(url, auth_token=token, timeout_s=timeout_s)
     _clients.append(client)
     return client
 
@@ -211,11 +71,27 @@ def keys(n: int, salt: int = 0) -> list[ObjectKey]:
     return object_keys(chunk_hashes(tokens, 4), NS)
 
 
-def held(c: StandInCoordinator, iid: str, ks: list[ObjectKey]) -> int:
-    with c.lock:
-        return sum(
-            1 for r in c.state.lookup_keys(ks) if any(p.instance_id == iid for p in r.placements)
-        )
+def lookup(c: RunningCoordinator, ks: list[ObjectKey]) -> list[list[dict[str, Any]]]:
+    """Per key, its placements as the coordinator lists them."""
+    body = {
+        "keys": [
+            {"chunk_hash_hex": k.chunk_hash.hex(), "model_name": k.model_name, "kv_rank": k.kv_rank}
+            for k in ks
+        ]
+    }
+    r = c.client.post("/directory/lookup", json=body)
+    assert r.status_code == 200, r.text
+    return [list(res["placements"]) for res in r.json()["results"]]
+
+
+def held(c: RunningCoordinator, iid: str, ks: list[ObjectKey]) -> int:
+    """How many of ``ks`` the directory lists at ``iid``."""
+    return sum(1 for ps in lookup(c, ks) if any(p["instance_id"] == iid for p in ps))
+
+
+def gaps(c: RunningCoordinator, iid: str) -> int:
+    """Seq gaps the coordinator's event gate counted for ``iid``."""
+    return sum(cur["gaps"] for cur in c.stats()["cursors"] if cur["instance_id"] == iid)
 
 
 # ---------------------------------------------------------------------------- incarnation
@@ -236,7 +112,6 @@ def test_incarnation_survives_a_clock_behind_the_file(tmp_path: Path) -> None:
 
 
 def test_incarnation_across_processes(tmp_path: Path) -> None:
-    import subprocess
     import sys
 
     code = (
@@ -244,14 +119,13 @@ def test_incarnation_across_processes(tmp_path: Path) -> None:
         "next_incarnation as n; print(*[n(Path(sys.argv[1]), 'x') for _ in range(50)])"
     )
     procs = [
-        subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE)
-        for _ in range(3)
+        launch([sys.executable, "-c", code, str(tmp_path)], name=f"incarnations-{i}", wait=False)
+        for i in range(3)
     ]
     seen: list[int] = []
     for p in procs:
-        out, _ = p.communicate(timeout=60)
-        assert p.returncode == 0
-        seen.extend(int(v) for v in out.split())
+        assert p.wait_exit(60) == 0, p.text()
+        seen.extend(int(v) for v in p.text().split())
     assert len(set(seen)) == len(seen) == 150
 
 
@@ -259,37 +133,41 @@ def test_incarnation_across_processes(tmp_path: Path) -> None:
 
 
 def make_registrar(
-    c: StandInCoordinator,
+    c: RunningCoordinator,
     incarnation: int = 1,
     on_resync: Callable[[], None] | None = None,
     token: str | None = None,
 ) -> Registrar:
     ident = Identity("node-a", incarnation, "127.0.0.1", http_port=7555, mq_port=6555)
-    return Registrar(client_of(c, token), ident, heartbeat_interval_s=0.1, on_resync=on_resync)
+    return Registrar(client_of(c.url, token), ident, heartbeat_interval_s=0.1, on_resync=on_resync)
 
 
-def test_registrar_registers_heartbeats_and_deregisters(coordinator: StandInCoordinator) -> None:
+def wait_state(reg: Registrar, state: RegistrationState) -> None:
+    wait_until(lambda: reg.state, lambda s: s is state, what=f"the registrar {state.value}")
+
+
+def test_registrar_registers_heartbeats_and_deregisters(coordinator: RunningCoordinator) -> None:
     reg = make_registrar(coordinator)
     reg.start()
-    wait_for(lambda: reg.stats().heartbeats >= 3)
+    wait_until(lambda: reg.stats().heartbeats, lambda n: n >= 3, what="three heartbeats")
     assert reg.state is RegistrationState.REGISTERED
-    with coordinator.lock:
-        assert [i.instance_id for i in coordinator.state.instances()] == ["node-a"]
+    assert coordinator.instance_ids() == ["node-a"]
     reg.stop()
-    with coordinator.lock:
-        assert coordinator.state.instances() == []
+    assert coordinator.instance_ids() == []
 
 
-def test_registrar_reregisters_on_404_and_resyncs(coordinator: StandInCoordinator) -> None:
+def test_registrar_reregisters_on_404_and_resyncs(
+    coordinator: RunningCoordinator, start_coordinator: Start
+) -> None:
     resyncs: list[float] = []
     reg = make_registrar(coordinator, on_resync=lambda: resyncs.append(time.time()))
     reg.start()
-    wait_for(lambda: reg.state is RegistrationState.REGISTERED)
+    wait_state(reg, RegistrationState.REGISTERED)
     assert resyncs == []
     coordinator.stop()
-    wait_for(lambda: reg.state is RegistrationState.DISCONNECTED)
-    coordinator.restart(keep_state=False)  # lost its state: heartbeat answers 404
-    wait_for(lambda: len(resyncs) == 1)
+    wait_state(reg, RegistrationState.DISCONNECTED)
+    restart(start_coordinator, coordinator, keep_state=False)  # heartbeat answers 404
+    wait_until(lambda: len(resyncs), lambda n: n == 1, what="one resync")
     assert reg.state is RegistrationState.REGISTERED
     s = reg.stats()
     assert s.reregistrations_after_404 == 1 and s.resyncs == 1
@@ -297,26 +175,31 @@ def test_registrar_reregisters_on_404_and_resyncs(coordinator: StandInCoordinato
 
 
 def test_registrar_keeps_state_when_coordinator_restarts_with_snapshot(
-    coordinator: StandInCoordinator,
+    coordinator: RunningCoordinator, start_coordinator: Start
 ) -> None:
     resyncs: list[float] = []
     reg = make_registrar(coordinator, on_resync=lambda: resyncs.append(time.time()))
     reg.start()
-    wait_for(lambda: reg.state is RegistrationState.REGISTERED)
+    wait_state(reg, RegistrationState.REGISTERED)
     coordinator.stop()
-    wait_for(lambda: reg.state is RegistrationState.DISCONNECTED)
-    coordinator.restart(keep_state=True)
-    wait_for(lambda: reg.state is RegistrationState.REGISTERED)
-    time.sleep(0.3)
+    wait_state(reg, RegistrationState.DISCONNECTED)
+    restart(start_coordinator, coordinator, keep_state=True)
+    wait_state(reg, RegistrationState.REGISTERED)
+    beats = reg.stats().heartbeats
+    wait_until(
+        lambda: reg.stats().heartbeats,
+        lambda n: n >= beats + 3,
+        what="three heartbeats accepted by the restarted coordinator",
+    )
     assert resyncs == [] and reg.stats().reregistrations_after_404 == 0
     reg.stop()
 
 
 def test_registrar_declares_contracts_and_reports_a_mismatch(
-    coordinator: StandInCoordinator,
+    coordinator: RunningCoordinator,
 ) -> None:
     other = Identity("node-b", 1, "127.0.0.1", http_port=7556, mq_port=6556)
-    reg_b = Registrar(client_of(coordinator, timeout_s=5.0), other, heartbeat_interval_s=0.1)
+    reg_b = Registrar(client_of(coordinator.url, timeout_s=5.0), other, heartbeat_interval_s=0.1)
     assert reg_b.declare_contract(HashContract("llama", kv_dtype="float16")) is None
     reg = make_registrar(coordinator)
     reg.start()
@@ -328,40 +211,36 @@ def test_registrar_declares_contracts_and_reports_a_mismatch(
     reg_b.stop()
 
 
-def test_registrar_sends_the_bearer_token() -> None:
-    c = StandInCoordinator(token="s3cret")
-    c.start()
-    try:
-        bad = make_registrar(c)
-        bad.tick()
-        assert bad.state is RegistrationState.UNREGISTERED
-        assert "401" in bad.stats().last_error
-        good = make_registrar(c, token="s3cret")
-        good.tick()
-        assert good.state is RegistrationState.REGISTERED
-        bad.stop(deregister=False)
-        good.stop()
-    finally:
-        c.stop()
+def test_registrar_sends_the_bearer_token(start_coordinator: Start) -> None:
+    c = start_coordinator(auth_token="s3cret")
+    bad = make_registrar(c)
+    bad.tick()
+    assert bad.state is RegistrationState.UNREGISTERED
+    assert "401" in bad.stats().last_error
+    good = make_registrar(c, token="s3cret")
+    good.tick()
+    assert good.state is RegistrationState.REGISTERED
+    bad.stop(deregister=False)
+    good.stop()
 
 
 # ------------------------------------------------------------------------------ publisher
 
 
-def register_once(c: StandInCoordinator) -> None:
+def register_once(c: RunningCoordinator) -> None:
     reg = make_registrar(c)
     reg.tick()
     reg.stop(deregister=False)
 
 
 def make_publisher(
-    c: StandInCoordinator,
+    url: str,
     incarnation: int = 1,
     buffer_batches: int = 1000,
     fmt: str = "msgpack",
     on_loss: Callable[[], None] | None = None,
 ) -> EventPublisher:
-    sink = HttpSink(client_of(c), fmt="json" if fmt == "json" else "msgpack")
+    sink = HttpSink(client_of(url), fmt="json" if fmt == "json" else "msgpack")
     return EventPublisher(
         sink,
         "node-a",
@@ -374,61 +253,76 @@ def make_publisher(
 
 
 @pytest.mark.parametrize("fmt", ["msgpack", "json"])
-def test_publisher_delivers_in_order_in_batches(coordinator: StandInCoordinator, fmt: str) -> None:
+def test_publisher_delivers_in_order_in_batches(coordinator: RunningCoordinator, fmt: str) -> None:
     register_once(coordinator)
-    pub = make_publisher(coordinator, fmt=fmt)
-    pub.start()
-    ks = keys(100)
-    pub.publish(EventType.STORE, Tier.L1, [Entry(k, 10) for k in ks])
-    pub.publish(EventType.DELETE, Tier.L1, [Entry(k, 10) for k in ks[:10]])
-    pub.publish(EventType.STORE, Tier.L2, [Entry(k, 10) for k in ks[:10]])
-    wait_for(lambda: pub.stats().sent_entries == 120)
-    assert held(coordinator, "node-a", ks) == 100
-    with coordinator.lock:
-        res = coordinator.state.lookup_keys(ks[:10])
-    assert all([p.tier for p in r.placements] == [Tier.L2] for r in res)
-    s = pub.stats()
-    assert s.sent_batches == 7 + 1 + 1 and s.last_seq == 9 and s.dropped_batches == 0
-    assert coordinator.gaps == 0
-    # msgpack bodies carry every batch as a key block; JSON has no such form
-    assert coordinator.block_forms == [fmt == "msgpack"] * 9
-    pub.stop()
+    with HttpTap(coordinator.port) as tap:
+        pub = make_publisher(tap.url, fmt=fmt)
+        pub.start()
+        ks = keys(100)
+        pub.publish(EventType.STORE, Tier.L1, [Entry(k, 10) for k in ks])
+        pub.publish(EventType.DELETE, Tier.L1, [Entry(k, 10) for k in ks[:10]])
+        pub.publish(EventType.STORE, Tier.L2, [Entry(k, 10) for k in ks[:10]])
+        wait_until(lambda: pub.stats().sent_entries, lambda n: n == 120, what="120 events sent")
+        assert held(coordinator, "node-a", ks) == 100
+        assert all(
+            [p["tier"] for p in ps] == [Tier.L2.value] for ps in lookup(coordinator, ks[:10])
+        )
+        s = pub.stats()
+        assert s.sent_batches == 7 + 1 + 1 and s.last_seq == 9 and s.dropped_batches == 0
+        assert gaps(coordinator, "node-a") == 0
+        # msgpack bodies carry every batch as a key block; JSON has no such form
+        sent = [
+            b
+            for r in tap.requests
+            if r.target == "/events"
+            for b in decode_events(r.body, r.headers["content-type"], 4096)
+        ]
+        assert [b.block is not None and not b.entries for b in sent] == [fmt == "msgpack"] * 9
+        pub.stop()
 
 
-def test_outage_shorter_than_the_buffer_loses_nothing(coordinator: StandInCoordinator) -> None:
+def test_outage_shorter_than_the_buffer_loses_nothing(
+    coordinator: RunningCoordinator, start_coordinator: Start
+) -> None:
     register_once(coordinator)
-    pub = make_publisher(coordinator)
+    pub = make_publisher(coordinator.url)
     pub.start()
     first, during = keys(20, salt=1), keys(50, salt=2)
     pub.publish(EventType.STORE, Tier.L1, [Entry(k, 1) for k in first])
-    wait_for(lambda: pub.stats().sent_entries == 20)
+    wait_until(lambda: pub.stats().sent_entries, lambda n: n == 20, what="20 events sent")
     coordinator.stop()
-    for k in during:
-        pub.publish(EventType.STORE, Tier.L1, [Entry(k, 1)])
-        time.sleep(0.005)
-    wait_for(lambda: pub.stats().failed_sends >= 3)
+    for start in range(0, len(during), 10):  # five flushes' worth, each cut into batches
+        for k in during[start : start + 10]:
+            pub.publish(EventType.STORE, Tier.L1, [Entry(k, 1)])
+        wait_until(
+            lambda: pub.stats().pending_entries, lambda n: n == 0, what="the flush to cut them"
+        )
+    wait_until(lambda: pub.stats().failed_sends, lambda n: n >= 3, what="three failed sends")
     assert pub.stats().buffered_batches > 0 and pub.stats().last_error
-    coordinator.restart(keep_state=True)
-    wait_for(lambda: pub.stats().buffered_batches == 0)
+    coordinator = restart(start_coordinator, coordinator, keep_state=True)
+    wait_until(lambda: pub.stats().buffered_batches, lambda n: n == 0, what="the buffer to drain")
     assert held(coordinator, "node-a", first + during) == 70
-    assert coordinator.gaps == 0
+    assert gaps(coordinator, "node-a") == 0
     s = pub.stats()
     assert s.retried_batches > 0 and s.dropped_batches == 0 and s.last_error == ""
     pub.stop()
 
 
-def test_overflow_is_counted_and_triggers_a_resync(coordinator: StandInCoordinator) -> None:
+def test_overflow_is_counted_and_triggers_a_resync(
+    coordinator: RunningCoordinator, start_coordinator: Start
+) -> None:
     register_once(coordinator)
     recovered: list[int] = []
-    pub = make_publisher(coordinator, buffer_batches=3, on_loss=lambda: recovered.append(1))
+    pub = make_publisher(coordinator.url, buffer_batches=3, on_loss=lambda: recovered.append(1))
     coordinator.stop()
     for salt in range(6):
         pub.publish(EventType.STORE, Tier.L1, [Entry(k, 1) for k in keys(16, salt=salt)])
         assert pub.flush() is False
     s = pub.stats()
     assert s.dropped_batches == 3 and s.dropped_entries == 48 and s.buffered_batches == 3
-    coordinator.restart(keep_state=True)
+    coordinator = restart(start_coordinator, coordinator, keep_state=True)
     assert pub.flush() is True
     assert recovered == [1]
-    assert coordinator.gaps == 1  # the dropped seqs: visible at the coordinator, then resynced
+    # the dropped seqs: visible at the coordinator, then resynced
+    assert gaps(coordinator, "node-a") == 1
     pub.stop()
