@@ -4,6 +4,7 @@ directory; restarts resume from the offsets stored with the snapshot."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -299,6 +300,14 @@ def snapshot_positions(path: Path) -> dict[str, int]:
     return positions
 
 
+_RECORDS = re.compile(r"^kvatlas_coordinator_kafka_records_total\{.*\} (\S+)$", re.M)
+
+
+def records_consumed(client: httpx.Client) -> int:
+    """Kafka records this coordinator process consumed since it started, of any kind."""
+    return int(sum(float(v) for v in _RECORDS.findall(client.get("/metrics").text)))
+
+
 @pytest.mark.slow
 def test_kill_9_replica_restores_and_replays_to_the_same_digest(
     kafka_broker: Any, topic: str, producer: Any, start_coordinator: Start, tmp_path: Path
@@ -335,8 +344,17 @@ def test_kill_9_replica_restores_and_replays_to_the_same_digest(
         p.kill()
         client.close()
     publish(producer, topic, [batch("node-a", 13, [fake_hash(i, 13) for i in range(50)])])
+    restored = snapshot_positions(snap)
+    # the snapshot holds at least the registration and the first ten batches
+    assert all(restored[k] >= v for k, v in consumed.items()) and sum(consumed.values()) >= 11
     with start_coordinator_process(*args, log=tmp_path / "p2.log") as p2:
         p2.wait_http("/readyz")
         client = httpx.Client(base_url=p2.url, timeout=30)
         converge(client, b.client, keys=650)
+        end = stats(client)["kafka_positions"]
+        # It started from its snapshot: it consumed only the records after the stored
+        # positions (a full replay reaches the same digest, but reads all of them).
+        after_snapshot = sum(end[k] - restored.get(k, 0) for k in end)
+        assert records_consumed(client) == after_snapshot < sum(end.values())
         client.close()
+    assert "Restored snapshot" in p2.text()
