@@ -10,7 +10,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 import httpx
@@ -357,11 +357,8 @@ def _trickle(s: socket.socket, data: bytes, every_s: float, limit_s: float = 5.0
     return time.monotonic() - t0
 
 
-def _wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
+def _open_connections(served: Served) -> int:
+    return len(served.server.connections)
 
 
 def test_headers_trickled_byte_by_byte_get_408() -> None:
@@ -422,7 +419,7 @@ def test_a_body_at_the_minimum_rate_is_served() -> None:
         s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
         t0 = time.monotonic()
         for _ in range(10):  # 100 bytes every 0.05 s: 2000 bytes/s
-            time.sleep(0.05)
+            time.sleep(0.05)  # the pace under test, not synchronisation
             s.sendall(b"y" * 100)
         assert _read_response(s.makefile("rb"))[::2] == (200, b"y" * 1000)
         assert time.monotonic() - t0 > 0.3  # past the grace, the rate held it open
@@ -450,7 +447,10 @@ def test_connections_over_the_cap_get_503_and_the_next_one_after_a_close_is_serv
         assert f.read() == b""
         silent.close()
         held.pop().close()
-        _wait_for(lambda: len(served.server.connections) < 2)
+        wait_until(
+            lambda: _open_connections(served), lambda n: n < 2, what="the closed one let go",
+            timeout=5, every=0.01,
+        )  # fmt: skip
         with httpx.Client(base_url=f"http://127.0.0.1:{served.port}") as c:
             assert c.get("/items/c").status_code == 200
         for s in held:
@@ -467,9 +467,15 @@ def test_a_client_that_does_not_read_its_last_answer_is_reset_after_the_linger()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         s.connect(("127.0.0.1", served.port))
         s.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        _wait_for(lambda: len(served.server.connections) == 1)
+        wait_until(
+            lambda: _open_connections(served), lambda n: n == 1, what="the connection open",
+            timeout=5, every=0.01,
+        )  # fmt: skip
         t0 = time.monotonic()
-        _wait_for(lambda: not served.server.connections, timeout=LINGER_S + 5)
+        wait_until(
+            lambda: _open_connections(served), lambda n: n == 0, what="the connection reset",
+            timeout=LINGER_S + 5, every=0.01,
+        )  # fmt: skip
         assert time.monotonic() - t0 > LINGER_S / 2
         s.close()
     finally:
