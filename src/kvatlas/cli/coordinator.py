@@ -1,6 +1,7 @@
 """`kvatlas coordinator`: flags and environment -> CoordinatorConfig -> run.
 
-The one place that reads the coordinator's flags and environment (`KVATLAS_AUTH_TOKEN`).
+The one place that reads the coordinator's flags and environment (`KVATLAS_AUTH_TOKEN`,
+through `cli.auth_flags`).
 Must not contain coordinator logic: validation lives in the config, wiring in
 `kvatlas.coordinator.app`.
 """
@@ -12,6 +13,7 @@ import logging
 import os
 import sys
 
+from kvatlas.cli.auth_flags import add_token_flags, read_token
 from kvatlas.coordinator.app import Coordinator
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.core.errors import ConfigError
@@ -80,11 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=_D.snapshot_interval,
         help="seconds between snapshots, 0 = only at shutdown (default %(default)s)",
     )
-    a(
-        "--auth-token",
-        default=None,
-        help="shared bearer token (default: $KVATLAS_AUTH_TOKEN, else no auth)",
-    )
+    add_token_flags(p, "the shared bearer token (no token: no auth)")
     a(
         "--max-body-bytes",
         type=int,
@@ -122,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(argv: list[str] | None, environ: dict[str, str]) -> CoordinatorConfig:
     ns = build_parser().parse_args(argv)
-    token = ns.auth_token if ns.auth_token is not None else environ.get("KVATLAS_AUTH_TOKEN", "")
+    token = read_token(ns, environ)
     return CoordinatorConfig(
         host=ns.host,
         port=ns.port,
@@ -148,7 +146,11 @@ def config_from_args(argv: list[str] | None, environ: dict[str, str]) -> Coordin
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = config_from_args(argv, dict(os.environ))
+    try:
+        config = config_from_args(argv, dict(os.environ))
+    except ConfigError as exc:
+        print(f"kvatlas coordinator: {exc}", file=sys.stderr)
+        return 2
     level = logging.getLevelName(config.log_level)
     if not isinstance(level, int):
         print(

@@ -17,8 +17,9 @@ import os
 import sys
 from pathlib import Path
 
+from kvatlas.cli.auth_flags import add_token_flags, read_token
 from kvatlas.connector.kv_connector import ContractRejected
-from kvatlas.core.errors import KvatlasError
+from kvatlas.core.errors import ConfigError, KvatlasError
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
 from kvatlas.engine.config import (
     LOAD_FAILURE_POLICIES,
@@ -81,11 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--default-max-tokens", type=int, default=256, help="completion tokens if none asked"
     )
     ap.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument(
-        "--auth-token",
-        default=None,
-        help="the cache server's shared token (default: $KVATLAS_AUTH_TOKEN)",
-    )
+    add_token_flags(ap, "the cache server's shared token")
     ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     return ap
 
@@ -100,7 +97,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             timeout_s=args.cache_timeout,
             reconnect_interval_s=args.cache_reconnect_interval,
             verify_checksums=not args.no_verify_checksums,
-            auth_token=args.auth_token or os.environ.get("KVATLAS_AUTH_TOKEN") or None,
+            auth_token=read_token(args, os.environ) or None,
         )
     config = EngineConfig(
         model=args.model,
@@ -129,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
-    except EngineConfigError as exc:
+    except (EngineConfigError, ConfigError) as exc:
         print(f"kvatlas engine: {exc}", file=sys.stderr)
         return 2
     try:

@@ -17,6 +17,7 @@ import socket
 import sys
 from pathlib import Path
 
+from kvatlas.cli.auth_flags import add_token_flags, read_token
 from kvatlas.core.errors import ConfigError, KvatlasError
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
 from kvatlas.server.app import CacheServer
@@ -34,8 +35,6 @@ from kvatlas.server.config import (
 from kvatlas.transfer.config import MooncakeConfig
 from kvatlas.transfer.factory import TRANSPORTS
 from kvatlas.wire.kafka_records import DEFAULT_PARTITIONER, DEFAULT_TOPIC
-
-AUTH_TOKEN_ENV = "KVATLAS_AUTH_TOKEN"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--coordinator-advertise-ip", default="127.0.0.1", help="IP to advertise")
     ap.add_argument("--coordinator-heartbeat-interval", type=float, default=5.0)
     ap.add_argument("--coordinator-timeout", type=float, default=5.0)
-    ap.add_argument(
-        "--auth-token", default=None, help=f"bearer token for the coordinator (or {AUTH_TOKEN_ENV})"
+    add_token_flags(
+        ap,
+        "the fleet's shared token (sent to the coordinator, asked of engines, peers and /status)",
     )
     ap.add_argument("--event-transport", default="http", help="http or kafka")
     ap.add_argument("--event-format", default="msgpack", help="POST /events body: msgpack|json")
@@ -138,7 +138,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
     """Flags + environment -> ServerConfig (validated; ConfigError names the flags)."""
     if args.l2_size_gb is not None and args.l2_path is None:
         raise ConfigError("--l2-size-gb needs --l2-path (where the L2 files live)")
-    token = args.auth_token or env.get(AUTH_TOKEN_ENV) or None
+    token = read_token(args, env) or None
     config = ServerConfig(
         instance_id=args.instance_id or f"{socket.gethostname()}-{args.port}",
         host=args.host,

@@ -1,0 +1,73 @@
+"""The shared token comes from a file, the environment or a flag, the same way for the
+coordinator, the server and the engine; the help prefers what does not show in `ps`
+(issue #14, item 9)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+
+import pytest
+
+from kvatlas.cli import coordinator, server
+from kvatlas.cli.auth_flags import add_token_flags, read_token
+from kvatlas.core.errors import ConfigError
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_token_flags(p, "the token")
+    return p.parse_args(argv)
+
+
+def test_file_then_flag_then_environment(tmp_path: Path) -> None:
+    f = tmp_path / "token"
+    f.write_text("s3cret-é\n")
+    env = {"KVATLAS_AUTH_TOKEN": "from-env"}
+    assert read_token(_args("--auth-token-file", str(f)), env) == "s3cret-é"
+    assert read_token(_args("--auth-token", "from-flag"), env) == "from-flag"
+    assert read_token(_args(), env) == "from-env"
+    assert read_token(_args(), {}) == ""
+
+
+@pytest.mark.parametrize(
+    ("content", "argv", "reason"),
+    [
+        ("\n", (), "is empty"),
+        (None, (), "cannot be read"),
+        ("t", ("--auth-token", "x"), "not both"),
+    ],
+)
+def test_refusals_name_the_flag(
+    tmp_path: Path, content: str | None, argv: tuple[str, ...], reason: str
+) -> None:
+    f = tmp_path / "token"
+    if content is not None:
+        f.write_text(content)
+    with pytest.raises(ConfigError, match=reason):
+        read_token(_args("--auth-token-file", str(f), *argv), {})
+
+
+def test_coordinator_and_server_read_the_file(tmp_path: Path) -> None:
+    f = tmp_path / "token"
+    f.write_text("tok\n")
+    c = coordinator.config_from_args(["--auth-token-file", str(f)], {})
+    assert c.auth_token == "tok"
+    args = server.build_parser().parse_args(["--auth-token-file", str(f)])
+    assert server.config_from_args(args, {}).coordinator.auth_token == "tok"
+
+
+@pytest.mark.parametrize("command", ["coordinator", "server", "engine"])
+def test_help_prefers_the_file_and_the_environment(command: str) -> None:
+    module = importlib.import_module(f"kvatlas.cli.{command}")
+    text = " ".join(module.build_parser().format_help().split())
+    assert "--auth-token-file" in text and "KVATLAS_AUTH_TOKEN" in text
+    assert "shows in ps" in text
+
+
+def test_coordinator_exits_2_naming_an_unreadable_token_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert coordinator.main(["--auth-token-file", str(tmp_path / "missing")]) == 2
+    assert "--auth-token-file" in capsys.readouterr().err
