@@ -20,6 +20,7 @@ from pathlib import Path
 from kvatlas.cli.auth_flags import add_token_flags, read_token
 from kvatlas.core.errors import ConfigError, KvatlasError
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
+from kvatlas.core.types import InstanceId
 from kvatlas.server.app import CacheServer
 from kvatlas.server.config import (
     GIB,
@@ -140,7 +141,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
         raise ConfigError("--l2-size-gb needs --l2-path (where the L2 files live)")
     token = read_token(args, env) or None
     config = ServerConfig(
-        instance_id=args.instance_id or f"{socket.gethostname()}-{args.port}",
+        instance_id=InstanceId(args.instance_id or f"{socket.gethostname()}-{args.port}"),
         host=args.host,
         port=args.port,
         http_port=args.http_port,

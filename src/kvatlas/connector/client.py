@@ -231,7 +231,7 @@ class CacheClient:
         self,
         tokens: Sequence[int] | npt.NDArray[np.integer] | None = None,
         *,
-        hashes: Sequence[bytes] | None = None,
+        hashes: Sequence[ChunkHash] | None = None,
         acquire: bool = False,
         lease_s: float = 0.0,
     ) -> LookupResult:
@@ -249,7 +249,7 @@ class CacheClient:
         return self._expect(req, LookupResult)
 
     def reserve(
-        self, hashes: Sequence[bytes], sizes: Sequence[int], lease_s: float = 0.0
+        self, hashes: Sequence[ChunkHash], sizes: Sequence[int], lease_s: float = 0.0
     ) -> list[SlotGrant]:
         return self._expect(
             Reserve(self._ns(), list(hashes), list(sizes), lease_s), ReserveResult
@@ -258,10 +258,10 @@ class CacheClient:
     def commit(self, items: Sequence[CommitItem]) -> list[bool]:
         return self._expect(Commit(self._ns(), list(items)), CommitResult).committed
 
-    def abort(self, hashes: Sequence[bytes]) -> int:
+    def abort(self, hashes: Sequence[ChunkHash]) -> int:
         return self._expect(Abort(self._ns(), list(hashes)), AbortResult).aborted
 
-    def acquire(self, hashes: Sequence[bytes], lease_s: float = 0.0) -> list[ChunkLoc | None]:
+    def acquire(self, hashes: Sequence[ChunkHash], lease_s: float = 0.0) -> list[ChunkLoc | None]:
         return self._expect(AcquireRead(self._ns(), list(hashes), lease_s), AcquireResult).chunks
 
     def release(self, lease_ids: Sequence[int]) -> int:
@@ -275,7 +275,7 @@ class CacheClient:
 
     @contextmanager
     def read_leases(
-        self, hashes: Sequence[bytes], lease_s: float = 0.0
+        self, hashes: Sequence[ChunkHash], lease_s: float = 0.0
     ) -> Iterator[list[ChunkLoc | None]]:
         """Read-lock ``hashes`` for the block; released on exit, also on error."""
         locs = self.acquire(hashes, lease_s)
@@ -328,14 +328,15 @@ class CacheClient:
         sources = [_bytes_of(a) for a in arrays]
         grants = self.reserve(hashes, [s.size for s in sources], lease_s)
         items: list[CommitItem] = []
+        # The server grants one slot per hash, in order: our hashes name them.
         try:
-            for grant, src in zip(grants, sources, strict=True):
+            for h, grant, src in zip(hashes, grants, sources, strict=True):
                 if grant.status != "reserved":
                     continue
                 dst = self.view(grant.offset, grant.size)
-                items.append(CommitItem(grant.hash, grant.lease_id, copy_and_checksum(src, dst)))
+                items.append(CommitItem(h, grant.lease_id, copy_and_checksum(src, dst)))
         except BaseException:
-            self.abort([g.hash for g in grants if g.status == "reserved"])
+            self.abort([h for h, g in zip(hashes, grants, strict=True) if g.status == "reserved"])
             raise
         done = self.commit(items) if items else []
         existing = sum(1 for g in grants if g.status == "exists")

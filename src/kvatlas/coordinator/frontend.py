@@ -16,6 +16,7 @@ from typing import Protocol
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.core.errors import KvatlasError
 from kvatlas.core.membership import InstanceInfo, RegisterOutcome
+from kvatlas.core.types import InstanceId
 
 
 class Unavailable(KvatlasError):
@@ -29,11 +30,11 @@ class MembershipFrontend(Protocol):
         """Raises InvalidInput (ContractMismatch, StaleIncarnation) when refused."""
         ...
 
-    async def heartbeat(self, instance_id: str) -> bool:
+    async def heartbeat(self, instance_id: InstanceId) -> bool:
         """False: unknown instance, which must re-register."""
         ...
 
-    async def deregister(self, instance_id: str) -> None: ...
+    async def deregister(self, instance_id: InstanceId) -> None: ...
 
     def sweep(self) -> None:
         """Expire silent instances (called every health-check interval, off the loop)."""
@@ -50,10 +51,10 @@ class LocalMembership:
     async def register(self, info: InstanceInfo) -> RegisterOutcome:
         return self._service.register(info, self._clock())
 
-    async def heartbeat(self, instance_id: str) -> bool:
+    async def heartbeat(self, instance_id: InstanceId) -> bool:
         return self._service.heartbeat(instance_id, self._clock())
 
-    async def deregister(self, instance_id: str) -> None:
+    async def deregister(self, instance_id: InstanceId) -> None:
         self._service.deregister(instance_id)
 
     def sweep(self) -> None:

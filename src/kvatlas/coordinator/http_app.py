@@ -35,7 +35,7 @@ from kvatlas.coordinator.views import holders_wire, keys_response, lookup_json
 from kvatlas.core.errors import ContractMismatch, InvalidInput, StaleIncarnation, TooLarge
 from kvatlas.core.keys import Namespace, default_kv_rank
 from kvatlas.core.membership import InstanceInfo, check_registration
-from kvatlas.core.types import MAX_INT64, Tier
+from kvatlas.core.types import MAX_INT64, Incarnation, InstanceId, Tier
 from kvatlas.runtime.http_server import HttpRequest, HttpResponse, HttpServer, Router, always
 from kvatlas.wire.coordinator_views import ReadyResponse
 from kvatlas.wire.http_api import (
@@ -173,7 +173,7 @@ class CoordinatorApp:
 
     async def register(self, request: HttpRequest) -> HttpResponse:
         req = _decode(_register_decoder, request.body)
-        iid = req.instance_id or f"instance-{uuid.uuid4().hex[:12]}"
+        iid = req.instance_id or InstanceId(f"instance-{uuid.uuid4().hex[:12]}")
         info = InstanceInfo(
             instance_id=iid,
             ip=req.ip,
@@ -181,7 +181,7 @@ class CoordinatorApp:
             metadata=dict(req.metadata),
             p2p_advertised_url=req.p2p_advertised_url or "",
             mq_port=req.mq_port or 0,
-            incarnation=req.incarnation or 0,
+            incarnation=req.incarnation or Incarnation(0),
             contract=req.contract.to_core() if req.contract is not None else None,
             incarnation_from_events=req.incarnation is None,
         )
@@ -190,13 +190,13 @@ class CoordinatorApp:
         return _json(RegisterResponse(iid, outcome.re_registered, outcome.incarnation))
 
     async def heartbeat(self, request: HttpRequest) -> HttpResponse:
-        iid = request.path_params["instance_id"]
+        iid = InstanceId(request.path_params["instance_id"])
         if not await self._members.heartbeat(iid):
             raise HttpError(404, f"unknown instance {iid}; re-register")
         return _json(HeartbeatResponse(iid))
 
     async def deregister(self, request: HttpRequest) -> HttpResponse:
-        await self._members.deregister(request.path_params["instance_id"])
+        await self._members.deregister(InstanceId(request.path_params["instance_id"]))
         return HttpResponse(204)
 
     def list_instances(self, request: HttpRequest) -> HttpResponse:
@@ -349,7 +349,16 @@ class CoordinatorApp:
                 tier = Tier(tier_name)
             except ValueError as exc:
                 raise HttpError(400, f"tier must be l1 or l2, got {tier_name!r}") from exc
-        return _json(self._svc.keys_page(offset, limit, tier, q.get("instance"), q.get("backend")))
+        instance = q.get("instance")
+        return _json(
+            self._svc.keys_page(
+                offset,
+                limit,
+                tier,
+                None if instance is None else InstanceId(instance),
+                q.get("backend"),
+            )
+        )
 
     def healthz(self, request: HttpRequest) -> HttpResponse:
         return _json({"status": "ok"})

@@ -41,6 +41,7 @@ from kvatlas.coordinator.frontend import Unavailable
 from kvatlas.coordinator.service import CoordinatorService, Position
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.membership import InstanceInfo, RegisterOutcome
+from kvatlas.core.types import InstanceId
 from kvatlas.wire.kafka_records import (
     DeregisterRecord,
     ExpireRecord,
@@ -155,13 +156,13 @@ class LogMembership:
         assert isinstance(result, RegisterOutcome)
         return result
 
-    async def heartbeat(self, instance_id: str) -> bool:
+    async def heartbeat(self, instance_id: InstanceId) -> bool:
         if not self._svc.is_live(instance_id):
             return False
         self._publish(instance_id, HeartbeatRecord(instance_id, self._clock()))
         return True
 
-    async def deregister(self, instance_id: str) -> None:
+    async def deregister(self, instance_id: InstanceId) -> None:
         rid = uuid.uuid4().hex
         await self._publish_and_wait(
             instance_id, DeregisterRecord(rid, instance_id, self._clock()), rid

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvatlas.core.types import InstanceId
 from kvatlas.wire.fleet_view import CoordinatorCounters
 
 _LOOKUP_BUCKETS = (
@@ -42,9 +43,9 @@ class StateSample(msgspec.Struct, frozen=True):
     bytes_by_tier: dict[str, int]
     live_instances: int
     provisional_instances: int
-    heartbeat_age: dict[str, float]
-    gaps: dict[str, int]
-    missing: dict[str, int]
+    heartbeat_age: dict[InstanceId, float]
+    gaps: dict[InstanceId, int]
+    missing: dict[InstanceId, int]
     blend_chunks: int
     token_bytes: int = 0
     declared_capacity: list[tuple[str, str, str, int]] = []
@@ -108,8 +109,8 @@ class _StateCollector(Collector):
             "Capacity each instance declared per tier and backend (config batches)",
             labels=["instance", "tier", "backend"],
         )
-        for iid, tier, backend, n in s.declared_capacity:
-            capacity.add_metric([iid, tier, backend], n)
+        for instance, tier, backend, n in s.declared_capacity:
+            capacity.add_metric([instance, tier, backend], n)
         return [keys, placements, nbytes, live, prov, age, gaps, missing, blend, tokens, capacity]
 
 

@@ -32,7 +32,7 @@ from kvatlas.core.gate import Verdict
 from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes
 from kvatlas.core.membership import InstanceInfo, RegisterOutcome
 from kvatlas.core.placements import KeyColumns, KeyResult, PrefixResult
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import ChunkHash, EventType, Incarnation, InstanceId, Tier
 from kvatlas.wire.coordinator_views import KeysPage, StatsResponse
 from kvatlas.wire.http_api import (
     AnyBatch,
@@ -140,7 +140,9 @@ class CoordinatorService:
             self._log_fence(fenced)
         return outcome
 
-    def heartbeat(self, instance_id: str, now: float, position: Position | None = None) -> bool:
+    def heartbeat(
+        self, instance_id: InstanceId, now: float, position: Position | None = None
+    ) -> bool:
         """False: unknown instance (the caller answers 404 so it re-registers)."""
         with self.lock:
             known = self.fleet.heartbeat(instance_id, now)
@@ -149,11 +151,11 @@ class CoordinatorService:
             log.info("Heartbeat from unknown instance %s; asked to re-register", instance_id)
         return known
 
-    def is_live(self, instance_id: str) -> bool:
+    def is_live(self, instance_id: InstanceId) -> bool:
         with self.lock:
             return self.fleet.membership.get(instance_id) is not None
 
-    def deregister(self, instance_id: str, position: Position | None = None) -> bool:
+    def deregister(self, instance_id: InstanceId, position: Position | None = None) -> bool:
         """Remove an instance and fence its L1 slice; False if it was unknown."""
         with self.lock:
             fenced = self.fleet.deregister(instance_id)
@@ -173,7 +175,7 @@ class CoordinatorService:
             self._log_expiry(f)
         return fenced
 
-    def expiry_candidates(self, now: float) -> list[tuple[str, int, float]]:
+    def expiry_candidates(self, now: float) -> list[tuple[InstanceId, Incarnation, float]]:
         """(instance, incarnation, last seen) of every instance silent for too long."""
         timeout = self.fleet.instance_timeout
         with self.lock:
@@ -191,8 +193,8 @@ class CoordinatorService:
 
     def expire_instance(
         self,
-        instance_id: str,
-        incarnation: int,
+        instance_id: InstanceId,
+        incarnation: Incarnation,
         last_seen: float,
         position: Position | None = None,
     ) -> Fenced | None:
@@ -335,11 +337,11 @@ class CoordinatorService:
 
     # ---- lookups ---------------------------------------------------------------------
 
-    def hash_tokens(self, tokens: Sequence[int] | bytes) -> list[bytes]:
+    def hash_tokens(self, tokens: Sequence[int] | bytes) -> list[ChunkHash]:
         """The prompt's chunk hashes; CPU work done outside the lock."""
         return list(chunk_hashes(tokens, self.fleet.chunk_size))
 
-    def lookup_hashes(self, hashes: Sequence[bytes], ns: Namespace) -> PrefixResult:
+    def lookup_hashes(self, hashes: Sequence[ChunkHash], ns: Namespace) -> PrefixResult:
         with self.lock:
             return self.fleet.directory.lookup_prefix(hashes, ns)
 
@@ -393,7 +395,7 @@ class CoordinatorService:
         offset: int,
         limit: int,
         tier: Tier | None,
-        instance_id: str | None,
+        instance_id: InstanceId | None,
         backend: str | None,
     ) -> KeysPage:
         d = self.fleet.directory

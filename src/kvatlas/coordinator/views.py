@@ -19,6 +19,7 @@ from kvatlas.core.capacity import Declaration
 from kvatlas.core.gate import Cursor
 from kvatlas.core.keys import Namespace
 from kvatlas.core.placements import DirectoryStats, KeyColumns, KeyResult, Placement, PrefixResult
+from kvatlas.core.types import InstanceId
 from kvatlas.wire.coordinator_views import (
     BlendView,
     CompartmentView,
@@ -58,9 +59,9 @@ def key_view(ns: Namespace, prefix: bytes, placements: tuple[Placement, ...]) ->
 def stats_response(
     *,
     stats: DirectoryStats,
-    cursors: dict[str, Cursor],
+    cursors: dict[InstanceId, Cursor],
     live: int,
-    provisional: list[str],
+    provisional: Sequence[str],
     blend: BlendStats | None,
     declarations: dict[str, Declaration],
     keep_tokens: bool,
@@ -83,7 +84,7 @@ def stats_response(
             for iid, c in sorted(cursors.items())
         ],
         live_instances=live,
-        provisional_instances=provisional,
+        provisional_instances=list(provisional),
         blend=BlendView(blend.chunks, blend.namespaces, blend.token_bytes) if blend else None,
         digest=digest,
         kafka_positions=positions,

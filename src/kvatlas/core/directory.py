@@ -55,7 +55,7 @@ from kvatlas.core.placements import (
     decode_placements,
     prefix_holders,
 )
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import ChunkHash, EventType, Incarnation, InstanceId, Tier
 
 _COMPACT_SLACK = 1024
 _CACHE_LIMIT = 65536
@@ -92,7 +92,7 @@ class KeyDirectory:
         self._namespaces: list[Namespace] = []
         self._owner_ids: dict[Owner, int] = {}
         self._owners: list[Owner] = []
-        self._owners_by_instance: dict[str, set[int]] = {}
+        self._owners_by_instance: dict[InstanceId, set[int]] = {}
         self._codes: dict[int, int] = {}
         self._map: dict[int, MapValue] = {}
         self._rev: dict[int, list[int]] = {}
@@ -361,7 +361,7 @@ class KeyDirectory:
 
     # ---- fencing ---------------------------------------------------------------------
 
-    def fence(self, instance_id: str, incarnation: int | None = None) -> int:
+    def fence(self, instance_id: InstanceId, incarnation: Incarnation | None = None) -> int:
         """Remove the L1 placements of ``instance_id`` (of one incarnation, or of all).
 
         Costs time proportional to that instance's L1 keys. L2 placements stay: they
@@ -382,7 +382,7 @@ class KeyDirectory:
                     removed += 1
         return removed
 
-    def fence_below(self, instance_id: str, incarnation: int) -> int:
+    def fence_below(self, instance_id: InstanceId, incarnation: Incarnation) -> int:
         """Fence every L1 incarnation of ``instance_id`` lower than ``incarnation``."""
         removed = 0
         for inc in sorted(
@@ -440,7 +440,7 @@ class KeyDirectory:
         tokens = cols.token_ids or (None,) * len(keys)
         return list(map(KeyResult, keys, cols.placements, cols.access_counts, tokens))
 
-    def lookup_prefix(self, hashes: Sequence[bytes], ns: Namespace) -> PrefixResult:
+    def lookup_prefix(self, hashes: Sequence[ChunkHash], ns: Namespace) -> PrefixResult:
         """Per chunk of a prefix chain who holds it, and per (instance, tier) how many
         leading chunks it holds."""
         hashes = tuple(hashes)
@@ -490,7 +490,7 @@ class KeyDirectory:
     def iter_keys(
         self,
         tier: Tier | None = None,
-        instance_id: str | None = None,
+        instance_id: InstanceId | None = None,
         backend: str | None = None,
     ) -> Iterator[tuple[Namespace, bytes, tuple[Placement, ...]]]:
         """Every key with its placements, filtered; the hash is the stored 8-byte prefix."""
@@ -512,7 +512,7 @@ class KeyDirectory:
         self,
         ids: Iterable[int],
         tier: Tier | None = None,
-        instance_id: str | None = None,
+        instance_id: InstanceId | None = None,
         backend: str | None = None,
     ) -> list[tuple[Namespace, bytes, tuple[Placement, ...]]]:
         """The keys of ``ids`` that still have a placement matching the filters, with

@@ -33,7 +33,7 @@ import msgspec
 
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import HASH_BYTES, Namespace, ObjectKey, same_namespace
-from kvatlas.core.types import U63, EventType, Tier, TokenOffset
+from kvatlas.core.types import U63, EventType, InstanceId, Tier, TokenOffset, WireIncarnation
 
 
 class Entry(msgspec.Struct, frozen=True, gc=False):
@@ -131,8 +131,8 @@ class KeyBlock(msgspec.Struct, frozen=True, gc=False):
 class EventBatch(msgspec.Struct, frozen=True):
     """A batch of events of one kind from one server process: ``entries``, then ``block``."""
 
-    instance_id: str
-    incarnation: U63
+    instance_id: InstanceId
+    incarnation: WireIncarnation
     seq: U63
     event_type: EventType
     tier: Tier
@@ -164,7 +164,7 @@ class EventBatch(msgspec.Struct, frozen=True):
 class UnknownBatch(msgspec.Struct, frozen=True, gc=False):
     """A batch whose ``event_type`` this coordinator does not know: what the gate needs."""
 
-    instance_id: str
-    incarnation: U63
+    instance_id: InstanceId
+    incarnation: WireIncarnation
     seq: U63
     event_type: str

@@ -40,7 +40,7 @@ from kvatlas.core.gate import Cursor, Verdict, admit
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE, Namespace, ObjectKey, chunk_hashes
 from kvatlas.core.membership import InstanceInfo, Membership, RegisterOutcome
 from kvatlas.core.placements import Applied, DirectoryStats, KeyResult, PrefixResult
-from kvatlas.core.types import EventType
+from kvatlas.core.types import EventType, Incarnation, InstanceId
 
 SNAPSHOT_VERSION = 2
 """2 added the declared capacities and whether token ids are kept; a version 1 snapshot
@@ -89,14 +89,14 @@ _FENCE_DESCRIPTIONS: Final = {
 class Fenced(msgspec.Struct, frozen=True):
     """An instance whose L1 slice was fenced, and why."""
 
-    instance_id: str
-    incarnation: int
+    instance_id: InstanceId
+    incarnation: Incarnation
     placements: int
     reason: FenceReason
 
 
 class _Provisional(msgspec.Struct, array_like=True):
-    incarnation: int
+    incarnation: Incarnation
     last_seen: float
 
 
@@ -106,12 +106,12 @@ class _Snapshot(msgspec.Struct, array_like=True):
     chunk_size: int
     blend_enabled: bool
     instances: list[InstanceInfo]
-    high_water: dict[str, int]
+    high_water: dict[InstanceId, Incarnation]
     """The membership's marks (registrations only)."""
-    event_high_water: dict[str, int]
+    event_high_water: dict[InstanceId, Incarnation]
     """Highest incarnation seen in registrations or applied events."""
-    cursors: dict[str, Cursor]
-    provisional: dict[str, _Provisional]
+    cursors: dict[InstanceId, Cursor]
+    provisional: dict[InstanceId, _Provisional]
     directory: bytes
     blend: list[tuple[Namespace, bytes, bytes, int]]
     extra: dict[str, int]
@@ -153,13 +153,13 @@ class FleetState:
         self.directory = KeyDirectory(keep_tokens=keep_tokens or enable_blend)
         self.blend: BlendIndex | None = BlendIndex(chunk_size) if enable_blend else None
         self.capacity = CapacityRegistry()
-        self.cursors: dict[str, Cursor] = {}
-        self._provisional: dict[str, _Provisional] = {}
-        self._high_water: dict[str, int] = {}
+        self.cursors: dict[InstanceId, Cursor] = {}
+        self._provisional: dict[InstanceId, _Provisional] = {}
+        self._high_water: dict[InstanceId, Incarnation] = {}
 
     # ---- membership ------------------------------------------------------------------
 
-    def _max_incarnation(self, instance_id: str) -> int | None:
+    def _max_incarnation(self, instance_id: InstanceId) -> Incarnation | None:
         a = self.membership.max_incarnation(instance_id)
         b = self._high_water.get(instance_id)
         if a is None:
@@ -195,11 +195,11 @@ class FleetState:
         )
         return outcome, fenced
 
-    def heartbeat(self, instance_id: str, now: float) -> bool:
+    def heartbeat(self, instance_id: InstanceId, now: float) -> bool:
         """False: unknown (or only provisional) instance, which must re-register."""
         return self.membership.heartbeat(instance_id, now)
 
-    def deregister(self, instance_id: str) -> Fenced | None:
+    def deregister(self, instance_id: InstanceId) -> Fenced | None:
         """Remove an instance, fence its L1 slice and forget its cursor."""
         info = self.membership.deregister(instance_id)
         prov = self._provisional.pop(instance_id, None)
@@ -230,7 +230,7 @@ class FleetState:
         return out
 
     def expire_instance(
-        self, instance_id: str, incarnation: int, last_seen: float
+        self, instance_id: InstanceId, incarnation: Incarnation, last_seen: float
     ) -> Fenced | None:
         """Expire one instance if it is still ``incarnation`` and nothing was heard of it
         after ``last_seen``. Replicas apply expiry decisions from a log with this
@@ -254,7 +254,7 @@ class FleetState:
     def instances(self) -> list[InstanceInfo]:
         return self.membership.instances()
 
-    def provisional(self) -> dict[str, tuple[int, float]]:
+    def provisional(self) -> dict[InstanceId, tuple[Incarnation, float]]:
         """Instances known only from their events: id -> (incarnation, last seen)."""
         return {k: (v.incarnation, v.last_seen) for k, v in self._provisional.items()}
 
@@ -301,7 +301,7 @@ class FleetState:
             applied = self.directory.apply(batch)
             placed = batch
         self.cursors[iid] = adm.cursor
-        self._high_water[iid] = max(batch.incarnation, self._high_water.get(iid, 0))
+        self._high_water[iid] = max(batch.incarnation, self._high_water.get(iid, batch.incarnation))
         if provisional:
             self._provisional[iid] = _Provisional(batch.incarnation, now)
         if self.blend is not None and placed is not None:

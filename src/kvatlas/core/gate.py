@@ -21,6 +21,8 @@ import enum
 
 import msgspec
 
+from kvatlas.core.types import Incarnation
+
 
 class Verdict(enum.StrEnum):
     """What the gate decided for a batch."""
@@ -33,7 +35,7 @@ class Verdict(enum.StrEnum):
 class Cursor(msgspec.Struct, frozen=True):
     """What the gate remembers of one instance: its incarnation and last applied seq."""
 
-    incarnation: int
+    incarnation: Incarnation
     last_seq: int
     gaps: int = 0
     """Number of gaps seen in this instance's stream (across incarnations)."""
@@ -46,13 +48,13 @@ class Admission(msgspec.Struct, frozen=True):
 
     verdict: Verdict
     cursor: Cursor
-    fence_incarnation: int | None = None
+    fence_incarnation: Incarnation | None = None
     """Incarnation whose L1 slice must be fenced before the batch applies."""
     gap: int = 0
     """Seqs missing right before this batch (0 when in order)."""
 
 
-def admit(cursor: Cursor | None, incarnation: int, seq: int) -> Admission:
+def admit(cursor: Cursor | None, incarnation: Incarnation, seq: int) -> Admission:
     """Decide what to do with batch (``incarnation``, ``seq``) given the instance's cursor.
 
     Pure: the caller stores ``admission.cursor`` only when it applies the batch.

@@ -21,7 +21,7 @@ import msgspec
 
 from kvatlas.core.errors import InvalidInput, SnapshotError, StaleIncarnation, TooLarge
 from kvatlas.core.keys import HashContract
-from kvatlas.core.types import U63, Port
+from kvatlas.core.types import Incarnation, InstanceId, Port, WireIncarnation
 
 _MAX_PORT = 65535
 MAX_METADATA_BYTES = 16 * 1024
@@ -34,14 +34,14 @@ MAX_FIELD_CHARS = 1024
 class InstanceInfo(msgspec.Struct, frozen=True):
     """What a cache server declares when it registers, plus the coordinator's clock."""
 
-    instance_id: str
+    instance_id: InstanceId
     ip: str
     http_port: Port
     metadata: dict[str, str]
     p2p_advertised_url: str = ""
     """Where peers reach this server's P2P control channel; empty: no P2P."""
     mq_port: Port = 0
-    incarnation: U63 = 0
+    incarnation: WireIncarnation = Incarnation(0)
     """Strictly increasing per process start of this instance id."""
     registration_time: float = 0.0
     last_heartbeat: float = 0.0
@@ -55,12 +55,12 @@ class InstanceInfo(msgspec.Struct, frozen=True):
 class RegisterOutcome(msgspec.Struct, frozen=True):
     """What a registration did; the caller fences ``fenced_incarnation``'s L1 slice."""
 
-    instance_id: str
+    instance_id: InstanceId
     re_registered: bool
     """The instance id was known here before (live, or seen and since gone)."""
-    fenced_incarnation: int | None
+    fenced_incarnation: Incarnation | None
     """The live older incarnation this registration replaced, or None."""
-    incarnation: int = 0
+    incarnation: Incarnation = Incarnation(0)
     """The incarnation the instance is registered with."""
 
 
@@ -80,8 +80,8 @@ class Membership:
         if not instance_timeout > 0:
             raise InvalidInput(f"instance timeout must be positive, got {instance_timeout}")
         self._timeout = instance_timeout
-        self._live: dict[str, InstanceInfo] = {}
-        self._high: dict[str, int] = {}
+        self._live: dict[InstanceId, InstanceInfo] = {}
+        self._high: dict[InstanceId, Incarnation] = {}
 
     @property
     def instance_timeout(self) -> float:
@@ -113,7 +113,7 @@ class Membership:
         self._high[iid] = info.incarnation
         return RegisterOutcome(iid, highest is not None, fenced, info.incarnation)
 
-    def heartbeat(self, instance_id: str, now: float) -> bool:
+    def heartbeat(self, instance_id: InstanceId, now: float) -> bool:
         """Extend the life of a live instance; False if it is unknown (the shell answers
         404 and the server re-registers). A heartbeat never moves ``last_heartbeat``
         backwards."""
@@ -124,7 +124,7 @@ class Membership:
             self._live[instance_id] = msgspec.structs.replace(info, last_heartbeat=now)
         return True
 
-    def adopt_incarnation(self, instance_id: str, incarnation: int) -> bool:
+    def adopt_incarnation(self, instance_id: InstanceId, incarnation: Incarnation) -> bool:
         """Move a live instance registered without an incarnation up to ``incarnation``
         (its events' own); False, changing nothing, for any other instance or a lower or
         equal incarnation."""
@@ -135,7 +135,7 @@ class Membership:
         self._high[instance_id] = max(incarnation, self._high.get(instance_id, incarnation))
         return True
 
-    def deregister(self, instance_id: str) -> InstanceInfo | None:
+    def deregister(self, instance_id: InstanceId) -> InstanceInfo | None:
         """Remove a live instance; its incarnation stays remembered as the high-water mark."""
         return self._live.pop(instance_id, None)
 
@@ -147,7 +147,7 @@ class Membership:
         )
         return [self._live.pop(iid) for iid in gone]
 
-    def get(self, instance_id: str) -> InstanceInfo | None:
+    def get(self, instance_id: InstanceId) -> InstanceInfo | None:
         return self._live.get(instance_id)
 
     def instances(self) -> list[InstanceInfo]:
@@ -160,16 +160,18 @@ class Membership:
     def __contains__(self, instance_id: object) -> bool:
         return instance_id in self._live
 
-    def max_incarnation(self, instance_id: str) -> int | None:
+    def max_incarnation(self, instance_id: InstanceId) -> Incarnation | None:
         """Highest incarnation ever registered under this id, live or gone; None if never."""
         return self._high.get(instance_id)
 
-    def is_live(self, instance_id: str, incarnation: int) -> bool:
+    def is_live(self, instance_id: InstanceId, incarnation: Incarnation) -> bool:
         """Is exactly this incarnation of the instance the live one?"""
         info = self._live.get(instance_id)
         return info is not None and info.incarnation == incarnation
 
-    def fleet_contract(self, model_name: str, *, excluding: str = "") -> HashContract | None:
+    def fleet_contract(
+        self, model_name: str, *, excluding: InstanceId | None = None
+    ) -> HashContract | None:
         """The contract that live instances declare for ``model_name`` (they agree, since
         registration enforces it), ignoring instance ``excluding``; None if none declares."""
         for iid in sorted(self._live):
@@ -178,7 +180,7 @@ class Membership:
                 return contract
         return None
 
-    def heartbeat_ages(self, now: float) -> dict[str, float]:
+    def heartbeat_ages(self, now: float) -> dict[InstanceId, float]:
         """Seconds since each live instance's last heartbeat, by instance id (sorted)."""
         return {iid: now - self._live[iid].last_heartbeat for iid in sorted(self._live)}
 
@@ -189,7 +191,7 @@ class Membership:
         """The live instances as registered (sorted by id), for the caller's snapshot."""
         return self.instances()
 
-    def high_water(self) -> dict[str, int]:
+    def high_water(self) -> dict[InstanceId, Incarnation]:
         """Highest incarnation ever seen per instance id (sorted by id)."""
         return {iid: self._high[iid] for iid in sorted(self._high)}
 
@@ -197,7 +199,7 @@ class Membership:
     def restore(
         cls,
         infos: Iterable[InstanceInfo],
-        high_water: dict[str, int],
+        high_water: dict[InstanceId, Incarnation],
         *,
         instance_timeout: float = 30.0,
         now: float | None = None,

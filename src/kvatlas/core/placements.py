@@ -17,7 +17,7 @@ import msgspec
 
 from kvatlas.core.keys import Namespace, ObjectKey
 from kvatlas.core.keys import object_keys as object_keys_of
-from kvatlas.core.types import Tier
+from kvatlas.core.types import ChunkHash, Incarnation, InstanceId, Tier
 
 SIZE_BITS: Final = 40
 SIZE_MASK: Final = (1 << SIZE_BITS) - 1
@@ -31,8 +31,8 @@ MapValue = int | tuple[int, ...]
 class Owner(msgspec.Struct, frozen=True, gc=False):
     """Who holds a placement: one process of one instance, in one tier and backend."""
 
-    instance_id: str
-    incarnation: int
+    instance_id: InstanceId
+    incarnation: Incarnation
     tier: Tier
     backend: str
     shared: bool
@@ -41,8 +41,8 @@ class Owner(msgspec.Struct, frozen=True, gc=False):
 class Placement(msgspec.Struct, frozen=True, gc=False):
     """One copy of a chunk, as reported by its owner (a hint, not a promise)."""
 
-    instance_id: str
-    incarnation: int
+    instance_id: InstanceId
+    incarnation: Incarnation
     tier: Tier
     backend: str
     size_bytes: int
@@ -61,7 +61,7 @@ class KeyResult(msgspec.Struct, frozen=True):
 class PrefixHolder(msgspec.Struct, frozen=True):
     """How many leading chunks of a lookup one instance holds in one tier."""
 
-    instance_id: str
+    instance_id: InstanceId
     tier: Tier
     chunks: int
 
@@ -82,7 +82,7 @@ class PrefixResult(msgspec.Struct, frozen=True):
     """
 
     namespace: Namespace
-    hashes: tuple[bytes, ...]
+    hashes: tuple[ChunkHash, ...]
     placements: tuple[tuple[Placement, ...], ...]
     access_counts: tuple[int, ...]
     token_ids: tuple[tuple[int, ...] | None, ...] | None
@@ -90,7 +90,7 @@ class PrefixResult(msgspec.Struct, frozen=True):
     """Sorted by chunks held (descending), then instance id, then tier."""
 
     def keys(self) -> list[ObjectKey]:
-        return object_keys_of(self.hashes, self.namespace)  # type: ignore[arg-type]
+        return object_keys_of(self.hashes, self.namespace)
 
     def results(self) -> list[KeyResult]:
         toks = self.token_ids or (None,) * len(self.hashes)
@@ -113,8 +113,8 @@ class Applied(msgspec.Struct, frozen=True):
 
 
 class OwnerStats(msgspec.Struct, frozen=True):
-    instance_id: str
-    incarnation: int
+    instance_id: InstanceId
+    incarnation: Incarnation
     tier: Tier
     backend: str
     placements: int
@@ -155,8 +155,8 @@ def prefix_holders(placements: Sequence[tuple[Placement, ...]]) -> tuple[PrefixH
 
     Runs of chunks share one interned placements tuple, so this walks runs, not chunks.
     """
-    running: dict[tuple[str, Tier], int] = {}
-    done: dict[tuple[str, Tier], int] = {}
+    running: dict[tuple[InstanceId, Tier], int] = {}
+    done: dict[tuple[InstanceId, Tier], int] = {}
     first = True
     for ps, run in groupby(placements):
         length = len(list(run))

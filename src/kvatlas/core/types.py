@@ -32,6 +32,8 @@ InstanceId = NewType("InstanceId", str)
 
 Incarnation = NewType("Incarnation", int)
 """Strictly increasing per process start of one instance id."""
+WireIncarnation = Annotated[Incarnation, msgspec.Meta(ge=0, le=MAX_INT64)]
+"""An incarnation as it may arrive on the wire: an `Incarnation` bounded like `U63`."""
 
 
 class Tier(enum.StrEnum):

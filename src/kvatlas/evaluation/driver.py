@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvatlas.connector.client import CacheClient, EngineClientError
+from kvatlas.core.types import ChunkHash
 from kvatlas.evaluation.fleet import Fleet
 from kvatlas.evaluation.workload import Request, expected_kv
 from kvatlas.wire.http_api import LookupRequest
@@ -188,12 +189,12 @@ class NodeDriver:
     def _probe(
         self,
         node: int,
-        hashes: Sequence[bytes],
+        hashes: Sequence[ChunkHash],
         placements: list[list[tuple[str, int]]],
         rec: RequestRecord,
     ) -> None:
         """Check every hint naming another node: does that owner hold the chunk now?"""
-        by_owner: dict[str, list[tuple[bytes, int]]] = {}
+        by_owner: dict[str, list[tuple[ChunkHash, int]]] = {}
         for h, owners in zip(hashes, placements, strict=False):
             for iid, inc in owners:
                 by_owner.setdefault(iid, []).append((h, inc))

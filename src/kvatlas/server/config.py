@@ -17,6 +17,7 @@ from typing import Final, Literal
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
 from kvatlas.core.l1pool import MIN_ALIGN_BYTES, POLICIES
+from kvatlas.core.types import InstanceId
 from kvatlas.transfer.config import MooncakeConfig
 from kvatlas.transfer.factory import TRANSPORTS
 from kvatlas.wire.http_api import EventFormat
@@ -170,7 +171,7 @@ def split_host_port(url: str) -> tuple[str, int] | None:
 class ServerConfig:
     """Everything ``kvatlas server`` needs; build it in ``kvatlas.cli.server`` only."""
 
-    instance_id: str
+    instance_id: InstanceId
     """This server's name in the fleet (``--instance-id``); unique per server."""
     host: str = "127.0.0.1"
     """Interface the engine API and HTTP endpoints bind (``--host``)."""

@@ -38,7 +38,7 @@ from kvatlas.core.keys import (
     object_keys,
 )
 from kvatlas.core.l1pool import LeaseId, Reserved
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import ChunkHash, EventType, Tier
 from kvatlas.server.storage.guarded import GuardedStore
 from kvatlas.wire.engine_proto import (
     Abort,
@@ -170,7 +170,7 @@ class EngineService:
         self._hit_chunks += hit
         self._peer_chunks += peer
 
-    def _keys(self, ns: Namespace, hashes: Sequence[bytes]) -> list[ObjectKey]:
+    def _keys(self, ns: Namespace, hashes: Sequence[ChunkHash]) -> list[ObjectKey]:
         if ns.model_name not in self._contracts:
             raise NotRegistered(
                 f"model {ns.model_name!r} is not registered with server"
@@ -179,7 +179,7 @@ class EngineService:
         for h in hashes:
             if len(h) != HASH_BYTES:
                 raise InvalidInput(f"chunk hashes must be {HASH_BYTES} bytes, got {len(h)}")
-        return object_keys(hashes, ns)  # type: ignore[arg-type]  # lengths checked above
+        return object_keys(hashes, ns)
 
     def expire(self) -> int:
         """End expired leases; returns how many."""
@@ -302,7 +302,7 @@ class EngineService:
         if (req.token_ids is None) == (req.hashes is None):
             raise InvalidInput("lookup needs exactly one of token_ids and hashes")
         if req.token_ids is not None:
-            hashes: list[bytes] = list(chunk_hashes(req.token_ids, self.identity.chunk_size))
+            hashes: list[ChunkHash] = list(chunk_hashes(req.token_ids, self.identity.chunk_size))
         else:
             hashes = list(req.hashes or [])
         keys = self._keys(req.ns, hashes)

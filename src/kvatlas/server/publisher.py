@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvatlas.core.events import Entry, EventBatch
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 from kvatlas.server.errors import SinkError
 from kvatlas.server.sinks import EventSink
 
@@ -61,8 +61,8 @@ class EventPublisher:
     def __init__(
         self,
         sink: EventSink,
-        instance_id: str,
-        incarnation: int,
+        instance_id: InstanceId,
+        incarnation: Incarnation,
         *,
         flush_interval_s: float = 1.0,
         buffer_batches: int = 4096,

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvatlas.core.keys import HashContract
+from kvatlas.core.types import Incarnation, InstanceId
 from kvatlas.runtime.coordinator_client import (
     CoordinatorClient,
     CoordinatorError,
@@ -63,8 +64,8 @@ class RegistrarStats:
 class Identity:
     """What this server declares at registration."""
 
-    instance_id: str
-    incarnation: int
+    instance_id: InstanceId
+    incarnation: Incarnation
     ip: str
     http_port: int
     mq_port: int

@@ -7,7 +7,9 @@ copies into (store) or out of (read) under a write or read lease.
 Transport: the engine's DEALER sends ``[b"", msgpack(Request)]``, the server's ROUTER
 answers ``[b"", msgpack(Response)]`` with the same ``id``. ``v`` is the protocol version;
 a server answers a request of another version with ``ErrorReply(code="version")``.
-Chunk hashes are raw 32-byte digests; token ids travel as little-endian uint32 bytes.
+Chunk hashes are raw 32-byte digests (``ChunkHash`` in requests, so that the server
+builds keys from them without a cast; it checks their length); token ids travel as
+little-endian uint32 bytes.
 
 Owns encoding and shapes only; no I/O and no state.
 """
@@ -19,7 +21,7 @@ from typing import Final, Literal
 import msgspec
 
 from kvatlas.core.keys import HASH_ALGORITHM, Namespace
-from kvatlas.core.types import U63
+from kvatlas.core.types import U63, ChunkHash
 
 PROTOCOL_VERSION: Final = 1
 
@@ -49,7 +51,7 @@ class Lookup(msgspec.Struct, frozen=True, tag="lookup"):
 
     ns: Namespace
     token_ids: bytes | None = None
-    hashes: list[bytes] | None = None
+    hashes: list[ChunkHash] | None = None
     acquire: bool = False
     lease_s: float = 0.0
     """Read lease seconds; 0 means the server's default."""
@@ -63,13 +65,13 @@ class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
     """Write-lock one L1 slot per chunk."""
 
     ns: Namespace
-    hashes: list[bytes]
+    hashes: list[ChunkHash]
     sizes: list[U63]
     lease_s: float = 0.0
 
 
 class CommitItem(msgspec.Struct, frozen=True, array_like=True):
-    hash: bytes
+    hash: ChunkHash
     lease_id: int
     checksum: int
     """xxh3-64 of the chunk's bytes as written into the slot."""
@@ -86,14 +88,14 @@ class Abort(msgspec.Struct, frozen=True, tag="abort"):
     """Give up writes in progress and free their slots."""
 
     ns: Namespace
-    hashes: list[bytes]
+    hashes: list[ChunkHash]
 
 
 class AcquireRead(msgspec.Struct, frozen=True, tag="acquire_read"):
     """Read-lock chunks that are in L1 (no promotion: that is Lookup's job)."""
 
     ns: Namespace
-    hashes: list[bytes]
+    hashes: list[ChunkHash]
     lease_s: float = 0.0
 
 

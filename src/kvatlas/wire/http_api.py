@@ -24,6 +24,7 @@ Owns encoding and validation of shapes only; no I/O and no state.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from operator import attrgetter
 from typing import Final, Literal
 
@@ -43,7 +44,17 @@ from kvatlas.core.keys import (
 )
 from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.placements import OwnerStats
-from kvatlas.core.types import I64, MAX_INT64, U63, EventType, Port, Tier, TokenOffset
+from kvatlas.core.types import (
+    I64,
+    MAX_INT64,
+    U63,
+    EventType,
+    InstanceId,
+    Port,
+    Tier,
+    TokenOffset,
+    WireIncarnation,
+)
 from kvatlas.wire.json_tokens import token_ids_array
 
 MSGPACK_CONTENT_TYPE = "application/msgpack"
@@ -96,11 +107,11 @@ class RegisterRequest(msgspec.Struct, frozen=True):
 
     ip: str
     http_port: Port
-    instance_id: str = ""
+    instance_id: InstanceId = InstanceId("")
     metadata: dict[str, str] = {}
     p2p_advertised_url: str | None = None
     mq_port: Port | None = None
-    incarnation: U63 | None = None
+    incarnation: WireIncarnation | None = None
     """kvatlas: strictly increasing per process start. None (LMCache's servers): the
     instance takes the incarnation its events carry (their process start time)."""
     contract: ContractWire | None = None
@@ -213,7 +224,7 @@ def instance_usage(
 def fleet_usage(
     owners: Sequence[OwnerStats],
     declarations: dict[str, Declaration],
-    registered: set[str],
+    registered: AbstractSet[str],
 ) -> FleetUsageResponse:
     """`GET /instances/usage` from the directory's owners, the declarations and the
     registered ids. A shared pool's capacity is the one its declarers agree on (a
@@ -297,8 +308,8 @@ class EntryWire(msgspec.Struct, frozen=True):
 class BatchWire(msgspec.Struct, frozen=True):
     """One batch in the JSON form of `POST /events` (LMCache's `CacheEventBatch`)."""
 
-    instance_id: str
-    incarnation: U63
+    instance_id: InstanceId
+    incarnation: WireIncarnation
     seq: U63
     event_type: Literal["store", "access", "delete", "config"]
     tier: Literal["l1", "l2"]
@@ -318,8 +329,8 @@ KNOWN_EVENT_TYPES = frozenset(t.value for t in EventType)
 class BatchHead(msgspec.Struct, frozen=True):
     """What every batch must carry, whatever its type: all the gate reads."""
 
-    instance_id: str
-    incarnation: U63
+    instance_id: InstanceId
+    incarnation: WireIncarnation
     seq: U63
     event_type: str
 

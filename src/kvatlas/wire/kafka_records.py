@@ -28,7 +28,7 @@ import msgspec
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import EventBatch
 from kvatlas.core.membership import InstanceInfo
-from kvatlas.core.types import U63
+from kvatlas.core.types import InstanceId, WireIncarnation
 from kvatlas.wire.http_api import (
     TOO_DEEP,
     AnyBatch,
@@ -59,21 +59,21 @@ class RegisterRecord(msgspec.Struct, frozen=True, tag="register"):
 
 
 class HeartbeatRecord(msgspec.Struct, frozen=True, tag="heartbeat"):
-    instance_id: str
+    instance_id: InstanceId
     at: float
 
 
 class DeregisterRecord(msgspec.Struct, frozen=True, tag="deregister"):
     request_id: str
-    instance_id: str
+    instance_id: InstanceId
     at: float
 
 
 class ExpireRecord(msgspec.Struct, frozen=True, tag="expire"):
     """Expire ``incarnation`` of an instance unless it was heard of after ``last_seen``."""
 
-    instance_id: str
-    incarnation: U63
+    instance_id: InstanceId
+    incarnation: WireIncarnation
     last_seen: float
     at: float
 

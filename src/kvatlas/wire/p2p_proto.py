@@ -21,7 +21,7 @@ from typing import Any, Final, Literal
 import msgspec
 
 from kvatlas.core.keys import Namespace
-from kvatlas.core.types import U63
+from kvatlas.core.types import U63, ChunkHash
 
 P2P_PROTOCOL_VERSION: Final = 1
 
@@ -40,7 +40,7 @@ class LookupAndLock(msgspec.Struct, frozen=True, tag="lookup_and_lock"):
 
     requester: str
     ns: Namespace
-    hashes: list[bytes]
+    hashes: list[ChunkHash]
     lease_s: float
     token: str = ""
 

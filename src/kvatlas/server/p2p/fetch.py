@@ -26,11 +26,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, cast
 
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.l1pool import Refusal, Slot
 from kvatlas.core.peers import PeerHealth, p2p_deadline
+from kvatlas.core.types import ChunkHash
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.server.config import P2PConfig
 from kvatlas.server.engine_service import PeerFetch
@@ -253,15 +254,16 @@ class PeerFetcher:
         peer = adapter.instance_id
         ns = keys[0].namespace
         lease_s = min(self._config.lock_lease_s, lookup_s + load_budget + UNLOCK_TIMEOUT_S + 1.0)
+        # ObjectKey keeps its hash as plain bytes (decoding a key then costs no NewType
+        # call); these came from the engine service's ChunkHash list, so one cast, not
+        # one conversion per key.
+        hashes = cast(list[ChunkHash], [k.chunk_hash for k in keys])
         with self._lock:
             self.stats.locks_requested += 1
         try:
             with _timed(timings, "lock"):
                 answer = adapter.control.call(
-                    LookupAndLock(
-                        self.instance_id, ns, [k.chunk_hash for k in keys], lease_s, self._token
-                    ),
-                    lookup_s,
+                    LookupAndLock(self.instance_id, ns, hashes, lease_s, self._token), lookup_s
                 )
         except ChannelError as exc:
             log.info("lookup_and_lock to peer %s failed (%s): %s", peer, exc.cause, exc)

@@ -200,7 +200,7 @@ class P2PNode:
                 if any(len(h) != HASH_BYTES for h in body.hashes) or not body.lease_s > 0:
                     self.refused += 1
                     return P2PError("invalid_input", "hashes must be 32 bytes, lease_s > 0")
-                keys = object_keys(body.hashes, body.ns)  # type: ignore[arg-type]
+                keys = object_keys(body.hashes, body.ns)
                 lease_s = min(body.lease_s, self.config.lock_lease_s)
                 leases = self._store.lock_for_peer(body.requester, keys, lease_s)
                 self.served_locks += 1
