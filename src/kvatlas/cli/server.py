@@ -24,7 +24,7 @@ from kvatlas.core.types import InstanceId
 from kvatlas.server.app import CacheServer
 from kvatlas.server.config import (
     GIB,
-    CoordinatorConfig,
+    CoordinatorLink,
     EventConfig,
     KafkaConfig,
     L1Config,
@@ -159,7 +159,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
             path=Path(args.l2_path) if args.l2_path else None,
             size_bytes=int((args.l2_size_gb or 0) * GIB),
         ),
-        coordinator=CoordinatorConfig(
+        coordinator=CoordinatorLink(
             url=args.coordinator_url,
             advertise_ip=args.coordinator_advertise_ip,
             heartbeat_interval_s=args.coordinator_heartbeat_interval,

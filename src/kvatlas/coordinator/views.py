@@ -21,7 +21,6 @@ from kvatlas.core.keys import Namespace
 from kvatlas.core.placements import DirectoryStats, KeyColumns, KeyResult, Placement, PrefixResult
 from kvatlas.core.types import InstanceId
 from kvatlas.wire.coordinator_views import (
-    BlendView,
     CompartmentView,
     CursorView,
     DeclarationView,
@@ -85,7 +84,7 @@ def stats_response(
         ],
         live_instances=live,
         provisional_instances=list(provisional),
-        blend=BlendView(blend.chunks, blend.namespaces, blend.token_bytes) if blend else None,
+        blend=blend,
         digest=digest,
         kafka_positions=positions,
         capacity=[

@@ -64,8 +64,10 @@ class L2Config:
 
 
 @dataclass(frozen=True, slots=True)
-class CoordinatorConfig:
-    """Where and how the server registers; ``url`` None means it works alone."""
+class CoordinatorLink:
+    """How this server reaches the coordinator (where it registers and sends events);
+    ``url`` None means it works alone. Not the coordinator's own config
+    (``kvatlas.coordinator.config.CoordinatorConfig``)."""
 
     url: str | None = None
     """Base URL of the coordinator (``--coordinator-url``); None: no registration, no events."""
@@ -189,7 +191,7 @@ class ServerConfig:
     """Threads serving engine requests behind the ROUTER socket (``--engine-workers``)."""
     l1: L1Config = field(default_factory=L1Config)
     l2: L2Config = field(default_factory=L2Config)
-    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    coordinator: CoordinatorLink = field(default_factory=CoordinatorLink)
     events: EventConfig = field(default_factory=EventConfig)
     p2p: P2PConfig = field(default_factory=P2PConfig)
 

@@ -3,14 +3,16 @@
 
 The coordinator encodes these Structs and `runtime.coordinator_client` decodes its
 answers into the same ones, so both sides share one definition (the rest of the API's
-shapes are in `wire.http_api`). Owns the shapes only: no I/O, no state, no mapping from
-core snapshots (the coordinator's `views` builds them).
+shapes are in `wire.http_api`; the blend index's size is `core.blend.BlendStats` as it
+is). Owns the shapes only: no I/O, no state, no mapping from core snapshots (the
+coordinator's `views` builds them).
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from kvatlas.core.blend import BlendStats
 from kvatlas.wire.http_api import PlacementWire
 
 
@@ -33,12 +35,6 @@ class CursorView(msgspec.Struct, frozen=True):
     last_seq: int
     gaps: int
     missing: int
-
-
-class BlendView(msgspec.Struct, frozen=True):
-    chunks: int
-    namespaces: int
-    token_bytes: int
 
 
 class TokenIdsView(msgspec.Struct, frozen=True):
@@ -77,7 +73,7 @@ class StatsResponse(msgspec.Struct, frozen=True):
     cursors: list[CursorView]
     live_instances: int
     provisional_instances: list[str]
-    blend: BlendView | None
+    blend: BlendStats | None
     digest: str | None = None
     """Only with `?digest=1`: blake3 of the directory content (replicas compare it)."""
     kafka_positions: dict[str, int] = {}
