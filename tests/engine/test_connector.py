@@ -20,9 +20,8 @@ import pytest
 
 from kvatlas.connector.client import CacheClient
 from kvatlas.connector.kv_connector import (
-    CHECKSUM_MISMATCH,
-    SERVER_UNAVAILABLE,
     ContractRejected,
+    Fallback,
     KVConnector,
 )
 from kvatlas.engine.config import CacheLinkConfig, EngineConfig
@@ -145,12 +144,12 @@ def test_corrupt_chunk_is_dropped_and_recomputed(
             # peer read): its checksum no longer matches
             hit.chunks[1][100:108] ^= 0xFF
         with conn.fetch_prefix(ids) as prefix:
-            assert prefix.stats.fallback == CHECKSUM_MISMATCH
+            assert prefix.stats.fallback == Fallback.CHECKSUM_MISMATCH
             assert prefix.stats.hit_chunks == 1  # the prefix ends before the bad chunk
             reused = prefill_and_generate(tiny, ids, prefix.chunks, params=GREEDY)
         assert reused.cached_tokens == CHUNK
         assert reused.token_ids == full.token_ids
-        assert conn.stats().fallbacks == {CHECKSUM_MISMATCH: 1}
+        assert conn.stats().fallbacks == {Fallback.CHECKSUM_MISMATCH: 1}
     finally:
         conn.close()
 
@@ -220,12 +219,12 @@ def test_killed_cache_server_costs_a_recompute_then_the_engine_reconnects(
 
         server.kill()
         down = ask(app, body)
-        assert down["cached_token_stats"]["fallback"] == SERVER_UNAVAILABLE
+        assert down["cached_token_stats"]["fallback"] == Fallback.SERVER_UNAVAILABLE
         assert down["cached_token_stats"]["num_cached_tokens"] == 0
         assert down["choices"] == first["choices"]
         # no more waiting on a dead server: the next request skips the cache at once
         t0 = time.monotonic()
-        assert ask(app, body)["cached_token_stats"]["fallback"] == SERVER_UNAVAILABLE
+        assert ask(app, body)["cached_token_stats"]["fallback"] == Fallback.SERVER_UNAVAILABLE
         assert time.monotonic() - t0 < 0.5
         assert httpx.get(f"{app.url}/healthz").json()["cache"] == "disconnected"
         metrics = httpx.get(f"{app.url}/metrics").text
@@ -249,7 +248,7 @@ def test_engine_starts_without_its_cache_server_and_connects_later(
     body = chat_body(document(12))
     with engine(tiny, port) as app:
         alone = ask(app, body)
-        assert alone["cached_token_stats"]["fallback"] == SERVER_UNAVAILABLE
+        assert alone["cached_token_stats"]["fallback"] == Fallback.SERVER_UNAVAILABLE
         start_cache_server(port=port)
         wait_connected(app)
         ask(app, body)
@@ -260,6 +259,6 @@ def test_fail_policy_answers_503_when_the_cache_is_down(tiny: LoadedModel) -> No
     with engine(tiny, free_port(), kv_load_failure_policy="fail") as app:
         err = ask(app, chat_body(document(12)), expect=503)
         assert err["error"]["code"] == "kv_load"
-        assert SERVER_UNAVAILABLE in err["error"]["message"]
+        assert Fallback.SERVER_UNAVAILABLE in err["error"]["message"]
         # a prompt shorter than a chunk needs no cache: it is served
         assert ask(app, chat_body("hi"))["cached_token_stats"]["fallback"] is None

@@ -12,12 +12,14 @@ cause, and a background thread re-registers once the server answers again.
 Must not: run the model, decide sampling, talk to peers or the coordinator (the server
 does P2P behind the lookup), or read configuration from flags or the environment.
 
-Fallback causes (``FetchStats.fallback``, counted in ``ConnectorStats.fallbacks``):
-``server_unavailable`` (no answer in time, or not connected), ``refused`` (the server
-answered with an error), ``contract_refused`` (re-registration refused),
-``checksum_mismatch`` (a chunk's bytes do not match its checksum), ``bad_chunk`` (a chunk
-of the wrong size, or one the model could not build a cache from), ``p2p_<reason>``
-(the server's peer read gave up: timeout, peer_dead, ...).
+Fallback causes (``Fallback``: ``FetchStats.fallback``, counted in
+``ConnectorStats.fallbacks``): ``server_unavailable`` (no answer in time, or not
+connected), ``refused`` (the server answered with an error), ``contract_refused``
+(re-registration refused), ``checksum_mismatch`` (a chunk's bytes do not match its
+checksum), ``bad_chunk`` (a chunk of the wrong size, or one the model could not build a
+cache from), ``p2p_<reason>`` for each of the server's ``PeerFallback`` reasons (its peer
+read gave up: ``p2p_timeout``, ``p2p_peer_dead``, ...), ``p2p_other`` for a reason this
+connector does not know (a newer server's).
 
 Exceptions::
 
@@ -29,8 +31,8 @@ Exceptions::
 
 from __future__ import annotations
 
+import enum
 import logging
-import re
 import threading
 import time
 from collections import Counter
@@ -58,20 +60,44 @@ from kvatlas.wire.engine_proto import (
     EngineRegistered,
     Lookup,
     LookupResult,
+    PeerFallback,
 )
 
 log = logging.getLogger(__name__)
 
-SERVER_UNAVAILABLE: Final = "server_unavailable"
-REFUSED: Final = "refused"
-CONTRACT_REFUSED: Final = "contract_refused"
-CHECKSUM_MISMATCH: Final = "checksum_mismatch"
-BAD_CHUNK: Final = "bad_chunk"
+
+class Fallback(enum.StrEnum):
+    """Why a fetch fell back to recomputing (the value is the metrics label)."""
+
+    SERVER_UNAVAILABLE = "server_unavailable"
+    REFUSED = "refused"
+    CONTRACT_REFUSED = "contract_refused"
+    CHECKSUM_MISMATCH = "checksum_mismatch"
+    BAD_CHUNK = "bad_chunk"
+    P2P_TIMEOUT = "p2p_timeout"
+    P2P_PEER_DEAD = "p2p_peer_dead"
+    P2P_CHECKSUM_MISMATCH = "p2p_checksum_mismatch"
+    P2P_REFUSED = "p2p_refused"
+    P2P_STALE_HINT = "p2p_stale_hint"
+    P2P_NO_SPACE = "p2p_no_space"
+    P2P_COOLING_OFF = "p2p_cooling_off"
+    P2P_NOT_FOUND = "p2p_not_found"
+    P2P_OTHER = "p2p_other"
+    """The server named a reason this connector does not know."""
+
+    @classmethod
+    def from_peer(cls, reason: str) -> Fallback:
+        """The cause of the server's ``LookupResult.p2p_fallback`` (a non-empty reason)."""
+        return _FROM_PEER.get(reason, cls.P2P_OTHER)
+
+
+_FROM_PEER: Final = {r.value: Fallback(f"p2p_{r.value}") for r in PeerFallback}
+"""Server reason -> connector cause; built at import, so a ``PeerFallback`` without its
+``p2p_`` member here fails the import, not a lookup."""
 
 _EMA_ALPHA: Final = 0.2
 _MIN_TOKENS_TO_MEASURE: Final = 32
 """Shorter prefills are dominated by fixed per-call overhead, not by per-token cost."""
-_CAUSE_CHARS = re.compile(r"[^a-z0-9_]+")
 
 
 class ConnectorError(KvatlasError):
@@ -102,8 +128,8 @@ class FetchStats:
     """Of ``lookup_s``, the seconds spent verifying checksums."""
     server_ms: dict[str, float] = field(default_factory=dict)
     """The server's own breakdown when it asked peers (``LookupResult.p2p_ms``)."""
-    fallback: str | None = None
-    """Cause of a failed lookup or load (see the module doc); None when all went well."""
+    fallback: Fallback | None = None
+    """Cause of a failed lookup or load; None when all went well."""
     detail: str = ""
     """Human-readable detail of ``fallback``, for logs."""
 
@@ -130,7 +156,7 @@ class ConnectorStats:
     stored_chunks: int
     store_failures: int
     reconnects: int
-    fallbacks: dict[str, int] = field(default_factory=dict)
+    fallbacks: dict[Fallback, int] = field(default_factory=dict)
     prefill_s_per_token: float = 0.0
 
 
@@ -204,7 +230,7 @@ class KVConnector:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._s_per_token = 0.0
-        self._fallbacks: Counter[str] = Counter()
+        self._fallbacks: Counter[Fallback] = Counter()
         self._lookups = 0
         self._hit_chunks = 0
         self._peer_chunks = 0
@@ -287,7 +313,7 @@ class KVConnector:
                 # the server came back with a contract this engine contradicts: keep
                 # serving without a cache rather than die mid-flight, loudly
                 log.error("%s; serving without a cache", exc)
-                self._count(CONTRACT_REFUSED)
+                self._count(Fallback.CONTRACT_REFUSED)
             except KvatlasError as exc:  # e.g. the old region cannot be unmapped yet
                 log.warning("re-registering with the cache server failed: %s", exc)
 
@@ -330,7 +356,9 @@ class KVConnector:
         if n_full == 0:
             return CachedPrefix([], stats)
         if not self._connected:
-            return self._failed(stats, SERVER_UNAVAILABLE, "not connected to the cache server")
+            return self._failed(
+                stats, Fallback.SERVER_UNAVAILABLE, "not connected to the cache server"
+            )
         t0 = self._clock()
         tokens = as_token_array(list(prompt_ids[: n_full * self.chunk_size]))
         estimate = self.recompute_estimate(n_full * self.chunk_size)
@@ -338,9 +366,9 @@ class KVConnector:
             res = self._lookup(tokens.astype("<u4", copy=False).tobytes(), estimate)
         except ServerUnavailable as exc:
             self._set_connected(False)
-            return self._failed(stats, SERVER_UNAVAILABLE, str(exc), t0)
+            return self._failed(stats, Fallback.SERVER_UNAVAILABLE, str(exc), t0)
         except (RequestRefused, EngineClientError) as exc:
-            return self._failed(stats, REFUSED, str(exc), t0)
+            return self._failed(stats, Fallback.REFUSED, str(exc), t0)
         self._lookups += 1
         stats.server_ms = dict(res.p2p_ms)
         prefix = CachedPrefix([], stats, [c.lease_id for c in res.chunks], self._release)
@@ -359,7 +387,7 @@ class KVConnector:
         self._peer_chunks += stats.peer_chunks
         stats.lookup_s = self._clock() - t0
         if cause is None and res.p2p_fallback:
-            cause = "p2p_" + _CAUSE_CHARS.sub("_", res.p2p_fallback.lower())[:40]
+            cause = Fallback.from_peer(res.p2p_fallback)
             detail = f"peer read gave up: {res.p2p_fallback}"
         if cause is not None:
             self._note_fallback(stats, cause, detail)
@@ -387,21 +415,21 @@ class KVConnector:
 
     def _verify(
         self, locs: Sequence[ChunkLoc]
-    ) -> tuple[list[npt.NDArray[np.uint8]], str | None, str]:
+    ) -> tuple[list[npt.NDArray[np.uint8]], Fallback | None, str]:
         """Views of the leading chunks that check out; the first bad one ends the prefix."""
         out: list[npt.NDArray[np.uint8]] = []
         for i, loc in enumerate(locs):
             if loc.size != self._chunk_bytes:
                 return (
                     out,
-                    BAD_CHUNK,
+                    Fallback.BAD_CHUNK,
                     f"chunk {i} has {loc.size} bytes, expected {self._chunk_bytes}",
                 )
             view = self.client.view(loc.offset, loc.size)
             if self.verify_checksums and checksum(view.data) != loc.checksum:
                 return (
                     out,
-                    CHECKSUM_MISMATCH,
+                    Fallback.CHECKSUM_MISMATCH,
                     f"chunk {i} ({loc.hash.hex()[:16]}) checksum mismatch",
                 )
             out.append(view)
@@ -418,14 +446,14 @@ class KVConnector:
             log.warning("releasing %d read leases failed: %s", len(lease_ids), exc)
 
     def _failed(
-        self, stats: FetchStats, cause: str, detail: str, t0: float | None = None
+        self, stats: FetchStats, cause: Fallback, detail: str, t0: float | None = None
     ) -> CachedPrefix:
         if t0 is not None:
             stats.lookup_s = self._clock() - t0
         self._note_fallback(stats, cause, detail)
         return CachedPrefix([], stats)
 
-    def _note_fallback(self, stats: FetchStats, cause: str, detail: str) -> None:
+    def _note_fallback(self, stats: FetchStats, cause: Fallback, detail: str) -> None:
         stats.fallback, stats.detail = cause, detail
         self._count(cause)
         log.warning(
@@ -436,14 +464,14 @@ class KVConnector:
             stats.asked_chunks,
         )
 
-    def _count(self, cause: str) -> None:
+    def _count(self, cause: Fallback) -> None:
         with self._state:
             self._fallbacks[cause] += 1
 
     def note_unusable(self, stats: FetchStats, detail: str) -> None:
         """The model could not build a cache from the fetched chunks (counted as bad_chunk)."""
         stats.hit_chunks = stats.peer_chunks = 0
-        self._note_fallback(stats, BAD_CHUNK, detail)
+        self._note_fallback(stats, Fallback.BAD_CHUNK, detail)
 
     # ------------------------------------------------------------------ store
 

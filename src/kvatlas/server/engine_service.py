@@ -53,6 +53,7 @@ from kvatlas.wire.engine_proto import (
     GetStats,
     Lookup,
     LookupResult,
+    PeerFallback,
     RegisterEngine,
     Release,
     ReleaseResult,
@@ -76,8 +77,8 @@ class PeerFetch:
 
     fetched: frozenset[ObjectKey] = field(default_factory=frozenset)
     """Keys committed into L1 from peers by this fetch."""
-    fallback: str = ""
-    """Why peers could not serve the rest, when they were asked ("" when they did)."""
+    fallback: PeerFallback | None = None
+    """Why peers could not serve the rest, when they were asked (None when they did)."""
     timings_ms: dict[str, float] = field(default_factory=dict)
     """Where the fetch's time went: directory, lock, transfer, verify, commit, unlock."""
 
@@ -327,7 +328,7 @@ class EngineService:
         return msgspec.structs.replace(
             result,
             peer_chunks=peer,
-            p2p_fallback=fetch.fallback,
+            p2p_fallback="" if fetch.fallback is None else fetch.fallback.value,
             p2p_ms={"local_lookup": local_ms, **fetch.timings_ms},
         )
 

@@ -110,7 +110,7 @@ class _StatsCollector(Collector):
             labels=["instance_id", "cause"],
         )
         for cause, n in sorted(f.fallbacks.items()):
-            fb.add_metric([self._iid, cause], n)
+            fb.add_metric([self._iid, cause.value], n)
         yield fb
 
 

@@ -139,7 +139,7 @@ def p2p_status(p2p: P2PStats) -> P2PStatus:
         directory_lookups=f.directory_lookups,
         directory_failures=f.directory_failures,
         all_peer_fallbacks=f.all_peer_fallbacks,
-        fallbacks=dict(f.fallbacks),
+        fallbacks={cause.value: n for cause, n in f.fallbacks.items()},
         cooling_peers=list(p2p.cooling_peers),
         served_locks=p2p.served_locks,
         served_chunks=p2p.served_chunks,

@@ -16,6 +16,7 @@ Owns encoding and shapes only; no I/O and no state.
 
 from __future__ import annotations
 
+import enum
 from typing import Final, Literal
 
 import msgspec
@@ -148,6 +149,30 @@ class ChunkLoc(msgspec.Struct, frozen=True, array_like=True):
     lease_id: int = 0
 
 
+class PeerFallback(enum.StrEnum):
+    """Why the server's peer fetch left the rest of a prefix to be recomputed: the values
+    of ``LookupResult.p2p_fallback`` and of the server's ``p2p_fallbacks{cause}`` label."""
+
+    TIMEOUT = "timeout"
+    """A deadline passed: no time left to ask, no answer to ``lookup_and_lock``, or a
+    read that did not land in time."""
+    PEER_DEAD = "peer_dead"
+    """The peer's control channel or transport failed."""
+    CHECKSUM_MISMATCH = "checksum_mismatch"
+    """Bytes landed that do not match the owner's checksum."""
+    REFUSED = "refused"
+    """The peer refused, answered garbage, or answered for other keys or another
+    incarnation than asked."""
+    STALE_HINT = "stale_hint"
+    """The directory named a peer that no longer had the chunks."""
+    NO_SPACE = "no_space"
+    """No local L1 slot for what the peer would send."""
+    COOLING_OFF = "cooling_off"
+    """Every candidate peer is skipped for a while after repeated failures (not counted)."""
+    NOT_FOUND = "not_found"
+    """No peer held the rest (not counted)."""
+
+
 class LookupResult(msgspec.Struct, frozen=True, tag="lookup_result"):
     hit_tokens: int
     hit_chunks: int
@@ -157,7 +182,9 @@ class LookupResult(msgspec.Struct, frozen=True, tag="lookup_result"):
     peer_chunks: int = 0
     """How many of the hit chunks this lookup read from peers (P2P)."""
     p2p_fallback: str = ""
-    """Why P2P could not serve the rest, when it tried (timeout, peer_dead, ...)."""
+    """Why P2P could not serve the rest, when it tried: a ``PeerFallback`` value ("" when
+    it served all or did not try). A plain string, so that a reason a newer server adds
+    does not make the whole answer undecodable."""
     p2p_ms: dict[str, float] = {}
     """Where the server's time went when it asked peers (milliseconds): local_lookup,
     directory, lock (lookup_and_lock), reserve, transfer (checksums verified as the

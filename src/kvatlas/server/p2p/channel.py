@@ -29,6 +29,7 @@ import zmq
 from kvatlas.core.errors import PortInUse
 from kvatlas.server.errors import ServerError
 from kvatlas.wire import p2p_proto
+from kvatlas.wire.engine_proto import PeerFallback
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ MAX_IDLE_SOCKETS: Final = 4
 class ChannelError(ServerError):
     """A control request to a peer failed; ``cause`` is timeout, peer_dead or refused."""
 
-    def __init__(self, message: str, cause: str) -> None:
+    def __init__(self, message: str, cause: PeerFallback) -> None:
         super().__init__(message)
         self.cause = cause
 
@@ -165,7 +166,7 @@ class ChannelClient:
         """The peer's answer within ``timeout_s``; ChannelError otherwise (P2PError
         answers are raised too, as ``refused``)."""
         if timeout_s <= 0:
-            raise ChannelError(f"no time left to ask {self.url}", "timeout")
+            raise ChannelError(f"no time left to ask {self.url}", PeerFallback.TIMEOUT)
         rid = next(self._ids)
         sock = self._take()
         try:
@@ -181,25 +182,30 @@ class ChannelClient:
             if not sock.poll(max(1, int(timeout_s * 1000)), zmq.POLLIN):
                 raise ChannelError(
                     f"{self.url} did not answer {type(body).__name__} within {timeout_s:.3f}s",
-                    "timeout",
+                    PeerFallback.TIMEOUT,
                 )
             resp = p2p_proto.decode_response(sock.recv_multipart(copy=True)[-1])
         except zmq.ZMQError as exc:
             sock.close(0)
-            raise ChannelError(f"control channel to {self.url} failed: {exc}", "peer_dead") from exc
+            raise ChannelError(
+                f"control channel to {self.url} failed: {exc}", PeerFallback.PEER_DEAD
+            ) from exc
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             sock.close(0)
-            raise ChannelError(f"{self.url} answered garbage: {exc}", "refused") from exc
+            raise ChannelError(f"{self.url} answered garbage: {exc}", PeerFallback.REFUSED) from exc
         except ChannelError:
             sock.close(0)
             raise
         if resp.id != rid:  # cannot happen with one request per socket; stay safe
             sock.close(0)
-            raise ChannelError(f"{self.url} answered request {resp.id}, not {rid}", "refused")
+            raise ChannelError(
+                f"{self.url} answered request {resp.id}, not {rid}", PeerFallback.REFUSED
+            )
         self._give_back(sock)
         if isinstance(resp.body, p2p_proto.P2PError):
             raise ChannelError(
-                f"{self.url} refused: {resp.body.code}: {resp.body.message}", "refused"
+                f"{self.url} refused: {resp.body.code}: {resp.body.message}",
+                PeerFallback.REFUSED,
             )
         return resp.body
 

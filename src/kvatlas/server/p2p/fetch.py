@@ -8,8 +8,8 @@ failures are skipped), ``lookup_and_lock`` to them one after the other until the
 is covered, the load into freshly reserved local slots through the transport, a
 second checksum pass over what landed, commit (STOREs are published like any local
 store), and the acknowledged unlock. Every failure is a miss for the rest of the prefix
-and is counted by cause: timeout, peer_dead, checksum_mismatch, refused, stale_hint
-(the directory named a peer that no longer had the chunks), no_space.
+and is counted by cause (``CAUSES``, the ``PeerFallback`` values: timeout, peer_dead,
+checksum_mismatch, refused, stale_hint, no_space).
 
 It runs WITHOUT the store lock and takes it only briefly, through
 ``PeerStoreAccess.reserve_for_peer_fetch`` / ``commit_peer_fetch``.
@@ -39,20 +39,28 @@ from kvatlas.server.p2p.channel import ChannelError
 from kvatlas.server.p2p.controller import P2PController, PeerAdapter
 from kvatlas.server.p2p.store_access import PeerStoreAccess
 from kvatlas.transfer.base import ReadOp, ReadResult, ReadStatus
+from kvatlas.wire.engine_proto import PeerFallback
 from kvatlas.wire.http_api import KeyWire, LookupRequest
 from kvatlas.wire.p2p_proto import Locked, LockedChunk, LookupAndLock, Unlock
 
 log = logging.getLogger(__name__)
 
 CAUSES: Final = (
-    "timeout",
-    "peer_dead",
-    "checksum_mismatch",
-    "refused",
-    "stale_hint",
-    "no_space",
+    PeerFallback.TIMEOUT,
+    PeerFallback.PEER_DEAD,
+    PeerFallback.CHECKSUM_MISMATCH,
+    PeerFallback.REFUSED,
+    PeerFallback.STALE_HINT,
+    PeerFallback.NO_SPACE,
 )
 """Fallback causes counted (metric ``p2p_fallbacks{cause}`` and /status)."""
+_READ_FALLBACKS: Final = {
+    ReadStatus.TIMEOUT: PeerFallback.TIMEOUT,
+    ReadStatus.PEER_DEAD: PeerFallback.PEER_DEAD,
+    ReadStatus.CHECKSUM_MISMATCH: PeerFallback.CHECKSUM_MISMATCH,
+    ReadStatus.REFUSED: PeerFallback.REFUSED,
+}
+"""The fallback a failed read is counted as."""
 UNLOCK_TIMEOUT_S: Final = 1.0
 """Bound of the acknowledged unlock; the lease expiry covers an unanswered one."""
 WRITE_GRACE_S: Final = 30.0
@@ -62,7 +70,9 @@ DRAIN_TIMEOUT_S: Final = 0.5
 
 
 @dataclass
-class FetchStats:
+class PeerFetchStats:
+    """The requester's counters, for /status and /metrics."""
+
     lookups: int = 0
     chunks_fetched: int = 0
     bytes_read: int = 0
@@ -70,7 +80,7 @@ class FetchStats:
     directory_failures: int = 0
     all_peer_fallbacks: int = 0
     locks_requested: int = 0
-    fallbacks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
+    fallbacks: dict[PeerFallback, int] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
 
 
 class PeerFetcher:
@@ -101,15 +111,15 @@ class PeerFetcher:
         self.health = PeerHealth(cooloff_s=config.cooloff_s)
         self._lock = threading.Lock()  # guards stats, health and _active
         self._active = 0
-        self.stats = FetchStats()
+        self.stats = PeerFetchStats()
 
     @property
     def active_jobs(self) -> int:
         return self._active
 
-    def snapshot(self) -> FetchStats:
+    def snapshot(self) -> PeerFetchStats:
         with self._lock:
-            return FetchStats(
+            return PeerFetchStats(
                 self.stats.lookups,
                 self.stats.chunks_fetched,
                 self.stats.bytes_read,
@@ -126,14 +136,16 @@ class PeerFetcher:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _count(self, cause: str) -> None:
+    def _count(self, cause: PeerFallback) -> None:
         with self._lock:
             self.stats.fallbacks[cause] = self.stats.fallbacks.get(cause, 0) + 1
 
-    def _failed(self, peer: str, cause: str) -> None:
+    def _failed(self, peer: str, cause: PeerFallback) -> None:
         with self._lock:
             self.stats.fallbacks[cause] = self.stats.fallbacks.get(cause, 0) + 1
-            if cause != "stale_hint" and self.health.record_failure(peer, self._clock()):
+            if cause is not PeerFallback.STALE_HINT and self.health.record_failure(
+                peer, self._clock()
+            ):
                 log.warning(
                     "P2P peer %s failed repeatedly (%s): skipped for %.1fs by instance %s",
                     peer,
@@ -186,17 +198,17 @@ class PeerFetcher:
         with self._lock:
             usable = [a for a in candidates if self.health.available(a.instance_id, now)]
         if candidates and not usable:
-            return PeerFetch(fallback="cooling_off", timings_ms=timings)
+            return PeerFetch(fallback=PeerFallback.COOLING_OFF, timings_ms=timings)
         fetched: set[ObjectKey] = set()
         pos = 0
-        fallback = ""
+        fallback: PeerFallback | None = None
         for adapter in usable:
             if pos >= len(keys):
                 break
             remaining = lookup_deadline - time.monotonic()
             if remaining <= 0:
-                self._count("timeout")
-                fallback = fallback or "timeout"
+                self._count(PeerFallback.TIMEOUT)
+                fallback = fallback or PeerFallback.TIMEOUT
                 break
             # The directory's count is of leading chunks from keys[0]; this peer is asked
             # from ``pos`` on, so it is hinted to hold what is left of its run past pos.
@@ -209,9 +221,9 @@ class PeerFetcher:
             if cause:
                 fallback = fallback or cause
         if pos >= len(keys):
-            fallback = ""
-        elif not fallback:
-            fallback = "not_found"
+            fallback = None
+        elif fallback is None:
+            fallback = PeerFallback.NOT_FOUND
         return PeerFetch(frozenset(fetched), fallback, timings)
 
     def _directory(self, keys: Sequence[ObjectKey], deadline: float) -> dict[str, int] | None:
@@ -250,7 +262,8 @@ class PeerFetcher:
         load_budget: float,
         *,
         timings: dict[str, float],
-    ) -> tuple[_Loaded, str]:
+    ) -> tuple[_Loaded, PeerFallback | None]:
+        """What this peer brought, and why it could not bring the rest (None: it did)."""
         peer = adapter.instance_id
         ns = keys[0].namespace
         lease_s = min(self._config.lock_lease_s, lookup_s + load_budget + UNLOCK_TIMEOUT_S + 1.0)
@@ -270,8 +283,8 @@ class PeerFetcher:
             self._failed(peer, exc.cause)
             return _Loaded(), exc.cause
         if not isinstance(answer, Locked):
-            self._failed(peer, "refused")
-            return _Loaded(), "refused"
+            self._failed(peer, PeerFallback.REFUSED)
+            return _Loaded(), PeerFallback.REFUSED
         chunks = answer.chunks
         lease_ids = [c.lease_id for c in chunks]
         bad = (
@@ -281,11 +294,11 @@ class PeerFetcher:
         )
         if bad:
             self._unlock(adapter, lease_ids)
-            self._failed(peer, "refused")
-            return _Loaded(), "refused"
+            self._failed(peer, PeerFallback.REFUSED)
+            return _Loaded(), PeerFallback.REFUSED
         stale = len(chunks) < min(hinted, len(keys))
         if stale:
-            self._count("stale_hint")
+            self._count(PeerFallback.STALE_HINT)
             log.info(
                 "stale directory hint on instance %s: peer %s holds %d of the %d chunks named",
                 self.instance_id,
@@ -294,18 +307,18 @@ class PeerFetcher:
                 min(hinted, len(keys)),
             )
         if not chunks:
-            return _Loaded(), "stale_hint" if stale else ""
+            return _Loaded(), PeerFallback.STALE_HINT if stale else None
         loaded, cause = self._load(adapter, keys[: len(chunks)], chunks, load_budget, timings)
-        if cause != "peer_dead":
+        if cause is not PeerFallback.PEER_DEAD:
             with _timed(timings, "unlock"):
                 self._unlock(adapter, lease_ids)
-        if cause:
+        if cause is not None:
             self._failed(peer, cause)
         else:
             with self._lock:
                 self.health.record_success(peer)
-        if not cause and stale:
-            cause = "stale_hint"
+        if cause is None and stale:
+            cause = PeerFallback.STALE_HINT
         return loaded, cause
 
     def _load(
@@ -315,7 +328,7 @@ class PeerFetcher:
         chunks: Sequence[LockedChunk],
         load_budget: float,
         timings: dict[str, float],
-    ) -> tuple[_Loaded, str]:
+    ) -> tuple[_Loaded, PeerFallback | None]:
         store = self._store
         with _timed(timings, "reserve"):
             grants = store.reserve_for_peer_fetch(
@@ -342,7 +355,7 @@ class PeerFetcher:
                 outcomes = [ReadResult(op, ReadStatus.PEER_DEAD, repr(exc)) for op in reads]
         done: list[tuple[Slot, int]] = []
         failed: list[Slot] = []
-        cause = ""
+        cause: PeerFallback | None = None
         nbytes = 0
         # ``ok`` already means the transport hashed the landed bytes against the owner's
         # checksum (``PeerConnection.read``'s contract), so they are not hashed again here.
@@ -353,7 +366,7 @@ class PeerFetcher:
                 nbytes += read.size
             else:
                 failed.append(slot)
-                if not cause:
+                if cause is None:
                     log.info(
                         "P2P read of %d bytes from peer %s failed on instance %s: %s %s",
                         read.size,
@@ -362,7 +375,7 @@ class PeerFetcher:
                         status.value,
                         outcome.detail,
                     )
-                cause = cause or status.value
+                    cause = _READ_FALLBACKS[status]
         keep = any(o.status is ReadStatus.TIMEOUT for o in outcomes) and not adapter.link.drain(
             DRAIN_TIMEOUT_S
         )
@@ -373,8 +386,8 @@ class PeerFetcher:
             if key in committed or grant is Refusal.EXISTS:
                 present += 1
                 continue
-            if not cause and isinstance(grant, Refusal):
-                cause = "no_space"
+            if cause is None and isinstance(grant, Refusal):
+                cause = PeerFallback.NO_SPACE
             break
         with self._lock:
             self.stats.chunks_fetched += len(committed)

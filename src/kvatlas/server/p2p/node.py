@@ -39,7 +39,7 @@ from kvatlas.runtime.region import L1Region
 from kvatlas.server.config import P2PConfig, split_host_port
 from kvatlas.server.p2p.channel import ChannelServer
 from kvatlas.server.p2p.controller import ENDPOINT_METADATA_KEY, P2PController, P2PState
-from kvatlas.server.p2p.fetch import FetchStats, PeerFetcher
+from kvatlas.server.p2p.fetch import PeerFetcher, PeerFetchStats
 from kvatlas.server.p2p.store_access import PeerStoreAccess
 from kvatlas.transfer.base import Endpoint, FaultPlan, TransferServer
 from kvatlas.transfer.factory import Transport
@@ -69,7 +69,7 @@ class P2PStats:
     transport: str
     advertise_url: str
     transfer_url: str
-    fetch: FetchStats
+    fetch: PeerFetchStats
     cooling_peers: tuple[str, ...]
     served_locks: int
     served_chunks: int
