@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvatlas.core.directory import KeyDirectory
@@ -172,6 +173,41 @@ def test_snapshot_restore_is_a_replay_with_the_same_digest() -> None:
     assert restored.fence("a") == 3  # the reverse index was rebuilt too
     with pytest.raises(SnapshotError):
         KeyDirectory.restore(b"not a snapshot")
+
+
+def test_snapshot_of_several_namespaces_restores_them_all() -> None:
+    # A second namespace makes the directory's key ints exceed 64 bits; version 1 of the
+    # format wrote them as they were, and msgpack refused to encode them.
+    d = KeyDirectory(keep_tokens=True)
+    b_ns, c_ns = Namespace("b", default_kv_rank()), Namespace("c", default_kv_rank(), 3, "x")
+    d.apply(batch("a", EventType.STORE, [0, 1]))
+    d.apply(batch("a", EventType.STORE, [0, 2], ns=b_ns))
+    d.apply(batch("b", EventType.STORE, [5], tier=Tier.L2, ns=c_ns))
+    d.apply(batch("a", EventType.ACCESS, [2], ns=b_ns))
+    tokens = tuple(range(256))
+    d.apply(EventBatch("c", 1, 1, EventType.STORE, Tier.L1, (Entry(key(3, c_ns), 5, tokens, 0),)))
+    restored = KeyDirectory.restore(d.snapshot(), keep_tokens=True)
+    assert restored.digest() == d.digest()
+    assert restored.lookup_keys([key(2, b_ns)])[0].access_count == 1
+    assert restored.lookup_keys([key(3, c_ns)])[0].token_ids == tokens
+    assert restored.fence("a") == 4
+
+
+def test_a_version_1_snapshot_still_restores() -> None:
+    # What version 1 wrote for one namespace: owners as (owner, key ints, sizes), access
+    # and tokens keyed by the key ints (here the bare hash prefixes).
+    d = KeyDirectory(keep_tokens=True)
+    d.apply(batch("a", EventType.STORE, [0, 1]))
+    d.apply(batch("a", EventType.ACCESS, [1]))
+    d.apply(EventBatch("c", 1, 1, EventType.STORE, Tier.L1, (Entry(key(4), 5, (7,) * 256, 0),)))
+    v2 = msgspec.msgpack.decode(d.snapshot())
+    owners_v1 = [[owner, keys, sizes] for owner, _ns, keys, sizes in v2[2]]
+    access_v1 = [[prefix, n] for _ns, prefix, n in v2[3]]
+    tokens_v1 = [[prefix, off, toks] for _ns, prefix, off, toks in v2[4]]
+    v1 = msgspec.msgpack.encode([1, v2[1], owners_v1, access_v1, tokens_v1])
+    assert KeyDirectory.restore(v1, keep_tokens=True).digest() == d.digest()
+    with pytest.raises(SnapshotError, match="version 7"):
+        KeyDirectory.restore(msgspec.msgpack.encode([7, [], [], [], []]))
 
 
 # ---- the key block form ------------------------------------------------------------------

@@ -600,17 +600,18 @@ class KeyDirectory:
         for old, ns in enumerate(snap.namespaces):
             remap[old] = d._ns_id(ns)
 
-        def fix(ik: int) -> int:
-            return remap[ik >> HASH_BITS] << HASH_BITS | (ik & HASH_MASK)
+        def key(ns: int, prefix: int) -> int:
+            return remap[ns] << HASH_BITS | prefix
 
         for so in snap.owners:
-            d._store(d._owner_id(so.owner), [fix(k) for k in so.keys], so.sizes)
-        for ik, n in snap.access:
-            if fix(ik) in d._map:
-                d._access[fix(ik)] = n
+            base = remap[so.namespace] << HASH_BITS
+            d._store(d._owner_id(so.owner), [base | k for k in so.keys], so.sizes)
+        for nsi, prefix, n in snap.access:
+            if (ik := key(nsi, prefix)) in d._map:
+                d._access[ik] = n
         if keep_tokens:
-            for ik, off, toks in snap.tokens:
-                if fix(ik) in d._map:
-                    d._tokens[fix(ik)] = (off, toks)
+            for nsi, prefix, off, toks in snap.tokens:
+                if (ik := key(nsi, prefix)) in d._map:
+                    d._tokens[ik] = (off, toks)
                     d._token_bytes += len(toks)
         return d

@@ -28,12 +28,20 @@ from kvatlas.core.placements import (
     placement_order,
 )
 
-SNAPSHOT_VERSION: Final = 1
+SNAPSHOT_VERSION: Final = 2
+"""2: keys travel as (namespace index, 64-bit hash prefix). Version 1 wrote the directory's
+own key ints (``ns_id << 64 | prefix``), which msgpack cannot hold once a second
+namespace exists, so a version-1 file only ever holds namespace 0; it still restores."""
 
 
 class SnapshotOwner(msgspec.Struct, array_like=True):
+    """The keys one owner holds in one namespace, with their sizes."""
+
     owner: Owner
+    namespace: int
+    """Index into ``DirectorySnapshot.namespaces``."""
     keys: list[int]
+    """64-bit hash prefixes."""
     sizes: list[int]
 
 
@@ -41,6 +49,28 @@ class DirectorySnapshot(msgspec.Struct, array_like=True):
     version: int
     namespaces: list[Namespace]
     owners: list[SnapshotOwner]
+    access: list[tuple[int, int, int]]
+    """(namespace index, hash prefix, access count)."""
+    tokens: list[tuple[int, int, int, bytes]]
+    """(namespace index, hash prefix, token offset, uint32 tokens)."""
+
+
+class _Version(msgspec.Struct, array_like=True):
+    """The leading field of every version (the rest is ignored when reading it)."""
+
+    version: int
+
+
+class _OwnerV1(msgspec.Struct, array_like=True):
+    owner: Owner
+    keys: list[int]
+    sizes: list[int]
+
+
+class _SnapshotV1(msgspec.Struct, array_like=True):
+    version: int
+    namespaces: list[Namespace]
+    owners: list[_OwnerV1]
     access: list[tuple[int, int]]
     tokens: list[tuple[int, int, bytes]]
 
@@ -99,19 +129,26 @@ class DirectoryCapture:
 
     def encode(self) -> bytes:
         """The snapshot bytes; `KeyDirectory.restore` replays them."""
-        per_owner: dict[int, tuple[list[int], list[int]]] = {}
+        per_owner: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         for ik, cur in self._keys.items():
+            ns, prefix = ik >> HASH_BITS, ik & HASH_MASK
             codes: tuple[int, ...] = (cur,) if type(cur) is int else cur  # type: ignore[assignment]
             for c in codes:
-                ks, ss = per_owner.setdefault(c >> SIZE_BITS, ([], []))
-                ks.append(ik)
+                ks, ss = per_owner.setdefault((c >> SIZE_BITS, ns), ([], []))
+                ks.append(prefix)
                 ss.append(c & SIZE_MASK)
         snap = DirectorySnapshot(
             version=SNAPSHOT_VERSION,
             namespaces=list(self._namespaces),
-            owners=[SnapshotOwner(self._owners[o], ks, ss) for o, (ks, ss) in per_owner.items()],
-            access=list(self._access.items()),
-            tokens=[(ik, off, toks) for ik, (off, toks) in self._tokens.items()],
+            owners=[
+                SnapshotOwner(self._owners[o], ns, ks, ss)
+                for (o, ns), (ks, ss) in per_owner.items()
+            ],
+            access=[(ik >> HASH_BITS, ik & HASH_MASK, n) for ik, n in self._access.items()],
+            tokens=[
+                (ik >> HASH_BITS, ik & HASH_MASK, off, toks)
+                for ik, (off, toks) in self._tokens.items()
+            ],
         )
         return msgspec.msgpack.encode(snap)
 
@@ -119,9 +156,25 @@ class DirectoryCapture:
 def decode_snapshot(data: bytes) -> DirectorySnapshot:
     """The snapshot format from bytes; SnapshotError when undecodable or of another version."""
     try:
-        snap = msgspec.msgpack.decode(data, type=DirectorySnapshot)
+        version = msgspec.msgpack.decode(data, type=_Version).version
+        if version == 1:
+            return _upgrade_v1(msgspec.msgpack.decode(data, type=_SnapshotV1))
+        if version != SNAPSHOT_VERSION:
+            raise SnapshotError(f"directory snapshot version {version} is not supported")
+        return msgspec.msgpack.decode(data, type=DirectorySnapshot)
     except msgspec.DecodeError as exc:
         raise SnapshotError(f"directory snapshot cannot be decoded: {exc}") from exc
-    if snap.version != SNAPSHOT_VERSION:
-        raise SnapshotError(f"directory snapshot version {snap.version} is not supported")
-    return snap
+
+
+def _upgrade_v1(old: _SnapshotV1) -> DirectorySnapshot:
+    """Version 1 could only be written with every key in namespace 0 (its key ints were
+    the bare prefixes then); anything else is not a file version 1 wrote."""
+    if any(k > HASH_MASK for o in old.owners for k in o.keys):
+        raise SnapshotError("directory snapshot version 1 holds a key outside namespace 0")
+    return DirectorySnapshot(
+        version=SNAPSHOT_VERSION,
+        namespaces=old.namespaces,
+        owners=[SnapshotOwner(o.owner, 0, o.keys, o.sizes) for o in old.owners],
+        access=[(0, ik, n) for ik, n in old.access],
+        tokens=[(0, ik, off, toks) for ik, off, toks in old.tokens],
+    )
