@@ -298,3 +298,31 @@ def test_bad_block_applies_nothing() -> None:
             assert (d.digest(), d.stats()) == before
     with pytest.raises(InvalidInput, match="hashes for 2 sizes"):
         d.apply(EventBatch("a", 1, 2, EventType.STORE, Tier.L1, (), block=bad_blocks[0]))
+
+
+def test_owners_that_hold_nothing_any_more_are_freed() -> None:
+    """Issue #14, item 9: 20k owners stored then deleted (or fenced) kept ~8 MB."""
+    d = KeyDirectory()
+    for i in range(20_000):
+        tier = Tier.L1 if i % 2 else Tier.L2
+        d.apply(batch(f"i{i}", EventType.STORE, [i % 5, 1 + i % 5], tier=tier, size=i))
+        if i % 4 == 1:
+            d.fence(f"i{i}")
+            d.apply(batch(f"i{i}", EventType.DELETE, [i % 5], tier=tier))  # nothing left
+        else:
+            d.apply(batch(f"i{i}", EventType.DELETE, [i % 5, 1 + i % 5], tier=tier))
+        d.apply(batch(f"e{i}", EventType.STORE, []))  # an empty store creates no owner
+    assert len(d) == 0 and d.stats().owners == ()
+    assert len(d._owners) <= 2 and len(d._owner_ids) == 0
+    assert d._owners_by_instance == {} and d._rev == {} and len(d._codes) == 0
+
+
+def test_a_reused_owner_id_never_answers_for_the_old_owner() -> None:
+    d = KeyDirectory()
+    d.apply(batch("a", EventType.STORE, [0], size=100))
+    assert [p.instance_id for p in d.lookup_keys([key(0)])[0].placements] == ["a"]
+    d.apply(batch("a", EventType.DELETE, [0]))
+    d.apply(batch("b", EventType.STORE, [0], size=100))  # takes a's freed id
+    assert [p.instance_id for p in d.lookup_keys([key(0)])[0].placements] == ["b"]
+    restored = KeyDirectory.restore(d.snapshot())
+    assert restored.digest() == d.digest()

@@ -58,6 +58,8 @@ from kvatlas.core.placements import (
 from kvatlas.core.types import ChunkHash, EventType, Incarnation, InstanceId, Tier
 
 _COMPACT_SLACK = 1024
+_FREED = Owner(InstanceId(""), Incarnation(-1), Tier.L1, "", False)
+"""What a dropped owner's slot holds until its id is reused (no map value names it)."""
 _CACHE_LIMIT = 65536
 
 _get_key = attrgetter("key")
@@ -93,6 +95,8 @@ class KeyDirectory:
         self._owner_ids: dict[Owner, int] = {}
         self._owners: list[Owner] = []
         self._owners_by_instance: dict[InstanceId, set[int]] = {}
+        self._free_oids: list[int] = []
+        """Owner ids whose owner holds nothing any more, to reuse (`_drop_owner`)."""
         self._codes: dict[int, int] = {}
         self._map: dict[int, MapValue] = {}
         self._rev: dict[int, list[int]] = {}
@@ -166,15 +170,37 @@ class KeyDirectory:
     def _owner_id(self, owner: Owner) -> int:
         oid = self._owner_ids.get(owner)
         if oid is None:
-            oid = len(self._owners)
+            if self._free_oids:
+                oid = self._free_oids.pop()
+                self._owners[oid] = owner
+            else:
+                oid = len(self._owners)
+                self._owners.append(owner)
+                self._count.append(0)
+                self._bytes.append(0)
             self._owner_ids[owner] = oid
-            self._owners.append(owner)
             self._owners_by_instance.setdefault(owner.instance_id, set()).add(oid)
-            self._count.append(0)
-            self._bytes.append(0)
             if owner.tier is Tier.L1:
                 self._rev[oid] = []
         return oid
+
+    def _drop_owner(self, oid: int) -> None:
+        """Forget owner ``oid``, which holds no placement any more, and free its id for
+        reuse: instances and incarnations come and go, and their owners must not pile up
+        (stored then deleted, 20k of them used to keep ~8 MB)."""
+        owner = self._owners[oid]
+        del self._owner_ids[owner]
+        ids = self._owners_by_instance[owner.instance_id]
+        ids.discard(oid)
+        if not ids:
+            del self._owners_by_instance[owner.instance_id]
+        self._rev.pop(oid, None)
+        self._codes = {c: c for c in self._codes if c >> SIZE_BITS != oid}
+        # Cached placements decode codes by owner id, which the next owner reuses.
+        self._pl_cache = {None: ()}
+        self._owners[oid] = _FREED
+        self._count[oid] = self._bytes[oid] = 0
+        self._free_oids.append(oid)
 
     def _code(self, oid: int, size: int) -> int:
         if not 0 <= size <= SIZE_MASK:
@@ -221,6 +247,8 @@ class KeyDirectory:
                 iks.extend(self._block_ints(block))
             oid = self._owner_id(owner)
             created = self._store(oid, iks, sizes, uniform)
+            if not self._count[oid]:  # an empty batch: nothing holds the new owner
+                self._drop_owner(oid)
             if self.keep_tokens:
                 # iks holds the entries' keys first; a block carries no tokens.
                 for key_int, e in zip(iks, entries, strict=False):
@@ -334,7 +362,9 @@ class KeyDirectory:
             self._map[ik] = keep[0] if len(keep) == 1 else keep
         self._count[oid] -= 1
         self._bytes[oid] -= removed & SIZE_MASK
-        if compact:
+        if not self._count[oid]:
+            self._drop_owner(oid)
+        elif compact:
             self._maybe_compact(oid)
         return True
 
