@@ -89,3 +89,35 @@ def test_deadline_follows_the_recompute_time() -> None:
     assert p2p_deadline(30.0, 100.0) == 30.0
     assert p2p_deadline(30.0, 0.001) == 0.05
     assert p2p_deadline(30.0, 0.5, factor=2.0) == 1.0
+
+
+def test_a_hard_failure_opens_the_breaker_at_once() -> None:
+    h = PeerHealth(threshold=3, cooloff_s=5.0, probe_after_s=0.5)
+    assert h.record_failure("b", 1.0, hard=True)
+    assert not h.available("b", 1.1)
+    assert h.cooling(1.1) == ["b"] and h.opened == 1
+    assert not h.record_failure("b", 1.2, hard=True)  # already open: not opened again
+    assert h.opened == 1
+
+
+def test_probes_are_due_at_doubling_intervals_up_to_the_cooloff() -> None:
+    h = PeerHealth(cooloff_s=3.0, probe_after_s=0.5)
+    h.record_failure("b", 0.0, hard=True)
+    assert h.due_probes(0.4) == []
+    assert h.due_probes(0.5) == ["b"]
+    assert h.due_probes(1.0) == []  # next one at 0.5 + 1.0
+    assert h.due_probes(1.5) == ["b"]
+    assert h.due_probes(3.4) == []  # next gap 2.0
+    assert h.due_probes(3.5) == ["b"]
+    assert h.due_probes(6.4) == []  # capped at the cooloff: 3.0
+    assert h.due_probes(6.5) == ["b"]
+
+
+def test_an_answered_probe_or_a_new_incarnation_closes_the_breaker() -> None:
+    h = PeerHealth(cooloff_s=5.0, probe_after_s=0.5)
+    h.record_failure("b", 0.0, hard=True)
+    h.record_failure("c", 0.0, hard=True)
+    h.record_success("b")  # its probe answered
+    h.forget("c")  # it came back with a new incarnation
+    assert h.available("b", 0.1) and h.available("c", 0.1)
+    assert h.due_probes(10.0) == [] and h.cooling(0.1) == []

@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--l2-size-gb", type=float, default=None, help="L2 budget (needs --l2-path)")
     ap.add_argument("--lease-seconds", type=float, default=30.0, help="default lease length")
     ap.add_argument("--engine-workers", type=int, default=4, help="engine API threads")
+    ap.add_argument(
+        "--engine-p2p-workers",
+        type=int,
+        default=4,
+        help="more engine API threads for lookups that wait on peers, and the most such"
+        " lookups at once (beyond them a lookup answers its local prefix)",
+    )
     ap.add_argument("--state-dir", default=None, help="incarnation counter dir")
     ap.add_argument("--coordinator-url", default=None, help="coordinator base URL")
     ap.add_argument("--coordinator-advertise-ip", default="127.0.0.1", help="IP to advertise")
@@ -115,7 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--p2p-expected-recompute-s-per-token",
         type=float,
         default=0.0,
-        help="recompute estimate when an engine sends none (0: only the timeouts apply)",
+        help="recompute seconds per token when an engine sends no estimate"
+        " (0: --p2p-default-recompute-s-per-token)",
+    )
+    p2p.add_argument(
+        "--p2p-default-recompute-s-per-token",
+        type=float,
+        default=0.005,
+        help="the recompute cost assumed when neither the engine nor"
+        " --p2p-expected-recompute-s-per-token gives one (default 0.005: 200 tokens/s);"
+        " it bounds every P2P wait below the timeouts",
     )
     p2p.add_argument("--p2p-lock-lease-seconds", type=float, default=30.0)
     p2p.add_argument("--p2p-cooloff-seconds", type=float, default=10.0)
@@ -149,6 +165,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
         state_dir=Path(args.state_dir) if args.state_dir else default_state_dir(),
         lease_s=args.lease_seconds,
         engine_workers=args.engine_workers,
+        engine_p2p_workers=args.engine_p2p_workers,
         l1=L1Config(
             size_bytes=int(args.l1_size_gb * GIB),
             eviction_policy=args.eviction_policy,
@@ -189,6 +206,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
                 else MooncakeConfig()
             ),
             recompute_s_per_token=args.p2p_expected_recompute_s_per_token,
+            default_recompute_s_per_token=args.p2p_default_recompute_s_per_token,
             lock_lease_s=args.p2p_lock_lease_seconds,
             cooloff_s=args.p2p_cooloff_seconds,
             fault_corrupt_read=args.p2p_fault_corrupt_read,

@@ -82,6 +82,7 @@ class Fallback(enum.StrEnum):
     P2P_NO_SPACE = "p2p_no_space"
     P2P_COOLING_OFF = "p2p_cooling_off"
     P2P_NOT_FOUND = "p2p_not_found"
+    P2P_BUSY = "p2p_busy"
     P2P_OTHER = "p2p_other"
     """The server named a reason this connector does not know."""
 

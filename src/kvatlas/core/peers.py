@@ -7,7 +7,13 @@ acts on:
   peer adapters to add, rebuild (endpoint changed) or remove (absent from 3 consecutive
   successful listings). An unreachable coordinator is not a listing, so it never costs
   a peer: peers keep serving each other through a coordinator outage.
-- `PeerHealth`: a peer that fails repeatedly is skipped for a cooling-off period.
+- `PeerHealth`: a circuit breaker per peer. A hard failure (the peer is dead: refused,
+  disconnected, a transport error, or it did not answer within its deadline) opens the
+  breaker at once; softer ones (refusals, corrupt bytes) open it after ``threshold`` in
+  a row. An open peer is skipped until it shows a new incarnation or reappears in a
+  listing (the controller calls ``forget``), or answers a cheap probe: probes are due
+  ``probe_after_s`` after opening, then at doubling intervals up to ``cooloff_s``
+  (half-open). Past ``cooloff_s`` without a probe, one request may try it again.
 - `p2p_deadline`: a lookup or load gives up at the configured timeout at the latest,
   and earlier when recomputing the missing tokens would be quicker than waiting.
 
@@ -95,44 +101,70 @@ class PeerTable:
 
 
 class PeerHealth:
-    """Consecutive failures per peer; after ``threshold`` the peer is skipped until
-    ``cooloff_s`` has passed, then it gets one more chance."""
+    """One breaker per peer: closed (used), open (skipped; probed when due)."""
 
-    def __init__(self, threshold: int = 3, cooloff_s: float = 10.0) -> None:
+    def __init__(
+        self, threshold: int = 3, cooloff_s: float = 10.0, probe_after_s: float = 0.25
+    ) -> None:
         self.threshold = threshold
         self.cooloff_s = cooloff_s
+        self.probe_after_s = min(probe_after_s, cooloff_s)
         self._failures: dict[str, int] = {}
         self._skip_until: dict[str, float] = {}
+        self._probe_at: dict[str, float] = {}
+        self._probe_gap: dict[str, float] = {}
+        self.opened = 0
+        """Breakers opened since the start (a counter for /status and /metrics)."""
 
-    def record_failure(self, peer: str, now: float) -> bool:
-        """Count a failure; True when the peer has just started cooling off."""
+    def record_failure(self, peer: str, now: float, *, hard: bool = False) -> bool:
+        """Count a failure; True when the breaker has just opened (at once when
+        ``hard``: the peer is dead or frozen, asking it again costs a deadline)."""
+        if peer in self._skip_until:
+            return False
         n = self._failures.get(peer, 0) + 1
         self._failures[peer] = n
-        if n >= self.threshold:
+        if hard or n >= self.threshold:
             self._failures[peer] = 0
             self._skip_until[peer] = now + self.cooloff_s
+            self._probe_at[peer] = now + self.probe_after_s
+            self._probe_gap[peer] = self.probe_after_s
+            self.opened += 1
             return True
         return False
 
     def record_success(self, peer: str) -> None:
-        self._failures.pop(peer, None)
-        self._skip_until.pop(peer, None)
+        """The peer answered (a request or a probe): close its breaker."""
+        self.forget(peer)
 
     def available(self, peer: str, now: float) -> bool:
         until = self._skip_until.get(peer)
         if until is None:
             return True
-        if now >= until:
-            del self._skip_until[peer]
+        if now >= until:  # no probe got through in cooloff_s: let one request try
+            self.forget(peer)
             return True
         return False
+
+    def due_probes(self, now: float) -> list[str]:
+        """Open peers whose probe is due; each is not due again before its next,
+        doubled, interval (at most ``cooloff_s``)."""
+        due = sorted(p for p, t in self._probe_at.items() if t <= now)
+        for p in due:
+            gap = min(self.cooloff_s, self._probe_gap[p] * 2)
+            self._probe_gap[p] = gap
+            self._probe_at[p] = now + gap
+        return due
 
     def cooling(self, now: float) -> list[str]:
         return sorted(p for p, t in self._skip_until.items() if t > now)
 
     def forget(self, peer: str) -> None:
+        """Close the breaker and clear the count (a new incarnation, a reappearance in
+        the listing, an answered probe, or the peer's adapter removed)."""
         self._failures.pop(peer, None)
         self._skip_until.pop(peer, None)
+        self._probe_at.pop(peer, None)
+        self._probe_gap.pop(peer, None)
 
 
 def p2p_deadline(

@@ -146,12 +146,14 @@ class CacheServer:
                 ServiceIdentity(
                     config.instance_id, self.incarnation, config.chunk_size, config.lease_s
                 ),
+                p2p_slots=config.engine_p2p_workers,
             )
             self.engine_api = EngineApi(
                 self.service,
                 config.host,
                 config.port,
                 workers=config.engine_workers,
+                p2p_workers=config.engine_p2p_workers if config.p2p.enabled else 0,
                 auth_token=config.coordinator.auth_token,
             )
             self.engine_api.start()  # binds --port: PortInUse before anything else runs

@@ -141,12 +141,19 @@ class P2PConfig:
     its host is the advertise URL's."""
     recompute_s_per_token: float = 0.0
     """Expected recompute seconds per missing token when an engine sends no estimate
-    (``--p2p-expected-recompute-s-per-token``); 0: only the configured timeouts apply."""
+    (``--p2p-expected-recompute-s-per-token``); 0: ``default_recompute_s_per_token``."""
+    default_recompute_s_per_token: float = 0.005
+    """The recompute cost per missing token assumed when neither the engine nor
+    ``recompute_s_per_token`` gives one (``--p2p-default-recompute-s-per-token``): 5 ms,
+    a slow prefill (200 tokens/s), so that P2P is rarely cut short, yet a lookup of a few
+    chunks never waits the timeouts' 30 s on a peer that does not answer."""
     lock_lease_s: float = 30.0
     """Lease a peer's ``lookup_and_lock`` holds on our chunks if it never unlocks
     (``--p2p-lock-lease-seconds``)."""
     cooloff_s: float = 10.0
-    """Seconds a peer that failed 3 times in a row is skipped (``--p2p-cooloff-seconds``)."""
+    """Seconds a peer whose breaker opened is skipped before it is probed again, the most
+    between probes (``--p2p-cooloff-seconds``); a new incarnation or a probe it answers
+    closes the breaker sooner."""
     fault_corrupt_read: int | None = None
     """TESTS ONLY: corrupt the Nth read this server serves (``--p2p-fault-corrupt-read``)."""
     fault_read_delay_s: float = 0.0
@@ -189,6 +196,9 @@ class ServerConfig:
     """Default read and write lease seconds handed to engines (``--lease-seconds``)."""
     engine_workers: int = 4
     """Threads serving engine requests behind the ROUTER socket (``--engine-workers``)."""
+    engine_p2p_workers: int = 4
+    """More threads for lookups that wait on peers, and the most such lookups at once
+    (``--engine-p2p-workers``); a lookup finding them all busy answers its local prefix."""
     l1: L1Config = field(default_factory=L1Config)
     l2: L2Config = field(default_factory=L2Config)
     coordinator: CoordinatorLink = field(default_factory=CoordinatorLink)
@@ -217,6 +227,8 @@ def _problems(c: ServerConfig) -> list[str]:
         out.append(f"--lease-seconds must be positive, got {c.lease_s}")
     if c.engine_workers < 1:
         out.append(f"--engine-workers must be >= 1, got {c.engine_workers}")
+    if c.engine_p2p_workers < 1:
+        out.append(f"--engine-p2p-workers must be >= 1, got {c.engine_p2p_workers}")
     a = c.l1.align_bytes
     if a < MIN_ALIGN_BYTES or a & (a - 1):
         out.append(f"--l1-align-bytes must be a power of two >= {MIN_ALIGN_BYTES}, got {a}")
@@ -314,6 +326,7 @@ def _p2p_problems(c: ServerConfig) -> list[str]:
         ("--p2p-load-timeout", pp.load_timeout_s),
         ("--p2p-lock-lease-seconds", pp.lock_lease_s),
         ("--p2p-cooloff-seconds", pp.cooloff_s),
+        ("--p2p-default-recompute-s-per-token", pp.default_recompute_s_per_token),
     ):
         if not value > 0:
             out.append(f"{flag} must be positive, got {value}")

@@ -1,18 +1,24 @@
 """The engine API transport: a ZeroMQ ROUTER on ``--host:--port`` and worker threads.
 
 Owns the sockets and threads that move engine API messages (``kvatlas.wire.engine_proto``)
-between engines and the EngineService. Layout: a ROUTER bound to tcp://host:port, a DEALER
-on an inproc endpoint, ``zmq.proxy_steerable`` between them on its own thread, and
-``workers`` threads with REP sockets on the inproc endpoint, each decoding a request,
-calling the service and answering. Requests are thus served concurrently (a slow L2
-promotion does not stall every engine); the service serializes store access with its
-lock. Must not: interpret requests beyond decoding, or touch the chunk store.
+between engines and the EngineService. Layout: a ROUTER bound to tcp://host:port read and
+written by one I/O thread, a queue of requests, and worker threads that decode a request,
+call the service and hand the answer back to the I/O thread through an inproc PULL socket
+(ZeroMQ sockets are not thread-safe, so only the I/O thread touches the ROUTER). Requests
+are thus served concurrently, and by whichever worker is free: a REP-per-worker proxy
+would deal requests round-robin, so a local hit could queue behind a worker busy waiting
+on a peer. There are ``workers`` threads for local work plus ``p2p_workers`` more, as many
+as the service lends to peer fetches at once (``EngineService`` refuses a fetch beyond
+them), so that with every P2P slot busy, local hits, stores, reserves and releases still
+find a free worker at once. The service serializes store access with its lock. Must not:
+interpret requests beyond decoding, or touch the chunk store.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import queue
 import secrets
 import threading
 
@@ -37,6 +43,7 @@ from kvatlas.wire.engine_proto import (
 log = logging.getLogger(__name__)
 
 _POLL_MS = 200
+_POLL_S = _POLL_MS / 1000
 
 
 class EngineApi:
@@ -49,24 +56,27 @@ class EngineApi:
         port: int,
         *,
         workers: int = 4,
+        p2p_workers: int = 0,
         auth_token: str | None = None,
     ) -> None:
+        """``p2p_workers``: extra threads for lookups that wait on peers (the service's
+        P2P slots); ``workers`` stay for local work."""
         self._service = service
         self._gate = TokenGate(auth_token)
         self._host = host
         self._port = port
-        self._workers_n = workers
+        self._workers_n = workers + p2p_workers
         self._ctx = zmq.Context()
-        self._backend_addr = f"inproc://kvatlas-engine-{secrets.token_hex(4)}"
-        self._control_addr = self._backend_addr + "-control"
+        self._replies_addr = f"inproc://kvatlas-engine-{secrets.token_hex(4)}"
         self._frontend: zmq.Socket[bytes] | None = None
-        self._backend: zmq.Socket[bytes] | None = None
+        self._replies: zmq.Socket[bytes] | None = None
+        self._jobs: queue.SimpleQueue[list[zmq.Frame]] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self.bound_port = port
 
     def start(self) -> None:
-        """Bind (PortInUse when taken) and start the proxy and worker threads."""
+        """Bind (PortInUse when taken) and start the I/O and worker threads."""
         frontend = self._ctx.socket(zmq.ROUTER)
         frontend.setsockopt(zmq.LINGER, 0)
         try:
@@ -81,21 +91,17 @@ class EngineApi:
             raise ServerError(
                 f"cannot bind the engine API on {self._host}:{self._port} (--host/--port): {exc}"
             ) from exc
-        backend = self._ctx.socket(zmq.DEALER)
-        backend.setsockopt(zmq.LINGER, 0)
-        backend.bind(self._backend_addr)
-        self._frontend, self._backend = frontend, backend
-        ready = threading.Barrier(self._workers_n + 1)
+        replies = self._ctx.socket(zmq.PULL)
+        replies.setsockopt(zmq.LINGER, 0)
+        replies.bind(self._replies_addr)  # before the workers connect their PUSH sockets
+        self._frontend, self._replies = frontend, replies
         for i in range(self._workers_n):
-            t = threading.Thread(
-                target=self._work, args=(ready,), name=f"kvatlas-engine-{i}", daemon=True
-            )
+            t = threading.Thread(target=self._work, name=f"kvatlas-engine-{i}", daemon=True)
             t.start()
             self._threads.append(t)
-        ready.wait()
-        proxy = threading.Thread(target=self._proxy, name="kvatlas-engine-proxy", daemon=True)
-        proxy.start()
-        self._threads.append(proxy)
+        io = threading.Thread(target=self._io, name="kvatlas-engine-io", daemon=True)
+        io.start()
+        self._threads.append(io)
         log.info(
             "engine API on tcp://%s:%d with %d workers (instance %s incarnation %d)",
             self._host,
@@ -105,32 +111,47 @@ class EngineApi:
             self._service.identity.incarnation,
         )
 
-    def _proxy(self) -> None:
-        control = self._ctx.socket(zmq.PAIR)
-        control.bind(self._control_addr)
-        assert self._frontend is not None and self._backend is not None
-        try:
-            zmq.proxy_steerable(self._frontend, self._backend, None, control)
-        except zmq.ContextTerminated:
-            pass
-        finally:
-            control.close(0)
-
-    def _work(self, ready: threading.Barrier) -> None:
-        sock = self._ctx.socket(zmq.REP)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self._backend_addr)
-        ready.wait()
+    def _io(self) -> None:
+        """The one thread on the ROUTER: requests into the queue, answers out."""
+        frontend, replies = self._frontend, self._replies
+        assert frontend is not None and replies is not None
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        poller.register(frontend, zmq.POLLIN)
+        poller.register(replies, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not poller.poll(_POLL_MS):
+                ready = dict(poller.poll(_POLL_MS))
+                if frontend in ready:
+                    while True:
+                        try:
+                            frames = frontend.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._jobs.put(frames)
+                if replies in ready:
+                    while True:
+                        try:
+                            answer = replies.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        frontend.send_multipart(answer)
+        except zmq.ContextTerminated:
+            pass
+
+    def _work(self) -> None:
+        push = self._ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(self._replies_addr)
+        try:
+            while not self._stop.is_set():
+                try:
+                    frames = self._jobs.get(timeout=_POLL_S)
+                except queue.Empty:
                     continue
-                frame = sock.recv(copy=False)
-                sock.send(self._answer(frame.buffer))
+                envelope = [f.bytes for f in frames[:-1]]  # the engine's identity, b""
+                push.send_multipart([*envelope, self._answer(frames[-1].buffer)])
         finally:
-            sock.close(0)
+            push.close(0)
 
     def _answer(self, data: memoryview) -> bytes:
         try:
@@ -161,18 +182,13 @@ class EngineApi:
         return encode(Response(PROTOCOL_VERSION, req.id, body))
 
     def stop(self) -> None:
-        """Stop the workers and the proxy, close the sockets (idempotent)."""
+        """Stop the workers and the I/O thread, close the sockets (idempotent)."""
         if self._stop.is_set():
             return
         self._stop.set()
-        if self._frontend is not None:
-            control = self._ctx.socket(zmq.PAIR)
-            control.connect(self._control_addr)
-            control.send(b"TERMINATE")
-            control.close(0)
         for t in self._threads:
             t.join(5)
-        for sock in (self._frontend, self._backend):
+        for sock in (self._frontend, self._replies):
             if sock is not None:
                 sock.close(0)
         self._ctx.term()

@@ -14,11 +14,15 @@ the lookup checks L1/L2 under the lock, releases it, lets the peer source fill L
 takes the lock only briefly, through ``PeerStoreAccess.reserve_for_peer_fetch`` /
 ``commit_peer_fetch``), then takes the lock again to look up and read-lock the whole
 prefix. A chunk fetched from a peer that was evicted again in between is simply not a hit.
+At most ``p2p_slots`` lookups wait on peers at once (the engine API keeps that many
+workers beside those for local work): a lookup that finds every slot taken answers its
+local prefix at once, with the fallback ``busy``, rather than queue behind peers.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -91,6 +95,10 @@ class PeerSource(Protocol):
         them (``recompute_s``, 0 = unknown) would be quicker."""
         ...
 
+    def busy(self) -> None:
+        """Count a lookup that found every P2P slot taken (it was not asked to fetch)."""
+        ...
+
 
 class NotRegistered(InvalidInput):
     """A request for a model no engine registered with this server."""
@@ -128,7 +136,9 @@ class EngineService:
         *,
         declare_contract: Callable[[HashContract], str | None] | None = None,
         peer_source: PeerSource | None = None,
+        p2p_slots: int = 4,
     ) -> None:
+        """``p2p_slots``: lookups that may wait on peers at once (``--engine-p2p-workers``)."""
         self._guarded = guarded
         self._store = guarded.store
         self._lock = guarded.lock
@@ -137,6 +147,7 @@ class EngineService:
         self.identity = identity
         self._declare = declare_contract
         self._peer_source = peer_source
+        self._p2p_slots = threading.BoundedSemaphore(p2p_slots)
         self._contracts: dict[str, HashContract] = {}
         self._engines: dict[str, str] = {}  # engine id -> model
         self.requests = 0
@@ -317,9 +328,19 @@ class EngineService:
                 local = self._answer_locked(keys, req.acquire, lease_s)
                 self._count_lookup_locked(len(keys), local.hit_chunks)
                 return local
+            busy = not self._p2p_slots.acquire(blocking=False)
+            if busy:  # every P2P slot waits on peers: answer what is here now, never queue
+                local = self._answer_locked(keys, req.acquire, lease_s)
+                self._count_lookup_locked(len(keys), local.hit_chunks)
+        if busy:
+            self._peer_source.busy()
+            return msgspec.structs.replace(local, p2p_fallback=PeerFallback.BUSY.value)
         local_ms = (time.perf_counter() - t0) * 1000
         # Outside the lock: a peer fetch may take up to the load timeout.
-        fetch = self._peer_source.fetch_prefix(keys[hit:], req.recompute_s)
+        try:
+            fetch = self._peer_source.fetch_prefix(keys[hit:], req.recompute_s)
+        finally:
+            self._p2p_slots.release()
         with self._lock:
             self._store.lookup_prefix(keys, self._clock())  # promotes what L2 got meanwhile
             result = self._answer_locked(keys, req.acquire, lease_s)

@@ -104,6 +104,16 @@ class _StatsCollector(Collector):
         yield self._c(
             "p2p_directory_failures", "Directory lookups that failed.", f.directory_failures
         )
+        yield self._c(
+            "p2p_blind_lookups",
+            "Lookups that asked a few peers blindly: the directory could not be asked.",
+            f.all_peer_fallbacks,
+        )
+        yield self._c(
+            "p2p_no_holder", "Local misses the directory named no holder for.", f.no_holder
+        )
+        yield self._g("p2p_peers_down", "Peers whose breaker is open.", len(pp.cooling_peers))
+        yield self._c("p2p_breakers_opened", "Times a peer's breaker opened.", pp.breakers_opened)
         fb = CounterMetricFamily(
             "kvatlas_server_p2p_fallbacks",
             "P2P failures that became a recompute, by cause.",

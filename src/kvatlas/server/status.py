@@ -151,4 +151,7 @@ def p2p_status(p2p: P2PStats) -> P2PStatus:
         adapters_rebuilt=p2p.adapters_rebuilt,
         polls=p2p.polls,
         poll_failures=p2p.poll_failures,
+        no_holder=f.no_holder,
+        breakers_opened=p2p.breakers_opened,
+        probes=p2p.probes,
     )

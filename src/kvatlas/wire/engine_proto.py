@@ -59,7 +59,8 @@ class Lookup(msgspec.Struct, frozen=True, tag="lookup"):
     recompute_s: float = 0.0
     """The engine's estimate of the time to recompute the chunks it is asking for; P2P
     gives up earlier than its configured timeouts when recomputing is quicker. 0 means
-    unknown (the configured timeouts apply)."""
+    unknown: the server's own estimate applies (``--p2p-expected-recompute-s-per-token``,
+    else ``--p2p-default-recompute-s-per-token``)."""
 
 
 class Reserve(msgspec.Struct, frozen=True, tag="reserve"):
@@ -170,7 +171,10 @@ class PeerFallback(enum.StrEnum):
     COOLING_OFF = "cooling_off"
     """Every candidate peer is skipped for a while after repeated failures (not counted)."""
     NOT_FOUND = "not_found"
-    """No peer held the rest (not counted)."""
+    """No peer held the rest (not counted; the directory's "nobody" is ``no_holder``)."""
+    BUSY = "busy"
+    """Every P2P slot of the server was waiting on peers: the lookup answered its local
+    prefix without asking any (``--engine-p2p-workers``)."""
 
 
 class LookupResult(msgspec.Struct, frozen=True, tag="lookup_result"):

@@ -113,6 +113,12 @@ class P2PStatus(msgspec.Struct, frozen=True):
     """Peer listings asked of the coordinator."""
     poll_failures: int
     """Peer listings that failed (the peers were kept)."""
+    no_holder: int
+    """Local misses the directory named no holder for: no peer was asked."""
+    breakers_opened: int
+    """Times a peer's breaker opened (it is skipped while in ``cooling_peers``)."""
+    probes: int
+    """Half-open probes sent to peers whose breaker is open."""
 
 
 class ServerStatus(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -9,7 +9,10 @@ Owns the sockets and the request/answer matching of ``kvatlas.wire.p2p_proto``:
 - ``ChannelClient`` talks to one peer through a small pool of DEALER sockets (one request
   in flight per socket). A call waits at most its timeout (derived from the lookup
   deadline by the caller); a socket whose answer did not come in time is closed, never
-  reused, so a late answer cannot be mistaken for the next one.
+  reused, so a late answer cannot be mistaken for the next one. Each DEALER has a socket
+  monitor: a refused connection, a closed one or a disconnect seen while a call waits
+  fails the call at once as ``peer_dead`` (a dead peer costs milliseconds, not the
+  deadline), and an idle socket that saw one is replaced before it is used.
 
 Must not: know what the messages mean (the P2P service does) or touch the chunk store.
 """
@@ -20,11 +23,13 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Final
 
 import msgspec
 import zmq
+import zmq.utils.monitor
 
 from kvatlas.core.errors import PortInUse
 from kvatlas.server.errors import ServerError
@@ -36,6 +41,8 @@ log = logging.getLogger(__name__)
 POLL_MS: Final = 200
 """How often the owner's loop looks at its stop flag while idle."""
 MAX_IDLE_SOCKETS: Final = 4
+PEER_GONE_EVENTS: Final = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
+"""Socket monitor events that mean the peer cannot answer (refused, closed, gone)."""
 
 
 class ChannelError(ServerError):
@@ -135,6 +142,30 @@ class ChannelServer:
         self._sock.close(0)
 
 
+class _Conn:
+    """One DEALER to the peer and the PAIR its monitor reports on."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], url: str) -> None:
+        self.sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.monitor: zmq.Socket[bytes] = self.sock.get_monitor_socket(PEER_GONE_EVENTS)
+        self.sock.connect(url)
+
+    def gone(self) -> str:
+        """The first peer-gone event the monitor holds ("" when none), without waiting."""
+        while self.monitor.poll(0, zmq.POLLIN):
+            event = zmq.utils.monitor.recv_monitor_message(self.monitor)
+            if event["event"] & PEER_GONE_EVENTS:
+                return str(zmq.Event(event["event"]).name)
+        return ""
+
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.monitor.close(0)
+        self.sock.close(0)
+
+
 class ChannelClient:
     """Requests to one peer's control channel; thread-safe (a socket per call)."""
 
@@ -142,25 +173,26 @@ class ChannelClient:
         self._ctx = ctx
         self.url = url
         self._ids = itertools.count(1)
-        self._idle: list[zmq.Socket[bytes]] = []
+        self._idle: list[_Conn] = []
         self._lock = threading.Lock()
         self._closed = False
 
-    def _take(self) -> zmq.Socket[bytes]:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.url)
-        return sock
+    def _take(self) -> _Conn:
+        while True:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                return _Conn(self._ctx, self.url)
+            if not conn.gone():
+                return conn
+            conn.close()  # it lost its connection while idle: a fresh one reconnects
 
-    def _give_back(self, sock: zmq.Socket[bytes]) -> None:
+    def _give_back(self, conn: _Conn) -> None:
         with self._lock:
             if not self._closed and len(self._idle) < MAX_IDLE_SOCKETS:
-                self._idle.append(sock)
+                self._idle.append(conn)
                 return
-        sock.close(0)
+        conn.close()
 
     def call(self, body: p2p_proto.P2PRequestBody, timeout_s: float) -> p2p_proto.P2PResponseBody:
         """The peer's answer within ``timeout_s``; ChannelError otherwise (P2PError
@@ -168,9 +200,9 @@ class ChannelClient:
         if timeout_s <= 0:
             raise ChannelError(f"no time left to ask {self.url}", PeerFallback.TIMEOUT)
         rid = next(self._ids)
-        sock = self._take()
+        conn = self._take()
         try:
-            sock.send_multipart(
+            conn.sock.send_multipart(
                 [
                     b"",
                     p2p_proto.encode(
@@ -179,29 +211,24 @@ class ChannelClient:
                 ],
                 flags=zmq.NOBLOCK,
             )
-            if not sock.poll(max(1, int(timeout_s * 1000)), zmq.POLLIN):
-                raise ChannelError(
-                    f"{self.url} did not answer {type(body).__name__} within {timeout_s:.3f}s",
-                    PeerFallback.TIMEOUT,
-                )
-            resp = p2p_proto.decode_response(sock.recv_multipart(copy=True)[-1])
+            resp = p2p_proto.decode_response(self._wait(conn, body, timeout_s))
         except zmq.ZMQError as exc:
-            sock.close(0)
+            conn.close()
             raise ChannelError(
                 f"control channel to {self.url} failed: {exc}", PeerFallback.PEER_DEAD
             ) from exc
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            sock.close(0)
+            conn.close()
             raise ChannelError(f"{self.url} answered garbage: {exc}", PeerFallback.REFUSED) from exc
         except ChannelError:
-            sock.close(0)
+            conn.close()
             raise
         if resp.id != rid:  # cannot happen with one request per socket; stay safe
-            sock.close(0)
+            conn.close()
             raise ChannelError(
                 f"{self.url} answered request {resp.id}, not {rid}", PeerFallback.REFUSED
             )
-        self._give_back(sock)
+        self._give_back(conn)
         if isinstance(resp.body, p2p_proto.P2PError):
             raise ChannelError(
                 f"{self.url} refused: {resp.body.code}: {resp.body.message}",
@@ -209,10 +236,33 @@ class ChannelClient:
             )
         return resp.body
 
+    def _wait(self, conn: _Conn, body: p2p_proto.P2PRequestBody, timeout_s: float) -> bytes:
+        """The answer's payload, or ChannelError: ``timeout`` when ``timeout_s`` passes,
+        ``peer_dead`` as soon as the monitor sees the connection refused or lost."""
+        poller = zmq.Poller()
+        poller.register(conn.sock, zmq.POLLIN)
+        poller.register(conn.monitor, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            ready = dict(poller.poll(max(1, left_ms))) if left_ms > 0 else {}
+            if conn.sock in ready:
+                return conn.sock.recv_multipart(copy=True)[-1]
+            if conn.monitor in ready:
+                gone = conn.gone()
+                if gone:
+                    raise ChannelError(f"{self.url} is gone ({gone})", PeerFallback.PEER_DEAD)
+                continue
+            if time.monotonic() >= deadline:
+                raise ChannelError(
+                    f"{self.url} did not answer {type(body).__name__} within {timeout_s:.3f}s",
+                    PeerFallback.TIMEOUT,
+                )
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
-        for sock in idle:
+        for conn in idle:
             with contextlib.suppress(zmq.ZMQError):
-                sock.close(0)
+                conn.close()

@@ -12,6 +12,12 @@ corrupts the Nth chunk this server reads, whatever the transport. A coordinator
 that cannot be reached is not a listing: nothing is removed, and peers keep serving each
 other through the outage.
 
+It also owns each peer's breaker (``core.peers.PeerHealth``): the fetcher reports
+failures and successes, and asks which peers are usable; a peer that shows a new
+incarnation or reappears in a listing after being absent gets a closed breaker, and each
+poll probes the open ones whose probe is due with a ``hello`` bounded by
+``PROBE_TIMEOUT_S`` (half-open: an answer closes the breaker).
+
 ``p2p_state`` follows the listings: registered (this server is in the last successful
 listing), unregistered (it is not, or never got one), disconnected (the last poll failed
 after an earlier success).
@@ -25,23 +31,29 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Final
 
 import msgspec
 import zmq
 
-from kvatlas.core.peers import ActionKind, PeerEndpoint, PeerTable
+from kvatlas.core.peers import ActionKind, PeerEndpoint, PeerHealth, PeerTable
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.runtime.region import L1Region
-from kvatlas.server.p2p.channel import ChannelClient
+from kvatlas.server.p2p.channel import ChannelClient, ChannelError
 from kvatlas.transfer.base import Endpoint, FaultPlan, PeerConnection, TransferClient
 from kvatlas.transfer.errors import TransferError
 from kvatlas.transfer.factory import Transport
+from kvatlas.wire.p2p_proto import Hello, HelloReply
 
 log = logging.getLogger(__name__)
 
 ENDPOINT_METADATA_KEY = "p2p_endpoint"
 """Registration metadata key holding the transport's Endpoint as JSON."""
+PROBE_TIMEOUT_S: Final = 0.2
+"""Bound of one half-open probe (a ``hello`` on the control channel)."""
 
 
 class P2PState(enum.StrEnum):
@@ -79,6 +91,10 @@ class ControllerStats:
     adapters_removed: int
     adapters_rebuilt: int
     last_error: str
+    down: tuple[str, ...]
+    """Peers whose breaker is open."""
+    breakers_opened: int
+    probes: int
 
 
 class P2PController:
@@ -96,6 +112,8 @@ class P2PController:
         faults: FaultPlan | None,
         region: L1Region,
         ctx: zmq.Context[zmq.Socket[bytes]],
+        cooloff_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.instance_id = instance_id
         self.incarnation = incarnation
@@ -121,6 +139,70 @@ class P2PController:
         self._last_error = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._clock = clock
+        self._health = PeerHealth(cooloff_s=cooloff_s)
+        self._health_lock = threading.Lock()
+        self._probes = 0
+
+    # ------------------------------------------------------------------ breakers
+
+    def usable(self, adapters: list[PeerAdapter]) -> list[PeerAdapter]:
+        """Those of ``adapters`` whose breaker is closed (or whose cool-off is over)."""
+        now = self._clock()
+        with self._health_lock:
+            return [a for a in adapters if self._health.available(a.instance_id, now)]
+
+    def peer_failed(self, instance_id: str, *, hard: bool) -> bool:
+        """Count a failure of a peer; True when its breaker has just opened (at once
+        when ``hard``: it is dead or did not answer within its deadline)."""
+        with self._health_lock:
+            opened = self._health.record_failure(instance_id, self._clock(), hard=hard)
+        if opened:
+            log.warning(
+                "P2P peer %s is down for instance %s: skipped until it answers a probe,"
+                " shows a new incarnation, or %.1fs pass",
+                instance_id,
+                self.instance_id,
+                self._health.cooloff_s,
+            )
+        return opened
+
+    def peer_ok(self, instance_id: str) -> None:
+        with self._health_lock:
+            self._health.record_success(instance_id)
+
+    def down(self) -> list[str]:
+        with self._health_lock:
+            return self._health.cooling(self._clock())
+
+    def _peer_back(self, instance_id: str, why: str) -> None:
+        with self._health_lock:
+            was_down = instance_id in self._health.cooling(self._clock())
+            self._health.forget(instance_id)
+        if was_down:
+            log.info("P2P peer %s is back for instance %s (%s)", instance_id, self.instance_id, why)
+
+    def probe_down_peers(self) -> None:
+        """One bounded ``hello`` to each open peer whose probe is due (half-open)."""
+        with self._health_lock:
+            due = self._health.due_probes(self._clock())
+        for iid in due:
+            with self._lock:
+                adapter = self._adapters.get(iid)
+            if adapter is None:
+                continue
+            self._probes += 1
+            try:
+                answer = adapter.control.call(
+                    Hello(self.instance_id, self._token or ""), PROBE_TIMEOUT_S
+                )
+            except ChannelError as exc:
+                log.debug("probe of P2P peer %s failed: %s", iid, exc)
+                continue
+            if isinstance(answer, HelloReply) and (
+                not adapter.peer.incarnation or answer.incarnation == adapter.peer.incarnation
+            ):
+                self._peer_back(iid, "it answered a probe")
 
     # ------------------------------------------------------------------ queries
 
@@ -140,6 +222,9 @@ class P2PController:
             adapters_removed=self._removed,
             adapters_rebuilt=self._rebuilt,
             last_error=self._last_error,
+            down=tuple(self.down()),
+            breakers_opened=self._health.opened,
+            probes=self._probes,
         )
 
     # ------------------------------------------------------------------ polling
@@ -181,9 +266,16 @@ class P2PController:
         self._polls += 1
         listing = self._listing()
         if listing is None:
+            self.probe_down_peers()
             return
+        absent = set(self._table.misses())
+        for peer in listing:
+            if peer.instance_id in absent:
+                self._peer_back(peer.instance_id, "it reappeared in the listing")
         for action in self._table.reconcile(listing):
             peer = action.peer
+            # a new adapter (a new endpoint or incarnation) or none: its breaker starts afresh
+            self._peer_back(peer.instance_id, f"{action.kind.value} of its adapter")
             if action.kind is ActionKind.REMOVE:
                 self._drop(peer.instance_id)
                 self._removed += 1
@@ -204,6 +296,7 @@ class P2PController:
                     peer.incarnation,
                 )
             self._add(peer)
+        self.probe_down_peers()
 
     def _transfer_client(self) -> TransferClient:
         """The one transfer client of this server (the poll thread alone calls this)."""

@@ -1,15 +1,20 @@
 """The P2P read path of the requester: a local miss becomes a read from a peer's L1.
 
 Owns, for one lookup's missing keys: the deadlines (``core.peers.p2p_deadline``: the
-configured lookup and load timeouts at most, less when recomputing is quicker), the
-choice of peers (the coordinator's directory names who holds the keys; every live peer
-when the directory is unreachable or knows no holder; peers cooling off after repeated
-failures are skipped), ``lookup_and_lock`` to them one after the other until the prefix
-is covered, the load into freshly reserved local slots through the transport, a
-second checksum pass over what landed, commit (STOREs are published like any local
-store), and the acknowledged unlock. Every failure is a miss for the rest of the prefix
-and is counted by cause (``CAUSES``, the ``PeerFallback`` values: timeout, peer_dead,
-checksum_mismatch, refused, stale_hint, no_space).
+configured lookup and load timeouts at most, and no longer than recomputing the missing
+tokens would take: the engine's estimate, else ``--p2p-expected-recompute-s-per-token``,
+else ``--p2p-default-recompute-s-per-token``), the choice of peers (the coordinator's
+directory names who holds the keys, and when it names nobody no peer is asked; only when
+the directory cannot be asked are up to ``BLIND_PEERS`` live peers asked, within
+``BLIND_LOOKUP_S``, counted as ``all_peer_fallbacks``; peers whose breaker is open are
+skipped: the controller's breakers hear of every failure, a dead or frozen peer's at
+once), ``lookup_and_lock`` to them one after the other until the prefix is covered,
+the load into freshly reserved local slots through the transport, a second checksum
+pass over what landed, commit (STOREs are published like any local store), and the
+acknowledged unlock. Every failure is a miss for the rest of the prefix and is counted
+by cause (``CAUSES``, the ``PeerFallback`` values: timeout, peer_dead, checksum_mismatch,
+refused, stale_hint, no_space; and busy, a lookup the engine service did not hand over
+because every P2P slot was taken).
 
 It runs WITHOUT the store lock and takes it only briefly, through
 ``PeerStoreAccess.reserve_for_peer_fetch`` / ``commit_peer_fetch``.
@@ -23,14 +28,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Final, cast
 
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.l1pool import Refusal, Slot
-from kvatlas.core.peers import PeerHealth, p2p_deadline
+from kvatlas.core.peers import p2p_deadline
 from kvatlas.core.types import ChunkHash
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.server.config import P2PConfig
@@ -52,6 +57,7 @@ CAUSES: Final = (
     PeerFallback.REFUSED,
     PeerFallback.STALE_HINT,
     PeerFallback.NO_SPACE,
+    PeerFallback.BUSY,
 )
 """Fallback causes counted (metric ``p2p_fallbacks{cause}`` and /status)."""
 _READ_FALLBACKS: Final = {
@@ -61,6 +67,12 @@ _READ_FALLBACKS: Final = {
     ReadStatus.REFUSED: PeerFallback.REFUSED,
 }
 """The fallback a failed read is counted as."""
+HARD_CAUSES: Final = frozenset({PeerFallback.TIMEOUT, PeerFallback.PEER_DEAD})
+"""Failures that open a peer's breaker at once: it is dead, or frozen past a deadline."""
+BLIND_PEERS: Final = 2
+"""Peers asked, at most, when the directory cannot say who holds the keys."""
+BLIND_LOOKUP_S: Final = 0.25
+"""Longest wait for those blind asks' ``lookup_and_lock`` answers."""
 UNLOCK_TIMEOUT_S: Final = 1.0
 """Bound of the acknowledged unlock; the lease expiry covers an unanswered one."""
 WRITE_GRACE_S: Final = 30.0
@@ -79,6 +91,9 @@ class PeerFetchStats:
     directory_lookups: int = 0
     directory_failures: int = 0
     all_peer_fallbacks: int = 0
+    """Lookups that asked peers blindly (the directory could not be asked)."""
+    no_holder: int = 0
+    """Lookups for which the directory named no holder, so no peer was asked."""
     locks_requested: int = 0
     fallbacks: dict[PeerFallback, int] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
 
@@ -97,7 +112,6 @@ class PeerFetcher:
         coordinator: CoordinatorClient,
         coordinator_timeout_s: float,
         auth_token: str | None,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.instance_id = instance_id
         self._store = store
@@ -107,9 +121,7 @@ class PeerFetcher:
         self._coordinator = coordinator
         self._dir_timeout = coordinator_timeout_s
         self._token = auth_token or ""
-        self._clock = clock
-        self.health = PeerHealth(cooloff_s=config.cooloff_s)
-        self._lock = threading.Lock()  # guards stats, health and _active
+        self._lock = threading.Lock()  # guards stats and _active
         self._active = 0
         self.stats = PeerFetchStats()
 
@@ -126,13 +138,14 @@ class PeerFetcher:
                 self.stats.directory_lookups,
                 self.stats.directory_failures,
                 self.stats.all_peer_fallbacks,
+                self.stats.no_holder,
                 self.stats.locks_requested,
                 dict(self.stats.fallbacks),
             )
 
-    def cooling(self) -> list[str]:
-        with self._lock:
-            return self.health.cooling(self._clock())
+    def busy(self) -> None:
+        """Count a lookup that found every P2P slot taken (the engine service's)."""
+        self._count(PeerFallback.BUSY)
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -143,16 +156,8 @@ class PeerFetcher:
     def _failed(self, peer: str, cause: PeerFallback) -> None:
         with self._lock:
             self.stats.fallbacks[cause] = self.stats.fallbacks.get(cause, 0) + 1
-            if cause is not PeerFallback.STALE_HINT and self.health.record_failure(
-                peer, self._clock()
-            ):
-                log.warning(
-                    "P2P peer %s failed repeatedly (%s): skipped for %.1fs by instance %s",
-                    peer,
-                    cause,
-                    self.health.cooloff_s,
-                    self.instance_id,
-                )
+        if cause is not PeerFallback.STALE_HINT:
+            self._controller.peer_failed(peer, hard=cause in HARD_CAUSES)
 
     # ------------------------------------------------------------------ the read path
 
@@ -169,9 +174,12 @@ class PeerFetcher:
                 self._active -= 1
 
     def _budgets(self, keys: Sequence[ObjectKey], recompute_s: float) -> tuple[float, float]:
-        expected: float | None = recompute_s or None
-        if expected is None and self._config.recompute_s_per_token > 0:
-            expected = self._config.recompute_s_per_token * len(keys) * self._chunk_size
+        expected = recompute_s
+        if not expected > 0:
+            per_token = (
+                self._config.recompute_s_per_token or self._config.default_recompute_s_per_token
+            )
+            expected = per_token * len(keys) * self._chunk_size
         return (
             p2p_deadline(self._config.lookup_timeout_s, expected),
             p2p_deadline(self._config.load_timeout_s, expected),
@@ -186,17 +194,22 @@ class PeerFetcher:
         timings: dict[str, float] = {}
         with _timed(timings, "directory"):
             hints = self._directory(keys, lookup_deadline)
-        if hints:
-            by_id = {a.instance_id: a for a in adapters}
-            order = sorted((n, iid) for iid, n in hints.items() if iid in by_id)
-            candidates = [by_id[iid] for _, iid in reversed(order)]
-        else:
+        if hints is None:  # the directory cannot be asked: a few peers, briefly
             with self._lock:
                 self.stats.all_peer_fallbacks += 1
             candidates = adapters
-        now = self._clock()
-        with self._lock:
-            usable = [a for a in candidates if self.health.available(a.instance_id, now)]
+            lookup_deadline = min(lookup_deadline, time.monotonic() + BLIND_LOOKUP_S)
+        elif not hints:  # nobody holds them: nobody to ask
+            with self._lock:
+                self.stats.no_holder += 1
+            return PeerFetch(fallback=PeerFallback.NOT_FOUND, timings_ms=timings)
+        else:
+            by_id = {a.instance_id: a for a in adapters}
+            order = sorted((n, iid) for iid, n in hints.items() if iid in by_id)
+            candidates = [by_id[iid] for _, iid in reversed(order)]
+        usable = self._controller.usable(candidates)
+        if hints is None:
+            usable = usable[:BLIND_PEERS]
         if candidates and not usable:
             return PeerFetch(fallback=PeerFallback.COOLING_OFF, timings_ms=timings)
         fetched: set[ObjectKey] = set()
@@ -315,8 +328,7 @@ class PeerFetcher:
         if cause is not None:
             self._failed(peer, cause)
         else:
-            with self._lock:
-                self.health.record_success(peer)
+            self._controller.peer_ok(peer)
         if cause is None and stale:
             cause = PeerFallback.STALE_HINT
         return loaded, cause

@@ -71,6 +71,10 @@ class P2PStats:
     transfer_url: str
     fetch: PeerFetchStats
     cooling_peers: tuple[str, ...]
+    """Peers whose breaker is open (skipped until a probe, a new incarnation or a
+    reappearance in the listing closes it)."""
+    breakers_opened: int
+    probes: int
     served_locks: int
     served_chunks: int
     served_unlocks: int
@@ -158,6 +162,7 @@ class P2PNode:
             faults=FaultPlan(config.fault_corrupt_read) if config.fault_corrupt_read else None,
             region=region,
             ctx=self._ctx,
+            cooloff_s=config.cooloff_s,
         )
         self.fetcher = PeerFetcher(
             instance_id=instance_id,
@@ -253,7 +258,9 @@ class P2PNode:
             advertise_url=self.config.advertise_url or "",
             transfer_url=self.endpoint.url,
             fetch=self.fetcher.snapshot(),
-            cooling_peers=tuple(self.fetcher.cooling()),
+            cooling_peers=c.down,
+            breakers_opened=c.breakers_opened,
+            probes=c.probes,
             served_locks=self.served_locks,
             served_chunks=self.served_chunks,
             served_unlocks=self.served_unlocks,
