@@ -43,6 +43,7 @@ from kvatlas.wire.http_api import (
     encode_events_msgpack,
     encode_lookup_msgpack,
 )
+from kvatlas.wire.kafka_records import encode_batch_msgpack
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -330,10 +331,9 @@ async def _mixed(port: int, lookup_body: bytes, seconds: float, base: int) -> di
 
 def _kafka(n_events: int) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT / "tests"))  # the tests' broker launcher: support.kafka
-    from confluent_kafka import Producer
+    from confluent_kafka import Producer  # noqa: PLC0415  # optional: the kafka extra
 
-    from kvatlas.wire.kafka_records import encode_batch_msgpack
-    from support.kafka import KafkaBroker
+    from support.kafka import KafkaBroker  # noqa: PLC0415  # tests/ joins the path above
 
     with KafkaBroker.start() as broker:
         broker.create_topic("bench", partitions=8)

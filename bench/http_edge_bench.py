@@ -111,7 +111,13 @@ def requests() -> dict[str, bytes]:
 
 
 def serve_runtime(port: int) -> None:
-    from kvatlas.runtime.http_server import HttpRequest, HttpResponse, HttpServer, Router
+    # Each server process imports only its own stack (here and in the serve_* below).
+    from kvatlas.runtime.http_server import (  # noqa: PLC0415
+        HttpRequest,
+        HttpResponse,
+        HttpServer,
+        Router,
+    )
 
     def healthz(request: HttpRequest) -> HttpResponse:
         return HttpResponse(200, HEALTHZ)
@@ -131,11 +137,11 @@ def serve_runtime(port: int) -> None:
 
 
 def serve_starlette(port: int) -> None:
-    import uvicorn
-    from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import Response
-    from starlette.routing import Route
+    import uvicorn  # noqa: PLC0415
+    from starlette.applications import Starlette  # noqa: PLC0415
+    from starlette.requests import Request  # noqa: PLC0415
+    from starlette.responses import Response  # noqa: PLC0415
+    from starlette.routing import Route  # noqa: PLC0415
 
     async def healthz(request: Request) -> Response:
         return Response(HEALTHZ, media_type="application/json")
@@ -153,7 +159,7 @@ def serve_starlette(port: int) -> None:
 
 
 def serve_asgi(port: int) -> None:
-    import uvicorn
+    import uvicorn  # noqa: PLC0415
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -231,7 +237,7 @@ class _Bare(asyncio.Protocol):
 
 
 def serve_bare(port: int) -> None:
-    import uvloop
+    import uvloop  # noqa: PLC0415
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

@@ -11,6 +11,7 @@ import pytest
 from kvatlas.cli.coordinator import config_from_args, main
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.core.errors import ConfigError
+from kvatlas.core.fleet import FleetState
 
 
 def test_defaults_and_env_token() -> None:
@@ -62,7 +63,6 @@ def test_main_exits_2_with_a_message(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_snapshot_of_other_chunk_size_is_refused(tmp_path: Path) -> None:
-    from kvatlas.core.fleet import FleetState
 
     snap = tmp_path / "s.snap"
     snap.write_bytes(FleetState(chunk_size=128).snapshot())

@@ -4,9 +4,13 @@ stats, key listing, auth, OpenAPI and metrics."""
 from __future__ import annotations
 
 import base64
+import json
 
+import httpx
+import msgspec
 import numpy as np
 
+from kvatlas.core.events import Entry
 from kvatlas.core.keys import pack_kv_rank
 from kvatlas.core.types import Tier
 from kvatlas.wire.http_api import LookupRequest, encode_lookup_msgpack
@@ -151,13 +155,11 @@ def test_blend_lookup(start_coordinator: object) -> None:
     doc = [11, 12, 13, 14, 15, 16, 17, 18]
     hs = prompt_hashes(doc, 4)
     stored = batch("node-a", 1, hs)
-    from kvatlas.core.events import Entry
 
     entries = tuple(
         Entry(e.key, e.size_bytes, tuple(doc[4 * i : 4 * i + 4]), 4 * i)
         for i, e in enumerate(stored.entries)
     )
-    import msgspec
 
     stored = msgspec.structs.replace(stored, entries=entries)
     assert c.post("/events", content=msgpack_body(stored), headers=MSGPACK).json()["applied"] == 1
@@ -264,7 +266,6 @@ def test_stats_shape_and_digest(coord: RunningCoordinator) -> None:
 
 
 def test_auth_token_guards_everything_but_healthz(start_coordinator: object) -> None:
-    import httpx
 
     rc: RunningCoordinator = start_coordinator(auth_token="s3cret")  # type: ignore[operator]
     with httpx.Client(base_url=rc.url) as anon:
@@ -310,7 +311,6 @@ def test_readyz_and_healthz(coord: RunningCoordinator) -> None:
 def test_json_token_ids_answer_as_tokens_b64_and_say_their_time(coord: RunningCoordinator) -> None:
     """The JSON array (read by the fast path, in any spacing) and the base64 form of the
     same prompt get the same answer; every lookup says its server-side time."""
-    import json
 
     c = coord.client
     tokens = list(range(900, 900 + 4 * 256 + 3))

@@ -12,8 +12,13 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from kvatlas.cli.server import build_parser, config_from_args
 from kvatlas.connector.client import CacheClient
+from kvatlas.core.errors import ConfigError
 from kvatlas.runtime.procs import free_port
+from kvatlas.runtime.region import L1Region
+from kvatlas.server.p2p.node import check_single_region
+from kvatlas.transfer.factory import make_transport
 from kvatlas.wire.engine_proto import LookupResult
 from support.wait import wait_until
 from transfer.harness import netns_available
@@ -126,8 +131,6 @@ def test_p2p_without_coordinator_refuses_to_start(tmp_path: Path) -> None:
     ],
 )
 def test_p2p_flags_are_validated(tmp_path: Path, flags: list[str], named: str) -> None:
-    from kvatlas.cli.server import build_parser, config_from_args
-    from kvatlas.core.errors import ConfigError
 
     args = build_parser().parse_args(
         [
@@ -145,10 +148,6 @@ def test_p2p_flags_are_validated(tmp_path: Path, flags: list[str], named: str) -
 
 
 def test_p2p_needs_one_contiguous_region(tmp_path: Path) -> None:
-    from kvatlas.core.errors import ConfigError
-    from kvatlas.runtime.region import L1Region
-    from kvatlas.server.p2p.node import check_single_region
-
     with L1Region.create(1 << 16, "t") as region:
         check_single_region(region, 1 << 16)
         with pytest.raises(ConfigError, match="single contiguous L1 memory region"):
@@ -156,7 +155,6 @@ def test_p2p_needs_one_contiguous_region(tmp_path: Path) -> None:
 
 
 def _transport_missing(transport: str) -> str | None:
-    from kvatlas.transfer.factory import make_transport
 
     try:
         make_transport(transport)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 from pathlib import Path
@@ -57,7 +58,6 @@ def test_subprocess_attach_reads_the_same_bytes() -> None:
         proc = run_py(code, region.name, str(SIZE))
         assert proc.returncode == 0, proc.stderr
         assert proc.stderr == ""  # no resource-tracker warnings
-        import hashlib
 
         assert proc.stdout.strip() == hashlib.sha256(payload).hexdigest()
         # the peer's exit must not have unlinked the owner's region

@@ -10,6 +10,7 @@ a sink put on the wire, through a recording tap in front of it (``support.tap``)
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -112,7 +113,6 @@ def test_incarnation_survives_a_clock_behind_the_file(tmp_path: Path) -> None:
 
 
 def test_incarnation_across_processes(tmp_path: Path) -> None:
-    import sys
 
     code = (
         "import sys; from pathlib import Path; from kvatlas.server.incarnation import "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,7 +16,9 @@ import httpx
 import msgspec
 import numpy as np
 import pytest
+import zmq
 
+from kvatlas.cli.server import main
 from kvatlas.connector.client import (
     CacheClient,
     ContractRefused,
@@ -24,6 +27,8 @@ from kvatlas.connector.client import (
     ServerUnavailable,
     Unauthorized,
 )
+from kvatlas.core.checksum import checksum
+from kvatlas.core.keys import Namespace
 from kvatlas.runtime.procs import free_port
 from kvatlas.wire.engine_proto import (
     CommitItem,
@@ -102,7 +107,6 @@ def test_read_leases_context_manager_and_writes_in_progress(server: ServerProc) 
         assert c.reserve(h[:1], [100])[0].status == "busy"
         assert c.abort(h[1:]) == 1
         c.view(grants[0].offset, 100)[:] = 7
-        from kvatlas.core.checksum import checksum
 
         item = CommitItem(h[0], grants[0].lease_id, checksum(c.view(grants[0].offset, 100).data))
         assert c.commit([item]) == [True]
@@ -118,8 +122,6 @@ def test_l2_holds_what_l1_evicts_and_lookup_promotes_it(server: ServerProc) -> N
     tokens = list(range(CHUNK * 16))
     data = chunks(16, size, seed=3)
     with client_for(server) as c:
-        from kvatlas.core.checksum import checksum
-
         for h, d in zip(c.hashes(tokens), data, strict=True):  # earlier ones go to L2
             (g,) = c.reserve([h], [size])
             assert g.status == "reserved"
@@ -139,15 +141,12 @@ def test_engine_errors_are_clear(server: ServerProc) -> None:
         c.register(MODEL, "float16", (2, 2, 8), chunk_size=CHUNK)
         with pytest.raises(ContractRefused, match="kv_dtype"):
             c.register(MODEL, "bfloat16", (2, 2, 8), chunk_size=CHUNK)
-        from kvatlas.core.keys import Namespace
-
         c.ns = Namespace("other-model", 1)
         with pytest.raises(ModelNotRegistered):
             c.lookup(list(range(CHUNK)))
         with pytest.raises(RequestRefused, match="exactly one"):
             c.call(Lookup(Namespace(MODEL, 1)))
     # another protocol version is refused by name
-    import zmq
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -169,8 +168,6 @@ def test_client_times_out_without_a_server() -> None:
 
 
 def test_concurrent_engines(server: ServerProc) -> None:
-    import threading
-
     errors: list[BaseException] = []
 
     def engine(seed: int) -> None:
@@ -320,7 +317,6 @@ def test_incarnation_grows_across_restarts(tmp_path: Path) -> None:
 def test_startup_refuses_inconsistent_flags(
     tmp_path: Path, flags: list[str], named: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvatlas.cli.server import main
 
     rc = main(["--instance-id", "x", "--state-dir", str(tmp_path), *flags])
     assert rc == 2

@@ -163,7 +163,7 @@ class KafkaReceiver:
     def records(self) -> list[tuple[bytes, EventBatch]]:
         """Every event record of the topic as (record key, batch), partition by partition."""
         # confluent-kafka is optional (the kafka extra): the HTTP sinks' cases run without it
-        from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+        from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition  # noqa: PLC0415
 
         consumer = Consumer(
             {

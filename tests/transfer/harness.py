@@ -27,6 +27,7 @@ import numpy.typing as npt
 
 from kvatlas.core.checksum import checksum
 from kvatlas.runtime.procs import ProcessError
+from kvatlas.runtime.region import L1Region
 from kvatlas.transfer.base import Endpoint, FaultPlan
 from kvatlas.transfer.factory import TRANSPORTS, make_transport
 from support.launch import launch, python_module
@@ -164,7 +165,6 @@ class OwnerProcess:
 
 
 def owner_main(argv: Sequence[str] | None = None) -> int:
-    from kvatlas.runtime.region import L1Region
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--transport", required=True, choices=TRANSPORTS)

@@ -50,7 +50,7 @@ def chromium_page(profile: Path, width: int = 1600, height: int = 1000) -> Itera
     """A page in a fresh headless Chromium whose profile lives in ``profile``. Fails the
     test on a script error or a console error (a CSP violation among them)."""
     try:
-        from playwright.sync_api import sync_playwright
+        from playwright.sync_api import sync_playwright  # noqa: PLC0415  # optional driver
     except ImportError:
         _unavailable("Playwright's Python package is not installed (pip install -e .[dev])")
     exe = CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium")

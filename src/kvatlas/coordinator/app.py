@@ -73,7 +73,7 @@ class Coordinator:
         if kafka:
             # Imported here because confluent-kafka is an optional dependency
             # (`kvatlas[kafka]`); a coordinator on HTTP alone must run without it.
-            from kvatlas.coordinator.kafka_wiring import build_kafka
+            from kvatlas.coordinator.kafka_wiring import build_kafka  # noqa: PLC0415
 
             self.membership, parts = build_kafka(config, self.service, self.metrics, clock)
             self._parts.extend(parts)

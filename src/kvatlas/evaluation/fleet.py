@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -418,7 +419,6 @@ class Fleet:
 
 def describe_machine() -> dict[str, str]:
     """CPU model, cores, memory, Python and platform, for the report."""
-    import platform
 
     cpu = platform.processor() or ""
     mem = ""

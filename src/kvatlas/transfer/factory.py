@@ -13,6 +13,7 @@ from functools import partial
 from types import ModuleType
 from typing import Final, Protocol
 
+from kvatlas.transfer import shm, tcp
 from kvatlas.transfer.base import (
     Authorizer,
     FaultPlan,
@@ -93,12 +94,8 @@ def make_transport(name: str, config: TransportConfig | None = None) -> Transpor
             f"transport {name!r} takes a {expected.__name__}, got {type(cfg).__name__}"
         )
     if isinstance(cfg, TcpConfig):
-        from kvatlas.transfer import tcp
-
         return _configured(name, cfg, tcp.TcpServer, tcp.TcpClient)
     if isinstance(cfg, ShmConfig):
-        from kvatlas.transfer import shm
-
         return Transport(name, cfg, shm.ShmServer, shm.ShmClient, shm.ShmServer.enforces_leases)
     if isinstance(cfg, MooncakeConfig):
         mooncake = _optional("mooncake")
