@@ -326,3 +326,39 @@ def test_a_reused_owner_id_never_answers_for_the_old_owner() -> None:
     assert [p.instance_id for p in d.lookup_keys([key(0)])[0].placements] == ["b"]
     restored = KeyDirectory.restore(d.snapshot())
     assert restored.digest() == d.digest()
+
+
+def test_namespaces_that_hold_no_key_any_more_are_freed() -> None:
+    """Issue #14, item 9: 20k namespaces stored then deleted kept ~4 MB."""
+    d = KeyDirectory()
+    keep = batch("k", EventType.STORE, [0, 1])
+    d.apply(keep)
+    for i in range(20_000):
+        ns = Namespace(f"model-{i}", i)
+        if i % 3 == 0:  # the block form
+            b = EventBatch(
+                "a", 1, 1, EventType.STORE, Tier.L2, (), block=KeyBlock.of(ns, [HASHES[i % 5]], 10)
+            )
+        else:
+            b = batch("a", EventType.STORE, [i % 5, 1 + i % 5], ns=ns)
+        d.apply(b)
+        if i % 2:
+            d.apply(msgspec.structs.replace(b, event_type=EventType.DELETE))
+        else:
+            d.fence("a")
+            d.apply(batch("a", EventType.DELETE, [i % 5, 1 + i % 5], tier=Tier.L2, ns=ns))
+    assert len(d) == 2 and d.stats().namespaces == 1
+    assert len(d._ns_ids) == 1 and len(d._namespaces) <= 3
+    restored = KeyDirectory.restore(d.snapshot())
+    assert restored.digest() == d.digest() and len(restored._namespaces) == 1
+
+
+def test_a_reused_namespace_id_finds_only_its_own_keys() -> None:
+    d = KeyDirectory()
+    other = Namespace("other", 0)
+    d.apply(batch("a", EventType.STORE, [0], ns=other))
+    d.apply(batch("a", EventType.DELETE, [0], ns=other))
+    d.apply(batch("a", EventType.STORE, [0]))  # NS takes other's freed id
+    assert d.lookup_keys([key(0, other)])[0].placements == ()
+    assert [p.instance_id for p in d.lookup_keys([key(0)])[0].placements] == ["a"]
+    assert KeyDirectory.restore(d.snapshot()).digest() == d.digest()

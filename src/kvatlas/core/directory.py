@@ -58,6 +58,8 @@ from kvatlas.core.placements import (
 from kvatlas.core.types import ChunkHash, EventType, Incarnation, InstanceId, Tier
 
 _COMPACT_SLACK = 1024
+_FREED_NS = Namespace("", -1, -1, "")
+"""What a dropped namespace's slot holds until its id is reused (no key int names it)."""
 _FREED = Owner(InstanceId(""), Incarnation(-1), Tier.L1, "", False)
 """What a dropped owner's slot holds until its id is reused (no map value names it)."""
 _CACHE_LIMIT = 65536
@@ -92,6 +94,9 @@ class KeyDirectory:
         self.keep_tokens = keep_tokens
         self._ns_ids: dict[tuple[str, int, int, str], int] = {}
         self._namespaces: list[Namespace] = []
+        self._ns_keys: list[int] = []
+        """Keys of each namespace in the map; a namespace left with none is dropped."""
+        self._free_ns: list[int] = []
         self._owner_ids: dict[Owner, int] = {}
         self._owners: list[Owner] = []
         self._owners_by_instance: dict[InstanceId, set[int]] = {}
@@ -114,10 +119,24 @@ class KeyDirectory:
         t = (key.model_name, key.kv_rank, key.object_group_id, key.cache_salt)
         ns = self._ns_ids.get(t)
         if ns is None:
-            ns = len(self._namespaces)
+            if self._free_ns:
+                ns = self._free_ns.pop()
+                self._namespaces[ns] = Namespace(*t)
+            else:
+                ns = len(self._namespaces)
+                self._namespaces.append(Namespace(*t))
+                self._ns_keys.append(0)
             self._ns_ids[t] = ns
-            self._namespaces.append(Namespace(*t))
         return ns
+
+    def _drop_ns(self, ns: int) -> None:
+        """Forget namespace ``ns``, which has no key in the map any more, and free its id
+        (no live key int carries it): namespaces stored then deleted (20k of them used
+        to keep ~4 MB) must not pile up."""
+        n = self._namespaces[ns]
+        del self._ns_ids[(n.model_name, n.kv_rank, n.object_group_id, n.cache_salt)]
+        self._namespaces[ns] = _FREED_NS
+        self._free_ns.append(ns)
 
     def _find_ns(self, ns: Namespace) -> int | None:
         return self._ns_ids.get((ns.model_name, ns.kv_rank, ns.object_group_id, ns.cache_salt))
@@ -127,14 +146,16 @@ class KeyDirectory:
             raise InvalidInput("chunk hash must have at least 8 bytes")
         return self._ns_id(key) << HASH_BITS | int.from_bytes(key.chunk_hash[:8], "big")
 
-    def _key_ints(self, keys: Sequence[ObjectKey]) -> list[int]:
-        """Key ints of many keys; C-speed when they share a namespace and full hashes."""
+    def _key_ints(self, keys: Sequence[ObjectKey]) -> tuple[list[int], int | None]:
+        """Key ints of many keys, and their namespace when they share one (C-speed
+        when they do and have full hashes); None when they do not (or there are none)."""
         if not keys:
-            return []
+            return [], None
         blob = b"".join(map(_get_hash, keys))
         if len(blob) != HASH_BYTES * len(keys) or not same_namespace(keys):
-            return [self._key_int(k) for k in keys]
-        return self._blob_ints(self._ns_id(keys[0]), blob)
+            return [self._key_int(k) for k in keys], None
+        ns = self._ns_id(keys[0])
+        return self._blob_ints(ns, blob), ns
 
     @staticmethod
     def _blob_ints(ns_id: int, blob: bytes) -> list[int]:
@@ -231,24 +252,29 @@ class KeyDirectory:
                     if t and (min(t) < 0 or max(t) > MAX_TOKEN_ID):
                         raise InvalidInput("token ids must be in [0, 2**32-1]")
             sizes: Sequence[int]
+            ns: int | None
             if block is None:
                 sizes = list(map(_get_size, entries))
                 uniform = _check_sizes(sizes)
-                iks = self._key_ints(list(map(_get_key, entries)))
+                iks, ns = self._key_ints(list(map(_get_key, entries)))
             elif not entries:  # the fast form: columns straight from the wire
                 sizes = block.sizes
                 uniform = _check_sizes(sizes)
                 iks = self._block_ints(block)
+                ns = self._find_ns(block.namespace)
             else:
                 sizes = list(map(_get_size, entries))
                 sizes.extend(block.sizes)
                 uniform = _check_sizes(sizes)
-                iks = self._key_ints(list(map(_get_key, entries)))
+                iks, _ = self._key_ints(list(map(_get_key, entries)))
                 iks.extend(self._block_ints(block))
+                ns = None
             oid = self._owner_id(owner)
-            created = self._store(oid, iks, sizes, uniform)
+            created = self._store(oid, iks, sizes, uniform, ns)
             if not self._count[oid]:  # an empty batch: nothing holds the new owner
                 self._drop_owner(oid)
+            if ns is not None and not self._ns_keys[ns]:  # interned for keys it had not
+                self._drop_ns(ns)
             if self.keep_tokens:
                 # iks holds the entries' keys first; a block carries no tokens.
                 for key_int, e in zip(iks, entries, strict=False):
@@ -273,11 +299,17 @@ class KeyDirectory:
         return Applied(n, created=removed, ignored=n - removed)
 
     def _store(
-        self, oid: int, keys: Sequence[int], sizes: Sequence[int], uniform: bool | None = None
+        self,
+        oid: int,
+        keys: Sequence[int],
+        sizes: Sequence[int],
+        uniform: bool | None = None,
+        ns: int | None = None,
     ) -> int:
         """Upsert ``keys`` with ``sizes`` for owner ``oid``; returns placements created.
 
-        ``uniform`` is `_check_sizes`' answer when the caller has already validated.
+        ``uniform`` is `_check_sizes`' answer when the caller has already validated;
+        ``ns`` the namespace of every key when the caller knows they share one.
         """
         m = self._map
         rev = self._rev.get(oid)
@@ -298,6 +330,11 @@ class KeyDirectory:
             # Fast path, the common case: every key is new and none repeats. All loops
             # run in C.
             m.update(new)
+            if ns is not None:
+                self._ns_keys[ns] += n
+            else:
+                for ik in keys:
+                    self._ns_keys[ik >> HASH_BITS] += 1
             if rev is not None:
                 rev.extend(keys)
             self._count[oid] += n
@@ -311,6 +348,7 @@ class KeyDirectory:
             cur = m.get(ik)
             if cur is None:
                 m[ik] = code
+                self._ns_keys[ik >> HASH_BITS] += 1
             elif type(cur) is int:
                 if cur >> SIZE_BITS == oid:
                     m[ik] = code
@@ -347,6 +385,10 @@ class KeyDirectory:
             if cur >> SIZE_BITS != oid:
                 return False
             del self._map[ik]
+            nsi = ik >> HASH_BITS
+            self._ns_keys[nsi] -= 1
+            if not self._ns_keys[nsi]:
+                self._drop_ns(nsi)
             self._access.pop(ik, None)
             if self._tokens:
                 old = self._tokens.pop(ik, None)
@@ -589,7 +631,7 @@ class KeyDirectory:
             placements_by_tier=by_tier_n,
             bytes_by_tier=by_tier_b,
             owners=tuple(owners),
-            namespaces=len(self._namespaces),
+            namespaces=len(self._ns_ids),
             token_keys=len(self._tokens),
             token_bytes=self._token_bytes,
         )
@@ -626,22 +668,24 @@ class KeyDirectory:
         """Rebuild a directory from `snapshot` bytes by replaying its stores."""
         snap = decode_snapshot(data)
         d = cls(keep_tokens=keep_tokens)
-        remap: dict[int, int] = {}
-        for old, ns in enumerate(snap.namespaces):
-            remap[old] = d._ns_id(ns)
+        remap: dict[int, int] = {}  # only namespaces that hold keys (a freed slot holds none)
 
-        def key(ns: int, prefix: int) -> int:
-            return remap[ns] << HASH_BITS | prefix
+        def key(ns: int, prefix: int) -> int | None:
+            new = remap.get(ns)
+            return None if new is None else new << HASH_BITS | prefix
 
         for so in snap.owners:
-            base = remap[so.namespace] << HASH_BITS
-            d._store(d._owner_id(so.owner), [base | k for k in so.keys], so.sizes)
+            ns = remap.get(so.namespace)
+            if ns is None:
+                ns = remap[so.namespace] = d._ns_id(snap.namespaces[so.namespace])
+            base = ns << HASH_BITS
+            d._store(d._owner_id(so.owner), [base | k for k in so.keys], so.sizes, ns=ns)
         for nsi, prefix, n in snap.access:
-            if (ik := key(nsi, prefix)) in d._map:
+            if (ik := key(nsi, prefix)) is not None and ik in d._map:
                 d._access[ik] = n
         if keep_tokens:
             for nsi, prefix, off, toks in snap.tokens:
-                if (ik := key(nsi, prefix)) in d._map:
+                if (ik := key(nsi, prefix)) is not None and ik in d._map:
                     d._tokens[ik] = (off, toks)
                     d._token_bytes += len(toks)
         return d
