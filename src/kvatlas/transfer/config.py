@@ -24,6 +24,15 @@ class TcpConfig:
     """Host to put in the endpoint url when it differs from ``host`` (e.g. 0.0.0.0)."""
     connect_timeout_s: float = 2.0
     """Upper bound of a connect, below the read's deadline."""
+    max_connections: int = 256
+    """Connections the owner holds at once, served or waiting for their first request;
+    one more is closed as soon as it is accepted."""
+    first_request_s: float = 5.0
+    """Time a new connection has to send its first request, which must carry the token,
+    before it gets a thread; a slower or unauthenticated one is closed."""
+    idle_timeout_s: float = 60.0
+    """A served connection without a request for this long is closed (a requester's
+    pooled connection closed while idle is retried once on a fresh one)."""
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,12 @@ of a memoryview of the region. The requester ``recv_into``s a memoryview slice o
 own region slot directly and verifies the checksum. Socket timeouts follow the remaining
 deadline; a connection that timed out or failed is closed, never pooled again.
 
+The owner gives a connection a thread only once its first request has arrived and
+carried the token: until then the accept thread holds it in a selector, for at most
+``TcpConfig.first_request_s``, and it counts against ``TcpConfig.max_connections``
+(one more is closed at accept). A served connection idle for
+``TcpConfig.idle_timeout_s`` is closed.
+
 Must not: bind anything the config does not name, or read outside the owner's region.
 """
 
@@ -19,10 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import selectors
 import socket
 import struct
 import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import msgspec
@@ -71,6 +80,14 @@ class _Request(msgspec.Struct, array_like=True, frozen=True):
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(_Request).decode
+
+
+@dataclass
+class _Pending:
+    """A connection accepted but not yet given a thread: its bytes so far."""
+
+    deadline: float
+    buf: bytearray
 
 
 def _recv_exact(sock: socket.socket, view: memoryview, deadline: Deadline) -> None:
@@ -179,51 +196,128 @@ class TcpServer(TransferServer):
     def _accept_loop(self) -> None:
         listener = self._listener
         assert listener is not None
-        while not self._stopping.is_set():
+        cfg = self._config
+        pending: dict[socket.socket, _Pending] = {}
+        with selectors.DefaultSelector() as sel:
+            sel.register(listener, selectors.EVENT_READ)
             try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._conns.add(conn)
-                # Finished handlers are pruned here so the list stays as long as the pool.
-                self._threads = [t for t in self._threads if t.is_alive()]
-                thread = threading.Thread(
-                    target=self._serve, args=(conn,), name="kvatlas-tcp-conn", daemon=True
-                )
-                self._threads.append(thread)
-            thread.start()
+                while not self._stopping.is_set():
+                    for key, _ in sel.select(timeout=min(0.5, cfg.first_request_s)):
+                        if key.fileobj is listener:
+                            conn = self._accept(listener)
+                            if conn is None:
+                                continue
+                            with self._lock:
+                                full = len(self._conns) + len(pending) >= cfg.max_connections
+                            if full:
+                                log.warning(
+                                    "tcp transfer: %d connections open, closing a new one",
+                                    cfg.max_connections,
+                                )
+                                conn.close()
+                                continue
+                            conn.setblocking(False)
+                            deadline = time.monotonic() + cfg.first_request_s
+                            pending[conn] = _Pending(deadline, bytearray())
+                            sel.register(conn, selectors.EVENT_READ)
+                        else:
+                            assert isinstance(key.fileobj, socket.socket)
+                            conn = key.fileobj
+                            if self._first_bytes(conn, pending[conn]) is not None:
+                                sel.unregister(conn)
+                                del pending[conn]
+                    now = time.monotonic()
+                    for conn in [c for c, p in pending.items() if p.deadline <= now]:
+                        sel.unregister(conn)
+                        del pending[conn]
+                        conn.close()
+            except (OSError, ValueError):
+                return  # stop() closed the listener
+            finally:
+                for conn in pending:
+                    conn.close()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _accept(self, listener: socket.socket) -> socket.socket | None:
+        try:
+            conn, _ = listener.accept()
+        except BlockingIOError:
+            return None
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+
+    def _first_bytes(self, conn: socket.socket, p: _Pending) -> bool | None:
+        """Read what a pending connection sent; None while its first request is still
+        incomplete, else done with it: True when it got a thread, False when closed."""
+        try:
+            chunk = conn.recv(_LEN.size + _MAX_REQUEST - len(p.buf))
+        except BlockingIOError:
+            return None
+        except OSError:
+            chunk = b""
+        p.buf += chunk
+        n = _LEN.unpack_from(p.buf)[0] if len(p.buf) >= _LEN.size else 0
+        incomplete = len(p.buf) < _LEN.size or (n <= _MAX_REQUEST and len(p.buf) < _LEN.size + n)
+        if chunk and incomplete:
+            return None
+        req = None
+        if chunk and n <= _MAX_REQUEST:
+            with contextlib.suppress(msgspec.DecodeError):
+                req = _decode(memoryview(p.buf)[_LEN.size : _LEN.size + n])
+        if req is None or not self._gate.check(req.token):
+            if req is not None:
+                msg = b"bad auth token"
+                with contextlib.suppress(OSError):
+                    conn.sendall(_RESP.pack(_ST_REFUSED, len(msg), 0) + msg)
+            conn.close()
+            return False
+        conn.setblocking(True)
+        rest = bytes(p.buf[_LEN.size + n :])
+        with self._lock:
+            self._conns.add(conn)
+            # Finished handlers are pruned here so the list stays as long as the pool.
+            self._threads = [t for t in self._threads if t.is_alive()]
+            thread = threading.Thread(
+                target=self._serve, args=(conn, req, rest), name="kvatlas-tcp-conn", daemon=True
+            )
+            self._threads.append(thread)
+        thread.start()
+        return True
+
+    def _serve(self, conn: socket.socket, first: _Request, rest: bytes) -> None:
         region = self._region.buffer
         head = bytearray(_LEN.size)
         body = bytearray(_MAX_REQUEST)
+        reader = _Reader(conn, rest)
+        req: _Request | None = first
         try:
+            conn.settimeout(self._config.idle_timeout_s)
             while True:
-                if not _recv_blocking(conn, memoryview(head)):
-                    return
-                (n,) = _LEN.unpack(head)
-                if n > _MAX_REQUEST or not _recv_blocking(conn, memoryview(body)[:n]):
-                    return
-                try:
-                    req = _decode(memoryview(body)[:n])
-                except msgspec.DecodeError:
-                    log.warning("tcp transfer: undecodable request, closing connection")
-                    return
+                if req is None:
+                    if not reader.fill(memoryview(head)):
+                        return
+                    (n,) = _LEN.unpack(head)
+                    if n > _MAX_REQUEST or not reader.fill(memoryview(body)[:n]):
+                        return
+                    try:
+                        req = _decode(memoryview(body)[:n])
+                    except msgspec.DecodeError:
+                        log.warning("tcp transfer: undecodable request, closing connection")
+                        return
                 reason = self._refusal(req)
                 if reason:
+                    req = None
                     msg = reason.encode()
                     conn.sendall(_RESP.pack(_ST_REFUSED, len(msg), 0) + msg)
                     continue
-                with region[req.offset : req.offset + req.size] as data:
-                    parts = [memoryview(_RESP.pack(_ST_OK, 0, req.size)), data]
+                offset, size, req = req.offset, req.size, None
+                with region[offset : offset + size] as data:
+                    parts = [memoryview(_RESP.pack(_ST_OK, 0, size)), data]
                     if self._faults.corrupt_next():
                         parts[1] = bad = memoryview(bytearray(data))
                         flip_first_byte(bad)
                     _sendmsg_all(conn, parts)
         except OSError:
-            return  # the requester went away or stop() shut the socket down
+            return  # the requester went away, was idle too long, or stop() shut it down
         finally:
             with self._lock:
                 self._conns.discard(conn)
@@ -239,15 +333,24 @@ class TcpServer(TransferServer):
         return ""
 
 
-def _recv_blocking(conn: socket.socket, view: memoryview) -> bool:
-    """Fill ``view``; False on a clean close before any byte."""
-    got = 0
-    while got < len(view):
-        k = conn.recv_into(view[got:])
-        if k == 0:
-            return False
-        got += k
-    return True
+class _Reader:
+    """Reads a served connection: first what arrived with its first request."""
+
+    def __init__(self, conn: socket.socket, rest: bytes) -> None:
+        self._conn = conn
+        self._rest = memoryview(rest)
+
+    def fill(self, view: memoryview) -> bool:
+        """Fill ``view``; False on a clean close before any byte."""
+        got = min(len(view), len(self._rest))
+        view[:got] = self._rest[:got]
+        self._rest = self._rest[got:]
+        while got < len(view):
+            k = self._conn.recv_into(view[got:])
+            if k == 0:
+                return False
+            got += k
+        return True
 
 
 # ------------------------------------------------------------------------------ client
