@@ -5,7 +5,9 @@ Owns the sockets and the request/answer matching of ``kvatlas.wire.p2p_proto``:
 - ``ChannelServer`` binds a ROUTER on the listen URL (``--p2p-listen-url``) and answers
   each request with ``handler(body)`` in one thread that polls with a timeout (it never
   spins, and stops within one poll interval). Handlers are short: they take the engine
-  lock only to lock or release chunks.
+  lock only to lock or release chunks. A message over ``MAX_MESSAGE_BYTES`` is refused
+  by ZeroMQ from its size header (the sender is disconnected), before anything of it is
+  buffered or its token checked.
 - ``ChannelClient`` talks to one peer through a small pool of DEALER sockets (one request
   in flight per socket). A call waits at most its timeout (derived from the lookup
   deadline by the caller); a socket whose answer did not come in time is closed, never
@@ -41,6 +43,8 @@ log = logging.getLogger(__name__)
 POLL_MS: Final = 200
 """How often the owner's loop looks at its stop flag while idle."""
 MAX_IDLE_SOCKETS: Final = 4
+MAX_MESSAGE_BYTES: Final = 16 * 2**20
+"""The largest request the owner reads: a `LookupAndLock` of ~490k chunk hashes."""
 PEER_GONE_EVENTS: Final = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
 """Socket monitor events that mean the peer cannot answer (refused, closed, gone)."""
 
@@ -62,6 +66,7 @@ class ChannelServer:
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], host: str, port: int) -> None:
         self._sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         try:
             self._sock.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as exc:
