@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from coordinator import lmcache_shapes
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import Entry, EventBatch, UnknownBatch
 from kvatlas.core.keys import ObjectKey, default_kv_rank
@@ -26,22 +27,8 @@ KEY = {"chunk_hash_hex": "ab" * 32, "model_name": "m", "kv_rank": RANK}
 
 
 def lmcache_batch(seq: int, event_type: str, **fields: Any) -> dict[str, Any]:
-    """A batch as LMCache 0.5.6's `CacheEventsRequest.model_dump(mode="json")` writes it."""
-    out: dict[str, Any] = {
-        "instance_id": "mp-1",
-        "incarnation": 1760000000,
-        "seq": seq,
-        "event_type": event_type,
-        "tier": "l1",
-        "backend": "dram",
-        "entries": [],
-        "shared": False,
-        "ts": 1760000001.5,
-        "capacity_bytes": 0,
-        "capacity_revision": 0,
-    }
-    out.update(fields)
-    return out
+    """A batch of instance ``mp-1`` as LMCache 0.5.6 writes it."""
+    return lmcache_shapes.lmcache_batch("mp-1", seq, event_type, **fields)
 
 
 def body(*batches: dict[str, Any]) -> bytes:
