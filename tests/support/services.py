@@ -73,9 +73,9 @@ def start_server_process(
     if not port and not http_port:
         port, http_port = free_ports(2)
     elif not http_port:
-        http_port = free_port(exclude=frozenset((port,)))
+        http_port = _other_free_port(port)
     elif not port:
-        port = free_port(exclude=frozenset((http_port,)))
+        port = _other_free_port(http_port)
     argv = python_module(
         "kvatlas.cli.server",
         "--host", HOST, "--port", str(port), "--http-port", str(http_port),
@@ -94,3 +94,9 @@ def start_server_process(
         port=port,
         **fields,
     )
+
+
+def _other_free_port(taken: int) -> int:
+    """A free port that is not ``taken`` (a port the caller chose but has not bound yet,
+    which the OS could hand out again): of two distinct free ports, one differs."""
+    return next(p for p in free_ports(2) if p != taken)
