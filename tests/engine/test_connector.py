@@ -9,7 +9,6 @@ registers again once a server answers.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -222,10 +221,12 @@ def test_killed_cache_server_costs_a_recompute_then_the_engine_reconnects(
         assert down["cached_token_stats"]["fallback"] == Fallback.SERVER_UNAVAILABLE
         assert down["cached_token_stats"]["num_cached_tokens"] == 0
         assert down["choices"] == first["choices"]
-        # no more waiting on a dead server: the next request skips the cache at once
-        t0 = time.monotonic()
-        assert ask(app, body)["cached_token_stats"]["fallback"] == Fallback.SERVER_UNAVAILABLE
-        assert time.monotonic() - t0 < 0.5
+        # no more waiting on a dead server: the next request skips the cache at once (its
+        # load time, not the recompute that follows, is what a wait on the 0.5 s lookup
+        # timeout would show)
+        skipped = ask(app, body)["cached_token_stats"]
+        assert skipped["fallback"] == Fallback.SERVER_UNAVAILABLE
+        assert skipped["load_ms"] < 250, skipped
         assert httpx.get(f"{app.url}/healthz").json()["cache"] == "disconnected"
         metrics = httpx.get(f"{app.url}/metrics").text
         assert 'kvatlas_engine_kv_load_fallbacks_total{cause="server_unavailable"} 2.0' in metrics
