@@ -449,28 +449,3 @@ def test_auth_token_guards_the_engine_api_and_status(tmp_path: Path) -> None:
         trusted.close()
     finally:
         assert s.stop() == 0, s.text()
-
-
-def test_non_ascii_tokens_are_refused_and_the_server_keeps_serving(tmp_path: Path) -> None:
-    """A token that is not ASCII once killed an engine API worker per request (TypeError
-    in the comparison) and made /status answer 500. Refused now, and the workers live."""
-    s = start_server(tmp_path, "node-secret", "--auth-token", "s3cret")  # 2 engine workers
-    try:
-        base = f"http://127.0.0.1:{s.http_port}"
-        for path in ("/status", "/metrics"):
-            for value in ("Bearer é".encode(), "Bearer é".encode("latin-1"), b"\xff\xfe"):
-                r = httpx.get(base + path, headers={"Authorization": value}, timeout=5)
-                assert r.status_code == 401, (path, value, r.text)
-        for _ in range(4):  # more than the workers
-            bad = CacheClient(s.engine_url, timeout_s=5.0, auth_token="é")
-            with pytest.raises(Unauthorized):
-                bad.register(MODEL, "float16", (2, 2, 8), chunk_size=CHUNK)
-            bad.close()
-        trusted = CacheClient(s.engine_url, timeout_s=5.0, auth_token="s3cret")
-        trusted.register(MODEL, "float16", (2, 2, 8), chunk_size=CHUNK)
-        assert trusted.lookup(list(range(CHUNK))).hit_tokens == 0
-        trusted.close()
-        good = {"Authorization": "Bearer s3cret"}
-        assert httpx.get(f"{base}/status", headers=good, timeout=5).status_code == 200
-    finally:
-        assert s.stop() == 0, s.text()
