@@ -94,6 +94,9 @@ class FleetConfig:
     """How long a process may take to answer /healthz."""
     log_level: str = "WARNING"
     """Log level of the processes (logs go to files in the work dir)."""
+    server_args: tuple[tuple[str, ...], ...] = ()
+    """More flags for server ``i`` (``server_args[i]``; servers past the end get none):
+    a benchmark's fault injection on one node, say."""
 
 
 @dataclass(slots=True)
@@ -200,6 +203,8 @@ class Fleet:
                 "--p2p-lookup-timeout", str(c.p2p_lookup_timeout_s),
                 "--p2p-load-timeout", str(c.p2p_load_timeout_s),
             ]  # fmt: skip
+        if i < len(c.server_args):
+            args += c.server_args[i]
         return ServerProc(
             iid,
             args,
