@@ -35,6 +35,11 @@ def test_defaults_and_env_token() -> None:
     assert (cfg.event_transport, cfg.enable_blend_lookup, cfg.chunk_size) == ("kafka", True, 16)
     assert config_from_args([], {}).max_connections == 0  # from the open-file limit
     assert config_from_args(["--max-connections", "64"], {}).max_connections == 64
+    assert (
+        config_from_args([], {}).max_buffered_bytes == 4 * config_from_args([], {}).max_body_bytes
+    )
+    buffered = config_from_args(["--max-buffered-bytes", "99999999"], {}).max_buffered_bytes
+    assert buffered == 99999999
 
 
 @pytest.mark.parametrize(
@@ -49,6 +54,7 @@ def test_defaults_and_env_token() -> None:
         ({"max_body_bytes": 0}, "--max-body-bytes"),
         ({"max_lookup_tokens": -5}, "--max-lookup-tokens"),
         ({"max_connections": -1}, "--max-connections"),
+        ({"max_buffered_bytes": 1024}, "--max-buffered-bytes"),
         ({"drop_token_ids": True, "enable_blend_lookup": True}, "--drop-token-ids"),
     ],
 )

@@ -1,7 +1,7 @@
 """The runtime HTTP/1.1 server on its own, over real loopback sockets: routing,
 keep-alive and pipelining order, limits, `Expect: 100-continue`, coroutine and
 thread-pool handlers, errors, idle timeouts, read deadlines (408), the connection cap
-(503) and shutdown."""
+(503), the buffered-bytes budget (503) and shutdown."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from kvatlas.runtime.http_server import (
     LINGER_S,
+    UNRESERVED_BODY_BYTES,
     HttpRequest,
     HttpResponse,
     HttpServer,
@@ -81,7 +82,11 @@ def _big(request: HttpRequest) -> HttpResponse:
 
 class Served:
     def __init__(
-        self, idle_timeout: float = 75.0, shutdown_grace: float = 5.0, **limits: Any
+        self,
+        idle_timeout: float = 75.0,
+        shutdown_grace: float = 5.0,
+        max_body_bytes: int = 1024,
+        **limits: Any,
     ) -> None:
         r = Router()
         r.add("POST", "/echo", _echo)
@@ -94,7 +99,7 @@ class Served:
         self.server = HttpServer(
             r,
             _translate,
-            max_body_bytes=1024,
+            max_body_bytes=max_body_bytes,
             idle_timeout=idle_timeout,
             shutdown_grace=shutdown_grace,
             **limits,
@@ -478,5 +483,91 @@ def test_a_client_that_does_not_read_its_last_answer_is_reset_after_the_linger()
         )  # fmt: skip
         assert time.monotonic() - t0 > LINGER_S / 2
         s.close()
+    finally:
+        served.stop()
+
+
+MIB = 1 << 20
+
+
+def _post_head(length: int) -> bytes:
+    return b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % length
+
+
+def _buffered(served: Served) -> int:
+    return served.server.stats().buffered_bytes
+
+
+def test_bodies_reserve_the_buffered_bytes_budget_and_give_it_back() -> None:
+    """Two stalled 1 MiB bodies hold a 2 MiB budget: a third large body gets 503 with
+    Retry-After before any of it is read, a small one is still served, and a close gives
+    the budget back to the next large body."""
+    served = Served(max_body_bytes=MIB, max_buffered_bytes=2 * MIB)
+    try:
+        stalled = []
+        for _ in range(2):
+            s = served.connect()
+            s.sendall(_post_head(MIB) + b"x" * 100_000)
+            stalled.append(s)
+        wait_until(
+            lambda: _buffered(served), lambda n: n == 2 * MIB, what="two bodies reserved",
+            timeout=5, every=0.01,
+        )  # fmt: skip
+        third = served.connect()
+        third.sendall(_post_head(UNRESERVED_BODY_BYTES + 1))
+        status, headers, body = _read_response(third.makefile("rb"))
+        assert (status, headers["retry-after"], headers["connection"]) == (503, "1", "close")
+        assert b"buffered at once reached the limit of 2097152 bytes" in body
+        third.close()
+        with httpx.Client(base_url=f"http://127.0.0.1:{served.port}") as c:
+            small = b"s" * UNRESERVED_BODY_BYTES
+            r = c.post("/echo", content=small)
+            assert (r.status_code, r.content) == (200, small)
+            chunked = c.post("/echo", content=iter([b"c" * UNRESERVED_BODY_BYTES, b"c"]))
+            assert chunked.status_code == 503  # no declared length: reserved as it arrives
+        stalled.pop().close()
+        wait_until(
+            lambda: _buffered(served), lambda n: n == MIB, what="the closed body given back",
+            timeout=5, every=0.01,
+        )  # fmt: skip
+        with httpx.Client(base_url=f"http://127.0.0.1:{served.port}") as c:
+            big = b"b" * MIB
+            r = c.post("/echo", content=big)
+            assert (r.status_code, r.content) == (200, big)
+        assert _buffered(served) == MIB  # the answered body gave its reservation back
+        stalled.pop().close()
+        wait_until(
+            lambda: _buffered(served), lambda n: n == 0, what="every reservation given back",
+            timeout=5, every=0.01,
+        )  # fmt: skip
+        assert served.server.stats().refused["buffered_bytes"] == 2
+    finally:
+        served.stop()
+
+
+def test_the_budget_must_hold_the_largest_body() -> None:
+    with pytest.raises(ValueError, match="max_buffered_bytes"):
+        HttpServer(Router(), _translate, max_body_bytes=MIB, max_buffered_bytes=MIB - 1)
+
+
+def test_a_body_that_arrived_fast_and_then_stalls_gets_408() -> None:
+    """The minimum rate holds over every window: 900 KB at once buy no 900 s of silence
+    (the issue's 60 MiB of 64 MiB then a stall held 480 MB for an hour)."""
+    served = Served(max_body_bytes=MIB, body_timeout=0.3, min_body_rate=1000)
+    try:
+        s = served.connect()
+        t0 = time.monotonic()
+        s.sendall(_post_head(MIB) + b"x" * 900_000)
+        status, _, body = _read_response(s.makefile("rb"))
+        took = time.monotonic() - t0
+        assert status == 408
+        assert b"1000 bytes/s" in body
+        assert 0.25 < took < 3.0
+        s.close()
+        wait_until(
+            lambda: _buffered(served), lambda n: n == 0, what="the cut body given back",
+            timeout=5, every=0.01,
+        )  # fmt: skip
+        assert served.server.stats().refused["body_rate"] == 1
     finally:
         served.stop()

@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="most open HTTP connections; more get 503 (default: 4096, or fewer when"
         " ulimit -n leaves no room)",
     )
+    a(
+        "--max-buffered-bytes",
+        type=int,
+        default=_D.max_buffered_bytes,
+        help="most request body bytes held at once across all connections; a body over"
+        " 64 KiB that does not fit gets 503 (default %(default)s, at least --max-body-bytes)",
+    )
     a("--log-level", default=_D.log_level, help="logging level (default %(default)s)")
     return p
 
@@ -141,6 +148,7 @@ def config_from_args(argv: list[str] | None, environ: dict[str, str]) -> Coordin
         max_lookup_tokens=ns.max_lookup_tokens,
         max_lookup_keys=ns.max_lookup_keys,
         max_connections=ns.max_connections,
+        max_buffered_bytes=ns.max_buffered_bytes,
         log_level=ns.log_level.upper(),
     )
 

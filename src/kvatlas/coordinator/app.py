@@ -92,6 +92,7 @@ class Coordinator:
             clock=clock,
             events_refusal=events_refusal,
         ).server()
+        self.metrics.attach_edge(self.http.stats)
         self.snapshots = (
             snapshot.SnapshotWriter(
                 self.service, Path(config.snapshot_path), config.snapshot_interval, self.metrics

@@ -72,6 +72,11 @@ class CoordinatorConfig:
     """Most open HTTP connections served at once (`--max-connections`); more are
     answered 503 with Retry-After. 0: 4096, or fewer when the open-file limit
     (`ulimit -n`) leaves no room for them."""
+    max_buffered_bytes: int = 256 * 1024 * 1024
+    """Most request body bytes held at once across all HTTP connections
+    (`--max-buffered-bytes`); a body over 64 KiB reserves its declared length from it
+    before it is read, and one that does not fit is answered 503 with Retry-After. At
+    least `--max-body-bytes`."""
     log_level: str = "INFO"
     """Python logging level name (`--log-level`)."""
 
@@ -115,6 +120,11 @@ class CoordinatorConfig:
         ):
             if value <= 0:
                 raise ConfigError(f"{flag} must be > 0, got {value}")
+        if self.max_buffered_bytes < self.max_body_bytes:
+            raise ConfigError(
+                f"--max-buffered-bytes ({self.max_buffered_bytes}) must be at least"
+                f" --max-body-bytes ({self.max_body_bytes}), or the largest body is never taken"
+            )
         if self.max_connections < 0:
             raise ConfigError(
                 f"--max-connections must be >= 0 (0: from the open-file limit),"

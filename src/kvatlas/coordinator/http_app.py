@@ -166,6 +166,7 @@ class CoordinatorApp:
             translate_error,
             max_body_bytes=self._cfg.max_body_bytes,
             max_connections=self._cfg.max_connections or None,
+            max_buffered_bytes=self._cfg.max_buffered_bytes,
             gate=BearerAuth(self._cfg.auth_token) if self._cfg.auth_token else None,
         )
 

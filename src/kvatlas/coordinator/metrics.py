@@ -2,7 +2,8 @@
 
 Owns the counters and histograms the shells bump at the edges (ingest outcomes, fences,
 lookups, Kafka records), a collector that reads a state sample at scrape time
-(directory sizes, live instances, heartbeat ages, gaps), and the counters' totals as one
+(directory sizes, live instances, heartbeat ages, gaps), one that reads the HTTP edge's
+sample (connections, buffered body bytes, refusals by cause), and the counters' totals as one
 Struct for the fleet page (`counters()`). Must not hold state of its own
 beyond the counters, nor take the fleet lock itself: the sample function does that.
 """
@@ -13,10 +14,11 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvatlas.core.types import InstanceId
+from kvatlas.runtime.http_server import EdgeStats
 from kvatlas.wire.fleet_view import CoordinatorCounters
 
 _LOOKUP_BUCKETS = (
@@ -112,6 +114,37 @@ class _StateCollector(Collector):
         for instance, tier, backend, n in s.declared_capacity:
             capacity.add_metric([instance, tier, backend], n)
         return [keys, placements, nbytes, live, prov, age, gaps, missing, blend, tokens, capacity]
+
+
+class _EdgeCollector(Collector):
+    def __init__(self, sample: Callable[[], EdgeStats]) -> None:
+        self._sample = sample
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._sample()
+        conns = GaugeMetricFamily(
+            "kvatlas_coordinator_http_connections", "Open HTTP connections being served"
+        )
+        conns.add_metric([], s.connections)
+        buffered = GaugeMetricFamily(
+            "kvatlas_coordinator_http_buffered_bytes",
+            "Request body bytes reserved from the buffered-bytes budget now",
+        )
+        buffered.add_metric([], s.buffered_bytes)
+        budget = GaugeMetricFamily(
+            "kvatlas_coordinator_http_max_buffered_bytes",
+            "The buffered-bytes budget (--max-buffered-bytes)",
+        )
+        budget.add_metric([], s.max_buffered_bytes)
+        refused = CounterMetricFamily(
+            "kvatlas_coordinator_http_refused",
+            "Requests and connections the HTTP server refused on its own, by cause"
+            " (408: header_deadline, body_rate; 503: connections, buffered_bytes)",
+            labels=["cause"],
+        )
+        for cause, n in s.refused.items():
+            refused.add_metric([cause], n)
+        return [conns, buffered, budget, refused]
 
 
 class CoordinatorMetrics:
@@ -215,6 +248,10 @@ class CoordinatorMetrics:
     def attach_state(self, sample: Callable[[], StateSample]) -> None:
         """Register the scrape-time collector reading ``sample()``."""
         self.registry.register(_StateCollector(sample))
+
+    def attach_edge(self, sample: Callable[[], EdgeStats]) -> None:
+        """Register the scrape-time collector of the HTTP server's ``sample()``."""
+        self.registry.register(_EdgeCollector(sample))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -4,7 +4,9 @@ Owns connections and their life: parsing (httptools), keep-alive and pipelining 
 request at a time per connection, answered in order), limits (request line, headers,
 body: 414 / 431 / 413 before a body over the limit is read), read deadlines (the request
 line and headers within ``header_timeout`` of the request's first byte, the body at
-``min_body_rate`` after ``body_timeout``: 408), a cap on open connections (over it, a
+``min_body_rate`` over every ``body_timeout`` window: 408), a cap on open connections
+(over it, a 503 with ``Retry-After``), a cap on the request bytes buffered at once across
+all connections (a body reserves its declared length before it is read; over the cap, a
 503 with ``Retry-After``), ``Expect: 100-continue``, idle timeouts, write back-pressure,
 graceful shutdown, and dispatch through a ``Router`` by method and path. Must not know
 any service's routes, state or error tree: the service hands it handlers, a gate and an
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import inspect
 import logging
 import resource
@@ -56,9 +60,54 @@ FD_HEADROOM = 256
 MAX_REFUSING = 64
 """Refused connections kept open at once to deliver their 503; beyond, reset at once.
 Open descriptors thus never exceed the cap plus this."""
+UNRESERVED_BODY_BYTES = 64 * 1024
+"""A body up to this size is read without a reservation from the buffered-bytes budget,
+so that the small requests of normal clients (heartbeats, event batches, lookups) are
+still taken while large bodies hold the budget. What such bodies hold at once is bounded
+by the connection cap, as their headers (MAX_HEADER_BYTES each) are."""
+TRIM_AFTER_BYTES = 32 * 1024 * 1024
+"""Once bodies of this many bytes have been given back, the next sweep asks the C
+allocator to return its free pages to the system (see ``_trim_heap``)."""
 LINGER_S = 1.0
 """How long a closed connection may take to flush its answer (a client that does not
 read) and a refused one may keep sending, before it is reset."""
+
+
+REFUSALS = ("header_deadline", "body_rate", "connections", "buffered_bytes")
+"""The causes the server refuses for on its own: 408 (headers late, body too slow) and
+503 (the connection cap, the buffered-bytes budget)."""
+
+
+@dataclass(slots=True, frozen=True)
+class EdgeStats:
+    """A sample of the server's edge, for metrics."""
+
+    connections: int
+    buffered_bytes: int
+    max_buffered_bytes: int
+    refused: dict[str, int]
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``; None under another C library (musl has none)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    trim: Callable[[int], int] | None = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    return trim
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def _trim_heap() -> None:
+    """Give the allocator's free pages back to the system. Bodies arrive as many chunks
+    of up to 256 KiB, allocated between other objects' memory; freed, they leave holes
+    inside the heap that glibc keeps (it trims only the heap's top), so a burst of big
+    bodies would keep its resident memory for good (480 MB in issue #14). One call costs
+    a walk over the heap (milliseconds), made at most once per sweep after a release."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def default_max_connections() -> int:
@@ -215,7 +264,18 @@ def _head_and_body(status: int, reason: str, extra: bytes) -> bytes:
 class _Pending:
     """A request that is arriving: its line and headers, then its body."""
 
-    __slots__ = ("body", "body_since", "headers", "method", "size", "started", "url")
+    __slots__ = (
+        "body",
+        "body_since",
+        "headers",
+        "mark_at",
+        "mark_size",
+        "method",
+        "reserved",
+        "size",
+        "started",
+        "url",
+    )
 
     def __init__(self, started: float) -> None:
         self.url = b""
@@ -227,15 +287,22 @@ class _Pending:
         # completed its headers (0 while they are arriving): the deadlines count from them.
         self.started = started
         self.body_since = 0.0
+        # The start of the body's current rate window and its size then.
+        self.mark_at = 0.0
+        self.mark_size = 0
+        self.reserved = 0
+        """Bytes of the server's buffered-bytes budget this body holds."""
 
 
 class _Refuse(Exception):
     """The request cannot be taken; answer with this status and close the connection."""
 
-    def __init__(self, status: int, reason: str) -> None:
+    def __init__(self, status: int, reason: str, extra: bytes = b"") -> None:
         super().__init__(reason)
         self.status = status
         self.reason = reason
+        self.extra = extra
+        """Header lines of the answer (``Retry-After``)."""
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -247,7 +314,9 @@ class HttpProtocol(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._pending: _Pending | None = None
         self._header_bytes = 0
-        self._queue: deque[tuple[HttpRequest, bool]] = deque()
+        # A complete request, whether the connection stays open after it, and the bytes
+        # of the buffered-bytes budget its body holds until it is answered.
+        self._queue: deque[tuple[HttpRequest, bool, int]] = deque()
         self._busy = False
         self._closing = False
         self._write_paused = False
@@ -269,7 +338,9 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
-        self._queue.clear()
+        self._drop_buffered()
+        # The parser refers back to this protocol: without these references dropped here,
+        # a stalled body would stay in memory until the cycle collector happens to run.
         self._server.connections.discard(self)
         self._server.refusing.discard(self)
 
@@ -285,7 +356,7 @@ class HttpProtocol(asyncio.Protocol):
             # httptools wraps what a callback raised; a _Refuse carries its own answer.
             cause = exc.__context__
             if isinstance(cause, _Refuse):
-                self._refuse(cause.status, cause.reason)
+                self._refuse(cause.status, cause.reason, cause.extra)
             else:
                 self._refuse(400, f"malformed HTTP request: {exc}")
 
@@ -330,11 +401,14 @@ class HttpProtocol(asyncio.Protocol):
         p = self._pending
         assert p is not None
         p.method = self._parser.get_method().decode("ascii", "replace")
-        p.body_since = self.last_active
+        p.body_since = p.mark_at = self.last_active
         limit = self._server.max_body_bytes
         declared = p.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise _Refuse(413, f"body of {declared} bytes exceeds the limit of {limit}")
+        if declared is not None and declared.isdigit():
+            if int(declared) > limit:
+                raise _Refuse(413, f"body of {declared} bytes exceeds the limit of {limit}")
+            if int(declared) > UNRESERVED_BODY_BYTES:
+                self._reserve(p, int(declared))
         if p.headers.get("expect", "").lower() == "100-continue" and self._transport:
             self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
@@ -344,7 +418,30 @@ class HttpProtocol(asyncio.Protocol):
         p.size += len(body)
         if p.size > self._server.max_body_bytes:
             raise _Refuse(413, f"body exceeds the limit of {self._server.max_body_bytes} bytes")
+        if p.size > p.reserved and p.size > UNRESERVED_BODY_BYTES:
+            self._reserve(p, p.size - p.reserved)  # a chunked body: no declared length
         p.body.append(body)
+
+    def _reserve(self, p: _Pending, nbytes: int) -> None:
+        """Take ``nbytes`` of the buffered-bytes budget for ``p``'s body, or refuse it."""
+        server = self._server
+        if server.buffered + nbytes > server.max_buffered_bytes:
+            server.refused["buffered_bytes"] += 1
+            raise _Refuse(
+                503,
+                f"request bodies buffered at once reached the limit of"
+                f" {server.max_buffered_bytes} bytes; retry later",
+                b"retry-after: 1\r\n",
+            )
+        server.buffered += nbytes
+        p.reserved += nbytes
+
+    def _drop_buffered(self) -> None:
+        """Forget the arriving and the queued requests and give back what they held."""
+        p, self._pending = self._pending, None
+        held = (p.reserved if p is not None else 0) + sum(r for _, _, r in self._queue)
+        self._queue.clear()
+        self._server.give_back(held)
 
     def on_message_complete(self) -> None:
         p = self._pending
@@ -362,7 +459,7 @@ class HttpProtocol(asyncio.Protocol):
             p.headers,
             body,
         )
-        self._queue.append((request, self._parser.should_keep_alive()))
+        self._queue.append((request, self._parser.should_keep_alive(), p.reserved))
         if not self._busy:
             self._run_queue()
         else:
@@ -373,37 +470,45 @@ class HttpProtocol(asyncio.Protocol):
     def _run_queue(self) -> None:
         """Answer queued requests in order until one must wait (a task or the pool)."""
         while self._queue and not self._closing:
-            request, keep_alive = self._queue.popleft()
+            request, keep_alive, reserved = self._queue.popleft()
             gate = self._server.gate
             refused = gate(request) if gate is not None else None
             if refused is not None:
+                self._server.give_back(reserved)
                 self._respond(refused, keep_alive, request.method)
                 continue
             route, params, allowed = self._server.router.match(request.method, request.path)
             if route is None:
+                self._server.give_back(reserved)
                 self._respond(_not_routed(request, allowed), keep_alive, request.method)
                 continue
             request.path_params = params
             if route.is_async:
-                self._wait_for(route.handler(request), request, keep_alive)  # type: ignore[arg-type]
+                work = route.handler(request)
+                self._wait_for(work, request, keep_alive, reserved)  # type: ignore[arg-type]
                 return
             handler: SyncHandler = route.handler  # type: ignore[assignment]
             if route.offload is not None and route.offload(request):
                 loop = asyncio.get_running_loop()
                 fut = loop.run_in_executor(self._server.executor, handler, request)
-                self._wait_for(fut, request, keep_alive)
+                self._wait_for(fut, request, keep_alive, reserved)
                 return
             try:
                 response = handler(request)
             except Exception as exc:
                 response = self._server.translate(exc, request)
+            self._server.give_back(reserved)
             self._respond(response, keep_alive, request.method)
         if self._eof and self.idle:
             self._abort()
             return
         self._update_reading()
 
-    def _wait_for(self, work: Awaitable[HttpResponse], request: HttpRequest, keep: bool) -> None:
+    def _wait_for(
+        self, work: Awaitable[HttpResponse], request: HttpRequest, keep: bool, reserved: int
+    ) -> None:
+        """Answer once ``work`` is done; the body's ``reserved`` bytes are held till then
+        (the handler holds the body), whether or not the client is still there."""
         self._busy = True
         self._update_reading()
         task = asyncio.ensure_future(work)
@@ -411,6 +516,7 @@ class HttpProtocol(asyncio.Protocol):
 
         def done(t: asyncio.Future[HttpResponse]) -> None:
             self._server.tasks.discard(t)
+            self._server.give_back(reserved)
             self._busy = False
             if t.cancelled():
                 self._abort()
@@ -443,13 +549,12 @@ class HttpProtocol(asyncio.Protocol):
         if close:
             self._abort()
 
-    def _refuse(self, status: int, reason: str) -> None:
+    def _refuse(self, status: int, reason: str, extra: bytes = b"") -> None:
         """Answer a request that cannot be taken, then close: the stream is lost."""
-        self._pending = None
-        self._queue.clear()
+        self._drop_buffered()
         if self._closing:
             return
-        self._linger(_head_and_body(status, reason, b""))
+        self._linger(_head_and_body(status, reason, extra))
 
     def _refuse_connection(self) -> None:
         """Over the cap: answer 503 at once and close."""
@@ -460,6 +565,7 @@ class HttpProtocol(asyncio.Protocol):
             t.abort()  # a flood: descriptors matter more than the courtesy
             return
         server.refusing.add(self)
+        server.refused["connections"] += 1
         reason = f"too many open connections (the limit is {server.max_connections}); retry later"
         self._linger(_head_and_body(503, reason, b"retry-after: 1\r\n"))
 
@@ -520,19 +626,28 @@ class HttpProtocol(asyncio.Protocol):
                 self._transport.abort()
             return
         p = self._pending
-        if p is not None and self.idle:
+        if p is not None and not self.idle:
+            # It waits behind an answer (reading may be paused): its window starts again.
+            p.mark_at, p.mark_size = now, p.size
+        elif p is not None:
             if not p.body_since:
                 if now - p.started > server.header_timeout:
+                    server.refused["header_deadline"] += 1
                     self._refuse(
                         408, f"request line and headers not received in {server.header_timeout} s"
                     )
                     return
-            elif p.size < (now - p.body_since - server.body_timeout) * server.min_body_rate:
-                self._refuse(
-                    408,
-                    f"request body arriving slower than {server.min_body_rate:.0f} bytes/s",
-                )
-                return
+            elif now - p.mark_at >= server.body_timeout:
+                # The rate over the last window, not since the body began: a body that
+                # arrived fast and then stalls cannot live on its early bytes' credit.
+                if p.size - p.mark_size < (now - p.mark_at) * server.min_body_rate:
+                    server.refused["body_rate"] += 1
+                    self._refuse(
+                        408,
+                        f"request body arriving slower than {server.min_body_rate:.0f} bytes/s",
+                    )
+                    return
+                p.mark_at, p.mark_size = now, p.size
         if self.idle and now - self.last_active > server.idle_timeout:
             self._abort()
 
@@ -551,11 +666,18 @@ class HttpServer:
     """Serves a router on a bound socket, in the calling thread, until `stop()`.
 
     ``header_timeout``: seconds from a request's first byte to the end of its headers.
-    ``body_timeout`` and ``min_body_rate``: a body must have arrived at ``min_body_rate``
-    bytes/s from ``body_timeout`` seconds after its headers on (a body of n bytes thus
-    has ``body_timeout + n / min_body_rate`` seconds). ``idle_timeout``: seconds a
-    connection may stay silent between requests. ``max_connections``: open connections
-    served at once (default: ``default_max_connections()``); more are answered 503.
+    ``body_timeout`` and ``min_body_rate``: in every window of ``body_timeout`` seconds
+    from the end of its headers on, a body must arrive at ``min_body_rate`` bytes/s (a
+    body that arrived fast and then stalls is cut within two windows). ``idle_timeout``:
+    seconds a connection may stay silent between requests. ``max_connections``: open
+    connections served at once (default: ``default_max_connections()``); more are
+    answered 503. ``max_buffered_bytes``: request body bytes held at once across all
+    connections (default: 4 x ``max_body_bytes``): a body over UNRESERVED_BODY_BYTES
+    reserves its declared length (a chunked one, what has arrived) before it is read and
+    holds it until its request is answered; one that does not fit is answered 503 with
+    ``Retry-After``. Why a refusal rather than pausing the connection until the budget
+    frees: a paused client learns nothing and still holds a connection, a refused one is
+    told to retry (the cache server's event sink does), and the budget needs no queue.
     """
 
     def __init__(
@@ -570,6 +692,7 @@ class HttpServer:
         body_timeout: float = 10.0,
         min_body_rate: float = 16 * 1024,
         max_connections: int | None = None,
+        max_buffered_bytes: int | None = None,
         shutdown_grace: float = 5.0,
         offload_threads: int = 4,
     ) -> None:
@@ -586,6 +709,20 @@ class HttpServer:
         )
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        self.max_buffered_bytes = (
+            4 * max_body_bytes if max_buffered_bytes is None else max_buffered_bytes
+        )
+        if self.max_buffered_bytes < max_body_bytes:
+            raise ValueError(
+                f"max_buffered_bytes ({self.max_buffered_bytes}) must be >= max_body_bytes"
+                f" ({max_body_bytes}), or the largest body could never be taken"
+            )
+        self.buffered = 0
+        """Bytes of the budget that bodies hold now (changed on the loop only)."""
+        self.given_back = 0
+        """Bytes of the budget given back since the last heap trim."""
+        self.refused: dict[str, int] = dict.fromkeys(REFUSALS, 0)
+        """Requests and connections refused, by cause (REFUSALS), since the start."""
         self.shutdown_grace = shutdown_grace
         self.executor = ThreadPoolExecutor(offload_threads, thread_name_prefix="http-offload")
         self.connections: set[HttpProtocol] = set()
@@ -599,6 +736,21 @@ class HttpServer:
         self._stop_asked = threading.Event()
         self.serving = threading.Event()
         """Set once the socket is being served."""
+
+    def give_back(self, nbytes: int) -> None:
+        """A body's reservation ends (on the loop)."""
+        self.buffered -= nbytes
+        self.given_back += nbytes
+
+    def stats(self) -> EdgeStats:
+        """What the edge holds and has refused now; safe from any thread (a snapshot of
+        values the loop changes, each read once)."""
+        return EdgeStats(
+            connections=len(self.connections),
+            buffered_bytes=self.buffered,
+            max_buffered_bytes=self.max_buffered_bytes,
+            refused=dict(self.refused),
+        )
 
     def translate(self, exc: Exception, request: HttpRequest) -> HttpResponse:
         response = self._translate(exc)
@@ -648,6 +800,9 @@ class HttpServer:
                 conn.sweep(now)
             for conn in list(self.refusing):
                 conn.sweep(now)
+            if self.given_back >= TRIM_AFTER_BYTES:
+                self.given_back = 0
+                _trim_heap()
 
     async def _drain(self) -> None:
         """Close idle connections now; give busy ones the grace period to answer."""
