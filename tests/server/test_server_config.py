@@ -37,3 +37,28 @@ def test_an_empty_partitioner_is_refused_naming_the_flag() -> None:
     )
     with pytest.raises(ConfigError, match="--kafka-partitioner"):
         config.validate()
+
+
+def urls_of(*flags: str) -> tuple[str, ...]:
+    args = build_parser().parse_args(["--instance-id", "node-a", *flags])
+    return config_from_args(args, {}).coordinator.urls
+
+
+def test_coordinator_urls_repeat_or_separate_by_commas_in_order() -> None:
+    a, b, c = (f"http://10.0.0.{i}:9300" for i in (1, 2, 3))
+    assert urls_of() == ()
+    assert urls_of("--coordinator-url", a) == (a,)
+    assert urls_of("--coordinator-url", f"{a},{b}", "--coordinator-url", c) == (a, b, c)
+    assert urls_of("--coordinator-url", f" {b} , {a},") == (b, a)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("10.0.0.1:9300", "must start with http:// or https://, got '10.0.0.1:9300'"),
+        ("http://h:1,http://h:1/", "--coordinator-url names http://h:1 more than once"),
+    ],
+)
+def test_bad_coordinator_urls_are_refused_naming_the_flag(value: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        urls_of("--coordinator-url", value)

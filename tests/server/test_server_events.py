@@ -21,7 +21,7 @@ import pytest
 from kvatlas.core.events import Entry
 from kvatlas.core.keys import HashContract, Namespace, ObjectKey, chunk_hashes, object_keys
 from kvatlas.core.types import EventType, Tier
-from kvatlas.runtime.coordinator_client import CoordinatorClient
+from kvatlas.runtime.coordinator_client import CoordinatorClient, Failover
 from kvatlas.server.incarnation import next_incarnation
 from kvatlas.server.publisher import EventPublisher
 from kvatlas.server.registrar import Identity, Registrar, RegistrationState
@@ -326,3 +326,45 @@ def test_overflow_is_counted_and_triggers_a_resync(
     # the dropped seqs: visible at the coordinator, then resynced
     assert gaps(coordinator, "node-a") == 1
     pub.stop()
+
+
+def test_registrar_registers_and_resyncs_on_a_replica_that_shares_no_log(
+    coordinator: RunningCoordinator, start_coordinator: Start
+) -> None:
+    """Independent replicas (events over HTTP): A stops, the server fails over to B (404
+    there: register, resync); A comes back from its snapshot knowing the instance (its
+    heartbeat would answer 200) and B stops: failing back, the registrar registers on A
+    again with the same incarnation (no fence) and resyncs, so that A learns what was
+    stored while B was in use."""
+    b = start_coordinator()
+    resyncs: list[str] = []
+    reg: Registrar | None = None
+
+    def failed_over(event: Failover) -> None:
+        assert reg is not None
+        reg.replica_changed(event.to_url)
+
+    client = CoordinatorClient([coordinator.url, b.url], timeout_s=2.0, on_failover=failed_over)
+    _clients.append(client)
+    ident = Identity("node-a", 1, "127.0.0.1", http_port=7555, mq_port=6555)
+    reg = Registrar(
+        client,
+        ident,
+        heartbeat_interval_s=0.1,
+        on_resync=lambda: resyncs.append(client.url),
+        resync_on_failover=True,
+    )
+    reg.start()
+    wait_state(reg, RegistrationState.REGISTERED)
+    coordinator.stop()
+    wait_until(lambda: list(resyncs), lambda r: r == [b.url], what="a resync on B")
+    a = restart(start_coordinator, coordinator, keep_state=True)
+    assert a.instance_ids() == ["node-a"]
+    b.stop()
+    wait_until(lambda: list(resyncs), lambda r: r == [b.url, a.url], what="a resync on A")
+    s = reg.stats()
+    assert s.url == a.url and s.failovers == 2 and s.resyncs == 2
+    assert s.reregistrations_after_404 == 1
+    assert a.instance_ids() == ["node-a"]
+    assert "kvatlas_coordinator_fences_total{" not in a.client.get("/metrics").text
+    reg.stop()

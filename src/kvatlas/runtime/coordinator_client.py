@@ -16,17 +16,39 @@ raised ``from`` the httpx error:
 
 ``CoordinatorError.status`` is the HTTP status, 0 when there was no answer.
 
-Thread-safe (httpx.Client is): a process may share one instance among its parts.
-Every coordinator URL is made by ``_url``: that is where a choice among several replica
-URLs would go.
+Thread-safe (httpx.Client is; the replica state has its own lock): a process may share
+one instance among its parts.
 
-Must not: retry (callers own their schedules: the registrar's heartbeat loop, the
-publisher's resend buffer), keep state about the fleet, or know who calls it.
+Replicas: the client is given an ordered list of coordinator URLs (one is the common
+case, and then it behaves exactly as a one-URL client: every call goes there). It sticks
+to the replica that last answered. A call that gets no answer (refused, reset, timed
+out) or a 5xx from it goes on to the next replica in the list, within the call's own
+deadline, and the failed replica is skipped for a while (a breaker: ``skip_s``, doubled
+per consecutive failure up to ``MAX_SKIP_S``); once that time is over it may be tried
+again (half-open), and a success closes its breaker. When every replica is being
+skipped, a call tries the one whose skip ends first, so a call never waits on more than
+one replica that is known to be down. A 4xx is an answer (the replica works, the request
+was refused) and never fails over. Each change of the replica in use is a failover:
+counted in ``stats()``, logged with ``name`` (the caller's instance and incarnation)
+and the two URLs, and reported to ``on_failover``.
+
+Failing over re-sends a request the first replica may have applied before it stopped
+answering; every call is safe to repeat: registration and deregistration are
+idempotent for one incarnation, heartbeats and lookups change nothing twice, and an
+event batch carries its seq, which the coordinator's gate applies once.
+
+Must not: retry a replica within one call, or schedule anything (callers own their
+schedules: the registrar's heartbeat loop, the publisher's resend buffer), keep state
+about the fleet, or know who calls it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -52,7 +74,13 @@ from kvatlas.wire.http_api import (
     encode_events_msgpack,
 )
 
+log = logging.getLogger(__name__)
+
 JSON_CONTENT_TYPE = "application/json"
+SKIP_S = 2.0
+"""How long a replica that failed is skipped at first (doubled per consecutive failure)."""
+MAX_SKIP_S = 30.0
+"""The longest a failing replica is skipped before it is tried again."""
 _REASON_CHARS = 300
 """How much of a body that is not an `ErrorResponse` a refusal quotes."""
 
@@ -86,6 +114,49 @@ class BadAnswer(CoordinatorError):
     """A 2xx answer whose body does not decode into the expected shape."""
 
 
+@dataclass(frozen=True, slots=True)
+class Failover:
+    """The client moved from one replica to another."""
+
+    from_url: str
+    to_url: str
+    reason: str
+    """Why the replica left behind failed (its error)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    url: str
+    failures: int
+    """Requests to this replica that got no answer or a 5xx."""
+    skipped_for_s: float
+    """Seconds this replica is still skipped (its breaker is open); 0 when it is not."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClientStats:
+    """A snapshot for /status and metrics."""
+
+    url: str
+    """The replica in use."""
+    failovers: int
+    replicas: tuple[ReplicaStats, ...]
+
+
+class _Replica:
+    """One coordinator URL and its breaker; guarded by the client's lock."""
+
+    __slots__ = ("base", "failures", "run", "skip_until")
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.failures = 0
+        self.run = 0
+        """Consecutive failures (0 once it answers)."""
+        self.skip_until = 0.0
+        """``time.monotonic()`` before which it is skipped."""
+
+
 T = TypeVar("T")
 
 _register_answer = msgspec.json.Decoder(RegisterResponse)
@@ -99,22 +170,109 @@ _json = msgspec.json.Encoder()
 
 
 class CoordinatorClient:
-    """Typed calls to one coordinator; ``close()`` (or ``with``) releases its connections."""
+    """Typed calls to a coordinator (one of its replicas); ``close()`` (or ``with``)
+    releases its connections."""
 
-    def __init__(self, url: str, *, auth_token: str | None = None, timeout_s: float = 5.0) -> None:
-        """``timeout_s`` bounds each request (connect, read, write, pool) unless a call
-        passes its own; ``auth_token`` goes out as ``Authorization: Bearer``."""
-        self._base = url.rstrip("/")
+    def __init__(
+        self,
+        url: str | Sequence[str],
+        *,
+        auth_token: str | None = None,
+        timeout_s: float = 5.0,
+        skip_s: float = SKIP_S,
+        name: str = "",
+        on_failover: Callable[[Failover], None] | None = None,
+    ) -> None:
+        """``url``: one base URL, or the replicas' in order of preference.
+        ``timeout_s`` bounds each request to one replica (connect, read, write, pool)
+        unless a call passes its own, which bounds the whole call; ``auth_token`` goes
+        out as ``Authorization: Bearer``. ``name`` says whose client this is in its log
+        lines; ``on_failover`` is called (in the calling thread) after each failover."""
+        urls = [url] if isinstance(url, str) else list(url)
+        if not urls:
+            raise ValueError("a coordinator client needs at least one URL")
+        self._replicas = [_Replica(u.rstrip("/")) for u in urls]
+        self._timeout = timeout_s
+        self._skip_s = skip_s
+        self._name = name
+        self._on_failover = on_failover
+        self._lock = threading.Lock()
+        self._active = 0
+        self._failovers = 0
         headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
         self._http = httpx.Client(timeout=timeout_s, headers=headers)
 
     @property
     def url(self) -> str:
-        """The coordinator's base URL."""
-        return self._base
+        """The base URL of the replica in use."""
+        return self._replicas[self._active].base
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """Every replica's base URL, in order of preference."""
+        return tuple(r.base for r in self._replicas)
+
+    def stats(self) -> ClientStats:
+        now = time.monotonic()
+        with self._lock:
+            return ClientStats(
+                self._replicas[self._active].base,
+                self._failovers,
+                tuple(
+                    ReplicaStats(r.base, r.failures, max(0.0, r.skip_until - now))
+                    for r in self._replicas
+                ),
+            )
 
     def _url(self, path: str) -> str:
-        return self._base + path
+        return self.url + path
+
+    # ---- replica choice --------------------------------------------------------------
+
+    def _order(self) -> list[int]:
+        """The replicas this call may try: from the one in use on, those not skipped;
+        when all are skipped, only the one whose skip ends first (half-open)."""
+        n = len(self._replicas)
+        if n == 1:
+            return [0]
+        now = time.monotonic()
+        with self._lock:
+            ring = [(self._active + k) % n for k in range(n)]
+            usable = [i for i in ring if self._replicas[i].skip_until <= now]
+            if usable:
+                return usable
+            return [min(ring, key=lambda i: self._replicas[i].skip_until)]
+
+    def _failed(self, index: int) -> None:
+        with self._lock:
+            r = self._replicas[index]
+            r.failures += 1
+            r.run += 1
+            if len(self._replicas) > 1:  # the only replica is never skipped: no other to ask
+                skip = min(self._skip_s * 2 ** (r.run - 1), MAX_SKIP_S)
+                r.skip_until = time.monotonic() + skip
+
+    def _answered(self, index: int, reason: str) -> None:
+        """Replica ``index`` answered: it becomes the one in use."""
+        with self._lock:
+            r = self._replicas[index]
+            r.run = 0
+            r.skip_until = 0.0
+            if index == self._active:
+                return
+            left = self._replicas[self._active]
+            event = Failover(left.base, r.base, reason or f"{left.base} is skipped after failing")
+            self._active = index
+            self._failovers += 1
+        log.warning(
+            "coordinator failover%s: from %s to %s (%s)",
+            f" of {self._name}" if self._name else "",
+            event.from_url,
+            event.to_url,
+            event.reason,
+        )
+        if self._on_failover is not None:
+            self._on_failover(event)
 
     def _send(
         self,
@@ -127,26 +285,63 @@ class CoordinatorClient:
         timeout_s: float | None = None,
         accept: frozenset[int] = frozenset(),
     ) -> httpx.Response:
-        """One request; a 2xx answer (or a status in ``accept``) is returned, anything
-        else raised as the tree above."""
-        url = self._url(path)
-        try:
-            resp = self._http.request(
-                method,
-                url,
-                content=body,
-                headers={"content-type": content_type} if body is not None else None,
-                params=params,
-                timeout=httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s,
+        """One request, to the replica in use or, failing that, the next ones (within
+        ``timeout_s`` in all when given); a 2xx answer (or a status in ``accept``) is
+        returned, anything else raised as the tree above: a 4xx at once, and when no
+        replica answered, the last replica's error, naming the others'."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        several = len(self._replicas) > 1
+        errors: list[str] = []
+        last: CoordinatorError | None = None
+        cause: BaseException | None = None
+        for index in self._order():
+            timeout = self._timeout
+            if deadline is not None:
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
+                    break
+                if several:  # one replica may not take the whole call's time
+                    timeout = min(timeout, self._timeout)
+            url = self._replicas[index].base + path
+            try:
+                resp = self._http.request(
+                    method,
+                    url,
+                    content=body,
+                    headers={"content-type": content_type} if body is not None else None,
+                    params=params,
+                    timeout=timeout,
+                )
+            except httpx.HTTPError as exc:
+                self._failed(index)
+                last = CoordinatorUnreachable(
+                    _with_others(f"{method} {url} failed: {exc!r}", errors)
+                )
+                cause = exc
+                errors.append(f"{url}: {exc!r}")
+                continue
+            reason = "" if resp.is_success else _reason(resp)
+            if resp.status_code >= 500 and resp.status_code not in accept:
+                self._failed(index)
+                last = CoordinatorRefused(
+                    _with_others(f"{method} {url} answered {resp.status_code}: {reason}", errors),
+                    resp.status_code,
+                    reason,
+                )
+                cause = None
+                errors.append(f"{url}: {resp.status_code} {reason}")
+                continue
+            self._answered(index, "; ".join(errors))
+            if resp.is_success or resp.status_code in accept:
+                return resp
+            raise CoordinatorRefused(
+                f"{method} {url} answered {resp.status_code}: {reason}", resp.status_code, reason
             )
-        except httpx.HTTPError as exc:
-            raise CoordinatorUnreachable(f"{method} {url} failed: {exc!r}") from exc
-        if resp.is_success or resp.status_code in accept:
-            return resp
-        reason = _reason(resp)
-        raise CoordinatorRefused(
-            f"{method} {url} answered {resp.status_code}: {reason}", resp.status_code, reason
-        )
+        if last is None:  # the call's deadline ran out before any replica was asked
+            last = CoordinatorUnreachable(
+                f"{method} {path}: no coordinator replica could be asked within {timeout_s} s"
+            )
+        raise last from cause
 
     # ---- membership ----------------------------------------------------------------
 
@@ -218,6 +413,11 @@ class CoordinatorClient:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _with_others(message: str, others: list[str]) -> str:
+    """``message``, and what the replicas asked before in this call answered."""
+    return f"{message} (after {'; '.join(others)})" if others else message
 
 
 def _decode(decoder: msgspec.json.Decoder[T], resp: httpx.Response) -> T:

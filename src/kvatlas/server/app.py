@@ -13,9 +13,12 @@ deregistration, HTTP, and the region is unlinked.
 
 One `CoordinatorClient` serves every part that talks to the coordinator (registrar,
 HTTP event sink, P2P controller and fetcher): httpx.Client is thread-safe, so they share
-one keep-alive pool, one base URL and one token, and their requests keep the one
-timeout they all had (``--coordinator-timeout``; the fetcher lowers it per lookup to its
-deadline). The root closes it after the last user, the deregistration.
+one keep-alive pool, one list of replica URLs (and the replica in use: when one part's
+request fails over, the others follow) and one token, and their requests keep the one
+timeout they all had (``--coordinator-timeout``, per replica; the fetcher lowers it per
+lookup to its deadline). A failover is told to the registrar, which registers on the new
+replica, and when the replicas share no log (events over HTTP) resyncs there. The root
+closes the client after the last user, the deregistration.
 
 Must not: parse flags or read the environment (``kvatlas.cli.server`` does), or hold
 business logic (the parts do).
@@ -35,7 +38,7 @@ from kvatlas.core.errors import ConfigError
 from kvatlas.core.events import Entry
 from kvatlas.core.l1pool import L1Pool
 from kvatlas.core.types import EventType, Tier
-from kvatlas.runtime.coordinator_client import CoordinatorClient
+from kvatlas.runtime.coordinator_client import CoordinatorClient, Failover
 from kvatlas.runtime.region import L1Region, RegionBusy
 from kvatlas.server.config import GIB, P2PConfig, ServerConfig, split_host_port
 from kvatlas.server.engine_api import EngineApi
@@ -127,9 +130,13 @@ class CacheServer:
             self.publisher: EventPublisher | None = None
             self.registrar: Registrar | None = None
             co = config.coordinator
-            if co.url is not None:
+            if co.urls:
                 self.coordinator = CoordinatorClient(
-                    co.url, auth_token=co.auth_token, timeout_s=co.request_timeout_s
+                    co.urls,
+                    auth_token=co.auth_token,
+                    timeout_s=co.request_timeout_s,
+                    name=f"instance {config.instance_id} incarnation {self.incarnation}",
+                    on_failover=self._on_failover,
                 )
                 self.publisher = EventPublisher(
                     make_sink(config, self.coordinator),
@@ -194,6 +201,9 @@ class CacheServer:
                     ),
                     heartbeat_interval_s=co.heartbeat_interval_s,
                     on_resync=self._resync,
+                    # Over HTTP each replica keeps its own directory (no shared log): a
+                    # replica failed over to must be told everything this server holds.
+                    resync_on_failover=config.events.transport == "http",
                 )
                 self.service.set_contract_declarer(self.registrar.declare_contract)
             self.metrics = ServerMetrics(
@@ -202,6 +212,7 @@ class CacheServer:
                 lambda: self.publisher.stats() if self.publisher else None,
                 lambda: self.registrar.stats() if self.registrar else None,
                 lambda: (self.service.requests, self.service.errors),
+                coordinator=lambda: self.coordinator.stats() if self.coordinator else None,
                 lookups=self.service.lookup_counts,
                 p2p=lambda: self.p2p.stats() if self.p2p else None,
             )
@@ -260,7 +271,7 @@ class CacheServer:
             self.pool.capacity_bytes,
             self.region.name,
             self.config.l2.path or "off",
-            self.config.coordinator.url or "none (standalone)",
+            ", ".join(self.config.coordinator.urls) or "none (standalone)",
         )
 
     def _sweep(self) -> None:
@@ -269,6 +280,11 @@ class CacheServer:
                 self.service.expire()
             except Exception:
                 log.exception("lease sweep failed on instance %s", self.config.instance_id)
+
+    def _on_failover(self, event: Failover) -> None:
+        # Called in the thread whose request failed over; the registrar only takes note.
+        if self.registrar is not None:
+            self.registrar.replica_changed(event.to_url)
 
     def _resync(self) -> None:
         self.service.resync()

@@ -66,11 +66,12 @@ class L2Config:
 @dataclass(frozen=True, slots=True)
 class CoordinatorLink:
     """How this server reaches the coordinator (where it registers and sends events);
-    ``url`` None means it works alone. Not the coordinator's own config
+    no ``urls`` means it works alone. Not the coordinator's own config
     (``kvatlas.coordinator.config.CoordinatorConfig``)."""
 
-    url: str | None = None
-    """Base URL of the coordinator (``--coordinator-url``); None: no registration, no events."""
+    urls: tuple[str, ...] = ()
+    """Base URLs of the coordinator's replicas, in order of preference (``--coordinator-url``,
+    repeated or comma-separated); empty: no registration, no events."""
     advertise_ip: str = "127.0.0.1"
     """IP the coordinator and peers use to reach this server (``--coordinator-advertise-ip``)."""
     heartbeat_interval_s: float = 5.0
@@ -247,8 +248,13 @@ def _problems(c: ServerConfig) -> list[str]:
     if c.l2.size_bytes < 0:
         out.append(f"--l2-size-gb must be >= 0, got {c.l2.size_bytes} bytes")
     co = c.coordinator
-    if co.url is not None and not co.url.startswith(("http://", "https://")):
-        out.append(f"--coordinator-url must start with http:// or https://, got {co.url!r}")
+    for url in co.urls:
+        if not url.startswith(("http://", "https://")):
+            out.append(f"--coordinator-url must start with http:// or https://, got {url!r}")
+    bases = [u.rstrip("/") for u in co.urls]
+    doubles = sorted({u for u in bases if bases.count(u) > 1})
+    if doubles:
+        out.append(f"--coordinator-url names {', '.join(doubles)} more than once")
     if not co.heartbeat_interval_s > 0:
         out.append(
             f"--coordinator-heartbeat-interval must be positive, got {co.heartbeat_interval_s}"
@@ -285,7 +291,7 @@ def _p2p_problems(c: ServerConfig) -> list[str]:
         if pp.data_port:
             out.append("--p2p-data-port needs --p2p-advertise-url (which enables P2P)")
         return out
-    if c.coordinator.url is None:
+    if not c.coordinator.urls:
         out.append(
             "P2P requires a coordinator for peer discovery: --p2p-advertise-url needs"
             " --coordinator-url"

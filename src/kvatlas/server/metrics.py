@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvatlas.runtime.coordinator_client import ClientStats
 from kvatlas.server.engine_service import LookupCounts
 from kvatlas.server.p2p.node import P2PStats
 from kvatlas.server.publisher import PublisherStats
@@ -33,8 +34,10 @@ class _StatsCollector(Collector):
         *,
         lookups: Callable[[], LookupCounts],
         p2p: Callable[[], P2PStats | None] = lambda: None,
+        coordinator: Callable[[], ClientStats | None] = lambda: None,
     ) -> None:
         self._iid = instance_id
+        self._coordinator = coordinator
         self._lookups = lookups
         self._p2p = p2p
         self._store = store
@@ -89,9 +92,39 @@ class _StatsCollector(Collector):
                 1 if reg.state is RegistrationState.REGISTERED else 0,
             )
             yield self._c("resyncs", "Resyncs after the coordinator lost state.", reg.resyncs)
+        co = self._coordinator()
+        if co is not None:
+            yield from self._coordinator_metrics(co)
         pp = self._p2p()
         if pp is not None:
             yield from self._p2p_metrics(pp)
+
+    def _coordinator_metrics(
+        self, co: ClientStats
+    ) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        yield self._c(
+            "coordinator_failovers", "Moves to another coordinator replica.", co.failovers
+        )
+        yield self._g(
+            "coordinator_replicas_skipped",
+            "Coordinator replicas skipped after failing (breaker open).",
+            sum(1 for r in co.replicas if r.skipped_for_s > 0),
+        )
+        failures = CounterMetricFamily(
+            "kvatlas_server_coordinator_replica_failures",
+            "Requests to a coordinator replica that got no answer or a 5xx.",
+            labels=["instance_id", "url"],
+        )
+        in_use = GaugeMetricFamily(
+            "kvatlas_server_coordinator_replica_in_use",
+            "1 for the coordinator replica in use, 0 for the others.",
+            labels=["instance_id", "url"],
+        )
+        for r in co.replicas:
+            failures.add_metric([self._iid, r.url], r.failures)
+            in_use.add_metric([self._iid, r.url], 1 if r.url == co.url else 0)
+        yield failures
+        yield in_use
 
     def _p2p_metrics(self, pp: P2PStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         f = pp.fetch
@@ -137,11 +170,19 @@ class ServerMetrics:
         *,
         lookups: Callable[[], LookupCounts],
         p2p: Callable[[], P2PStats | None] = lambda: None,
+        coordinator: Callable[[], ClientStats | None] = lambda: None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(
             _StatsCollector(
-                instance_id, store, publisher, registrar, requests, lookups=lookups, p2p=p2p
+                instance_id,
+                store,
+                publisher,
+                registrar,
+                requests,
+                lookups=lookups,
+                p2p=p2p,
+                coordinator=coordinator,
             )
         )
 

@@ -10,6 +10,14 @@ STORE for everything it holds and the directory is rebuilt.
 A coordinator that cannot be reached only changes the state to ``disconnected``: the
 server keeps serving its engines and the loop keeps trying every interval.
 
+Replicas: the `CoordinatorClient` fails over between them by itself, and the owner tells
+the registrar (``replica_changed``). Replicas that share a Kafka log know this instance
+whichever of them it registered with, so nothing more is needed: the next heartbeat
+lands on the new replica (a 404 there, before the log reached it, re-registers as
+usual). Replicas that share nothing (``resync_on_failover``: events over HTTP) do not:
+the registrar registers again on the new replica, with the same incarnation (no fence
+anywhere), and resyncs so that its directory learns everything this server holds.
+
 Must not: touch the chunk store or the event stream itself (``on_resync`` does that),
 build coordinator URLs or close the `CoordinatorClient` (its owner, the composition
 root, does).
@@ -58,6 +66,10 @@ class RegistrarStats:
     resyncs: int
     contracts: tuple[str, ...]
     last_error: str
+    url: str
+    """The coordinator replica in use."""
+    failovers: int
+    """Times the client moved to another coordinator replica."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +96,12 @@ class Registrar:
         *,
         heartbeat_interval_s: float = 5.0,
         on_resync: Callable[[], None] | None = None,
+        resync_on_failover: bool = False,
     ) -> None:
         self._coordinator = coordinator
+        self._resync_on_failover = resync_on_failover
+        self._failed_over_to = ""
+        """Set (from any thread, without the lock) when the client changed replica."""
         self.identity = identity
         self._interval = heartbeat_interval_s
         self._on_resync = on_resync
@@ -155,9 +171,23 @@ class Registrar:
         with self._lock:
             ident = self.identity
             try:
+                failed_over_to, self._failed_over_to = self._failed_over_to, ""
                 if self._state is RegistrationState.UNREGISTERED or self._needs_register:
                     self._needs_register = False
                     self._register_locked()
+                elif failed_over_to and self._resync_on_failover:
+                    log.warning(
+                        "instance %s incarnation %d failed over to coordinator replica %s,"
+                        " which shares no log with the last one: registering there and"
+                        " resyncing",
+                        ident.instance_id,
+                        ident.incarnation,
+                        failed_over_to,
+                    )
+                    self._failed_over_to = failed_over_to  # kept until the register succeeds
+                    self._register_locked()
+                    self._failed_over_to = ""
+                    self._needs_resync = True
                 elif not self._heartbeat_locked():
                     self._rereg += 1
                     log.warning(
@@ -169,6 +199,7 @@ class Registrar:
                     self._state = RegistrationState.UNREGISTERED
                     self._needs_resync = True
                     self._register_locked()
+                    self._failed_over_to = ""  # registered and resyncing there already
                 if self._needs_resync and self._state is RegistrationState.REGISTERED:
                     self._needs_resync = False
                     self._resyncs += 1
@@ -190,6 +221,12 @@ class Registrar:
                 self._last_error = str(exc)
         if resync and self._on_resync is not None:
             self._on_resync()
+
+    def replica_changed(self, url: str) -> None:
+        """The client now talks to replica ``url``; safe from any thread, even one
+        inside a request of this registrar (it only takes note and wakes the loop)."""
+        self._failed_over_to = url
+        self._wake.set()
 
     def declare_contract(self, contract: HashContract) -> str | None:
         """Remember a model's contract and register it now.
@@ -259,6 +296,7 @@ class Registrar:
     def stats(self) -> RegistrarStats:
         # No lock: a request in flight may hold it for a whole timeout, and /status must
         # answer at once; each field is read atomically.
+        client = self._coordinator.stats()
         return RegistrarStats(
             state=self._state,
             registrations=self._registrations,
@@ -268,4 +306,6 @@ class Registrar:
             resyncs=self._resyncs,
             contracts=tuple(sorted(self._contracts)),
             last_error=self._last_error,
+            url=client.url,
+            failovers=client.failovers,
         )

@@ -103,6 +103,8 @@ def registrar_status(r: RegistrarStats) -> RegistrarStatus:
         resyncs=r.resyncs,
         contracts=list(r.contracts),
         last_error=r.last_error,
+        url=r.url,
+        failovers=r.failovers,
     )
 
 

@@ -27,6 +27,10 @@ class RegistrarStatus(msgspec.Struct, frozen=True):
     contracts: list[str]
     """Models whose hash contract this server declared."""
     last_error: str
+    url: str = ""
+    """The coordinator replica in use (of those ``--coordinator-url`` names)."""
+    failovers: int = 0
+    """Times the server moved to another coordinator replica."""
 
 
 class L1Status(msgspec.Struct, frozen=True):
