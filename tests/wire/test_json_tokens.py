@@ -52,15 +52,25 @@ def pipeline(body: bytes) -> list[int] | None:
         return None
 
 
-tokens_st = st.lists(st.integers(0, MAX_TOKEN_ID), max_size=200)
+# Every digit count, the edges of each, and the 8-digit words the parser reads.
+token_st = st.one_of(
+    st.integers(0, MAX_TOKEN_ID),
+    st.integers(0, 12),
+    st.integers(10**7 - 2, 10**8 + 2),
+    st.integers(10**8 - 2, 10**9 + 2),
+    st.integers(10**9 - 2, 10**9 + 2),
+    st.integers(MAX_TOKEN_ID - 2, MAX_TOKEN_ID),
+)
+tokens_st = st.lists(token_st, max_size=200)
 space_st = st.text(alphabet=" \t\n\r", max_size=2)
 
 
 @st.composite
-def bodies(draw: st.DrawFn) -> bytes:
-    """A valid lookup body in any JSON spacing and field order."""
+def bodies(draw: st.DrawFn, space_before_comma: bool = True) -> bytes:
+    """A valid lookup body in any JSON spacing and field order (with no whitespace
+    before a comma when ``space_before_comma`` is false: the shapes encoders write)."""
     tokens = draw(tokens_st)
-    sep = draw(space_st) + "," + draw(space_st)
+    sep = (draw(space_st) if space_before_comma else "") + "," + draw(space_st)
     array = "[" + draw(space_st) + sep.join(map(str, tokens)) + draw(space_st) + "]"
     fields = [f'"token_ids"{draw(space_st)}:{draw(space_st)}{array}', '"model_name": "m"']
     if draw(st.booleans()):
@@ -69,12 +79,21 @@ def bodies(draw: st.DrawFn) -> bytes:
     return ("{" + ", ".join(order) + "}").encode()
 
 
-@given(bodies())
+@given(bodies(space_before_comma=False))
 @settings(max_examples=300, deadline=None)
 def test_valid_bodies_give_the_same_tokens_on_the_fast_path(body: bytes) -> None:
     want = reference(body)
     assert want is not None
     assert token_ids_array(body) is not None  # plain bodies take the fast path
+    assert pipeline(body) == want
+
+
+@given(bodies())
+@settings(max_examples=300, deadline=None)
+def test_every_valid_body_gives_the_same_tokens(body: bytes) -> None:
+    """Whitespace before a comma is valid JSON that the fast path leaves to msgspec."""
+    want = reference(body)
+    assert want is not None
     assert pipeline(body) == want
 
 
@@ -110,10 +129,32 @@ def test_mutated_bodies_are_refused_or_read_alike(body: bytes, data: st.DataObje
         "[]",
         "[ ]",
         "[0, 4294967295]",
+        "[4294967295, 4294967296]",
+        "[9999999999]",
+        "[12345678901]",
+        "[0123456789]",
+        "[012345678]",
+        "[01234567]",
+        "[00000000]",
+        "[100000000, 1000000000]",
+        "[00]",
+        "[1 ,2]",
+        "[1\t,2]",
+        "[1, 2" + " " * 100 + "]",
+        "[" + " " * 100 + "]",
+        "[1,\n  2,\r\n\t3 ]",
     ],
 )
 def test_the_shapes_the_checks_exist_for(array: str) -> None:
     body = f'{{"token_ids": {array}, "model_name": "m"}}'.encode()
+    assert pipeline(body) == reference(body)
+
+
+@given(st.text(alphabet='0123456789, \t\n\r-+.eE[]"x', max_size=40))
+@settings(max_examples=1000, deadline=None)
+def test_any_array_text_is_read_alike_or_refused_by_both(text: str) -> None:
+    """Whatever stands between the brackets, the fast path and msgspec agree."""
+    body = f'{{"token_ids": [{text}], "model_name": "m"}}'.encode()
     assert pipeline(body) == reference(body)
 
 

@@ -1,19 +1,23 @@
 """The JSON ``token_ids`` array of a lookup body, read without building Python ints.
 
 LMCache's clients ask `POST /directory/lookup` with the prompt as a JSON integer array:
-32,768 tokens are ~240 KB of digits, and msgspec's exact decode into a ``list[int]``
-builds 32,768 Python ints (~1 ms here) that hashing then packs back into a uint32 array.
-`token_ids_array` reads the array's digits straight into that uint32 array with one C
-parse (numpy's text reader) after byte-level checks that make it exact: it answers only
-for a body it can prove msgspec would read as the same request with the same tokens,
-and None for anything else (escapes anywhere, the key twice, a value that is not a plain
-array of non-negative JSON integers below 2**32, leading zeros, ...), which the caller
-then decodes with msgspec as before, errors and all.
+32,768 tokens are ~200 KB of digits, and msgspec's exact decode into a ``list[int]``
+builds 32,768 Python ints (~0.8 ms here) that hashing then packs back into a uint32
+array. `token_ids_array` reads the array straight into that uint32 array with a fixed
+number of numpy passes and no per-token Python work (`_parse_digits`: each number is
+the 8 bytes before its comma read as one little-endian word, converted by SWAR
+arithmetic). It answers only for a body it can prove msgspec would read as the same
+request with the same tokens, and None for anything else (escapes anywhere, the key
+twice, a value that is not a plain array of non-negative JSON integers below 2**32,
+leading zeros, whitespace before a comma, ...), which the caller then decodes with
+msgspec as before, errors and all.
 
 Owns this parse only: no I/O, no state, no validation beyond the tokens' own.
 """
 
 from __future__ import annotations
+
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -22,7 +26,20 @@ from kvatlas.core.keys import MAX_TOKEN_ID
 
 _KEY = b'"token_ids"'
 _JSON_SPACE = b" \t\n\r"
-_ZERO, _NINE, _COMMA, _SPACE = 48, 57, 44, 32
+_COMMA, _SPACE = 44, 32
+_MAX_TRAILING_SPACE = 64
+"""Whitespace after the last number the fast path walks back over (byte by byte)."""
+
+_U64 = np.uint64
+_ZEROS: Final = _U64(0x3030303030303030)  # "0" in every byte
+_PAST_NINE: Final = _U64(0x7676767676767676)  # + this sets a byte's top bit if it is > 9
+_TOPS: Final = _U64(0x8080808080808080)
+_NIBBLES: Final = _U64(0x0F0F0F0F0F0F0F0F)
+_LEAST: Final = np.array([0, 10**6, 10**5, 10**4, 10**3, 100, 10, 0, 2**64 - 1], dtype=np.uint64)
+"""The least value a number may have by how many of its word's 8 bytes are not its
+digits: a JSON integer of n > 1 digits has no leading zero, and a word with no digit
+(8) is no number at all. A word of 8 digits (0) may be the end of a longer number:
+`_longer_numbers` judges it."""
 
 
 def token_ids_array(body: bytes) -> tuple[npt.NDArray[np.uint32], bytes] | None:
@@ -50,31 +67,95 @@ def token_ids_array(body: bytes) -> tuple[npt.NDArray[np.uint32], bytes] | None:
 
 
 def _parse_digits(body: bytes, start: int, end: int) -> npt.NDArray[np.uint32] | None:
-    """The comma-separated JSON integers in ``body[start:end]``, or None unless each is
-    a plain non-negative integer below 2**32 (digits only, no leading zero)."""
-    raw = np.frombuffer(body, dtype=np.uint8, count=end - start, offset=start)
-    digit = (raw - np.uint8(_ZERO)) <= _NINE - _ZERO
-    digits = int(np.count_nonzero(digit))
-    commas = int(np.count_nonzero(raw == _COMMA))
-    spaces = int(np.count_nonzero(raw == _SPACE))
-    if digits + commas + spaces != raw.size:
-        others = sum(int(np.count_nonzero(raw == c)) for c in b"\t\n\r")
-        if digits + commas + spaces + others != raw.size:
-            return None  # a sign, a point, an exponent, a quote, a bracket: not ours
-    if digits == 0:
-        return np.empty(0, dtype=np.uint32) if commas == 0 else None
-    # One run of digits per comma-separated field ("1 2" is two runs in one field), and
-    # no run that starts with a 0 and goes on (JSON has no leading zeros).
-    runs = int(np.count_nonzero(digit[1:] & ~digit[:-1])) + bool(digit[0])
-    zero_first = (raw[:-1] == _ZERO) & digit[1:]  # a 0 followed by a digit ...
-    zero_first[1:] &= ~digit[:-2]  # ... that starts its run
-    if runs != commas + 1 or zero_first.any():
+    """The comma-separated JSON integers in ``body[start:end]``, or None unless the
+    span is exactly ``ws* N , ws* N , ... ws* N ws*`` (or only whitespace) with each N
+    a plain non-negative integer below 2**32 (digits only, no leading zero).
+
+    ``body[start - 1]`` must be a byte that is not a digit (the array's ``[``) with at
+    least 10 bytes before it (the key): every word read below lies inside ``body``.
+    """
+    n = end - start
+    raw = np.frombuffer(body, dtype=np.uint8, count=n, offset=start)
+    mask = raw == _COMMA
+    commas = np.flatnonzero(mask)
+    np.equal(raw, _SPACE, out=mask)
+    spaces = int(np.count_nonzero(mask))
+    count = commas.size + 1  # numbers, if the span holds any
+    last = end  # the end of the last number: the span without its trailing whitespace
+    while last > start and body[last - 1] in _JSON_SPACE:
+        last -= 1
+        if end - last > _MAX_TRAILING_SPACE:
+            return None
+    if last == start:
+        return np.empty(0, dtype=np.uint32) if count == 1 else None
+    # Each number ends right before its comma (or at `last`): the 8 bytes before that,
+    # as a little-endian word, hold its last 8 digits with the last digit on top.
+    ends = np.empty(count, dtype=np.int64)
+    np.add(commas, start, out=ends[:-1])
+    ends[-1] = last
+    words = np.ndarray((len(body) - 7,), dtype="<u8", buffer=body, strides=(1,))
+    x = words.take(ends - 8)
+    x ^= _ZEROS  # digits become 0-9, every other byte something above 9
+    junk = x + _PAST_NINE
+    junk |= x
+    junk &= _TOPS  # the top bit of every byte that is not a digit
+    # A byte below a non-digit is not this number's either: smear each flag down.
+    junk |= junk >> _U64(8)
+    junk |= junk >> _U64(16)
+    junk |= junk >> _U64(32)
+    others = np.bitwise_count(junk)  # bytes of the word that are not the number's
+    junk >>= _U64(7)
+    junk *= _U64(0x0F)
+    junk ^= _NIBBLES  # 0x0F on the number's bytes, 0 elsewhere
+    x &= junk
+    # Eight digits (leading bytes zero) to their value in three multiply-shift steps.
+    x *= _U64(2561)
+    x >>= _U64(8)
+    x &= _U64(0x00FF00FF00FF00FF)
+    x *= _U64(6553601)
+    x >>= _U64(16)
+    x &= _U64(0x0000FFFF0000FFFF)
+    x *= _U64(42949672960001)
+    x >>= _U64(32)
+    if (x < _LEAST[others]).any():
+        return None  # an empty field ("1,,2", "[1,]", "1 ,2") or a leading zero
+    digits = 8 * count - int(others.sum(dtype=np.int64))
+    full = np.flatnonzero(others == 0)
+    if full.size:  # eight digits in the word: the number may go on below it
+        longer = _longer_numbers(body, ends[full], x[full])
+        if longer is None:
+            return None
+        x[full], more = longer
+        digits += more
+    # The numbers' digits, the commas and the spaces are the whole span only if no
+    # byte is anything else and every digit belongs to a number counted above.
+    used = digits + commas.size + spaces
+    if used != n:
+        for c in b"\t\n\r":
+            np.equal(raw, c, out=mask)
+            used += int(np.count_nonzero(mask))
+        if used != n:
+            return None
+    return x.astype("<u4")
+
+
+def _longer_numbers(
+    body: bytes, ends: npt.NDArray[np.int64], low: npt.NDArray[np.uint64]
+) -> tuple[npt.NDArray[np.uint64], int] | None:
+    """The values of the numbers ending at ``ends`` whose last 8 digits are ``low``
+    (JSON allows 9 and 10 digits below 2**32), and the digits found beyond those 8;
+    None for a leading zero, 11 digits or more, or a value of 2**32 or more."""
+    whole = np.frombuffer(body, dtype=np.uint8)
+    ninth = whole[ends - 9] - np.uint8(48)
+    tenth = whole[ends - 10] - np.uint8(48)
+    has9 = ninth <= 9
+    has10 = has9 & (tenth <= 9)
+    if (has10 & (whole[ends - 11] - np.uint8(48) <= 9)).any():
         return None
-    try:
-        values = np.fromstring(body[start:end], dtype=np.int64, sep=",")
-    except ValueError:  # a field the checks above let through that is not one integer
+    high = np.where(has9, ninth, 0).astype(np.uint64)
+    high += np.where(has10, tenth, 0).astype(np.uint64) * _U64(10)
+    value = low + high * _U64(10**8)
+    least = np.where(has10, 10**9, np.where(has9, 10**8, 10**7)).astype(np.uint64)
+    if (value < least).any() or int(value.max()) > MAX_TOKEN_ID:
         return None
-    # Digits beyond 2**32-1 read as more than it (int64 saturates above its range).
-    if values.size != runs or int(values.max()) > MAX_TOKEN_ID:
-        return None
-    return values.astype("<u4")
+    return value, int(has9.sum(dtype=np.int64) + has10.sum(dtype=np.int64))
