@@ -10,7 +10,9 @@ would deal requests round-robin, so a local hit could queue behind a worker busy
 on a peer. There are ``workers`` threads for local work plus ``p2p_workers`` more, as many
 as the service lends to peer fetches at once (``EngineService`` refuses a fetch beyond
 them), so that with every P2P slot busy, local hits, stores, reserves and releases still
-find a free worker at once. The service serializes store access with its lock. Must not:
+find a free worker at once. The service serializes store access with its lock. A
+message over ``MAX_MESSAGE_BYTES`` is refused by ZeroMQ from its size header (the sender
+is disconnected) before anything of it is buffered or its token checked. Must not:
 interpret requests beyond decoding, or touch the chunk store.
 """
 
@@ -44,6 +46,10 @@ log = logging.getLogger(__name__)
 
 _POLL_MS = 200
 _POLL_S = _POLL_MS / 1000
+
+MAX_MESSAGE_BYTES = 16 * 2**20
+"""The largest engine request read: a `Lookup` of a few million token ids (the largest
+legitimate ones are a few MB; KV bytes never travel here)."""
 
 
 class EngineApi:
@@ -79,6 +85,7 @@ class EngineApi:
         """Bind (PortInUse when taken) and start the I/O and worker threads."""
         frontend = self._ctx.socket(zmq.ROUTER)
         frontend.setsockopt(zmq.LINGER, 0)
+        frontend.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         try:
             if self._port == 0:
                 self.bound_port = frontend.bind_to_random_port(f"tcp://{self._host}")
