@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvatlas.core.checksum import checksum
 from kvatlas.wire.engine_proto import (
@@ -69,10 +70,17 @@ def test_peer_killed_mid_load_falls_back_within_a_second(tmp_path: Path) -> None
         assert st["leases"]["write"] == 0  # slots of the failed reads were aborted
 
 
-def test_corrupted_transfer_is_a_miss_never_wrong_bytes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_corrupted_transfer_is_a_miss_never_wrong_bytes(tmp_path: Path, transport: str) -> None:
+    """tcp: the owner's server flips a byte of what it sends; shm: the requester's copy
+    threads verify the chunks of one read in parallel, and the third is corrupted."""
     n = 5
     with cluster(
-        tmp_path, "node-a", "node-b", extra={"node-b": ["--p2p-fault-corrupt-read", "3"]}
+        tmp_path,
+        "node-a",
+        "node-b",
+        transport=transport,
+        extra={"node-b": ["--p2p-fault-corrupt-read", "3"]},
     ) as (coord, (a, b)):
         wait_peers([a, b])
         tokens, data = prompt(n, seed=3), chunk_data(n, 3000, seed=3)

@@ -341,9 +341,11 @@ class TransferClient(ABC):
             digest = checksum(view)
         return self.verify_digest(op, digest)
 
-    def verify_digest(self, op: ReadOp, digest: int) -> ReadResult:
-        """Like ``verify`` for a transport that hashed the bytes as they landed."""
-        if self.faults.corrupt_next():
+    def verify_digest(self, op: ReadOp, digest: int, corrupt: bool | None = None) -> ReadResult:
+        """Like ``verify`` for a transport that hashed the bytes as they landed.
+        ``corrupt``: whether the fault plan hits this op, when the transport asked
+        ``faults.corrupt_next()`` itself in op order (it verifies ops out of order)."""
+        if self.faults.corrupt_next() if corrupt is None else corrupt:
             view = self.local.buffer[op.local_offset : op.local_offset + op.size]
             try:
                 flip_first_byte(view)

@@ -12,8 +12,14 @@ mode 0600) are what keeps other users out; the token plays no part.
 
 The mapping is ``kvatlas.runtime.region.L1Region.attach`` read-only (an mmap of
 /dev/shm, never ``SharedMemory``, whose resource tracker would unlink the owner's region
-when this process exits), without populating the page tables of the whole region: a peer
-reads only the ranges it leased.
+when this process exits), with the page tables of the whole region populated once at
+connect: otherwise every first read of a range pays a fault per 4 KiB page (measured: a
+720 MiB prefix read in 172 ms into a fresh mapping, 130 ms into a populated one), and
+the tables cost ~0.2% of the region.
+
+A read of several ops copies them on ``COPY_THREADS`` threads (one op each at a time:
+copy and xxh3 fused in cache-sized blocks, both releasing the GIL), so that one core's
+copy does not bound a many-chunk prefix when the machine has another core free.
 
 A dead owner: its mapping stays readable here, but the lease it granted died with it, so
 reads report ``peer_dead`` once a pidfd of the owner says it exited.
@@ -27,6 +33,7 @@ import select
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import ClassVar
 
@@ -53,6 +60,10 @@ from kvatlas.transfer.errors import EndpointMismatch, TransportUnavailable
 TRANSPORT = "shm"
 LIVENESS_INTERVAL_S = 0.005
 """How often a long read checks that the owner still lives (a select() on its pidfd)."""
+COPY_THREADS = 2
+"""Threads that copy and verify the ops of one read in parallel (per client, started at
+the first read of more than one op). Two: a copy is memory-bound, so more threads gain
+little on the hosts here, and the engine and the owner need cores too."""
 
 
 def boot_id() -> str:
@@ -107,6 +118,15 @@ class ShmClient(TransferClient):
             local.buffer, dtype=np.uint8
         )
         self._peers: list[ShmPeer] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    def pool(self) -> ThreadPoolExecutor:
+        """The copy threads (started on first use)."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="shm-copy")
+            return self._pool
 
     @property
     def local_array(self) -> npt.NDArray[np.uint8]:
@@ -126,6 +146,10 @@ class ShmClient(TransferClient):
         for peer in self._peers:
             peer.close()
         self._peers.clear()
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         self._local_array = None
 
 
@@ -136,7 +160,7 @@ class ShmPeer(PeerConnection):
         super().__init__(client, endpoint)
         name = endpoint.url.removeprefix("shm://")
         try:
-            region = L1Region.attach(name, endpoint.region_size, readonly=True, populate=False)
+            region = L1Region.attach(name, endpoint.region_size, readonly=True)
         except InvalidInput as exc:
             raise EndpointMismatch(f"bad shm endpoint {endpoint.url!r}: {exc}") from exc
         except RegionError as exc:
@@ -145,13 +169,9 @@ class ShmPeer(PeerConnection):
         self._remote: npt.NDArray[np.uint8] | None = region.array
         same_ns = endpoint.extra.get("pid_ns") == pid_namespace() != ""
         self._pidfd = _pidfd(endpoint.extra.get("pid", "")) if same_ns else None
-        self._lock = threading.Lock()
-
-    def _owner_alive(self) -> bool:
-        if self._pidfd is None:
-            return True
-        readable, _, _ = select.select([self._pidfd], [], [], 0)
-        return not readable  # a pidfd turns readable when the process exits
+        self._lock = threading.Lock()  # guards the pidfd and the liveness answer
+        self._alive = True
+        self._checked = float("-inf")
 
     def _read(
         self,
@@ -160,23 +180,44 @@ class ShmPeer(PeerConnection):
         results: dict[int, ReadResult],
         deadline: Deadline,
     ) -> None:
-        client = self.client
-        remote, local = self._remote, client.local_array
-        alive, checked = True, float("-inf")
-        for i in todo:
-            op = ops[i]
-            now = time.monotonic()
-            if now - checked > LIVENESS_INTERVAL_S:
-                alive, checked = self._owner_alive(), now
-            if remote is None or not alive:
-                results[i] = ReadResult(op, ReadStatus.PEER_DEAD, "the owner process exited")
-                continue
-            if now >= deadline.at:
-                results[i] = ReadResult(op, ReadStatus.TIMEOUT, "deadline passed")
-                continue
-            lo, ro, n = op.local_offset, op.remote_offset, op.size
-            digest = copy_and_checksum(remote[ro : ro + n], local[lo : lo + n])
-            results[i] = client.verify_digest(op, digest)
+        with self._lock:
+            self._checked = float("-inf")  # every read asks about the owner at least once
+        # The fault plan counts ops in order, whichever thread verifies them first.
+        corrupt = [self.client.faults.corrupt_next() for _ in todo]
+        if len(todo) == 1:
+            results[todo[0]] = self._copy(ops[todo[0]], deadline, corrupt[0])
+            return
+        pool = self.client.pool()
+        futures = [
+            pool.submit(self._copy, ops[i], deadline, bad)
+            for i, bad in zip(todo, corrupt, strict=True)
+        ]
+        for i, future in zip(todo, futures, strict=True):
+            results[i] = future.result()
+
+    def _copy(self, op: ReadOp, deadline: Deadline, corrupt: bool) -> ReadResult:
+        """Copy and verify one op (a copy thread, or the caller for a single op)."""
+        remote = self._remote
+        if remote is None or not self._owner_alive():
+            return ReadResult(op, ReadStatus.PEER_DEAD, "the owner process exited")
+        if deadline.expired():
+            return ReadResult(op, ReadStatus.TIMEOUT, "deadline passed")
+        lo, ro, n = op.local_offset, op.remote_offset, op.size
+        digest = copy_and_checksum(remote[ro : ro + n], self.client.local_array[lo : lo + n])
+        return self.client.verify_digest(op, digest, corrupt)
+
+    def _owner_alive(self) -> bool:
+        """False once the owner's pidfd says it exited (asked at most every
+        ``LIVENESS_INTERVAL_S``; the copy threads share the answer)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._checked <= LIVENESS_INTERVAL_S:
+                return self._alive
+            self._checked = now
+            if self._pidfd is not None:
+                readable, _, _ = select.select([self._pidfd], [], [], 0)
+                self._alive = not readable  # a pidfd turns readable when the process exits
+            return self._alive
 
     def close(self) -> None:
         with self._lock:
