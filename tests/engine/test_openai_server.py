@@ -195,6 +195,21 @@ def test_models_health_and_metrics(app: EngineApp) -> None:
         assert name in metrics
 
 
+def test_tokenize_answers_the_ids_the_engine_prefills(app: EngineApp) -> None:
+    body = chat("how many tokens is this?")
+    answer = post(app, "/v1/chat/completions", body)
+    tok = post(app, "/tokenize", body)  # a chat body is a tokenize body
+    assert tok["count"] == len(tok["tokens"]) == answer["usage"]["prompt_tokens"]
+    assert tok["max_model_len"] == MAX_MODEL_LEN
+    plain = post(app, "/tokenize", {"prompt": "abc"})
+    assert plain["tokens"] == list(b"abc")  # the tiny model's byte tokenizer
+    done = post(app, "/v1/completions", {"prompt": plain["tokens"], "max_tokens": 1})
+    assert done["usage"]["prompt_tokens"] == 3
+    bad = post(app, "/tokenize", {"model": "tiny-random"}, expect=400)
+    assert "exactly one of messages or prompt" in bad["error"]["message"]
+    post(app, "/tokenize", {"prompt": "x", "model": "other"}, expect=404)
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [

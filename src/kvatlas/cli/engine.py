@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--host", default="127.0.0.1", help="HTTP interface to bind")
     ap.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI API)")
+    ap.add_argument(
+        "--advertise-url",
+        default="",
+        help="URL routers reach this engine at, advertised through the cache server and the"
+        " coordinator (default: http://HOST:PORT)",
+    )
     ap.add_argument("--cache-host", default="127.0.0.1", help="local cache server host")
     ap.add_argument("--cache-port", type=int, default=6555, help="cache server engine API port")
     ap.add_argument(
@@ -106,6 +112,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         model_cache_dir=Path(args.model_cache_dir).expanduser() if args.model_cache_dir else None,
         host=args.host,
         port=args.port,
+        advertise_url=args.advertise_url,
         cache=cache,
         chunk_size=args.chunk_size,
         kv_load_failure_policy=args.kv_load_failure_policy,

@@ -23,6 +23,8 @@ commands:
   coordinator   the fleet's control plane: membership, cache events, key directory
   server        a node's cache server: L1/L2 KV store, engine API, event reporting
   engine        the reference engine: SmolLM2 on the CPU behind an OpenAI-compatible API
+  router        the OpenAI front door: sends each request to the engine that can start it
+                soonest, counting the KV the fleet already holds
   bench fleet   the fleet evaluation: hit rates, stale hints, churn, TTFT, with a report
 
 Run `kvatlas <command> --help` for the options of a command.
@@ -33,6 +35,7 @@ COMMANDS: Final = {
     "coordinator": "kvatlas.cli.coordinator",
     "server": "kvatlas.cli.server",
     "engine": "kvatlas.cli.engine",
+    "router": "kvatlas.cli.router",
     "bench": "kvatlas.cli.bench",
     "demo": "kvatlas.cli.demo",
 }

@@ -86,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds one request may wait on one coordinator replica before the next is"
         " asked (default 5)",
     )
+    ap.add_argument(
+        "--engine-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="OpenAI URL of an engine on this node, advertised to routers through the"
+        " coordinator (repeatable; the reference engine advertises its own)",
+    )
     add_token_flags(
         ap,
         "the fleet's shared token (sent to the coordinator, asked of engines, peers and /status)",
@@ -200,6 +208,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
             heartbeat_interval_s=args.coordinator_heartbeat_interval,
             request_timeout_s=args.coordinator_timeout,
             auth_token=token,
+            engine_urls=tuple(u.rstrip("/") for u in args.engine_url),
         ),
         events=EventConfig(
             transport=args.event_transport,

@@ -197,10 +197,20 @@ class CacheClient:
         kv_rank: int | None = None,
         cache_salt: str = "",
         object_group_id: int = 0,
+        openai_url: str = "",
     ) -> EngineRegistered:
-        """Declare the model's contract and map the server's L1 region (read-write)."""
+        """Declare the model's contract and map the server's L1 region (read-write);
+        ``openai_url``: where the engine answers, for the server to advertise."""
         info = self._expect(
-            RegisterEngine(self.engine_id, model_name, kv_dtype, kv_layout, chunk_size, world_size),
+            RegisterEngine(
+                self.engine_id,
+                model_name,
+                kv_dtype,
+                kv_layout,
+                chunk_size,
+                world_size,
+                openai_url=openai_url,
+            ),
             EngineRegistered,
         )
         if self._region is None or self._region.name != info.region_name:

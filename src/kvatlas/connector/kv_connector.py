@@ -216,8 +216,12 @@ class KVConnector:
         lease_s: float = 0.0,
         verify_checksums: bool = True,
         clock: Callable[[], float] = time.perf_counter,
+        openai_url: str = "",
     ) -> None:
+        """``openai_url``: the engine's OpenAI URL, sent with every registration for the
+        server to advertise to routers."""
         self.contract = contract
+        self.openai_url = openai_url
         self.client = client
         self.chunk_size = contract.chunk_size
         self.timeout_s = timeout_s
@@ -260,6 +264,7 @@ class KVConnector:
                 contract.kv_layout,
                 chunk_size=contract.chunk_size,
                 world_size=contract.world_size,
+                openai_url=self.openai_url,
             )
         except ContractRefused as exc:
             self._set_connected(False)

@@ -87,6 +87,9 @@ class EngineConfig:
     """Interface of the OpenAI-compatible HTTP server (``--host``)."""
     port: int = 8000
     """Port of the OpenAI-compatible HTTP server (``--port``)."""
+    advertise_url: str = ""
+    """The URL routers reach this engine at, sent to the cache server, which advertises
+    it through the coordinator (``--advertise-url``); empty: ``http://HOST:PORT``."""
     cache: CacheLinkConfig | None = field(default_factory=CacheLinkConfig)
     """The local cache server; None runs without a cache (``--no-cache``)."""
     chunk_size: int = DEFAULT_CHUNK_SIZE
@@ -114,6 +117,12 @@ class EngineConfig:
         if not self.host:
             raise EngineConfigError("--host must not be empty")
         _check_port(self.port, "--port", allow_zero=True)
+        if self.advertise_url and (
+            not self.advertise_url.startswith(("http://", "https://")) or "," in self.advertise_url
+        ):
+            raise EngineConfigError(
+                f"--advertise-url must be an http(s) URL without commas, got {self.advertise_url!r}"
+            )
         if self.chunk_size <= 0:
             raise EngineConfigError(f"--chunk-size must be positive, got {self.chunk_size}")
         if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:

@@ -7,7 +7,8 @@ Owns, for ``kvatlas engine``:
   to end: fetch the cached prefix from the connector, prefill the rest, decode (greedy or
   sampled, stop tokens and stop strings, cancellation), store the newly computed chunks,
   and the request's cache statistics. Tokenizing runs on that thread too, so the
-  tokenizer is never used from two threads at once.
+  tokenizer is never used from two threads at once; ``/tokenize`` (a router's question)
+  runs on a second thread with a copy of the tokenizer, so it never waits for the model.
 - ``EngineMetrics``: the Prometheus metrics of the engine (prefix ``kvatlas_engine_``).
 - ``EngineApp``: builds and names every part (model, cache client, connector, core,
   HTTP app, uvicorn) from an ``EngineConfig``, starts them, and stops them on SIGTERM.
@@ -21,6 +22,7 @@ needs of a model worker, this module provides it.
 
 from __future__ import annotations
 
+import copy
 import logging
 import signal
 import threading
@@ -39,7 +41,7 @@ from kvatlas.connector.kv_connector import CachedPrefix, FetchStats, KVConnector
 from kvatlas.core.errors import KvatlasError
 from kvatlas.engine.config import EngineConfig, LoadFailurePolicy
 from kvatlas.engine.generate import Decoder, Detokenizer, Sampler, prefill
-from kvatlas.engine.model import LoadedModel, load_model
+from kvatlas.engine.model import LoadedModel, Tokenizer, load_model
 from kvatlas.engine.openai_server import GenOutcome, GenRequest, TextCallback, build_app
 from kvatlas.runtime.net import bind
 
@@ -175,13 +177,21 @@ class EngineCore:
         self.load_failure_policy = load_failure_policy
         self.default_max_tokens = default_max_tokens
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvatlas-model")
+        # Its own copy: a tokenizer must not be used from two threads at once.
+        self._tokenizer: Tokenizer = copy.deepcopy(model.tokenizer)
+        self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvatlas-tokenize")
 
     def submit(self, fn: Callable[[], _T]) -> Future[_T]:
         """Run ``fn`` on the model worker (after every request submitted before it)."""
         return self._worker.submit(fn)
 
+    def tokenize(self, fn: Callable[[Tokenizer], _T]) -> Future[_T]:
+        """Run ``fn`` with the tokenizer copy on the tokenize thread (beside the model)."""
+        return self._tokenize.submit(fn, self._tokenizer)
+
     def close(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
+        self._tokenize.shutdown(wait=True, cancel_futures=True)
 
     def count_request(self, endpoint: str, code: int) -> None:
         self.metrics.requests.labels(endpoint, str(code)).inc()
@@ -377,6 +387,7 @@ class EngineApp:
                 reconnect_interval_s=config.cache.reconnect_interval_s,
                 lease_s=config.cache.lease_s,
                 verify_checksums=config.cache.verify_checksums,
+                openai_url=self.advertised_url,
             )
         self.metrics = EngineMetrics(self.connector)
         self.core = EngineCore(
@@ -397,6 +408,19 @@ class EngineApp:
     @property
     def url(self) -> str:
         return f"http://{self.config.host}:{self.port}"
+
+    @property
+    def advertised_url(self) -> str:
+        """Where routers reach this engine (``--advertise-url``, else the bound address;
+        a wildcard host is advertised as loopback)."""
+        if self.config.advertise_url:
+            return self.config.advertise_url.rstrip("/")
+        host = self.config.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        elif ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> None:
         """Register with the cache server (ContractRejected propagates), warm up, serve."""

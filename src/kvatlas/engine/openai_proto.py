@@ -124,8 +124,26 @@ class CompletionRequest(_Generation, frozen=True, kw_only=True):
     echo: bool = False
 
 
+class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """``POST /tokenize`` (vLLM's shape): ``messages`` through the chat template, or a
+    ``prompt``. A chat or completion request body is also a valid tokenize body (its
+    other fields are ignored), so a router can send the body it is about to forward."""
+
+    model: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt: str | list[int | str] | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(msgspec.Struct, frozen=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
 _chat_decoder: Final = msgspec.json.Decoder(ChatCompletionRequest)
 _completion_decoder: Final = msgspec.json.Decoder(CompletionRequest)
+_tokenize_decoder: Final = msgspec.json.Decoder(TokenizeRequest)
 
 
 def decode_chat(body: bytes) -> ChatCompletionRequest:
@@ -136,6 +154,19 @@ def decode_chat(body: bytes) -> ChatCompletionRequest:
         raise BadRequest(f"invalid request body: {exc}") from exc
     except RecursionError as exc:
         raise BadRequest("invalid request body: nested too deeply") from exc
+
+
+def decode_tokenize(body: bytes) -> TokenizeRequest:
+    """Decode a tokenize request; BadRequest says what is wrong."""
+    try:
+        req = _tokenize_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BadRequest(f"invalid request body: {exc}") from exc
+    except RecursionError as exc:
+        raise BadRequest("invalid request body: nested too deeply") from exc
+    if (req.messages is None) == (req.prompt is None):
+        raise BadRequest("give exactly one of messages or prompt", "messages")
+    return req
 
 
 def decode_completion(body: bytes) -> CompletionRequest:

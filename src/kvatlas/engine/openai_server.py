@@ -2,6 +2,7 @@
 
 Owns the HTTP edge of ``kvatlas engine``: ``POST /v1/chat/completions`` (messages through
 the model's chat template), ``POST /v1/completions`` (a prompt string or token ids),
+``POST /tokenize`` (the prompt's token ids as the model will see them, for a router),
 ``GET /v1/models``, ``GET /healthz`` and ``GET /metrics``; validating requests into
 ``GenRequest`` (bad input is a 400 with an OpenAI-style error body, never a 500);
 answering in OpenAI's shapes, or streaming them as server-sent events (``data: {...}``
@@ -9,8 +10,11 @@ chunks ending with ``data: [DONE]``); the ``cached_token_stats`` extension.
 
 It also defines what it needs of the model worker (``ModelWorker``, ``GenRequest``,
 ``GenOutcome``); ``engine_app.EngineCore`` provides it. Must not: run the model on the
-event loop (everything model- or tokenizer-related goes through ``ModelWorker.submit``,
-one request at a time), talk to the cache server, or read configuration.
+event loop (everything model-related goes through ``ModelWorker.submit``, one request at
+a time; a request's own tokenizing too, so it never runs beside its decode on another
+tokenizer; ``/tokenize`` alone goes through ``ModelWorker.tokenize``, a copy of the
+tokenizer on a thread of its own, so that a router's question does not wait behind the
+model), talk to the cache server, or read configuration.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from starlette.routing import Route
 from kvatlas.connector.kv_connector import KVLoadFailed
 from kvatlas.core.errors import InvalidInput
 from kvatlas.engine.generate import SamplingParams
-from kvatlas.engine.model import LoadedModel
+from kvatlas.engine.model import LoadedModel, Tokenizer
 from kvatlas.engine.openai_proto import (
     AssistantMessage,
     BadRequest,
@@ -44,6 +48,7 @@ from kvatlas.engine.openai_proto import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatMessage,
     Completion,
     CompletionChoice,
     CompletionRequest,
@@ -53,9 +58,12 @@ from kvatlas.engine.openai_proto import (
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    TokenizeRequest,
+    TokenizeResponse,
     Usage,
     decode_chat,
     decode_completion,
+    decode_tokenize,
     encode,
 )
 
@@ -66,6 +74,7 @@ TextCallback = Callable[[str], None]
 JSON: Final = "application/json"
 CHAT: Final = "/v1/chat/completions"
 COMPLETIONS: Final = "/v1/completions"
+TOKENIZE: Final = "/tokenize"
 _DONE: Final = b"data: [DONE]\n\n"
 _MAX_TEMPERATURE: Final = 2.0
 
@@ -113,6 +122,10 @@ class ModelWorker(Protocol):
         """Run ``fn`` on the model worker thread, after what was submitted before."""
         ...
 
+    def tokenize(self, fn: Callable[[Tokenizer], _T]) -> Future[_T]:
+        """Run ``fn`` with a tokenizer of its own, on a thread beside the model's."""
+        ...
+
     def generate(
         self,
         req: GenRequest,
@@ -136,6 +149,7 @@ def build_app(worker: ModelWorker, *, served_name: str) -> Starlette:
         routes=[
             Route(CHAT, api.chat, methods=["POST"]),
             Route(COMPLETIONS, api.completions, methods=["POST"]),
+            Route(TOKENIZE, api.tokenize, methods=["POST"]),
             Route("/v1/models", api.models, methods=["GET"]),
             Route("/healthz", api.healthz, methods=["GET"]),
             Route("/metrics", api.metrics, methods=["GET"]),
@@ -248,23 +262,24 @@ class _Api:
 
     # ------------------------------------------------------------------ prompts
 
-    def _chat_ids(self, req: ChatCompletionRequest) -> list[int]:
-        """On the worker: the chat template's token ids."""
-        if not req.messages:
+    def _chat_ids(
+        self, tokenizer: Tokenizer, chat: list[ChatMessage], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The chat template's token ids (on the thread that owns ``tokenizer``)."""
+        if not chat:
             raise BadRequest("messages must not be empty", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [{"role": m.role, "content": m.text()} for m in chat]
         try:
-            return self.worker.model.tokenizer.apply_chat_template(messages)
+            return tokenizer.apply_chat_template(messages, add_generation_prompt)
         except Exception as exc:  # a template error is the messages' fault
             raise BadRequest(f"cannot apply the chat template: {exc}", "messages") from exc
 
-    def _prompt_ids(self, req: CompletionRequest) -> list[int]:
-        """On the worker: the prompt's token ids."""
-        prompt = req.prompt
+    def _prompt_ids(self, tokenizer: Tokenizer, prompt: str | list[int | str]) -> list[int]:
+        """The prompt's token ids (on the thread that owns ``tokenizer``)."""
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self.worker.model.tokenizer.encode(prompt)
+            return tokenizer.encode(prompt)
         ids: list[int] = []
         for t in prompt:
             if isinstance(t, str):
@@ -284,7 +299,8 @@ class _Api:
         try:
             req = decode_chat(await request.body())
             self._check_model(req.model)
-            ids = await self._on_worker(lambda: self._chat_ids(req))
+            tok = self.worker.model.tokenizer
+            ids = await self._on_worker(lambda: self._chat_ids(tok, req.messages))
             max_tokens = req.max_completion_tokens or req.max_tokens
             gen = self._gen_request(req, ids, max_tokens, arrival)
         except _ModelNotFound as exc:
@@ -319,7 +335,8 @@ class _Api:
             self._check_model(req.model)
             if req.echo:
                 raise BadRequest("echo is not supported", "echo")
-            ids = await self._on_worker(lambda: self._prompt_ids(req))
+            tok = self.worker.model.tokenizer
+            ids = await self._on_worker(lambda: self._prompt_ids(tok, req.prompt))
             gen = self._gen_request(req, ids, req.max_tokens, arrival)
         except _ModelNotFound as exc:
             return self._error(
@@ -352,6 +369,33 @@ class _Api:
         )
         self.worker.count_request(COMPLETIONS, 200)
         return Response(encode(body), media_type=JSON)
+
+    async def tokenize(self, request: Request) -> Response:
+        """The prompt's token ids, exactly as ``chat``/``completions`` would prefill them."""
+        try:
+            req = decode_tokenize(await request.body())
+            self._check_model(req.model)
+            ids = await asyncio.wrap_future(self.worker.tokenize(lambda tok: self._ids(tok, req)))
+        except _ModelNotFound as exc:
+            return self._error(
+                TOKENIZE,
+                404,
+                str(exc),
+                "not_found_error",
+                param="model",
+                err_code="model_not_found",
+            )
+        except InvalidInput as exc:
+            return self._bad(TOKENIZE, exc)
+        self.worker.count_request(TOKENIZE, 200)
+        body = TokenizeResponse(len(ids), self.worker.max_model_len, ids)
+        return Response(encode(body), media_type=JSON)
+
+    def _ids(self, tokenizer: Tokenizer, req: TokenizeRequest) -> list[int]:
+        if req.messages is not None:
+            return self._chat_ids(tokenizer, req.messages, req.add_generation_prompt)
+        assert req.prompt is not None  # decode_tokenize checked one of them is given
+        return self._prompt_ids(tokenizer, req.prompt)
 
     async def _run(self, endpoint: str, gen: GenRequest) -> GenOutcome | Response:
         try:

@@ -192,6 +192,7 @@ class CacheServer:
                         http_port=self.http.port,
                         mq_port=self.engine_api.bound_port,
                         p2p_advertised_url=config.p2p.advertise_url,
+                        engine_urls=co.engine_urls,
                         metadata={
                             # Where the coordinator's fleet page reads this server.
                             STATUS_URL_KEY: status_url(co.advertise_ip, self.http.port),
@@ -206,6 +207,7 @@ class CacheServer:
                     resync_on_failover=config.events.transport == "http",
                 )
                 self.service.set_contract_declarer(self.registrar.declare_contract)
+                self.service.set_engine_advertiser(self.registrar.advertise_engine)
             self.metrics = ServerMetrics(
                 config.instance_id,
                 self.guarded.stats,

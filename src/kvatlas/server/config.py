@@ -80,6 +80,9 @@ class CoordinatorLink:
     """Timeout of each request to the coordinator (``--coordinator-timeout``)."""
     auth_token: str | None = field(default=None, repr=False)
     """Sent as ``Authorization: Bearer`` (``--auth-token`` / ``KVATLAS_AUTH_TOKEN``)."""
+    engine_urls: tuple[str, ...] = ()
+    """OpenAI URLs of this node's engines, advertised in the registration for routers
+    (``--engine-url``, repeatable); engines that register may add their own."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +264,9 @@ def _problems(c: ServerConfig) -> list[str]:
         )
     if not co.request_timeout_s > 0:
         out.append(f"--coordinator-timeout must be positive, got {co.request_timeout_s}")
+    for url in co.engine_urls:
+        if not url.startswith(("http://", "https://")) or "," in url:
+            out.append(f"--engine-url must be an http(s) URL without commas, got {url!r}")
     ev = c.events
     if ev.transport not in ("http", "kafka"):
         out.append(f"--event-transport must be http or kafka, got {ev.transport!r}")

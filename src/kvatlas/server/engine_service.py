@@ -146,6 +146,7 @@ class EngineService:
         self._drain_locked = guarded.drain_locked
         self.identity = identity
         self._declare = declare_contract
+        self._advertise: Callable[[str], None] | None = None
         self._peer_source = peer_source
         self._p2p_slots = threading.BoundedSemaphore(p2p_slots)
         self._contracts: dict[str, HashContract] = {}
@@ -163,6 +164,10 @@ class EngineService:
     def set_contract_declarer(self, declare: Callable[[HashContract], str | None]) -> None:
         """Where new models' contracts go before they are accepted (the registrar)."""
         self._declare = declare
+
+    def set_engine_advertiser(self, advertise: Callable[[str], None]) -> None:
+        """Where engines' OpenAI URLs go (the registrar advertises them to routers)."""
+        self._advertise = advertise
 
     def contracts(self) -> dict[str, HashContract]:
         return dict(self._contracts)
@@ -290,6 +295,8 @@ class EngineService:
         with self._lock:
             self._contracts.setdefault(req.model_name, contract)
             self._engines[req.engine_id] = req.model_name
+        if req.openai_url and self._advertise is not None:
+            self._advertise(req.openai_url)
         region = self._store.region
         log.info(
             "engine %s registered model %s (%s, layout %s) on instance %s incarnation %d",

@@ -40,6 +40,7 @@ from kvatlas.runtime.coordinator_client import (
     CoordinatorUnreachable,
     UnknownInstance,
 )
+from kvatlas.wire.fleet_view import ENGINE_URLS_KEY
 from kvatlas.wire.http_api import ContractWire, RegisterRequest
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,9 @@ class Identity:
     p2p_advertised_url: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     """Extra registration metadata (P2P: the transfer endpoint as ``p2p_endpoint``)."""
+    engine_urls: tuple[str, ...] = ()
+    """OpenAI URLs of this node's engines (``--engine-url``), advertised as
+    ``engine_urls`` with those the engines add (``advertise_engine``)."""
 
 
 class Registrar:
@@ -108,6 +112,7 @@ class Registrar:
         self._lock = threading.Lock()  # one request at a time; guards the fields below
         self._state = RegistrationState.UNREGISTERED
         self._contracts: dict[str, HashContract] = {}
+        self._engine_urls: set[str] = set(identity.engine_urls)
         self._last_contract: HashContract | None = None
         self._registrations = 0
         self._heartbeats = 0
@@ -132,6 +137,8 @@ class Registrar:
         metadata = dict(ident.metadata)
         if self._contracts:
             metadata["models"] = ",".join(sorted(self._contracts))
+        if self._engine_urls:
+            metadata[ENGINE_URLS_KEY] = ",".join(sorted(self._engine_urls))
         req = RegisterRequest(
             ip=ident.ip,
             http_port=ident.http_port,
@@ -254,6 +261,17 @@ class Registrar:
                 self._needs_register = True
                 self._last_error = str(exc)
             return None
+
+    def advertise_engine(self, url: str) -> None:
+        """Add an engine's OpenAI URL to the registration; the loop re-registers soon
+        (not here: an engine's registration must not wait on the coordinator)."""
+        with self._lock:
+            if url in self._engine_urls:
+                return
+            self._engine_urls.add(url)
+            self._needs_register = True
+        log.info("instance %s advertises engine %s", self.identity.instance_id, url)
+        self._wake.set()
 
     def deregister(self) -> None:
         """``DELETE /instances/{id}``; failures are logged, not raised."""

@@ -40,6 +40,8 @@ class RegisterEngine(msgspec.Struct, frozen=True, tag="register_engine"):
     chunk_size: int
     world_size: int = 1
     hash_algorithm: str = HASH_ALGORITHM
+    openai_url: str = ""
+    """The engine's OpenAI URL, for the server to advertise to routers; empty: none."""
 
 
 class Lookup(msgspec.Struct, frozen=True, tag="lookup"):

@@ -4,7 +4,8 @@ Owns the document the coordinator's fleet page polls (`FleetDocument`: the coord
 counters, its directory stats, and one `MemberView` per live member with what that
 member's `/status` said or why it said nothing), the page's lenient reading of a server's
 `/status` (`MemberStatus`), and the registration metadata keys a server uses to tell the
-coordinator where its `/status` is and how often it heartbeats. Must not: fetch, hold
+coordinator where its `/status` is, how often it heartbeats, and where its engines
+answer (for routers). Must not: fetch, hold
 state, or know the coordinator's or the server's internals.
 
 Why `MemberStatus` is not `server_status.ServerStatus`: that Struct is the document a
@@ -26,6 +27,9 @@ STATUS_URL_KEY = "status_url"
 """Registration metadata: the URL of the server's `/status` as the coordinator reaches it."""
 HEARTBEAT_INTERVAL_KEY = "heartbeat_interval_s"
 """Registration metadata: seconds between the server's heartbeats."""
+ENGINE_URLS_KEY = "engine_urls"
+"""Registration metadata: the OpenAI URLs of the node's engines, comma-separated, for
+routers (the server's ``--engine-url`` and what its engines advertise)."""
 
 
 def status_url(ip: str, http_port: int) -> str:

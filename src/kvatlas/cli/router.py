@@ -1,0 +1,164 @@
+"""``kvatlas router``: flags and environment -> RouterConfig -> RouterApp.run().
+
+The one place where the router's configuration is read. Exit codes: 0 after a clean
+stop, 2 for a configuration refused at startup (the message names the flag), 1 when the
+router cannot start (a port in use).
+
+    kvatlas router --coordinator-url http://127.0.0.1:9000 --port 8080 --policy kv-p2p
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from kvatlas.cli.auth_flags import add_token_flags, read_token
+from kvatlas.core.errors import ConfigError, KvatlasError
+from kvatlas.router.app import RouterApp
+from kvatlas.router.config import RouterConfig, parse_engine
+from kvatlas.router.policy import POLICIES, Weights
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = RouterConfig()
+    w = Weights()
+    ap = argparse.ArgumentParser(
+        prog="kvatlas router",
+        description="kvatlas router: an OpenAI-compatible front door that sends each request"
+        " to the engine that can start it soonest, counting the KV the fleet already holds",
+    )
+    ap.add_argument("--host", default=d.host, help="HTTP interface to bind")
+    ap.add_argument("--port", type=int, default=d.port, help="HTTP port (OpenAI API)")
+    ap.add_argument(
+        "--coordinator-url",
+        default=None,
+        help="the coordinator: engines advertised by its cache servers (their --engine-url),"
+        " and one prefix lookup per request",
+    )
+    ap.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="URL=CACHE_INSTANCE_ID",
+        help="an engine's OpenAI URL and the cache instance (as the coordinator knows it)"
+        " that holds its KV; repeat for several",
+    )
+    ap.add_argument("--policy", default=d.policy, choices=POLICIES, help="how to pick an engine")
+    ap.add_argument(
+        "--model-name",
+        default="",
+        help="model name the fleet hashes under (default: what the cache servers declare)",
+    )
+    ap.add_argument(
+        "--weight-p2p", type=float, default=w.p2p,
+        help="kv-p2p: cost of a token read from a peer, relative to recomputing it",
+    )  # fmt: skip
+    ap.add_argument(
+        "--weight-load", type=float, default=w.load,
+        help="weight of an engine's load (queued prefill tokens) against the prompt's prefill",
+    )  # fmt: skip
+    ap.add_argument(
+        "--weight-decode", type=float, default=w.decode,
+        help="prefill tokens one request in flight counts for (its decode)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--weight-tie", type=float, default=w.tie,
+        help="costs within this share of the prompt's prefill are ties (spread by load)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--refresh-interval", type=float, default=d.refresh_interval_s,
+        help="seconds between listings of the coordinator's instances",
+    )  # fmt: skip
+    ap.add_argument(
+        "--health-interval", type=float, default=d.health_interval_s,
+        help="seconds between probes of each engine's /metrics",
+    )  # fmt: skip
+    ap.add_argument(
+        "--lookup-timeout", type=float, default=d.lookup_timeout_s,
+        help="deadline of the per-request tokenize and lookup (past it: route by load)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--coordinator-backoff", type=float, default=d.coordinator_backoff_s,
+        help="seconds to route by load without asking the coordinator after a failed lookup",
+    )  # fmt: skip
+    ap.add_argument(
+        "--engine-connect-timeout", type=float, default=d.connect_timeout_s,
+        help="seconds to connect to an engine",
+    )  # fmt: skip
+    ap.add_argument(
+        "--engine-timeout", type=float, default=d.first_byte_timeout_s,
+        help="seconds to wait for an engine's answer, and between two pieces of a stream",
+    )  # fmt: skip
+    ap.add_argument(
+        "--max-attempts", type=int, default=d.max_attempts,
+        help="engines tried per request before answering 502",
+    )  # fmt: skip
+    ap.add_argument(
+        "--breaker-failures", type=int, default=d.breaker_failures,
+        help="failures in a row that open an engine's breaker",
+    )  # fmt: skip
+    ap.add_argument(
+        "--breaker-open", type=float, default=d.breaker_open_s,
+        help="seconds an open breaker keeps an engine out",
+    )  # fmt: skip
+    ap.add_argument("--seed", type=int, default=None, help="seed of random choices")
+    add_token_flags(ap, "the fleet's shared token (sent to the coordinator)")
+    ap.add_argument("--log-level", default="INFO", help="DEBUG (logs every decision), INFO, ...")
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """Flags -> RouterConfig (validated; ConfigError names the flag)."""
+    config = RouterConfig(
+        host=args.host,
+        port=args.port,
+        coordinator_url=args.coordinator_url or None,
+        engines=tuple(parse_engine(s) for s in args.engine),
+        policy=args.policy,
+        weights=Weights(
+            p2p=args.weight_p2p,
+            load=args.weight_load,
+            decode=args.weight_decode,
+            tie=args.weight_tie,
+        ),
+        model_name=args.model_name,
+        auth_token=read_token(args, os.environ) or None,
+        refresh_interval_s=args.refresh_interval,
+        health_interval_s=args.health_interval,
+        lookup_timeout_s=args.lookup_timeout,
+        coordinator_backoff_s=args.coordinator_backoff,
+        connect_timeout_s=args.engine_connect_timeout,
+        first_byte_timeout_s=args.engine_timeout,
+        max_attempts=args.max_attempts,
+        breaker_failures=args.breaker_failures,
+        breaker_open_s=args.breaker_open,
+        seed=args.seed,
+    )
+    config.validate()
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = getattr(logging, str(args.log_level).upper(), None)
+    if not isinstance(level, int):
+        print(f"kvatlas router: --log-level {args.log_level!r} is not a log level", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"kvatlas router: {exc}", file=sys.stderr)
+        return 2
+    try:
+        RouterApp(config).run()
+    except KvatlasError as exc:
+        print(f"kvatlas router: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""kvatlas router: the KV-aware OpenAI front door in front of a fleet's engines."""

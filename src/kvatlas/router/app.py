@@ -1,0 +1,209 @@
+"""Composition root of ``kvatlas router``: builds and names every part, serves, stops.
+
+Owns the HTTP edge's routes (the OpenAI paths go to ``RouterService.forward``;
+``/healthz``, ``/readyz`` (at least one engine available), ``/metrics`` and ``/status``
+(the engine table and the counters) answer here), the coordinator client, and uvicorn
+on a socket bound before anything starts (a port in use fails at once, naming the flag).
+
+Must not: parse flags (``kvatlas.cli.router``), or decide routes (``service``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator
+from types import FrameType
+
+import msgspec
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kvatlas.core.errors import KvatlasError
+from kvatlas.router.config import RouterConfig
+from kvatlas.router.service import RouterService
+from kvatlas.runtime.coordinator_client import CoordinatorClient
+from kvatlas.runtime.net import bind
+
+log = logging.getLogger(__name__)
+
+_JSON = "application/json"
+
+
+class EngineView(msgspec.Struct, frozen=True):
+    """One engine in the router's ``/status``."""
+
+    url: str
+    instance_id: str
+    model_name: str
+    available: bool
+    healthy: bool
+    breaker_open: bool
+    in_flight: int
+    queued_prefill_tokens: int
+    reported_running: int
+    requests: int
+    errors: int
+    breaker_opens: int
+    busy_s: float
+    last_error: str
+
+
+class RouterStatus(msgspec.Struct, frozen=True):
+    """The router's ``/status``."""
+
+    policy: str
+    coordinator_url: str | None
+    routed: int
+    failed: int
+    engines: list[EngineView]
+
+
+class RouterApp:
+    """Builds the router from a ``RouterConfig``; ``start``/``stop`` or ``run``."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        config.validate()
+        self.config = config
+        self._sock = bind(config.host, config.port, "the router's HTTP server", "--host/--port")
+        self.port: int = self._sock.getsockname()[1]
+        self.coordinator = (
+            CoordinatorClient(
+                config.coordinator_url,
+                auth_token=config.auth_token,
+                timeout_s=max(1.0, config.lookup_timeout_s),
+            )
+            if config.coordinator_url
+            else None
+        )
+        self.service = RouterService(config, self.coordinator)
+        self.app = self._build_app()
+        uv = uvicorn.Config(
+            self.app, log_level="warning", lifespan="on", access_log=False, loop="uvloop"
+        )
+        self._server = uvicorn.Server(uv)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def _build_app(self) -> Starlette:
+        svc = self.service
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_: Starlette) -> AsyncIterator[None]:
+            await svc.start()
+            try:
+                yield
+            finally:
+                await svc.close()
+
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", svc.forward, methods=["POST"]),
+                Route("/v1/completions", svc.forward, methods=["POST"]),
+                Route("/v1/models", svc.forward, methods=["GET"]),
+                Route("/healthz", self._healthz, methods=["GET"]),
+                Route("/readyz", self._readyz, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
+                Route("/status", self._status, methods=["GET"]),
+            ],
+            lifespan=lifespan,
+        )
+
+    async def _healthz(self, _: Request) -> Response:
+        return Response(b'{"status":"ok"}', media_type=_JSON)
+
+    async def _readyz(self, _: Request) -> Response:
+        n = len(self.service.table.available(time.monotonic()))
+        body = msgspec.json.encode({"ready": n > 0, "engines_available": n})
+        return Response(body, status_code=200 if n else 503, media_type=_JSON)
+
+    async def _metrics(self, _: Request) -> Response:
+        return Response(self.service.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def _status(self, _: Request) -> Response:
+        return Response(msgspec.json.encode(self.status()), media_type=_JSON)
+
+    def status(self) -> RouterStatus:
+        now = time.monotonic()
+        svc = self.service
+        engines = [
+            EngineView(
+                url=e.url,
+                instance_id=e.instance_id,
+                model_name=e.model_name,
+                available=e.available(now),
+                healthy=e.healthy,
+                breaker_open=now < e.open_until,
+                in_flight=e.in_flight,
+                queued_prefill_tokens=e.queued_tokens,
+                reported_running=e.reported_running,
+                requests=e.requests,
+                errors=e.errors,
+                breaker_opens=e.breaker_opens,
+                busy_s=round(e.busy_s, 3),
+                last_error=e.last_error,
+            )
+            for e in sorted(svc.table.engines.values(), key=lambda e: e.url)
+        ]
+        return RouterStatus(
+            self.config.policy, self.config.coordinator_url, svc.routed, svc.failed, engines
+        )
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Serve in a thread; returns once the first listing and probes are done."""
+        self._thread = threading.Thread(
+            target=self._server.run,
+            kwargs={"sockets": [self._sock]},
+            name="kvatlas-router-http",
+            daemon=True,
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise KvatlasError(f"the router's HTTP server on port {self.port} did not start")
+            time.sleep(0.01)
+        log.info(
+            "router serving at %s (policy %s, coordinator %s, %d engines known)",
+            self.url,
+            self.config.policy,
+            self.config.coordinator_url or "none",
+            len(self.service.table.engines),
+        )
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(15)
+            self._thread = None
+        self._sock.close()
+        if self.coordinator is not None:
+            self.coordinator.close()
+
+    def run(self) -> None:
+        """Start, serve until SIGTERM or SIGINT, stop."""
+
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            log.info("signal %d: stopping", signum)
+            self._stop.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        try:
+            self.start()
+            while not self._stop.wait(0.5):
+                if self._thread is not None and not self._thread.is_alive():
+                    raise KvatlasError("the router's HTTP server stopped unexpectedly")
+        finally:
+            self.stop()

@@ -1,0 +1,126 @@
+"""The router's configuration: frozen data, validated once at startup.
+
+Owns the shape, defaults and validation of ``kvatlas router``'s settings; read from flags
+and environment in exactly one place (``kvatlas.cli.router``). Must not: read flags, the
+environment or files itself. Validation messages name the flag to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from kvatlas.core.errors import ConfigError
+from kvatlas.router.policy import POLICIES, Policy, Weights
+
+
+@dataclass(frozen=True, slots=True)
+class StaticEngine:
+    """An engine given with ``--engine URL=CACHE_INSTANCE_ID``."""
+
+    url: str
+    instance_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Everything ``kvatlas router`` needs to start."""
+
+    host: str = "127.0.0.1"
+    """Interface of the router's HTTP server (``--host``)."""
+    port: int = 8080
+    """Port of the router's HTTP server (``--port``)."""
+    coordinator_url: str | None = None
+    """The coordinator (``--coordinator-url``): discovery and prefix lookups; None: only
+    ``--engine`` engines, routed by load."""
+    engines: tuple[StaticEngine, ...] = ()
+    """Engines given on the command line (``--engine URL=CACHE_INSTANCE_ID``)."""
+    policy: Policy = "kv-p2p"
+    """How an engine is chosen (``--policy``)."""
+    weights: Weights = field(default_factory=Weights)
+    """The cost model's weights (``--weight-*``)."""
+    model_name: str = ""
+    """The model name the fleet hashes under (``--model-name``); empty: what the cache
+    servers declare in their registration (``models``)."""
+    auth_token: str | None = field(default=None, repr=False)
+    """The fleet's shared token, sent to the coordinator (``--auth-token-file``, ...)."""
+    refresh_interval_s: float = 2.0
+    """Seconds between listings of the coordinator's instances (``--refresh-interval``)."""
+    health_interval_s: float = 1.0
+    """Seconds between probes of each engine's ``/metrics`` (``--health-interval``)."""
+    lookup_timeout_s: float = 0.25
+    """Deadline of the per-request tokenize and lookup (``--lookup-timeout``); past it
+    the request is routed by load."""
+    coordinator_backoff_s: float = 2.0
+    """After a failed lookup, seconds the router routes by load without asking the
+    coordinator (``--coordinator-backoff``)."""
+    connect_timeout_s: float = 1.0
+    """Connect deadline to an engine (``--engine-connect-timeout``)."""
+    first_byte_timeout_s: float = 600.0
+    """Seconds to wait for an engine's answer, and between two pieces of a stream
+    (``--engine-timeout``)."""
+    max_attempts: int = 3
+    """Engines tried per request before answering 502 (``--max-attempts``)."""
+    breaker_failures: int = 3
+    """Consecutive failures that open an engine's breaker (``--breaker-failures``)."""
+    breaker_open_s: float = 5.0
+    """Seconds an open breaker keeps an engine out before a probe may close it
+    (``--breaker-open``)."""
+    seed: int | None = None
+    """Seed of the ``random`` policy and of tie-breaking (``--seed``)."""
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the flag of the first bad setting."""
+        if not self.host:
+            raise ConfigError("--host must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be a TCP port in [0, 65535], got {self.port}")
+        if self.coordinator_url is None and not self.engines:
+            raise ConfigError("give --coordinator-url, --engine URL=CACHE_INSTANCE_ID, or both")
+        if self.coordinator_url is not None:
+            _check_url(self.coordinator_url, "--coordinator-url")
+        for e in self.engines:
+            _check_url(e.url, "--engine")
+            if not e.instance_id:
+                raise ConfigError(f"--engine {e.url}: the cache instance id must not be empty")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"--policy must be one of {list(POLICIES)}, got {self.policy!r}")
+        w = self.weights
+        for flag, value in (
+            ("--weight-p2p", w.p2p),
+            ("--weight-load", w.load),
+            ("--weight-decode", w.decode),
+            ("--weight-tie", w.tie),
+        ):
+            if not value >= 0:
+                raise ConfigError(f"{flag} must not be negative, got {value}")
+        for flag, secs in (
+            ("--refresh-interval", self.refresh_interval_s),
+            ("--health-interval", self.health_interval_s),
+            ("--lookup-timeout", self.lookup_timeout_s),
+            ("--coordinator-backoff", self.coordinator_backoff_s),
+            ("--engine-connect-timeout", self.connect_timeout_s),
+            ("--engine-timeout", self.first_byte_timeout_s),
+            ("--breaker-open", self.breaker_open_s),
+        ):
+            if not secs > 0:
+                raise ConfigError(f"{flag} must be positive, got {secs}")
+        if self.max_attempts < 1:
+            raise ConfigError(f"--max-attempts must be at least 1, got {self.max_attempts}")
+        if self.breaker_failures < 1:
+            raise ConfigError(f"--breaker-failures must be at least 1, got {self.breaker_failures}")
+
+
+def parse_engine(spec: str) -> StaticEngine:
+    """``URL=CACHE_INSTANCE_ID`` -> StaticEngine; ConfigError naming ``--engine``."""
+    url, sep, instance = spec.rpartition("=")
+    if not sep or not url or not instance:
+        raise ConfigError(f"--engine takes URL=CACHE_INSTANCE_ID, got {spec!r}")
+    _check_url(url, "--engine")
+    return StaticEngine(url.rstrip("/"), instance)
+
+
+def _check_url(url: str, flag: str) -> None:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"{flag} needs an http(s) URL with a host, got {url!r}")

@@ -1,0 +1,139 @@
+"""The router's table of engines: who they are, whether to send them work, their load.
+
+Owns, per engine URL: the cache instance it belongs to (its node's cache server, whose
+holdings the coordinator reports), the model name that instance hashes under, health
+(the last probe), a breaker (``breaker_failures`` failures in a row open it for
+``breaker_open_s``; a successful probe after that closes it), and the router's own
+load accounting (requests in flight, their prefill tokens; the engine's own count of
+running requests from its metrics, when higher). Engines come from the coordinator's
+listing and from ``--engine``; one that leaves the listing is dropped once nothing is
+in flight to it.
+
+Single-threaded: the router's event loop owns it. Time is a parameter. Must not: do
+I/O (the router's loops probe and list, and report here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class EngineState:
+    """One engine, as the router knows it."""
+
+    url: str
+    instance_id: str
+    model_name: str = ""
+    static: bool = False
+    listed: bool = True
+    healthy: bool = False
+    """Set by probes: an engine is not sent work before its first good probe."""
+    failures: int = 0
+    open_until: float = 0.0
+    in_flight: int = 0
+    queued_tokens: int = 0
+    reported_running: int = 0
+    requests: int = 0
+    errors: int = 0
+    breaker_opens: int = 0
+    last_error: str = ""
+    busy_s: float = 0.0
+    """Seconds with at least one request in flight (for load balance reports)."""
+    _busy_since: float = field(default=0.0, repr=False)
+
+    def available(self, now: float) -> bool:
+        return self.healthy and now >= self.open_until
+
+    @property
+    def load(self) -> int:
+        return max(self.in_flight, self.reported_running)
+
+    def begin(self, prefill_tokens: int, now: float) -> None:
+        if self.in_flight == 0:
+            self._busy_since = now
+        self.in_flight += 1
+        self.queued_tokens += prefill_tokens
+        self.requests += 1
+
+    def end(self, prefill_tokens: int, now: float) -> None:
+        self.in_flight -= 1
+        self.queued_tokens -= prefill_tokens
+        if self.in_flight == 0:
+            self.busy_s += now - self._busy_since
+
+    def succeeded(self) -> None:
+        self.failures = 0
+
+    def failed(self, reason: str, now: float, threshold: int, open_s: float) -> bool:
+        """Count a failure; True when it opened the breaker."""
+        self.errors += 1
+        self.failures += 1
+        self.last_error = reason
+        if self.failures >= threshold and now >= self.open_until:
+            self.open_until = now + open_s
+            self.breaker_opens += 1
+            return True
+        return False
+
+    def probed(self, ok: bool, running: int, reason: str, now: float) -> None:
+        """A probe's outcome: a good one after the open period closes the breaker."""
+        if ok:
+            self.reported_running = running
+            if now >= self.open_until:
+                self.failures = 0
+            self.healthy = True
+        else:
+            self.healthy = False
+            self.last_error = reason
+
+
+class EngineTable:
+    """The engines known from the listing and the flags (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, EngineState] = {}
+
+    def add_static(self, url: str, instance_id: str) -> None:
+        self.engines[url] = EngineState(url, instance_id, static=True)
+
+    def update_listing(
+        self, listing: Iterable[tuple[str, str, str]], models: dict[str, str]
+    ) -> tuple[list[str], list[str]]:
+        """Apply one coordinator listing: (engine URL, instance id, model name) for each
+        advertised engine, and every live instance's model name (for ``--engine``
+        engines). Returns the URLs added and dropped."""
+        seen: set[str] = set()
+        added: list[str] = []
+        for url, instance_id, model in listing:
+            seen.add(url)
+            e = self.engines.get(url)
+            if e is None:
+                self.engines[url] = EngineState(url, instance_id, model)
+                added.append(url)
+            else:
+                e.instance_id, e.listed = instance_id, True
+                e.model_name = model or e.model_name
+        dropped: list[str] = []
+        for url, e in list(self.engines.items()):
+            if e.static:
+                e.model_name = models.get(e.instance_id, e.model_name)
+            elif url not in seen:
+                e.listed = False
+                if e.in_flight == 0:
+                    del self.engines[url]
+                    dropped.append(url)
+        return added, dropped
+
+    def available(self, now: float) -> list[EngineState]:
+        """The engines that may be sent work now, in a stable order (their URLs)."""
+        return sorted(
+            (e for e in self.engines.values() if e.listed and e.available(now)),
+            key=lambda e: e.url,
+        )
+
+    def model_name(self) -> str:
+        """The model name the known engines hash under (the first one declared)."""
+        names = sorted({e.model_name for e in self.engines.values() if e.model_name})
+        return names[0] if names else ""

@@ -1,0 +1,106 @@
+"""The router's Prometheus metrics (prefix ``kvatlas_router_``), in a registry of its own.
+
+Owns the names, labels and buckets; the per-engine gauges read the engine table when
+scraped. Must not: decide anything (the service observes into it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvatlas.router.engines import EngineState
+
+_OVERHEAD_BUCKETS: Final = (
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
+
+
+class _EngineGauges(Collector):
+    def __init__(self, engines: Callable[[], list[EngineState]]) -> None:
+        self._engines = engines
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        ns = "kvatlas_router_engine"
+        fams = {
+            "in_flight": GaugeMetricFamily(
+                f"{ns}_in_flight", "Requests the router has in flight to an engine",
+                labels=["engine"],
+            ),
+            "queued": GaugeMetricFamily(
+                f"{ns}_queued_prefill_tokens", "Expected prefill tokens of those requests",
+                labels=["engine"],
+            ),
+            "healthy": GaugeMetricFamily(
+                f"{ns}_available", "1 while an engine is healthy and its breaker closed",
+                labels=["engine"],
+            ),
+            "busy": GaugeMetricFamily(
+                f"{ns}_busy_seconds", "Seconds with a request in flight", labels=["engine"]
+            ),
+        }  # fmt: skip
+        for e in self._engines():
+            fams["in_flight"].add_metric([e.url], e.in_flight)
+            fams["queued"].add_metric([e.url], e.queued_tokens)
+            fams["healthy"].add_metric([e.url], 1.0 if e.healthy and e.failures == 0 else 0.0)
+            fams["busy"].add_metric([e.url], e.busy_s)
+        yield from fams.values()
+
+
+class RouterMetrics:
+    """Counters and histograms of routing decisions, attempts and overhead."""
+
+    def __init__(self, engines: Callable[[], list[EngineState]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        ns = "kvatlas_router"
+        self.requests = Counter(
+            f"{ns}_requests", "Requests answered, by endpoint and status code",
+            ["endpoint", "code"], registry=r,
+        )  # fmt: skip
+        self.decisions = Counter(
+            f"{ns}_decisions", "Routing decisions by policy, reason and engine",
+            ["policy", "reason", "engine"], registry=r,
+        )  # fmt: skip
+        self.expected_cached = Counter(
+            f"{ns}_expected_cached_tokens", "Prompt tokens the chosen engines were expected to"
+            " find cached", registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            f"{ns}_prompt_tokens", "Prompt tokens of routed requests (tokenized)", registry=r
+        )
+        self.retries = Counter(
+            f"{ns}_retries", "Attempts that failed before the first byte, by engine and cause",
+            ["engine", "cause"], registry=r,
+        )  # fmt: skip
+        self.breaker_opens = Counter(
+            f"{ns}_breaker_opens", "Times an engine's breaker opened", ["engine"], registry=r
+        )
+        self.stream_failures = Counter(
+            f"{ns}_stream_failures", "Answers broken off after their first byte", ["engine"],
+            registry=r,
+        )  # fmt: skip
+        self.degraded = Counter(
+            f"{ns}_degraded", "Requests routed by load because a lookup step failed, by step",
+            ["step"], registry=r,
+        )  # fmt: skip
+        self.overhead = Histogram(
+            f"{ns}_overhead_seconds", "Tokenize + lookup + pick, per routed request",
+            buckets=_OVERHEAD_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tokenize = Histogram(
+            f"{ns}_tokenize_seconds", "The engine's /tokenize as the router waits for it",
+            buckets=_OVERHEAD_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.lookup = Histogram(
+            f"{ns}_lookup_seconds", "The coordinator's prefix lookup as the router waits for it",
+            buckets=_OVERHEAD_BUCKETS, registry=r,
+        )  # fmt: skip
+        r.register(_EngineGauges(engines))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,449 @@
+"""The router's request path and its background loops, on one event loop.
+
+Owns, for ``kvatlas router``:
+
+- one request end to end: the prompt's token ids from an engine's ``/tokenize`` (the
+  client's body as it is; the engine applies its own chat template), one coordinator
+  lookup that answers every instance's cached prefix of those tokens (the coordinator
+  hashes them with the fleet's contract), the choice (``policy.Chooser``), and the
+  proxying: the client's body and headers (``Authorization`` and the request id
+  included) to the chosen engine, its answer back byte for byte, streams as they come;
+- failure handling: an attempt that is refused, times out or answers 5xx before its
+  first byte is retried on the next engine of the ranking (a refused connection marks
+  the engine down at once); failures in a row open the engine's breaker; a failed
+  tokenize or lookup routes this request, and the coordinator's next
+  ``coordinator_backoff_s``, by load (``least-loaded``) instead of failing; an answer
+  broken off after its first byte ends a stream with an error event;
+- the loops: the coordinator's listing every ``refresh_interval_s`` (each cache server
+  advertises its engines' URLs as ``engine_urls``), and a probe of every engine's
+  ``/metrics`` every ``health_interval_s`` (health, and its count of running requests).
+
+The decision goes out in the ``X-Kvatlas-Route`` header, to the debug log and to the
+metrics. Must not: parse or rewrite what an engine answers (beyond the error event of a
+broken stream), read configuration, or block the loop (coordinator calls go through
+``CoordinatorClient`` on worker threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Final
+
+import httpx
+import msgspec
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from kvatlas.core.errors import ServiceError
+from kvatlas.router.config import RouterConfig
+from kvatlas.router.engines import EngineState, EngineTable
+from kvatlas.router.metrics import RouterMetrics
+from kvatlas.router.policy import KV_POLICIES, Candidate, Choice, Chooser, Decision, Policy
+from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
+from kvatlas.wire.fleet_view import ENGINE_URLS_KEY
+from kvatlas.wire.http_api import LookupRequest
+
+log = logging.getLogger(__name__)
+
+ROUTE_HEADER: Final = "x-kvatlas-route"
+"""The answer's header naming the engine, the cached tokens expected and the reason."""
+REQUEST_ID_HEADER: Final = "x-request-id"
+_HOP_BY_HOP: Final = frozenset(
+    {
+        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+        "trailer", "transfer-encoding", "upgrade", "host", "content-length",
+    }
+)  # fmt: skip
+_RUNNING_METRICS: Final = ("kvatlas_engine_requests_running", "vllm:num_requests_running")
+_JSON: Final = "application/json"
+_BYTES_PER_TOKEN_GUESS: Final = 4
+"""Without a tokenize (policies that need no prefix), prompt tokens are guessed from
+the body's length: only the load accounting uses them."""
+
+
+class _TokenizeAnswer(msgspec.Struct):
+    tokens: list[int]
+
+
+_tokenize_answer: Final = msgspec.json.Decoder(_TokenizeAnswer)
+
+
+def _error_body(message: str, kind: str) -> bytes:
+    return msgspec.json.encode({"error": {"message": message, "type": kind}})
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One request's routing: the ranking, its reason, and where the time went."""
+
+    decision: Decision
+    policy: Policy
+    prompt_tokens: int
+    overhead_s: float
+
+
+class RouterService:
+    """The request path and the loops (see the module doc); one per router process."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        coordinator: CoordinatorClient | None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self._coordinator = coordinator
+        self._clock = clock
+        self.table = EngineTable()
+        for e in config.engines:
+            self.table.add_static(e.url, e.instance_id)
+        self.chooser = Chooser(config.policy, config.weights, random.Random(config.seed))
+        self.metrics = RouterMetrics(lambda: list(self.table.engines.values()))
+        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._coordinator_down_until = 0.0
+        self._tokenize_turn = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self.routed = 0
+        self.failed = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """One listing and one round of probes, then the loops."""
+        await self.refresh()
+        await self.probe_all()
+        self._tasks = [
+            asyncio.create_task(self._every(self.config.refresh_interval_s, self.refresh)),
+            asyncio.create_task(self._every(self.config.health_interval_s, self.probe_all)),
+        ]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        for c in self._clients.values():
+            await c.aclose()
+        self._clients.clear()
+
+    async def _every(self, interval: float, step: Callable[[], object]) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await step()  # type: ignore[misc]
+            except Exception:
+                log.exception("router loop step %s failed", getattr(step, "__name__", step))
+
+    def _client(self, url: str) -> httpx.AsyncClient:
+        """One keep-alive pool per engine."""
+        client = self._clients.get(url)
+        if client is None:
+            c = self.config
+            timeout = httpx.Timeout(c.first_byte_timeout_s, connect=c.connect_timeout_s)
+            client = httpx.AsyncClient(base_url=url, timeout=timeout)
+            self._clients[url] = client
+        return client
+
+    # ------------------------------------------------------------------ discovery, health
+
+    async def refresh(self) -> None:
+        """Apply the coordinator's listing (nothing to do without a coordinator)."""
+        if self._coordinator is None:
+            return
+        try:
+            instances = await asyncio.to_thread(self._coordinator.instances)
+        except CoordinatorError as exc:
+            log.warning("router: cannot list the coordinator's instances: %s", exc)
+            return
+        models: dict[str, str] = {}
+        listing: list[tuple[str, str, str]] = []
+        for inst in instances:
+            declared = inst.metadata.get("models", "")
+            model = self.config.model_name or (declared if "," not in declared else "")
+            models[inst.instance_id] = model
+            for url in filter(None, inst.metadata.get(ENGINE_URLS_KEY, "").split(",")):
+                listing.append((url.rstrip("/"), inst.instance_id, model))
+        added, dropped = self.table.update_listing(listing, models)
+        for url in added:
+            log.info(
+                "router: engine %s of instance %s joined", url, self.table.engines[url].instance_id
+            )
+        for url in dropped:
+            log.info("router: engine %s left the listing", url)
+            client = self._clients.pop(url, None)
+            if client is not None:
+                await client.aclose()
+        if added:
+            await asyncio.gather(*(self.probe(self.table.engines[u]) for u in added))
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(e) for e in list(self.table.engines.values())))
+
+    async def probe(self, e: EngineState) -> None:
+        """``GET /metrics``: a 200 is healthy; its count of running requests is load."""
+        was = e.available(self._clock())
+        try:
+            resp = await self._client(e.url).get(
+                "/metrics", timeout=min(2.0, self.config.health_interval_s * 2)
+            )
+            ok, reason = resp.status_code == 200, f"/metrics answered {resp.status_code}"
+            running = _running(resp.text) if ok else 0
+        except httpx.HTTPError as exc:
+            ok, reason, running = False, f"/metrics failed: {exc!r}", 0
+        e.probed(ok, running, reason, self._clock())
+        now = e.available(self._clock())
+        if now != was:
+            if now:
+                log.info("router: engine %s (instance %s) is available", e.url, e.instance_id)
+            else:
+                log.warning("router: engine %s is unavailable: %s", e.url, e.last_error)
+
+    # ------------------------------------------------------------------ routing
+
+    async def plan(self, body: bytes) -> Plan:
+        """Tokenize, look up and rank; ServiceError when no engine is available."""
+        t0 = time.perf_counter()
+        engines = self.table.available(self._clock())
+        if not engines:
+            raise ServiceError("no engine is available")
+        policy: Policy = self.config.policy
+        prompt = 0
+        fleet = 0
+        local: dict[str, int] = {}
+        if policy in KV_POLICIES:
+            ids = await self._tokenize(engines, body)
+            holders = None if ids is None else await self._lookup(ids)
+            if holders is None:
+                policy = "least-loaded"
+            else:
+                assert ids is not None
+                prompt = len(ids)
+                for instance, tokens in holders:
+                    local[instance] = max(local.get(instance, 0), tokens)
+                    fleet = max(fleet, tokens)
+                self.metrics.prompt_tokens.inc(prompt)
+        if not prompt:
+            prompt = len(body) // _BYTES_PER_TOKEN_GUESS
+        candidates = [
+            Candidate(e.url, e.load, e.queued_tokens, local.get(e.instance_id, 0)) for e in engines
+        ]
+        decision = self.chooser.rank(candidates, prompt, fleet, policy=policy)
+        if policy != self.config.policy:
+            decision = Decision(decision.ranked, f"{policy}: lookup unavailable")
+        return Plan(decision, policy, prompt, time.perf_counter() - t0)
+
+    async def _tokenize(self, engines: list[EngineState], body: bytes) -> list[int] | None:
+        """The prompt's ids from one engine's ``/tokenize`` (engines in turn); None when
+        it fails (the request is then routed by load, and its engine answers the error)."""
+        self._tokenize_turn += 1
+        e = engines[self._tokenize_turn % len(engines)]
+        t0 = time.perf_counter()
+        try:
+            resp = await self._client(e.url).post(
+                "/tokenize",
+                content=body,
+                headers={"content-type": _JSON},
+                timeout=self.config.lookup_timeout_s,
+            )
+            if resp.status_code != 200:
+                self.metrics.degraded.labels("tokenize").inc()
+                return None
+            ids = _tokenize_answer.decode(resp.content).tokens
+        except (httpx.HTTPError, msgspec.DecodeError) as exc:
+            log.debug("router: /tokenize on %s failed: %r", e.url, exc)
+            self.metrics.degraded.labels("tokenize").inc()
+            return None
+        self.metrics.tokenize.observe(time.perf_counter() - t0)
+        return ids
+
+    async def _lookup(self, ids: list[int]) -> list[tuple[str, int]] | None:
+        """(instance, leading tokens held) for every holder of the prompt's prefix; None
+        without a coordinator, a model name, or an answer in time."""
+        model = self.config.model_name or self.table.model_name()
+        if self._coordinator is None or not model:
+            self.metrics.degraded.labels("lookup").inc()
+            return None
+        if self._clock() < self._coordinator_down_until:
+            self.metrics.degraded.labels("lookup").inc()
+            return None
+        req = LookupRequest(tokens_b64=np.asarray(ids, dtype="<u4").tobytes(), model_name=model)
+        t0 = time.perf_counter()
+        try:
+            answer = await asyncio.to_thread(
+                self._coordinator.lookup, req, timeout_s=self.config.lookup_timeout_s
+            )
+        except CoordinatorError as exc:
+            self._coordinator_down_until = self._clock() + self.config.coordinator_backoff_s
+            log.warning(
+                "router: coordinator lookup failed, routing by load for %.1f s: %s",
+                self.config.coordinator_backoff_s,
+                exc,
+            )
+            self.metrics.degraded.labels("lookup").inc()
+            return None
+        self.metrics.lookup.observe(time.perf_counter() - t0)
+        return [(h.instance_id, h.tokens) for h in answer.prefix_holders]
+
+    # ------------------------------------------------------------------ proxying
+
+    async def forward(self, request: Request) -> Response:
+        """Route one request and relay the chosen engine's answer."""
+        endpoint = request.url.path
+        body = await request.body()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        rid = headers.setdefault(REQUEST_ID_HEADER, uuid.uuid4().hex)
+        try:
+            plan = await self.plan(body) if request.method == "POST" else self._any_engine()
+        except ServiceError as exc:
+            return self._refuse(endpoint, 503, str(exc), "service_unavailable")
+        if request.method == "POST":
+            self.metrics.overhead.observe(plan.overhead_s)
+        attempts: list[str] = []
+        for choice in plan.decision.ranked:
+            if len(attempts) >= self.config.max_attempts:
+                break
+            e = self.table.engines.get(choice.name)
+            if e is None or not e.available(self._clock()):
+                continue
+            attempts.append(e.url)
+            resp = await self._attempt(
+                e, choice, method=request.method, endpoint=endpoint, body=body, headers=headers
+            )
+            if resp is None:
+                continue
+            return self._relay(
+                e, choice, plan, resp, endpoint=endpoint, rid=rid, attempt=len(attempts)
+            )
+        self.failed += 1
+        return self._refuse(
+            endpoint,
+            502,
+            f"no engine answered (tried {', '.join(attempts) or 'none'})",
+            "bad_gateway",
+        )
+
+    def _any_engine(self) -> Plan:
+        engines = self.table.available(self._clock())
+        if not engines:
+            raise ServiceError("no engine is available")
+        cands = [Candidate(e.url, e.load, e.queued_tokens) for e in engines]
+        decision = self.chooser.rank(cands, 0, 0, policy="least-loaded")
+        return Plan(decision, "least-loaded", 0, 0.0)
+
+    async def _attempt(
+        self,
+        e: EngineState,
+        choice: Choice,
+        *,
+        method: str,
+        endpoint: str,
+        body: bytes,
+        headers: dict[str, str],
+    ) -> httpx.Response | None:
+        """Send to one engine; its answer once the status line is in, or None after a
+        failure before the first byte (counted against the engine)."""
+        client = self._client(e.url)
+        e.begin(choice.prefill_tokens, self._clock())
+        cause = ""
+        try:
+            req = client.build_request(method, endpoint, content=body, headers=headers)
+            resp = await client.send(req, stream=True)
+        except httpx.ConnectError as exc:
+            cause, detail = "refused", repr(exc)
+            e.healthy = False  # nothing listens: down until a probe says otherwise
+        except httpx.TimeoutException as exc:
+            cause, detail = "timeout", repr(exc)
+        except httpx.HTTPError as exc:
+            cause, detail = "broken", repr(exc)
+        else:
+            if resp.status_code < 500:
+                e.succeeded()
+                return resp
+            await resp.aclose()
+            cause, detail = "5xx", f"answered {resp.status_code}"
+        e.end(choice.prefill_tokens, self._clock())
+        self.metrics.retries.labels(e.url, cause).inc()
+        if e.failed(
+            detail, self._clock(), self.config.breaker_failures, self.config.breaker_open_s
+        ):
+            self.metrics.breaker_opens.labels(e.url).inc()
+            log.warning("router: breaker of engine %s opened after %d failures", e.url, e.failures)
+        log.warning("router: engine %s failed before its first byte (%s): %s", e.url, cause, detail)
+        return None
+
+    def _relay(
+        self,
+        e: EngineState,
+        choice: Choice,
+        plan: Plan,
+        resp: httpx.Response,
+        *,
+        endpoint: str,
+        rid: str,
+        attempt: int,
+    ) -> Response:
+        reason = plan.decision.reason if attempt == 1 else f"{plan.decision.reason}; retry"
+        route = f"engine={e.url}; cached={choice.cached_tokens}; reason={reason}"
+        if endpoint != "/v1/models":
+            self.routed += 1
+            self.metrics.decisions.labels(plan.policy, reason, e.url).inc()
+            self.metrics.expected_cached.inc(choice.cached_tokens)
+            log.debug(
+                "router: request %s -> %s (prompt %d tokens, %d expected cached, %s,"
+                " overhead %.2f ms)",
+                rid, e.url, plan.prompt_tokens, choice.cached_tokens, reason,
+                plan.overhead_s * 1000,
+            )  # fmt: skip
+        self.metrics.requests.labels(endpoint, str(resp.status_code)).inc()
+        headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_BY_HOP}
+        if "content-length" in resp.headers:
+            headers["content-length"] = resp.headers["content-length"]
+        headers[ROUTE_HEADER] = route
+        headers.setdefault(REQUEST_ID_HEADER, rid)
+        stream = "text/event-stream" in resp.headers.get("content-type", "")
+        return StreamingResponse(
+            self._pieces(e, choice, resp, stream, rid),
+            status_code=resp.status_code,
+            headers=headers,
+        )
+
+    async def _pieces(
+        self, e: EngineState, choice: Choice, resp: httpx.Response, stream: bool, rid: str
+    ) -> AsyncIterator[bytes]:
+        try:
+            async for piece in resp.aiter_raw():
+                yield piece
+        except httpx.HTTPError as exc:
+            self.metrics.stream_failures.labels(e.url).inc()
+            e.failed(repr(exc), self._clock(), self.config.breaker_failures, 0.0)
+            log.warning("router: request %s: engine %s broke off its answer: %r", rid, e.url, exc)
+            if not stream:
+                raise  # the client sees the connection close before the promised length
+            message = f"the engine {e.url} broke off this answer: {exc!r}"
+            yield b"data: " + _error_body(message, "upstream_error") + b"\n\n"
+        finally:
+            await resp.aclose()
+            e.end(choice.prefill_tokens, self._clock())
+
+    def _refuse(self, endpoint: str, code: int, message: str, kind: str) -> Response:
+        self.metrics.requests.labels(endpoint, str(code)).inc()
+        return Response(_error_body(message, kind), status_code=code, media_type=_JSON)
+
+
+def _running(text: str) -> int:
+    """An engine's count of running requests from its Prometheus text (0 if absent)."""
+    for line in text.splitlines():
+        if line.startswith(_RUNNING_METRICS):
+            try:
+                return int(float(line.rsplit(" ", 1)[1]))
+            except (IndexError, ValueError):
+                return 0
+    return 0

@@ -1,0 +1,122 @@
+"""Fixtures of the router's tests: a real fleet on loopback (a coordinator and two cache
+servers as processes, two reference engines on the tiny random model in this process,
+each registered with its node's server, which advertises it), and routers in front.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pytest
+
+from kvatlas.engine.config import CacheLinkConfig, EngineConfig
+from kvatlas.engine.engine_app import EngineApp
+from kvatlas.engine.model import LoadedModel, load_model
+from kvatlas.router.app import RouterApp
+from kvatlas.router.config import RouterConfig
+from support.launch import Proc
+from support.services import ServerProc, start_coordinator_process, start_server_process
+
+MAX_MODEL_LEN = 2048
+
+
+@pytest.fixture(scope="session")
+def tiny() -> LoadedModel:
+    return load_model("tiny-random")
+
+
+def engine_config(**kw: object) -> EngineConfig:
+    base = EngineConfig(
+        model="tiny-random", port=0, cache=None, max_model_len=MAX_MODEL_LEN, default_max_tokens=4
+    )
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+@dataclass
+class Fleet:
+    coordinator: Proc
+    servers: list[ServerProc]
+    engines: list[EngineApp]
+    routers: list[RouterApp] = field(default_factory=list)
+
+    def router(self, **kw: object) -> RouterApp:
+        """A started router in front of this fleet (stopped with the fleet)."""
+        fields: dict[str, object] = {
+            "port": 0,
+            "coordinator_url": self.coordinator.url,
+            "refresh_interval_s": 0.2,
+            "health_interval_s": 0.2,
+            "lookup_timeout_s": 2.0,
+            "seed": 1,
+        }
+        fields.update(kw)
+        app = RouterApp(RouterConfig(**fields))  # type: ignore[arg-type]
+        app.start()
+        self.routers.append(app)
+        return app
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, tiny: LoadedModel) -> Iterator[Fleet]:
+    tmp: Path = tmp_path_factory.mktemp("router-fleet")
+    coordinator = start_coordinator_process(log=tmp / "coordinator.log")
+    fleet = Fleet(coordinator, [], [])
+    servers, engines = fleet.servers, fleet.engines
+    try:
+        for name in ("node-a", "node-b"):
+            servers.append(
+                start_server_process(
+                    tmp,
+                    name,
+                    "--coordinator-url",
+                    coordinator.url,
+                    "--coordinator-heartbeat-interval",
+                    "0.5",
+                    "--event-flush-interval",
+                    "0.05",
+                    "--l1-size-gb",
+                    "0.05",
+                    "--engine-workers",
+                    "2",
+                )
+            )
+        for server in servers:
+            app = EngineApp(engine_config(cache=CacheLinkConfig(port=server.port)), model=tiny)
+            app.start()
+            engines.append(app)
+        yield fleet
+    finally:
+        for r in fleet.routers:
+            r.stop()
+        for e in engines:
+            e.stop()
+        for s in servers:
+            s.stop()
+        coordinator.stop()
+
+
+StartRouter = Callable[..., RouterApp]
+
+
+@pytest.fixture
+def start_router() -> Iterator[StartRouter]:
+    """Routers over given engines only (no coordinator); stopped at the end."""
+    started: list[RouterApp] = []
+
+    def start(**kw: object) -> RouterApp:
+        fields: dict[str, object] = {"port": 0, "health_interval_s": 0.2, "seed": 1}
+        fields.update(kw)
+        app = RouterApp(RouterConfig(**fields))  # type: ignore[arg-type]
+        app.start()
+        started.append(app)
+        return app
+
+    yield start
+    for app in started:
+        app.stop()

@@ -1,0 +1,60 @@
+"""The router's choice of engine, without I/O: each policy's ranking on fixed candidates."""
+
+from __future__ import annotations
+
+import random
+
+from kvatlas.router.policy import Candidate, Chooser, Policy, Weights
+
+
+def chooser(policy: Policy, **weights: float) -> Chooser:
+    return Chooser(policy, Weights(**weights), random.Random(7))
+
+
+def test_kv_prefers_the_engine_whose_node_holds_the_prefix() -> None:
+    cands = [Candidate("a", 0, 0, 0), Candidate("b", 0, 0, 768), Candidate("c", 0, 0, 256)]
+    d = chooser("kv").rank(cands, 1000, 768)
+    assert [c.name for c in d.ranked] == ["b", "c", "a"]
+    assert d.ranked[0].cached_tokens == 768 and d.ranked[0].prefill_tokens == 232
+    assert d.reason == "kv: prefix"
+
+
+def test_kv_leaves_a_loaded_holder_once_its_queue_costs_more_than_a_recompute() -> None:
+    busy_holder = Candidate("a", 4, 3000, 1000)
+    idle = Candidate("b", 0, 0, 0)
+    d = chooser("kv").rank([busy_holder, idle], 1024, 1000)
+    assert d.ranked[0].name == "b" and d.reason == "kv: load"
+
+
+def test_kv_p2p_counts_a_peer_held_prefix_as_cheap() -> None:
+    # the holder has a short queue: kv stays with it, kv-p2p moves to the idle engine
+    holder = Candidate("a", 1, 600, 1024)
+    idle = Candidate("b", 0, 0, 0)
+    assert chooser("kv").rank([holder, idle], 1100, 1024).ranked[0].name == "a"
+    d = chooser("kv-p2p").rank([holder, idle], 1100, 1024)
+    assert d.ranked[0].name == "b"
+    assert d.ranked[0].cached_tokens == 1024 and d.ranked[0].prefill_tokens == 76
+
+
+def test_near_ties_spread_by_load_then_in_turn() -> None:
+    c = chooser("kv-p2p")
+    cands = [Candidate("a", 1, 0, 0), Candidate("b", 0, 0, 0), Candidate("c", 0, 0, 0)]
+    # a's one request is within the tie slack of 10% of 1000 tokens (decode weight 64)
+    firsts = {c.rank(cands, 1000, 0).ranked[0].name for _ in range(4)}
+    assert firsts == {"b", "c"}
+
+
+def test_least_loaded_round_robin_and_random() -> None:
+    cands = [Candidate("a", 2, 100, 0), Candidate("b", 0, 50, 0), Candidate("c", 1, 0, 0)]
+    assert chooser("least-loaded", tie=0).rank(cands, 10, 0).ranked[0].name == "b"
+    rr = chooser("round-robin")
+    assert [rr.rank(cands, 10, 0).ranked[0].name for _ in range(3)] == ["b", "c", "a"]
+    rnd = chooser("random")
+    seen = {rnd.rank(cands, 10, 0).ranked[0].name for _ in range(30)}
+    assert seen == {"a", "b", "c"}
+
+
+def test_a_policy_override_degrades_without_a_lookup() -> None:
+    cands = [Candidate("a", 3, 0, 900), Candidate("b", 0, 0, 0)]
+    d = chooser("kv").rank(cands, 1000, 900, policy="least-loaded")
+    assert d.ranked[0].name == "b" and d.reason == "least-loaded"
