@@ -358,3 +358,18 @@ def test_kill_9_replica_restores_and_replays_to_the_same_digest(
         assert records_consumed(client) == after_snapshot < sum(end.values())
         client.close()
     assert "Restored snapshot" in p2.text()
+
+
+def test_a_replica_not_caught_up_answers_heartbeats_503_not_404(
+    kafka_broker: Any, start_coordinator: Start
+) -> None:
+    """Until it has read the log, a replica cannot tell "unknown" from "not read yet": a
+    404 would send a live server into a needless re-registration and resync, a 503
+    sends it to another replica (or back later)."""
+    topic = f"events-{uuid.uuid4().hex[:8]}"  # not created yet: the replica waits for it
+    rc = start_coordinator(**kafka_cfg(kafka_broker, topic))
+    r = rc.client.put("/instances/node-a/heartbeat")
+    assert r.status_code == 503 and "not caught up" in r.json()["error"], r.text
+    kafka_broker.create_topic(topic, partitions=8)
+    rc.wait_ready()
+    assert rc.client.put("/instances/node-a/heartbeat").status_code == 404

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import itertools
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -368,3 +370,49 @@ def test_registrar_registers_and_resyncs_on_a_replica_that_shares_no_log(
     assert a.instance_ids() == ["node-a"]
     assert "kvatlas_coordinator_fences_total{" not in a.client.get("/metrics").text
     reg.stop()
+
+
+class _CatchingUp(BaseHTTPRequestHandler):
+    """A coordinator replica that took the registration and now answers 503 (as a Kafka
+    replica does while it catches up on the log)."""
+
+    def _reply(self, status: int, body: bytes) -> None:
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        self._reply(200, b'{"instance_id": "node-a", "re_registered": false, "incarnation": 1}')
+
+    def do_PUT(self) -> None:
+        self._reply(503, b'{"error": "not caught up on Kafka topic t yet"}')
+
+    def log_message(self, format: str, *args: object) -> None:
+        return
+
+
+def test_registrar_counts_a_503_as_disconnected_not_as_unregistered() -> None:
+    """A 503 is a coordinator that cannot serve now, not one that forgot this server: the
+    registrar keeps heartbeating instead of registering again every tick."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _CatchingUp)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        ident = Identity("node-a", 1, "127.0.0.1", http_port=7555, mq_port=6555)
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        reg = Registrar(client_of(url), ident, heartbeat_interval_s=0.05)
+        reg.start()
+        wait_until(
+            lambda: reg.stats().heartbeat_failures, lambda n: n >= 5, what="five 503 heartbeats"
+        )
+        s = reg.stats()
+        assert s.state is RegistrationState.DISCONNECTED and s.registrations == 1
+        assert "not caught up" in s.last_error
+        reg.stop(deregister=False)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

@@ -11,7 +11,8 @@ applies membership only from the log, with the time carried in the record.
   the record, and answer with what the log apply decided (409 for a contract mismatch
   or a stale incarnation, exactly as every replica decided). The HTTP call stays
   synchronous and read-your-writes on this replica.
-- Heartbeat: answered from this replica's state (404 if unknown); when known, a
+- Heartbeat: answered from this replica's state (404 if unknown; 503 while it is not
+  caught up on the log, when "unknown" may only mean "not read yet"); when known, a
   heartbeat record is published and not waited for. Event batches do not count as
   heartbeats: only heartbeat records move `last_heartbeat`, on every replica alike.
 - Expiry: each replica's sweep looks for instances silent for too long by its own
@@ -157,6 +158,14 @@ class LogMembership:
         return result
 
     async def heartbeat(self, instance_id: InstanceId) -> bool:
+        if not self._svc.ready:
+            # Not caught up on the log, this replica may not know an instance that
+            # registered elsewhere: a 404 would make it re-register and resync for
+            # nothing. A 503 sends it to a replica that is caught up, or back later.
+            raise Unavailable(
+                f"not caught up on Kafka topic {self._topic} yet"
+                f" ({self._svc.not_ready_reason}); heartbeat another replica or retry"
+            )
         if not self._svc.is_live(instance_id):
             return False
         self._publish(instance_id, HeartbeatRecord(instance_id, self._clock()))

@@ -213,7 +213,9 @@ class Registrar:
                     resync = True
             except CoordinatorError as exc:
                 self._hb_failures += 1
-                if isinstance(exc, CoordinatorUnreachable):
+                if isinstance(exc, CoordinatorUnreachable) or exc.status >= 500:
+                    # no answer, or a coordinator that cannot serve now (a 503 while
+                    # it catches up): still registered as far as this server knows
                     if self._registrations:
                         self._state = RegistrationState.DISCONNECTED
                 else:  # refused, or an answer this server cannot read
