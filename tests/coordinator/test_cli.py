@@ -39,6 +39,8 @@ def test_defaults_and_env_token() -> None:
         config_from_args([], {}).max_buffered_bytes == 4 * config_from_args([], {}).max_body_bytes
     )
     buffered = config_from_args(["--max-buffered-bytes", "99999999"], {}).max_buffered_bytes
+    assert config_from_args([], {}).l2_retention_s == 86400.0
+    assert config_from_args(["--l2-retention-s", "0"], {}).l2_retention_s == 0.0
     assert buffered == 99999999
 
 
@@ -55,6 +57,7 @@ def test_defaults_and_env_token() -> None:
         ({"max_lookup_tokens": -5}, "--max-lookup-tokens"),
         ({"max_connections": -1}, "--max-connections"),
         ({"max_buffered_bytes": 1024}, "--max-buffered-bytes"),
+        ({"l2_retention_s": -1.0}, "--l2-retention-s"),
         ({"drop_token_ids": True, "enable_blend_lookup": True}, "--drop-token-ids"),
     ],
 )

@@ -83,7 +83,7 @@ def test_fleet_keeps_declarations_through_the_gate_and_fences_them() -> None:
     assert fleet.capacity.get("a") is None
     fleet.ingest(config("a", 2, Tier.L1, "dram", 2, 1, incarnation=8), 2.0)
     assert places(fleet.capacity, "a") == {(Tier.L1, "dram"): 2 * GIB}
-    fleet.deregister("a")
+    fleet.deregister("a", 3.0)
     assert fleet.capacity.declarations() == {}
 
 
@@ -101,7 +101,8 @@ def test_a_version_1_snapshot_restores_without_declarations() -> None:
     fleet = FleetState()
     fleet.register(InstanceInfo("a", "127.0.0.1", 1, {}, incarnation=1), 0.0)
     head = msgspec.msgpack.decode(fleet.snapshot())
-    assert head[0] == 2 and len(head) == 14  # 2 appended declarations and keep_tokens
+    # 2 appended declarations and keep_tokens, 3 the departed instances
+    assert head[0] == 3 and len(head) == 15
     old = msgspec.msgpack.encode([1, *head[1:12]])  # what version 1 wrote
     restored, extra = FleetState.restore(old)
     assert [i.instance_id for i in restored.instances()] == ["a"]

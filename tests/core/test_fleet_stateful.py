@@ -5,8 +5,10 @@ batches, losses (gaps), restarts with new incarnations, heartbeats, expiries and
 deregistrations; batches carry their objects as entries, as a key block, or both; config
 batches declare capacities and batches of unknown event types only move the gate. After
 every step the directory and the declared capacities must equal the model (no phantom L1
-placement of a fenced incarnation, L2 kept, no declaration of a fenced incarnation or a
-departed instance) and snapshot -> restore gives the same digest and declarations.
+placement of a fenced incarnation, L2 kept until its instance has been gone for the L2
+retention, nothing kept of an instance that expired without ever registering, no
+declaration of a fenced incarnation or a departed instance) and snapshot -> restore gives
+the same digest, declarations and retention clocks.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.types import EventType, Tier
 
 TIMEOUT = 10.0
+RETENTION = 20.0
 INSTANCES = ["a", "b", "c"]
 KEYS = [ObjectKey(bytes([i]) * 32, "m", default_kv_rank()) for i in range(6)]
 OwnerT = tuple[str, int, Tier, str, bool]
@@ -50,6 +53,9 @@ class Model:
     live: dict[str, tuple[int, float]] = field(default_factory=dict)
     prov: dict[str, tuple[int, float]] = field(default_factory=dict)
     declared: dict[str, DeclT] = field(default_factory=dict)
+    ever: set[str] = field(default_factory=set)
+    """Instances that registered at least once."""
+    departed: dict[str, float] = field(default_factory=dict)
 
     def fence(self, iid: str, below: int | None = None) -> None:
         decl = self.declared.get(iid)
@@ -64,9 +70,28 @@ class Model:
                 del self.placements[h]
                 self.access.pop(h, None)
 
+    def drop(self, iid: str) -> None:
+        for h in list(self.placements):
+            ps = self.placements[h]
+            for o in list(ps):
+                if o[0] == iid:
+                    del ps[o]
+            if not ps:
+                del self.placements[h]
+                self.access.pop(h, None)
+
+    def gone(self, iid: str, now: float) -> None:
+        self.fence(iid)
+        if iid in self.ever:
+            self.departed[iid] = now
+        else:
+            self.drop(iid)
+
     def register(self, iid: str, inc: int, now: float) -> bool:
         if iid in self.high and inc < self.high[iid]:
             return False
+        self.ever.add(iid)
+        self.departed.pop(iid, None)
         old = self.live.get(iid)
         prov = self.prov.pop(iid, None)
         if (old is not None and old[0] < inc) or (prov is not None and prov[0] < inc):
@@ -94,6 +119,7 @@ class Model:
         else:
             self.place(b)
         self.cursor[iid] = (b.incarnation, b.seq)
+        self.departed.pop(iid, None)
         self.high[iid] = max(b.incarnation, self.high.get(iid, 0))
         if provisional:
             self.prov[iid] = (b.incarnation, now)
@@ -127,24 +153,28 @@ class Model:
         for iid in sorted(self.live):
             if now - self.live[iid][1] > TIMEOUT:
                 del self.live[iid]
-                self.fence(iid)
+                self.gone(iid, now)
         for iid in sorted(self.prov):
             if now - self.prov[iid][1] > TIMEOUT:
                 del self.prov[iid]
-                self.fence(iid)
+                self.gone(iid, now)
+        for iid in sorted(self.departed):
+            if now - self.departed[iid] >= RETENTION:
+                del self.departed[iid]
+                self.drop(iid)
 
-    def deregister(self, iid: str) -> None:
+    def deregister(self, iid: str, now: float) -> None:
         had = self.live.pop(iid, None) is not None
         had = self.prov.pop(iid, None) is not None or had
         self.cursor.pop(iid, None)
         if had:
-            self.fence(iid)
+            self.gone(iid, now)
 
 
 class FleetMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.state = FleetState(instance_timeout=TIMEOUT)
+        self.state = FleetState(instance_timeout=TIMEOUT, l2_retention=RETENTION)
         self.model = Model()
         self.emitters = {i: Emitter() for i in INSTANCES}
         self.now = 1000.0
@@ -279,8 +309,8 @@ class FleetMachine(RuleBasedStateMachine):
 
     @rule(iid=st.sampled_from(INSTANCES))
     def deregister(self, iid: str) -> None:
-        self.model.deregister(iid)
-        self.state.deregister(iid)
+        self.model.deregister(iid, self.now)
+        self.state.deregister(iid, self.now)
 
     @invariant()
     def directory_equals_model(self) -> None:
@@ -312,8 +342,10 @@ class FleetMachine(RuleBasedStateMachine):
     @invariant()
     def snapshot_restores_same_digest(self) -> None:
         data = self.state.snapshot(extra={"p0": 7})
-        restored, extra = FleetState.restore(data)
+        restored, extra = FleetState.restore(data, l2_retention=RETENTION)
         assert extra == {"p0": 7}
+        assert restored.departed() == self.state.departed()
+        assert {iid: at for iid, (_, at) in restored.departed().items()} == self.model.departed
         assert restored.digest() == self.state.digest()
         assert restored.cursors == self.state.cursors
         assert restored.capacity.declarations() == self.state.capacity.declarations()

@@ -69,7 +69,7 @@ def test_events_before_the_registration_and_after_a_deregistration() -> None:
     outcome, fenced = fleet.register(lmcache(), 2.0)
     assert (outcome.incarnation, fenced, fleet.provisional()) == (START, None, {})
     assert placed(fleet) == [0]
-    fleet.deregister("mp-a")
+    fleet.deregister("mp-a", 0.0)
     outcome, _ = fleet.register(lmcache(), 3.0)  # back: not refused as stale
     assert outcome.incarnation == START
 

@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="librdkafka partitioner for membership records; must match the servers' event"
         " sinks (default %(default)s)",
     )
+    a(
+        "--l2-retention-s",
+        type=float,
+        default=_D.l2_retention_s,
+        help="seconds the L2 placements of an instance that is gone stay for it to come"
+        " back; 0 drops them with its L1 slice (default %(default)s)",
+    )
     a("--snapshot-path", default=_D.snapshot_path, help="snapshot file (default: none)")
     a(
         "--snapshot-interval",
@@ -140,6 +147,7 @@ def config_from_args(argv: list[str] | None, environ: dict[str, str]) -> Coordin
         kafka_bootstrap_servers=ns.kafka_bootstrap_servers,
         kafka_topic=ns.kafka_topic,
         kafka_partitioner=ns.kafka_partitioner,
+        l2_retention_s=ns.l2_retention_s,
         snapshot_path=ns.snapshot_path,
         snapshot_interval=ns.snapshot_interval,
         auth_token=token,

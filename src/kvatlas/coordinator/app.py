@@ -60,6 +60,7 @@ class Coordinator:
                 config.chunk_size,
                 config.enable_blend_lookup,
                 keep_tokens=not config.drop_token_ids,
+                l2_retention=config.l2_retention_s,
             )
             positions: dict[str, int] = {}
         else:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvatlas.core.errors import ConfigError
+from kvatlas.core.fleet import DEFAULT_L2_RETENTION
 from kvatlas.wire.kafka_records import DEFAULT_PARTITIONER, DEFAULT_TOPIC
 
 EventTransport = Literal["http", "kafka"]
@@ -51,6 +52,11 @@ class CoordinatorConfig:
     event sinks use (`--kafka-partitioner` of `kvatlas server`, same default), so that an
     instance's membership records and events share a partition and keep their order
     (`--kafka-partitioner`)."""
+    l2_retention_s: float = DEFAULT_L2_RETENTION
+    """Seconds the L2 placements of an instance that is gone (deregistered or expired)
+    stay in the directory for it to come back, after which they are dropped
+    (`--l2-retention-s`); 0 drops them with its L1 slice. An instance that never
+    registered loses every placement when it expires, whatever this says."""
     snapshot_path: str = ""
     """File the state is snapshotted to and restored from; empty: no snapshots
     (`--snapshot-path`)."""
@@ -110,6 +116,8 @@ class CoordinatorConfig:
                 raise ConfigError("--event-transport kafka needs --kafka-bootstrap-servers")
             if not self.kafka_topic:
                 raise ConfigError("--kafka-topic must not be empty")
+        if not self.l2_retention_s >= 0:
+            raise ConfigError(f"--l2-retention-s must be >= 0 s, got {self.l2_retention_s}")
         if self.snapshot_interval < 0:
             raise ConfigError(f"--snapshot-interval must be >= 0 s, got {self.snapshot_interval}")
         for flag, value in (

@@ -55,7 +55,7 @@ class LocalMembership:
         return self._service.heartbeat(instance_id, self._clock())
 
     async def deregister(self, instance_id: InstanceId) -> None:
-        self._service.deregister(instance_id)
+        self._service.deregister(instance_id, self._clock())
 
     def sweep(self) -> None:
         self._service.expire(self._clock())

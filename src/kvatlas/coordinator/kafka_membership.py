@@ -214,7 +214,9 @@ class LogMembership:
         elif isinstance(record, HeartbeatRecord):
             svc.heartbeat(record.instance_id, record.at, position)
         elif isinstance(record, DeregisterRecord):
-            svc.deregister(record.instance_id, position)
+            svc.deregister(record.instance_id, record.at, position)
             self._resolve(record.request_id, None)
         else:
             svc.expire_instance(record.instance_id, record.incarnation, record.last_seen, position)
+        # By the record's time, so that every replica drops at the same point of the log.
+        svc.expire_departed(record.at)

@@ -52,6 +52,8 @@ class StateSample(msgspec.Struct, frozen=True):
     token_bytes: int = 0
     declared_capacity: list[tuple[str, str, str, int]] = []
     """(instance, tier, backend, bytes) of every declared compartment."""
+    departed_instances: int = 0
+    """Instances gone whose L2 placements wait out the retention."""
 
 
 class _StateCollector(Collector):
@@ -79,6 +81,12 @@ class _StateCollector(Collector):
             "Instances known only from their events (not registered)",
         )
         prov.add_metric([], s.provisional_instances)
+        departed = GaugeMetricFamily(
+            "kvatlas_coordinator_departed_instances",
+            "Instances gone (deregistered or expired) whose L2 placements wait out"
+            " --l2-retention-s",
+        )
+        departed.add_metric([], s.departed_instances)
         age = GaugeMetricFamily(
             "kvatlas_coordinator_heartbeat_age_seconds",
             "Seconds since each live instance's last heartbeat",
@@ -113,7 +121,10 @@ class _StateCollector(Collector):
         )
         for instance, tier, backend, n in s.declared_capacity:
             capacity.add_metric([instance, tier, backend], n)
-        return [keys, placements, nbytes, live, prov, age, gaps, missing, blend, tokens, capacity]
+        return [
+            keys, placements, nbytes, live, prov, departed, age, gaps, missing, blend, tokens,
+            capacity,
+        ]  # fmt: skip
 
 
 class _EdgeCollector(Collector):
@@ -192,7 +203,8 @@ class CoordinatorMetrics:
         )
         self.fenced_placements = Counter(
             "kvatlas_coordinator_fenced_placements",
-            "L1 placements removed by fences, by reason",
+            "Placements removed by fences (L1 only) and drops (every tier: reasons"
+            " expired_unregistered and l2_retention), by reason",
             ["reason"],
             registry=r,
         )

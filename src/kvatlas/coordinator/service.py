@@ -27,7 +27,7 @@ from kvatlas.coordinator.views import key_view, stats_response
 from kvatlas.core.blend import BlendMatch
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import EventBatch
-from kvatlas.core.fleet import Fenced, FleetState
+from kvatlas.core.fleet import Fenced, FenceReason, FleetState
 from kvatlas.core.gate import Verdict
 from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes
 from kvatlas.core.membership import InstanceInfo, RegisterOutcome
@@ -155,10 +155,13 @@ class CoordinatorService:
         with self.lock:
             return self.fleet.membership.get(instance_id) is not None
 
-    def deregister(self, instance_id: InstanceId, position: Position | None = None) -> bool:
-        """Remove an instance and fence its L1 slice; False if it was unknown."""
+    def deregister(
+        self, instance_id: InstanceId, now: float, position: Position | None = None
+    ) -> bool:
+        """Remove an instance and fence its L1 slice (its L2 retention starts at ``now``);
+        False if it was unknown."""
         with self.lock:
-            fenced = self.fleet.deregister(instance_id)
+            fenced = self.fleet.deregister(instance_id, now)
             self._advance(position)
         if fenced is None:
             log.info("Deregistration of unknown instance %s ignored", instance_id)
@@ -174,6 +177,15 @@ class CoordinatorService:
         for f in fenced:
             self._log_expiry(f)
         return fenced
+
+    def expire_departed(self, now: float) -> list[Fenced]:
+        """Drop what is left of the instances gone for the L2 retention at ``now``
+        (replicas: the time of the record they apply)."""
+        with self.lock:
+            dropped = self.fleet.expire_departed(now)
+        for f in dropped:
+            self._log_fence(f)
+        return dropped
 
     def expiry_candidates(self, now: float) -> list[tuple[InstanceId, Incarnation, float]]:
         """(instance, incarnation, last seen) of every instance silent for too long."""
@@ -223,6 +235,9 @@ class CoordinatorService:
         return fleet_usage(owners, declarations, registered)
 
     def _log_expiry(self, f: Fenced) -> None:
+        if f.reason is FenceReason.L2_RETENTION:
+            self._log_fence(f)
+            return
         self.metrics.expiries.inc()
         log.warning(
             "Instance %s (incarnation %d) %s after more than %.1f s without a heartbeat",
@@ -236,6 +251,16 @@ class CoordinatorService:
     def _log_fence(self, f: Fenced) -> None:
         self.metrics.fences.labels(f.reason.value).inc()
         self.metrics.fenced_placements.labels(f.reason.value).inc(f.placements)
+        if f.reason in (FenceReason.L2_RETENTION, FenceReason.EXPIRED_UNREGISTERED):
+            log.warning(
+                "Dropped %d placements (every tier) of instance %s incarnation %d (%s%s)",
+                f.placements,
+                f.instance_id,
+                f.incarnation,
+                f.reason.description,
+                f", {self.fleet.l2_retention:g} s" if f.reason is FenceReason.L2_RETENTION else "",
+            )
+            return
         log.info(
             "Fenced %d L1 placements of instance %s incarnation %d (%s)",
             f.placements,
@@ -437,6 +462,7 @@ class CoordinatorService:
                 bytes_by_tier=dict(st.bytes_by_tier),
                 live_instances=len(fl.membership),
                 provisional_instances=len(fl.provisional()),
+                departed_instances=len(fl.departed()),
                 heartbeat_age=fl.membership.heartbeat_ages(now),
                 gaps={iid: c.gaps for iid, c in fl.cursors.items()},
                 missing={iid: c.missing for iid, c in fl.cursors.items()},

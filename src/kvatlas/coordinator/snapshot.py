@@ -139,6 +139,7 @@ def load(config: CoordinatorConfig, now: float | None) -> tuple[FleetState, dict
             now,
             instance_timeout=config.instance_timeout,
             keep_tokens=not config.drop_token_ids,
+            l2_retention=config.l2_retention_s,
         )
     except (OSError, SnapshotError) as exc:
         raise ConfigError(

@@ -454,6 +454,32 @@ class KeyDirectory:
                     removed += 1
         return removed
 
+    def drop(self, instance_id: InstanceId) -> int:
+        """Remove every placement of ``instance_id``: every tier, every incarnation.
+
+        L1 goes through the reverse index; the other tiers have none (their placements
+        are many and long-lived, and an index would cost 8 bytes each), so one pass over
+        the map finds them: time proportional to the whole directory, paid once per
+        instance that is gone for good (``FleetState``'s L2 retention). Returns the
+        number of placements removed.
+        """
+        removed = self.fence(instance_id)
+        targets = frozenset(self._owners_by_instance.get(instance_id, ()))
+        if not targets:
+            return removed
+        found: list[tuple[int, int]] = []
+        for ik, cur in self._map.items():
+            if type(cur) is int:
+                if cur >> SIZE_BITS in targets:
+                    found.append((ik, cur >> SIZE_BITS))
+            else:
+                assert isinstance(cur, tuple)
+                found.extend((ik, c >> SIZE_BITS) for c in cur if c >> SIZE_BITS in targets)
+        for ik, oid in found:
+            if self._remove(ik, oid, compact=False):
+                removed += 1
+        return removed
+
     def fence_below(self, instance_id: InstanceId, incarnation: Incarnation) -> int:
         """Fence every L1 incarnation of ``instance_id`` lower than ``incarnation``."""
         removed = 0

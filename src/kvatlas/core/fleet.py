@@ -7,12 +7,16 @@ state change comes in through one method that returns an outcome (`register`,
 replay) goes through the same methods. The shell adds locks, I/O, logs and metrics.
 
 Rules it enforces (DESIGN.md section 3):
-- A new incarnation, a deregistration and an expiry fence the instance's L1 slice;
-  L2 placements stay and leave only through their own DELETE events.
+- A new incarnation, a deregistration and an expiry fence the instance's L1 slice.
+  L2 placements stay, so that a restarted node's disk is found again, and leave through
+  their own DELETE events, or when the instance has been gone (deregistered or expired,
+  and neither registered nor sent events since) for ``l2_retention`` seconds: then every
+  placement it still has is dropped (`FenceReason.L2_RETENTION`).
 - Events of an instance that is not registered are applied provisionally: the instance
   gets a provisional membership that expires like any other unless a registration
-  arrives, so no placement lives forever without a live owner, and events that reach
-  the coordinator before the registration (Kafka) are not lost.
+  arrives, so events that reach the coordinator before the registration (Kafka) are not
+  lost. When a provisional instance that never registered expires, all its placements
+  go, L2 too: no disk of a fleet member stands behind them.
 - Events of an incarnation lower than the highest seen for that instance are stale,
   also after a deregistration or an expiry.
 - CONFIG batches declare capacity (`core.capacity`); a declaration is fenced with its
@@ -42,10 +46,13 @@ from kvatlas.core.membership import InstanceInfo, Membership, RegisterOutcome
 from kvatlas.core.placements import Applied, DirectoryStats, KeyResult, PrefixResult
 from kvatlas.core.types import EventType, Incarnation, InstanceId
 
-SNAPSHOT_VERSION = 2
+SNAPSHOT_VERSION = 3
 """2 added the declared capacities and whether token ids are kept; a version 1 snapshot
-restores with no declaration, keeping token ids if it had blend lookup on."""
-_READABLE_VERSIONS = frozenset({1, 2})
+restores with no declaration, keeping token ids if it had blend lookup on. 3 added the
+departed instances (their L2 retention clocks); an older one restores with none."""
+_READABLE_VERSIONS = frozenset({1, 2, 3})
+DEFAULT_L2_RETENTION = 24 * 3600.0
+"""Seconds the L2 placements of an instance that is gone stay for it to come back."""
 
 
 class IngestOutcome(msgspec.Struct, frozen=True):
@@ -71,7 +78,9 @@ class FenceReason(StrEnum):
     EXPIRED = "expired"
     """No heartbeat for the instance timeout."""
     EXPIRED_UNREGISTERED = "expired_unregistered"
-    """Events arrived, but the instance never registered and fell silent."""
+    """Events arrived, but the instance never registered and fell silent: every tier."""
+    L2_RETENTION = "l2_retention"
+    """The instance has been gone for the L2 retention: what it still had, every tier."""
 
     @property
     def description(self) -> str:
@@ -83,6 +92,7 @@ _FENCE_DESCRIPTIONS: Final = {
     FenceReason.DEREGISTERED: "deregistered",
     FenceReason.EXPIRED: "expired",
     FenceReason.EXPIRED_UNREGISTERED: "expired (never registered)",
+    FenceReason.L2_RETENTION: "gone for longer than the L2 retention",
 }
 
 
@@ -98,6 +108,12 @@ class Fenced(msgspec.Struct, frozen=True):
 class _Provisional(msgspec.Struct, array_like=True):
     incarnation: Incarnation
     last_seen: float
+
+
+class _Departed(msgspec.Struct, array_like=True):
+    incarnation: Incarnation
+    at: float
+    """When it was deregistered or expired (the caller's clock: wall time)."""
 
 
 class _Snapshot(msgspec.Struct, array_like=True):
@@ -119,6 +135,8 @@ class _Snapshot(msgspec.Struct, array_like=True):
     """Version 2: the declared capacities, with the stamps that ordered them."""
     keep_tokens: bool | None = None
     """Version 2: whether the directory kept token ids (None: as ``blend_enabled``)."""
+    departed: dict[InstanceId, _Departed] = {}
+    """Version 3: instances gone, whose L2 placements wait out the retention."""
 
 
 class FleetCapture:
@@ -143,11 +161,15 @@ class FleetState:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         enable_blend: bool = False,
         keep_tokens: bool = True,
+        l2_retention: float = DEFAULT_L2_RETENTION,
     ) -> None:
         """``keep_tokens``: keep the token ids that senders send with STORE (LMCache's
         servers do; lookups then answer them, as LMCache's coordinator does). The blend
-        index needs them, so ``enable_blend`` keeps them whatever this says."""
+        index needs them, so ``enable_blend`` keeps them whatever this says.
+        ``l2_retention``: seconds an instance may stay gone before its L2 placements
+        are dropped (0: at once)."""
         self.instance_timeout = instance_timeout
+        self.l2_retention = l2_retention
         self.chunk_size = chunk_size
         self.membership = Membership(instance_timeout)
         self.directory = KeyDirectory(keep_tokens=keep_tokens or enable_blend)
@@ -156,6 +178,7 @@ class FleetState:
         self.cursors: dict[InstanceId, Cursor] = {}
         self._provisional: dict[InstanceId, _Provisional] = {}
         self._high_water: dict[InstanceId, Incarnation] = {}
+        self._departed: dict[InstanceId, _Departed] = {}
 
     # ---- membership ------------------------------------------------------------------
 
@@ -181,6 +204,7 @@ class FleetState:
         if high is not None and info.incarnation < high:
             raise StaleIncarnation(info.instance_id, info.incarnation, high)
         outcome = self.membership.register(info, now)
+        self._departed.pop(info.instance_id, None)
         prov = self._provisional.pop(info.instance_id, None)
         fenced = None
         old = outcome.fenced_incarnation
@@ -199,8 +223,9 @@ class FleetState:
         """False: unknown (or only provisional) instance, which must re-register."""
         return self.membership.heartbeat(instance_id, now)
 
-    def deregister(self, instance_id: InstanceId) -> Fenced | None:
-        """Remove an instance, fence its L1 slice and forget its cursor."""
+    def deregister(self, instance_id: InstanceId, now: float) -> Fenced | None:
+        """Remove an instance, fence its L1 slice and forget its cursor; its L2
+        placements wait out the retention from ``now``."""
         info = self.membership.deregister(instance_id)
         prov = self._provisional.pop(instance_id, None)
         self.cursors.pop(instance_id, None)
@@ -211,23 +236,57 @@ class FleetState:
             inc = prov.incarnation
         else:
             return None
-        n = self.directory.fence(instance_id)
+        n = self._gone(instance_id, inc, now)
         return Fenced(instance_id, inc, n, FenceReason.DEREGISTERED)
 
+    def _gone(self, instance_id: InstanceId, incarnation: Incarnation, at: float) -> int:
+        """The instance left at ``at``: fence its L1 slice and start its L2 retention
+        clock, or drop every placement at once when it never registered. Placements
+        removed."""
+        if self.membership.max_incarnation(instance_id) is None:
+            return self.directory.drop(instance_id)
+        self._departed[instance_id] = _Departed(incarnation, at)
+        return self.directory.fence(instance_id)
+
     def expire(self, now: float) -> list[Fenced]:
-        """Expire silent instances (registered or provisional) and fence their L1 slices."""
+        """Expire silent instances (registered or provisional) and fence their L1 slices
+        (a provisional one that never registered loses every tier), then drop what is
+        left of instances gone for the L2 retention."""
         out = []
         for info in self.membership.expire(now):
-            n = self.directory.fence(info.instance_id)
+            n = self._gone(info.instance_id, info.incarnation, now)
             self.capacity.forget(info.instance_id)
             out.append(Fenced(info.instance_id, info.incarnation, n, FenceReason.EXPIRED))
         for iid, prov in sorted(self._provisional.items()):
             if now - prov.last_seen > self.instance_timeout:
                 del self._provisional[iid]
-                n = self.directory.fence(iid)
+                n = self._gone(iid, prov.incarnation, now)
                 self.capacity.forget(iid)
-                out.append(Fenced(iid, prov.incarnation, n, FenceReason.EXPIRED_UNREGISTERED))
+                reason = (
+                    FenceReason.EXPIRED
+                    if iid in self._departed
+                    else FenceReason.EXPIRED_UNREGISTERED
+                )
+                out.append(Fenced(iid, prov.incarnation, n, reason))
+        out.extend(self.expire_departed(now))
         return out
+
+    def expire_departed(self, now: float) -> list[Fenced]:
+        """Drop every placement of the instances gone for ``l2_retention`` at ``now``.
+        Replicas call it with the times of the records they apply, so that all of them
+        drop at the same point of the log."""
+        out = []
+        for iid, gone in sorted(self._departed.items()):
+            if now - gone.at >= self.l2_retention:
+                del self._departed[iid]
+                n = self.directory.drop(iid)
+                out.append(Fenced(iid, gone.incarnation, n, FenceReason.L2_RETENTION))
+        return out
+
+    def departed(self) -> dict[InstanceId, tuple[Incarnation, float]]:
+        """Instances gone whose L2 placements wait out the retention: id ->
+        (incarnation, when it left)."""
+        return {k: (v.incarnation, v.at) for k, v in self._departed.items()}
 
     def expire_instance(
         self, instance_id: InstanceId, incarnation: Incarnation, last_seen: float
@@ -240,16 +299,21 @@ class FleetState:
             if live.incarnation != incarnation or live.last_heartbeat > last_seen:
                 return None
             self.membership.deregister(instance_id)
-            n = self.directory.fence(instance_id)
+            n = self._gone(instance_id, incarnation, last_seen)
             self.capacity.forget(instance_id)
             return Fenced(instance_id, incarnation, n, FenceReason.EXPIRED)
         prov = self._provisional.get(instance_id)
         if prov is None or prov.incarnation != incarnation or prov.last_seen > last_seen:
             return None
         del self._provisional[instance_id]
-        n = self.directory.fence(instance_id)
+        n = self._gone(instance_id, incarnation, last_seen)
         self.capacity.forget(instance_id)
-        return Fenced(instance_id, incarnation, n, FenceReason.EXPIRED_UNREGISTERED)
+        reason = (
+            FenceReason.EXPIRED
+            if instance_id in self._departed
+            else FenceReason.EXPIRED_UNREGISTERED
+        )
+        return Fenced(instance_id, incarnation, n, reason)
 
     def instances(self) -> list[InstanceInfo]:
         return self.membership.instances()
@@ -301,6 +365,7 @@ class FleetState:
             applied = self.directory.apply(batch)
             placed = batch
         self.cursors[iid] = adm.cursor
+        self._departed.pop(iid, None)  # back: its L2 placements are its own again
         self._high_water[iid] = max(batch.incarnation, self._high_water.get(iid, batch.incarnation))
         if provisional:
             self._provisional[iid] = _Provisional(batch.incarnation, now)
@@ -383,6 +448,7 @@ class FleetState:
                 extra=dict(extra or {}),
                 capacity=self.capacity.declarations(),
                 keep_tokens=self.directory.keep_tokens,
+                departed=dict(self._departed),
             ),
             self.directory.capture(),
         )
@@ -394,13 +460,17 @@ class FleetState:
         now: float | None = None,
         instance_timeout: float | None = None,
         keep_tokens: bool | None = None,
+        l2_retention: float = DEFAULT_L2_RETENTION,
     ) -> tuple[FleetState, dict[str, int]]:
         """Rebuild a state from `snapshot` bytes; returns it and the shell's ``extra``.
 
         With ``now``, every restored instance gets a full timeout from ``now`` to prove
         itself alive (the snapshot's clock may not be this process's). ``instance_timeout``
         overrides the snapshot's (the operator's flag wins); so does ``keep_tokens`` (token
-        ids are dropped on restore when it is False).
+        ids are dropped on restore when it is False). ``l2_retention`` is the operator's
+        (it is not in the snapshot); the departed instances keep their departure times
+        (wall clock), so the downtime counts against the retention, and a departure
+        that lies after ``now`` (a clock set back) counts from ``now``.
         """
         try:
             snap = msgspec.msgpack.decode(data, type=_Snapshot)
@@ -411,13 +481,17 @@ class FleetState:
         timeout = snap.instance_timeout if instance_timeout is None else instance_timeout
         kept = snap.blend_enabled if snap.keep_tokens is None else snap.keep_tokens
         keep = kept if keep_tokens is None else keep_tokens
-        state = cls(timeout, snap.chunk_size, snap.blend_enabled, keep)
+        state = cls(timeout, snap.chunk_size, snap.blend_enabled, keep, l2_retention)
         state.membership = Membership.restore(
             snap.instances, snap.high_water, instance_timeout=timeout, now=now
         )
         state._high_water = dict(snap.event_high_water)
         state.cursors = dict(snap.cursors)
         state._provisional = dict(snap.provisional)
+        state._departed = {
+            iid: gone if now is None or gone.at <= now else _Departed(gone.incarnation, now)
+            for iid, gone in snap.departed.items()
+        }
         state.capacity = CapacityRegistry.restore(snap.capacity)
         state.directory = KeyDirectory.restore(
             snap.directory, keep_tokens=state.directory.keep_tokens
