@@ -10,6 +10,7 @@ MODULES = [
     "bench.core_bench",
     "bench.coordinator_bench",
     "bench.http_edge_bench",
+    "bench.http_attack_bench",
     "bench.server_bench",
     "bench.transfer_bench",
     "bench.p2p_bench",
