@@ -308,9 +308,29 @@ def test_readyz_and_healthz(coord: RunningCoordinator) -> None:
     assert coord.client.get("/readyz").json() == {"ready": True, "reason": ""}
 
 
+def server_timing(value: str) -> dict[str, float]:
+    """``a;dur=1.5, b;dur=2`` -> {"a": 1.5, "b": 2.0}."""
+    out = {}
+    for metric in value.split(","):
+        name, _, dur = metric.strip().partition(";dur=")
+        out[name] = float(dur)
+    return out
+
+
+def test_keys_lookup_says_its_steps(coord: RunningCoordinator) -> None:
+    """The keys form has no hashing step: it says 0 for it."""
+    key = {"chunk_hash_hex": "ab" * 32, "model_name": MODEL, "kv_rank": 16777472}
+    r = coord.client.post("/directory/lookup", json={"keys": [key]})
+    assert r.status_code == 200, r.text
+    timing = server_timing(r.headers["server-timing"])
+    assert list(timing) == ["decode", "hash", "probe", "encode", "gc", "app"]
+    assert timing["hash"] == 0
+
+
 def test_json_token_ids_answer_as_tokens_b64_and_say_their_time(coord: RunningCoordinator) -> None:
     """The JSON array (read by the fast path, in any spacing) and the base64 form of the
-    same prompt get the same answer; every lookup says its server-side time."""
+    same prompt get the same answer; every lookup says its server-side time, step by
+    step (the steps, the collector's pauses included, add up to no more than it)."""
 
     c = coord.client
     tokens = list(range(900, 900 + 4 * 256 + 3))
@@ -327,7 +347,11 @@ def test_json_token_ids_answer_as_tokens_b64_and_say_their_time(coord: RunningCo
     ):
         r = c.post("/directory/lookup", content=body.encode(), headers=JSON)
         assert r.status_code == 200, r.text
-        assert r.headers["server-timing"].startswith("app;dur=")
+        timing = server_timing(r.headers["server-timing"])
+        assert list(timing) == ["decode", "hash", "probe", "encode", "gc", "app"]
+        assert min(timing.values()) >= 0
+        steps = sum(timing[s] for s in ("decode", "hash", "probe", "encode"))
+        assert steps <= timing["app"] + 0.005 and timing["gc"] <= timing["app"] + 0.001
         answers.append(r.json())
     assert answers[0] == answers[1] == answers[2]
     assert [len(x["placements"]) for x in answers[0]["results"]] == [1, 1, 1, 0]

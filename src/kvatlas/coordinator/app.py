@@ -28,6 +28,7 @@ from kvatlas.coordinator.http_app import CoordinatorApp
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.core.fleet import FleetState
+from kvatlas.runtime.gc_pauses import GcPauses
 from kvatlas.runtime.http_server import HttpServer
 from kvatlas.runtime.net import bind
 
@@ -50,6 +51,8 @@ class Coordinator:
         self.config = config
         self.clock = clock
         self.metrics = CoordinatorMetrics()
+        self.gc_pauses = GcPauses()
+        self.metrics.attach_gc(self.gc_pauses)
         kafka = config.event_transport == "kafka"
         # With Kafka, restored instances keep their heartbeat times from the log (every
         # replica must agree on them); alone, each gets a full timeout from now.
@@ -92,6 +95,7 @@ class Coordinator:
             self.metrics,
             clock=clock,
             events_refusal=events_refusal,
+            gc_pauses=self.gc_pauses,
         ).server()
         self.metrics.attach_edge(self.http.stats)
         self.snapshots = (
@@ -135,6 +139,7 @@ class Coordinator:
             # lives on to write its last snapshot.
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, self._on_signal)
+        self.gc_pauses.install()
         for part in self._parts:
             part.start()
         if self.snapshots is not None:
@@ -162,6 +167,7 @@ class Coordinator:
 
     def shutdown(self) -> None:
         self._stop.set()
+        self.gc_pauses.remove()
         if self._expiry is not None:
             self._expiry.join()
         if self.snapshots is not None:

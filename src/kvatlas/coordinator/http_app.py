@@ -36,6 +36,7 @@ from kvatlas.core.errors import ContractMismatch, InvalidInput, StaleIncarnation
 from kvatlas.core.keys import Namespace, default_kv_rank
 from kvatlas.core.membership import InstanceInfo, check_registration
 from kvatlas.core.types import MAX_INT64, Incarnation, InstanceId, Tier
+from kvatlas.runtime.gc_pauses import GcPauses
 from kvatlas.runtime.http_server import HttpRequest, HttpResponse, HttpServer, Router, always
 from kvatlas.wire.coordinator_views import ReadyResponse
 from kvatlas.wire.http_api import (
@@ -58,6 +59,8 @@ log = logging.getLogger(__name__)
 
 _INLINE_BODY_BYTES = 512 * 1024
 """Bodies larger than this are decoded and applied in the thread pool."""
+_LOOKUP_STEPS = ("decode", "hash", "probe", "encode")
+"""The steps of a lookup its `Server-Timing` names, in order."""
 _MAX_PAGE = 10000
 
 _register_decoder = msgspec.json.Decoder(RegisterRequest)
@@ -127,9 +130,13 @@ class CoordinatorApp:
         *,
         clock: Callable[[], float] = time.time,
         events_refusal: str = "",
+        gc_pauses: GcPauses | None = None,
     ) -> None:
         """``events_refusal``: when set, `POST /events` answers 409 with it (with Kafka,
-        events travel through the topic only, so that every replica sees them)."""
+        events travel through the topic only, so that every replica sees them).
+        ``gc_pauses``: the process's collector pauses, which lookups report as theirs in
+        `Server-Timing` (``gc``)."""
+        self._gc = gc_pauses
         self._cfg = config
         self._svc = service
         self._members = membership
@@ -247,14 +254,28 @@ class CoordinatorApp:
         """Runs on the loop, or in the pool for a body over `_INLINE_BODY_BYTES` (about
         80k JSON tokens): the longest inline lookup takes a few milliseconds. The answer
         says in `Server-Timing` how long it took here, from the body to the answer's
-        bytes (what `bench.coordinator_bench` reports as server-side)."""
-        t0 = time.perf_counter()
-        response = self._lookup(request)
-        took = f"app;dur={(time.perf_counter() - t0) * 1000:.3f}"
-        return dataclasses.replace(response, headers=(*response.headers, ("Server-Timing", took)))
+        bytes (``app``, what `bench.coordinator_bench` reports as server-side), and
+        each step's part of it: ``decode``, ``hash`` (tokens form), ``probe``,
+        ``encode``, and ``gc``, the collector's pauses in between (inside the steps)."""
+        gc_before = self._gc.total if self._gc is not None else 0.0
+        marks = [time.perf_counter()]
+        response = self._lookup(request, marks)
+        end = time.perf_counter()
+        steps = [
+            f"{name};dur={(t1 - t0) * 1000:.3f}"
+            for name, t0, t1 in zip(_LOOKUP_STEPS, marks, marks[1:], strict=False)
+        ]
+        if self._gc is not None:
+            steps.append(f"gc;dur={(self._gc.total - gc_before) * 1000:.3f}")
+        steps.append(f"app;dur={(end - marks[0]) * 1000:.3f}")
+        timing = ("Server-Timing", ", ".join(steps))
+        return dataclasses.replace(response, headers=(*response.headers, timing))
 
-    def _lookup(self, request: HttpRequest) -> HttpResponse:
+    def _lookup(self, request: HttpRequest, marks: list[float]) -> HttpResponse:
+        """The lookup; appends the time at the end of each of `_LOOKUP_STEPS` it took to
+        ``marks`` (which holds its start)."""
         req = decode_lookup(request.body, request.headers.get("content-type", ""))
+        marks.append(time.perf_counter())
         forms = (req.keys is not None) + (req.token_ids is not None) + (req.tokens_b64 is not None)
         if forms != 1:
             raise HttpError(400, "give exactly one of keys, token_ids or tokens_b64")
@@ -263,7 +284,7 @@ class CoordinatorApp:
                 raise HttpError(
                     413, f"{len(req.keys)} keys exceed the limit of {self._cfg.max_lookup_keys}"
                 )
-            return self._lookup_keys(req.keys)
+            return self._lookup_keys(req.keys, marks)
         tokens: list[int] | bytes
         if req.tokens_b64 is not None:
             tokens = _b64_tokens(req.tokens_b64)
@@ -281,12 +302,17 @@ class CoordinatorApp:
         )
         t0 = time.perf_counter()
         hashes = self._svc.hash_tokens(tokens)
+        marks.append(time.perf_counter())
         res = self._svc.lookup_hashes(hashes, ns)
-        self._metrics.lookup_seconds.labels("tokens").observe(time.perf_counter() - t0)
+        marks.append(time.perf_counter())
+        self._metrics.lookup_seconds.labels("tokens").observe(marks[-1] - t0)
         holders = holders_wire(res, self._svc.fleet.chunk_size)
-        return HttpResponse(200, lookup_json(list(map(bytes.hex, hashes)), ns, res, holders))
+        body = lookup_json(list(map(bytes.hex, hashes)), ns, res, holders)
+        marks.append(time.perf_counter())
+        return HttpResponse(200, body)
 
-    def _lookup_keys(self, asked: list[KeyWire]) -> HttpResponse:
+    def _lookup_keys(self, asked: list[KeyWire], marks: list[float]) -> HttpResponse:
+        marks.append(marks[-1])  # no hashing in the keys form
         t0 = time.perf_counter()
         ns = shared_namespace(asked)
         hexes = list(map(_get_hex, asked))
@@ -299,11 +325,17 @@ class CoordinatorApp:
                 pass  # the per-key path names the bad key
             else:
                 cols = self._svc.lookup_blob(blob, ns)
-                self._metrics.lookup_seconds.labels("keys").observe(time.perf_counter() - t0)
-                return HttpResponse(200, lookup_json(hexes, ns, cols, []))
+                marks.append(time.perf_counter())
+                self._metrics.lookup_seconds.labels("keys").observe(marks[-1] - t0)
+                body = lookup_json(hexes, ns, cols, [])
+                marks.append(time.perf_counter())
+                return HttpResponse(200, body)
         results = self._svc.lookup_keys([k.to_core() for k in asked])
-        self._metrics.lookup_seconds.labels("keys").observe(time.perf_counter() - t0)
-        return _json(keys_response(results, asked))
+        marks.append(time.perf_counter())
+        self._metrics.lookup_seconds.labels("keys").observe(marks[-1] - t0)
+        response = _json(keys_response(results, asked))
+        marks.append(time.perf_counter())
+        return response
 
     def blend_lookup(self, request: HttpRequest) -> HttpResponse:
         """Always in the pool: a blend lookup scans every position of the prompt."""

@@ -3,7 +3,8 @@
 Owns the counters and histograms the shells bump at the edges (ingest outcomes, fences,
 lookups, Kafka records), a collector that reads a state sample at scrape time
 (directory sizes, live instances, heartbeat ages, gaps), one that reads the HTTP edge's
-sample (connections, buffered body bytes, refusals by cause), and the counters' totals as one
+sample (connections, buffered body bytes, refusals by cause), one that reads the garbage
+collector's pauses (`runtime.gc_pauses`), and the counters' totals as one
 Struct for the fleet page (`counters()`). Must not hold state of its own
 beyond the counters, nor take the fleet lock itself: the sample function does that.
 """
@@ -18,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvatlas.core.types import InstanceId
+from kvatlas.runtime.gc_pauses import GcPauses
 from kvatlas.runtime.http_server import EdgeStats
 from kvatlas.wire.fleet_view import CoordinatorCounters
 
@@ -158,6 +160,34 @@ class _EdgeCollector(Collector):
         return [conns, buffered, budget, refused]
 
 
+class _GcCollector(Collector):
+    def __init__(self, pauses: GcPauses) -> None:
+        self._pauses = pauses
+
+    def collect(self) -> Iterable[Metric]:
+        p = self._pauses
+        runs = CounterMetricFamily(
+            "kvatlas_coordinator_gc_collections",
+            "Garbage collections by generation (every thread's requests wait for each)",
+            labels=["generation"],
+        )
+        paused = CounterMetricFamily(
+            "kvatlas_coordinator_gc_pause_seconds",
+            "Seconds the process was paused by garbage collections, by generation",
+            labels=["generation"],
+        )
+        longest = GaugeMetricFamily(
+            "kvatlas_coordinator_gc_longest_pause_seconds",
+            "The longest garbage-collection pause so far, by generation",
+            labels=["generation"],
+        )
+        for g, (n, s, m) in enumerate(zip(p.collections, p.seconds, p.longest, strict=True)):
+            runs.add_metric([str(g)], n)
+            paused.add_metric([str(g)], s)
+            longest.add_metric([str(g)], m)
+        return [runs, paused, longest]
+
+
 class CoordinatorMetrics:
     """The coordinator's metrics; one instance per app, with its own registry."""
 
@@ -264,6 +294,10 @@ class CoordinatorMetrics:
     def attach_edge(self, sample: Callable[[], EdgeStats]) -> None:
         """Register the scrape-time collector of the HTTP server's ``sample()``."""
         self.registry.register(_EdgeCollector(sample))
+
+    def attach_gc(self, pauses: GcPauses) -> None:
+        """Register the scrape-time collector of the process's garbage-collection pauses."""
+        self.registry.register(_GcCollector(pauses))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
