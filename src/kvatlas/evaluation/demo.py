@@ -4,7 +4,10 @@ Owns the demonstration the reference guide does with five terminals and two GPUs
 coordinator, two cache servers with P2P and two reference engines (SmolLM2-135M on the
 CPU) on 127.0.0.1; a long prompt goes to node A (cold), then the same prompt to node B,
 which never saw it, so every cached token B reports can only have come from A through
-P2P. It returns what an operator would look at: TTFT on both nodes, cached tokens, bytes
+P2P. With ``router`` both requests go through ``kvatlas router`` instead (engines found
+through the coordinator), and the report says where it sent each and why: the repeat
+finds the prefix either on the node that computed it or, through P2P, on the other.
+It returns what an operator would look at: TTFT on both nodes, cached tokens, bytes
 B read from A, the two generated texts (identical), and the coordinator's view of the
 fleet. Every process it starts is stopped by pid when it returns, on errors and on
 Ctrl-C (the `Fleet` context manager). Must not: print; progress goes through ``say``.
@@ -22,6 +25,7 @@ import httpx
 
 from kvatlas.evaluation.fleet import ENGINE_MODEL as MODEL
 from kvatlas.evaluation.fleet import Fleet, FleetConfig
+from kvatlas.router.service import ROUTE_HEADER
 from kvatlas.runtime.procs import ProcessError
 from kvatlas.wire.coordinator_views import StatsResponse
 from kvatlas.wire.http_api import InstanceWire
@@ -48,6 +52,10 @@ class DemoConfig:
     """How long an engine may take to load its model (the first run converts the GGUF)."""
     workdir: Path | None = None
     """Logs and state of the processes (None: a temporary folder, removed afterwards)."""
+    router: bool = False
+    """Send both requests through ``kvatlas router`` (``--router``)."""
+    router_policy: str = "kv-p2p"
+    """The router's ``--policy`` (``--router-policy``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +71,9 @@ class NodeRun:
     fallback: str | None
     text: str
     peer_bytes_read: int
+    route: str = ""
+    """The router's ``X-Kvatlas-Route`` header (engine, cached tokens expected, reason);
+    empty without a router."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +104,10 @@ def build_document(tokens: int) -> str:
     return "\n".join(lines)
 
 
-def _ask(http: httpx.Client, url: str, document: str, max_tokens: int) -> dict[str, Any]:
+def _ask(
+    http: httpx.Client, url: str, document: str, max_tokens: int
+) -> tuple[dict[str, Any], str]:
+    """The answer, and the router's route header (empty when ``url`` is an engine)."""
     body = {
         "messages": [
             {"role": "system", "content": "You answer in one short sentence."},
@@ -107,7 +121,7 @@ def _ask(http: httpx.Client, url: str, document: str, max_tokens: int) -> dict[s
     if resp.status_code != 200:
         raise ProcessError(f"engine {url} answered {resp.status_code}: {resp.text[:300]}")
     answer: dict[str, Any] = resp.json()
-    return answer
+    return answer, resp.headers.get(ROUTE_HEADER, "")
 
 
 def _peer_bytes(fleet: Fleet, i: int) -> int:
@@ -127,7 +141,13 @@ def _wait_for_directory(fleet: Fleet, chunks: int, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def _node_run(node: str, answer: dict[str, Any], peer_bytes: int) -> NodeRun:
+def _node_run(
+    node: str, asked: tuple[dict[str, Any], str], peer_bytes: int, urls: list[str]
+) -> NodeRun:
+    answer, route = asked
+    if route:  # the node is the one the router chose
+        engine = route.split(";", 1)[0].removeprefix("engine=")
+        node = "AB"[urls.index(engine)] if engine in urls else engine
     stats = answer.get("cached_token_stats") or {}
     text = str(answer["choices"][0]["message"]["content"])
     return NodeRun(
@@ -140,6 +160,7 @@ def _node_run(node: str, answer: dict[str, Any], peer_bytes: int) -> NodeRun:
         fallback=stats.get("fallback"),
         text=text,
         peer_bytes_read=peer_bytes,
+        route=route,
     )
 
 
@@ -171,14 +192,24 @@ def run_demo(cfg: DemoConfig, say: Say) -> DemoResult:
         )
         fleet.wait_p2p_peers(15.0)
         say("both servers list each other as P2P peers")
+        first, second = urls
+        if cfg.router:
+            first = second = fleet.start_router(cfg.router_policy)
+            fleet.wait_router_engines(first, len(urls), 30.0)
+            say(f"router ({cfg.router_policy}) on {first} sees both engines")
         with httpx.Client(timeout=600.0) as http:
-            say(f"node A: sending a ~{cfg.prompt_tokens}-token prompt (cold)")
-            cold = _node_run("A", _ask(http, urls[0], document, cfg.max_tokens), 0)
+            to = "router" if cfg.router else "node A"
+            say(f"{to}: sending a ~{cfg.prompt_tokens}-token prompt (cold)")
+            cold = _node_run("A", _ask(http, first, document, cfg.max_tokens), 0, urls)
             _wait_for_directory(fleet, cold.prompt_tokens // fcfg.chunk_size, 5.0)
-            say("node B: sending the same prompt (B never saw it)")
-            before = _peer_bytes(fleet, 1)
-            answer = _ask(http, urls[1], document, cfg.max_tokens)
-            warm = _node_run("B", answer, _peer_bytes(fleet, 1) - before)
+            if cfg.router:
+                say(f"the router sent it to node {cold.node}; now the same prompt again")
+            else:
+                say("node B: sending the same prompt (B never saw it)")
+            before = sum(_peer_bytes(fleet, i) for i in range(2))
+            answer = _ask(http, second, document, cfg.max_tokens)
+            after = sum(_peer_bytes(fleet, i) for i in range(2))
+            warm = _node_run("B", answer, after - before, urls)
         instances = fleet.instances() or []
         directory = fleet.directory_stats()
     return DemoResult(cold, warm, instances, directory)
@@ -188,8 +219,14 @@ def render(result: DemoResult, cfg: DemoConfig) -> str:
     """The demo's report as plain text tables."""
     c, w = result.cold, result.warm
     speedup = c.ttft_ms / w.ttft_ms if w.ttft_ms > 0 else float("inf")
+    how = "via P2P" if w.node != c.node else "from its own cache"
+    head = (
+        ("", f"node {c.node} (cold)", f"node {w.node} (warm, {how})")
+        if cfg.router
+        else ("", "node A (cold)", "node B (warm, via P2P)")
+    )
     rows = [
-        ("", "node A (cold)", "node B (warm, via P2P)"),
+        head,
         ("TTFT", f"{c.ttft_ms:,.0f} ms", f"{w.ttft_ms:,.0f} ms  ({speedup:.1f}x faster)"),
         ("prompt tokens", f"{c.prompt_tokens:,}", f"{w.prompt_tokens:,}"),
         ("cached tokens", f"{c.cached_tokens:,}", f"{w.cached_tokens:,}"),
@@ -198,6 +235,8 @@ def render(result: DemoResult, cfg: DemoConfig) -> str:
         ("bytes read from the peer", "0", f"{w.peer_bytes_read / 2**20:,.1f} MiB"),
         ("cache fallback", _fallback(c.fallback), _fallback(w.fallback)),
     ]
+    if cfg.router:
+        rows.append(("router's reason", _reason(c.route), _reason(w.route)))
     width = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = ["", f"kvatlas demo: {MODEL}, transport {cfg.transport}", ""]
     for k, r in enumerate(rows):
@@ -206,8 +245,8 @@ def render(result: DemoResult, cfg: DemoConfig) -> str:
             lines.append("  ".join("-" * n for n in width))
     lines += [
         "",
-        f"generated on A: {c.text!r}",
-        f"generated on B: {w.text!r}",
+        f"generated on {c.node}: {c.text!r}",
+        f"generated on {w.node}: {w.text!r}",
         "identical: " + ("yes" if result.same_text else "NO"),
         "",
         "the coordinator's view of the fleet:",
@@ -224,6 +263,11 @@ def render(result: DemoResult, cfg: DemoConfig) -> str:
         f" ({_per_instance(d)})"
     )
     return "\n".join(lines) + "\n"
+
+
+def _reason(route: str) -> str:
+    parts = dict(p.split("=", 1) for p in route.split("; ") if "=" in p)
+    return f"{parts.get('reason', '?')} (expected {parts.get('cached', '?')} cached)"
 
 
 def _fallback(cause: str | None) -> str:

@@ -319,6 +319,32 @@ class Fleet:
             urls.append(url)
         return urls
 
+    def start_router(self, policy: str, extra_args: tuple[str, ...] = ()) -> str:
+        """``kvatlas router`` in front of the fleet (engines found through the
+        coordinator); returns its base URL once it answers /healthz."""
+        port = free_port()
+        args = [
+            "-m", "kvatlas.cli.router", "--host", HOST, "--port", str(port),
+            "--coordinator-url", self.coordinator_url, "--policy", policy,
+            "--log-level", "WARNING", *extra_args,
+        ]  # fmt: skip
+        self.start_extra("router", args, port)
+        return f"http://{HOST}:{port}"
+
+    def wait_router_engines(self, url: str, engines: int, timeout_s: float) -> None:
+        """Until the router at ``url`` has ``engines`` engines available (its /readyz)."""
+        deadline = time.monotonic() + timeout_s
+        seen: object = None
+        while time.monotonic() < deadline:
+            try:
+                seen = httpx.get(f"{url}/readyz", timeout=2).json().get("engines_available")
+            except (httpx.HTTPError, ValueError):
+                seen = None
+            if seen == engines:
+                return
+            time.sleep(0.2)
+        raise ProcessError(f"the router at {url} has {seen} of {engines} engines available")
+
     def wait_p2p_peers(self, timeout_s: float) -> None:
         """Until every server lists at least one P2P peer (ProcessError after the timeout)."""
         deadline = time.monotonic() + timeout_s
