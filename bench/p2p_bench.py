@@ -8,9 +8,11 @@ bytes) per repeat, medians of the repeats:
 
 - fetch: B's ``lookup`` that pulls the prefix into B's L1 (directory, ``lookup_and_lock``,
   reserve, transfer with the checksum verified as the bytes land, commit, unlock);
-- end to end: fetch + the engine holding verified bytes in its own buffers (the leased
-  chunks read from B's L1 into the engine's buffers, with the engine's own checksum pass
-  unless ``--no-engine-verify``);
+- end to end: fetch + the engine holding the verified bytes in its own buffers: the
+  leased chunks read straight from its mapping of B's L1 and copied once into buffers of
+  its own (a model's cache), as the reference engine does; the server verified them as
+  they landed, so the engine hashes them again only with ``--engine-verify`` (its
+  optional pass, fused with the copy);
 - the per-step breakdown: the server's own timings (``LookupResult.p2p_ms``), the
   engine-API round trip around them, the engine's access, the release;
 - every byte checked: B's engine buffers are compared with A's L1 after each repeat;
@@ -27,7 +29,7 @@ the time from a peer's death (SIGKILL in the middle of a slow load) to the reque
 lookup returning with the fallback.
 
     python -m bench.p2p_bench [--quick] [--only prefix|control] [--transports tcp,shm,...]
-        [--chunks 64] [--repeats 3] [--no-engine-verify]
+        [--chunks 64] [--repeats 3] [--engine-verify]
 
 Prints markdown tables and writes bench/results/p2p.json. Memory: two L1 regions of
 ~770 MiB plus the engine's 720 MiB of buffers and ~360 MiB of baselines at a time.
@@ -271,7 +273,7 @@ def _check_bytes(ca: CacheClient, tokens: list[int], out: npt.NDArray[np.uint8])
 def prefix_in_netns(transport: str, chunks: int, repeats: int, verify: bool) -> dict[str, Any]:
     args = [sys.executable, "-m", "bench.p2p_bench", "--child", "--only", "prefix"]
     args += ["--transports", transport, "--chunks", str(chunks), "--repeats", str(repeats)]
-    args += [] if verify else ["--no-engine-verify"]
+    args += ["--engine-verify"] if verify else []
     proc = subprocess.run(
         ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *args],
         capture_output=True,
@@ -438,10 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunks", type=int, default=64, help="chunks of 11.25 MiB in the prefix")
     ap.add_argument("--repeats", type=int, default=3, help="fresh prompts per transport")
     ap.add_argument(
-        "--no-engine-verify",
-        dest="engine_verify",
-        action="store_false",
-        help="the engine trusts its server's verified L1 (no checksum pass of its own)",
+        "--engine-verify",
+        action="store_true",
+        help="the engine hashes the chunks again as it copies them (its optional pass)",
     )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -132,7 +132,7 @@ def test_corrupt_chunk_is_dropped_and_recomputed(
     tiny: LoadedModel, start_cache_server: StartCacheServer
 ) -> None:
     server = start_cache_server()
-    conn = connector_for(tiny, server)
+    conn = connector_for(tiny, server, verify_checksums=True)  # the engine's optional pass
     try:
         assert conn.start()
         ids = tiny.tokenizer.encode(document(20))  # ~1 000 tokens: 3 full chunks

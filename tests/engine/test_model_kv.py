@@ -23,11 +23,13 @@ from kvatlas.engine.generate import (
     stream_generate,
 )
 from kvatlas.engine.kv_layout import (
+    BufferLayer,
     KVLayoutError,
     KVSpec,
     build_cache,
     chunk_nbytes,
     extract_chunks,
+    settle_cache,
     torch_dtype,
 )
 from kvatlas.engine.model import ByteTokenizer, LoadedModel, ModelLoadError, load_model
@@ -101,6 +103,52 @@ def test_build_cache_takes_any_buffer_and_truncates() -> None:
     # a typed 5-D array in the layout works as well as flat bytes
     typed = extract_chunks(cache, 0, 1, 16)[0].view(np.float32).reshape(spec.chunk_shape(16))
     assert build_cache([typed], spec, 16).get_seq_length() == 16
+
+
+def test_cache_over_buffers_copies_once_at_the_first_update() -> None:
+    """Layers over the buffers read them where they lie until the first update, which
+    concatenates the prefix with the new states: same tensors as the copying build, and
+    afterwards the cache no longer aliases the buffers."""
+    spec = KVSpec(layers=2, kv_heads=2, head_dim=4, dtype="float32")
+    cache = filled_cache(spec, 40)
+    arrays = extract_chunks(cache, 0, 2, 16)
+    lazy = build_cache(arrays, spec, 16, n_tokens=31, over_buffers=True)
+    assert all(isinstance(layer, BufferLayer) and layer.viewing for layer in lazy.layers)
+    assert lazy.get_seq_length() == 31
+    arrays[1].view(np.float32)[:4] = 7.0  # written while viewed: the layer sees it
+    k_new, v_new = cache.layers[0].keys[:, :, 31:33], cache.layers[0].values[:, :, 31:33]
+    keys, values = lazy.update(k_new, v_new, 0)
+    assert keys.shape[-2] == 33 and lazy.layers[0].get_seq_length() == 33
+    assert torch.equal(keys[:, :, :16], cache.layers[0].keys[:, :, :16])
+    assert torch.equal(values[:, :, 31:], v_new)
+    assert keys[0, 0, 16, :4].tolist() == [7.0] * 4
+    settle_cache(lazy)  # layer 1 was not updated: copied now
+    assert torch.equal(lazy.layers[1].values, cache.layers[1].values[:, :, :31])
+    for a in arrays:
+        a[:] = 0
+    assert keys[0, 0, 16, :4].tolist() == [7.0] * 4
+    assert torch.equal(lazy.layers[1].values, cache.layers[1].values[:, :, :31])
+
+
+def test_prefill_over_buffers_equals_the_copying_build(tiny: LoadedModel) -> None:
+    """prefill reads the chunks where they lie and returns a cache that aliases none of
+    them, with the logits of a cache built by copying."""
+    ids = random_ids(2 * CHUNK + 9, seed=5)
+    full = prefill(tiny, ids)
+    arrays = full.new_chunks(CHUNK)
+    pre = prefill(tiny, ids, arrays)
+    assert pre.cached_tokens == 2 * CHUNK and pre.fallback is None
+    copied = build_cache(arrays, tiny.kv_spec, CHUNK, config=tiny.model.config)
+    with torch.inference_mode():
+        tail = torch.tensor([ids[2 * CHUNK :]], dtype=torch.long)
+        out = tiny.model(input_ids=tail, cache=copied, use_cache=True, logits_to_keep=1)
+    assert torch.equal(pre.logits, out.logits[0, -1])
+    assert any(isinstance(layer, BufferLayer) for layer in pre.cache.layers)
+    assert not any(isinstance(layer, BufferLayer) and layer.viewing for layer in pre.cache.layers)
+    before = pre.cache.layers[0].keys.clone()
+    for a in arrays:
+        a[:] = 0
+    assert torch.equal(pre.cache.layers[0].keys, before)
 
 
 def test_layout_refuses_bad_chunks() -> None:

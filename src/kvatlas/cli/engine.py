@@ -70,9 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-cache", action="store_true", help="run without a cache server (always prefill)"
     )
     ap.add_argument(
-        "--no-verify-checksums",
-        action="store_true",
-        help="load cached chunks without checking their checksums",
+        "--verify-checksums",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="hash cached chunks again before loading them (the server already verified"
+        " bytes from peers and from disk; default: off)",
     )
     ap.add_argument(
         "--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="tokens per chunk (= server's)"
@@ -102,7 +104,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             port=args.cache_port,
             timeout_s=args.cache_timeout,
             reconnect_interval_s=args.cache_reconnect_interval,
-            verify_checksums=not args.no_verify_checksums,
+            verify_checksums=args.verify_checksums,
             auth_token=read_token(args, os.environ) or None,
         )
     config = EngineConfig(

@@ -2,8 +2,10 @@
 
 Owns, for one loaded model: registering its hash contract with the local cache server
 (a contradicting fleet fails loudly, naming the field), turning a prompt into the cached
-prefix the model can load (zero-copy views of the server's L1 slots under read leases,
-checksum-verified), storing the full chunks the engine computed (reserve, copy into the
+prefix the model can load (zero-copy views of the server's L1 slots under read leases;
+the server verified every byte that crossed a trust boundary before it committed it, so
+the connector hashes them again only with ``verify_checksums``: see "Data path trust" in
+docs/architecture.md), storing the full chunks the engine computed (reserve, copy into the
 slots, commit), the engine's recompute-time estimate the server uses to cut P2P short,
 and staying useful while the server is away: every lookup or load failure falls back to
 recomputing the prompt (``kv_load_failure_policy=recompute``), is logged and counted by
@@ -214,7 +216,7 @@ class KVConnector:
         timeout_s: float = 2.0,
         reconnect_interval_s: float = 5.0,
         lease_s: float = 0.0,
-        verify_checksums: bool = True,
+        verify_checksums: bool = False,
         clock: Callable[[], float] = time.perf_counter,
         openai_url: str = "",
     ) -> None:
@@ -351,7 +353,8 @@ class KVConnector:
     # ------------------------------------------------------------------ load
 
     def fetch_prefix(self, prompt_ids: Sequence[int]) -> CachedPrefix:
-        """The prompt's cached leading chunks, verified, under read leases.
+        """The prompt's cached leading chunks under read leases (hashed again here only
+        with ``verify_checksums``).
 
         Never raises for cache trouble: a failure yields an empty (or shorter) prefix
         whose ``stats.fallback`` names the cause. Use as a context manager so the leases

@@ -48,9 +48,12 @@ class CacheLinkConfig:
     """Read/write lease seconds asked of the server; 0: the server's default."""
     auth_token: str | None = field(default=None, repr=False)
     """The cache server's shared token (``--auth-token`` or ``KVATLAS_AUTH_TOKEN``)."""
-    verify_checksums: bool = True
-    """Verify every chunk read from the region against its checksum before loading it
-    (``--no-verify-checksums`` turns it off); a mismatch drops that chunk and the rest."""
+    verify_checksums: bool = False
+    """Hash every chunk read from the region again and compare with its checksum before
+    loading it (``--verify-checksums``); a mismatch drops that chunk and the rest. Off by
+    default: the cache server verified the bytes where they crossed a trust boundary
+    (landing from a peer, read back from L2), and the engine and its server share one
+    trust domain (see "Data path trust" in docs/architecture.md)."""
 
     @property
     def url(self) -> str:

@@ -42,6 +42,7 @@ from kvatlas.engine.kv_layout import (
     KVLayoutError,
     build_cache,
     extract_chunks,
+    settle_cache,
 )
 from kvatlas.engine.model import LoadedModel
 
@@ -91,9 +92,10 @@ class Prefill:
     n_new_chunks: int
     """Full chunks computed here, beyond the cached prefix."""
     build_s: float
-    """Seconds spent building the cache from the chunks."""
+    """Seconds spent building the cache from the chunks (views over them: the one copy
+    of the prefix happens in the forward, as the first attention update concatenates)."""
     prefill_s: float
-    """Seconds of the forward pass over the uncached tokens."""
+    """Seconds of the forward pass over the uncached tokens (with that copy)."""
     fallback: str | None
     """Why the given chunks were not used (None: used, or none given)."""
 
@@ -135,7 +137,9 @@ def prefill(
 ) -> Prefill:
     """Load the cached prefix and prefill the rest of ``prompt_ids`` (see the module rules).
 
-    ``cached_chunks`` are the prompt's leading full chunks; extra ones are ignored.
+    ``cached_chunks`` are the prompt's leading full chunks; extra ones are ignored. They
+    must stay valid until this returns (leased L1 slots are read where they lie, copied
+    once into the model's cache during the forward); the returned cache aliases none.
     """
     n = len(prompt_ids)
     if n == 0:
@@ -151,7 +155,11 @@ def prefill(
     cache: DynamicCache | None = None
     if cached > 0:
         try:
-            cache = build_cache(chunks, model.kv_spec, chunk_size, n_tokens=cached, config=config)
+            # The layers view the chunks (the caller's leased L1 slots) and copy them
+            # once, in the forward below: the caller holds the leases until we return.
+            cache = build_cache(
+                chunks, model.kv_spec, chunk_size, n_tokens=cached, config=config, over_buffers=True
+            )
         except KVLayoutError as exc:
             fallback = f"cached chunks unusable, recomputed the prompt: {exc}"
     if cache is None:
@@ -159,6 +167,7 @@ def prefill(
     t1 = time.perf_counter()
     ids = torch.tensor([list(prompt_ids[cached:])], dtype=torch.long)
     out = model.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    settle_cache(cache)  # a layer the forward did not update must not outlive the leases
     t2 = time.perf_counter()
     return Prefill(
         cache=cache,

@@ -15,8 +15,12 @@ computed at (prefix reuse). The layout together with the hash contract's (layers
 head dim, dtype) is what two engines must share to use each other's bytes.
 
 ``extract_chunks`` packs tokens of a transformers ``DynamicCache`` into that layout;
-``build_cache`` builds a ``DynamicCache`` from such buffers. Must not: hash, talk to a
-server, or run the model; it only moves bytes.
+``build_cache`` builds a ``DynamicCache`` from such buffers: by default one copy per layer
+that never aliases them, or (``over_buffers=True``) layers that view the buffers where
+they lie, e.g. leased chunks in the cache server's L1 mapping, and copy them exactly once,
+at their first ``update`` (the prefill of the rest of the prompt concatenates there
+anyway); ``settle_cache`` copies any layer not updated yet, after which nothing aliases
+the buffers. Must not: hash, talk to a server, or run the model; it only moves bytes.
 
 Exceptions::
 
@@ -178,7 +182,7 @@ def _chunk_view(buf: ChunkBuffer, spec: KVSpec, chunk_size: int, index: int) -> 
         )
     # torch warns about read-only buffers (bytes, a read-only region mapping) because a
     # write through the tensor would be undefined; the views are only ever read, by the
-    # torch.cat in build_cache, so the warning does not apply here.
+    # torch.cat of build_cache or of a BufferLayer, so the warning does not apply here.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         tensor = torch.frombuffer(flat, dtype=torch_dtype(spec.dtype))
@@ -192,13 +196,18 @@ def build_cache(
     *,
     n_tokens: int | None = None,
     config: PretrainedConfig | None = None,
+    over_buffers: bool = False,
 ) -> DynamicCache:
     """A DynamicCache holding the first ``n_tokens`` tokens of ``chunks`` (default: all).
 
-    The buffers are viewed without a copy and concatenated once per layer along the
-    sequence; the cache never aliases them, so they may be reused when this returns.
-    ``config`` (the model's) lets transformers pick its layer types. Raises KVLayoutError
-    for a buffer of the wrong size or shape before anything is built.
+    The buffers are viewed without a copy. By default each layer is concatenated once
+    along the sequence and the cache never aliases the buffers, so they may be reused
+    when this returns. With ``over_buffers`` the layers keep the views and copy at their
+    first ``update`` (the next prefill's concatenation): the buffers must stay valid and
+    unchanged until then or until ``settle_cache``. ``config`` (the model's) lets
+    transformers pick its layer types; a layer of another type than ``DynamicLayer``
+    is always copied here. Raises KVLayoutError for a buffer of the wrong size or shape
+    before anything is built.
     """
     total = len(chunks) * chunk_size
     n = total if n_tokens is None else n_tokens
@@ -209,28 +218,110 @@ def build_cache(
     tail = n - (len(views) - 1) * chunk_size
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
     for layer in range(spec.layers):
-        kv: list[torch.Tensor] = []
+        kv: list[list[torch.Tensor]] = []
         for which in (0, 1):
-            parts = [v[layer, which] for v in views]
-            parts[-1] = parts[-1][:, :tail]
-            kv.append(torch.cat(parts, dim=1).unsqueeze(0))
-        _fill_layer(cache, layer, kv[0], kv[1])
+            parts = [v[layer, which].unsqueeze(0) for v in views]
+            parts[-1] = parts[-1][:, :, :tail]
+            kv.append(parts)
+        _fill_layer(cache, layer, kv[0], kv[1], over_buffers)
     if cache.get_seq_length() != n:
         raise KVLayoutError(f"built a cache of {cache.get_seq_length()} tokens, expected {n}")
     return cache
 
 
-def _fill_layer(cache: DynamicCache, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Put ``keys``/``values`` into an empty cache layer without another copy.
+def settle_cache(cache: DynamicCache) -> None:
+    """Copy every layer that still views its buffers (``build_cache(over_buffers=True)``
+    not updated since): afterwards the cache aliases no buffer."""
+    for layer in cache.layers:
+        if isinstance(layer, BufferLayer):
+            layer.settle()
+
+
+class BufferLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers is untyped
+    """A ``DynamicLayer`` whose prefix is a list of views over chunk buffers until its
+    first ``update`` (or ``settle``) concatenates them, with the new states, into the one
+    tensor transformers expects: the prefix is copied once, where a plain layer built by
+    copying would be copied twice (once to build, once more by the update's concat)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._parts: tuple[list[torch.Tensor], list[torch.Tensor]] | None = (keys, values)
+        self._pending = sum(int(k.shape[-2]) for k in keys)
+        self.device = keys[0].device
+        # Placeholders until the first update: 0-token tensors of the right kind.
+        self.keys = keys[0][:, :, :0]
+        self.values = values[0][:, :, :0]
+        self.is_initialized = True
+
+    @property
+    def viewing(self) -> bool:
+        """True while the prefix is still the views over the buffers."""
+        return self._parts is not None
+
+    def settle(self) -> None:
+        """Concatenate the viewed prefix into tensors of this layer's own."""
+        if self._parts is not None:
+            keys, values = self._parts
+            self.keys, self.values = torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
+            self._parts = None
+            self._pending = 0
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._parts is None:
+            return super().update(key_states, value_states, *args, **kwargs)
+        keys, values = self._parts
+        self.keys = torch.cat([*keys, key_states], dim=-2)
+        self.values = torch.cat([*values, value_states], dim=-2)
+        self._parts = None
+        self._pending = 0
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        if self._parts is not None:
+            return self._pending
+        return super().get_seq_length()
+
+    def reset(self) -> None:
+        self._parts = None
+        self._pending = 0
+        super().reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.settle()
+        super().crop(tokens_to_remove)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.settle()
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.settle()
+        super().batch_select_indices(indices)
+
+
+def _fill_layer(
+    cache: DynamicCache,
+    layer: int,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    over_buffers: bool,
+) -> None:
+    """Put the parts of ``keys``/``values`` into an empty cache layer.
 
     ``DynamicLayer.update`` concatenates onto an empty tensor, which copies the whole
     prefix a second time (~3x the cost of building it here). An update with zero tokens
-    lets transformers initialise the layer, then a plain DynamicLayer takes the tensors as
-    they are; any other layer type gets the ordinary, copying update.
+    lets transformers initialise the layer; a plain DynamicLayer then takes one
+    concatenated tensor as it is, or is replaced by a ``BufferLayer`` over the parts;
+    any other layer type gets the ordinary, copying update.
     """
-    cache.update(keys[:, :, :0], values[:, :, :0], layer)
+    cache.update(keys[0][:, :, :0], values[0][:, :, :0], layer)
     target = cache.layers[layer]
     if type(target) is DynamicLayer and target.get_seq_length() == 0:
-        target.keys, target.values = keys, values
-    else:
-        cache.update(keys, values, layer)
+        if over_buffers:
+            cache.layers[layer] = BufferLayer(keys, values)
+        else:
+            target.keys, target.values = torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
+        return
+    cache.update(torch.cat(keys, dim=-2), torch.cat(values, dim=-2), layer)
