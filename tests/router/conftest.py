@@ -49,7 +49,7 @@ class Fleet:
         """A started router in front of this fleet (stopped with the fleet)."""
         fields: dict[str, object] = {
             "port": 0,
-            "coordinator_url": self.coordinator.url,
+            "coordinator_urls": (self.coordinator.url,),
             "refresh_interval_s": 0.2,
             "health_interval_s": 0.2,
             "lookup_timeout_s": 2.0,

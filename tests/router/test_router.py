@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvatlas.cli.router import main
+from kvatlas.cli.router import build_parser, config_from_args, main
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import StaticEngine
 from kvatlas.router.service import ROUTE_HEADER
@@ -197,6 +197,21 @@ def test_a_server_advertises_its_engine_url_flag(fleet: Fleet, tmp_path: Any) ->
         node.stop()
 
 
+def test_a_dead_first_coordinator_replica_is_failed_over(fleet: Fleet) -> None:
+    """Listings and lookups go to the replica that answers; routing by the directory
+    goes on as with one URL."""
+    urls = sorted(e.advertised_url for e in fleet.engines)
+    dead = f"http://127.0.0.1:{free_port()}"
+    router = fleet.router(policy="kv", coordinator_urls=(dead, fleet.coordinator.url))
+    wait_until(lambda: sorted(available(router)), lambda v: v == urls, what="both engines")
+    assert router.status().coordinator_url == fleet.coordinator.url
+    wait_until(
+        lambda: route(post(router, chat(DOC)))["reason"],
+        lambda reason: reason == "kv: prefix",
+        what="a route by the prefix the second replica knows",
+    )
+
+
 def test_a_coordinator_outage_routes_by_load(fleet: Fleet) -> None:
     """Last in this module: it stops the fleet's coordinator."""
     router = fleet.router(policy="kv-p2p", lookup_timeout_s=0.5)
@@ -217,6 +232,14 @@ def test_cli_refuses_bad_flags_naming_them(capsys: pytest.CaptureFixture[str]) -
     assert "--coordinator-url" in capsys.readouterr().err
     assert main(["--coordinator-url", "http://127.0.0.1:1", "--weight-load", "-1"]) == 2
     assert "--weight-load" in capsys.readouterr().err
+    assert main(["--coordinator-url", "http://127.0.0.1:1,http://127.0.0.1:1/"]) == 2
+    assert "--coordinator-url names http://127.0.0.1:1 more than once" in capsys.readouterr().err
+
+
+def test_coordinator_urls_repeat_or_separate_by_commas() -> None:
+    a, b, c = (f"http://10.0.0.{i}:9300" for i in (1, 2, 3))
+    args = build_parser().parse_args(["--coordinator-url", f"{a},{b}", "--coordinator-url", c])
+    assert config_from_args(args).coordinator_urls == (a, b, c)
 
 
 def test_no_engine_is_a_503_with_a_reason(start_router: StartRouter) -> None:

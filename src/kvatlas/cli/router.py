@@ -15,6 +15,7 @@ import os
 import sys
 
 from kvatlas.cli.auth_flags import add_token_flags, read_token
+from kvatlas.cli.coordinator_flags import add_coordinator_url_flag, coordinator_urls
 from kvatlas.core.errors import ConfigError, KvatlasError
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import RouterConfig, parse_engine
@@ -31,11 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--host", default=d.host, help="HTTP interface to bind")
     ap.add_argument("--port", type=int, default=d.port, help="HTTP port (OpenAI API)")
-    ap.add_argument(
-        "--coordinator-url",
-        default=None,
-        help="the coordinator: engines advertised by its cache servers (their --engine-url),"
-        " and one prefix lookup per request",
+    add_coordinator_url_flag(
+        ap,
+        "engines advertised by its cache servers (their --engine-url), and one prefix"
+        " lookup per request",
     )
     ap.add_argument(
         "--engine",
@@ -114,7 +114,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     config = RouterConfig(
         host=args.host,
         port=args.port,
-        coordinator_url=args.coordinator_url or None,
+        coordinator_urls=coordinator_urls(args.coordinator_url),
         engines=tuple(parse_engine(s) for s in args.engine),
         policy=args.policy,
         weights=Weights(

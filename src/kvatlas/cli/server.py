@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from kvatlas.cli.auth_flags import add_token_flags, read_token
+from kvatlas.cli.coordinator_flags import add_coordinator_url_flag, coordinator_urls
 from kvatlas.core.errors import ConfigError, KvatlasError
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
 from kvatlas.core.types import InstanceId
@@ -69,14 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         " lookups at once (beyond them a lookup answers its local prefix)",
     )
     ap.add_argument("--state-dir", default=None, help="incarnation counter dir")
-    ap.add_argument(
-        "--coordinator-url",
-        action="append",
-        default=None,
-        help="coordinator base URL; several replicas: repeat the flag or separate the URLs"
-        " by commas, in order of preference (the server sticks to the one that answers and"
-        " fails over to the next when it does not)",
-    )
+    add_coordinator_url_flag(ap, "where this server registers, sends events and finds peers")
     ap.add_argument("--coordinator-advertise-ip", default="127.0.0.1", help="IP to advertise")
     ap.add_argument("--coordinator-heartbeat-interval", type=float, default=5.0)
     ap.add_argument(
@@ -172,11 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def split_urls(values: list[str] | None) -> tuple[str, ...]:
-    """The URLs of a repeatable, comma-separated flag, in order; blanks are dropped."""
-    return tuple(u.strip() for v in values or () for u in v.split(",") if u.strip())
-
-
 def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerConfig:
     """Flags + environment -> ServerConfig (validated; ConfigError names the flags)."""
     if args.l2_size_gb is not None and args.l2_path is None:
@@ -203,7 +192,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
             size_bytes=int((args.l2_size_gb or 0) * GIB),
         ),
         coordinator=CoordinatorLink(
-            urls=split_urls(args.coordinator_url),
+            urls=coordinator_urls(args.coordinator_url),
             advertise_ip=args.coordinator_advertise_ip,
             heartbeat_interval_s=args.coordinator_heartbeat_interval,
             request_timeout_s=args.coordinator_timeout,

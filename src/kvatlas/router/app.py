@@ -60,6 +60,7 @@ class RouterStatus(msgspec.Struct, frozen=True):
 
     policy: str
     coordinator_url: str | None
+    """The coordinator replica in use; None without a coordinator."""
     routed: int
     failed: int
     engines: list[EngineView]
@@ -75,11 +76,12 @@ class RouterApp:
         self.port: int = self._sock.getsockname()[1]
         self.coordinator = (
             CoordinatorClient(
-                config.coordinator_url,
+                config.coordinator_urls,
                 auth_token=config.auth_token,
                 timeout_s=max(1.0, config.lookup_timeout_s),
+                name="router",
             )
-            if config.coordinator_url
+            if config.coordinator_urls
             else None
         )
         self.service = RouterService(config, self.coordinator)
@@ -156,7 +158,11 @@ class RouterApp:
             for e in sorted(svc.table.engines.values(), key=lambda e: e.url)
         ]
         return RouterStatus(
-            self.config.policy, self.config.coordinator_url, svc.routed, svc.failed, engines
+            self.config.policy,
+            self.coordinator.url if self.coordinator else None,
+            svc.routed,
+            svc.failed,
+            engines,
         )
 
     def start(self, timeout_s: float = 30.0) -> None:
@@ -177,7 +183,7 @@ class RouterApp:
             "router serving at %s (policy %s, coordinator %s, %d engines known)",
             self.url,
             self.config.policy,
-            self.config.coordinator_url or "none",
+            ", ".join(self.config.coordinator_urls) or "none",
             len(self.service.table.engines),
         )
 

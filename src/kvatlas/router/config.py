@@ -30,9 +30,10 @@ class RouterConfig:
     """Interface of the router's HTTP server (``--host``)."""
     port: int = 8080
     """Port of the router's HTTP server (``--port``)."""
-    coordinator_url: str | None = None
-    """The coordinator (``--coordinator-url``): discovery and prefix lookups; None: only
-    ``--engine`` engines, routed by load."""
+    coordinator_urls: tuple[str, ...] = ()
+    """The coordinator's replicas, in order of preference (``--coordinator-url``, repeated
+    or comma-separated): discovery and prefix lookups; empty: only ``--engine`` engines,
+    routed by load."""
     engines: tuple[StaticEngine, ...] = ()
     """Engines given on the command line (``--engine URL=CACHE_INSTANCE_ID``)."""
     policy: Policy = "kv-p2p"
@@ -75,10 +76,14 @@ class RouterConfig:
             raise ConfigError("--host must not be empty")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be a TCP port in [0, 65535], got {self.port}")
-        if self.coordinator_url is None and not self.engines:
+        if not self.coordinator_urls and not self.engines:
             raise ConfigError("give --coordinator-url, --engine URL=CACHE_INSTANCE_ID, or both")
-        if self.coordinator_url is not None:
-            _check_url(self.coordinator_url, "--coordinator-url")
+        for url in self.coordinator_urls:
+            _check_url(url, "--coordinator-url")
+        bases = [u.rstrip("/") for u in self.coordinator_urls]
+        doubles = sorted({u for u in bases if bases.count(u) > 1})
+        if doubles:
+            raise ConfigError(f"--coordinator-url names {', '.join(doubles)} more than once")
         for e in self.engines:
             _check_url(e.url, "--engine")
             if not e.instance_id:
