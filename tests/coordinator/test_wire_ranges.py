@@ -19,6 +19,8 @@ from support.wait import wait_until
 from .events import batch, fake_hash, register_body
 
 MAX_INT64 = 2**63 - 1  # kvatlas.core.types.MAX_INT64, spelled out: the contract
+UNBOUNDED = {"max_seq_jump": 2**64, "max_incarnation_ahead_s": 1e12}
+"""Cursor bounds wide enough for any int64 (the default bounds refuse such jumps)."""
 KEY = {"chunk_hash_hex": "ab" * 32, "model_name": "m", "kv_rank": 0}
 
 
@@ -92,7 +94,7 @@ def test_out_of_range_registration_ints_are_a_400(
 def test_the_largest_int64_still_applies_and_snapshots(
     start_coordinator: Callable[..., RunningCoordinator], tmp_path: Path
 ) -> None:
-    rc = start_coordinator(snapshot_path=str(tmp_path / "fleet.snap"))
+    rc = start_coordinator(snapshot_path=str(tmp_path / "fleet.snap"), **UNBOUNDED)
     body = msgspec.json.encode({"batches": [_batch(seq=MAX_INT64, incarnation=MAX_INT64)]})
     r = rc.client.post("/events", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 200 and r.json()["applied"] == 1, r.text
@@ -131,7 +133,9 @@ def test_state_no_encoder_holds_fails_the_snapshot_not_the_writer(
 ) -> None:
     """Whatever got into the state (here past the wire checks, in process), a snapshot
     that cannot encode it is a counted failure and the thread lives on."""
-    rc = start_coordinator(snapshot_path=str(tmp_path / "fleet.snap"), snapshot_interval=0.1)
+    rc = start_coordinator(
+        snapshot_path=str(tmp_path / "fleet.snap"), snapshot_interval=0.1, **UNBOUNDED
+    )
     rc.coordinator.service.ingest([batch("node-x", 2**64, [fake_hash(1)])], time.time())
     wait_until(
         lambda: _failures(rc), lambda n: n >= 2,

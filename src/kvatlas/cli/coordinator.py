@@ -89,7 +89,31 @@ def build_parser() -> argparse.ArgumentParser:
         default=_D.snapshot_interval,
         help="seconds between snapshots, 0 = only at shutdown (default %(default)s)",
     )
-    add_token_flags(p, "the shared bearer token (no token: no auth)")
+    add_token_flags(
+        p,
+        "the shared bearer token, which admits a client (no token: no auth); speaking for"
+        " an instance that registered with a credential also needs that instance's secret",
+    )
+    a(
+        "--require-instance-credentials",
+        action="store_true",
+        help="refuse instances that register without asking for a secret (LMCache's servers"
+        " do not ask; without this flag they are accepted unbound)",
+    )
+    a(
+        "--max-seq-jump",
+        type=int,
+        default=_D.max_seq_jump,
+        help="most seqs one event batch may move an instance's cursor forward; further is"
+        " refused (default %(default)s)",
+    )
+    a(
+        "--max-incarnation-ahead-s",
+        type=float,
+        default=_D.max_incarnation_ahead_s,
+        help="seconds an incarnation may be ahead of this coordinator's clock; further is"
+        " refused (default %(default)s)",
+    )
     a(
         "--max-body-bytes",
         type=int,
@@ -151,6 +175,9 @@ def config_from_args(argv: list[str] | None, environ: dict[str, str]) -> Coordin
         snapshot_path=ns.snapshot_path,
         snapshot_interval=ns.snapshot_interval,
         auth_token=token,
+        require_instance_credentials=ns.require_instance_credentials,
+        max_seq_jump=ns.max_seq_jump,
+        max_incarnation_ahead_s=ns.max_incarnation_ahead_s,
         max_body_bytes=ns.max_body_bytes,
         max_batch_entries=ns.max_batch_entries,
         max_lookup_tokens=ns.max_lookup_tokens,

@@ -68,7 +68,7 @@ class Coordinator:
             positions: dict[str, int] = {}
         else:
             fleet, positions = restored
-        self.service = CoordinatorService(fleet, self.metrics)
+        self.service = CoordinatorService(fleet, self.metrics, config.bounds())
         self.service.positions.update(positions)
         self.metrics.attach_state(lambda: self.service.sample(clock()))
         self._parts: list[_Part] = []

@@ -10,6 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from kvatlas.core.credentials import (
+    DEFAULT_MAX_INCARNATION_AHEAD_S,
+    DEFAULT_MAX_SEQ_JUMP,
+    Bounds,
+)
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.fleet import DEFAULT_L2_RETENTION
 from kvatlas.wire.kafka_records import DEFAULT_PARTITIONER, DEFAULT_TOPIC
@@ -66,6 +71,17 @@ class CoordinatorConfig:
     auth_token: str = ""
     """Shared token; when set every endpoint but /healthz needs `Authorization: Bearer
     <token>` (`--auth-token` or `KVATLAS_AUTH_TOKEN`)."""
+    require_instance_credentials: bool = False
+    """Refuse registrations that do not ask for an instance secret, and events,
+    heartbeats and deregistrations without one (`--require-instance-credentials`).
+    Off: instances that registered without one (LMCache's servers) are unbound and
+    accepted as before; a bound instance always needs its own secret."""
+    max_seq_jump: int = DEFAULT_MAX_SEQ_JUMP
+    """Most seqs one event batch may move an instance's cursor forward
+    (`--max-seq-jump`); further: 400, nothing of the body applied."""
+    max_incarnation_ahead_s: float = DEFAULT_MAX_INCARNATION_AHEAD_S
+    """Seconds an incarnation (a process start time) may be ahead of this coordinator's
+    clock (`--max-incarnation-ahead-s`); further: 400."""
     max_body_bytes: int = 64 * 1024 * 1024
     """Largest request body accepted (`--max-body-bytes`); larger: 413."""
     max_batch_entries: int = 65536
@@ -138,5 +154,19 @@ class CoordinatorConfig:
                 f"--max-connections must be >= 0 (0: from the open-file limit),"
                 f" got {self.max_connections}"
             )
+        if self.max_seq_jump <= 0:
+            raise ConfigError(f"--max-seq-jump must be > 0, got {self.max_seq_jump}")
+        if not self.max_incarnation_ahead_s >= 0:
+            raise ConfigError(
+                f"--max-incarnation-ahead-s must be >= 0 s, got {self.max_incarnation_ahead_s}"
+            )
         if self.auth_token and (self.auth_token != self.auth_token.strip()):
             raise ConfigError("--auth-token must not start or end with whitespace")
+
+    def bounds(self) -> Bounds:
+        """What every request about an instance is held to (`core.credentials`)."""
+        return Bounds(
+            max_seq_jump=self.max_seq_jump,
+            max_incarnation_ahead_s=self.max_incarnation_ahead_s,
+            require_credentials=self.require_instance_credentials,
+        )

@@ -26,15 +26,19 @@ class Unavailable(KvatlasError):
 class MembershipFrontend(Protocol):
     """Membership changes as the HTTP API asks for them; each answers synchronously."""
 
-    async def register(self, info: InstanceInfo) -> RegisterOutcome:
-        """Raises InvalidInput (ContractMismatch, StaleIncarnation) when refused."""
+    async def register(self, info: InstanceInfo, proof: bytes) -> RegisterOutcome:
+        """Raises InvalidInput (ContractMismatch, StaleIncarnation; Unauthenticated or
+        CredentialRefused when ``proof`` is not a live bound instance's own) when refused."""
         ...
 
-    async def heartbeat(self, instance_id: InstanceId) -> bool:
-        """False: unknown instance, which must re-register."""
+    async def heartbeat(self, instance_id: InstanceId, proof: bytes) -> bool:
+        """False: unknown instance, which must re-register; raises like `register` when
+        ``proof`` may not speak for it."""
         ...
 
-    async def deregister(self, instance_id: InstanceId) -> None: ...
+    async def deregister(self, instance_id: InstanceId, proof: bytes) -> None:
+        """Raises like `heartbeat`."""
+        ...
 
     def sweep(self) -> None:
         """Expire silent instances (called every health-check interval, off the loop)."""
@@ -48,14 +52,14 @@ class LocalMembership:
         self._service = service
         self._clock = clock
 
-    async def register(self, info: InstanceInfo) -> RegisterOutcome:
-        return self._service.register(info, self._clock())
+    async def register(self, info: InstanceInfo, proof: bytes) -> RegisterOutcome:
+        return self._service.register(info, self._clock(), proof=proof)
 
-    async def heartbeat(self, instance_id: InstanceId) -> bool:
-        return self._service.heartbeat(instance_id, self._clock())
+    async def heartbeat(self, instance_id: InstanceId, proof: bytes) -> bool:
+        return self._service.heartbeat(instance_id, self._clock(), proof=proof)
 
-    async def deregister(self, instance_id: InstanceId) -> None:
-        self._service.deregister(instance_id, self._clock())
+    async def deregister(self, instance_id: InstanceId, proof: bytes) -> None:
+        self._service.deregister(instance_id, self._clock(), proof=proof)
 
     def sweep(self) -> None:
         self._service.expire(self._clock())

@@ -32,7 +32,15 @@ from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.openapi import openapi_document
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.coordinator.views import holders_wire, keys_response, lookup_json
-from kvatlas.core.errors import ContractMismatch, InvalidInput, StaleIncarnation, TooLarge
+from kvatlas.core.credentials import DIGEST_BYTES, credential_digest
+from kvatlas.core.errors import (
+    ContractMismatch,
+    CredentialRefused,
+    InvalidInput,
+    StaleIncarnation,
+    TooLarge,
+    Unauthenticated,
+)
 from kvatlas.core.keys import Namespace, default_kv_rank
 from kvatlas.core.membership import InstanceInfo, check_registration
 from kvatlas.core.types import MAX_INT64, Incarnation, InstanceId, Tier
@@ -40,6 +48,7 @@ from kvatlas.runtime.gc_pauses import GcPauses
 from kvatlas.runtime.http_server import HttpRequest, HttpResponse, HttpServer, Router, always
 from kvatlas.wire.coordinator_views import ReadyResponse
 from kvatlas.wire.http_api import (
+    INSTANCE_SECRET_HEADER,
     TOO_DEEP,
     BlendLookupRequest,
     BlendLookupResponse,
@@ -105,6 +114,10 @@ def translate_error(exc: Exception) -> HttpResponse | None:
         return _error(409, str(exc))
     if isinstance(exc, TooLarge):
         return _error(413, str(exc))
+    if isinstance(exc, Unauthenticated):
+        return _error(401, f"{exc} (header {INSTANCE_SECRET_HEADER})")
+    if isinstance(exc, CredentialRefused):
+        return _error(403, str(exc))
     if isinstance(exc, InvalidInput):
         return _error(400, str(exc))
     if isinstance(exc, msgspec.ValidationError):
@@ -194,17 +207,20 @@ class CoordinatorApp:
             incarnation_from_events=req.incarnation is None,
         )
         check_registration(info)  # before it travels (Kafka) or is held anywhere
-        outcome = await self._members.register(info)
+        if req.credential_digest:
+            info = msgspec.structs.replace(info, credential_digest=_digest(req.credential_digest))
+        outcome = await self._members.register(info, _proof(request))
         return _json(RegisterResponse(iid, outcome.re_registered, outcome.incarnation))
 
     async def heartbeat(self, request: HttpRequest) -> HttpResponse:
         iid = InstanceId(request.path_params["instance_id"])
-        if not await self._members.heartbeat(iid):
+        if not await self._members.heartbeat(iid, _proof(request)):
             raise HttpError(404, f"unknown instance {iid}; re-register")
         return _json(HeartbeatResponse(iid))
 
     async def deregister(self, request: HttpRequest) -> HttpResponse:
-        await self._members.deregister(InstanceId(request.path_params["instance_id"]))
+        iid = InstanceId(request.path_params["instance_id"])
+        await self._members.deregister(iid, _proof(request))
         return HttpResponse(204)
 
     def list_instances(self, request: HttpRequest) -> HttpResponse:
@@ -233,7 +249,7 @@ class CoordinatorApp:
         except InvalidInput:  # TooLarge included: answered 413
             self._metrics.ingest_batches.labels("invalid", "http").inc()
             raise
-        return _json(self._svc.ingest(batches, self._clock()))
+        return _json(self._svc.ingest(batches, self._clock(), proof=_proof(request)))
 
     # ---- lookups ---------------------------------------------------------------------
 
@@ -410,6 +426,22 @@ class CoordinatorApp:
 
 
 _get_hex = attrgetter("chunk_hash_hex")
+
+
+def _digest(text: str) -> bytes:
+    try:
+        digest = bytes.fromhex(text)
+    except ValueError as exc:
+        raise HttpError(400, "credential_digest must be hex") from exc
+    if len(digest) != DIGEST_BYTES:
+        raise HttpError(400, f"credential_digest must be {DIGEST_BYTES} bytes (SHA-256)")
+    return digest
+
+
+def _proof(request: HttpRequest) -> bytes:
+    """The digest of the instance secret the request presents; b"" for none."""
+    secret = request.headers.get(INSTANCE_SECRET_HEADER)
+    return credential_digest(secret) if secret else b""
 
 
 def _b64_tokens(raw: bytes) -> bytes:

@@ -7,7 +7,10 @@ changed under the same lock as the state it led to, so a restart resumes exactly
 and the event gate absorbs any overlap. Event batches go to the service's ingest,
 membership records to the membership frontend; a record that decodes as neither, or
 whose batch of a known type is malformed, is counted and skipped (batches of unknown
-event types in a good record are skipped by the service and still move the gate).
+event types in a good record are skipped by the service and still move the gate). So is
+a batch that its instance's credential (the proof in the ``PROOF_HEADER`` record header)
+or the cursor bounds refuse: the log cannot refuse it, so it is skipped, counted as
+``refused`` and logged.
 Readiness: not ready until every partition has reached the high watermark seen at start
 (catch-up).
 
@@ -27,8 +30,8 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.service import CoordinatorService, Position
-from kvatlas.core.errors import InvalidInput
-from kvatlas.wire.kafka_records import MembershipRecord, decode_record
+from kvatlas.core.errors import CredentialRefused, InvalidInput, OutOfBounds, Unauthenticated
+from kvatlas.wire.kafka_records import MembershipRecord, decode_proof, decode_record
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +165,14 @@ class KafkaIngest:
                     continue
                 partition, offset = msg.partition(), msg.offset()
                 assert partition is not None and offset is not None
-                self._handle(partition, offset, msg.value(), msg.timestamp())
+                headers = msg.headers()
+                self._handle(
+                    partition,
+                    offset,
+                    msg.value(),
+                    msg.timestamp(),
+                    headers if isinstance(headers, list) else None,
+                )
             # Caught up: every partition reached the high watermark seen at start, and a
             # fetch came back empty (tansu reports the base offset of a partition's last
             # record batch + 1 as its high watermark, so the watermark alone is early).
@@ -190,7 +200,12 @@ class KafkaIngest:
             self._metrics.kafka_lag.labels(str(p)).set(max(0, high - at))
 
     def _handle(
-        self, partition: int, offset: int, value: bytes | None, timestamp: tuple[int, int]
+        self,
+        partition: int,
+        offset: int,
+        value: bytes | None,
+        timestamp: tuple[int, int],
+        headers: list[tuple[str, str | bytes | None]] | None = None,
     ) -> None:
         position = (position_key(self._topic, partition), offset + 1)
         ts_type, ts_ms = timestamp
@@ -202,11 +217,15 @@ class KafkaIngest:
                 raise InvalidInput("empty record")
             record = decode_record(value, self._cfg.max_batch_entries)
             if isinstance(record, list):
-                self._svc.ingest(record, now, transport="kafka", position=position)
+                proof = decode_proof(headers)
+                self._svc.ingest(record, now, transport="kafka", position=position, proof=proof)
                 self._metrics.kafka_records.labels("batch").inc()
             else:
                 self._on_membership(record, position)
                 self._metrics.kafka_records.labels("membership").inc()
+        except (Unauthenticated, CredentialRefused, OutOfBounds):
+            # Logged and counted by the service, which also moved the position past it.
+            self._metrics.kafka_records.labels("refused").inc()
         except InvalidInput as exc:
             self._metrics.kafka_records.labels("undecodable").inc()
             log.warning(

@@ -11,6 +11,10 @@ applies membership only from the log, with the time carried in the record.
   the record, and answer with what the log apply decided (409 for a contract mismatch
   or a stale incarnation, exactly as every replica decided). The HTTP call stays
   synchronous and read-your-writes on this replica.
+- Credentials: a registration's record carries the digest of the instance's secret
+  (`InstanceInfo.credential_digest`), so every replica knows it and a server can fail
+  over to any of them; registrations and deregistrations carry the proof their request
+  presented and are checked where they apply, heartbeats where they arrive.
 - Heartbeat: answered from this replica's state (404 if unknown; 503 while it is not
   caught up on the log, when "unknown" may only mean "not read yet"); when known, a
   heartbeat record is published and not waited for. Event batches do not count as
@@ -149,15 +153,15 @@ class LogMembership:
 
     # ---- MembershipFrontend ----------------------------------------------------------
 
-    async def register(self, info: InstanceInfo) -> RegisterOutcome:
+    async def register(self, info: InstanceInfo, proof: bytes) -> RegisterOutcome:
         rid = uuid.uuid4().hex
         result = await self._publish_and_wait(
-            info.instance_id, RegisterRecord(rid, self._clock(), info), rid
+            info.instance_id, RegisterRecord(rid, self._clock(), info, proof), rid
         )
         assert isinstance(result, RegisterOutcome)
         return result
 
-    async def heartbeat(self, instance_id: InstanceId) -> bool:
+    async def heartbeat(self, instance_id: InstanceId, proof: bytes) -> bool:
         if not self._svc.ready:
             # Not caught up on the log, this replica may not know an instance that
             # registered elsewhere: a 404 would make it re-register and resync for
@@ -166,15 +170,16 @@ class LogMembership:
                 f"not caught up on Kafka topic {self._topic} yet"
                 f" ({self._svc.not_ready_reason}); heartbeat another replica or retry"
             )
-        if not self._svc.is_live(instance_id):
+        # Checked here, not where the record applies: a heartbeat only extends a life.
+        if not self._svc.check_heartbeat(instance_id, proof):
             return False
         self._publish(instance_id, HeartbeatRecord(instance_id, self._clock()))
         return True
 
-    async def deregister(self, instance_id: InstanceId) -> None:
+    async def deregister(self, instance_id: InstanceId, proof: bytes) -> None:
         rid = uuid.uuid4().hex
         await self._publish_and_wait(
-            instance_id, DeregisterRecord(rid, instance_id, self._clock()), rid
+            instance_id, DeregisterRecord(rid, instance_id, self._clock(), proof), rid
         )
 
     def sweep(self) -> None:
@@ -207,15 +212,19 @@ class LogMembership:
         svc = self._svc
         if isinstance(record, RegisterRecord):
             try:
-                outcome: object = svc.register(record.info, record.at, position)
+                outcome: object = svc.register(record.info, record.at, position, record.proof)
             except InvalidInput as exc:
                 outcome = exc
             self._resolve(record.request_id, outcome)
         elif isinstance(record, HeartbeatRecord):
             svc.heartbeat(record.instance_id, record.at, position)
         elif isinstance(record, DeregisterRecord):
-            svc.deregister(record.instance_id, record.at, position)
-            self._resolve(record.request_id, None)
+            try:
+                svc.deregister(record.instance_id, record.at, position, record.proof)
+                result: object = None
+            except InvalidInput as exc:
+                result = exc
+            self._resolve(record.request_id, result)
         else:
             svc.expire_instance(record.instance_id, record.incarnation, record.last_seen, position)
         # By the record's time, so that every replica drops at the same point of the log.

@@ -247,6 +247,14 @@ class CoordinatorMetrics:
             ["result"],
             registry=r,
         )
+        self.refusals = Counter(
+            "kvatlas_coordinator_instance_refusals",
+            "Requests about an instance refused by its credential or the cursor bounds, by"
+            " request (register, heartbeat, deregister, events) and reason"
+            " (unauthenticated, wrong_credential, out_of_bounds)",
+            ["request", "reason", "transport"],
+            registry=r,
+        )
         self.lookup_seconds = Histogram(
             "kvatlas_coordinator_lookup_seconds",
             "Directory lookup latency inside the coordinator, by kind",
@@ -256,7 +264,7 @@ class CoordinatorMetrics:
         )
         self.kafka_records = Counter(
             "kvatlas_coordinator_kafka_records",
-            "Kafka records consumed, by kind (batch, membership, undecodable)",
+            "Kafka records consumed, by kind (batch, membership, undecodable, refused)",
             ["kind"],
             registry=r,
         )

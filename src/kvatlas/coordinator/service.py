@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from kvatlas.coordinator.metrics import CoordinatorMetrics, StateSample
 from kvatlas.coordinator.views import key_view, stats_response
 from kvatlas.core.blend import BlendMatch
-from kvatlas.core.errors import InvalidInput
+from kvatlas.core.credentials import Bounds
+from kvatlas.core.errors import CredentialRefused, InvalidInput, OutOfBounds, Unauthenticated
 from kvatlas.core.events import EventBatch
 from kvatlas.core.fleet import Fenced, FenceReason, FleetState
 from kvatlas.core.gate import Verdict
@@ -47,6 +48,11 @@ log = logging.getLogger(__name__)
 _SCAN_STEP = 2048
 """Keys checked per lock hold when a filtered key listing walks the directory."""
 
+_REFUSAL_REASON: dict[type[InvalidInput], str] = {
+    Unauthenticated: "unauthenticated",
+    CredentialRefused: "wrong_credential",
+    OutOfBounds: "out_of_bounds",
+}
 _OUTCOME = {Verdict.APPLY: "applied", Verdict.DUPLICATE: "duplicate", Verdict.STALE: "stale"}
 _MAX_UNKNOWN_TYPES = 32
 """Distinct unknown event types that get their own metric label; the rest are "other"
@@ -59,9 +65,14 @@ Position = tuple[str, int]
 class CoordinatorService:
     """Thread-safe front of one `FleetState`."""
 
-    def __init__(self, fleet: FleetState, metrics: CoordinatorMetrics) -> None:
+    def __init__(
+        self, fleet: FleetState, metrics: CoordinatorMetrics, bounds: Bounds | None = None
+    ) -> None:
+        """``bounds``: the credential requirement and cursor bounds every request about an
+        instance is held to (`core.credentials`)."""
         self.fleet = fleet
         self.metrics = metrics
+        self.bounds = bounds if bounds is not None else Bounds()
         self.lock = threading.Lock()
         self.positions: dict[str, int] = {}
         """Consumer positions (``kafka:<topic>:<partition>`` -> next offset)."""
@@ -110,14 +121,21 @@ class CoordinatorService:
     # ---- membership ------------------------------------------------------------------
 
     def register(
-        self, info: InstanceInfo, now: float, position: Position | None = None
+        self,
+        info: InstanceInfo,
+        now: float,
+        position: Position | None = None,
+        proof: bytes = b"",
     ) -> RegisterOutcome:
-        """Register ``info``; raises InvalidInput (ContractMismatch, StaleIncarnation)."""
+        """Register ``info``; raises InvalidInput (ContractMismatch, StaleIncarnation, and
+        for a live bound instance without its ``proof`` Unauthenticated or
+        CredentialRefused; OutOfBounds)."""
         with self.lock:
             try:
-                outcome, fenced = self.fleet.register(info, now)
+                outcome, fenced = self.fleet.register(info, now, proof, self.bounds)
             except InvalidInput as exc:
                 self.metrics.registrations.labels("refused").inc()
+                self._count_refusal("register", exc, "http" if position is None else "kafka")
                 log.warning(
                     "Refused registration of instance %s incarnation %d: %s",
                     info.instance_id,
@@ -141,28 +159,74 @@ class CoordinatorService:
         return outcome
 
     def heartbeat(
-        self, instance_id: InstanceId, now: float, position: Position | None = None
+        self,
+        instance_id: InstanceId,
+        now: float,
+        position: Position | None = None,
+        proof: bytes | None = None,
     ) -> bool:
-        """False: unknown instance (the caller answers 404 so it re-registers)."""
+        """False: unknown instance (the caller answers 404 so it re-registers). With
+        ``proof`` (None: checked where the request arrived), a live bound instance's
+        heartbeat needs its own (Unauthenticated, CredentialRefused)."""
         with self.lock:
-            known = self.fleet.heartbeat(instance_id, now)
-            self._advance(position)
+            try:
+                if proof is not None:
+                    self._authorize("heartbeat", instance_id, proof)
+                known = self.fleet.heartbeat(instance_id, now)
+            finally:
+                self._advance(position)
         if not known:
             log.info("Heartbeat from unknown instance %s; asked to re-register", instance_id)
         return known
+
+    def check_heartbeat(self, instance_id: InstanceId, proof: bytes) -> bool:
+        """Is ``instance_id`` live, and may ``proof`` speak for it? False: unknown. Raises
+        like `heartbeat` (the log's heartbeat records are checked here, before publishing)."""
+        with self.lock:
+            self._authorize("heartbeat", instance_id, proof)
+            return self.fleet.membership.get(instance_id) is not None
+
+    def _authorize(self, request: str, instance_id: InstanceId, proof: bytes) -> None:
+        """`FleetState.authorize` under the caller's lock hold; refusals counted."""
+        try:
+            self.fleet.authorize(instance_id, proof, require=self.bounds.require_credentials)
+        except InvalidInput as exc:
+            self._count_refusal(request, exc, "http")
+            log.warning("Refused %s of instance %s: %s", request, instance_id, exc)
+            raise
+
+    def _count_refusal(self, request: str, exc: InvalidInput, transport: str) -> None:
+        reason = _REFUSAL_REASON.get(type(exc))
+        if reason is not None:
+            self.metrics.refusals.labels(request, reason, transport).inc()
 
     def is_live(self, instance_id: InstanceId) -> bool:
         with self.lock:
             return self.fleet.membership.get(instance_id) is not None
 
     def deregister(
-        self, instance_id: InstanceId, now: float, position: Position | None = None
+        self,
+        instance_id: InstanceId,
+        now: float,
+        position: Position | None = None,
+        proof: bytes | None = None,
     ) -> bool:
         """Remove an instance and fence its L1 slice (its L2 retention starts at ``now``);
-        False if it was unknown."""
+        False if it was unknown. With ``proof``, a live bound instance leaves only with
+        its own (Unauthenticated, CredentialRefused: nothing changes)."""
         with self.lock:
-            fenced = self.fleet.deregister(instance_id, now)
-            self._advance(position)
+            try:
+                if proof is not None:
+                    transport = "http" if position is None else "kafka"
+                    try:
+                        self.fleet.authorize(instance_id, proof)
+                    except InvalidInput as exc:
+                        self._count_refusal("deregister", exc, transport)
+                        log.warning("Refused deregistration of %s: %s", instance_id, exc)
+                        raise
+                fenced = self.fleet.deregister(instance_id, now)
+            finally:
+                self._advance(position)
         if fenced is None:
             log.info("Deregistration of unknown instance %s ignored", instance_id)
             return False
@@ -277,12 +341,36 @@ class CoordinatorService:
         now: float,
         transport: str = "http",
         position: Position | None = None,
+        proof: bytes = b"",
     ) -> EventsResponse:
         """Gate and apply validated batches, one lock hold per batch. Batches of unknown
-        event types pass the gate and are counted by type in ``skipped``."""
+        event types pass the gate and are counted by type in ``skipped``.
+
+        First, in one lock hold, every batch is checked against the credential ``proof``
+        and the cursor bounds (`FleetState.check_batches`): a refusal raises
+        (Unauthenticated, CredentialRefused, OutOfBounds) with nothing applied, and
+        moves ``position`` past the record (a log cannot refuse it)."""
         applied = duplicates = stale = gaps = missing = provisional = 0
         skipped: dict[str, int] = {}
         m = self.metrics
+        with self.lock:
+            try:
+                self.fleet.check_batches(batches, proof, now, self.bounds)
+            except InvalidInput as exc:
+                self._advance(position)
+                m.ingest_batches.labels("refused", transport).inc(len(batches))
+                self._count_refusal("events", exc, transport)
+                first = batches[0]
+                log.warning(
+                    "Refused %d batches (%s; the first: instance %s incarnation %d seq %d): %s",
+                    len(batches),
+                    transport,
+                    first.instance_id,
+                    first.incarnation,
+                    first.seq,
+                    exc,
+                )
+                raise
         for i, b in enumerate(batches):
             with self.lock:
                 try:

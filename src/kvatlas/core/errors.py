@@ -6,6 +6,9 @@
      |    +-- StaleIncarnation   an incarnation below the highest seen for its instance id
      |    +-- TooLarge           over a configured size limit (HTTP 413)
      |    +-- ConfigError        a configuration refused at startup (names the flags)
+     |    +-- Unauthenticated    an instance's credential is needed and none came (401)
+     |    +-- CredentialRefused  a credential that is not the instance's (403)
+     |    +-- OutOfBounds        a seq or incarnation jump past the bounds (400)
      +-- SnapshotError           a snapshot cannot be read or restored
      +-- ServiceError            a process cannot do what it was asked (bind, files, ...)
           +-- PortInUse          a port the process must bind is already taken
@@ -60,6 +63,21 @@ class StaleIncarnation(InvalidInput):
         self.instance_id = instance_id
         self.incarnation = incarnation
         self.highest = highest
+
+
+class Unauthenticated(InvalidInput):
+    """A request about an instance that needs the instance's credential and came without
+    one (401): the instance is bound to a secret, or the coordinator requires one."""
+
+
+class CredentialRefused(InvalidInput):
+    """A request that presented a credential which is not the instance's (403)."""
+
+
+class OutOfBounds(InvalidInput):
+    """A batch or registration that would move an instance's cursor further than one
+    request may: a seq past the window of the last one, or an incarnation ahead of the
+    clock (400). Nothing of the request applies."""
 
 
 class SnapshotError(KvatlasError):

@@ -23,6 +23,9 @@ Rules it enforces (DESIGN.md section 3):
   instance's L1 slice and forgotten when the instance leaves.
 - A batch of an event type this coordinator does not know (`UnknownBatch`) passes the
   gate, so its seq is not counted as a gap, and changes nothing else.
+- Who may speak for an instance and how far one request may move it
+  (`core.credentials`): a live bound instance's registration, heartbeat, deregistration
+  and events need its proof; `check_batches` and `register` enforce the `Bounds`.
 """
 
 from __future__ import annotations
@@ -36,9 +39,15 @@ import numpy as np
 
 from kvatlas.core.blend import BlendIndex, BlendMatch, BlendStats
 from kvatlas.core.capacity import CapacityRegistry, Compartment, Declaration
+from kvatlas.core.credentials import (
+    Bounds,
+    check_incarnation,
+    check_proof,
+    check_seq,
+)
 from kvatlas.core.directory import KeyDirectory
 from kvatlas.core.directory_snapshot import DirectoryCapture
-from kvatlas.core.errors import SnapshotError, StaleIncarnation
+from kvatlas.core.errors import SnapshotError, StaleIncarnation, Unauthenticated
 from kvatlas.core.events import EventBatch, UnknownBatch
 from kvatlas.core.gate import Cursor, Verdict, admit
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE, Namespace, ObjectKey, chunk_hashes
@@ -189,20 +198,40 @@ class FleetState:
             return b
         return a if b is None else max(a, b)
 
-    def register(self, info: InstanceInfo, now: float) -> tuple[RegisterOutcome, Fenced | None]:
+    def register(
+        self,
+        info: InstanceInfo,
+        now: float,
+        proof: bytes = b"",
+        bounds: Bounds | None = None,
+    ) -> tuple[RegisterOutcome, Fenced | None]:
         """Register (or re-register) an instance; fences a superseded incarnation.
 
         Raises StaleIncarnation below the highest incarnation seen (also from events),
         ContractMismatch when the hash contract contradicts the fleet's. An instance that
         registers without an incarnation (``incarnation_from_events``) takes the highest
         one known for its id, so it is never stale; its events move it up from there.
+        A live bound instance is re-registered only with its ``proof`` (Unauthenticated,
+        CredentialRefused); with ``bounds``, an unbound registration is refused when
+        credentials are required and an incarnation ahead of ``now`` is OutOfBounds.
         """
+        iid = info.instance_id
+        live = self.membership.get(iid)
+        if live is not None:
+            check_proof(iid, live.credential_digest, proof)
         if info.incarnation_from_events:
-            known = self._max_incarnation(info.instance_id)
+            known = self._max_incarnation(iid)
             info = msgspec.structs.replace(info, incarnation=known or 0)
-        high = self._max_incarnation(info.instance_id)
+        high = self._max_incarnation(iid)
         if high is not None and info.incarnation < high:
-            raise StaleIncarnation(info.instance_id, info.incarnation, high)
+            raise StaleIncarnation(iid, info.incarnation, high)
+        if bounds is not None:
+            if bounds.require_credentials and not info.credential_digest:
+                raise Unauthenticated(
+                    f"instance {iid!r} registered without asking for a credential and this"
+                    " coordinator requires one (--require-instance-credentials)"
+                )
+            check_incarnation(iid, info.incarnation, high, now, bounds)
         outcome = self.membership.register(info, now)
         self._departed.pop(info.instance_id, None)
         prov = self._provisional.pop(info.instance_id, None)
@@ -219,13 +248,28 @@ class FleetState:
         )
         return outcome, fenced
 
+    def authorize(self, instance_id: InstanceId, proof: bytes, *, require: bool = False) -> bool:
+        """May a request with ``proof`` speak for ``instance_id``? True: the live instance
+        is bound and this is its proof; False: it is not bound (or not live) and
+        ``require`` is off. Raises Unauthenticated or CredentialRefused
+        (`core.credentials.check_proof`)."""
+        live = self.membership.get(instance_id)
+        digest = live.credential_digest if live is not None else b""
+        return check_proof(instance_id, digest, proof, require=require)
+
     def heartbeat(self, instance_id: InstanceId, now: float) -> bool:
-        """False: unknown (or only provisional) instance, which must re-register."""
+        """False: unknown (or only provisional) instance, which must re-register. The
+        caller checks the credential first (`authorize`)."""
         return self.membership.heartbeat(instance_id, now)
 
-    def deregister(self, instance_id: InstanceId, now: float) -> Fenced | None:
+    def deregister(
+        self, instance_id: InstanceId, now: float, proof: bytes | None = None
+    ) -> Fenced | None:
         """Remove an instance, fence its L1 slice and forget its cursor; its L2
-        placements wait out the retention from ``now``."""
+        placements wait out the retention from ``now``. With ``proof`` (None: already
+        checked), a live bound instance leaves only with its own."""
+        if proof is not None:
+            self.authorize(instance_id, proof)
         info = self.membership.deregister(instance_id)
         prov = self._provisional.pop(instance_id, None)
         self.cursors.pop(instance_id, None)
@@ -323,6 +367,30 @@ class FleetState:
         return {k: (v.incarnation, v.last_seen) for k, v in self._provisional.items()}
 
     # ---- events ----------------------------------------------------------------------
+
+    def check_batches(
+        self,
+        batches: Sequence[EventBatch | UnknownBatch],
+        proof: bytes,
+        now: float,
+        bounds: Bounds,
+    ) -> None:
+        """Refuse, before anything of them applies, batches that ``proof`` may not send
+        (Unauthenticated, CredentialRefused) or that move a cursor past ``bounds``
+        (OutOfBounds). Each batch is measured against the state before the first."""
+        for b in batches:
+            iid = b.instance_id
+            proven = self.authorize(iid, proof, require=bounds.require_credentials)
+            high = self._max_incarnation(iid)
+            if high is not None and b.incarnation < high:
+                continue  # stale: the gate drops it
+            check_incarnation(iid, b.incarnation, high, now, bounds)
+            cursor = self.cursors.get(iid)
+            if cursor is None and proven:
+                continue  # this coordinator lost the cursor; the instance proved itself
+            same = cursor is not None and cursor.incarnation == b.incarnation
+            base = cursor.last_seq if cursor is not None and same else 0
+            check_seq(iid, b.incarnation, b.seq, base, bounds)
 
     def ingest(self, batch: EventBatch | UnknownBatch, now: float) -> IngestOutcome:
         """Gate and apply one batch. Raises InvalidInput (nothing applied) on bad data.

@@ -50,6 +50,9 @@ class InstanceInfo(msgspec.Struct, frozen=True):
     """Registered without an incarnation (LMCache's servers): its events carry the process
     start time as incarnation, and the live instance takes each higher one they bring
     (`Membership.adopt_incarnation`) instead of being superseded by it."""
+    credential_digest: bytes = b""
+    """SHA-256 of the secret the coordinator issued at registration (`core.credentials`);
+    empty: an unbound instance. Never listed, only snapshotted and carried in the log."""
 
 
 class RegisterOutcome(msgspec.Struct, frozen=True):

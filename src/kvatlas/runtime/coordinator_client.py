@@ -17,7 +17,10 @@ raised ``from`` the httpx error:
 ``CoordinatorError.status`` is the HTTP status, 0 when there was no answer.
 
 Thread-safe (httpx.Client is; the replica state has its own lock): a process may share
-one instance among its parts.
+one instance among its parts. It also keeps the instance secret of its owner
+(`set_instance_secret`) and presents it (header ``INSTANCE_SECRET_HEADER``) on
+the requests that speak for that instance: registration, heartbeat, deregistration,
+events.
 
 Replicas: the client is given an ordered list of coordinator URLs (one is the common
 case, and then it behaves exactly as a one-URL client: every call goes there). It sticks
@@ -55,10 +58,12 @@ from typing import Any, Self, TypeVar
 import httpx
 import msgspec
 
+from kvatlas.core.credentials import credential_digest
 from kvatlas.core.errors import ServiceError
 from kvatlas.core.events import EventBatch
 from kvatlas.wire.coordinator_views import ReadyResponse, StatsResponse
 from kvatlas.wire.http_api import (
+    INSTANCE_SECRET_HEADER,
     MSGPACK_CONTENT_TYPE,
     ErrorResponse,
     EventFormat,
@@ -201,6 +206,24 @@ class CoordinatorClient:
         self._failovers = 0
         headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
         self._http = httpx.Client(timeout=timeout_s, headers=headers)
+        self._secret = ""
+
+    def set_instance_secret(self, secret: str) -> None:
+        """Present ``secret`` from now on when speaking for the instance ("" : none)."""
+        self._secret = secret
+
+    @property
+    def instance_secret(self) -> str:
+        """The secret presented now ("" : none)."""
+        return self._secret
+
+    def instance_proof(self) -> str:
+        """The hex digest of the instance secret (what a Kafka record carries), or ""."""
+        return credential_digest(self._secret).hex() if self._secret else ""
+
+    def _instance_headers(self) -> dict[str, str] | None:
+        secret = self._secret
+        return {INSTANCE_SECRET_HEADER: secret} if secret else None
 
     @property
     def url(self) -> str:
@@ -284,12 +307,16 @@ class CoordinatorClient:
         params: dict[str, str] | None = None,
         timeout_s: float | None = None,
         accept: frozenset[int] = frozenset(),
+        headers: dict[str, str] | None = None,
     ) -> httpx.Response:
         """One request, to the replica in use or, failing that, the next ones (within
         ``timeout_s`` in all when given); a 2xx answer (or a status in ``accept``) is
         returned, anything else raised as the tree above: a 4xx at once, and when no
         replica answered, the last replica's error, naming the others'."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        sent = dict(headers or {})
+        if body is not None:
+            sent["content-type"] = content_type
         several = len(self._replicas) > 1
         errors: list[str] = []
         last: CoordinatorError | None = None
@@ -308,7 +335,7 @@ class CoordinatorClient:
                     method,
                     url,
                     content=body,
-                    headers={"content-type": content_type} if body is not None else None,
+                    headers=sent or None,
                     params=params,
                     timeout=timeout,
                 )
@@ -347,14 +374,16 @@ class CoordinatorClient:
 
     def register(self, request: RegisterRequest) -> RegisterResponse:
         """``POST /instances``; a contract contradicting the fleet's is refused (409)."""
-        resp = self._send("POST", "/instances", body=_json.encode(request))
+        resp = self._send(
+            "POST", "/instances", body=_json.encode(request), headers=self._instance_headers()
+        )
         return _decode(_register_answer, resp)
 
     def heartbeat(self, instance_id: str) -> None:
         """``PUT /instances/{id}/heartbeat``; UnknownInstance when the coordinator
         answers 404 (it does not know the instance: register again)."""
         path = f"/instances/{instance_id}/heartbeat"
-        resp = self._send("PUT", path, accept=frozenset({404}))
+        resp = self._send("PUT", path, accept=frozenset({404}), headers=self._instance_headers())
         if resp.status_code == 404:
             reason = _reason(resp)
             raise UnknownInstance(
@@ -363,7 +392,7 @@ class CoordinatorClient:
 
     def deregister(self, instance_id: str) -> None:
         """``DELETE /instances/{id}``."""
-        self._send("DELETE", f"/instances/{instance_id}")
+        self._send("DELETE", f"/instances/{instance_id}", headers=self._instance_headers())
 
     def instances(self) -> list[InstanceWire]:
         """``GET /instances``: the live instances as the coordinator lists them."""
@@ -382,7 +411,10 @@ class CoordinatorClient:
         else:
             body = encode_events_json(list(batches))
             ctype = JSON_CONTENT_TYPE
-        return _decode(_events_answer, self._send("POST", "/events", body=body, content_type=ctype))
+        resp = self._send(
+            "POST", "/events", body=body, content_type=ctype, headers=self._instance_headers()
+        )
+        return _decode(_events_answer, resp)
 
     def lookup(self, request: LookupRequest, *, timeout_s: float | None = None) -> LookupResponse:
         """``POST /directory/lookup`` as JSON: by keys, or by tokens with a namespace."""

@@ -26,6 +26,7 @@ business logic (the parts do).
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import signal
@@ -44,7 +45,7 @@ from kvatlas.server.config import GIB, P2PConfig, ServerConfig, split_host_port
 from kvatlas.server.engine_api import EngineApi
 from kvatlas.server.engine_service import EngineService, ServiceIdentity
 from kvatlas.server.http_app import UvicornThread, build_app
-from kvatlas.server.incarnation import next_incarnation
+from kvatlas.server.incarnation import load_secret, next_incarnation, save_secret
 from kvatlas.server.metrics import ServerMetrics
 from kvatlas.server.p2p.node import P2PNode
 from kvatlas.server.p2p.store_access import PeerStoreAccess
@@ -75,6 +76,7 @@ def make_sink(config: ServerConfig, coordinator: CoordinatorClient) -> EventSink
             ev.kafka.topic,
             timeout_s=10.0,
             partitioner=ev.kafka.partitioner,
+            proof=coordinator.instance_proof,
         )
     return HttpSink(coordinator, fmt=ev.http_format)
 
@@ -137,6 +139,10 @@ class CacheServer:
                     timeout_s=co.request_timeout_s,
                     name=f"instance {config.instance_id} incarnation {self.incarnation}",
                     on_failover=self._on_failover,
+                )
+                # The last start's secret proves this start's registration (after a crash).
+                self.coordinator.set_instance_secret(
+                    load_secret(config.state_dir, config.instance_id)
                 )
                 self.publisher = EventPublisher(
                     make_sink(config, self.coordinator),
@@ -205,6 +211,9 @@ class CacheServer:
                     # Over HTTP each replica keeps its own directory (no shared log): a
                     # replica failed over to must be told everything this server holds.
                     resync_on_failover=config.events.transport == "http",
+                    # 256 random bits per process start; only its digest leaves.
+                    secret=secrets.token_urlsafe(32),
+                    on_secret=functools.partial(save_secret, config.state_dir, config.instance_id),
                 )
                 self.service.set_contract_declarer(self.registrar.declare_contract)
                 self.service.set_engine_advertiser(self.registrar.advertise_engine)

@@ -8,6 +8,11 @@ in one clock tick, or a clock stepped backwards); the file alone is not enough (
 state dir) — together the number only goes down if the file is lost *and* the clock went
 back, which the coordinator then reports as a stale incarnation.
 
+It also keeps, beside the counter, the instance secret of the last registration
+(``<state dir>/<instance id>.secret``, owner-only): a process that starts after a crash
+presents it to re-register at once, instead of being refused (401) until the crashed
+one expires (`core.credentials`).
+
 Must not: know about the coordinator or the network.
 """
 
@@ -27,6 +32,38 @@ def counter_path(state_dir: Path, instance_id: str) -> Path:
     """The counter file of ``instance_id`` (the id sanitized into a file name)."""
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", instance_id) or "_"
     return state_dir / f"{safe}.incarnation"
+
+
+def secret_path(state_dir: Path, instance_id: str) -> Path:
+    """The file that keeps ``instance_id``'s last instance secret."""
+    return counter_path(state_dir, instance_id).with_suffix(".secret")
+
+
+def load_secret(state_dir: Path, instance_id: str) -> str:
+    """The secret the last registration of ``instance_id`` was issued, or "" (none, or
+    unreadable: the coordinator then refuses a re-registration until the old expires)."""
+    try:
+        return secret_path(state_dir, instance_id).read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def save_secret(state_dir: Path, instance_id: str, secret: str) -> None:
+    """Keep ``secret`` for the next start (written then renamed, readable by the owner
+    only); ServerError naming the file if it cannot be written."""
+    path = secret_path(state_dir, instance_id)
+    tmp = path.with_suffix(".secret.tmp")
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, f"{secret}\n".encode("ascii"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise ServerError(f"cannot write the instance secret file {path}: {exc}") from exc
 
 
 def next_incarnation(state_dir: Path, instance_id: str) -> Incarnation:

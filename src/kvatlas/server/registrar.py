@@ -1,6 +1,8 @@
 """The registrar: this server's membership at the coordinator.
 
-Owns registration (``POST /instances``), the heartbeat loop (``PUT
+Owns registration (``POST /instances``, binding the instance to the digest of this
+process's secret, which it then hands to the `CoordinatorClient` so that every later
+request about this instance presents it), the heartbeat loop (``PUT
 /instances/{id}/heartbeat`` every interval), re-registration when a heartbeat answers 404,
 deregistration at shutdown, and the hash contracts declared to the coordinator. After a
 re-registration that followed a 404 — the coordinator lost this instance (a restart
@@ -31,6 +33,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvatlas.core.credentials import credential_digest
 from kvatlas.core.keys import HashContract
 from kvatlas.core.types import Incarnation, InstanceId
 from kvatlas.runtime.coordinator_client import (
@@ -40,6 +43,7 @@ from kvatlas.runtime.coordinator_client import (
     CoordinatorUnreachable,
     UnknownInstance,
 )
+from kvatlas.server.errors import ServerError
 from kvatlas.wire.fleet_view import ENGINE_URLS_KEY
 from kvatlas.wire.http_api import ContractWire, RegisterRequest
 
@@ -101,11 +105,19 @@ class Registrar:
         heartbeat_interval_s: float = 5.0,
         on_resync: Callable[[], None] | None = None,
         resync_on_failover: bool = False,
+        secret: str = "",
+        on_secret: Callable[[str], None] | None = None,
     ) -> None:
+        """``secret``: this process's instance secret ("": register unbound). Until a
+        registration succeeds the client presents whatever it holds (the previous
+        process's secret, which proves this one's registration after a crash); then this
+        one, and ``on_secret`` keeps it for the next start (a ServerError is logged)."""
         self._coordinator = coordinator
         self._resync_on_failover = resync_on_failover
         self._failed_over_to = ""
         """Set (from any thread, without the lock) when the client changed replica."""
+        self._secret = secret
+        self._on_secret = on_secret
         self.identity = identity
         self._interval = heartbeat_interval_s
         self._on_resync = on_resync
@@ -148,8 +160,22 @@ class Registrar:
             mq_port=ident.mq_port,
             incarnation=ident.incarnation,
             contract=(ContractWire.from_core(self._last_contract) if self._last_contract else None),
+            credential_digest=credential_digest(self._secret).hex() if self._secret else "",
         )
         body = self._coordinator.register(req)
+        if self._secret and self._coordinator.instance_secret != self._secret:
+            self._coordinator.set_instance_secret(self._secret)
+            if self._on_secret is not None:
+                try:
+                    self._on_secret(self._secret)
+                except ServerError as exc:
+                    log.warning(
+                        "instance %s incarnation %d: %s (a restart re-registers only once"
+                        " this process has expired)",
+                        ident.instance_id,
+                        ident.incarnation,
+                        exc,
+                    )
         self._registrations += 1
         self._state = RegistrationState.REGISTERED
         self._last_error = ""

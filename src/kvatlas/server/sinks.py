@@ -11,13 +11,14 @@ process's `CoordinatorClient` and does not close it (its owner does).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from kvatlas.core.events import EventBatch
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.server.errors import SinkError
 from kvatlas.wire.http_api import EventFormat, compact_batch
-from kvatlas.wire.kafka_records import DEFAULT_PARTITIONER, encode_batch_msgpack
+from kvatlas.wire.kafka_records import DEFAULT_PARTITIONER, PROOF_HEADER, encode_batch_msgpack
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ class KafkaSink:
     partitioner must be the coordinators' (``wire.kafka_records.DEFAULT_PARTITIONER``
     on both sides unless configured), so that an instance's membership records land in
     the same partition. ``send`` waits for every record's delivery report (bounded by
-    ``timeout_s``).
+    ``timeout_s``). ``proof`` gives the instance's proof at each send (the hex digest of
+    its secret, "" for none), carried in the ``PROOF_HEADER`` record header.
     """
 
     name = "kafka"
@@ -74,12 +76,14 @@ class KafkaSink:
         timeout_s: float = 10.0,
         *,
         partitioner: str = DEFAULT_PARTITIONER,
+        proof: Callable[[], str] | None = None,
         **extra: Any,
     ) -> None:
         from confluent_kafka import Producer  # noqa: PLC0415  # optional: the kafka extra
 
         self._topic = topic
         self._timeout_s = timeout_s
+        self._proof = proof
         conf: dict[str, Any] = {
             "bootstrap.servers": bootstrap_servers,
             "partitioner": partitioner,
@@ -98,12 +102,17 @@ class KafkaSink:
             if err is not None:
                 errors.append(str(err))
 
+        proof = self._proof() if self._proof is not None else ""
+        headers: list[tuple[str, str | bytes | None]] | None = (
+            [(PROOF_HEADER, proof)] if proof else None
+        )
         try:
             for b in batches:
                 self._producer.produce(
                     self._topic,
                     key=b.instance_id.encode(),
                     value=encode_batch_msgpack(compact_batch(b)),
+                    headers=headers,
                     on_delivery=on_delivery,
                 )
                 self._producer.poll(0)

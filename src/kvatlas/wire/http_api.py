@@ -116,12 +116,22 @@ class RegisterRequest(msgspec.Struct, frozen=True):
     instance takes the incarnation its events carry (their process start time)."""
     contract: ContractWire | None = None
     """kvatlas: the server's hash contract; a contradiction with the fleet's is a 409."""
+    credential_digest: str = ""
+    """kvatlas: the hex SHA-256 of the secret this process chose (`core.credentials`): the
+    instance is then bound to it, and every later request about it presents the secret in
+    the ``INSTANCE_SECRET_HEADER`` header. LMCache's servers send none: unbound."""
 
 
 class RegisterResponse(msgspec.Struct, frozen=True):
     instance_id: str
     re_registered: bool
     incarnation: int = 0
+
+
+INSTANCE_SECRET_HEADER: Final = "kvatlas-instance-secret"
+"""The HTTP header that carries an instance's secret (whose digest it registered, see
+`RegisterRequest.credential_digest`) on its events, heartbeats, deregistration and
+re-registration."""
 
 
 class HeartbeatResponse(msgspec.Struct, frozen=True):

@@ -25,6 +25,7 @@ from typing import Final
 
 import msgspec
 
+from kvatlas.core.credentials import DIGEST_BYTES
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import EventBatch
 from kvatlas.core.membership import InstanceInfo
@@ -47,6 +48,10 @@ membership records are keyed by instance id; only with one partitioner on both s
 do an instance's records share a partition and keep their relative order.
 ``murmur2_random`` puts keys where Java and aiokafka clients would."""
 MAGIC = b"KVM1"
+PROOF_HEADER: Final = "kvatlas-instance-proof"
+"""The Kafka record header of an event batch that carries its instance's proof: the hex
+SHA-256 of the instance secret (`core.credentials.credential_digest`), never the secret
+itself, so that whoever reads the topic learns nothing that `POST /events` accepts."""
 
 
 class RegisterRecord(msgspec.Struct, frozen=True, tag="register"):
@@ -56,6 +61,8 @@ class RegisterRecord(msgspec.Struct, frozen=True, tag="register"):
     at: float
     """The publishing coordinator's clock; every replica applies with this time."""
     info: InstanceInfo
+    proof: bytes = b""
+    """The digest of the instance secret the request presented (`core.credentials`)."""
 
 
 class HeartbeatRecord(msgspec.Struct, frozen=True, tag="heartbeat"):
@@ -67,6 +74,8 @@ class DeregisterRecord(msgspec.Struct, frozen=True, tag="deregister"):
     request_id: str
     instance_id: InstanceId
     at: float
+    proof: bytes = b""
+    """As `RegisterRecord.proof`."""
 
 
 class ExpireRecord(msgspec.Struct, frozen=True, tag="expire"):
@@ -100,6 +109,22 @@ def encode_membership(record: MembershipRecord) -> bytes:
 def encode_batch_msgpack(batch: EventBatch) -> bytes:
     """An event batch as one record value (the compact form), encoded as it is."""
     return msgspec.msgpack.encode(batch)
+
+
+def decode_proof(headers: list[tuple[str, str | bytes | None]] | None) -> bytes:
+    """The proof a record's headers carry (b"" for none); InvalidInput if it is not 32
+    hex-encoded bytes."""
+    for name, value in headers or ():
+        if name == PROOF_HEADER and value:
+            try:
+                text = value.decode("ascii") if isinstance(value, bytes) else value
+                proof = bytes.fromhex(text)
+            except (UnicodeDecodeError, ValueError) as exc:
+                raise InvalidInput(f"header {PROOF_HEADER} is not hex: {exc}") from exc
+            if len(proof) != DIGEST_BYTES:
+                raise InvalidInput(f"header {PROOF_HEADER} must be {DIGEST_BYTES} bytes")
+            return proof
+    return b""
 
 
 def decode_record(value: bytes, max_entries: int) -> list[AnyBatch] | MembershipRecord:
