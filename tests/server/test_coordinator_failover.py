@@ -195,6 +195,12 @@ def test_killed_replica_fails_over_without_fence_or_lost_event(
         assert held(b, BEFORE) == 4 and held(b, AFTER) == 6
         coordinator = s.status()["coordinator"]
         assert coordinator["reregistrations_after_404"] == 0 and coordinator["resyncs"] == 0
+        incarnation = s.status()["incarnation"]
+        assert (
+            f"coordinator failover of instance node-a incarnation {incarnation}:"
+            f" from {a.url} to {b.url} (" in s.text()
+        )
+        assert re.search(r"kvatlas_server_coordinator_failovers_total\{[^}]*\} 1\.0", s.metrics())
         each_event_once(s, b)
     finally:
         assert s.stop() == 0, s.text()
