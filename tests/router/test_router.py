@@ -178,6 +178,24 @@ def test_an_engine_that_dies_costs_no_request(
         assert not status[doomed].healthy and status[doomed].errors >= 1
 
 
+def test_a_token_id_prompt_is_routed_without_a_tokenize(fleet: Fleet) -> None:
+    router = fleet.router(policy="kv")
+    wait_until(lambda: len(available(router)), lambda n: n == 2, what="both engines")
+    body = {"prompt": [7 + i % 240 for i in range(600)], "max_tokens": 2, "temperature": 0}
+
+    def routed() -> dict[str, str]:
+        r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return route(r)
+
+    first = routed()
+    again = wait_until(routed, lambda r: r["cached"] == "512", what="the prefix is known")
+    assert again["engine"] == first["engine"] and again["reason"] == "kv: prefix"
+    metrics = httpx.get(f"{router.url}/metrics", timeout=5).text
+    assert "kvatlas_router_tokenize_seconds_count 0.0" in metrics
+    assert re.search(r"kvatlas_router_lookup_seconds_count [1-9]", metrics)
+
+
 def test_a_server_advertises_its_engine_url_flag(fleet: Fleet, tmp_path: Any) -> None:
     silent = f"http://127.0.0.1:{free_port()}"
     node = start_server_process(

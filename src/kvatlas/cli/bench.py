@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
+from kvatlas.evaluation.routing import RoutingConfig
 from kvatlas.evaluation.runner import BenchConfig, run_bench
 
 
@@ -56,6 +57,32 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--no-p2p", action="store_true", help="never start the servers with P2P (node-local only)"
     )
+    d_r = RoutingConfig()
+    routing = ap.add_argument_group(
+        "the routing phase (kvatlas router; runs instead of the others)"
+    )
+    routing.add_argument(
+        "--routing",
+        action="store_true",
+        help="run the routing phase only: one seeded workload through kvatlas router per"
+        " policy (round-robin with P2P off and on), on SmolLM2 reference engines",
+    )
+    routing.add_argument(
+        "--routing-engines", type=int, default=d_r.engines,
+        help=f"nodes with one engine each (default {d_r.engines})",
+    )  # fmt: skip
+    routing.add_argument(
+        "--routing-requests", type=int, default=d_r.requests,
+        help=f"requests per run (default {d_r.requests})",
+    )  # fmt: skip
+    routing.add_argument(
+        "--routing-rate", type=float, default=d_r.rate_per_s,
+        help=f"arrival rate, requests per second (default {d_r.rate_per_s:g})",
+    )  # fmt: skip
+    routing.add_argument(
+        "--routing-l1-size-mb", type=float, default=d_r.l1_size_mb,
+        help=f"L1 per server in MiB (default {d_r.l1_size_mb:g})",
+    )  # fmt: skip
     ap.add_argument(
         "--l1-size-mb",
         type=float,
@@ -72,6 +99,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise ValueError("--requests must be >= 1")
     if args.duration_s <= 0:
         raise ValueError("--duration-s must be positive")
+    if args.routing_engines < 2 or args.routing_requests < 1 or args.routing_rate <= 0:
+        raise ValueError(
+            "--routing-engines must be >= 2, --routing-requests >= 1, --routing-rate > 0"
+        )
+    if args.routing_l1_size_mb < 64:
+        raise ValueError("--routing-l1-size-mb must be at least 64")
     return replace(
         BenchConfig(),
         nodes=args.nodes,
@@ -83,6 +116,15 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         p2p=not args.no_p2p,
         l1_size_mb=args.l1_size_mb,
+        routing=RoutingConfig(
+            engines=args.routing_engines,
+            requests=args.routing_requests,
+            rate_per_s=args.routing_rate,
+            l1_size_mb=args.routing_l1_size_mb,
+            seed=args.seed,
+        )
+        if args.routing
+        else None,
     )
 
 

@@ -24,6 +24,8 @@ from kvatlas.evaluation.engines import run_engine_phase
 from kvatlas.evaluation.fleet import FleetConfig, describe_machine
 from kvatlas.evaluation.fleet_phase import run_fleet_phase
 from kvatlas.evaluation.report import write_all
+from kvatlas.evaluation.routing import RoutingConfig, run_routing_phase
+from kvatlas.evaluation.routing_report import write_routing
 from kvatlas.evaluation.workload import WorkloadConfig, generate, summarize
 
 Say = Callable[[str], None]
@@ -61,6 +63,8 @@ class BenchConfig:
     """Process settings (heartbeat, timeouts, flush interval)."""
     churn_cfg: ChurnConfig = field(default_factory=ChurnConfig)
     """Scenario timings of the churn phase."""
+    routing: RoutingConfig | None = None
+    """Run the routing phase only (``--routing``), with these settings."""
 
 
 def _commit() -> str:
@@ -79,6 +83,8 @@ def run_bench(
     cfg: BenchConfig, *, command: str = "", say: Say = print, write: bool = True
 ) -> dict[str, Any]:
     """Run the phases; return the result document (also written to ``cfg.out``)."""
+    if cfg.routing is not None:
+        return run_routing(cfg, cfg.routing, command=command, say=say, write=write)
     t_start = time.monotonic()
     deadline = t_start + cfg.duration_s
     fcfg = replace(
@@ -133,6 +139,31 @@ def run_bench(
     result["elapsed_s"] = round(time.monotonic() - t_start, 1)
     if write:
         paths = write_all(result, cfg.out)
+        say(f"wrote {', '.join(str(p) for p in paths)}")
+    return result
+
+
+def run_routing(
+    cfg: BenchConfig, rcfg: RoutingConfig, *, command: str, say: Say, write: bool
+) -> dict[str, Any]:
+    """The routing phase alone; its own report (``routing_report``)."""
+    t_start = time.monotonic()
+    fcfg = replace(cfg.fleet, chunk_size=cfg.chunk_size, p2p=cfg.p2p)
+    result: dict[str, Any] = {
+        "command": command or shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "machine": describe_machine(),
+        "routing": run_routing_phase(fcfg, rcfg, say),
+    }
+    runs = result["routing"]["runs"].values()
+    result["invariants"] = {
+        "no_failed_requests": all(r.get("failed", 1) == 0 for r in runs),
+        "every_run_ran": all("skipped" not in r for r in runs),
+    }
+    result["elapsed_s"] = round(time.monotonic() - t_start, 1)
+    if write:
+        paths = write_routing(result, cfg.out)
         say(f"wrote {', '.join(str(p) for p in paths)}")
     return result
 

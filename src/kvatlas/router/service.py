@@ -2,8 +2,9 @@
 
 Owns, for ``kvatlas router``:
 
-- one request end to end: the prompt's token ids from an engine's ``/tokenize`` (the
-  client's body as it is; the engine applies its own chat template), one coordinator
+- one request end to end: the prompt's token ids (a completion's token-id prompt as it
+  is; else from an engine's ``/tokenize``, given the client's body as it is, so the
+  engine applies its own chat template and tokenizer), one coordinator
   lookup that answers every instance's cached prefix of those tokens (the coordinator
   hashes them with the fleet's contract), the choice (``policy.Chooser``), and the
   proxying: the client's body and headers (``Authorization`` and the request id
@@ -53,7 +54,8 @@ from kvatlas.wire.http_api import LookupRequest
 log = logging.getLogger(__name__)
 
 ROUTE_HEADER: Final = "x-kvatlas-route"
-"""The answer's header naming the engine, the cached tokens expected and the reason."""
+"""The answer's header naming the engine, the cached tokens expected, the reason, and
+the router's own time for this request (tokenize + lookup + pick)."""
 REQUEST_ID_HEADER: Final = "x-request-id"
 _HOP_BY_HOP: Final = frozenset(
     {
@@ -72,7 +74,14 @@ class _TokenizeAnswer(msgspec.Struct):
     tokens: list[int]
 
 
+class _TokenIdsPrompt(msgspec.Struct):
+    """A completion whose prompt is token ids already: no tokenize needed."""
+
+    prompt: list[int]
+
+
 _tokenize_answer: Final = msgspec.json.Decoder(_TokenizeAnswer)
+_token_ids_prompt: Final = msgspec.json.Decoder(_TokenIdsPrompt)
 
 
 def _error_body(message: str, kind: str) -> bytes:
@@ -208,7 +217,7 @@ class RouterService:
 
     # ------------------------------------------------------------------ routing
 
-    async def plan(self, body: bytes) -> Plan:
+    async def plan(self, body: bytes, endpoint: str = "/v1/chat/completions") -> Plan:
         """Tokenize, look up and rank; ServiceError when no engine is available."""
         t0 = time.perf_counter()
         engines = self.table.available(self._clock())
@@ -219,7 +228,9 @@ class RouterService:
         fleet = 0
         local: dict[str, int] = {}
         if policy in KV_POLICIES:
-            ids = await self._tokenize(engines, body)
+            ids = _prompt_ids(body) if endpoint == "/v1/completions" else None
+            if ids is None:
+                ids = await self._tokenize(engines, body)
             holders = None if ids is None else await self._lookup(ids)
             if holders is None:
                 policy = "least-loaded"
@@ -301,7 +312,10 @@ class RouterService:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
         rid = headers.setdefault(REQUEST_ID_HEADER, uuid.uuid4().hex)
         try:
-            plan = await self.plan(body) if request.method == "POST" else self._any_engine()
+            if request.method == "POST":
+                plan = await self.plan(body, endpoint)
+            else:
+                plan = self._any_engine()
         except ServiceError as exc:
             return self._refuse(endpoint, 503, str(exc), "service_unavailable")
         if request.method == "POST":
@@ -391,7 +405,10 @@ class RouterService:
         attempt: int,
     ) -> Response:
         reason = plan.decision.reason if attempt == 1 else f"{plan.decision.reason}; retry"
-        route = f"engine={e.url}; cached={choice.cached_tokens}; reason={reason}"
+        route = (
+            f"engine={e.url}; cached={choice.cached_tokens}; reason={reason};"
+            f" overhead_ms={plan.overhead_s * 1000:.3f}"
+        )
         if endpoint != "/v1/models":
             self.routed += 1
             self.metrics.decisions.labels(plan.policy, reason, e.url).inc()
@@ -436,6 +453,14 @@ class RouterService:
     def _refuse(self, endpoint: str, code: int, message: str, kind: str) -> Response:
         self.metrics.requests.labels(endpoint, str(code)).inc()
         return Response(_error_body(message, kind), status_code=code, media_type=_JSON)
+
+
+def _prompt_ids(body: bytes) -> list[int] | None:
+    """A completion's prompt when it is token ids (the engine prefills exactly those)."""
+    try:
+        return _token_ids_prompt.decode(body).prompt
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def _running(text: str) -> int:

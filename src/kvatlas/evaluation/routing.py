@@ -1,0 +1,304 @@
+"""The routing phase: one seeded workload through ``kvatlas router``, once per policy.
+
+Owns the measurement of issue 16: a fleet of cache servers, each with a reference engine
+(SmolLM2-135M on the CPU, one torch thread), a router in front, and the same request
+sequence (multi-turn chat sessions, questions about a few hot shared documents, unique
+prompts) sent at a fixed arrival rate, once per run: ``kv``, ``kv-p2p``,
+``least-loaded``, ``random``, and ``round-robin`` twice, with P2P off (what fleets run
+today) and on. Per run it reports TTFT (the router's own time, from its route header,
+plus the engine's time to first token, which counts the engine's queue), the cached-token
+share, tokens recomputed, per-engine requests and busy time (the router's ``/status``),
+failed requests and the router's added latency; beside them the limit: the share one
+logical cache of the fleet's total capacity would serve on the same sequence (an LRU of
+full chunks, replayed offline). Must not: print (progress goes through ``say``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Final
+
+import httpx
+import numpy as np
+
+from kvatlas.evaluation.fleet import ENGINE_MODEL as MODEL
+from kvatlas.evaluation.fleet import Fleet, FleetConfig
+from kvatlas.evaluation.metrics import percentiles
+from kvatlas.evaluation.workload import VOCAB_SIZE
+from kvatlas.router.service import ROUTE_HEADER
+from kvatlas.runtime.procs import ProcessError
+
+Say = Callable[[str], None]
+
+SMOLLM2_CHUNK_BYTES: Final = 30 * 2 * 3 * 256 * 64 * 4
+"""KV bytes of one 256-token SmolLM2-135M chunk in float32 (30 layers, K and V, 3 KV
+heads of dim 64): what L1 capacity is counted in for the offline limit."""
+
+RUNS: Final[tuple[tuple[str, str, bool], ...]] = (
+    ("round-robin, P2P off", "round-robin", False),
+    ("round-robin, P2P on", "round-robin", True),
+    ("random", "random", True),
+    ("least-loaded", "least-loaded", True),
+    ("kv", "kv", True),
+    ("kv-p2p", "kv-p2p", True),
+)
+"""(label, --policy, P2P) of each run, in order."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """What the routing phase runs (flags ``--routing-*`` of ``kvatlas bench fleet``)."""
+
+    engines: int = 4
+    """Nodes, each a cache server with one reference engine."""
+    requests: int = 20
+    """Requests per run (the same sequence in every run)."""
+    rate_per_s: float = 0.2
+    """Fixed arrival rate, requests per second."""
+    max_tokens: int = 8
+    """Completion tokens per request."""
+    hot_docs: int = 3
+    """Shared documents; their popularity falls as 1/rank."""
+    doc_tokens: int = 768
+    """Tokens of each shared document."""
+    sessions: int = 4
+    """Multi-turn chat sessions."""
+    l1_size_mb: float = 512.0
+    """L1 per server (MiB); the offline limit's capacity is all servers' together."""
+    seed: int = 7
+    """Workload seed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    kind: str
+    """``doc`` (a question about a hot document), ``chat`` (a session's next turn) or
+    ``unique``."""
+    tokens: list[int]
+
+
+def workload(cfg: RoutingConfig) -> list[Request]:
+    """The seeded request sequence: ~40% doc questions, ~35% chat turns, the rest unique."""
+    rng = np.random.default_rng(cfg.seed)
+
+    def toks(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(0, VOCAB_SIZE, n)]
+
+    docs = [toks(cfg.doc_tokens) for _ in range(cfg.hot_docs)]
+    weights = np.array([1.0 / (i + 1) for i in range(cfg.hot_docs)])
+    weights /= weights.sum()
+    system = toks(200)
+    history = [system + toks(int(rng.integers(100, 300))) for _ in range(cfg.sessions)]
+    out: list[Request] = []
+    for _ in range(cfg.requests):
+        u = rng.random()
+        if u < 0.4:
+            d = int(rng.choice(cfg.hot_docs, p=weights))
+            out.append(Request("doc", docs[d] + toks(int(rng.integers(30, 90)))))
+        elif u < 0.75:
+            s = int(rng.integers(cfg.sessions))
+            history[s] = history[s] + toks(int(rng.integers(40, 100)))
+            out.append(Request("chat", list(history[s])))
+            history[s] = history[s] + toks(int(rng.integers(60, 120)))  # the answer
+        else:
+            out.append(Request("unique", toks(int(rng.integers(200, 500)))))
+    return out
+
+
+def one_cache_limit(requests: Sequence[Request], capacity_chunks: int, chunk: int) -> float:
+    """The cached-token share one LRU cache of ``capacity_chunks`` full chunks would reach
+    on ``requests`` in order (a request is served its leading chunks that are cached)."""
+    lru: OrderedDict[tuple[int, ...], None] = OrderedDict()
+    hit = total = 0
+    for r in requests:
+        total += len(r.tokens)
+        keys = [tuple(r.tokens[: (k + 1) * chunk]) for k in range(len(r.tokens) // chunk)]
+        leading = True
+        for key in keys:
+            if leading and key in lru:
+                hit += chunk
+            else:
+                leading = False
+            lru[key] = None
+            lru.move_to_end(key)
+            while len(lru) > capacity_chunks:
+                lru.popitem(last=False)
+    return hit / total if total else 0.0
+
+
+def _route(header: str) -> dict[str, str]:
+    return dict(p.split("=", 1) for p in header.split("; ") if "=" in p)
+
+
+def _send(http: httpx.Client, url: str, req: Request, max_tokens: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    try:
+        r = http.post(
+            url + "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": req.tokens,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "kv_transfer_params": {"cached_token_stats": True},
+            },
+        )
+    except httpx.HTTPError as exc:
+        return {"kind": req.kind, "ok": False, "error": repr(exc)}
+    total_ms = (time.perf_counter() - t0) * 1000
+    if r.status_code != 200:
+        return {"kind": req.kind, "ok": False, "error": f"{r.status_code}: {r.text[:200]}"}
+    st = r.json().get("cached_token_stats") or {}
+    route = _route(r.headers.get(ROUTE_HEADER, ""))
+    overhead = float(route.get("overhead_ms", 0.0))
+    return {
+        "kind": req.kind,
+        "ok": True,
+        "engine": route.get("engine", ""),
+        "reason": route.get("reason", ""),
+        "overhead_ms": overhead,
+        "ttft_ms": overhead + float(st.get("ttft_ms", total_ms)),
+        "prompt": len(req.tokens),
+        "cached": int(st.get("num_cached_tokens", 0)),
+        "peer": int(st.get("num_peer_cached_tokens", 0)),
+        "prefilled": int(st.get("num_prefilled_tokens", 0)),
+    }
+
+
+def _run(
+    fcfg: FleetConfig,
+    cfg: RoutingConfig,
+    requests: Sequence[Request],
+    *,
+    policy: str,
+    label: str,
+    say: Say,
+) -> dict[str, Any]:
+    with Fleet(fcfg) as fleet:
+        fleet.start(lambda m: say(f"  [{label}] {m}"))
+        urls = fleet.start_engines(extra_args=("--num-threads", "1"))
+        router = fleet.start_router(policy, ("--seed", str(cfg.seed)))
+        fleet.wait_router_engines(router, len(urls), 60.0)
+        say(f"  [{label}] {len(urls)} engines behind the router; sending {len(requests)}")
+        t0 = time.monotonic()
+        with (
+            httpx.Client(timeout=600) as http,
+            concurrent.futures.ThreadPoolExecutor(48) as pool,
+        ):
+            futures = []
+            for i, req in enumerate(requests):
+                time.sleep(max(0.0, t0 + i / cfg.rate_per_s - time.monotonic()))
+                futures.append(pool.submit(_send, http, router, req, cfg.max_tokens))
+            done = [f.result() for f in futures]
+        elapsed = time.monotonic() - t0
+        status = httpx.get(f"{router}/status", timeout=10).json()
+    ok = [d for d in done if d["ok"]]
+    busy = {e["url"]: float(e["busy_s"]) for e in status["engines"]}
+    counts = {e["url"]: int(e["requests"]) for e in status["engines"]}
+    mean_busy = float(np.mean(list(busy.values()))) if busy else 0.0
+    prompt = sum(d["prompt"] for d in ok)
+    cached = sum(d["cached"] for d in ok)
+    hot = [d["ttft_ms"] for d in ok if d["kind"] == "doc"]
+    say(
+        f"  [{label}] {len(ok)}/{len(done)} ok in {elapsed:.0f} s, mean TTFT"
+        f" {np.mean([d['ttft_ms'] for d in ok]) if ok else 0:.0f} ms,"
+        f" cached {cached / prompt if prompt else 0:.1%}"
+    )
+    return {
+        "policy": policy,
+        "p2p": fcfg.p2p,
+        "requests": len(done),
+        "failed": len(done) - len(ok),
+        "errors": sorted({d["error"] for d in done if not d["ok"]})[:5],
+        "elapsed_s": round(elapsed, 1),
+        "ttft_ms": percentiles([d["ttft_ms"] for d in ok]),
+        "ttft_ms_hot_doc": percentiles(hot),
+        "ttft_ms_all": [round(d["ttft_ms"], 1) for d in ok],
+        "router_overhead_ms": percentiles([d["overhead_ms"] for d in ok]),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "peer_cached_tokens": sum(d["peer"] for d in ok),
+        "recomputed_tokens": sum(d["prefilled"] for d in ok),
+        "cached_share": round(cached / prompt, 4) if prompt else 0.0,
+        "engine_requests": counts,
+        "engine_busy_s": {k: round(v, 2) for k, v in busy.items()},
+        "busy_imbalance": round(max(busy.values()) / mean_busy, 3) if mean_busy else 0.0,
+        "reasons": {r: sum(d["reason"] == r for d in ok) for r in {d["reason"] for d in ok}},
+    }
+
+
+def run_routing_phase(fcfg: FleetConfig, cfg: RoutingConfig, say: Say) -> dict[str, Any]:
+    """Every run of ``RUNS`` on the same sequence; a run whose fleet fails is recorded
+    with its reason and the others still run."""
+    requests = workload(cfg)
+    chunk = fcfg.chunk_size
+    per_server = int(cfg.l1_size_mb * (1 << 20)) // SMOLLM2_CHUNK_BYTES
+    limit = one_cache_limit(requests, per_server * cfg.engines, chunk)
+    kinds = {k: sum(r.kind == k for r in requests) for k in ("doc", "chat", "unique")}
+    say(
+        f"routing phase: {cfg.engines} engines ({MODEL}), {len(requests)} requests at"
+        f" {cfg.rate_per_s:g}/s ({kinds}); one-cache limit {limit:.1%}"
+    )
+    base = replace(fcfg, nodes=cfg.engines, l1_size_mb=cfg.l1_size_mb, start_timeout_s=300.0)
+    runs: dict[str, Any] = {}
+    for label, policy, p2p in RUNS:
+        try:
+            fleet_cfg = replace(base, p2p=p2p)
+            runs[label] = _run(fleet_cfg, cfg, requests, policy=policy, label=label, say=say)
+        except (httpx.HTTPError, OSError, ProcessError) as exc:
+            say(f"  [{label}] failed: {type(exc).__name__}: {exc}")
+            runs[label] = {"skipped": f"{type(exc).__name__}: {str(exc)[:500]}"}
+    return {
+        "model": MODEL,
+        "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+        "kinds": kinds,
+        "prompt_tokens": sum(len(r.tokens) for r in requests),
+        "one_cache_limit": round(limit, 4),
+        "one_cache_capacity_chunks": per_server * cfg.engines,
+        "runs": runs,
+        "targets": targets(runs, limit),
+    }
+
+
+def targets(runs: dict[str, Any], limit: float) -> dict[str, Any]:
+    """Issue 16's targets, each with the measured values it compares."""
+    rr_off = runs.get("round-robin, P2P off", {})
+    rr_on = runs.get("round-robin, P2P on", {})
+    kvp = runs.get("kv-p2p", {})
+    kv = runs.get("kv", {})
+    if any("ttft_ms" not in r for r in (rr_off, rr_on, kvp, kv)):
+        return {"evaluated": False}
+    m = kvp["ttft_ms"]["mean"]
+    return {
+        "evaluated": True,
+        "kv_p2p_ttft_mean_le_third_of_rr_off": {
+            "value": round(m / rr_off["ttft_ms"]["mean"], 3), "target": "<= 0.333",
+            "met": m <= rr_off["ttft_ms"]["mean"] / 3,
+        },
+        "kv_p2p_ttft_mean_below_rr_on": {
+            "value": round(m / rr_on["ttft_ms"]["mean"], 3), "target": "< 1",
+            "met": m < rr_on["ttft_ms"]["mean"],
+        },
+        "kv_p2p_cached_share_ge_95pct_of_limit": {
+            "value": round(kvp["cached_share"] / limit, 3) if limit else 0.0,
+            "target": ">= 0.95", "met": kvp["cached_share"] >= 0.95 * limit,
+        },
+        "kv_p2p_busy_imbalance_le_1_25": {
+            "value": kvp["busy_imbalance"], "target": "<= 1.25",
+            "met": kvp["busy_imbalance"] <= 1.25,
+        },
+        "kv_p2p_hot_doc_p99_below_kv": {
+            "value": round(kvp["ttft_ms_hot_doc"]["p99"] / kv["ttft_ms_hot_doc"]["p99"], 3)
+            if kv["ttft_ms_hot_doc"]["p99"] else 0.0,
+            "target": "< 1", "met": kvp["ttft_ms_hot_doc"]["p99"] < kv["ttft_ms_hot_doc"]["p99"],
+        },
+        "router_overhead_p99_le_5ms": {
+            "value": kvp["router_overhead_ms"]["p99"], "target": "<= 5 ms",
+            "met": kvp["router_overhead_ms"]["p99"] <= 5.0,
+        },
+    }  # fmt: skip

@@ -1,0 +1,154 @@
+"""The routing phase's report: ``result.json``, PNG plots and ``report.md``.
+
+Owns turning the routing phase's result (``routing.run_routing_phase`` inside the run's
+document) into files: a table per run, the targets with their measured values, TTFT
+distributions and per-engine busy time as plots (matplotlib's Agg backend). Every number
+is read from the result document. Must not: measure anything.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def write_routing(result: Mapping[str, Any], out: Path) -> list[Path]:
+    """result.json, the plots and report.md of a routing run, in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "result.json"]
+    written[0].write_text(json.dumps(result, indent=1) + "\n")
+    runs = {k: v for k, v in result["routing"]["runs"].items() if "ttft_ms" in v}
+    plots: list[Path] = []
+    if runs:
+        fig, ax = plt.subplots(figsize=(9, 4.8), dpi=110)
+        ax.boxplot(
+            [r["ttft_ms_all"] for r in runs.values()],
+            tick_labels=list(runs),
+            showfliers=True,
+        )
+        ax.set_yscale("log")
+        ax.set_ylabel("TTFT (ms, log scale): router + engine queue + prefill")
+        ax.set_title("TTFT per routing policy (same request sequence)")
+        ax.tick_params(axis="x", labelrotation=20)
+        ax.grid(alpha=0.3, axis="y")
+        plots.append(_save(fig, out / "routing_ttft.png"))
+        fig, ax = plt.subplots(figsize=(9, 4.8), dpi=110)
+        width = 0.8 / max(1, len(runs))
+        for i, (label, r) in enumerate(runs.items()):
+            busy = list(r["engine_busy_s"].values())
+            ax.bar([j + i * width for j in range(len(busy))], busy, width, label=label)
+        ax.set_xlabel("engine")
+        ax.set_ylabel("busy seconds (a request in flight)")
+        ax.set_title("Load per engine")
+        ax.legend(fontsize=8)
+        plots.append(_save(fig, out / "routing_busy.png"))
+        fig, ax = plt.subplots(figsize=(9, 4.8), dpi=110)
+        ax.bar(list(runs), [r["cached_share"] for r in runs.values()])
+        limit = result["routing"]["one_cache_limit"]
+        ax.axhline(limit, color="k", ls="--", label=f"one logical cache: {limit:.1%}")
+        ax.set_ylabel("cached share of prompt tokens")
+        ax.tick_params(axis="x", labelrotation=20)
+        ax.legend()
+        ax.set_title("Cached tokens against the one-logical-cache limit")
+        plots.append(_save(fig, out / "routing_cached.png"))
+    written += plots
+    md = out / "report.md"
+    md.write_text(markdown(result, [p.name for p in plots]))
+    written.append(md)
+    return written
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def markdown(result: Mapping[str, Any], plots: list[str]) -> str:
+    m = result.get("machine", {})
+    rt = result["routing"]
+    c = rt["config"]
+    lines = [
+        "# kvatlas routing evaluation",
+        "",
+        f"Command: `{result.get('command', '')}`",
+        "",
+        f"Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('memory', '?')},"
+        f" Python {m.get('python', '?')}; commit {result.get('commit') or 'n/a'}; started"
+        f" {result.get('started', '')}; took {result.get('elapsed_s', 0):.0f} s.",
+        "",
+        f"Fleet: {c['engines']} nodes on 127.0.0.1, each a cache server (L1"
+        f" {c['l1_size_mb']:g} MiB) with one reference engine ({rt['model']}, float32, one"
+        " torch thread), a coordinator, and `kvatlas router` in front. The fleet is started"
+        " fresh for each run.",
+        "",
+        f"Workload (seed {c['seed']}, the same sequence in every run): {c['requests']}"
+        f" requests at {c['rate_per_s']:g}/s: {rt['kinds']['doc']} questions about"
+        f" {c['hot_docs']} hot documents of {c['doc_tokens']} tokens (popularity 1/rank),"
+        f" {rt['kinds']['chat']} turns of {c['sessions']} chat sessions, {rt['kinds']['unique']}"
+        f" unique prompts; {rt['prompt_tokens']} prompt tokens, {c['max_tokens']} completion"
+        " tokens each.",
+        "",
+        f"The limit: one logical LRU cache of the fleet's total capacity"
+        f" ({rt['one_cache_capacity_chunks']} chunks of 256 tokens) replayed offline on the"
+        f" same sequence serves **{rt['one_cache_limit']:.1%}** of the prompt tokens.",
+        "",
+        "## Runs",
+        "",
+        "| run | TTFT mean | p50 | p99 | hot-doc p99 | cached share | of limit | recomputed"
+        " | peer tokens | requests per engine | busy max/mean | failed | router p50 | router"
+        " p99 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    limit = rt["one_cache_limit"] or 1.0
+    for label, r in rt["runs"].items():
+        if "ttft_ms" not in r:
+            lines.append(f"| {label} | skipped: {r.get('skipped', '')} |" + " |" * 12)
+            continue
+        t, o, h = r["ttft_ms"], r["router_overhead_ms"], r["ttft_ms_hot_doc"]
+        lines.append(
+            f"| {label} | {t['mean']:.0f} ms | {t['p50']:.0f} ms | {t['p99']:.0f} ms |"
+            f" {h['p99']:.0f} ms | {r['cached_share']:.1%} | {r['cached_share'] / limit:.0%}"
+            f" | {r['recomputed_tokens']} | {r['peer_cached_tokens']} |"
+            f" {'/'.join(str(v) for v in r['engine_requests'].values())} |"
+            f" {r['busy_imbalance']:.2f} | {r['failed']} | {o['p50']:.2f} ms |"
+            f" {o['p99']:.2f} ms |"
+        )
+    lines += ["", "## Targets", "", "| target | measured | goal | met |", "|---|---|---|---|"]
+    tg = rt["targets"]
+    if tg.get("evaluated"):
+        for k, v in tg.items():
+            if k != "evaluated":
+                lines.append(
+                    f"| {k} | {v['value']} | {v['target']} | {'yes' if v['met'] else 'no'} |"
+                )
+    else:
+        lines.append("| (not evaluated: a run is missing) | | | |")
+    lines += [""]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    lines += [
+        "## How to read this",
+        "",
+        "- TTFT: the router's own time (tokenize + lookup + pick, from its `X-Kvatlas-Route`"
+        " header) plus the engine's time to first token, which starts when the request"
+        " reaches the engine and so counts the time it queues behind the engine's other"
+        " requests (the reference engine runs one request at a time).",
+        "- Cached share: prompt tokens the engines loaded from a cache (their node's L1, or"
+        " a peer's through P2P) over all prompt tokens; recomputed: tokens prefilled.",
+        "- Busy: seconds an engine had at least one of the router's requests in flight (the"
+        " router's `/status`); max/mean over the engines is the load imbalance.",
+        "- Router p50/p99: the router's added latency per request (tokenize on an engine's"
+        " `/tokenize`, one coordinator lookup, the choice); `round-robin`, `random` and"
+        " `least-loaded` neither tokenize nor look up.",
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,95 @@
+"""The routing phase's pure parts: the seeded workload, the offline one-cache limit, the
+targets and the report (the runs themselves need SmolLM2 engines: ``kvatlas bench fleet
+--routing``, docs/fleet-evaluation/routing/)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvatlas.evaluation.routing import Request, RoutingConfig, one_cache_limit, targets, workload
+from kvatlas.evaluation.routing_report import write_routing
+
+
+def test_the_workload_is_seeded_and_mixes_the_three_kinds() -> None:
+    cfg = RoutingConfig(requests=60, seed=3)
+    a, b = workload(cfg), workload(cfg)
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    assert [r.tokens for r in workload(RoutingConfig(requests=60, seed=4))] != [r.tokens for r in a]
+    kinds = {k: sum(r.kind == k for r in a) for k in ("doc", "chat", "unique")}
+    assert all(n >= 8 for n in kinds.values()), kinds
+    docs = [r.tokens[: cfg.doc_tokens] for r in a if r.kind == "doc"]
+    assert len({tuple(d) for d in docs}) <= cfg.hot_docs  # questions share hot documents
+
+
+def test_the_one_cache_limit_serves_leading_chunks_under_lru() -> None:
+    x, y, z = [1] * 4, [2] * 4, [3] * 4
+    reqs = [Request("doc", x + y), Request("doc", x + y + [9]), Request("doc", x + z)]
+    # capacity 2: x|x+y cached after the first; the second hits both (8 of 9 tokens);
+    # the third hits x only
+    assert one_cache_limit(reqs, 2, 4) == (0 + 8 + 4) / (8 + 9 + 8)
+    # capacity 1: only the last chunk stays, so nothing leading is ever cached
+    assert one_cache_limit(reqs, 1, 4) == 0.0
+
+
+def _run(mean: float, hot_p99: float, share: float, imbalance: float) -> dict[str, Any]:
+    return {
+        "ttft_ms": {"mean": mean, "p50": mean, "p99": mean * 2},
+        "ttft_ms_hot_doc": {"p99": hot_p99},
+        "ttft_ms_all": [mean, mean * 2],
+        "router_overhead_ms": {"p50": 0.5, "p99": 1.5},
+        "cached_share": share,
+        "recomputed_tokens": 10,
+        "peer_cached_tokens": 5,
+        "engine_requests": {"a": 1, "b": 1},
+        "engine_busy_s": {"a": 1.0, "b": 1.2},
+        "busy_imbalance": imbalance,
+        "failed": 0,
+    }
+
+
+def test_targets_and_report(tmp_path: Path) -> None:
+    runs = {
+        "round-robin, P2P off": _run(900, 1500, 0.1, 1.0),
+        "round-robin, P2P on": _run(500, 900, 0.3, 1.0),
+        "kv": _run(400, 1200, 0.4, 1.6),
+        "kv-p2p": _run(250, 600, 0.39, 1.1),
+    }
+    t = targets(runs, 0.4)
+    assert t["kv_p2p_ttft_mean_le_third_of_rr_off"]["met"]
+    assert t["kv_p2p_ttft_mean_below_rr_on"]["met"]
+    assert t["kv_p2p_cached_share_ge_95pct_of_limit"]["met"]
+    assert t["kv_p2p_hot_doc_p99_below_kv"]["met"]
+    assert t["router_overhead_p99_le_5ms"]["met"]
+    slow = targets({**runs, "kv-p2p": _run(600, 1300, 0.2, 1.4)}, 0.4)
+    assert not any(v["met"] for k, v in slow.items() if k not in {"evaluated",
+                   "router_overhead_p99_le_5ms"})  # fmt: skip
+    assert targets({"kv": runs["kv"]}, 0.4) == {"evaluated": False}
+    result = {
+        "command": "kvatlas bench fleet --routing",
+        "routing": {
+            "model": "smollm2-135m",
+            "config": {
+                "engines": 2,
+                "l1_size_mb": 512,
+                "seed": 7,
+                "requests": 2,
+                "rate_per_s": 1,
+                "hot_docs": 3,
+                "doc_tokens": 768,
+                "sessions": 4,
+                "max_tokens": 8,
+            },
+            "kinds": {"doc": 1, "chat": 1, "unique": 0},
+            "prompt_tokens": 100,
+            "one_cache_limit": 0.4,
+            "one_cache_capacity_chunks": 90,
+            "runs": {**runs, "random": {"skipped": "ProcessError: boom"}},
+            "targets": t,
+        },
+    }
+    names = {p.name for p in write_routing(result, tmp_path)}
+    assert {"report.md", "result.json", "routing_ttft.png", "routing_busy.png"} <= names
+    md = (tmp_path / "report.md").read_text()
+    assert "| kv-p2p | 250 ms |" in md and "skipped: ProcessError: boom" in md
+    assert "| kv_p2p_ttft_mean_le_third_of_rr_off | 0.278 | <= 0.333 | yes |" in md
