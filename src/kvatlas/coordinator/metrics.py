@@ -11,6 +11,7 @@ beyond the counters, nor take the fleet lock itself: the sample function does th
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterable
 
 import msgspec
@@ -185,7 +186,12 @@ class _GcCollector(Collector):
             runs.add_metric([str(g)], n)
             paused.add_metric([str(g)], s)
             longest.add_metric([str(g)], m)
-        return [runs, paused, longest]
+        frozen = GaugeMetricFamily(
+            "kvatlas_coordinator_gc_frozen_objects",
+            "Objects moved out of the collector's sight at startup (gc.freeze)",
+        )
+        frozen.add_metric([], gc.get_freeze_count())
+        return [runs, paused, longest, frozen]
 
 
 class CoordinatorMetrics:
