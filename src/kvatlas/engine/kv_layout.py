@@ -272,8 +272,11 @@ class BufferLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformer
         if self._parts is None:
             return super().update(key_states, value_states, *args, **kwargs)
         keys, values = self._parts
-        self.keys = torch.cat([*keys, key_states], dim=-2)
-        self.values = torch.cat([*values, value_states], dim=-2)
+        # The new states arrive transposed (non-contiguous); torch.cat then takes a slow
+        # strided path for the whole output, so they are made contiguous first (a copy of
+        # the suffix only).
+        self.keys = torch.cat([*keys, key_states.contiguous()], dim=-2)
+        self.values = torch.cat([*values, value_states.contiguous()], dim=-2)
         self._parts = None
         self._pending = 0
         return self.keys, self.values
