@@ -32,6 +32,9 @@ from .conftest import TOKEN, connect, start_server
 
 IDLE = 300
 """More than the data port's cap (TcpConfig.max_connections)."""
+SPARE_THREADS = 16
+"""Threads the server may start meanwhile for its own work (pools grow lazily); a thread
+per connection would be IDLE more."""
 
 
 @dataclass
@@ -76,8 +79,8 @@ def test_idle_unauthenticated_data_connections_get_no_thread_and_are_closed(
         # Not a synchronisation: the time a server that spawned a thread per connection
         # would need to show it.
         time.sleep(0.5)
-        assert _threads(pid) <= before + 2
-        deadline = time.monotonic() + TcpConfig().first_request_s + 5
+        assert _threads(pid) < before + SPARE_THREADS
+        deadline = time.monotonic() + TcpConfig().first_request_s + 15
         open_ = list(socks)
         while open_ and time.monotonic() < deadline:
             readable, _, _ = select.select(open_, [], [], 0.5)
@@ -85,7 +88,7 @@ def test_idle_unauthenticated_data_connections_get_no_thread_and_are_closed(
                 assert s.recv(1) == b""  # closed by the server, nothing sent
                 open_.remove(s)
         assert not open_, f"{len(open_)} idle connections still open"
-        assert _threads(pid) <= before + 2
+        assert _threads(pid) < before + SPARE_THREADS
     finally:
         for s in socks:
             s.close()
