@@ -12,6 +12,7 @@ refuses it.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -29,6 +30,10 @@ from kvatlas.connector.client import CacheClient
 from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
+from kvatlas.runtime.coordinator_client import CoordinatorClient
+from kvatlas.server.publisher import EventPublisher
+from kvatlas.server.sinks import HttpSink
+from kvatlas.wire.http_api import RegisterRequest
 from kvatlas.wire.kafka_records import PROOF_HEADER, encode_batch_msgpack
 from support.coordinator import RunningCoordinator
 from support.kafka import KafkaBroker
@@ -70,6 +75,10 @@ def _keys_of(c: httpx.Client, instance_id: str) -> int:
     r = c.get("/directory/keys", params={"instance": instance_id, "limit": 1000})
     assert r.status_code == 200, r.text
     return len(r.json()["keys"])
+
+
+def client_of(rc: RunningCoordinator) -> httpx.Client:
+    return httpx.Client(base_url=rc.url, headers=BEARER, timeout=10)
 
 
 def _digest(secret: str) -> str:
@@ -368,3 +377,32 @@ def test_a_crashed_server_re_registers_at_once_with_the_secret_it_kept(
             assert third.stop() == 0, third.text()
     finally:
         coord.stop()
+
+
+def test_a_fresh_batch_answered_duplicate_is_a_fault_at_the_sink(
+    start_coordinator: Callable[..., RunningCoordinator], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A third party moved an unbound instance's seq ahead (within the window): the
+    instance's next batches arrive as duplicates. Its publisher tells them from a
+    resend's echoes, counts them and logs them with instance, incarnation and seqs."""
+    rc = start_coordinator(auth_token=TOKEN)
+    coordinator = CoordinatorClient(rc.url, auth_token=TOKEN)
+    coordinator.register(RegisterRequest("127.0.0.1", 7, InstanceId("u"), incarnation=1))
+    with client_of(rc) as c:
+        assert _post(c, _batch("u", 1, 5)).json()["applied"] == 1
+    pub = EventPublisher(HttpSink(coordinator), InstanceId("u"), Incarnation(1))
+    entry = Entry(ObjectKey(b"\x07" * 32, MODEL, 0), 10)
+    for event in (EventType.STORE, EventType.DELETE, EventType.STORE):
+        pub.publish(event, Tier.L1, [entry])
+    with caplog.at_level(logging.WARNING, logger="kvatlas.server.publisher"):
+        assert pub.flush() is True
+    s = pub.stats()
+    assert (s.sent_batches, s.rejected_batches, s.failed_sends) == (3, 3, 0)
+    assert "seqs 1..3 of instance u incarnation 1 as duplicate or stale" in caplog.text
+    pub.publish(EventType.DELETE, Tier.L1, [entry])
+    pub.publish(EventType.STORE, Tier.L1, [entry])
+    pub.publish(EventType.DELETE, Tier.L1, [entry])  # seq 6: past the forged one
+    assert pub.flush() is True
+    assert pub.stats().rejected_batches == 5
+    pub.stop(final_flush=False)
+    coordinator.close()

@@ -82,6 +82,12 @@ class _StatsCollector(Collector):
             yield self._c("event_batches_retried", "Batches sent again.", pub.retried_batches)
             yield self._c("event_send_failures", "Failed event sends.", pub.failed_sends)
             yield self._c("events_dropped", "Events dropped: buffer full.", pub.dropped_entries)
+            yield self._c(
+                "event_batches_rejected",
+                "Batches sent for the first time that the coordinator answered as duplicate"
+                " or stale (another sender speaks for this instance).",
+                pub.rejected_batches,
+            )
             yield self._g("event_batches_buffered", "Unsent batches.", pub.buffered_batches)
             yield self._g("events_pending", "Events not yet batched.", pub.pending_entries)
         reg = self._registrar()

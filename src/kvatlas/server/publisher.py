@@ -10,6 +10,10 @@ at the next flush with the same seqs, so an outage shorter than the buffer loses
 and leaves no gap (the coordinator's gate drops what had arrived as duplicates). When the
 buffer overflows, the oldest batches are dropped, counted and logged, and the first
 successful send afterwards calls ``on_loss_recovered`` so that the owner can resync.
+A batch sent for the first time that the coordinator answers as duplicate or stale is a
+fault, not an echo of a resend: another sender spoke for this instance with a higher seq
+or incarnation, and these events are lost at the coordinator. It is counted
+(``rejected_batches``) and logged with instance, incarnation and seqs.
 
 Must not: know the transport (that is the sink) or the coordinator's membership.
 """
@@ -51,6 +55,9 @@ class PublisherStats:
     dropped_batches: int
     """Batches dropped because the buffer overflowed."""
     dropped_entries: int
+    rejected_batches: int
+    """Batches sent for the first time that the coordinator answered as duplicate or
+    stale (a fault: see the module docstring)."""
     last_seq: int
     last_error: str
 
@@ -89,6 +96,7 @@ class EventPublisher:
         self._retried = 0
         self._dropped_batches = 0
         self._dropped_entries = 0
+        self._rejected = 0
         self._lost_since_send = False
         self._last_error = ""
         self._send_lock = threading.Lock()
@@ -172,7 +180,7 @@ class EventPublisher:
                 retried = sum(1 for b in chunk if b.seq in self._unsent)
                 self._attempts += 1
                 try:
-                    self._sink.send(chunk)
+                    refused = self._sink.send(chunk)
                 except SinkError as exc:
                     with self._lock:
                         self._failed += 1
@@ -198,6 +206,22 @@ class EventPublisher:
                     for b in chunk:
                         self._unsent.discard(b.seq)
                     self._sent_batches += len(chunk)
+                    # A resent batch may have arrived before: its duplicate is expected.
+                    rejected = refused - retried
+                    if rejected > 0:
+                        self._rejected += rejected
+                        log.warning(
+                            "coordinator answered %d batches of seqs %d..%d of instance %s"
+                            " incarnation %d as duplicate or stale although %d of them were"
+                            " sent for the first time: another sender is speaking for this"
+                            " instance, and these events are lost at the coordinator",
+                            refused,
+                            chunk[0].seq,
+                            chunk[-1].seq,
+                            self._instance_id,
+                            self._incarnation,
+                            len(chunk) - retried,
+                        )
                     self._sent_entries += sum(b.n_entries for b in chunk)
                     self._retried += retried
                     if self._last_error:
@@ -260,6 +284,7 @@ class EventPublisher:
                 retried_batches=self._retried,
                 dropped_batches=self._dropped_batches,
                 dropped_entries=self._dropped_entries,
+                rejected_batches=self._rejected,
                 last_seq=self._seq,
                 last_error=self._last_error,
             )

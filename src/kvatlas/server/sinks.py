@@ -3,9 +3,12 @@
 Owns the transport of already-cut batches; one interface, two backends. ``send`` either
 delivers every batch it was given (in order) or raises SinkError, in which case the
 publisher keeps them all and sends them again later with the same seqs: the coordinator's
-gate drops any that did arrive as duplicates. A sink must not buffer, reorder, retry on its
-own or assign seqs; that is the publisher's job. The HTTP sink sends through the
-process's `CoordinatorClient` and does not close it (its owner does).
+gate drops any that did arrive as duplicates. It returns how many of them the receiver
+answered as duplicate or stale (0 where it cannot tell: a log), so that the publisher can
+tell a resend's expected duplicates from batches it never sent before. A sink must not
+buffer, reorder, retry on its own or assign seqs; that is the publisher's job. The HTTP
+sink sends through the process's `CoordinatorClient` and does not close it (its owner
+does).
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ class EventSink(Protocol):
 
     name: str
 
-    def send(self, batches: list[EventBatch]) -> None:
-        """Deliver ``batches`` in order; raise SinkError when not all are known delivered."""
+    def send(self, batches: list[EventBatch]) -> int:
+        """Deliver ``batches`` in order; raise SinkError when not all are known delivered.
+        Returns how many the receiver answered as duplicate or stale (0: none, or it
+        cannot tell)."""
         ...
 
     def close(self) -> None: ...
@@ -45,11 +50,12 @@ class HttpSink:
         self._coordinator = coordinator
         self._fmt = fmt
 
-    def send(self, batches: list[EventBatch]) -> None:
+    def send(self, batches: list[EventBatch]) -> int:
         try:
-            self._coordinator.post_events(batches, self._fmt)
+            answer = self._coordinator.post_events(batches, self._fmt)
         except CoordinatorError as exc:
             raise SinkError(str(exc)) from exc
+        return answer.duplicates + answer.stale
 
     def close(self) -> None:
         """Nothing of its own to release: the client is its owner's to close."""
@@ -95,7 +101,8 @@ class KafkaSink:
         conf.update(extra)
         self._producer = Producer(conf)
 
-    def send(self, batches: list[EventBatch]) -> None:
+    def send(self, batches: list[EventBatch]) -> int:
+        """Returns 0: a log takes every record; the coordinators' gates judge them later."""
         errors: list[str] = []
 
         def on_delivery(err: Any, _msg: Any) -> None:
@@ -126,6 +133,7 @@ class KafkaSink:
             raise SinkError(f"Kafka: {remaining} records to {self._topic!r} not delivered in time")
         if errors:
             raise SinkError(f"Kafka delivery to {self._topic!r} failed: {errors[0]}")
+        return 0
 
     def close(self) -> None:
         self._producer.flush(self._timeout_s)

@@ -124,6 +124,7 @@ def event_status(publisher: PublisherStats | None, transport: str) -> EventStatu
         dropped_events=publisher.dropped_entries,
         last_seq=publisher.last_seq,
         last_error=publisher.last_error,
+        rejected_batches=publisher.rejected_batches,
     )
 
 

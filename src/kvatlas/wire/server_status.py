@@ -73,6 +73,9 @@ class EventStatus(msgspec.Struct, frozen=True):
     dropped_events: int
     last_seq: int
     last_error: str
+    rejected_batches: int = 0
+    """Batches sent for the first time that the coordinator answered as duplicate or
+    stale: another sender spoke for this instance."""
 
 
 class LookupStatus(msgspec.Struct, frozen=True):
