@@ -172,3 +172,28 @@ def test_local_work_never_waits_behind_peer_fetches(tmp_path: Path) -> None:
                 t.join(30)
         assert len(results) == 2 and all(r.hit_chunks == n for r in results), results
         assert p2p(b)["fallbacks"]["busy"] == 1  # type: ignore[index]
+
+
+def test_frozen_coordinator_costs_a_local_miss_one_short_wait(tmp_path: Path) -> None:
+    with cluster(tmp_path, "node-a", "node-b") as (coord, (a, b)):
+        wait_peers([a, b])
+        cb = b.client()
+        before = p2p(b)
+        coord.popen.send_signal(signal.SIGSTOP)
+        try:
+            took = [timed(lambda s=s: cb.lookup(prompt(N, seed=s)))[1] for s in range(41, 46)]
+            # the first waits --p2p-directory-timeout (75 ms), not the coordinator timeout;
+            # the rest do not ask the frozen directory at all, only a peer, briefly
+            mid = p2p(b)
+            assert mid["directory_failures"] == before["directory_failures"] + 1, mid
+            assert mid["directory_lookups"] == before["directory_lookups"] + 1, mid
+            assert all(t < 1.0 for t in took) and sum(took) < 2.0, took
+        finally:
+            coord.popen.send_signal(signal.SIGCONT)
+        # the next peer listing that succeeds puts the directory back in use
+        wait_until(
+            lambda: (cb.lookup(prompt(N, seed=47)), p2p(b))[1],
+            lambda st: st["no_holder"] > mid["no_holder"],  # type: ignore[operator]
+            timeout=10,
+            what="the directory asked again after SIGCONT",
+        )

@@ -62,3 +62,12 @@ def test_coordinator_urls_repeat_or_separate_by_commas_in_order() -> None:
 def test_bad_coordinator_urls_are_refused_naming_the_flag(value: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         urls_of("--coordinator-url", value)
+
+
+def test_directory_timeout_flag_reaches_the_config_and_must_be_positive() -> None:
+    p2p = ["--p2p-advertise-url", "127.0.0.1:9400"]
+    args = build_parser().parse_args([*KAFKA, *p2p, "--p2p-directory-timeout", "0.2"])
+    assert config_from_args(args, {}).p2p.directory_timeout_s == 0.2
+    args = build_parser().parse_args([*KAFKA, *p2p, "--p2p-directory-timeout", "0"])
+    with pytest.raises(ConfigError, match="--p2p-directory-timeout"):
+        config_from_args(args, {}).validate()

@@ -148,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
         " --p2p-expected-recompute-s-per-token gives one (default 0.005: 200 tokens/s);"
         " it bounds every P2P wait below the timeouts",
     )
+    p2p.add_argument(
+        "--p2p-directory-timeout",
+        type=float,
+        default=0.075,
+        help="seconds a local miss waits for the directory's answer; past it the"
+        " directory is skipped until the next peer listing succeeds (default 0.075)",
+    )
     p2p.add_argument("--p2p-lock-lease-seconds", type=float, default=30.0)
     p2p.add_argument("--p2p-cooloff-seconds", type=float, default=10.0)
     p2p.add_argument(
@@ -223,6 +230,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
             ),
             recompute_s_per_token=args.p2p_expected_recompute_s_per_token,
             default_recompute_s_per_token=args.p2p_default_recompute_s_per_token,
+            directory_timeout_s=args.p2p_directory_timeout,
             lock_lease_s=args.p2p_lock_lease_seconds,
             cooloff_s=args.p2p_cooloff_seconds,
             fault_corrupt_read=args.p2p_fault_corrupt_read,

@@ -151,6 +151,12 @@ class P2PConfig:
     ``recompute_s_per_token`` gives one (``--p2p-default-recompute-s-per-token``): 5 ms,
     a slow prefill (200 tokens/s), so that P2P is rarely cut short, yet a lookup of a few
     chunks never waits the timeouts' 30 s on a peer that does not answer."""
+    directory_timeout_s: float = 0.075
+    """Longest wait for the directory's answer to a local miss
+    (``--p2p-directory-timeout``). The directory answers in a few milliseconds; past
+    this the lookup treats it as unreachable (a few peers asked briefly), and later
+    lookups do not ask it again until the controller's next peer listing succeeds, so a
+    frozen coordinator costs no local miss more than this once."""
     lock_lease_s: float = 30.0
     """Lease a peer's ``lookup_and_lock`` holds on our chunks if it never unlocks
     (``--p2p-lock-lease-seconds``)."""
@@ -338,6 +344,7 @@ def _p2p_problems(c: ServerConfig) -> list[str]:
         ("--p2p-load-timeout", pp.load_timeout_s),
         ("--p2p-lock-lease-seconds", pp.lock_lease_s),
         ("--p2p-cooloff-seconds", pp.cooloff_s),
+        ("--p2p-directory-timeout", pp.directory_timeout_s),
         ("--p2p-default-recompute-s-per-token", pp.default_recompute_s_per_token),
     ):
         if not value > 0:

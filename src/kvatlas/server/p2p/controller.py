@@ -131,6 +131,9 @@ class P2PController:
         self._next_index = 0
         self._state = P2PState.UNREGISTERED
         self._ever_listed = False
+        self.listed_at = 0.0
+        """Monotonic time of the last successful peer listing (0.0: none yet): the
+        coordinator answered then, so the fetcher may ask its directory again."""
         self._polls = 0
         self._poll_failures = 0
         self._added = 0
@@ -246,6 +249,7 @@ class P2PController:
             self._last_error = str(exc)
             return None
         self._ever_listed = True
+        self.listed_at = time.monotonic()
         self._last_error = ""
         me = [i for i in instances if i.instance_id == self.instance_id]
         self._state = P2PState.REGISTERED if me else P2PState.UNREGISTERED

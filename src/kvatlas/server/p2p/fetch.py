@@ -6,7 +6,9 @@ tokens would take: the engine's estimate, else ``--p2p-expected-recompute-s-per-
 else ``--p2p-default-recompute-s-per-token``), the choice of peers (the coordinator's
 directory names who holds the keys, and when it names nobody no peer is asked; only when
 the directory cannot be asked are up to ``BLIND_PEERS`` live peers asked, within
-``BLIND_LOOKUP_S``, counted as ``all_peer_fallbacks``; peers whose breaker is open are
+``BLIND_LOOKUP_S``, counted as ``all_peer_fallbacks``; the directory's own wait is
+``--p2p-directory-timeout``, and once it failed it is not asked again until the
+controller's next peer listing succeeds; peers whose breaker is open are
 skipped: the controller's breakers hear of every failure, a dead or frozen peer's at
 once), ``lookup_and_lock`` to them one after the other until the prefix is covered,
 the load into freshly reserved local slots through the transport, a second checksum
@@ -119,7 +121,10 @@ class PeerFetcher:
         self._config = config
         self._chunk_size = chunk_size
         self._coordinator = coordinator
-        self._dir_timeout = coordinator_timeout_s
+        self._dir_timeout = min(coordinator_timeout_s, config.directory_timeout_s)
+        self._dir_failed_at = 0.0
+        """Monotonic time of the last failed directory lookup: while it is later than
+        the controller's last successful listing, the directory counts as down."""
         self._token = auth_token or ""
         self._lock = threading.Lock()  # guards stats and _active
         self._active = 0
@@ -242,6 +247,8 @@ class PeerFetcher:
     def _directory(self, keys: Sequence[ObjectKey], deadline: float) -> dict[str, int] | None:
         """Per peer, how many leading ``keys`` the directory says it holds; None when
         the directory cannot be asked (all peers are asked then)."""
+        if self._dir_failed_at > self._controller.listed_at:
+            return None  # down since it last failed: no lookup waits on it again
         timeout = min(self._dir_timeout, deadline - time.monotonic())
         if timeout <= 0:
             return None
@@ -253,6 +260,7 @@ class PeerFetcher:
         except CoordinatorError as exc:
             with self._lock:
                 self.stats.directory_failures += 1
+                self._dir_failed_at = time.monotonic()
             log.debug("directory lookup failed on instance %s: %s", self.instance_id, exc)
             return None
         holders: dict[str, int] = {}
