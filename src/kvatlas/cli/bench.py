@@ -1,9 +1,11 @@
-"""``kvatlas bench fleet``: flags -> BenchConfig -> evaluation.runner.run_bench.
+"""``kvatlas bench fleet`` and ``kvatlas bench faults``: flags -> a config -> the run.
 
-The one place where the fleet evaluation's options are read. Progress lines go to stdout
-while it runs; the result lands in ``--out`` (result.json, PNG plots, report.md). Exit
-codes: 0 when every invariant held, 1 when one failed, 2 for bad arguments, 130 on Ctrl-C
-(every process the run started is stopped first).
+The one place where the fleet evaluation's options (-> BenchConfig ->
+evaluation.runner.run_bench) and the fault campaign's (-> FaultsConfig ->
+evaluation.faults.run_faults) are read. Progress lines go to stdout while they run; the
+result lands in ``--out`` (result.json, PNG plots, report.md). Exit codes: 0 when every
+invariant (every fault's target) held, 1 when one failed, 2 for bad arguments, 130 on
+Ctrl-C (every process the run started is stopped first).
 """
 
 from __future__ import annotations
@@ -13,12 +15,17 @@ import shlex
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
+from kvatlas.evaluation.faults import FAULT_NAMES, FaultsConfig, run_faults
+from kvatlas.evaluation.faults_report import write_faults_report
 from kvatlas.evaluation.routing import RoutingConfig
 from kvatlas.evaluation.runner import BenchConfig, run_bench
+
+USAGE = "usage: kvatlas bench {fleet,faults} [options]  (see kvatlas bench fleet --help)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,19 +135,74 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
 
 
+def build_faults_parser() -> argparse.ArgumentParser:
+    d = FaultsConfig()
+    ap = argparse.ArgumentParser(
+        prog="kvatlas bench faults",
+        description="Fault campaign: a loopback fleet under a steady load while one fault at"
+        " a time is injected (servers and the coordinator killed, frozen; a slow peer; a"
+        " corrupted transfer); per fault a latency timeline, failures, wrong bytes, events"
+        " lost and time to recover, against the targets.",
+    )
+    ap.add_argument("--nodes", type=int, default=d.nodes, help=f"cache servers (default {d.nodes})")
+    ap.add_argument(
+        "--rate",
+        type=float,
+        default=d.rate_per_node,
+        help=f"requests per second per server (default {d.rate_per_node:g})",
+    )
+    ap.add_argument(
+        "--hold-s",
+        type=float,
+        default=d.hold_s,
+        help=f"how long each fault lasts (default {d.hold_s:g})",
+    )
+    ap.add_argument(
+        "--faults",
+        default=",".join(FAULT_NAMES),
+        help=f"comma-separated faults to run, in order (default all: {','.join(FAULT_NAMES)})",
+    )
+    ap.add_argument("--out", default=str(d.out), help=f"output folder (default {d.out})")
+    ap.add_argument("--seed", type=int, default=d.seed, help=f"workload seed (default {d.seed})")
+    return ap
+
+
+def faults_config_from_args(args: argparse.Namespace) -> FaultsConfig:
+    if args.nodes < 2:
+        raise ValueError("--nodes must be >= 2 (a fault needs a survivor with a peer)")
+    if args.rate <= 0:
+        raise ValueError("--rate must be positive")
+    if args.hold_s <= 0:
+        raise ValueError("--hold-s must be positive")
+    names = tuple(n.strip() for n in args.faults.split(",") if n.strip())
+    unknown = [n for n in names if n not in FAULT_NAMES]
+    if unknown or not names:
+        raise ValueError(f"--faults: unknown {unknown}; choose from {','.join(FAULT_NAMES)}")
+    return replace(
+        FaultsConfig(),
+        nodes=args.nodes,
+        rate_per_node=args.rate,
+        hold_s=args.hold_s,
+        faults=names,
+        out=Path(args.out),
+        seed=args.seed,
+    )
+
+
 def _on_sigterm(sig: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # unwinds through the fleets' finally blocks
 
 
 def main(argv: list[str] | None = None) -> int:
     args_in = sys.argv[1:] if argv is None else argv
-    if not args_in or args_in[0] != "fleet":
-        print("usage: kvatlas bench fleet [options]  (see kvatlas bench fleet --help)")
+    if not args_in or args_in[0] not in {"fleet", "faults"}:
+        print(USAGE)
         return 0 if args_in and args_in[0] in {"-h", "--help"} else 2
-    ap = build_parser()
+    faults = args_in[0] == "faults"
+    ap = build_faults_parser() if faults else build_parser()
     args = ap.parse_args(args_in[1:])
     try:
-        cfg = config_from_args(args)
+        cfg = faults_config_from_args(args) if faults else config_from_args(args)
     except ValueError as exc:
         ap.error(str(exc))
     command = shlex.join(["kvatlas", "bench", *args_in])
@@ -151,12 +213,23 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
+        if isinstance(cfg, FaultsConfig):
+            return _faults(cfg, command, say)
         result = run_bench(cfg, command=command, say=say)
     except KeyboardInterrupt:
         say("interrupted: every process of the run was stopped")
         return 130
     failed = [k for k, v in result["invariants"].items() if not v]
     say(f"invariants: {'all held' if not failed else 'FAILED: ' + ', '.join(failed)}")
+    say(f"report: {cfg.out / 'report.md'}")
+    return 1 if failed else 0
+
+
+def _faults(cfg: FaultsConfig, command: str, say: Callable[[str], None]) -> int:
+    result = run_faults(cfg, command=command, say=say)
+    write_faults_report(result, cfg.out)
+    failed = [name for name, f in result["faults"].items() if not f["passed"]]
+    say(f"targets: {'all met' if not failed else 'MISSED by ' + ', '.join(failed)}")
     say(f"report: {cfg.out / 'report.md'}")
     return 1 if failed else 0
 

@@ -26,6 +26,7 @@ commands:
   router        the OpenAI front door: sends each request to the engine that can start it
                 soonest, counting the KV the fleet already holds
   bench fleet   the fleet evaluation: hit rates, stale hints, churn, TTFT, with a report
+  bench faults  the fault campaign: servers and coordinator killed, frozen, slowed, under load
 
 Run `kvatlas <command> --help` for the options of a command.
 """

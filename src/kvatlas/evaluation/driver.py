@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -64,6 +64,9 @@ class RequestRecord:
     peer_chunks: int = 0
     lookup_s: float = 0.0
     p2p_fallback: str = ""
+    p2p_ms: dict[str, float] = field(default_factory=dict)
+    """Where the server's lookup time went when it asked the directory or peers (its
+    ``LookupResult.p2p_ms``); ``lock`` in it means a peer was asked."""
     wrong_kv: int = 0
     """Chunks read (local hit or hint probe) whose bytes were not the chunk's KV."""
     stored: int = 0
@@ -79,13 +82,25 @@ class RequestRecord:
 class NodeDriver:
     """Runs requests against a fleet: one CacheClient per server, single-threaded."""
 
-    def __init__(self, fleet: Fleet, *, chunk_bytes: int, probe_hints: bool = True) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        *,
+        chunk_bytes: int,
+        probe_hints: bool = True,
+        directory: bool = True,
+        t0: float | None = None,
+    ) -> None:
+        """``directory``: ask the coordinator's directory before each request (steps 1
+        and 2); without it a request measures only its own server. ``t0``: the monotonic
+        time records count from (several drivers of one run share it)."""
         self.fleet = fleet
         self.chunk_bytes = chunk_bytes
-        self.probe_hints = probe_hints
+        self.probe_hints = probe_hints and directory
+        self.directory = directory
         self.clients: list[CacheClient | None] = [None] * len(fleet.servers)
         self.incarnations: list[int] = [0] * len(fleet.servers)
-        self.t0 = time.monotonic()
+        self.t0 = time.monotonic() if t0 is None else t0
         self._kv_cache: dict[bytes, np.ndarray] = {}
 
     # ------------------------------------------------------------------ clients
@@ -153,7 +168,7 @@ class NodeDriver:
             req.index, self._now(), req.kind, node, node != req.node, len(req.tokens), len(hashes)
         )
         try:
-            placements = self._directory(req, rec)
+            placements = self._directory(req, rec) if self.directory else None
             if self.probe_hints and placements is not None:
                 self._probe(node, hashes, placements, rec)
             self._lookup_verify(client, req, rec)
@@ -235,6 +250,7 @@ class NodeDriver:
             rec.hit_chunks = res.hit_chunks
             rec.peer_chunks = res.peer_chunks
             rec.p2p_fallback = res.p2p_fallback
+            rec.p2p_ms = dict(res.p2p_ms)
             for loc in res.chunks:
                 if not self._bytes_ok(client, loc.hash, loc.offset, loc.size):
                     rec.wrong_kv += 1

@@ -267,19 +267,26 @@ class Fleet:
             self.coordinator, lambda: self.coordinator_client.ready(timeout_s=0.5).ready, "/readyz"
         )
 
-    def start_server(self, i: int, *, new_ports: bool = True) -> None:
+    def start_server(
+        self, i: int, *, new_ports: bool = True, extra_args: tuple[str, ...] = ()
+    ) -> None:
         """(Re)start server ``i`` with its instance id and state dir: a new incarnation.
 
         With ``new_ports`` it binds fresh ports, as a rescheduled node would; without, it
         comes back at the same addresses (the server binds with SO_REUSEADDR, so the old
-        connections in TIME_WAIT after a kill -9 do not hold the ports).
+        connections in TIME_WAIT after a kill -9 do not hold the ports). ``extra_args``
+        are added to the server's flags for this start only (a fault flag, say); they
+        need ``new_ports``.
         """
         s = self.servers[i]
         if s.alive():
             raise ProcessError(f"{s.name} is still running")
+        if extra_args and not new_ports:
+            raise ValueError("extra_args need new_ports: the flags come with a fresh start")
         if new_ports:
             fresh = self._server_proc(i)
             fresh.starts = s.starts
+            fresh.args += list(extra_args)
             self.servers[i] = s = fresh
         self._spawn(s)
         self._wait_healthy(s)
@@ -361,6 +368,16 @@ class Fleet:
             proc.popen.kill()
             proc.popen.wait(10)
 
+    def freeze(self, proc: Proc) -> None:
+        """SIGSTOP: the process keeps its sockets open but answers nothing."""
+        if proc.popen is not None and proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGSTOP)
+
+    def thaw(self, proc: Proc) -> None:
+        """SIGCONT after ``freeze``."""
+        if proc.popen is not None and proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGCONT)
+
     def stop(self, proc: Proc, grace_s: float = 15.0) -> int | None:
         """SIGTERM, then SIGKILL after ``grace_s``; the exit status (None if never run)."""
         p = proc.popen
@@ -368,6 +385,7 @@ class Fleet:
             return None
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
+            p.send_signal(signal.SIGCONT)  # a frozen process handles SIGTERM only then
             try:
                 p.wait(grace_s)
             except subprocess.TimeoutExpired:
