@@ -64,6 +64,12 @@ def test_faults_bite(campaign: tuple[dict[str, Any], Path]) -> None:
     """The faults did happen where the servers can see them."""
     faults = campaign[0]["faults"]
     assert faults["corrupt_peer"]["p2p_fallbacks"].get("checksum_mismatch", 0) >= 1
+    # a survivor read from the slow peer (late), or gave up on it and skipped it since
+    slow = faults["slow_peer"]
+    felt = slow["lookups_ms"]["p2p"]["max"] >= 300 or {"timeout", "cooling_off"} & set(
+        slow["p2p_fallbacks"]
+    )
+    assert felt, (slow["notes"], slow["p2p_fallbacks"])
     for name in ("server_kill", "server_freeze", "coordinator_kill", "coordinator_freeze"):
         m = faults[name]["marks_s"]
         assert m["start"] < m["inject"] < m["repair"] < m["recovered"] < m["end"], (name, m)

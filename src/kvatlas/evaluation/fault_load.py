@@ -2,7 +2,8 @@
 
 Owns one engine per cache server (``NodeLoad``: a thread with its own `NodeDriver`
 connected to that server only, sending the server its share of the request stream at a
-steady rate, pausable while its server is the fault's victim), the class of each lookup
+steady rate, pausable while its server is the fault's victim, and taking a chosen request in between
+when a fault needs one), the class of each lookup
 as the server saw it (a local hit, a local miss, a lookup that asked a peer), the bound
 each class is held to, and the per-second timeline of lookup latency.
 
@@ -14,6 +15,7 @@ target alone. Must not: inject faults or start processes (``faults`` and ``fleet
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -72,6 +74,8 @@ class NodeLoad:
         self._paused = False
         self._busy = False
         self._stop = threading.Event()
+        self._extra: queue.SimpleQueue[tuple[Request, list[RequestRecord], threading.Event]]
+        self._extra = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"load-{k}", daemon=True)
 
     def start(self) -> None:
@@ -93,6 +97,15 @@ class NodeLoad:
         with self._cv:
             self._paused = False
             self._cv.notify_all()
+
+    def submit(self, req: Request, timeout_s: float = 30.0) -> RequestRecord | None:
+        """Run ``req`` on this engine's thread before its next request of the stream (the
+        engine must not be paused); its record, None if not done within ``timeout_s``."""
+        out: list[RequestRecord] = []
+        done = threading.Event()
+        self._extra.put((req, out, done))
+        done.wait(timeout_s)
+        return out[0] if out else None
 
     def stop(self) -> None:
         self._stop.set()
@@ -119,7 +132,11 @@ class NodeLoad:
                     return
                 self._busy = True
             try:
-                req = self.requests[n % len(self.requests)]
+                extra = self._extra.get_nowait()
+            except queue.Empty:
+                extra = None
+            try:
+                req = extra[0] if extra else self.requests[n % len(self.requests)]
                 rec = self.driver.run(req)
             finally:
                 with self._cv:
@@ -127,6 +144,10 @@ class NodeLoad:
                     self._cv.notify_all()
             with self._cv:
                 self.records.append(rec)
+            if extra:
+                extra[1].append(rec)
+                extra[2].set()
+                continue  # the stream's next request keeps its own pace
             n += 1
             # a steady rate: a slow request is not made up for by a burst after it
             next_at = max(next_at + period, time.monotonic())

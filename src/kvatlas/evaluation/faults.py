@@ -8,10 +8,11 @@ time, with the fleet made whole again between them:
 - ``server_kill``: SIGKILL of a server; restarted (a new incarnation) after the hold;
 - ``server_freeze``: SIGSTOP of a server, SIGCONT after the hold;
 - ``slow_peer``: a server restarted with ``--p2p-fault-read-delay`` (every read it serves
-  is late), restarted without it after the hold;
+  is late), restarted without it after the hold; each survivor is made to read a fresh
+  prompt from it, so the fault is met whatever the stream needs;
 - ``corrupt_peer``: a server restarted with ``--p2p-fault-corrupt-read 1`` (a byte of
   the first chunk it reads from a peer is flipped as it lands; the flag's one effect),
-  restarted without it after the hold;
+  restarted without it after the hold; it is made to read a fresh prompt from a survivor;
 - ``coordinator_kill``: SIGKILL of the coordinator, started again at its address;
 - ``coordinator_freeze``: SIGSTOP of the coordinator, SIGCONT after the hold.
 
@@ -34,7 +35,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
-from kvatlas.evaluation.driver import RequestRecord
+import numpy as np
+
+from kvatlas.evaluation.driver import MODEL, RequestRecord
 from kvatlas.evaluation.fault_load import (
     CLASSES,
     NodeLoad,
@@ -46,9 +49,12 @@ from kvatlas.evaluation.fleet import Fleet, FleetConfig, describe_machine
 from kvatlas.evaluation.invariants import inventory_check, wait_delivered
 from kvatlas.evaluation.metrics import percentiles
 from kvatlas.evaluation.observe import cursors
-from kvatlas.evaluation.workload import WorkloadConfig, generate
+from kvatlas.evaluation.workload import VOCAB_SIZE, Request, WorkloadConfig, generate
+from kvatlas.wire.http_api import LookupRequest
 
 Say = Callable[[str], None]
+BITE_CHUNKS: Final = 4
+"""Chunks of the fresh prompt a slow or corrupt fault is exercised with."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +149,7 @@ class Campaign:
             )
             for k in range(cfg.nodes)
         ]
+        self._fresh = 0
         self.marks: dict[str, float] = {}
         self.notes: list[str] = []
         """What the fault's own steps observed (the victim's counters, exit times)."""
@@ -175,6 +182,47 @@ class Campaign:
     def restart_server(self, k: int, *flags: str) -> None:
         self.fleet.start_server(k, extra_args=flags)
         self.fleet.wait_registered([self.fleet.servers[k].instance_id])
+
+    def fresh_request(self, node: int) -> Request:
+        """A prompt nobody holds yet (``BITE_CHUNKS`` full chunks) for server ``node``."""
+        self._fresh += 1
+        rng = np.random.default_rng([self.cfg.seed, self._fresh])
+        tokens = rng.integers(0, VOCAB_SIZE, BITE_CHUNKS * self.cfg.chunk_size, dtype=np.int64)
+        return Request(-self._fresh, "fresh", node, tokens, "fault")
+
+    def wait_listed(self, req: Request, k: int, timeout_s: float = 10.0) -> bool:
+        """Until the directory names server ``k`` as holding every chunk of ``req``."""
+        iid = self.fleet.servers[k].instance_id
+        ask = LookupRequest(tokens_b64=req.tokens.astype("<u4").tobytes(), model_name=MODEL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            resp = self.fleet.lookup(ask)
+            if (
+                resp is not None
+                and len(resp.results) == BITE_CHUNKS
+                and all(any(p.instance_id == iid for p in r.placements) for r in resp.results)
+            ):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def read_across(self, holder: int, reader: int, what: str) -> None:
+        """``holder`` computes a fresh prompt, then ``reader`` asks for it: a P2P read
+        from ``holder``, whatever the stream happens to need."""
+        req = self.fresh_request(holder)
+        first = self.loads[holder].submit(req)
+        if first is None or not self.wait_listed(req, holder):
+            self.notes.append(f"{what}: the directory never listed the fresh prompt")
+            return
+        rec = self.loads[reader].submit(replace(req, node=reader))
+        if rec is None:
+            self.notes.append(f"{what}: node-{reader}'s read did not finish")
+            return
+        self.notes.append(
+            f"{what}: node-{reader} got {rec.peer_chunks} of {rec.full_chunks} chunks from"
+            f" node-{holder} in {rec.lookup_s * 1000:.0f} ms"
+            + (f" (fallback {rec.p2p_fallback})" if rec.p2p_fallback else "")
+        )
 
     def victim_counters(self) -> None:
         """What the victim served to its peers, before it goes (slow and corrupt peers)."""
@@ -222,12 +270,21 @@ def _thaw_server(c: Campaign) -> None:
     c.loads[c.victim].resume(reconnect=False)
 
 
-def _faulty_victim(*flags: str) -> Callable[[Campaign], None]:
+def _faulty_victim(*flags: str, reads_from_victim: bool) -> Callable[[Campaign], None]:
+    """Restart the victim with ``flags``; then make sure the fault is exercised: a
+    survivor reads from the victim (``reads_from_victim``), or the victim from a survivor."""
+
     def inject(c: Campaign) -> None:
         c.loads[c.victim].pause()
         c.stop_server(c.victim)
         c.restart_server(c.victim, *flags)
         c.loads[c.victim].resume(reconnect=True)
+        if reads_from_victim:
+            for k in range(c.cfg.nodes):
+                if k != c.victim:
+                    c.read_across(c.victim, k, "read from the faulty peer")
+        else:
+            c.read_across(0, c.victim, "read by the faulty server")
 
     return inject
 
@@ -264,10 +321,12 @@ def fault_table(cfg: FaultsConfig) -> dict[str, Fault]:
         Fault("server_freeze", "SIGSTOP of a server, then SIGCONT", "server", _freeze_server,
               _thaw_server),
         Fault("slow_peer", f"a peer that serves every read {delay} s late", "server",
-              _faulty_victim("--p2p-fault-read-delay", delay), _healthy_victim, 2.0),
+              _faulty_victim("--p2p-fault-read-delay", delay, reads_from_victim=True),
+              _healthy_victim, 2.0),
         Fault("corrupt_peer", "a corrupted transfer: a flipped byte lands in a server's"
               " first read from a peer", "server",
-              _faulty_victim("--p2p-fault-corrupt-read", "1"), _healthy_victim, 2.0),
+              _faulty_victim("--p2p-fault-corrupt-read", "1", reads_from_victim=False),
+              _healthy_victim, 2.0),
         Fault("coordinator_kill", "SIGKILL of the coordinator, restarted", "coordinator",
               _kill_coordinator, _restart_coordinator),
         Fault("coordinator_freeze", "SIGSTOP of the coordinator, then SIGCONT", "coordinator",
