@@ -63,9 +63,13 @@ def test_fault_meets_its_targets(campaign: tuple[dict[str, Any], Path], name: st
 def test_faults_bite(campaign: tuple[dict[str, Any], Path]) -> None:
     """The faults did happen where the servers can see them."""
     faults = campaign[0]["faults"]
-    assert faults["corrupt_peer"]["p2p_fallbacks"].get("checksum_mismatch", 0) >= 1
-    # a survivor read from the slow peer (late), or gave up on it and skipped it since
+    # the corrupt server's checksum check caught its corrupted read (a lookup that got
+    # the chunk from another peer after it reports no fallback, so its counter is read)
+    corrupt = faults["corrupt_peer"]["victim_p2p"]
+    assert corrupt["fallbacks"].get("checksum_mismatch", 0) >= 1, corrupt
+    # peers read from the slow peer (late), or gave up on it and skipped it since
     slow = faults["slow_peer"]
+    assert slow["victim_p2p"]["served_reads"] >= 1, slow["notes"]
     felt = slow["lookups_ms"]["p2p"]["max"] >= 300 or {"timeout", "cooling_off"} & set(
         slow["p2p_fallbacks"]
     )

@@ -150,6 +150,8 @@ class Campaign:
             for k in range(cfg.nodes)
         ]
         self._fresh = 0
+        self.victim_p2p: dict[str, Any] = {}
+        """The faulty victim's P2P counters just before its repair (slow, corrupt)."""
         self.marks: dict[str, float] = {}
         self.notes: list[str] = []
         """What the fault's own steps observed (the victim's counters, exit times)."""
@@ -225,12 +227,16 @@ class Campaign:
         )
 
     def victim_counters(self) -> None:
-        """What the victim served to its peers, before it goes (slow and corrupt peers)."""
+        """What the faulty victim served its peers and met reading from them, before it
+        goes (slow and corrupt peers): its own P2P counters, whichever lookup met them."""
         st = self.fleet.server_status(self.victim)
         if st is not None and st.p2p is not None:
+            p = st.p2p
+            faulty = {k: v for k, v in p.fallbacks.items() if v}
+            self.victim_p2p = {"served_reads": p.served_reads, "fallbacks": faulty}
             self.notes.append(
-                f"{st.instance_id} served {st.p2p.served_reads} peer reads"
-                f" ({st.p2p.served_chunks} chunks) while faulty"
+                f"{st.instance_id} served {p.served_reads} peer reads while faulty;"
+                f" its own fallbacks {faulty or 'none'}"
             )
 
 
@@ -385,7 +391,7 @@ def _dropped(fleet: Fleet) -> dict[tuple[str, int], int]:
 def run_fault(c: Campaign, fault: Fault) -> dict[str, Any]:
     """Baseline, inject, hold, repair, wait for a whole fleet, after; then the checks."""
     cfg, fleet = c.cfg, c.fleet
-    c.marks, c.notes = {}, []
+    c.marks, c.notes, c.victim_p2p = {}, [], {}
     dropped_before = _dropped(fleet)
     gaps_before = _gate_counts(fleet)
     c.mark("start")
@@ -532,6 +538,7 @@ def summarize(
         "events_lost": lost,
         "events": events,
         "notes": list(c.notes),
+        "victim_p2p": dict(c.victim_p2p),
         "timeline": timeline(
             recs,
             t_from=m["start"],
