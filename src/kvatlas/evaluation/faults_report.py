@@ -156,7 +156,9 @@ def _fault_md(f: Mapping[str, Any], plot: str | None) -> list[str]:
     ]
     for cls in CLASSES:
         p = lk[cls]
-        out.append(f"| {_TITLES[cls]} | {p['n']} | {p['p50']} | {p['p99']} | {p['max']} |")
+        out.append(
+            f"| {_TITLES[cls]} | {p['n']} | {_ms(p['p50'])} | {_ms(p['p99'])} | {_ms(p['max'])} |"
+        )
     out.append("")
     out.append(
         f"Requests {f['requests']}, failed {f['failed_requests']}, chunks with wrong bytes"
