@@ -34,8 +34,8 @@ BODY_LIMIT = 32 * MIB
 BUDGET = 64 * MIB
 STALLED = 30 * MIB
 """What each stalled body sends of its declared BODY_LIMIT before it stops."""
-HEADER_DEADLINE_S = 10.0  # the coordinator's, documented in docs/deploy.md
-BODY_WINDOW_S = 10.0
+HEADER_DEADLINE_S = 3.0
+BODY_WINDOW_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +43,7 @@ def coordinator(token_file: object) -> Iterator[Proc]:
     proc = start_coordinator_process(
         "--auth-token-file", str(token_file), "--max-body-bytes", str(BODY_LIMIT),
         "--max-buffered-bytes", str(BUDGET), "--max-connections", "64",
+        "--header-timeout-s", str(HEADER_DEADLINE_S), "--body-timeout-s", str(BODY_WINDOW_S),
     )  # fmt: skip
     yield proc
     proc.stop()

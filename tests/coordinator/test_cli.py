@@ -40,6 +40,10 @@ def test_defaults_and_env_token() -> None:
     )
     buffered = config_from_args(["--max-buffered-bytes", "99999999"], {}).max_buffered_bytes
     assert config_from_args([], {}).l2_retention_s == 86400.0
+    edge = config_from_args(
+        ["--header-timeout-s", "2", "--body-timeout-s", "3", "--min-body-rate", "100"], {}
+    )
+    assert (edge.header_timeout_s, edge.body_timeout_s, edge.min_body_rate) == (2.0, 3.0, 100.0)
     assert config_from_args(["--l2-retention-s", "0"], {}).l2_retention_s == 0.0
     assert buffered == 99999999
 
@@ -58,6 +62,9 @@ def test_defaults_and_env_token() -> None:
         ({"max_connections": -1}, "--max-connections"),
         ({"max_buffered_bytes": 1024}, "--max-buffered-bytes"),
         ({"l2_retention_s": -1.0}, "--l2-retention-s"),
+        ({"header_timeout_s": 0.0}, "--header-timeout-s"),
+        ({"body_timeout_s": -1.0}, "--body-timeout-s"),
+        ({"min_body_rate": 0.0}, "--min-body-rate"),
         ({"drop_token_ids": True, "enable_blend_lookup": True}, "--drop-token-ids"),
     ],
 )

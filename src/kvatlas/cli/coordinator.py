@@ -152,6 +152,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="most request body bytes held at once across all connections; a body over"
         " 64 KiB that does not fit gets 503 (default %(default)s, at least --max-body-bytes)",
     )
+    a(
+        "--header-timeout-s",
+        type=float,
+        default=_D.header_timeout_s,
+        help="seconds a request's line and headers may take from its first byte; slower"
+        " gets 408 (default %(default)s)",
+    )
+    a(
+        "--body-timeout-s",
+        type=float,
+        default=_D.body_timeout_s,
+        help="window over which a body must arrive at --min-body-rate (default %(default)s)",
+    )
+    a(
+        "--min-body-rate",
+        type=float,
+        default=_D.min_body_rate,
+        help="bytes/s a body must arrive at in every --body-timeout-s window; slower gets"
+        " 408 (default %(default)s)",
+    )
     a("--log-level", default=_D.log_level, help="logging level (default %(default)s)")
     return p
 
@@ -184,6 +204,9 @@ def config_from_args(argv: list[str] | None, environ: dict[str, str]) -> Coordin
         max_lookup_keys=ns.max_lookup_keys,
         max_connections=ns.max_connections,
         max_buffered_bytes=ns.max_buffered_bytes,
+        header_timeout_s=ns.header_timeout_s,
+        body_timeout_s=ns.body_timeout_s,
+        min_body_rate=ns.min_body_rate,
         log_level=ns.log_level.upper(),
     )
 

@@ -99,6 +99,15 @@ class CoordinatorConfig:
     (`--max-buffered-bytes`); a body over 64 KiB reserves its declared length from it
     before it is read, and one that does not fit is answered 503 with Retry-After. At
     least `--max-body-bytes`."""
+    header_timeout_s: float = 10.0
+    """Seconds from a request's first byte to the end of its headers
+    (`--header-timeout-s`); slower: 408 and the connection closed."""
+    body_timeout_s: float = 10.0
+    """The window over which a body's rate is measured (`--body-timeout-s`): in every
+    window from the end of its headers on, a body must arrive at `--min-body-rate`."""
+    min_body_rate: float = 16 * 1024
+    """Bytes per second a body must arrive at, per window (`--min-body-rate`); slower:
+    408 and the connection closed."""
     log_level: str = "INFO"
     """Python logging level name (`--log-level`)."""
 
@@ -149,6 +158,13 @@ class CoordinatorConfig:
                 f"--max-buffered-bytes ({self.max_buffered_bytes}) must be at least"
                 f" --max-body-bytes ({self.max_body_bytes}), or the largest body is never taken"
             )
+        for flag, seconds in (
+            ("--header-timeout-s", self.header_timeout_s),
+            ("--body-timeout-s", self.body_timeout_s),
+            ("--min-body-rate", self.min_body_rate),
+        ):
+            if not seconds > 0:
+                raise ConfigError(f"{flag} must be > 0, got {seconds}")
         if self.max_connections < 0:
             raise ConfigError(
                 f"--max-connections must be >= 0 (0: from the open-file limit),"

@@ -187,6 +187,9 @@ class CoordinatorApp:
             max_body_bytes=self._cfg.max_body_bytes,
             max_connections=self._cfg.max_connections or None,
             max_buffered_bytes=self._cfg.max_buffered_bytes,
+            header_timeout=self._cfg.header_timeout_s,
+            body_timeout=self._cfg.body_timeout_s,
+            min_body_rate=self._cfg.min_body_rate,
             gate=BearerAuth(self._cfg.auth_token) if self._cfg.auth_token else None,
         )
 
