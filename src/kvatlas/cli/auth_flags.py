@@ -1,6 +1,7 @@
 """The shared token's flags, spelled the same by every command that takes the token.
 
-Owns ``--auth-token-file`` and ``--auth-token`` and the order the token is read in: the
+Owns ``--auth-token-file`` and ``--auth-token`` (and the coordinator's
+``--operator-token-file``) and the order the token is read in: the
 file, else the flag, else ``KVATLAS_AUTH_TOKEN``. A flag's value shows in ``ps`` to
 every user of the machine, the file and the variable do not: the help says to prefer
 them. Must not log, print or echo the token.
@@ -15,6 +16,7 @@ from pathlib import Path
 from kvatlas.core.errors import ConfigError
 
 AUTH_TOKEN_ENV = "KVATLAS_AUTH_TOKEN"
+OPERATOR_TOKEN_ENV = "KVATLAS_OPERATOR_TOKEN"
 
 
 def add_token_flags(parser: argparse.ArgumentParser, what: str) -> None:
@@ -34,6 +36,28 @@ def add_token_flags(parser: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def add_operator_token_flag(parser: argparse.ArgumentParser) -> None:
+    """``--operator-token-file`` (a file or the environment only: never a flag's value)."""
+    parser.add_argument(
+        "--operator-token-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the operator's token (its first line; default:"
+        f" ${OPERATOR_TOKEN_ENV}, else none): it admits like the shared token, and only"
+        " requests bearing it see each instance's cursor incarnation and last seq in"
+        " /directory/stats",
+    )
+
+
+def read_operator_token(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    """The operator token ("" for none); ConfigError naming the flag when its file
+    cannot be read or is empty."""
+    path: str | None = args.operator_token_file
+    if path is None:
+        return environ.get(OPERATOR_TOKEN_ENV, "")
+    return _first_line(path, "--operator-token-file")
+
+
 def read_token(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
     """The token the flags and the environment give ("" for none); ConfigError naming
     the flag when both flags are given or the file cannot be read or is empty."""
@@ -43,11 +67,15 @@ def read_token(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
         return flag if flag is not None else environ.get(AUTH_TOKEN_ENV, "")
     if args.auth_token is not None:
         raise ConfigError("give --auth-token-file or --auth-token, not both")
+    return _first_line(path, "--auth-token-file")
+
+
+def _first_line(path: str, flag: str) -> str:
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--auth-token-file {path} cannot be read: {exc}") from exc
+        raise ConfigError(f"{flag} {path} cannot be read: {exc}") from exc
     token = lines[0].strip() if lines else ""
     if not token:
-        raise ConfigError(f"--auth-token-file {path} is empty")
+        raise ConfigError(f"{flag} {path} is empty")
     return token

@@ -13,7 +13,12 @@ import logging
 import os
 import sys
 
-from kvatlas.cli.auth_flags import add_token_flags, read_token
+from kvatlas.cli.auth_flags import (
+    add_operator_token_flag,
+    add_token_flags,
+    read_operator_token,
+    read_token,
+)
 from kvatlas.coordinator.app import Coordinator
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.core.errors import ConfigError
@@ -94,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the shared bearer token, which admits a client (no token: no auth); speaking for"
         " an instance that registered with a credential also needs that instance's secret",
     )
+    add_operator_token_flag(p)
     a(
         "--require-instance-credentials",
         action="store_true",
@@ -195,6 +201,7 @@ def config_from_args(argv: list[str] | None, environ: dict[str, str]) -> Coordin
         snapshot_path=ns.snapshot_path,
         snapshot_interval=ns.snapshot_interval,
         auth_token=token,
+        operator_token=read_operator_token(ns, environ),
         require_instance_credentials=ns.require_instance_credentials,
         max_seq_jump=ns.max_seq_jump,
         max_incarnation_ahead_s=ns.max_incarnation_ahead_s,

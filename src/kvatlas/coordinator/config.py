@@ -82,6 +82,11 @@ class CoordinatorConfig:
     max_incarnation_ahead_s: float = DEFAULT_MAX_INCARNATION_AHEAD_S
     """Seconds an incarnation (a process start time) may be ahead of this coordinator's
     clock (`--max-incarnation-ahead-s`); further: 400."""
+    operator_token: str = ""
+    """The operator's token (`--operator-token-file` or `KVATLAS_OPERATOR_TOKEN`): when
+    set, it admits like the shared token, and only requests bearing it see each
+    instance's cursor incarnation and last seq in `/directory/stats` (null for the rest,
+    and in the fleet page's document)."""
     max_body_bytes: int = 64 * 1024 * 1024
     """Largest request body accepted (`--max-body-bytes`); larger: 413."""
     max_batch_entries: int = 65536
@@ -175,6 +180,12 @@ class CoordinatorConfig:
         if not self.max_incarnation_ahead_s >= 0:
             raise ConfigError(
                 f"--max-incarnation-ahead-s must be >= 0 s, got {self.max_incarnation_ahead_s}"
+            )
+        if self.operator_token and self.operator_token != self.operator_token.strip():
+            raise ConfigError("--operator-token-file must not start or end with whitespace")
+        if self.operator_token and self.operator_token == self.auth_token:
+            raise ConfigError(
+                "the operator token must differ from the shared token (--auth-token-file)"
             )
         if self.auth_token and (self.auth_token != self.auth_token.strip()):
             raise ConfigError("--auth-token must not start or end with whitespace")

@@ -159,7 +159,8 @@ class FleetView:
                 not_ready_reason=self._svc.not_ready_reason,
                 instance_timeout_s=self._cfg.instance_timeout,
                 counters=self._metrics.counters(),
-                directory=self._svc.stats(),
+                # One document for every viewer: without the operator's cursors.
+                directory=self._svc.stats(redact=bool(self._cfg.operator_token)),
                 members=views,
             )
         )

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from kvatlas.coordinator.auth import BearerAuth
+from kvatlas.coordinator.auth import BearerAuth, OperatorCheck
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.fleet_page import FleetPage
 from kvatlas.coordinator.fleet_view import FleetView
@@ -158,6 +158,7 @@ class CoordinatorApp:
         self._events_refusal = events_refusal
         self._openapi = _encoder.encode(openapi_document())
         self._page = FleetPage(FleetView(config, service, metrics, clock=clock))
+        self._operator = OperatorCheck(config.operator_token)
 
     def router(self) -> Router:
         r = Router()
@@ -190,7 +191,11 @@ class CoordinatorApp:
             header_timeout=self._cfg.header_timeout_s,
             body_timeout=self._cfg.body_timeout_s,
             min_body_rate=self._cfg.min_body_rate,
-            gate=BearerAuth(self._cfg.auth_token) if self._cfg.auth_token else None,
+            gate=(
+                BearerAuth(self._cfg.auth_token, self._cfg.operator_token)
+                if self._cfg.auth_token or self._cfg.operator_token
+                else None
+            ),
         )
 
     # ---- membership ------------------------------------------------------------------
@@ -383,7 +388,8 @@ class CoordinatorApp:
 
     def stats(self, request: HttpRequest) -> HttpResponse:
         with_digest = request.query.get("digest", "") in ("1", "true")
-        return _json(self._svc.stats(with_digest))
+        redact = self._operator.enabled and not self._operator(request)
+        return _json(self._svc.stats(with_digest, redact=redact))
 
     def keys(self, request: HttpRequest) -> HttpResponse:
         q = request.query

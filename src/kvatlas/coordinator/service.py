@@ -477,9 +477,10 @@ class CoordinatorService:
 
     # ---- views -----------------------------------------------------------------------
 
-    def stats(self, with_digest: bool = False) -> StatsResponse:
+    def stats(self, with_digest: bool = False, redact: bool = False) -> StatsResponse:
         """The lock covers the counters and, with ``with_digest``, a copy of the
-        directory; the digest (seconds at 1M keys) and the views are made after."""
+        directory; the digest (seconds at 1M keys) and the views are made after.
+        ``redact``: the cursors without incarnation and last seq."""
         with self.lock:
             fl = self.fleet
             stats = fl.stats()
@@ -501,6 +502,7 @@ class CoordinatorService:
             keep_tokens=keep_tokens,
             digest=capture.digest() if capture is not None else None,
             positions=positions,
+            redact=redact,
         )
 
     def keys_page(

@@ -66,7 +66,9 @@ def stats_response(
     keep_tokens: bool,
     digest: str | None,
     positions: dict[str, int],
+    redact: bool = False,
 ) -> StatsResponse:
+    """``redact``: each cursor's incarnation and last seq as null (see `CursorView`)."""
     return StatsResponse(
         keys=stats.keys,
         placements=stats.placements,
@@ -79,7 +81,13 @@ def stats_response(
             for o in stats.owners
         ],
         cursors=[
-            CursorView(iid, c.incarnation, c.last_seq, c.gaps, c.missing)
+            CursorView(
+                iid,
+                None if redact else c.incarnation,
+                None if redact else c.last_seq,
+                c.gaps,
+                c.missing,
+            )
             for iid, c in sorted(cursors.items())
         ],
         live_instances=live,

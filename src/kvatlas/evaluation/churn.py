@@ -201,7 +201,12 @@ class _Scenario:
         done = bool(self.catchup_target)
         for iid, (inc, seq) in self.catchup_target.items():
             c = cur.get(iid)
-            ok = c is not None and c.incarnation == inc and c.last_seq >= seq
+            ok = (
+                c is not None
+                and c.incarnation == inc
+                and c.last_seq is not None
+                and c.last_seq >= seq
+            )
             detail[iid] = {
                 "target_seq": seq,
                 "directory_seq": c.last_seq if c is not None else None,

@@ -41,6 +41,7 @@ def delivery_state(fleet: Fleet) -> tuple[bool, dict[str, Any]]:
             and buffered == 0
             and c is not None
             and c.incarnation == inc
+            and c.last_seq is not None
             and c.last_seq >= last
             and st.registration_state == "registered"
         )

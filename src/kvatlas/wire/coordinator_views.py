@@ -28,11 +28,13 @@ class OwnerView(msgspec.Struct, frozen=True):
 
 
 class CursorView(msgspec.Struct, frozen=True):
-    """The event gate's cursor of one instance."""
+    """The event gate's cursor of one instance. ``incarnation`` and ``last_seq`` are
+    null unless the request carried the operator token, when the coordinator has one
+    (`--operator-token-file`): they are what a forger of the instance's events needs."""
 
     instance_id: str
-    incarnation: int
-    last_seq: int
+    incarnation: int | None
+    last_seq: int | None
     gaps: int
     missing: int
 

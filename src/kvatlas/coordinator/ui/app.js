@@ -443,7 +443,7 @@
     const gapped = cursors.filter((c) => c.gaps > 0);
     fillTable(
       "gaps",
-      gapped.map((c) => [[c.instance_id], [c.incarnation, "num"], [c.last_seq, "num"], [c.gaps, "num bad"], [c.missing, "num"]]),
+      gapped.map((c) => [[c.instance_id], [c.incarnation ?? "-", "num"], [c.last_seq ?? "-", "num"], [c.gaps, "num bad"], [c.missing, "num"]]),
     );
     $("gaps-note").textContent = gapped.length
       ? fmtNum(doc.counters.gaps) + " gaps, " + fmtNum(doc.counters.missing_seqs) + " seqs missing since the coordinator started."
