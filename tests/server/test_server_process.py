@@ -5,6 +5,7 @@ lossless events to the real coordinator process across its restart."""
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -449,3 +450,32 @@ def test_auth_token_guards_the_engine_api_and_status(tmp_path: Path) -> None:
         trusted.close()
     finally:
         assert s.stop() == 0, s.text()
+
+
+def test_a_frozen_coordinator_does_not_hold_a_stopping_server(tmp_path: Path) -> None:
+    """SIGTERM with the coordinator frozen: the server leaves within a couple of seconds,
+    not a coordinator timeout (here 10 s) per call still waiting on it."""
+    coord = start_coordinator(tmp_path, snapshot=False)
+    try:
+        srv = start_server_process(
+            tmp_path, "node-a", "--chunk-size", "16", "--l1-size-gb", "0.01",
+            "--no-l1-prefault", "--coordinator-url", coord.url,
+            "--coordinator-heartbeat-interval", "0.1", "--coordinator-timeout", "10",
+            "--event-flush-interval", "0.1", "--p2p-advertise-url", f"127.0.0.1:{free_port()}",
+        )  # fmt: skip
+        wait_until(
+            lambda: srv.status()["registration_state"],
+            lambda state: state == "registered",
+            what="node-a registered",
+        )
+        coord.popen.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(0.5)  # a heartbeat and a peer listing now wait on it
+            t0 = time.monotonic()
+            code = srv.stop(grace_s=20)
+            took = time.monotonic() - t0
+        finally:
+            coord.popen.send_signal(signal.SIGCONT)
+        assert code == 0 and took < 5.0, (code, took)
+    finally:
+        coord.stop()

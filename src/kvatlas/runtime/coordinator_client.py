@@ -390,9 +390,14 @@ class CoordinatorClient:
                 f"PUT {self._url(path)} answered 404: {reason}", resp.status_code, reason
             )
 
-    def deregister(self, instance_id: str) -> None:
-        """``DELETE /instances/{id}``."""
-        self._send("DELETE", f"/instances/{instance_id}", headers=self._instance_headers())
+    def deregister(self, instance_id: str, *, timeout_s: float | None = None) -> None:
+        """``DELETE /instances/{id}``; ``timeout_s`` bounds the whole call."""
+        self._send(
+            "DELETE",
+            f"/instances/{instance_id}",
+            headers=self._instance_headers(),
+            timeout_s=timeout_s,
+        )
 
     def instances(self) -> list[InstanceWire]:
         """``GET /instances``: the live instances as the coordinator lists them."""

@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Final
 
 from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
@@ -33,6 +34,10 @@ from kvatlas.server.errors import SinkError
 from kvatlas.server.sinks import EventSink
 
 log = logging.getLogger(__name__)
+
+SHUTDOWN_S: Final = 1.0
+"""At shutdown, the longest wait for a send in flight (a frozen coordinator held a
+stopping server a whole send timeout, 5 s by default)."""
 
 BACKEND_OF_TIER: dict[Tier, str] = {Tier.L1: "cpu", Tier.L2: "disk"}
 MAX_BATCHES_PER_SEND = 64
@@ -262,13 +267,25 @@ class EventPublisher:
                 )
 
     def stop(self, final_flush: bool = True) -> None:
-        """Stop the flush thread; by default try one last flush (one attempt)."""
+        """Stop the flush thread; by default try one last flush (one attempt). A send
+        still in flight after ``SHUTDOWN_S`` (a frozen coordinator) is left to its daemon
+        thread, and then no last flush is tried: it would wait a whole send timeout."""
         self._stop.set()
         self._wake.set()
+        busy = False
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(SHUTDOWN_S)
+            busy = self._thread.is_alive()
             self._thread = None
-        if final_flush:
+        if busy:
+            log.warning(
+                "instance %s incarnation %d: an event send is still in flight at shutdown;"
+                " no last flush (last seq %d)",
+                self._instance_id,
+                self._incarnation,
+                self._seq,
+            )
+        elif final_flush:
             self.flush()
         self._sink.close()
 

@@ -32,6 +32,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Final
 
 from kvatlas.core.credentials import credential_digest
 from kvatlas.core.keys import HashContract
@@ -48,6 +49,11 @@ from kvatlas.wire.fleet_view import ENGINE_URLS_KEY
 from kvatlas.wire.http_api import ContractWire, RegisterRequest
 
 log = logging.getLogger(__name__)
+
+SHUTDOWN_S: Final = 1.0
+"""At shutdown, the longest wait for a coordinator call in flight, and for the
+deregistration: a frozen coordinator held a stopping server one coordinator timeout
+(5 s by default) per call, and a silent instance is expired anyway."""
 
 
 class RegistrationState(enum.StrEnum):
@@ -301,12 +307,13 @@ class Registrar:
         log.info("instance %s advertises engine %s", self.identity.instance_id, url)
         self._wake.set()
 
-    def deregister(self) -> None:
-        """``DELETE /instances/{id}``; failures are logged, not raised."""
+    def deregister(self, timeout_s: float | None = None) -> None:
+        """``DELETE /instances/{id}`` (within ``timeout_s``, the client's timeout by
+        default); failures are logged, not raised."""
         with self._lock:
             iid = self.identity.instance_id
             try:
-                self._coordinator.deregister(iid)
+                self._coordinator.deregister(iid, timeout_s=timeout_s)
                 log.info("deregistered instance %s", iid)
             except CoordinatorError as exc:
                 log.warning("deregistration of instance %s failed: %s", iid, exc)
@@ -331,13 +338,25 @@ class Registrar:
             self._wake.clear()
 
     def stop(self, deregister: bool = True) -> None:
+        """Stop the loop and deregister, within about ``2 * SHUTDOWN_S``: a heartbeat
+        still in flight after ``SHUTDOWN_S`` (a frozen coordinator) is left to its daemon
+        thread and the deregistration skipped; the coordinator expires the instance."""
         self._stop.set()
         self._wake.set()
+        busy = False
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(SHUTDOWN_S)
+            busy = self._thread.is_alive()
             self._thread = None
-        if deregister and self._registrations:
-            self.deregister()
+        if busy:
+            log.warning(
+                "instance %s incarnation %d: a coordinator call is still in flight at"
+                " shutdown; not deregistering (the coordinator expires the instance)",
+                self.identity.instance_id,
+                self.identity.incarnation,
+            )
+        elif deregister and self._registrations:
+            self.deregister(timeout_s=SHUTDOWN_S)
 
     def stats(self) -> RegistrarStats:
         # No lock: a request in flight may hold it for a whole timeout, and /status must

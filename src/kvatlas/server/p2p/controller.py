@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 
 ENDPOINT_METADATA_KEY = "p2p_endpoint"
 """Registration metadata key holding the transport's Endpoint as JSON."""
+STOP_WAIT_S: Final = 1.0
+"""How long ``stop`` waits for a poll in flight (a frozen coordinator would hold it a
+whole coordinator timeout)."""
 PROBE_TIMEOUT_S: Final = 0.2
 """Bound of one half-open probe (a ``hello`` on the control channel)."""
 
@@ -328,7 +331,12 @@ class P2PController:
         )
         self._next_index += 1
         with self._lock:
-            self._adapters[peer.instance_id] = adapter
+            stopping = self._stop.is_set()
+            if not stopping:
+                self._adapters[peer.instance_id] = adapter
+        if stopping:  # stop() gave up waiting for this poll and closed the others
+            adapter.close()
+            return
         self._added += 1
         log.debug(
             "Added P2P adapter %d for peer %s (%s)", adapter.index, peer.instance_id, peer.url
@@ -361,9 +369,12 @@ class P2PController:
             self._stop.wait(self._interval)
 
     def stop(self) -> None:
+        """Stop polling and close every adapter. A listing still waiting on a frozen
+        coordinator after ``STOP_WAIT_S`` is left to its daemon thread, which adds no
+        adapter once stopping."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(10)
+            self._thread.join(STOP_WAIT_S)
             self._thread = None
         with self._lock:
             adapters, self._adapters = list(self._adapters.values()), {}
