@@ -1,16 +1,22 @@
 """Where a coordinator lookup's server-side time goes, step by step, in process.
 
-    python -m bench.coordinator_breakdown
+    python -m bench.coordinator_breakdown [--gc-keys 1000000] [--glibc-defaults]
 
 The same steps the HTTP handler runs for `POST /directory/lookup`, timed one by one
 (medians of 300 runs) for a 32,768-token prompt (JSON `token_ids`, `tokens_b64`, msgpack) and
 for 128 keys, with 100 of the 128 chunks held by one instance. The HTTP round trip itself
-is what `bench.coordinator_bench` adds on top.
+is what `bench.coordinator_bench` adds on top. The process sets glibc's malloc
+thresholds as the coordinator's does (`runtime.allocator`; ``--glibc-defaults`` leaves
+them, for comparison). Then the pause of one full garbage
+collection with ``--gc-keys`` keys stored, as the coordinator process runs (its startup
+objects frozen before the keys arrive) and without the freeze (CPU time, 7 runs).
 """
 
 from __future__ import annotations
 
+import argparse
 import base64
+import gc
 import json
 import statistics
 import time
@@ -21,10 +27,11 @@ import msgspec
 import numpy as np
 
 from kvatlas.coordinator.views import holders_wire, lookup_json, prefix_response
-from kvatlas.core.events import Entry, EventBatch
+from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes, default_kv_rank
 from kvatlas.core.types import EventType, Tier
+from kvatlas.runtime.allocator import keep_freed_heap
 from kvatlas.wire.http_api import (
     LookupRequest,
     decode_lookup,
@@ -45,7 +52,44 @@ def _median_us(fn: Callable[[], Any], n: int = 300) -> float:
     return statistics.median(times) * 1e6
 
 
+def _full_collection_ms() -> tuple[float, float]:
+    """(min, median) CPU milliseconds of 7 full collections."""
+    times = []
+    for _ in range(7):
+        t0 = time.thread_time()
+        gc.collect()
+        times.append((time.thread_time() - t0) * 1000)
+    return min(times), statistics.median(times)
+
+
+def _gc_pauses(keys: int) -> list[tuple[str, float, float]]:
+    gc.collect()
+    gc.freeze()  # what `Coordinator.run` does before serving
+    fleet = FleetState()
+    rank = default_kv_rank()
+    per = 8192
+    for seq, start in enumerate(range(0, keys, per), 1):
+        ids = np.arange(start, min(keys, start + per), dtype=">u8").view(np.uint8)
+        hashes = [bytes(h) * 4 for h in ids.reshape(-1, 8)]
+        block = KeyBlock.of(Namespace(MODEL, rank), hashes, 4096)
+        fleet.ingest(EventBatch("a", 1, seq, EventType.STORE, Tier.L1, (), block=block), 0.0)
+    frozen = _full_collection_ms()
+    gc.unfreeze()
+    return [
+        (f"full garbage collection, {keys:,} keys, startup frozen", *frozen),
+        (f"full garbage collection, {keys:,} keys, nothing frozen", *_full_collection_ms()),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.coordinator_breakdown")
+    ap.add_argument("--gc-keys", type=int, default=1_000_000, help="keys stored for the GC pause")
+    ap.add_argument(
+        "--glibc-defaults", action="store_true", help="leave glibc's malloc thresholds as they are"
+    )
+    args = ap.parse_args(argv)
+    if not args.glibc_defaults:
+        keep_freed_heap()
     fleet = FleetState()
     rank = default_kv_rank()
     tokens = list(range(7, 7 + 32768))
@@ -94,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| step (server side, in process) | median |\n|---|---|")
     for name, us in rows:
         print(f"| {name} | {us:,.0f} us |")
+    print("\n| garbage collection (CPU time) | min | median |\n|---|---|---|")
+    for name, low, mid in _gc_pauses(args.gc_keys):
+        print(f"| {name} | {low:.1f} ms | {mid:.1f} ms |")
     return 0
 
 

@@ -7,8 +7,9 @@ HTTP (`kvatlas.runtime.http_server`: uvloop, httptools) on a socket it bound its
 a port of 0 is known before serving) until told to stop (SIGINT/SIGTERM or `stop()`),
 and on a clean shutdown writes a last snapshot (`final_snapshot_failed` says whether
 that failed, for the exit status). Run in the main thread it owns the process: it takes
-the signals and freezes what startup built out of the garbage collector's sight. Must
-not contain logic of its own beyond wiring.
+the signals, freezes what startup built out of the garbage collector's sight and sets
+glibc's malloc thresholds (`runtime.allocator`). Must not contain logic of its own
+beyond wiring.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kvatlas.coordinator.http_app import CoordinatorApp
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.core.fleet import FleetState
+from kvatlas.runtime.allocator import keep_freed_heap
 from kvatlas.runtime.gc_pauses import GcPauses
 from kvatlas.runtime.http_server import HttpServer
 from kvatlas.runtime.net import bind
@@ -147,6 +149,8 @@ class Coordinator:
             # of every request's time here at each one (bench: docs/benchmarks.md).
             gc.collect()
             gc.freeze()
+            # And keeps freed heap for the next request's big temporaries (see there).
+            keep_freed_heap()
         self.gc_pauses.install()
         for part in self._parts:
             part.start()
