@@ -10,7 +10,9 @@ every other test (`make check`); counts are small and deadlines short.
 - 4, a bit flip in the snapshot refused at startup: `test_coordinator_inputs.py`
 - 5, trickled headers and stalled bodies (408), the buffered-bytes budget and the
   connection cap (503), memory returned, normal clients answered: `test_http_edge.py`;
-  engine-API messages over 16 MiB: `test_engine_api.py`
+  engine-API messages over 16 MiB, an engine flooding the engine API without reading
+  (answered `overloaded` beyond the queue bounds, memory bounded, other engines' hits
+  answered, the connector recomputing): `test_engine_api.py`
 - 6, idle unauthenticated data-port connections, huge P2P channel messages:
   `test_data_path.py`
 - 7, L2 claims of a never-registered instance, L2 retention of departed ones:

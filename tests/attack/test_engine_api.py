@@ -2,28 +2,52 @@
 engine-API workers (``TypeError`` in the comparison), and the same header made `/status`
 and `/metrics` answer 500. Replayed against a real ``kvatlas server``: every such request
 is refused, and the server keeps serving the right token afterwards. Also the engine
-API's share of item 5: a message over its size limit is refused before it is read.
+API's share of item 5: a message over its size limit is refused before it is read, and an
+engine that sends requests faster than they are served (without reading the answers)
+gets the excess answered ``overloaded`` at once, holds a bounded share of the queue and of
+the server's memory, and leaves other engines' local hits answered.
 
 The gate itself, on every input (hypothesis): ``tests/runtime/test_auth.py``.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import zmq
 
-from kvatlas.connector.client import CacheClient, Unauthorized
+from kvatlas.connector.client import CacheClient, ServerOverloaded, Unauthorized
+from kvatlas.connector.kv_connector import Fallback, KVConnector
+from kvatlas.core.keys import HashContract
 from kvatlas.server.engine_api import MAX_MESSAGE_BYTES
+from kvatlas.wire.engine_proto import (
+    PROTOCOL_VERSION,
+    ErrorReply,
+    Lookup,
+    LookupResult,
+    Request,
+    decode_response,
+    encode,
+)
 from support.services import ServerProc
 
-from .conftest import BEARER, CHUNK, TOKEN, start_server
+from .conftest import BEARER, CHUNK, TOKEN, client, rss_bytes, start_server
 
 MODEL = "tiny"
+LAYOUT = (2, 2, 8)
+MAX_QUEUED = 8
+PER_CLIENT = 4
+FLOOD = 300
+"""Requests each flooding socket sends without reading an answer."""
+FLOOD_TOKENS = 64 * 1024
+"""Token ids per flooding lookup: 256 KiB each, hashed by the server (work that takes a
+worker a while), so FLOOD of them are 75 MiB the server would hold if it queued them all."""
 
 
 @pytest.fixture(scope="module")
@@ -74,4 +98,127 @@ def test_huge_engine_messages_are_dropped_unread_and_engines_answered(
         assert big.poll(1000, zmq.POLLIN) == 0  # no answer: the sender was cut off
     finally:
         big.close(0)
+        ctx.term()
+
+
+@pytest.fixture(scope="module")
+def bounded(tmp_path_factory: pytest.TempPathFactory, token_file: Path) -> Iterator[ServerProc]:
+    """A server with one engine worker and small bounds on the requests it holds."""
+    s = start_server(
+        tmp_path_factory.mktemp("engine-queue"), "node-queue", token_file,
+        "--engine-workers", "1", "--engine-max-queued", str(MAX_QUEUED),
+        "--engine-max-queued-per-client", str(PER_CLIENT),
+    )  # fmt: skip
+    yield s
+    assert s.stop() == 0, s.text()
+
+
+def _flood(
+    ctx: zmq.Context[zmq.Socket[bytes]], url: str, ns_client: CacheClient
+) -> zmq.Socket[bytes]:
+    """A DEALER that sends FLOOD heavy lookups at once and reads nothing yet."""
+    assert ns_client.ns is not None
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(url)
+    tokens = np.arange(FLOOD_TOKENS, dtype="<u4").tobytes()
+    for i in range(FLOOD):
+        body = Lookup(ns_client.ns, token_ids=tokens)
+        sock.send_multipart([b"", encode(Request(PROTOCOL_VERSION, i + 1, body, TOKEN))])
+    return sock
+
+
+def _answers(sock: zmq.Socket[bytes], deadline_s: float) -> tuple[int, int]:
+    """Read FLOOD answers: (served, overloaded)."""
+    served = overloaded = 0
+    end = time.monotonic() + deadline_s
+    while served + overloaded < FLOOD:
+        left_ms = int((end - time.monotonic()) * 1000)
+        assert left_ms > 0 and sock.poll(left_ms, zmq.POLLIN), (served, overloaded)
+        body = decode_response(sock.recv_multipart()[-1]).body
+        if isinstance(body, ErrorReply):
+            assert body.code == "overloaded", body
+            overloaded += 1
+        else:
+            assert isinstance(body, LookupResult), body
+            served += 1
+    return served, overloaded
+
+
+def _metric(s: ServerProc, name: str) -> float:
+    with client(s) as c:
+        text = c.get("/metrics").text
+    m = re.search(rf"^kvatlas_server_{name}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert m is not None, name
+    return float(m.group(1))
+
+
+def test_a_flooding_engine_is_answered_overloaded_and_others_still_hit(
+    bounded: ServerProc,
+) -> None:
+    """The engine API queued every request it read, without a bound: an engine sending
+    faster than the workers answer grew the server's memory without limit and put every
+    other engine's local hit behind its flood. Now the flood holds PER_CLIENT requests at
+    most, the rest are answered ``overloaded`` at once, the server's memory stays, and an
+    honest engine's local hit is answered meanwhile."""
+    s = bounded
+    trusted = CacheClient(s.engine_url, timeout_s=10.0, auth_token=TOKEN)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        trusted.register(MODEL, "float16", LAYOUT, chunk_size=CHUNK)
+        prompt = list(range(1000, 1000 + CHUNK))
+        stored = trusted.store_chunks(prompt, [np.ones(1024, np.uint8)])
+        assert stored.stored == 1
+        rss0 = rss_bytes(s.pid)
+        flood = _flood(ctx, s.engine_url, trusted)
+        t0 = time.monotonic()
+        assert trusted.lookup(prompt).hit_tokens == CHUNK
+        hit_s = time.monotonic() - t0
+        peak = rss_bytes(s.pid)
+        served, overloaded = _answers(flood, 120)
+        peak = max(peak, rss_bytes(s.pid))
+        flood.close(0)
+        assert hit_s < 10, hit_s
+        assert overloaded > 0 and served >= 1, (served, overloaded)
+        # unbounded, the server held most of FLOOD x 256 KiB = 75 MiB at once
+        assert peak - rss0 < 30 * 2**20, (rss0, peak)
+        assert _metric(s, "engine_requests_overloaded_total") >= overloaded
+        assert _metric(s, "engine_requests_queued") == 0
+    finally:
+        trusted.close()
+        ctx.term()
+
+
+def test_a_full_queue_makes_the_connector_recompute_not_fail(bounded: ServerProc) -> None:
+    """With every place held by flooding sockets, a connector's lookup is answered
+    ``overloaded``: it falls back to recomputing (cause ``server_overloaded``), stays
+    connected, and the plain client raises ``ServerOverloaded``, a ``RequestRefused``."""
+    s = bounded
+    contract = HashContract(MODEL, CHUNK, kv_dtype="float16", kv_layout=LAYOUT)
+    conn = KVConnector(contract, CacheClient(s.engine_url, auth_token=TOKEN), timeout_s=10.0)
+    plain = CacheClient(s.engine_url, timeout_s=10.0, auth_token=TOKEN)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        assert conn.register()
+        plain.register(MODEL, "float16", LAYOUT, chunk_size=CHUNK)
+        floods = [_flood(ctx, s.engine_url, plain) for _ in range(MAX_QUEUED // PER_CLIENT)]
+        causes = []
+        for _ in range(20):  # the flood lasts seconds; one lookup in a free moment is fine
+            with conn.fetch_prefix(list(range(2 * CHUNK))) as prefix:
+                causes.append(prefix.stats.fallback)
+            if Fallback.SERVER_OVERLOADED in causes:
+                break
+        assert Fallback.SERVER_OVERLOADED in causes, causes
+        assert conn.connected
+        assert conn.stats().fallbacks[Fallback.SERVER_OVERLOADED] >= 1
+        with pytest.raises(ServerOverloaded):
+            for _ in range(20):
+                plain.lookup(list(range(CHUNK)))
+        for f in floods:
+            _answers(f, 120)
+            f.close(0)
+        assert plain.lookup(list(range(CHUNK))).hit_tokens == 0  # served again
+    finally:
+        conn.close()
+        plain.close()
         ctx.term()

@@ -1,6 +1,8 @@
 """`kvatlas server`'s Kafka flags: the same defaults as the coordinator's, because an
 instance's event batches and the coordinators' membership records of it must share a
-topic and a partitioner to stay in one partition, in order."""
+topic and a partitioner to stay in one partition, in order. Also the flags that reach
+the config and the ranges it refuses naming the flag (coordinator URLs, the P2P
+directory timeout, the engine API's queue bounds)."""
 
 from __future__ import annotations
 
@@ -71,3 +73,17 @@ def test_directory_timeout_flag_reaches_the_config_and_must_be_positive() -> Non
     args = build_parser().parse_args([*KAFKA, *p2p, "--p2p-directory-timeout", "0"])
     with pytest.raises(ConfigError, match="--p2p-directory-timeout"):
         config_from_args(args, {}).validate()
+
+
+def test_engine_queue_bounds_reach_the_config_and_are_refused_out_of_range() -> None:
+    flags = ["--engine-max-queued", "16", "--engine-max-queued-per-client", "4"]
+    config = config_from_args(build_parser().parse_args([*KAFKA, *flags]), {})
+    assert (config.engine_max_queued, config.engine_max_queued_per_client) == (16, 4)
+    for bad, flag in (
+        (["--engine-max-queued", "0"], "--engine-max-queued must"),
+        (["--engine-max-queued-per-client", "0"], "--engine-max-queued-per-client must"),
+        ([*flags[:2], "--engine-max-queued-per-client", "17"], "per-client must be in"),
+    ):
+        args = build_parser().parse_args([*KAFKA, *bad])
+        with pytest.raises(ConfigError, match=flag):
+            config_from_args(args, {}).validate()

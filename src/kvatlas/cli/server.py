@@ -69,6 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="more engine API threads for lookups that wait on peers, and the most such"
         " lookups at once (beyond them a lookup answers its local prefix)",
     )
+    ap.add_argument(
+        "--engine-max-queued",
+        type=int,
+        default=1024,
+        help="engine requests held at once, queued or being served; one more is answered"
+        " 'overloaded' at once, unserved, and the engine recomputes (default %(default)s)",
+    )
+    ap.add_argument(
+        "--engine-max-queued-per-client",
+        type=int,
+        default=64,
+        help="the same bound per engine socket, so that one flooding engine cannot hold"
+        " the whole queue (default %(default)s)",
+    )
     ap.add_argument("--state-dir", default=None, help="incarnation counter dir")
     add_coordinator_url_flag(ap, "where this server registers, sends events and finds peers")
     ap.add_argument("--coordinator-advertise-ip", default="127.0.0.1", help="IP to advertise")
@@ -188,6 +202,8 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
         lease_s=args.lease_seconds,
         engine_workers=args.engine_workers,
         engine_p2p_workers=args.engine_p2p_workers,
+        engine_max_queued=args.engine_max_queued,
+        engine_max_queued_per_client=args.engine_max_queued_per_client,
         l1=L1Config(
             size_bytes=int(args.l1_size_gb * GIB),
             eviction_policy=args.eviction_policy,

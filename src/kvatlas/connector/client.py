@@ -11,6 +11,7 @@ Exceptions (all derive from KvatlasError)::
      +-- RequestRefused      the server answered with an error; ``code`` says which
           +-- ContractRefused    register: the contract contradicts the server's or fleet's
           +-- ModelNotRegistered a request for a model not registered first
+          +-- ServerOverloaded   the server held too many requests; this one was not served
      +-- ChecksumMismatch    bytes read from the region do not match the chunk's checksum
 
 Not thread-safe: use one client per thread (a lock guards the socket anyway).
@@ -90,6 +91,11 @@ class ModelNotRegistered(RequestRefused):
     """The model was not registered with ``register`` first."""
 
 
+class ServerOverloaded(RequestRefused):
+    """The server held as many engine requests as it may and did not serve this one (it
+    changed nothing): recompute, or retry later."""
+
+
 class Unauthorized(RequestRefused):
     """The server requires an auth token and the client's is missing or wrong."""
 
@@ -104,6 +110,7 @@ _REFUSALS: dict[str, type[RequestRefused]] = {
     "contract_mismatch": ContractRefused,
     "not_registered": ModelNotRegistered,
     "unauthorized": Unauthorized,
+    "overloaded": ServerOverloaded,
 }
 
 ArrayLike = npt.NDArray[np.generic]

@@ -16,7 +16,9 @@ does P2P behind the lookup), or read configuration from flags or the environment
 
 Fallback causes (``Fallback``: ``FetchStats.fallback``, counted in
 ``ConnectorStats.fallbacks``): ``server_unavailable`` (no answer in time, or not
-connected), ``refused`` (the server answered with an error), ``contract_refused``
+connected), ``server_overloaded`` (the server held as many engine requests as it may
+and did not serve this one), ``refused`` (the server answered with another error),
+``contract_refused``
 (re-registration refused), ``checksum_mismatch`` (a chunk's bytes do not match its
 checksum), ``bad_chunk`` (a chunk of the wrong size, or one the model could not build a
 cache from), ``p2p_<reason>`` for each of the server's ``PeerFallback`` reasons (its peer
@@ -52,6 +54,7 @@ from kvatlas.connector.client import (
     EngineClientError,
     ModelNotRegistered,
     RequestRefused,
+    ServerOverloaded,
     ServerUnavailable,
 )
 from kvatlas.core.checksum import checksum
@@ -72,6 +75,7 @@ class Fallback(enum.StrEnum):
     """Why a fetch fell back to recomputing (the value is the metrics label)."""
 
     SERVER_UNAVAILABLE = "server_unavailable"
+    SERVER_OVERLOADED = "server_overloaded"
     REFUSED = "refused"
     CONTRACT_REFUSED = "contract_refused"
     CHECKSUM_MISMATCH = "checksum_mismatch"
@@ -268,6 +272,11 @@ class KVConnector:
                 world_size=contract.world_size,
                 openai_url=self.openai_url,
             )
+        except ServerOverloaded as exc:
+            # busy, not refusing the model: serve without a cache, register again later
+            self._set_connected(False)
+            log.warning("cache server overloaded, serving without a cache for now: %s", exc)
+            return False
         except ContractRefused as exc:
             self._set_connected(False)
             raise ContractRejected(
@@ -376,6 +385,8 @@ class KVConnector:
         except ServerUnavailable as exc:
             self._set_connected(False)
             return self._failed(stats, Fallback.SERVER_UNAVAILABLE, str(exc), t0)
+        except ServerOverloaded as exc:  # still connected: the next lookup may fit
+            return self._failed(stats, Fallback.SERVER_OVERLOADED, str(exc), t0)
         except (RequestRefused, EngineClientError) as exc:
             return self._failed(stats, Fallback.REFUSED, str(exc), t0)
         self._lookups += 1

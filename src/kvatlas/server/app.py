@@ -167,6 +167,8 @@ class CacheServer:
                 config.port,
                 workers=config.engine_workers,
                 p2p_workers=config.engine_p2p_workers if config.p2p.enabled else 0,
+                max_queued=config.engine_max_queued,
+                max_queued_per_client=config.engine_max_queued_per_client,
                 auth_token=config.coordinator.auth_token,
             )
             self.engine_api.start()  # binds --port: PortInUse before anything else runs
@@ -226,6 +228,7 @@ class CacheServer:
                 coordinator=lambda: self.coordinator.stats() if self.coordinator else None,
                 lookups=self.service.lookup_counts,
                 p2p=lambda: self.p2p.stats() if self.p2p else None,
+                engine_api=self.engine_api.stats,
             )
         except BaseException:
             if self.coordinator is not None:

@@ -209,6 +209,12 @@ class ServerConfig:
     engine_p2p_workers: int = 4
     """More threads for lookups that wait on peers, and the most such lookups at once
     (``--engine-p2p-workers``); a lookup finding them all busy answers its local prefix."""
+    engine_max_queued: int = 1024
+    """Engine requests held at once (queued or being served) before more are answered
+    ``overloaded`` at once (``--engine-max-queued``): bounds the memory a flood takes."""
+    engine_max_queued_per_client: int = 64
+    """The same bound per engine socket (``--engine-max-queued-per-client``), so that one
+    flooding engine cannot fill the queue for all."""
     l1: L1Config = field(default_factory=L1Config)
     l2: L2Config = field(default_factory=L2Config)
     coordinator: CoordinatorLink = field(default_factory=CoordinatorLink)
@@ -239,6 +245,13 @@ def _problems(c: ServerConfig) -> list[str]:
         out.append(f"--engine-workers must be >= 1, got {c.engine_workers}")
     if c.engine_p2p_workers < 1:
         out.append(f"--engine-p2p-workers must be >= 1, got {c.engine_p2p_workers}")
+    if c.engine_max_queued < 1:
+        out.append(f"--engine-max-queued must be >= 1, got {c.engine_max_queued}")
+    if not 1 <= c.engine_max_queued_per_client <= c.engine_max_queued:
+        out.append(
+            "--engine-max-queued-per-client must be in [1, --engine-max-queued"
+            f" {c.engine_max_queued}], got {c.engine_max_queued_per_client}"
+        )
     a = c.l1.align_bytes
     if a < MIN_ALIGN_BYTES or a & (a - 1):
         out.append(f"--l1-align-bytes must be a power of two >= {MIN_ALIGN_BYTES}, got {a}")

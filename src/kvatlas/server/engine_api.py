@@ -12,8 +12,19 @@ as the service lends to peer fetches at once (``EngineService`` refuses a fetch 
 them), so that with every P2P slot busy, local hits, stores, reserves and releases still
 find a free worker at once. The service serializes store access with its lock. A
 message over ``MAX_MESSAGE_BYTES`` is refused by ZeroMQ from its size header (the sender
-is disconnected) before anything of it is buffered or its token checked. Must not:
-interpret requests beyond decoding, or touch the chunk store.
+is disconnected) before anything of it is buffered or its token checked.
+
+Requests held in process (queued or being served) are bounded: at most ``max_queued`` in
+all and ``max_queued_per_client`` per ROUTER identity (one engine socket). The I/O thread
+answers one beyond either bound at once with ``ErrorReply(code="overloaded")``, before
+any worker sees it (so it changed nothing), counts it and logs at most once per
+``_LOG_EVERY_S``. Only the I/O thread admits and releases, so the counts need no lock: a
+request counts from its admission until its answer passes back through the I/O thread.
+The per-client bound keeps one flooding socket from filling the whole queue, so other
+engines' local hits still wait behind at most ``max_queued_per_client`` of its requests.
+ZeroMQ's own buffer of messages not yet taken is as deep per socket (its receive
+high-water mark), so a socket sending faster than the I/O thread reads is slowed by TCP.
+Must not: interpret requests beyond decoding, or touch the chunk store.
 """
 
 from __future__ import annotations
@@ -23,6 +34,9 @@ import logging
 import queue
 import secrets
 import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -51,6 +65,21 @@ MAX_MESSAGE_BYTES = 16 * 2**20
 """The largest engine request read: a `Lookup` of a few million token ids (the largest
 legitimate ones are a few MB; KV bytes never travel here)."""
 
+_LOG_EVERY_S = 10.0
+"""At most one overload warning per this many seconds (a flood must not flood the log)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineApiStats:
+    """What the engine API's I/O thread counted (a snapshot)."""
+
+    queued: int
+    """Requests held now: admitted and not yet answered."""
+    clients_queued: int
+    """Engine sockets (ROUTER identities) with requests held now."""
+    overloaded: int
+    """Requests answered ``overloaded`` since start: a bound was full."""
+
 
 class EngineApi:
     """Bind, serve, stop. ``port`` 0 picks a free port (see ``bound_port``)."""
@@ -63,10 +92,14 @@ class EngineApi:
         *,
         workers: int = 4,
         p2p_workers: int = 0,
+        max_queued: int = 1024,
+        max_queued_per_client: int = 64,
         auth_token: str | None = None,
     ) -> None:
         """``p2p_workers``: extra threads for lookups that wait on peers (the service's
-        P2P slots); ``workers`` stay for local work."""
+        P2P slots); ``workers`` stay for local work. ``max_queued`` and
+        ``max_queued_per_client``: the bounds on requests held at once, in all and per
+        engine socket."""
         self._service = service
         self._gate = TokenGate(auth_token)
         self._host = host
@@ -79,6 +112,15 @@ class EngineApi:
         self._jobs: queue.SimpleQueue[list[zmq.Frame]] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
+        self._max_queued = max_queued
+        self._max_per_client = max_queued_per_client
+        # Written by the I/O thread only; stats() reads them without a lock (ints).
+        self._held: Counter[bytes] = Counter()
+        self._queued = 0
+        self._clients = 0
+        self._overloaded = 0
+        self._overloaded_logged = 0
+        self._next_log = 0.0
         self.bound_port = port
 
     def start(self) -> None:
@@ -86,6 +128,9 @@ class EngineApi:
         frontend = self._ctx.socket(zmq.ROUTER)
         frontend.setsockopt(zmq.LINGER, 0)
         frontend.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        # ZeroMQ's own buffer of messages read but not yet taken, per engine socket: no
+        # deeper than what that socket may hold in the queue (TCP pushes back beyond it).
+        frontend.setsockopt(zmq.RCVHWM, self._max_per_client)
         try:
             if self._port == 0:
                 self.bound_port = frontend.bind_to_random_port(f"tcp://{self._host}")
@@ -134,16 +179,75 @@ class EngineApi:
                             frames = frontend.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._jobs.put(frames)
+                        if self._admit(frames[0].bytes):
+                            self._jobs.put(frames)
+                        else:
+                            frontend.send_multipart(self._overload_answer(frames))
                 if replies in ready:
                     while True:
                         try:
                             answer = replies.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
+                        self._done(answer[0])
                         frontend.send_multipart(answer)
         except zmq.ContextTerminated:
             pass
+
+    def _admit(self, client: bytes) -> bool:
+        """Count one more request of ``client`` held, unless a bound is full (I/O thread)."""
+        held = self._held[client]
+        if self._queued >= self._max_queued or held >= self._max_per_client:
+            return False
+        self._held[client] = held + 1
+        self._queued += 1
+        self._clients = len(self._held)
+        return True
+
+    def _done(self, client: bytes) -> None:
+        """``client``'s request was answered (I/O thread)."""
+        self._queued -= 1
+        left = self._held[client] - 1
+        if left > 0:
+            self._held[client] = left
+        else:
+            del self._held[client]  # identities come and go: keep only those holding some
+        self._clients = len(self._held)
+
+    def _overload_answer(self, frames: list[zmq.Frame]) -> list[bytes]:
+        """The at-once answer to a request that does not fit (I/O thread): count, log
+        now and then, and answer with the request's id so the engine can match it."""
+        self._overloaded += 1
+        now = time.monotonic()
+        if now >= self._next_log:
+            self._next_log = now + _LOG_EVERY_S
+            log.warning(
+                "engine API overloaded: %d requests refused (%d since the last warning),"
+                " %d held of --engine-max-queued %d, engine socket %s holds %d of"
+                " --engine-max-queued-per-client %d (instance %s incarnation %d)",
+                self._overloaded,
+                self._overloaded - self._overloaded_logged,
+                self._queued,
+                self._max_queued,
+                frames[0].bytes.hex(),
+                self._held[frames[0].bytes],
+                self._max_per_client,
+                self._service.identity.instance_id,
+                self._service.identity.incarnation,
+            )
+            self._overloaded_logged = self._overloaded
+        env = decode_envelope(frames[-1].buffer)
+        body = ErrorReply(
+            "overloaded",
+            f"the cache server holds {self._queued} engine requests"
+            f" (--engine-max-queued {self._max_queued}, --engine-max-queued-per-client"
+            f" {self._max_per_client}); recompute, or retry later",
+        )
+        envelope = [f.bytes for f in frames[:-1]]
+        return [*envelope, encode(Response(PROTOCOL_VERSION, env.id, body))]
+
+    def stats(self) -> EngineApiStats:
+        return EngineApiStats(self._queued, self._clients, self._overloaded)
 
     def _work(self) -> None:
         push = self._ctx.socket(zmq.PUSH)

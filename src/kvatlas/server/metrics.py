@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvatlas.runtime.coordinator_client import ClientStats
+from kvatlas.server.engine_api import EngineApiStats
 from kvatlas.server.engine_service import LookupCounts
 from kvatlas.server.p2p.node import P2PStats
 from kvatlas.server.publisher import PublisherStats
@@ -35,8 +36,10 @@ class _StatsCollector(Collector):
         lookups: Callable[[], LookupCounts],
         p2p: Callable[[], P2PStats | None] = lambda: None,
         coordinator: Callable[[], ClientStats | None] = lambda: None,
+        engine_api: Callable[[], EngineApiStats | None] = lambda: None,
     ) -> None:
         self._iid = instance_id
+        self._engine_api = engine_api
         self._coordinator = coordinator
         self._lookups = lookups
         self._p2p = p2p
@@ -70,6 +73,20 @@ class _StatsCollector(Collector):
         req, err = self._requests()
         yield self._c("engine_requests", "Engine API requests served.", req)
         yield self._c("engine_request_errors", "Engine API requests answered with an error.", err)
+        ea = self._engine_api()
+        if ea is not None:
+            yield self._g(
+                "engine_requests_queued", "Engine requests held now (queued or served).", ea.queued
+            )
+            yield self._g(
+                "engine_clients_queued", "Engine sockets with requests held now.", ea.clients_queued
+            )
+            yield self._c(
+                "engine_requests_overloaded",
+                "Engine requests answered 'overloaded' at once, unserved: --engine-max-queued"
+                " or --engine-max-queued-per-client was full.",
+                ea.overloaded,
+            )
         lk = self._lookups()
         yield self._c("lookups", "Engine lookups.", lk.lookups)
         yield self._c("lookup_chunks", "Chunks engines looked up.", lk.chunks)
@@ -177,6 +194,7 @@ class ServerMetrics:
         lookups: Callable[[], LookupCounts],
         p2p: Callable[[], P2PStats | None] = lambda: None,
         coordinator: Callable[[], ClientStats | None] = lambda: None,
+        engine_api: Callable[[], EngineApiStats | None] = lambda: None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(
@@ -189,6 +207,7 @@ class ServerMetrics:
                 lookups=lookups,
                 p2p=p2p,
                 coordinator=coordinator,
+                engine_api=engine_api,
             )
         )
 

@@ -237,8 +237,17 @@ class StatsResult(msgspec.Struct, frozen=True, tag="stats_result"):
 
 
 ErrorCode = Literal[
-    "invalid_input", "contract_mismatch", "not_registered", "version", "unauthorized", "internal"
+    "invalid_input",
+    "contract_mismatch",
+    "not_registered",
+    "version",
+    "unauthorized",
+    "internal",
+    "overloaded",
 ]
+"""``overloaded``: the server held as many engine requests as it may
+(``--engine-max-queued``, ``--engine-max-queued-per-client``) and answered this one at
+once, unserved: it changed nothing, and the engine recomputes or retries later."""
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
