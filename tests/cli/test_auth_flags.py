@@ -71,3 +71,20 @@ def test_coordinator_exits_2_naming_an_unreadable_token_file(
 ) -> None:
     assert coordinator.main(["--auth-token-file", str(tmp_path / "missing")]) == 2
     assert "--auth-token-file" in capsys.readouterr().err
+
+
+def test_the_operator_token_comes_from_a_file_or_the_environment(tmp_path: Path) -> None:
+    f = tmp_path / "operator"
+    f.write_text("op-token\n")
+    env = {"KVATLAS_OPERATOR_TOKEN": "op-env", "KVATLAS_AUTH_TOKEN": "shared"}
+    assert coordinator.config_from_args(["--operator-token-file", str(f)], env).operator_token == (
+        "op-token"
+    )
+    assert coordinator.config_from_args([], env).operator_token == "op-env"
+    assert coordinator.config_from_args([], {}).operator_token == ""
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(ConfigError, match=r"--operator-token-file .* is empty"):
+        coordinator.config_from_args(["--operator-token-file", str(tmp_path / "empty")], {})
+    same = coordinator.config_from_args([], {**env, "KVATLAS_OPERATOR_TOKEN": "shared"})
+    with pytest.raises(ConfigError, match="must differ from the shared token"):
+        same.validate()
