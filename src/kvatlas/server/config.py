@@ -165,7 +165,8 @@ class P2PConfig:
     between probes (``--p2p-cooloff-seconds``); a new incarnation or a probe it answers
     closes the breaker sooner."""
     fault_corrupt_read: int | None = None
-    """TESTS ONLY: corrupt the Nth read this server serves (``--p2p-fault-corrupt-read``)."""
+    """TESTS ONLY: flip a byte of the Nth chunk this server reads from peers, as it lands
+    (``--p2p-fault-corrupt-read``; the transfer client's fault plan)."""
     fault_read_delay_s: float = 0.0
     """TESTS ONLY: delay every read this server serves (``--p2p-fault-read-delay``)."""
 
