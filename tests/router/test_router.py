@@ -196,6 +196,30 @@ def test_a_token_id_prompt_is_routed_without_a_tokenize(fleet: Fleet) -> None:
     assert re.search(r"kvatlas_router_lookup_seconds_count [1-9]", metrics)
 
 
+def test_a_prefix_just_sent_follows_its_engine_before_the_coordinator_knows(
+    fleet: Fleet,
+) -> None:
+    # a model name nobody hashes under: the coordinator answers, but never a holder
+    blind = fleet.router(policy="kv", model_name="nobody")
+    forgetful = fleet.router(policy="kv", model_name="nobody", pending_ttl_s=0.001)
+    body = {"prompt": [3 + i % 200 for i in range(700)], "max_tokens": 2, "temperature": 0}
+    for router in (blind, forgetful):
+        wait_until(lambda r=router: len(available(r)), lambda n: n == 2, what="engines")
+
+    def send(router: RouterApp) -> dict[str, str]:
+        r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return route(r)
+
+    first = send(blind)
+    for _ in range(3):
+        again = send(blind)
+        assert again["engine"] == first["engine"] and again["cached"] == "512", again
+        assert again["reason"] == "kv: prefix"
+    send(forgetful)
+    assert send(forgetful)["reason"] == "kv: load"
+
+
 def test_a_server_advertises_its_engine_url_flag(fleet: Fleet, tmp_path: Any) -> None:
     silent = f"http://127.0.0.1:{free_port()}"
     node = start_server_process(

@@ -104,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds an open breaker keeps an engine out",
     )  # fmt: skip
     ap.add_argument("--seed", type=int, default=None, help="seed of random choices")
+    ap.add_argument(
+        "--chunk-size", type=int, default=d.chunk_size,
+        help="tokens per chunk, the fleet's (for the prefixes in flight)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--pending-ttl", type=float, default=d.pending_ttl_s,
+        help="seconds a prefix just sent to an engine counts as that engine's, before the"
+        " coordinator reports it",
+    )  # fmt: skip
     add_token_flags(ap, "the fleet's shared token (sent to the coordinator)")
     ap.add_argument("--log-level", default="INFO", help="DEBUG (logs every decision), INFO, ...")
     return ap
@@ -135,6 +144,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         breaker_failures=args.breaker_failures,
         breaker_open_s=args.breaker_open,
         seed=args.seed,
+        chunk_size=args.chunk_size,
+        pending_ttl_s=args.pending_ttl,
     )
     config.validate()
     return config

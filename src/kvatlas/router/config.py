@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvatlas.core.errors import ConfigError
+from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
 from kvatlas.router.policy import POLICIES, Policy, Weights
 
 
@@ -69,6 +70,11 @@ class RouterConfig:
     (``--breaker-open``)."""
     seed: int | None = None
     """Seed of the ``random`` policy and of tie-breaking (``--seed``)."""
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    """Tokens per chunk, the fleet's (``--chunk-size``): the prefixes in flight."""
+    pending_ttl_s: float = 60.0
+    """Seconds a prefix just sent to an engine counts as that engine's before the
+    coordinator reports it (``--pending-ttl``)."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the flag of the first bad setting."""
@@ -107,9 +113,12 @@ class RouterConfig:
             ("--engine-connect-timeout", self.connect_timeout_s),
             ("--engine-timeout", self.first_byte_timeout_s),
             ("--breaker-open", self.breaker_open_s),
+            ("--pending-ttl", self.pending_ttl_s),
         ):
             if not secs > 0:
                 raise ConfigError(f"{flag} must be positive, got {secs}")
+        if self.chunk_size < 1:
+            raise ConfigError(f"--chunk-size must be positive, got {self.chunk_size}")
         if self.max_attempts < 1:
             raise ConfigError(f"--max-attempts must be at least 1, got {self.max_attempts}")
         if self.breaker_failures < 1:

@@ -6,7 +6,9 @@ Owns, for ``kvatlas router``:
   is; else from an engine's ``/tokenize``, given the client's body as it is, so the
   engine applies its own chat template and tokenizer), one coordinator
   lookup that answers every instance's cached prefix of those tokens (the coordinator
-  hashes them with the fleet's contract), the choice (``policy.Chooser``), and the
+  hashes them with the fleet's contract), the prefixes it sent to engines moments ago
+  that the coordinator cannot know yet (``pending``), the choice (``policy.Chooser``),
+  and the
   proxying: the client's body and headers (``Authorization`` and the request id
   included) to the chosen engine, its answer back byte for byte, streams as they come;
 - failure handling: an attempt that is refused, times out or answers 5xx before its
@@ -46,6 +48,7 @@ from kvatlas.core.errors import ServiceError
 from kvatlas.router.config import RouterConfig
 from kvatlas.router.engines import EngineState, EngineTable
 from kvatlas.router.metrics import RouterMetrics
+from kvatlas.router.pending import PendingPrefixes
 from kvatlas.router.policy import KV_POLICIES, Candidate, Choice, Chooser, Decision, Policy
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.wire.fleet_view import ENGINE_URLS_KEY
@@ -96,6 +99,8 @@ class Plan:
     policy: Policy
     prompt_tokens: int
     overhead_s: float
+    blob: bytes = b""
+    """The prompt's token ids as LE uint32 (empty when not tokenized)."""
 
 
 class RouterService:
@@ -115,6 +120,7 @@ class RouterService:
         for e in config.engines:
             self.table.add_static(e.url, e.instance_id)
         self.chooser = Chooser(config.policy, config.weights, random.Random(config.seed))
+        self.pending = PendingPrefixes(config.chunk_size, config.pending_ttl_s)
         self.metrics = RouterMetrics(lambda: list(self.table.engines.values()))
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._coordinator_down_until = 0.0
@@ -227,11 +233,16 @@ class RouterService:
         prompt = 0
         fleet = 0
         local: dict[str, int] = {}
+        pending: dict[str, int] = {}
+        blob = b""
         if policy in KV_POLICIES:
             ids = _prompt_ids(body) if endpoint == "/v1/completions" else None
             if ids is None:
                 ids = await self._tokenize(engines, body)
-            holders = None if ids is None else await self._lookup(ids)
+            if ids is not None:
+                blob = np.asarray(ids, dtype="<u4").tobytes()
+                pending = self.pending.leading(blob, self._clock())
+            holders = None if ids is None else await self._lookup(blob)
             if holders is None:
                 policy = "least-loaded"
             else:
@@ -244,12 +255,18 @@ class RouterService:
         if not prompt:
             prompt = len(body) // _BYTES_PER_TOKEN_GUESS
         candidates = [
-            Candidate(e.url, e.load, e.queued_tokens, local.get(e.instance_id, 0)) for e in engines
+            Candidate(
+                e.url,
+                e.load,
+                e.queued_tokens,
+                max(local.get(e.instance_id, 0), pending.get(e.url, 0)),
+            )
+            for e in engines
         ]
         decision = self.chooser.rank(candidates, prompt, fleet, policy=policy)
         if policy != self.config.policy:
             decision = Decision(decision.ranked, f"{policy}: lookup unavailable")
-        return Plan(decision, policy, prompt, time.perf_counter() - t0)
+        return Plan(decision, policy, prompt, time.perf_counter() - t0, blob)
 
     async def _tokenize(self, engines: list[EngineState], body: bytes) -> list[int] | None:
         """The prompt's ids from one engine's ``/tokenize`` (engines in turn); None when
@@ -275,7 +292,7 @@ class RouterService:
         self.metrics.tokenize.observe(time.perf_counter() - t0)
         return ids
 
-    async def _lookup(self, ids: list[int]) -> list[tuple[str, int]] | None:
+    async def _lookup(self, blob: bytes) -> list[tuple[str, int]] | None:
         """(instance, leading tokens held) for every holder of the prompt's prefix; None
         without a coordinator, a model name, or an answer in time."""
         model = self.config.model_name or self.table.model_name()
@@ -285,7 +302,7 @@ class RouterService:
         if self._clock() < self._coordinator_down_until:
             self.metrics.degraded.labels("lookup").inc()
             return None
-        req = LookupRequest(tokens_b64=np.asarray(ids, dtype="<u4").tobytes(), model_name=model)
+        req = LookupRequest(tokens_b64=blob, model_name=model)
         t0 = time.perf_counter()
         try:
             answer = await asyncio.to_thread(
@@ -333,6 +350,8 @@ class RouterService:
             )
             if resp is None:
                 continue
+            if plan.blob:
+                self.pending.note(plan.blob, e.url, self._clock())
             return self._relay(
                 e, choice, plan, resp, endpoint=endpoint, rid=rid, attempt=len(attempts)
             )
