@@ -140,13 +140,16 @@ def test_an_engine_that_dies_costs_no_request(
         "--max-model-len", "2048",
     )  # fmt: skip
     survivor = fleet.engines[1]
-    with launch(argv, name="doomed", log=tmp_path / "doomed.log", http_port=port, timeout=90) as p:
+    # a generous start: torch's import alone takes a minute on a loaded 2-core machine
+    with launch(argv, name="doomed", log=tmp_path / "doomed.log", http_port=port, timeout=300) as p:
         doomed = f"http://127.0.0.1:{port}"
         router = start_router(
             engines=(StaticEngine(doomed, "x"), StaticEngine(survivor.url, "node-b")),
             policy="round-robin",
         )
-        wait_until(lambda: len(available(router)), lambda n: n == 2, what="both engines")
+        wait_until(
+            lambda: len(available(router)), lambda n: n == 2, what="both engines", timeout=60
+        )
         # round-robin: after an answer from the survivor, the next request goes to the doomed
         while route(post(router, chat("warm up")))["engine"] != survivor.url:
             pass
@@ -171,7 +174,12 @@ def test_an_engine_that_dies_costs_no_request(
             rest = list(lines)
         assert codes == [200] * 6
         assert any("broke off this answer" in line for line in rest), rest[-3:]
-        wait_until(lambda: available(router), lambda v: v == [survivor.url], what="doomed out")
+        wait_until(
+            lambda: available(router),
+            lambda v: v == [survivor.url],
+            what="the doomed engine out",
+            timeout=60,
+        )
         for i in range(3):
             assert route(post(router, chat(f"after {i}")))["engine"] == survivor.url
         status = {e.url: e for e in router.status().engines}
