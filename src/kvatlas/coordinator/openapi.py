@@ -75,7 +75,11 @@ def _page(content_type: str) -> dict[str, Any]:
 def _errors(*codes: int) -> dict[str, Any]:
     reasons = {
         400: "Invalid input; the reason is in `error`",
-        401: "Missing or wrong bearer token",
+        401: (
+            "Missing or wrong bearer token, or a request about a bound instance without"
+            " its secret (header kvatlas-instance-secret)"
+        ),
+        403: "The instance secret presented is not the instance's",
         404: "Unknown resource",
         409: "Conflict (hash contract, stale incarnation, wrong transport)",
         413: "Request over a configured limit",
@@ -99,8 +103,11 @@ _EVENTS_RULES = (
     " `kvatlas_coordinator_skipped_batches`), and still advances its sender's gate cursor,"
     " so the next seq is not a gap; the known batches of the same body apply. A batch of"
     " a known type that is malformed fails the whole body with 400 and a reason naming"
-    " the batch, and nothing of the body applies. Unknown fields are ignored. The same"
-    " rules hold for the batches of Kafka records."
+    " the batch, and nothing of the body applies. Unknown fields are ignored. A batch of a"
+    " bound instance needs its secret (401, 403), and none may move a seq more than"
+    " --max-seq-jump past its cursor or an incarnation more than --max-incarnation-ahead-s"
+    " ahead of the clock (400); nothing of such a body applies. The same rules hold for"
+    " the batches of Kafka records, which are skipped instead."
 )
 
 
@@ -126,9 +133,13 @@ def openapi_document() -> dict[str, Any]:
     paths: dict[str, Any] = {
         "/instances": {
             "post": {
-                "summary": "Register (or re-register) a cache server",
+                "summary": (
+                    "Register (or re-register) a cache server; with credential_digest the"
+                    " instance is bound to its secret, which a live bound instance's"
+                    " re-registration presents"
+                ),
                 "requestBody": _body(RegisterRequest),
-                "responses": {**_ok(RegisterResponse), **_errors(400, 401, 409, 413)},
+                "responses": {**_ok(RegisterResponse), **_errors(400, 401, 403, 409, 413)},
             },
             "get": {
                 "summary": "List live instances",
@@ -156,7 +167,7 @@ def openapi_document() -> dict[str, Any]:
             "put": {
                 "summary": "Heartbeat; 404 means re-register",
                 "parameters": [instance_id],
-                "responses": {**_ok(HeartbeatResponse), **_errors(401, 404)},
+                "responses": {**_ok(HeartbeatResponse), **_errors(401, 403, 404)},
             }
         },
         "/instances/{instance_id}": {
@@ -165,7 +176,7 @@ def openapi_document() -> dict[str, Any]:
                 "parameters": [instance_id],
                 "responses": {
                     **_ok(None, "204", "Deregistered (also when unknown)"),
-                    **_errors(401),
+                    **_errors(401, 403),
                 },
             }
         },
@@ -174,7 +185,7 @@ def openapi_document() -> dict[str, Any]:
                 "summary": "Cache events: JSON, or msgpack with Content-Type application/msgpack",
                 "description": _EVENTS_RULES,
                 "requestBody": _body(EventsRequest, ("application/msgpack",)),
-                "responses": {**_ok(EventsResponse), **_errors(400, 401, 409, 413)},
+                "responses": {**_ok(EventsResponse), **_errors(400, 401, 403, 409, 413)},
             }
         },
         "/directory/lookup": {
