@@ -194,7 +194,9 @@ def run_demo(cfg: DemoConfig, say: Say) -> DemoResult:
         say("both servers list each other as P2P peers")
         first, second = urls
         if cfg.router:
-            first = second = fleet.start_router(cfg.router_policy)
+            # the demo shows decisions, not latency: a loaded machine must not turn a
+            # slow lookup into "routed by load"
+            first = second = fleet.start_router(cfg.router_policy, ("--lookup-timeout", "10"))
             fleet.wait_router_engines(first, len(urls), 30.0)
             say(f"router ({cfg.router_policy}) on {first} sees both engines")
         with httpx.Client(timeout=600.0) as http:
