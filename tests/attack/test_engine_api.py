@@ -113,26 +113,28 @@ def bounded(tmp_path_factory: pytest.TempPathFactory, token_file: Path) -> Itera
     assert s.stop() == 0, s.text()
 
 
-def _flood(
-    ctx: zmq.Context[zmq.Socket[bytes]], url: str, ns_client: CacheClient
-) -> zmq.Socket[bytes]:
-    """A DEALER that sends FLOOD heavy lookups at once and reads nothing yet."""
-    assert ns_client.ns is not None
+def _flooder(ctx: zmq.Context[zmq.Socket[bytes]], url: str) -> zmq.Socket[bytes]:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(url)
-    tokens = np.arange(FLOOD_TOKENS, dtype="<u4").tobytes()
-    for i in range(FLOOD):
-        body = Lookup(ns_client.ns, token_ids=tokens)
-        sock.send_multipart([b"", encode(Request(PROTOCOL_VERSION, i + 1, body, TOKEN))])
     return sock
 
 
-def _answers(sock: zmq.Socket[bytes], deadline_s: float) -> tuple[int, int]:
-    """Read FLOOD answers: (served, overloaded)."""
+def _burst(sock: zmq.Socket[bytes], ns_client: CacheClient, n: int, first_id: int = 1) -> int:
+    """Send ``n`` heavy lookups at once, reading nothing; the number sent."""
+    assert ns_client.ns is not None
+    tokens = np.arange(FLOOD_TOKENS, dtype="<u4").tobytes()
+    body = Lookup(ns_client.ns, token_ids=tokens)
+    for i in range(n):
+        sock.send_multipart([b"", encode(Request(PROTOCOL_VERSION, first_id + i, body, TOKEN))])
+    return n
+
+
+def _answers(sock: zmq.Socket[bytes], n: int, deadline_s: float) -> tuple[int, int]:
+    """Read ``n`` answers: (served, overloaded)."""
     served = overloaded = 0
     end = time.monotonic() + deadline_s
-    while served + overloaded < FLOOD:
+    while served + overloaded < n:
         left_ms = int((end - time.monotonic()) * 1000)
         assert left_ms > 0 and sock.poll(left_ms, zmq.POLLIN), (served, overloaded)
         body = decode_response(sock.recv_multipart()[-1]).body
@@ -170,12 +172,13 @@ def test_a_flooding_engine_is_answered_overloaded_and_others_still_hit(
         stored = trusted.store_chunks(prompt, [np.ones(1024, np.uint8)])
         assert stored.stored == 1
         rss0 = rss_bytes(s.pid)
-        flood = _flood(ctx, s.engine_url, trusted)
+        flood = _flooder(ctx, s.engine_url)
+        _burst(flood, trusted, FLOOD)
         t0 = time.monotonic()
         assert trusted.lookup(prompt).hit_tokens == CHUNK
         hit_s = time.monotonic() - t0
         peak = rss_bytes(s.pid)
-        served, overloaded = _answers(flood, 120)
+        served, overloaded = _answers(flood, FLOOD, 120)
         peak = max(peak, rss_bytes(s.pid))
         flood.close(0)
         assert hit_s < 10, hit_s
@@ -201,9 +204,18 @@ def test_a_full_queue_makes_the_connector_recompute_not_fail(bounded: ServerProc
     try:
         assert conn.register()
         plain.register(MODEL, "float16", LAYOUT, chunk_size=CHUNK)
-        floods = [_flood(ctx, s.engine_url, plain) for _ in range(MAX_QUEUED // PER_CLIENT)]
+        floods = [_flooder(ctx, s.engine_url) for _ in range(MAX_QUEUED // PER_CLIENT)]
+        sent = [0] * len(floods)
+
+        def burst() -> None:
+            """Just before each honest request: every flooding socket more than fills
+            its share, so the whole queue is held while the honest request arrives."""
+            for i, f in enumerate(floods):
+                sent[i] += _burst(f, plain, 2 * PER_CLIENT, sent[i] + 1)
+
         causes = []
-        for _ in range(20):  # the flood lasts seconds; one lookup in a free moment is fine
+        for _ in range(20):  # a place freed in between is fine, once or twice
+            burst()
             with conn.fetch_prefix(list(range(2 * CHUNK))) as prefix:
                 causes.append(prefix.stats.fallback)
             if Fallback.SERVER_OVERLOADED in causes:
@@ -213,9 +225,10 @@ def test_a_full_queue_makes_the_connector_recompute_not_fail(bounded: ServerProc
         assert conn.stats().fallbacks[Fallback.SERVER_OVERLOADED] >= 1
         with pytest.raises(ServerOverloaded):
             for _ in range(20):
+                burst()
                 plain.lookup(list(range(CHUNK)))
-        for f in floods:
-            _answers(f, 120)
+        for f, n in zip(floods, sent, strict=True):
+            _answers(f, n, 120)
             f.close(0)
         assert plain.lookup(list(range(CHUNK))).hit_tokens == 0  # served again
     finally:
