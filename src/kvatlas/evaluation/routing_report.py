@@ -111,7 +111,8 @@ def markdown(result: Mapping[str, Any], plots: list[str]) -> str:
     limit = rt["one_cache_limit"] or 1.0
     for label, r in rt["runs"].items():
         if "ttft_ms" not in r:
-            lines.append(f"| {label} | skipped: {r.get('skipped', '')} |" + " |" * 12)
+            why = " ".join(str(r.get("skipped", "")).split())  # one table row
+            lines.append(f"| {label} | skipped: {why} |" + " |" * 12)
             continue
         t, o, h = r["ttft_ms"], r["router_overhead_ms"], r["ttft_ms_hot_doc"]
         lines.append(
