@@ -33,17 +33,15 @@ from types import FrameType
 from typing import Final, TypeVar
 
 import torch
-import uvicorn
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvatlas.connector.client import CacheClient
 from kvatlas.connector.kv_connector import CachedPrefix, FetchStats, KVConnector, KVLoadFailed
-from kvatlas.core.errors import KvatlasError
 from kvatlas.engine.config import EngineConfig, LoadFailurePolicy
 from kvatlas.engine.generate import Decoder, Detokenizer, Sampler, prefill
 from kvatlas.engine.model import LoadedModel, Tokenizer, load_model
 from kvatlas.engine.openai_server import GenOutcome, GenRequest, TextCallback, build_app
-from kvatlas.runtime.net import bind
+from kvatlas.runtime.asgi_thread import AsgiThread, ServeError
 
 log = logging.getLogger(__name__)
 
@@ -367,12 +365,14 @@ class EngineApp:
         config.validate()
         self.config = config
         # bound before the model loads: a port in use fails in a second, not after a load
-        self._sock = bind(config.host, config.port, "the OpenAI HTTP server", "--host/--port")
-        self.port: int = self._sock.getsockname()[1]
+        self.http = AsgiThread(
+            config.host, config.port, what="the OpenAI HTTP server", flag="--host/--port"
+        )
+        self.port: int = self.http.port
         try:
             self.model = model if model is not None else load_with_progress(config)
         except BaseException:
-            self._sock.close()
+            self.http.stop()
             raise
         self.client: CacheClient | None = None
         self.connector: KVConnector | None = None
@@ -403,9 +403,6 @@ class EngineApp:
             default_max_tokens=config.default_max_tokens,
         )
         self.app = build_app(self.core, served_name=config.served_name)
-        uv = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
-        self._server = uvicorn.Server(uv)
-        self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
     @property
@@ -438,27 +435,12 @@ class EngineApp:
         else:
             log.info("running without a cache server (--no-cache)")
         self.core.submit(self.core.warmup).result()
-        self._thread = threading.Thread(
-            target=self._server.run,
-            kwargs={"sockets": [self._sock]},
-            name="kvatlas-engine-http",
-            daemon=True,
-        )
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise KvatlasError(f"the HTTP server on port {self.port} did not start")
-            time.sleep(0.01)
+        self.http.start(self.app, name="kvatlas-engine-http", timeout_s=timeout_s)
         log.info("serving %s at %s (OpenAI API under /v1)", self.config.served_name, self.url)
 
     def stop(self) -> None:
         self._stop.set()
-        self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(15)
-            self._thread = None
-        self._sock.close()
+        self.http.stop()
         self.core.close()
         if self.connector is not None:
             self.connector.close()
@@ -475,7 +457,7 @@ class EngineApp:
         try:
             self.start()
             while not self._stop.wait(0.5):
-                if self._thread is not None and not self._thread.is_alive():
-                    raise KvatlasError("the HTTP server stopped unexpectedly")
+                if not self.http.alive:
+                    raise ServeError("the HTTP server stopped unexpectedly")
         finally:
             self.stop()

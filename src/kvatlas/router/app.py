@@ -19,17 +19,15 @@ from collections.abc import AsyncIterator
 from types import FrameType
 
 import msgspec
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kvatlas.core.errors import KvatlasError
 from kvatlas.router.config import RouterConfig
 from kvatlas.router.service import RouterService
+from kvatlas.runtime.asgi_thread import AsgiThread, ServeError
 from kvatlas.runtime.coordinator_client import CoordinatorClient
-from kvatlas.runtime.net import bind
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +70,15 @@ class RouterApp:
     def __init__(self, config: RouterConfig) -> None:
         config.validate()
         self.config = config
-        self._sock = bind(config.host, config.port, "the router's HTTP server", "--host/--port")
-        self.port: int = self._sock.getsockname()[1]
+        self.http = AsgiThread(
+            config.host,
+            config.port,
+            what="the router's HTTP server",
+            flag="--host/--port",
+            lifespan="on",
+            loop="uvloop",
+        )
+        self.port: int = self.http.port
         self.coordinator = (
             CoordinatorClient(
                 config.coordinator_urls,
@@ -86,11 +91,6 @@ class RouterApp:
         )
         self.service = RouterService(config, self.coordinator)
         self.app = self._build_app()
-        uv = uvicorn.Config(
-            self.app, log_level="warning", lifespan="on", access_log=False, loop="uvloop"
-        )
-        self._server = uvicorn.Server(uv)
-        self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
     @property
@@ -167,18 +167,7 @@ class RouterApp:
 
     def start(self, timeout_s: float = 30.0) -> None:
         """Serve in a thread; returns once the first listing and probes are done."""
-        self._thread = threading.Thread(
-            target=self._server.run,
-            kwargs={"sockets": [self._sock]},
-            name="kvatlas-router-http",
-            daemon=True,
-        )
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise KvatlasError(f"the router's HTTP server on port {self.port} did not start")
-            time.sleep(0.01)
+        self.http.start(self.app, name="kvatlas-router-http", timeout_s=timeout_s)
         log.info(
             "router serving at %s (policy %s, coordinator %s, %d engines known)",
             self.url,
@@ -189,11 +178,7 @@ class RouterApp:
 
     def stop(self) -> None:
         self._stop.set()
-        self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(15)
-            self._thread = None
-        self._sock.close()
+        self.http.stop()
         if self.coordinator is not None:
             self.coordinator.close()
 
@@ -209,7 +194,7 @@ class RouterApp:
         try:
             self.start()
             while not self._stop.wait(0.5):
-                if self._thread is not None and not self._thread.is_alive():
-                    raise KvatlasError("the router's HTTP server stopped unexpectedly")
+                if not self.http.alive:
+                    raise ServeError("the router's HTTP server stopped unexpectedly")
         finally:
             self.stop()

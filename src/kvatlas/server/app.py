@@ -39,12 +39,13 @@ from kvatlas.core.errors import ConfigError
 from kvatlas.core.events import Entry
 from kvatlas.core.l1pool import L1Pool
 from kvatlas.core.types import EventType, Tier
+from kvatlas.runtime.asgi_thread import AsgiThread
 from kvatlas.runtime.coordinator_client import CoordinatorClient, Failover
 from kvatlas.runtime.region import L1Region, RegionBusy
 from kvatlas.server.config import GIB, P2PConfig, ServerConfig, split_host_port
 from kvatlas.server.engine_api import EngineApi
 from kvatlas.server.engine_service import EngineService, ServiceIdentity
-from kvatlas.server.http_app import UvicornThread, build_app
+from kvatlas.server.http_app import build_app
 from kvatlas.server.incarnation import load_secret, next_incarnation, save_secret
 from kvatlas.server.metrics import ServerMetrics
 from kvatlas.server.p2p.node import P2PNode
@@ -173,10 +174,8 @@ class CacheServer:
             )
             self.engine_api.start()  # binds --port: PortInUse before anything else runs
             try:
-                self.http = UvicornThread(
-                    build_app(self.status, self._render_metrics, config.coordinator.auth_token),
-                    config.host,
-                    config.http_port,
+                self.http = AsgiThread(
+                    config.host, config.http_port, what="HTTP", flag="--http-port"
                 )
             except BaseException:
                 self.engine_api.stop()
@@ -261,7 +260,10 @@ class CacheServer:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        self.http.start()
+        self.http.start(
+            build_app(self.status, self._render_metrics, self.config.coordinator.auth_token),
+            name="kvatlas-http",
+        )
         if self.p2p is not None:
             self.p2p.start()
         if self.publisher is not None:
@@ -320,7 +322,7 @@ class CacheServer:
             self.registrar.stop(deregister=True)
         if self.coordinator is not None:
             self.coordinator.close()
-        self.http.stop()
+        self.http.stop(10.0)
         if self.l2 is not None:
             self.l2.close()
         self._close_region()

@@ -1,7 +1,7 @@
-"""The server's HTTP endpoints (/status, /metrics, /healthz) and their uvicorn thread.
+"""The server's HTTP endpoints (/status, /metrics, /healthz).
 
-Owns the starlette app and ``UvicornThread``, which serves it; ``--http-port`` is bound
-at construction (a taken port raises PortInUse before anything runs). The documents come
+Owns the starlette app; ``runtime.asgi_thread.AsgiThread`` serves it (``--http-port`` is
+bound at construction: a taken port raises PortInUse before anything runs). The documents come
 from callables the composition root passes in; the token check is the fleet's one
 ``TokenGate``. Must not: reach into the chunk store or take its lock.
 """
@@ -9,20 +9,15 @@ from callables the composition root passes in; the token check is the fleet's on
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
 
 import msgspec
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from kvatlas.runtime.auth import TokenGate
-from kvatlas.runtime.net import bind
-from kvatlas.server.errors import ServerError
 from kvatlas.server.metrics import CONTENT_TYPE
 from kvatlas.wire.server_status import ServerStatus
 
@@ -65,35 +60,3 @@ def build_app(
             Route("/healthz", healthz, methods=["GET"]),
         ]
     )
-
-
-class UvicornThread:
-    """uvicorn serving an ASGI app on a pre-bound socket, in a thread."""
-
-    def __init__(self, app: Starlette, host: str, port: int) -> None:
-        self._sock = bind(host, port, "HTTP", "--http-port")
-        self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
-        self._server = uvicorn.Server(config)
-        self._thread: threading.Thread | None = None
-
-    def start(self, timeout_s: float = 10.0) -> None:
-        self._thread = threading.Thread(
-            target=self._server.run,
-            kwargs={"sockets": [self._sock]},
-            name="kvatlas-http",
-            daemon=True,
-        )
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise ServerError(f"HTTP server on port {self.port} did not start")
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(10)
-            self._thread = None
-        self._sock.close()
