@@ -50,3 +50,12 @@ def test_help_and_unknown_commands(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["coordinator", "--help"])
     assert exc.value.code == 0
+
+
+@pytest.mark.parametrize("command", ["server", "coordinator", "router", "engine"])
+def test_a_bad_log_level_is_refused_naming_the_flag(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The server passed the level to logging as it came, so a bad one was a traceback.
+    assert main([command, "--log-level", "chatty"]) == 2
+    assert "--log-level" in capsys.readouterr().err

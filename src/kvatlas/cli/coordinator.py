@@ -9,7 +9,6 @@ Must not contain coordinator logic: validation lives in the config, wiring in
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
@@ -19,6 +18,7 @@ from kvatlas.cli.auth_flags import (
     read_operator_token,
     read_token,
 )
+from kvatlas.cli.log_setup import configure_logging
 from kvatlas.coordinator.app import Coordinator
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.core.errors import ConfigError
@@ -224,13 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvatlas coordinator: {exc}", file=sys.stderr)
         return 2
-    level = logging.getLevelName(config.log_level)
-    if not isinstance(level, int):
-        print(
-            f"kvatlas coordinator: --log-level {config.log_level!r} is not a level", file=sys.stderr
-        )
+    if not configure_logging("kvatlas coordinator", config.log_level):
         return 2
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         coordinator = Coordinator(config)
         coordinator.bind()

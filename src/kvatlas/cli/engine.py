@@ -12,12 +12,12 @@ cannot start (a port in use, a model that does not load).
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
 
 from kvatlas.cli.auth_flags import add_token_flags, read_token
+from kvatlas.cli.log_setup import configure_logging
 from kvatlas.connector.kv_connector import ContractRejected
 from kvatlas.core.errors import ConfigError, KvatlasError
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
@@ -128,11 +128,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = getattr(logging, str(args.log_level).upper(), None)
-    if not isinstance(level, int):
-        print(f"kvatlas engine: --log-level {args.log_level!r} is not a log level", file=sys.stderr)
+    if not configure_logging("kvatlas engine", args.log_level):
         return 2
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
     except (EngineConfigError, ConfigError) as exc:

@@ -10,12 +10,12 @@ router cannot start (a port in use).
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
 from kvatlas.cli.auth_flags import add_token_flags, read_token
 from kvatlas.cli.coordinator_flags import add_coordinator_url_flag, coordinator_urls
+from kvatlas.cli.log_setup import configure_logging
 from kvatlas.core.errors import ConfigError, KvatlasError
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import RouterConfig, parse_engine
@@ -153,11 +153,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = getattr(logging, str(args.log_level).upper(), None)
-    if not isinstance(level, int):
-        print(f"kvatlas router: --log-level {args.log_level!r} is not a log level", file=sys.stderr)
+    if not configure_logging("kvatlas router", args.log_level):
         return 2
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
     except ConfigError as exc:

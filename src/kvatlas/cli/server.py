@@ -11,7 +11,6 @@ port in use, an unwritable state dir, a transport whose package is not installed
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import socket
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from kvatlas.cli.auth_flags import add_token_flags, read_token
 from kvatlas.cli.coordinator_flags import add_coordinator_url_flag, coordinator_urls
+from kvatlas.cli.log_setup import configure_logging
 from kvatlas.core.errors import ConfigError, KvatlasError
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
 from kvatlas.core.types import InstanceId
@@ -259,10 +259,8 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    if not configure_logging("kvatlas server", args.log_level):
+        return 2
     try:
         config = config_from_args(args, dict(os.environ))
     except ConfigError as exc:
