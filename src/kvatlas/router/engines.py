@@ -4,10 +4,10 @@ Owns, per engine URL: the cache instance it belongs to (its node's cache server,
 holdings the coordinator reports), the model name that instance hashes under, health
 (the last probe), a breaker (``breaker_failures`` failures in a row open it for
 ``breaker_open_s``; a successful probe after that closes it), and the router's own
-load accounting (requests in flight, their prefill tokens; the engine's own count of
-running requests from its metrics, when higher). Engines come from the coordinator's
-listing and from ``--engine``; one that leaves the listing is dropped once nothing is
-in flight to it.
+load accounting (requests in flight, their prefill tokens, plus the requests the
+engine's last probe ran beyond the router's own: other clients' work). Engines come
+from the coordinator's listing and from ``--engine``; one that leaves the listing is
+dropped once nothing is in flight to it.
 
 Single-threaded: the router's event loop owns it. Time is a parameter. Must not: do
 I/O (the router's loops probe and list, and report here).
@@ -35,6 +35,11 @@ class EngineState:
     in_flight: int = 0
     queued_tokens: int = 0
     reported_running: int = 0
+    """Requests running by the engine's last probe (its metrics)."""
+    others_running: int = 0
+    """Of those, the ones the router did not have in flight at the probe: other clients'.
+    The router's own are counted live by ``in_flight``, so a probe taken while one of
+    them ran does not keep the engine looking busy after it ends."""
     requests: int = 0
     errors: int = 0
     breaker_opens: int = 0
@@ -48,7 +53,7 @@ class EngineState:
 
     @property
     def load(self) -> int:
-        return max(self.in_flight, self.reported_running)
+        return self.in_flight + self.others_running
 
     def begin(self, prefill_tokens: int, now: float) -> None:
         if self.in_flight == 0:
@@ -81,6 +86,7 @@ class EngineState:
         """A probe's outcome: a good one after the open period closes the breaker."""
         if ok:
             self.reported_running = running
+            self.others_running = max(0, running - self.in_flight)
             if now >= self.open_until:
                 self.failures = 0
             self.healthy = True

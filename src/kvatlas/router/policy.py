@@ -51,8 +51,8 @@ class Candidate:
 
     name: str
     in_flight: int
-    """Requests the router has sent it and not yet seen finish (or the engine's own
-    count of running requests, when higher)."""
+    """Requests the router has sent it and not yet seen finish, plus those of other
+    clients that the engine's last probe ran (``EngineState.load``)."""
     queued_tokens: int
     """Prefill tokens of the requests in flight (the router's expectation)."""
     local_tokens: int = 0
