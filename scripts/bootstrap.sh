@@ -12,9 +12,11 @@ PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
 # System packages: Mooncake's library needs libibverbs1; its tests run in a private
 # network namespace set up with iproute2's `ip`; the fleet page's browser tests drive
 # Debian's headless chromium (Playwright uses it through executable_path: never
-# `playwright install`, which downloads a browser). Installed only when missing.
+# `playwright install`, which downloads a browser); gcc builds the coordinator's JSON
+# token parser (an optional C extension: without it a slower numpy parse serves).
+# Installed only when missing.
 missing=()
-for pkg in libibverbs1 iproute2 chromium; do
+for pkg in libibverbs1 iproute2 chromium gcc; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
 if ((${#missing[@]})); then
@@ -23,7 +25,7 @@ if ((${#missing[@]})); then
         apt-get update -qq >/dev/null
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     else
-        echo "[kvatlas] warning: missing system packages ${missing[*]} (the mooncake engine and the browser tests need them)" >&2
+        echo "[kvatlas] warning: missing system packages ${missing[*]} (the mooncake engine, the browser tests and the compiled JSON token parser need them)" >&2
     fi
 fi
 if [[ ! -x "$VENV/bin/python" ]]; then

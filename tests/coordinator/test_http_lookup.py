@@ -14,6 +14,7 @@ from kvatlas.core.events import Entry
 from kvatlas.core.keys import pack_kv_rank
 from kvatlas.core.types import Tier
 from kvatlas.wire.http_api import LookupRequest, encode_lookup_msgpack
+from kvatlas.wire.json_tokens import DEFAULT_PARSER_NAME, PARSERS
 from support.coordinator import RunningCoordinator
 
 from .events import (
@@ -355,3 +356,10 @@ def test_json_token_ids_answer_as_tokens_b64_and_say_their_time(coord: RunningCo
         answers.append(r.json())
     assert answers[0] == answers[1] == answers[2]
     assert [len(x["placements"]) for x in answers[0]["results"]] == [1, 1, 1, 0]
+
+
+def test_metrics_say_which_json_token_parser_reads_lookups(coord: RunningCoordinator) -> None:
+    """The compiled parser where the C extension was built, numpy's where it was not."""
+    text = coord.client.get("/metrics").text
+    assert f'kvatlas_coordinator_json_token_parser{{parser="{DEFAULT_PARSER_NAME}"}} 1.0' in text
+    assert DEFAULT_PARSER_NAME in PARSERS

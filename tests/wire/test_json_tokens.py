@@ -1,29 +1,66 @@
 """The JSON `token_ids` fast path against msgspec's exact decode.
 
-Property: for any body, the fast path (numpy's parse of the array's digits, used by
+Property: for any body, the fast path (a parse of the array's digits, used by
 `decode_lookup`) and msgspec's decode into `list[int]` followed by the same token check
 agree: the same tokens when the body is valid, a refusal from both when it is not. Valid
 bodies are drawn with every JSON spacing; invalid ones by mutating valid ones and from a
-list of the shapes the byte checks exist for.
+list of the shapes the byte checks exist for. Each property holds for both parsers of the
+digits: numpy's, and the compiled `_token_digits` (the installed one, or else the C
+source built here with the C compiler, as `pip install` builds it).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from unittest import mock
 
 import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from setuptools import Distribution, Extension
 
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import MAX_TOKEN_ID, as_token_array
+from kvatlas.wire import json_tokens
 from kvatlas.wire.http_api import LookupRequest, decode_lookup
-from kvatlas.wire.json_tokens import token_ids_array
+from kvatlas.wire.json_tokens import PARSERS, DigitParser, compiled_parser, token_ids_array
 
 JSON = "application/json"
 _reference = msgspec.json.Decoder(LookupRequest)
+C_SOURCE = Path(json_tokens.__file__).with_name("_token_digits.c")
+PARSER_NAMES = ["numpy", "compiled"]
+
+
+@pytest.fixture(scope="session")
+def parsers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, DigitParser]:
+    """The installed parsers, and the compiled one built here when it was not installed."""
+    if "compiled" in PARSERS:
+        return PARSERS
+    out = tmp_path_factory.mktemp("token_digits")
+    dist = Distribution({"ext_modules": [Extension("_token_digits", [str(C_SOURCE)])]})
+    build = dist.get_command_obj("build_ext")
+    build.build_lib, build.build_temp = str(out), str(out / "tmp")  # type: ignore[attr-defined]
+    build.ensure_finalized()
+    build.run()
+    (path,) = out.glob("_token_digits*.so")
+    spec = importlib.util.spec_from_file_location("_token_digits", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {**PARSERS, "compiled": compiled_parser(module.parse)}
+
+
+@contextmanager
+def using(parser: DigitParser) -> Iterator[None]:
+    """`decode_lookup` reads token arrays with ``parser``."""
+    with mock.patch.object(json_tokens, "DEFAULT_PARSER", parser):
+        yield
 
 
 def reference(body: bytes) -> list[int] | None:
@@ -79,34 +116,49 @@ def bodies(draw: st.DrawFn, space_before_comma: bool = True) -> bytes:
     return ("{" + ", ".join(order) + "}").encode()
 
 
-@given(bodies(space_before_comma=False))
+@pytest.mark.parametrize("name", PARSER_NAMES)
+@given(body=bodies(space_before_comma=False))
 @settings(max_examples=300, deadline=None)
-def test_valid_bodies_give_the_same_tokens_on_the_fast_path(body: bytes) -> None:
+def test_valid_bodies_give_the_same_tokens_on_the_fast_path(
+    parsers: dict[str, DigitParser], name: str, body: bytes
+) -> None:
     want = reference(body)
     assert want is not None
-    assert token_ids_array(body) is not None  # plain bodies take the fast path
-    assert pipeline(body) == want
+    with using(parsers[name]):
+        assert token_ids_array(body) is not None  # plain bodies take the fast path
+        assert pipeline(body) == want
 
 
-@given(bodies())
+@pytest.mark.parametrize("name", PARSER_NAMES)
+@given(body=bodies())
 @settings(max_examples=300, deadline=None)
-def test_every_valid_body_gives_the_same_tokens(body: bytes) -> None:
-    """Whitespace before a comma is valid JSON that the fast path leaves to msgspec."""
+def test_every_valid_body_gives_the_same_tokens(
+    parsers: dict[str, DigitParser], name: str, body: bytes
+) -> None:
+    """Whitespace before a comma is valid JSON that numpy's parse leaves to msgspec and
+    the compiled one reads."""
     want = reference(body)
     assert want is not None
-    assert pipeline(body) == want
+    with using(parsers[name]):
+        if name == "compiled":
+            assert token_ids_array(body) is not None
+        assert pipeline(body) == want
 
 
-@given(bodies(), st.data())
+@pytest.mark.parametrize("name", PARSER_NAMES)
+@given(body=bodies(), data=st.data())
 @settings(max_examples=500, deadline=None)
-def test_mutated_bodies_are_refused_or_read_alike(body: bytes, data: st.DataObject) -> None:
+def test_mutated_bodies_are_refused_or_read_alike(
+    parsers: dict[str, DigitParser], name: str, body: bytes, data: st.DataObject
+) -> None:
     at = data.draw(st.integers(0, len(body)))
     junk = data.draw(
         st.sampled_from([b"-", b"0", b".5", b"e3", b",", b" ", b"[", b"]", b'"', b"\\", b"x"])
     )
     cut = data.draw(st.integers(0, 2))
     mutated = body[:at] + junk + body[at + cut :]
-    assert pipeline(mutated) == reference(mutated)
+    with using(parsers[name]):
+        assert pipeline(mutated) == reference(mutated)
 
 
 @pytest.mark.parametrize(
@@ -145,17 +197,25 @@ def test_mutated_bodies_are_refused_or_read_alike(body: bytes, data: st.DataObje
         "[1,\n  2,\r\n\t3 ]",
     ],
 )
-def test_the_shapes_the_checks_exist_for(array: str) -> None:
+@pytest.mark.parametrize("name", PARSER_NAMES)
+def test_the_shapes_the_checks_exist_for(
+    parsers: dict[str, DigitParser], name: str, array: str
+) -> None:
     body = f'{{"token_ids": {array}, "model_name": "m"}}'.encode()
-    assert pipeline(body) == reference(body)
+    with using(parsers[name]):
+        assert pipeline(body) == reference(body)
 
 
-@given(st.text(alphabet='0123456789, \t\n\r-+.eE[]"x', max_size=40))
+@pytest.mark.parametrize("name", PARSER_NAMES)
+@given(text=st.text(alphabet='0123456789, \t\n\r-+.eE[]"x', max_size=40))
 @settings(max_examples=1000, deadline=None)
-def test_any_array_text_is_read_alike_or_refused_by_both(text: str) -> None:
+def test_any_array_text_is_read_alike_or_refused_by_both(
+    parsers: dict[str, DigitParser], name: str, text: str
+) -> None:
     """Whatever stands between the brackets, the fast path and msgspec agree."""
     body = f'{{"token_ids": [{text}], "model_name": "m"}}'.encode()
-    assert pipeline(body) == reference(body)
+    with using(parsers[name]):
+        assert pipeline(body) == reference(body)
 
 
 def test_only_the_top_level_array_is_read() -> None:
@@ -173,12 +233,39 @@ def test_only_the_top_level_array_is_read() -> None:
     assert token_ids_array(cases[0]) is None
 
 
-def test_a_prompt_of_32k_tokens() -> None:
+@pytest.mark.parametrize("name", PARSER_NAMES)
+def test_a_prompt_of_32k_tokens(parsers: dict[str, DigitParser], name: str) -> None:
     tokens = [int(t) for t in np.random.default_rng(7).integers(0, 200_000, 32_768)]
     for body in (
         json.dumps({"token_ids": tokens, "model_name": "m"}).encode(),
         msgspec.json.encode({"token_ids": tokens, "model_name": "m"}),
     ):
-        got = token_ids_array(body)
+        got = token_ids_array(body, parsers[name])
         assert got is not None and got[0].tolist() == tokens
-        assert pipeline(body) == tokens
+        with using(parsers[name]):
+            assert pipeline(body) == tokens
+
+
+@pytest.mark.parametrize("name", PARSER_NAMES)
+@pytest.mark.parametrize(
+    "array",
+    [
+        "[4294967295]",
+        "[7]",
+        "[12345678, 123456789]",
+        "[" + ", ".join(["4294967295"] * 50) + "]",
+        "[" + ", ".join(str(10**k) for k in range(10)) + "]",
+        "[1" + "0" * 10 + "]",
+    ],
+)
+def test_near_the_end_of_the_body_and_at_every_length(
+    parsers: dict[str, DigitParser], name: str, array: str
+) -> None:
+    """The compiled parse reads 8 bytes at a time where the body has them, one at a time
+    in its last 8 bytes: the array at the very end of the body takes the second way."""
+    for body in (
+        f'{{"model_name": "m", "token_ids": {array}}}'.encode(),
+        f'{{"token_ids": {array}, "model_name": "m"}}'.encode(),
+    ):
+        with using(parsers[name]):
+            assert pipeline(body) == reference(body), body

@@ -36,6 +36,7 @@ from kvatlas.runtime.allocator import keep_freed_heap
 from kvatlas.runtime.gc_pauses import GcPauses
 from kvatlas.runtime.http_server import HttpServer
 from kvatlas.runtime.net import bind
+from kvatlas.wire.json_tokens import DEFAULT_PARSER_NAME
 
 log = logging.getLogger(__name__)
 
@@ -159,10 +160,12 @@ class Coordinator:
         self._expiry = threading.Thread(target=self._expiry_loop, name="expiry", daemon=True)
         self._expiry.start()
         log.info(
-            "Coordinator listening on %s:%d (events over %s)",
+            "Coordinator listening on %s:%d (events over %s; JSON token arrays read by"
+            " the %s parser)",
             self.config.host,
             port,
             self.config.event_transport,
+            DEFAULT_PARSER_NAME,
         )
         try:
             self.http.run(self._sock)

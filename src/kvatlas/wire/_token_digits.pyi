@@ -1,0 +1,3 @@
+"""Types of the compiled JSON token parser (`_token_digits.c`)."""
+
+def parse(body: bytes, start: int, end: int, /) -> bytes | None: ...
