@@ -29,6 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvatlas router",
         description="kvatlas router: an OpenAI-compatible front door that sends each request"
         " to the engine that can start it soonest, counting the KV the fleet already holds",
+        epilog="With a token (--auth-token-file, --auth-token or $KVATLAS_AUTH_TOKEN), every"
+        " path but /healthz and /readyz answers 401 unless the request bears it, as"
+        " 'Authorization: Bearer <token>' (forwarded to the engine unchanged, like any"
+        " client's Authorization) or as 'Proxy-Authorization: Bearer <token>' (consumed by"
+        " the router, never forwarded: for clients whose Authorization carries the engines'"
+        " own API key). Either way the client's Authorization reaches the engine byte for"
+        " byte.",
     )
     ap.add_argument("--host", default=d.host, help="HTTP interface to bind")
     ap.add_argument("--port", type=int, default=d.port, help="HTTP port (OpenAI API)")
@@ -113,7 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a prefix just sent to an engine counts as that engine's, before the"
         " coordinator reports it",
     )  # fmt: skip
-    add_token_flags(ap, "the fleet's shared token (sent to the coordinator)")
+    add_token_flags(
+        ap,
+        "the fleet's shared token: sent to the coordinator, and required of the router's"
+        " clients (see below)",
+    )
     ap.add_argument("--log-level", default="INFO", help="DEBUG (logs every decision), INFO, ...")
     return ap
 

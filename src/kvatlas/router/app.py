@@ -2,8 +2,10 @@
 
 Owns the HTTP edge's routes (the OpenAI paths go to ``RouterService.forward``;
 ``/healthz``, ``/readyz`` (at least one engine available), ``/metrics`` and ``/status``
-(the engine table and the counters) answer here), the coordinator client, and uvicorn
-on a socket bound before anything starts (a port in use fails at once, naming the flag).
+(the engine table and the counters) answer here), the gate in front of them
+(``auth.RouterGate``: with a token set, all but ``/healthz`` and ``/readyz`` need it),
+the coordinator client, and uvicorn on a socket bound before anything starts (a port in
+use fails at once, naming the flag).
 
 Must not: parse flags (``kvatlas.cli.router``), or decide routes (``service``).
 """
@@ -20,10 +22,12 @@ from types import FrameType
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kvatlas.router.auth import RouterGate
 from kvatlas.router.config import RouterConfig
 from kvatlas.router.service import RouterService
 from kvatlas.runtime.asgi_thread import AsgiThread, ServeError
@@ -117,6 +121,11 @@ class RouterApp:
                 Route("/readyz", self._readyz, methods=["GET"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
                 Route("/status", self._status, methods=["GET"]),
+            ],
+            middleware=[
+                Middleware(
+                    RouterGate, token=self.config.auth_token, refusals=svc.metrics.auth_refusals
+                )
             ],
             lifespan=lifespan,
         )

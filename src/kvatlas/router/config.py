@@ -45,7 +45,9 @@ class RouterConfig:
     """The model name the fleet hashes under (``--model-name``); empty: what the cache
     servers declare in their registration (``models``)."""
     auth_token: str | None = field(default=None, repr=False)
-    """The fleet's shared token, sent to the coordinator (``--auth-token-file``, ...)."""
+    """The fleet's shared token (``--auth-token-file``, ...): sent to the coordinator, and
+    required of the router's clients on every path but ``/healthz`` and ``/readyz``, in
+    ``Authorization`` or ``Proxy-Authorization`` (``auth.RouterGate``)."""
     refresh_interval_s: float = 2.0
     """Seconds between listings of the coordinator's instances (``--refresh-interval``)."""
     health_interval_s: float = 1.0

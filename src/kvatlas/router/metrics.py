@@ -100,6 +100,10 @@ class RouterMetrics:
             f"{ns}_lookup_seconds", "The coordinator's prefix lookup as the router waits for it",
             buckets=_OVERHEAD_BUCKETS, registry=r,
         )  # fmt: skip
+        self.auth_refusals = Counter(
+            f"{ns}_auth_refusals", "Requests refused with 401 for want of the fleet's token,"
+            " by reason (missing, wrong)", ["reason"], registry=r,
+        )  # fmt: skip
         r.register(_EngineGauges(engines))
 
     def render(self) -> bytes:
