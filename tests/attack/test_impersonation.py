@@ -30,13 +30,13 @@ from kvatlas.connector.client import CacheClient
 from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
+from kvatlas.evaluation.broker import Broker
 from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.server.publisher import EventPublisher
 from kvatlas.server.sinks import HttpSink
 from kvatlas.wire.http_api import RegisterRequest
 from kvatlas.wire.kafka_records import PROOF_HEADER, encode_batch_msgpack
 from support.coordinator import RunningCoordinator
-from support.kafka import KafkaBroker
 from support.launch import Proc
 from support.services import ServerProc, start_coordinator_process
 from support.wait import wait_until
@@ -290,7 +290,7 @@ def test_require_instance_credentials_refuses_unbound_instances(
 
 @pytest.mark.kafka
 def test_with_kafka_every_replica_knows_the_credential_and_skips_forged_records(
-    kafka_broker: KafkaBroker, start_coordinator: Callable[..., RunningCoordinator]
+    kafka_broker: Broker, start_coordinator: Callable[..., RunningCoordinator]
 ) -> None:
     """Registered through replica A, the instance's digest reaches replica B through the
     log: B takes its heartbeats (failover) and refuses a third party. An event record

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from kvatlas.connector.client import CacheClient
+from kvatlas.evaluation.broker import Broker
 from kvatlas.wire.http_api import LookupRequest, LookupResponse
-from support.kafka import KafkaBroker
 from support.launch import Proc
 from support.services import ServerProc, start_coordinator_process, start_server_process
 from support.wait import wait_until
@@ -58,9 +58,7 @@ def start_replicas(tmp: Path, *flags: str) -> list[Proc]:
 
 
 @pytest.fixture
-def kafka_replicas(
-    kafka_broker: KafkaBroker, tmp_path: Path
-) -> Iterator[tuple[list[Proc], list[str]]]:
+def kafka_replicas(kafka_broker: Broker, tmp_path: Path) -> Iterator[tuple[list[Proc], list[str]]]:
     """Two replicas on one topic, and the Kafka flags a server needs to publish there."""
     topic = f"ha-{uuid.uuid4().hex[:8]}"
     kafka_broker.create_topic(topic, partitions=8)

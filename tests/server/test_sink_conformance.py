@@ -32,6 +32,7 @@ from coordinator.events import MODEL, RANK, batch, block_batch, fake_hash, key, 
 from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.keys import Namespace, chunk_hashes, object_keys
 from kvatlas.core.types import EventType, Tier
+from kvatlas.evaluation.broker import Broker
 from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.runtime.procs import free_port
 from kvatlas.server.errors import SinkError
@@ -40,7 +41,6 @@ from kvatlas.server.sinks import EventSink, HttpSink, KafkaSink
 from kvatlas.wire.http_api import EventFormat, decode_events
 from kvatlas.wire.kafka_records import decode_record
 from support.coordinator import RunningCoordinator
-from support.kafka import KafkaBroker
 from support.tap import HttpTap
 from support.wait import wait_until
 
@@ -141,7 +141,7 @@ class KafkaReceiver:
     too_large = "MSG_SIZE_TOO_LARGE"
     oversized = KAFKA_OVERSIZED
 
-    def __init__(self, broker: KafkaBroker, start: Start) -> None:
+    def __init__(self, broker: Broker, start: Start) -> None:
         self._broker = broker
         self._topic = f"sink-{uuid.uuid4().hex[:8]}"
         broker.create_topic(self._topic, partitions=4)
@@ -210,11 +210,11 @@ class KafkaReceiver:
         return [b for _, b in self.records()]
 
     def take_down(self) -> None:
-        os.kill(self._broker.proc.pid, signal.SIGSTOP)
+        os.kill(self._broker.pid, signal.SIGSTOP)
         self._frozen = True
 
     def bring_back(self) -> None:
-        os.kill(self._broker.proc.pid, signal.SIGCONT)
+        os.kill(self._broker.pid, signal.SIGCONT)
         self._frozen = False
 
     def close(self) -> None:
@@ -450,7 +450,7 @@ def test_http_sink_refused_by_the_coordinator_is_reported(
 
 @pytest.mark.kafka
 def test_http_sink_to_a_kafka_coordinator_is_refused(
-    kafka_broker: KafkaBroker, start_coordinator: Start
+    kafka_broker: Broker, start_coordinator: Start
 ) -> None:
     topic = f"refuse-{uuid.uuid4().hex[:8]}"
     kafka_broker.create_topic(topic, partitions=1)
@@ -466,7 +466,7 @@ def test_http_sink_to_a_kafka_coordinator_is_refused(
 
 @pytest.mark.kafka
 def test_kafka_sink_one_record_per_batch_keyed_by_instance(
-    kafka_broker: KafkaBroker, start_coordinator: Start
+    kafka_broker: Broker, start_coordinator: Start
 ) -> None:
     receiver = KafkaReceiver(kafka_broker, start_coordinator)
     pub = EventPublisher(receiver.sink(), "node-k", 5, max_batch_entries=10)

