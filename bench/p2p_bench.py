@@ -18,6 +18,10 @@ bytes) per repeat, medians of the repeats:
   model's cache), so it is reported next to end to end, as "+ copy", not inside it;
 - the per-step breakdown: the server's own timings (``LookupResult.p2p_ms``), the
   engine-API round trip around them, the engine's access, the copy, the release;
+- what the processes did meanwhile: CPU time (user + system) of A's and B's servers during
+  the fetch, and the minor page faults B's server took then (its L1 slots and its mapping
+  of A's region are populated before, so a fetch should take few) and the engine took
+  during its copy; CPU time next to the wall time says how many cores a step kept busy;
 - every byte checked: the copy of what B's engine held is compared with A's L1 after
   each repeat;
 - baselines measured in the same run, interleaved with the repeats: one raw loopback TCP
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -207,7 +212,7 @@ def bench_prefix(transport: str, chunks: int, repeats: int, verify: bool) -> dic
                     tokens = rng.integers(100, 45000, chunks * CHUNK_TOKENS).tolist()
                     _store(ca, tokens, chunks, rng)
                     _wait_directory(fleet, tokens, chunks)
-                    runs.append(_one_fetch(ca, engine, tokens, out))
+                    runs.append(_one_fetch(fleet, ca, engine, tokens, out))
                     base.measure()
                     print(
                         f"[p2p-bench] {transport} repeat {r + 1}: fetch"
@@ -235,9 +240,20 @@ def bench_prefix(transport: str, chunks: int, repeats: int, verify: bool) -> dic
         "e2e_ms": e2e,
         "e2e_copy_ms": e2e_copy,
         "steps_ms": {k: statistics.median(r["steps_ms"].get(k, 0.0) for r in runs) for k in steps},
+        "procs": {k: statistics.median(r["procs"][k] for r in runs) for k in runs[0]["procs"]},
         "baselines_ms": base.medians_ms(),
         "runs": runs,
     }
+
+
+def _counters(pid: int | None) -> tuple[float, int]:
+    """CPU ms (user + system) and minor page faults of process ``pid`` so far."""
+    if pid is None:
+        return 0.0, 0
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])
+    return ticks * 1000 / os.sysconf("SC_CLK_TCK"), int(fields[7])
 
 
 def _engine(fleet: Fleet, i: int, verify: bool) -> KVConnector:
@@ -251,15 +267,19 @@ def _engine(fleet: Fleet, i: int, verify: bool) -> KVConnector:
 
 
 def _one_fetch(
+    fleet: Fleet,
     ca: CacheClient,
     engine: KVConnector,
     tokens: list[int],
     out: npt.NDArray[np.uint8],
 ) -> dict[str, Any]:
     chunks = len(out)
+    pid_a, pid_b = fleet.servers[0].pid, fleet.servers[1].pid
+    a0, b0 = _counters(pid_a), _counters(pid_b)
     t0 = time.perf_counter()
     prefix = engine.fetch_prefix(tokens)
     t1 = time.perf_counter()
+    a1, b1, e1 = _counters(pid_a), _counters(pid_b), _counters(os.getpid())
     try:
         st = prefix.stats
         if st.fallback is not None or st.hit_chunks != chunks or st.peer_chunks != chunks:
@@ -270,6 +290,7 @@ def _one_fetch(
         for i, view in enumerate(prefix.chunks):
             np.copyto(out[i], view)
         t2 = time.perf_counter()
+        e2 = _counters(os.getpid())
     finally:
         prefix.release()
     t3 = time.perf_counter()
@@ -287,6 +308,12 @@ def _one_fetch(
         "e2e_ms": e2e_ms,
         "e2e_copy_ms": (t2 - t0) * 1000,
         "steps_ms": steps,
+        "procs": {
+            "a_cpu_ms": a1[0] - a0[0],
+            "b_cpu_ms": b1[0] - b0[0],
+            "b_faults": b1[1] - b0[1],
+            "engine_copy_faults": e2[1] - e1[1],
+        },
     }
 
 
@@ -456,6 +483,12 @@ def prefix_table(rows: Sequence[dict[str, Any]]) -> str:
         lines.append("|---|" + "---|" * len(ok))
         for k in ("stream", "memcpy", "xxh3", "copy_xxh3"):
             cells = " | ".join(f"{r['baselines_ms'].get(k, 0.0):.0f}" for r in ok)
+            lines.append(f"| {k} | {cells} |")
+        lines += ["", "The processes during the fetch (medians; the copy: the engine's):", ""]
+        lines.append("| counter | " + " | ".join(r["transport"] for r in ok) + " |")
+        lines.append("|---|" + "---|" * len(ok))
+        for k in ("a_cpu_ms", "b_cpu_ms", "b_faults", "engine_copy_faults"):
+            cells = " | ".join(f"{r['procs'][k]:.0f}" for r in ok)
             lines.append(f"| {k} | {cells} |")
     return "\n".join(lines)
 
