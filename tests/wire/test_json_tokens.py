@@ -234,8 +234,10 @@ def test_only_the_top_level_array_is_read() -> None:
 
 
 @pytest.mark.parametrize("name", PARSER_NAMES)
-def test_a_prompt_of_32k_tokens(parsers: dict[str, DigitParser], name: str) -> None:
-    tokens = [int(t) for t in np.random.default_rng(7).integers(0, 200_000, 32_768)]
+@pytest.mark.parametrize("n", [32_768, 200_000])
+def test_prompts_of_32k_and_200k_tokens(parsers: dict[str, DigitParser], name: str, n: int) -> None:
+    """The second, over 1 MiB of JSON, the compiled parser reads without the GIL."""
+    tokens = [int(t) for t in np.random.default_rng(7).integers(0, 200_000, n)]
     for body in (
         json.dumps({"token_ids": tokens, "model_name": "m"}).encode(),
         msgspec.json.encode({"token_ids": tokens, "model_name": "m"}),
