@@ -3,7 +3,8 @@
     python -m bench.coordinator_breakdown [--gc-keys 1000000] [--glibc-defaults]
 
 The same steps the HTTP handler runs for `POST /directory/lookup`, timed one by one
-(medians of 300 runs) for a 32,768-token prompt (JSON `token_ids`, `tokens_b64`, msgpack) and
+(medians of 300 runs; the JSON array also by each parser this installation has, and as
+msgspec's Python ints) for a 32,768-token prompt (JSON `token_ids`, `tokens_b64`, msgpack) and
 for 128 keys, with 100 of the 128 chunks held by one instance. The HTTP round trip itself
 is what `bench.coordinator_bench` adds on top. The process sets glibc's malloc
 thresholds as the coordinator's does (`runtime.allocator`; ``--glibc-defaults`` leaves
@@ -21,6 +22,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -38,9 +40,11 @@ from kvatlas.wire.http_api import (
     encode_lookup_msgpack,
     shared_namespace,
 )
+from kvatlas.wire.json_tokens import PARSERS, token_ids_array
 
 MODEL = "m"
 JSON, MSGPACK = "application/json", "application/msgpack"
+_ints = msgspec.json.Decoder(LookupRequest)
 
 
 def _median_us(fn: Callable[[], Any], n: int = 300) -> float:
@@ -118,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     cols = fleet.directory.lookup_blob(blob, ns)
     steps: list[tuple[str, Callable[[], Any]]] = [
         ("decode body, 32,768 `token_ids` (JSON ints)", lambda: decode_lookup(json_body, JSON)),
+        *(
+            (f"(its array alone, {name} parser)", partial(token_ids_array, json_body, parse))
+            for name, parse in PARSERS.items()
+        ),
+        ("(its array as Python ints: msgspec's exact decode)", lambda: _ints.decode(json_body)),
         ("decode body, `tokens_b64` (base64 in msgspec)", lambda: decode_lookup(b64_body, JSON)),
         ("decode body, msgpack (raw tokens)", lambda: decode_lookup(msgpack_body, MSGPACK)),
         ("hash 32,768 tokens into 128 chunk keys", lambda: chunk_hashes(raw)),
