@@ -47,6 +47,7 @@ from kvatlas.server.engine_api import EngineApi
 from kvatlas.server.engine_service import EngineService, ServiceIdentity
 from kvatlas.server.http_app import build_app
 from kvatlas.server.incarnation import load_secret, next_incarnation, save_secret
+from kvatlas.server.lease_ids import RandomLeaseIds
 from kvatlas.server.metrics import ServerMetrics
 from kvatlas.server.p2p.node import P2PNode
 from kvatlas.server.p2p.store_access import PeerStoreAccess
@@ -124,7 +125,7 @@ class CacheServer:
                 config.l1.size_bytes,
                 config.l1.align_bytes,
                 config.l1.eviction_policy,
-                lease_ids=lambda: secrets.randbits(63),
+                lease_ids=RandomLeaseIds(),
             )
             self.l2: L2Adapter | None = None
             if config.l2.path is not None:
