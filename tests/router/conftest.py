@@ -1,6 +1,7 @@
 """Fixtures of the router's tests: a real fleet on loopback (a coordinator and two cache
 servers as processes, two reference engines on the tiny random model in this process,
-each registered with its node's server, which advertises it), and routers in front.
+each registered with its node's server, which advertises it), the same with P2P between
+the servers, and routers in front.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from kvatlas.engine.engine_app import EngineApp
 from kvatlas.engine.model import LoadedModel, load_model
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import RouterConfig
+from kvatlas.runtime.procs import HOST, free_port
 from support.launch import Proc
 from support.services import ServerProc, start_coordinator_process, start_server_process
 
@@ -62,30 +65,24 @@ class Fleet:
         return app
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory, tiny: LoadedModel) -> Iterator[Fleet]:
-    tmp: Path = tmp_path_factory.mktemp("router-fleet")
+@contextmanager
+def _fleet(tmp: Path, tiny: LoadedModel, *, p2p: bool) -> Iterator[Fleet]:
     coordinator = start_coordinator_process(log=tmp / "coordinator.log")
     fleet = Fleet(coordinator, [], [])
     servers, engines = fleet.servers, fleet.engines
     try:
         for name in ("node-a", "node-b"):
-            servers.append(
-                start_server_process(
-                    tmp,
-                    name,
-                    "--coordinator-url",
-                    coordinator.url,
-                    "--coordinator-heartbeat-interval",
-                    "0.5",
-                    "--event-flush-interval",
-                    "0.05",
-                    "--l1-size-gb",
-                    "0.05",
-                    "--engine-workers",
-                    "2",
-                )
-            )
+            flags = [
+                "--coordinator-url", coordinator.url, "--coordinator-heartbeat-interval",
+                "0.5", "--event-flush-interval", "0.05", "--l1-size-gb", "0.05",
+                "--engine-workers", "2",
+            ]  # fmt: skip
+            if p2p:
+                flags += [
+                    "--p2p-advertise-url", f"{HOST}:{free_port()}",
+                    "--p2p-transfer-engine", "tcp",
+                ]  # fmt: skip
+            servers.append(start_server_process(tmp, name, *flags))
         for server in servers:
             app = EngineApp(engine_config(cache=CacheLinkConfig(port=server.port)), model=tiny)
             app.start()
@@ -99,6 +96,19 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, tiny: LoadedModel) -> Iterat
         for s in servers:
             s.stop()
         coordinator.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, tiny: LoadedModel) -> Iterator[Fleet]:
+    with _fleet(tmp_path_factory.mktemp("router-fleet"), tiny, p2p=False) as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def p2p_fleet(tmp_path_factory: pytest.TempPathFactory, tiny: LoadedModel) -> Iterator[Fleet]:
+    """The same fleet with P2P between the two servers (tcp transport)."""
+    with _fleet(tmp_path_factory.mktemp("router-p2p-fleet"), tiny, p2p=True) as f:
+        yield f
 
 
 StartRouter = Callable[..., RouterApp]

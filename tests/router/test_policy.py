@@ -58,3 +58,19 @@ def test_a_policy_override_degrades_without_a_lookup() -> None:
     cands = [Candidate("a", 3, 0, 900), Candidate("b", 0, 0, 0)]
     d = chooser("kv").rank(cands, 1000, 900, policy="least-loaded")
     assert d.ranked[0].name == "b" and d.reason == "least-loaded"
+
+
+def test_kv_p2p_costs_a_peer_token_at_the_measured_weight_not_the_flag() -> None:
+    # a measured P2P read as dear as a recompute makes the peer's prefix worth nothing,
+    # so the holder's short queue wins again; unmeasured, the flag's 0.1 applies
+    holder = Candidate("a", 1, 600, 1024)
+    idle = Candidate("b", 0, 0, 0)
+    assert chooser("kv-p2p").rank([holder, idle], 1100, 1024).ranked[0].name == "b"
+    dear = Candidate("b", 0, 0, 0, p2p_weight=1.0)
+    d = chooser("kv-p2p").rank([holder, dear], 1100, 1024)
+    assert d.ranked[0].name == "a"
+    assert d.ranked[1].cost == 1100 + 0.0  # all 1024 peer tokens at 1.0, 76 computed
+    cheap = Candidate("b", 0, 0, 0, p2p_weight=0.01)
+    assert chooser("kv-p2p", p2p=1.0).rank([holder, cheap], 1100, 1024).ranked[0].cost == (
+        76 + 0.01 * 1024
+    )

@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--weight-p2p", type=float, default=w.p2p,
-        help="kv-p2p: cost of a token read from a peer, relative to recomputing it",
+        help="kv-p2p: cost of a token read from a peer, relative to recomputing it, until"
+        " the router has measured the P2P and prefill rates (then those decide)",
     )  # fmt: skip
     ap.add_argument(
         "--weight-load", type=float, default=w.load,

@@ -49,6 +49,11 @@ _T = TypeVar("_T")
 _WARMUP_TOKENS: Final = 64
 _TTFT_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _RATE_BUCKETS: Final = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+_PEER_FETCH_PARTS: Final = frozenset(
+    f"p2p_{part}" for part in ("directory", "lock", "reserve", "transfer", "commit", "unlock")
+)
+"""The parts of ``breakdown_ms`` the cache server spent reading from peers (not its
+``p2p_local_lookup``, which every request pays)."""
 
 
 class StopMatcher:
@@ -112,6 +117,16 @@ class EngineMetrics:
         self.prefilled_tokens = Counter(
             f"{ns}_prefilled_tokens", "Prompt tokens the model computed", registry=r
         )
+        self.prefill_seconds = Counter(
+            f"{ns}_prefill_seconds", "Model time spent computing prefilled tokens (with"
+            " prefilled_tokens: the engine's prefill rate, which a router costs against)",
+            registry=r,
+        )  # fmt: skip
+        self.peer_fetch_seconds = Counter(
+            f"{ns}_peer_fetch_seconds", "Cache-server time spent reading peer_cached_tokens"
+            " from peers (directory, lock, transfer, commit, unlock): the P2P read rate",
+            registry=r,
+        )  # fmt: skip
         self.generation_tokens = Counter(
             f"{ns}_generation_tokens", "Completion tokens generated", registry=r
         )
@@ -140,6 +155,12 @@ class EngineMetrics:
         self.cached_tokens.inc(out.cached_tokens)
         self.peer_tokens.inc(out.peer_cached_tokens)
         self.prefilled_tokens.inc(out.prefilled_tokens)
+        if out.prefilled_tokens:
+            self.prefill_seconds.inc(out.breakdown_ms.get("prefill", 0.0) / 1000)
+        if out.peer_cached_tokens:
+            self.peer_fetch_seconds.inc(
+                sum(v for k, v in out.breakdown_ms.items() if k in _PEER_FETCH_PARTS) / 1000
+            )
         self.generation_tokens.inc(out.completion_tokens)
         self.stored_chunks.inc(out.stored_chunks)
         if out.fallback is not None:

@@ -55,6 +55,11 @@ class EngineView(msgspec.Struct, frozen=True):
     breaker_opens: int
     busy_s: float
     last_error: str
+    prefill_tokens_per_s: float | None
+    """Its measured prefill rate; None until measured."""
+    p2p_weight: float
+    """Prefill tokens ``kv-p2p`` charges it per token read from a peer: the measured
+    P2P cost over its prefill cost, or ``--weight-p2p`` until both are measured."""
 
 
 class RouterStatus(msgspec.Struct, frozen=True):
@@ -66,6 +71,9 @@ class RouterStatus(msgspec.Struct, frozen=True):
     routed: int
     failed: int
     engines: list[EngineView]
+    p2p_tokens_per_s: float | None
+    """The fleet's measured P2P read rate (tokens per second of reading); None until
+    measured."""
 
 
 class RouterApp:
@@ -163,6 +171,11 @@ class RouterApp:
                 breaker_opens=e.breaker_opens,
                 busy_s=round(e.busy_s, 3),
                 last_error=e.last_error,
+                prefill_tokens_per_s=_per_s(e.prefill.s_per_token),
+                p2p_weight=round(
+                    w if (w := svc.table.p2p_weight(e)) is not None else self.config.weights.p2p,
+                    6,
+                ),
             )
             for e in sorted(svc.table.engines.values(), key=lambda e: e.url)
         ]
@@ -172,6 +185,7 @@ class RouterApp:
             svc.routed,
             svc.failed,
             engines,
+            _per_s(svc.table.p2p_s_per_token()),
         )
 
     def start(self, timeout_s: float = 30.0) -> None:
@@ -207,3 +221,7 @@ class RouterApp:
                     raise ServeError("the router's HTTP server stopped unexpectedly")
         finally:
             self.stop()
+
+
+def _per_s(s_per_token: float | None) -> float | None:
+    return round(1.0 / s_per_token, 1) if s_per_token else None

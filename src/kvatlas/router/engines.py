@@ -5,7 +5,9 @@ holdings the coordinator reports), the model name that instance hashes under, he
 (the last probe), a breaker (``breaker_failures`` failures in a row open it for
 ``breaker_open_s``; a successful probe after that closes it), and the router's own
 load accounting (requests in flight, their prefill tokens, plus the requests the
-engine's last probe ran beyond the router's own: other clients' work). Engines come
+engine's last probe ran beyond the router's own: other clients' work), and the rates its
+metrics measure: its prefill (seconds per computed token) and the P2P reads its cache
+server made for it (seconds per token read from peers). Engines come
 from the coordinator's listing and from ``--engine``; one that leaves the listing is
 dropped once nothing is in flight to it.
 
@@ -17,6 +19,34 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Final
+
+RATE_SMOOTHING: Final = 0.3
+"""Weight of the newest probe interval in a ``RateMeter`` (an exponential average)."""
+
+
+@dataclass(slots=True)
+class RateMeter:
+    """Seconds per token from two cumulative counters (tokens, seconds) read at each
+    probe: an exponential average over the intervals in which tokens were counted."""
+
+    s_per_token: float | None = None
+    """None until an interval counted tokens."""
+    _tokens: float = field(default=-1.0, repr=False)
+    _seconds: float = 0.0
+
+    def sample(self, tokens: float, seconds: float) -> None:
+        if self._tokens < 0 or tokens < self._tokens or seconds < self._seconds:
+            # the first reading, or the counters restarted (a new engine process):
+            # only the totals since its start are known
+            d_tokens, d_seconds = tokens, seconds
+        else:
+            d_tokens, d_seconds = tokens - self._tokens, seconds - self._seconds
+        self._tokens, self._seconds = tokens, seconds
+        if d_tokens > 0 and d_seconds > 0:
+            rate = d_seconds / d_tokens
+            old = self.s_per_token
+            self.s_per_token = rate if old is None else old + RATE_SMOOTHING * (rate - old)
 
 
 @dataclass(slots=True)
@@ -46,6 +76,10 @@ class EngineState:
     last_error: str = ""
     busy_s: float = 0.0
     """Seconds with at least one request in flight (for load balance reports)."""
+    prefill: RateMeter = field(default_factory=RateMeter)
+    """Its prefill: seconds per computed token (its metrics)."""
+    p2p: RateMeter = field(default_factory=RateMeter)
+    """Its cache server's P2P reads for it: seconds per token read from peers."""
     _busy_since: float = field(default=0.0, repr=False)
 
     def available(self, now: float) -> bool:
@@ -138,6 +172,25 @@ class EngineTable:
             (e for e in self.engines.values() if e.listed and e.available(now)),
             key=lambda e: e.url,
         )
+
+    def p2p_s_per_token(self) -> float | None:
+        """The fleet's P2P read cost, seconds per token: the mean over the engines that
+        measured one (the links are the fleet's, whichever engine the read was for)."""
+        rates = [r for e in self.engines.values() if (r := e.p2p.s_per_token) is not None]
+        return sum(rates) / len(rates) if rates else None
+
+    def p2p_weight(self, e: EngineState) -> float | None:
+        """What reading one token from a peer costs ``e``, in its prefill tokens: the
+        fleet's P2P seconds per token over ``e``'s prefill seconds per token (the mean of
+        the fleet's when ``e`` has not measured its own); None until both are measured."""
+        p2p = self.p2p_s_per_token()
+        prefill = e.prefill.s_per_token
+        if prefill is None:
+            rates = [r for x in self.engines.values() if (r := x.prefill.s_per_token) is not None]
+            prefill = sum(rates) / len(rates) if rates else None
+        if p2p is None or prefill is None:
+            return None
+        return p2p / prefill
 
     def model_name(self) -> str:
         """The model name the known engines hash under (the first one declared)."""

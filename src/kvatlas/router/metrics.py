@@ -1,19 +1,19 @@
 """The router's Prometheus metrics (prefix ``kvatlas_router_``), in a registry of its own.
 
-Owns the names, labels and buckets; the per-engine gauges read the engine table when
-scraped. Must not: decide anything (the service observes into it).
+Owns the names, labels and buckets; the per-engine gauges and the measured rates read
+the engine table when scraped. Must not: decide anything (the service observes into it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvatlas.router.engines import EngineState
+from kvatlas.router.engines import EngineTable
 
 _OVERHEAD_BUCKETS: Final = (
     0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0,
@@ -21,10 +21,19 @@ _OVERHEAD_BUCKETS: Final = (
 
 
 class _EngineGauges(Collector):
-    def __init__(self, engines: Callable[[], list[EngineState]]) -> None:
-        self._engines = engines
+    def __init__(self, table: EngineTable, default_p2p_weight: float) -> None:
+        self._table = table
+        self._default_p2p = default_p2p_weight
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        table = self._table
+        p2p = table.p2p_s_per_token()
+        yield GaugeMetricFamily(
+            "kvatlas_router_p2p_tokens_per_second",
+            "The fleet's measured P2P read rate (tokens read from peers per second of the"
+            " cache servers' reads; 0 until measured)",
+            value=1.0 / p2p if p2p else 0.0,
+        )
         ns = "kvatlas_router_engine"
         fams = {
             "in_flight": GaugeMetricFamily(
@@ -42,19 +51,32 @@ class _EngineGauges(Collector):
             "busy": GaugeMetricFamily(
                 f"{ns}_busy_seconds", "Seconds with a request in flight", labels=["engine"]
             ),
+            "prefill": GaugeMetricFamily(
+                f"{ns}_prefill_tokens_per_second", "An engine's measured prefill rate (0 until"
+                " measured)", labels=["engine"],
+            ),
+            "p2p_weight": GaugeMetricFamily(
+                f"{ns}_p2p_weight", "Prefill tokens kv-p2p charges an engine per token read"
+                " from a peer: measured P2P over prefill cost, or --weight-p2p until measured",
+                labels=["engine"],
+            ),
         }  # fmt: skip
-        for e in self._engines():
+        for e in list(table.engines.values()):
             fams["in_flight"].add_metric([e.url], e.in_flight)
             fams["queued"].add_metric([e.url], e.queued_tokens)
             fams["healthy"].add_metric([e.url], 1.0 if e.healthy and e.failures == 0 else 0.0)
             fams["busy"].add_metric([e.url], e.busy_s)
+            prefill = e.prefill.s_per_token
+            fams["prefill"].add_metric([e.url], 1.0 / prefill if prefill else 0.0)
+            weight = table.p2p_weight(e)
+            fams["p2p_weight"].add_metric([e.url], self._default_p2p if weight is None else weight)
         yield from fams.values()
 
 
 class RouterMetrics:
     """Counters and histograms of routing decisions, attempts and overhead."""
 
-    def __init__(self, engines: Callable[[], list[EngineState]]) -> None:
+    def __init__(self, table: EngineTable, default_p2p_weight: float) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         ns = "kvatlas_router"
@@ -104,7 +126,7 @@ class RouterMetrics:
             f"{ns}_auth_refusals", "Requests refused with 401 for want of the fleet's token,"
             " by reason (missing, wrong)", ["reason"], registry=r,
         )  # fmt: skip
-        r.register(_EngineGauges(engines))
+        r.register(_EngineGauges(table, default_p2p_weight))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

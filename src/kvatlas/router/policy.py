@@ -6,8 +6,10 @@ Owns the policies of ``kvatlas router --policy``:
   the leading tokens its cache server holds) plus its load (queued prefill tokens and a
   decode allowance per request in flight), all in prefill-token equivalents;
 - ``kv-p2p``: as ``kv``, but the tokens some other node holds beyond this node's prefix
-  cost a P2P read (``Weights.p2p`` of a recompute), not a recompute, so a hot prefix
-  need not pin its traffic to the one engine that computed it;
+  cost a P2P read, not a recompute, so a hot prefix need not pin its traffic to the one
+  engine that computed it. A read token costs ``Candidate.p2p_weight`` prefill tokens:
+  the fleet's measured P2P seconds per token over the engine's measured prefill seconds
+  per token; ``Weights.p2p`` until both are measured;
 - ``least-loaded``: the load term alone;
 - ``round-robin`` and ``random``: the usual.
 
@@ -36,7 +38,8 @@ class Weights:
     """The cost model's weights, in prefill-token equivalents (flags ``--weight-*``)."""
 
     p2p: float = 0.1
-    """Cost of one token read from a peer, relative to recomputing it (``--weight-p2p``)."""
+    """Cost of one token read from a peer, relative to recomputing it, until the router
+    has measured both rates (``--weight-p2p``)."""
     load: float = 1.0
     """Weight of the load term against the prompt's own prefill (``--weight-load``)."""
     decode: float = 64.0
@@ -57,6 +60,9 @@ class Candidate:
     """Prefill tokens of the requests in flight (the router's expectation)."""
     local_tokens: int = 0
     """Leading prompt tokens its node's cache server holds (from the coordinator)."""
+    p2p_weight: float | None = None
+    """Prefill tokens one token read from a peer costs it, from the measured rates
+    (``EngineTable.p2p_weight``); None: ``Weights.p2p``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,5 +148,6 @@ class Chooser:
             return Choice(c.name, load, local, prompt - local)
         peer = max(0, min(fleet, prompt) - local) if policy == "kv-p2p" else 0
         compute = prompt - local - peer
-        cost = compute + w.p2p * peer + load
+        p2p = w.p2p if c.p2p_weight is None else c.p2p_weight
+        cost = compute + p2p * peer + load
         return Choice(c.name, cost, local + peer, compute)

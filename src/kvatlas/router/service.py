@@ -19,7 +19,9 @@ Owns, for ``kvatlas router``:
   broken off after its first byte ends a stream with an error event;
 - the loops: the coordinator's listing every ``refresh_interval_s`` (each cache server
   advertises its engines' URLs as ``engine_urls``), and a probe of every engine's
-  ``/metrics`` every ``health_interval_s`` (health, and its count of running requests).
+  ``/metrics`` every ``health_interval_s`` (health, its count of running requests, and
+  the counters its prefill rate and its cache server's P2P read rate come from, which
+  price a peer-held token for ``kv-p2p``).
 
 The decision goes out in the ``X-Kvatlas-Route`` header, to the debug log and to the
 metrics. Must not: parse or rewrite what an engine answers (beyond the error event of a
@@ -67,6 +69,17 @@ _HOP_BY_HOP: Final = frozenset(
     }
 )  # fmt: skip
 _RUNNING_METRICS: Final = ("kvatlas_engine_requests_running", "vllm:num_requests_running")
+_PREFILL_METRICS: Final = (
+    "kvatlas_engine_prefilled_tokens_total",
+    "kvatlas_engine_prefill_seconds_total",
+)
+"""(tokens, seconds) counters of an engine's prefill: its measured prefill rate."""
+_P2P_METRICS: Final = (
+    "kvatlas_engine_peer_cached_tokens_total",
+    "kvatlas_engine_peer_fetch_seconds_total",
+)
+"""(tokens, seconds) counters of the P2P reads an engine's cache server made for it."""
+_PROBED: Final = frozenset((*_RUNNING_METRICS, *_PREFILL_METRICS, *_P2P_METRICS))
 _JSON: Final = "application/json"
 _BYTES_PER_TOKEN_GUESS: Final = 4
 """Without a tokenize (policies that need no prefix), prompt tokens are guessed from
@@ -121,7 +134,7 @@ class RouterService:
             self.table.add_static(e.url, e.instance_id)
         self.chooser = Chooser(config.policy, config.weights, random.Random(config.seed))
         self.pending = PendingPrefixes(config.chunk_size, config.pending_ttl_s)
-        self.metrics = RouterMetrics(lambda: list(self.table.engines.values()))
+        self.metrics = RouterMetrics(self.table, config.weights.p2p)
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._coordinator_down_until = 0.0
         self._tokenize_turn = 0
@@ -210,10 +223,14 @@ class RouterService:
                 "/metrics", timeout=min(2.0, self.config.health_interval_s * 2)
             )
             ok, reason = resp.status_code == 200, f"/metrics answered {resp.status_code}"
-            running = _running(resp.text) if ok else 0
+            samples = _samples(resp.text) if ok else {}
         except httpx.HTTPError as exc:
-            ok, reason, running = False, f"/metrics failed: {exc!r}", 0
+            ok, reason, samples = False, f"/metrics failed: {exc!r}", {}
+        running = next((int(samples[m]) for m in _RUNNING_METRICS if m in samples), 0)
         e.probed(ok, running, reason, self._clock())
+        for meter, (tokens, seconds) in ((e.prefill, _PREFILL_METRICS), (e.p2p, _P2P_METRICS)):
+            if tokens in samples and seconds in samples:
+                meter.sample(samples[tokens], samples[seconds])
         now = e.available(self._clock())
         if now != was:
             if now:
@@ -260,6 +277,7 @@ class RouterService:
                 e.load,
                 e.queued_tokens,
                 max(local.get(e.instance_id, 0), pending.get(e.url, 0)),
+                self.table.p2p_weight(e),
             )
             for e in engines
         ]
@@ -482,12 +500,21 @@ def _prompt_ids(body: bytes) -> list[int] | None:
         return None
 
 
-def _running(text: str) -> int:
-    """An engine's count of running requests from its Prometheus text (0 if absent)."""
+def _samples(text: str) -> dict[str, float]:
+    """The metrics the probe reads (``_PROBED``) from an engine's Prometheus text, the
+    first sample of each (vLLM labels its gauges with the model); a malformed or absent
+    one is left out."""
+    out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith(_RUNNING_METRICS):
-            try:
-                return int(float(line.rsplit(" ", 1)[1]))
-            except (IndexError, ValueError):
-                return 0
-    return 0
+        brace = line.find("{")
+        space = line.find(" ")
+        cut = brace if 0 <= brace < space or space < 0 <= brace else space
+        name = line[:cut] if cut >= 0 else line
+        if name not in _PROBED or name in out:
+            continue
+        rest = line[line.rfind("}") + 1 :] if cut == brace else line[cut:]
+        try:
+            out[name] = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+    return out
