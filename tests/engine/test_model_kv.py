@@ -22,14 +22,14 @@ from kvatlas.engine.generate import (
     prefill_and_generate,
     stream_generate,
 )
+from kvatlas.engine.kv_cache import ArenaLayer, KVArena, settle_cache
 from kvatlas.engine.kv_layout import (
-    BufferLayer,
     KVLayoutError,
     KVSpec,
     build_cache,
     chunk_nbytes,
     extract_chunks,
-    settle_cache,
+    layer_parts,
     torch_dtype,
 )
 from kvatlas.engine.model import ByteTokenizer, LoadedModel, ModelLoadError, load_model
@@ -106,14 +106,14 @@ def test_build_cache_takes_any_buffer_and_truncates() -> None:
 
 
 def test_cache_over_buffers_copies_once_at_the_first_update() -> None:
-    """Layers over the buffers read them where they lie until the first update, which
-    concatenates the prefix with the new states: same tensors as the copying build, and
-    afterwards the cache no longer aliases the buffers."""
+    """Arena layers read the buffers where they lie until the first update, which copies
+    the prefix into the arena beside the new states: same tensors as the copying build,
+    and afterwards the cache no longer aliases the buffers."""
     spec = KVSpec(layers=2, kv_heads=2, head_dim=4, dtype="float32")
     cache = filled_cache(spec, 40)
     arrays = extract_chunks(cache, 0, 2, 16)
-    lazy = build_cache(arrays, spec, 16, n_tokens=31, over_buffers=True)
-    assert all(isinstance(layer, BufferLayer) and layer.viewing for layer in lazy.layers)
+    lazy = KVArena(spec).cache(None, layer_parts(arrays, spec, 16, 31))
+    assert all(isinstance(layer, ArenaLayer) and layer.viewing for layer in lazy.layers)
     assert lazy.get_seq_length() == 31
     arrays[1].view(np.float32)[:4] = 7.0  # written while viewed: the layer sees it
     k_new, v_new = cache.layers[0].keys[:, :, 31:33], cache.layers[0].values[:, :, 31:33]
@@ -132,7 +132,7 @@ def test_cache_over_buffers_copies_once_at_the_first_update() -> None:
 
 def test_prefill_over_buffers_equals_the_copying_build(tiny: LoadedModel) -> None:
     """prefill reads the chunks where they lie and returns a cache that aliases none of
-    them, with the logits of a cache built by copying."""
+    them, with the logits of a cache built by copying into transformers' own layers."""
     ids = random_ids(2 * CHUNK + 9, seed=5)
     full = prefill(tiny, ids)
     arrays = full.new_chunks(CHUNK)
@@ -143,8 +143,8 @@ def test_prefill_over_buffers_equals_the_copying_build(tiny: LoadedModel) -> Non
         tail = torch.tensor([ids[2 * CHUNK :]], dtype=torch.long)
         out = tiny.model(input_ids=tail, cache=copied, use_cache=True, logits_to_keep=1)
     assert torch.equal(pre.logits, out.logits[0, -1])
-    assert any(isinstance(layer, BufferLayer) for layer in pre.cache.layers)
-    assert not any(isinstance(layer, BufferLayer) and layer.viewing for layer in pre.cache.layers)
+    assert all(isinstance(layer, ArenaLayer) for layer in pre.cache.layers)
+    assert not any(isinstance(layer, ArenaLayer) and layer.viewing for layer in pre.cache.layers)
     before = pre.cache.layers[0].keys.clone()
     for a in arrays:
         a[:] = 0

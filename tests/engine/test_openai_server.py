@@ -193,6 +193,9 @@ def test_models_health_and_metrics(app: EngineApp) -> None:
         "kvatlas_engine_decode_tokens_per_second_count",
     ):
         assert name in metrics
+    # the model's KV storage is kept between requests, and what it holds is exported
+    held = re.search(r"^kvatlas_engine_kv_arena_bytes ([0-9.e+]+)$", metrics, re.M)
+    assert held is not None and float(held.group(1)) == app.core.arena.nbytes > 0
 
 
 def test_tokenize_answers_the_ids_the_engine_prefills(app: EngineApp) -> None:

@@ -9,6 +9,8 @@ Owns, for ``kvatlas engine``:
   and the request's cache statistics. Tokenizing runs on that thread too, so the
   tokenizer is never used from two threads at once; ``/tokenize`` (a router's question)
   runs on a second thread with a copy of the tokenizer, so it never waits for the model.
+  It keeps the model's KV storage (``kv_cache.KVArena``) across requests: one request at
+  a time is what lets every request's cache live in the same, already mapped memory.
 - ``EngineMetrics``: the Prometheus metrics of the engine (prefix ``kvatlas_engine_``).
 - ``EngineApp``: builds and names every part (model, cache client, connector, core,
   HTTP app, uvicorn) from an ``EngineConfig``, starts them, and stops them on SIGTERM.
@@ -39,6 +41,7 @@ from kvatlas.connector.client import CacheClient
 from kvatlas.connector.kv_connector import CachedPrefix, FetchStats, KVConnector, KVLoadFailed
 from kvatlas.engine.config import EngineConfig, LoadFailurePolicy
 from kvatlas.engine.generate import Decoder, Detokenizer, Sampler, prefill
+from kvatlas.engine.kv_cache import KVArena
 from kvatlas.engine.model import LoadedModel, Tokenizer, load_model
 from kvatlas.engine.openai_server import GenOutcome, GenRequest, TextCallback, build_app
 from kvatlas.runtime.asgi_thread import AsgiThread, ServeError
@@ -89,7 +92,7 @@ class StopMatcher:
 class EngineMetrics:
     """The engine's Prometheus metrics, in a registry of its own."""
 
-    def __init__(self, connector: KVConnector | None = None) -> None:
+    def __init__(self, connector: KVConnector | None = None, arena: KVArena | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         ns = "kvatlas_engine"
@@ -142,6 +145,13 @@ class EngineMetrics:
             registry=r,
         )  # fmt: skip
         self.running = Gauge(f"{ns}_requests_running", "Requests in the engine", registry=r)
+        if arena is not None:
+            held = Gauge(
+                f"{ns}_kv_arena_bytes",
+                "Bytes the model's KV cache storage holds (grows to the longest request)",
+                registry=r,
+            )
+            held.set_function(lambda: float(arena.nbytes))
         if connector is not None:
             connected = Gauge(
                 f"{ns}_cache_connected", "1 while registered with the cache server", registry=r
@@ -185,6 +195,7 @@ class EngineCore:
         max_model_len: int | None = None,
         load_failure_policy: LoadFailurePolicy = "recompute",
         default_max_tokens: int = 256,
+        arena: KVArena | None = None,
     ) -> None:
         self.model = model
         self.connector = connector
@@ -195,6 +206,8 @@ class EngineCore:
         self.vocab_size = int(model.model.config.vocab_size)
         self.load_failure_policy = load_failure_policy
         self.default_max_tokens = default_max_tokens
+        # The model's KV storage, reused by every request (one at a time, on the worker).
+        self.arena = arena if arena is not None else KVArena(model.kv_spec)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvatlas-model")
         # Its own copy: a tokenizer must not be used from two threads at once.
         self._tokenizer: Tokenizer = copy.deepcopy(model.tokenizer)
@@ -231,7 +244,7 @@ class EngineCore:
         """One short uncached prefill, so that the first request does not pay for
         torch's lazy initialisation; also seeds the recompute estimate."""
         ids = [i % self.vocab_size for i in range(1, _WARMUP_TOKENS + 1)]
-        pre = prefill(self.model, ids, None, self.chunk_size)
+        pre = prefill(self.model, ids, None, self.chunk_size, arena=self.arena)
         if self.connector is not None:
             self.connector.observe_prefill(pre.prefilled_tokens, pre.prefill_s)
         log.info("warm-up prefill of %d tokens took %.0f ms", len(ids), pre.prefill_s * 1000)
@@ -269,8 +282,8 @@ class EngineCore:
             stats = prefix.stats
             if stats.fallback is not None and self.load_failure_policy == "fail":
                 raise KVLoadFailed(f"KV load failed ({stats.fallback}): {stats.detail}")
-            pre = prefill(self.model, ids, prefix.chunks or None, self.chunk_size)
-        # the cache is built (a copy): the read leases are released
+            pre = prefill(self.model, ids, prefix.chunks or None, self.chunk_size, arena=self.arena)
+        # the prefix is copied into the arena (settled): the read leases are released
         if pre.fallback is not None and self.connector is not None:
             self.connector.note_unusable(stats, pre.fallback)
             if self.load_failure_policy == "fail":
@@ -413,7 +426,8 @@ class EngineApp:
                 verify_checksums=config.cache.verify_checksums,
                 openai_url=self.advertised_url,
             )
-        self.metrics = EngineMetrics(self.connector)
+        arena = KVArena(self.model.kv_spec)
+        self.metrics = EngineMetrics(self.connector, arena)
         self.core = EngineCore(
             self.model,
             self.connector,
@@ -422,6 +436,7 @@ class EngineApp:
             max_model_len=config.max_model_len,
             load_failure_policy=config.kv_load_failure_policy,
             default_max_tokens=config.default_max_tokens,
+            arena=arena,
         )
         self.app = build_app(self.core, served_name=config.served_name)
         self._stop = threading.Event()

@@ -36,13 +36,14 @@ import torch
 from transformers import DynamicCache
 
 from kvatlas.core.errors import InvalidInput
+from kvatlas.engine.kv_cache import KVArena, settle_cache
 from kvatlas.engine.kv_layout import (
     DEFAULT_CHUNK_SIZE,
     ChunkBuffer,
     KVLayoutError,
-    build_cache,
+    LayerParts,
     extract_chunks,
-    settle_cache,
+    layer_parts,
 )
 from kvatlas.engine.model import LoadedModel
 
@@ -93,7 +94,8 @@ class Prefill:
     """Full chunks computed here, beyond the cached prefix."""
     build_s: float
     """Seconds spent building the cache from the chunks (views over them: the one copy
-    of the prefix happens in the forward, as the first attention update concatenates)."""
+    of the prefix into the arena happens in the forward, layer by layer, at each layer's
+    first update)."""
     prefill_s: float
     """Seconds of the forward pass over the uncached tokens (with that copy)."""
     fallback: str | None
@@ -134,12 +136,17 @@ def prefill(
     prompt_ids: Sequence[int],
     cached_chunks: Sequence[ChunkBuffer] | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    arena: KVArena | None = None,
 ) -> Prefill:
     """Load the cached prefix and prefill the rest of ``prompt_ids`` (see the module rules).
 
     ``cached_chunks`` are the prompt's leading full chunks; extra ones are ignored. They
     must stay valid until this returns (leased L1 slots are read where they lie, copied
     once into the model's cache during the forward); the returned cache aliases none.
+    The cache lives in ``arena`` (an engine keeps one across requests: its pages stay
+    mapped, see ``kv_cache``; a cache made from it earlier may no longer be used), or in
+    a fresh arena of its own.
     """
     n = len(prompt_ids)
     if n == 0:
@@ -150,20 +157,20 @@ def prefill(
     chunks = list(cached_chunks or [])[:n_full]
     cached = min(len(chunks) * chunk_size, n - 1)
     fallback: str | None = None
-    config = model.model.config
+    arena = arena if arena is not None else KVArena(model.kv_spec)
     t0 = time.perf_counter()
-    cache: DynamicCache | None = None
+    parts: list[LayerParts] | None = None
     if cached > 0:
         try:
-            # The layers view the chunks (the caller's leased L1 slots) and copy them
-            # once, in the forward below: the caller holds the leases until we return.
-            cache = build_cache(
-                chunks, model.kv_spec, chunk_size, n_tokens=cached, config=config, over_buffers=True
-            )
+            # Views over the chunks (the caller's leased L1 slots): each layer copies its
+            # part once, at its first update in the forward below; the caller holds the
+            # leases until we return.
+            parts = layer_parts(chunks, model.kv_spec, chunk_size, cached)
         except KVLayoutError as exc:
             fallback = f"cached chunks unusable, recomputed the prompt: {exc}"
-    if cache is None:
-        cache, cached, chunks = DynamicCache(config=config), 0, []
+    if parts is None:
+        cached, chunks = 0, []
+    cache = arena.cache(model.model.config, parts)
     t1 = time.perf_counter()
     ids = torch.tensor([list(prompt_ids[cached:])], dtype=torch.long)
     out = model.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)

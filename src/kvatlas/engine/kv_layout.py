@@ -15,12 +15,11 @@ computed at (prefix reuse). The layout together with the hash contract's (layers
 head dim, dtype) is what two engines must share to use each other's bytes.
 
 ``extract_chunks`` packs tokens of a transformers ``DynamicCache`` into that layout;
-``build_cache`` builds a ``DynamicCache`` from such buffers: by default one copy per layer
-that never aliases them, or (``over_buffers=True``) layers that view the buffers where
-they lie, e.g. leased chunks in the cache server's L1 mapping, and copy them exactly once,
-at their first ``update`` (the prefill of the rest of the prompt concatenates there
-anyway); ``settle_cache`` copies any layer not updated yet, after which nothing aliases
-the buffers. Must not: hash, talk to a server, or run the model; it only moves bytes.
+``layer_parts`` views such buffers (bytes, leased chunks in the cache server's L1 mapping)
+as per-layer key/value tensors without a copy, for ``kv_cache.KVArena`` to copy into the
+model's cache; ``build_cache`` builds a ``DynamicCache`` of its own from them (one copy
+per layer that never aliases the buffers). Must not: hash, talk to a server, keep the
+model's cache storage (``kv_cache`` does), or run the model; it only moves bytes.
 
 Exceptions::
 
@@ -54,6 +53,9 @@ _DTYPES: Final[dict[str, torch.dtype]] = {
 # A chunk buffer: anything exposing the buffer protocol (bytes, bytearray, memoryview, a
 # C-contiguous numpy array such as a slot of the cache server's L1 region).
 ChunkBuffer = bytes | bytearray | memoryview | npt.NDArray[np.generic]
+
+# One layer's keys and values as a list of (1, kv_heads, tokens, head_dim) parts each.
+LayerParts = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
 class KVLayoutError(InvalidInput):
@@ -181,12 +183,38 @@ def _chunk_view(buf: ChunkBuffer, spec: KVSpec, chunk_size: int, index: int) -> 
             f" {spec} has {expected}"
         )
     # torch warns about read-only buffers (bytes, a read-only region mapping) because a
-    # write through the tensor would be undefined; the views are only ever read, by the
-    # torch.cat of build_cache or of a BufferLayer, so the warning does not apply here.
+    # write through the tensor would be undefined; the views are only ever read (copied
+    # by build_cache or into a KVArena), so the warning does not apply here.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         tensor = torch.frombuffer(flat, dtype=torch_dtype(spec.dtype))
     return tensor.view(spec.chunk_shape(chunk_size))
+
+
+def layer_parts(
+    chunks: Sequence[ChunkBuffer],
+    spec: KVSpec,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    n_tokens: int | None = None,
+) -> list[LayerParts]:
+    """Per layer, the keys and values of the first ``n_tokens`` tokens of ``chunks``
+    (default: all) as views over the buffers, no copy: one ``(1, kv_heads, tokens,
+    head_dim)`` tensor per chunk, the last one cut to the tail. Raises KVLayoutError for
+    a buffer of the wrong size or shape before any view is made."""
+    total = len(chunks) * chunk_size
+    n = total if n_tokens is None else n_tokens
+    if not 0 < n <= total:
+        raise KVLayoutError(f"n_tokens must be in [1, {total}], got {n}")
+    views = [_chunk_view(buf, spec, chunk_size, i) for i, buf in enumerate(chunks)]
+    views = views[: -(-n // chunk_size)]
+    tail = n - (len(views) - 1) * chunk_size
+    out: list[LayerParts] = []
+    for layer in range(spec.layers):
+        keys = [v[layer, 0].unsqueeze(0) for v in views]
+        values = [v[layer, 1].unsqueeze(0) for v in views]
+        keys[-1], values[-1] = keys[-1][:, :, :tail], values[-1][:, :, :tail]
+        out.append((keys, values))
+    return out
 
 
 def build_cache(
@@ -196,135 +224,37 @@ def build_cache(
     *,
     n_tokens: int | None = None,
     config: PretrainedConfig | None = None,
-    over_buffers: bool = False,
 ) -> DynamicCache:
-    """A DynamicCache holding the first ``n_tokens`` tokens of ``chunks`` (default: all).
-
-    The buffers are viewed without a copy. By default each layer is concatenated once
-    along the sequence and the cache never aliases the buffers, so they may be reused
-    when this returns. With ``over_buffers`` the layers keep the views and copy at their
-    first ``update`` (the next prefill's concatenation): the buffers must stay valid and
-    unchanged until then or until ``settle_cache``. ``config`` (the model's) lets
-    transformers pick its layer types; a layer of another type than ``DynamicLayer``
-    is always copied here. Raises KVLayoutError for a buffer of the wrong size or shape
-    before anything is built.
+    """A DynamicCache holding a copy of the first ``n_tokens`` tokens of ``chunks``
+    (default: all), which never aliases the buffers: they may be reused when this
+    returns. ``config`` (the model's) lets transformers pick its layer types. Raises
+    KVLayoutError for a buffer of the wrong size or shape before anything is built.
+    (The engine's prefill does not copy here: ``kv_cache.KVArena`` views the chunks and
+    copies each layer into storage it keeps across requests.)
     """
-    total = len(chunks) * chunk_size
-    n = total if n_tokens is None else n_tokens
-    if not 0 < n <= total:
-        raise KVLayoutError(f"n_tokens must be in [1, {total}], got {n}")
-    views = [_chunk_view(buf, spec, chunk_size, i) for i, buf in enumerate(chunks)]
-    views = views[: -(-n // chunk_size)]
-    tail = n - (len(views) - 1) * chunk_size
+    parts = layer_parts(chunks, spec, chunk_size, n_tokens)
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
-    for layer in range(spec.layers):
-        kv: list[list[torch.Tensor]] = []
-        for which in (0, 1):
-            parts = [v[layer, which].unsqueeze(0) for v in views]
-            parts[-1] = parts[-1][:, :, :tail]
-            kv.append(parts)
-        _fill_layer(cache, layer, kv[0], kv[1], over_buffers)
+    for layer, (keys, values) in enumerate(parts):
+        _fill_layer(cache, layer, keys, values)
+    n = sum(int(k.shape[-2]) for k in parts[0][0])
     if cache.get_seq_length() != n:
         raise KVLayoutError(f"built a cache of {cache.get_seq_length()} tokens, expected {n}")
     return cache
 
 
-def settle_cache(cache: DynamicCache) -> None:
-    """Copy every layer that still views its buffers (``build_cache(over_buffers=True)``
-    not updated since): afterwards the cache aliases no buffer."""
-    for layer in cache.layers:
-        if isinstance(layer, BufferLayer):
-            layer.settle()
-
-
-class BufferLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers is untyped
-    """A ``DynamicLayer`` whose prefix is a list of views over chunk buffers until its
-    first ``update`` (or ``settle``) concatenates them, with the new states, into the one
-    tensor transformers expects: the prefix is copied once, where a plain layer built by
-    copying would be copied twice (once to build, once more by the update's concat)."""
-
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self._parts: tuple[list[torch.Tensor], list[torch.Tensor]] | None = (keys, values)
-        self._pending = sum(int(k.shape[-2]) for k in keys)
-        self.device = keys[0].device
-        # Placeholders until the first update: 0-token tensors of the right kind.
-        self.keys = keys[0][:, :, :0]
-        self.values = values[0][:, :, :0]
-        self.is_initialized = True
-
-    @property
-    def viewing(self) -> bool:
-        """True while the prefix is still the views over the buffers."""
-        return self._parts is not None
-
-    def settle(self) -> None:
-        """Concatenate the viewed prefix into tensors of this layer's own."""
-        if self._parts is not None:
-            keys, values = self._parts
-            self.keys, self.values = torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
-            self._parts = None
-            self._pending = 0
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._parts is None:
-            return super().update(key_states, value_states, *args, **kwargs)
-        keys, values = self._parts
-        # The new states arrive transposed (non-contiguous); torch.cat then takes a slow
-        # strided path for the whole output, so they are made contiguous first (a copy of
-        # the suffix only).
-        self.keys = torch.cat([*keys, key_states.contiguous()], dim=-2)
-        self.values = torch.cat([*values, value_states.contiguous()], dim=-2)
-        self._parts = None
-        self._pending = 0
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        if self._parts is not None:
-            return self._pending
-        return super().get_seq_length()
-
-    def reset(self) -> None:
-        self._parts = None
-        self._pending = 0
-        super().reset()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        self.settle()
-        super().crop(tokens_to_remove)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.settle()
-        super().batch_repeat_interleave(repeats)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.settle()
-        super().batch_select_indices(indices)
-
-
 def _fill_layer(
-    cache: DynamicCache,
-    layer: int,
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
-    over_buffers: bool,
+    cache: DynamicCache, layer: int, keys: list[torch.Tensor], values: list[torch.Tensor]
 ) -> None:
-    """Put the parts of ``keys``/``values`` into an empty cache layer.
+    """Put the concatenated ``keys``/``values`` into an empty cache layer.
 
     ``DynamicLayer.update`` concatenates onto an empty tensor, which copies the whole
     prefix a second time (~3x the cost of building it here). An update with zero tokens
     lets transformers initialise the layer; a plain DynamicLayer then takes one
-    concatenated tensor as it is, or is replaced by a ``BufferLayer`` over the parts;
-    any other layer type gets the ordinary, copying update.
+    concatenated tensor as it is; any other layer type gets the ordinary, copying update.
     """
     cache.update(keys[0][:, :, :0], values[0][:, :, :0], layer)
     target = cache.layers[layer]
     if type(target) is DynamicLayer and target.get_seq_length() == 0:
-        if over_buffers:
-            cache.layers[layer] = BufferLayer(keys, values)
-        else:
-            target.keys, target.values = torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
+        target.keys, target.values = torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
         return
     cache.update(torch.cat(keys, dim=-2), torch.cat(values, dim=-2), layer)
