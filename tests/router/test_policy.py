@@ -39,9 +39,25 @@ def test_kv_p2p_counts_a_peer_held_prefix_as_cheap() -> None:
 def test_near_ties_spread_by_load_then_in_turn() -> None:
     c = chooser("kv-p2p")
     cands = [Candidate("a", 1, 0, 0), Candidate("b", 0, 0, 0), Candidate("c", 0, 0, 0)]
-    # a's one request is within the tie slack of 10% of 1000 tokens (decode weight 64)
+    # a's one request is within the tie slack of 1000 tokens (decode weight 64)
     firsts = {c.rank(cands, 1000, 0).ranked[0].name for _ in range(4)}
     assert firsts == {"b", "c"}
+
+
+def test_a_request_waits_for_a_prefix_being_prefilled_rather_than_computing_it_twice() -> None:
+    # a is prefilling the 768-token document (queued, and pending as a's); b is idle.
+    # Waiting behind a costs about what computing the document on b costs: a near-tie,
+    # and the tie goes to the engine that computes less, not to the emptier one
+    prefilling = Candidate("a", 1, 800, 768)
+    idle = Candidate("b", 0, 0, 0)
+    d = chooser("kv-p2p").rank([prefilling, idle], 830, 0)
+    assert d.ranked[0].name == "a" and d.ranked[0].prefill_tokens == 830 - 768
+    assert d.ranked[0].cost > d.ranked[1].cost  # b would answer a little sooner
+    # far from a tie (a long queue behind the prefix), the idle engine computes it
+    busy = Candidate("a", 3, 2400, 768)
+    assert chooser("kv-p2p").rank([busy, idle], 830, 0).ranked[0].name == "b"
+    # with the former 10% slack the near-tie was missed and the prefix computed twice
+    assert chooser("kv-p2p", tie=0.1).rank([prefilling, idle], 830, 0).ranked[0].name == "b"
 
 
 def test_least_loaded_round_robin_and_random() -> None:

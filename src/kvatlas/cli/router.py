@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     ap.add_argument(
         "--weight-tie", type=float, default=w.tie,
-        help="costs within this share of the prompt's prefill are ties (spread by load)",
+        help="costs within this share of the prompt's prefill are ties (to the engine that"
+        " computes least, then by load)",
     )  # fmt: skip
     ap.add_argument(
         "--refresh-interval", type=float, default=d.refresh_interval_s,

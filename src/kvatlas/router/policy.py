@@ -13,8 +13,10 @@ Owns the policies of ``kvatlas router --policy``:
 - ``least-loaded``: the load term alone;
 - ``round-robin`` and ``random``: the usual.
 
-Near-ties (within ``Weights.tie`` of the prompt's prefill cost) go to the engine with
-fewer requests in flight, then in turn, so that equal engines share the load. Every
+Near-ties (within ``Weights.tie`` of the prompt's prefill cost) go to the engine that
+would compute the fewest tokens, then to fewer requests in flight, then in turn, so that
+a prefix is not computed twice when waiting for it costs about the same, and equal
+engines share the load. Every
 decision ranks all candidates: the router retries down that order.
 
 Must not: do I/O, read clocks, or keep anything but the round-robin position (the
@@ -44,8 +46,10 @@ class Weights:
     """Weight of the load term against the prompt's own prefill (``--weight-load``)."""
     decode: float = 64.0
     """Prefill tokens one request in flight is worth, for its decode (``--weight-decode``)."""
-    tie: float = 0.1
-    """Costs within this share of the prompt's prefill are near-ties (``--weight-tie``)."""
+    tie: float = 0.25
+    """Costs within this share of the prompt's prefill are near-ties (``--weight-tie``).
+    Wide enough that a request for a prefix another engine is prefilling right now (its
+    queue holds that prefill) ties with computing it again on an idle engine."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,11 +124,17 @@ class Chooser:
         n = len(candidates)
         load = {c.name: c.in_flight for c in candidates}
 
-        def key(item: tuple[int, Choice]) -> tuple[bool, float, int, int]:
+        def key(item: tuple[int, Choice]) -> tuple[bool, float, int, int, int]:
             i, s = item
             near = s.cost <= best + slack
-            # near-ties: fewer in flight first, then in turn; the rest by cost
-            return (not near, 0.0 if near else s.cost, load[s.name], (i - self._turn) % n)
+            # near-ties: the least to compute first (a request that would wait about as
+            # long behind the engine prefilling its prefix as it would take to compute
+            # it elsewhere waits, instead of computing it twice), then fewer in flight,
+            # then in turn (``least-loaded``: by load alone); the rest by cost
+            compute = s.prefill_tokens if policy in KV_POLICIES else 0
+            return (
+                not near, 0.0 if near else s.cost, compute, load[s.name], (i - self._turn) % n,
+            )  # fmt: skip
 
         ranked = tuple(s for _, s in sorted(enumerate(scored), key=key))
         first = ranked[0]
