@@ -45,6 +45,8 @@ def _run(mean: float, hot_p99: float, share: float, imbalance: float) -> dict[st
         "engine_busy_s": {"a": 1.0, "b": 1.2},
         "busy_imbalance": imbalance,
         "failed": 0,
+        "ttft_ms_mean_by_kind": {"chat": mean / 2, "doc": mean, "unique": mean * 2},
+        "queue_ms": {"mean": mean / 4, "p99": mean},
     }
 
 
@@ -93,3 +95,4 @@ def test_targets_and_report(tmp_path: Path) -> None:
     md = (tmp_path / "report.md").read_text()
     assert "| kv-p2p | 250 ms |" in md and "skipped: ProcessError: boom" in md
     assert "| kv_p2p_ttft_mean_le_third_of_rr_off | 0.278 | <= 0.333 | yes |" in md
+    assert "| kv-p2p | 125 ms | 250 ms | 500 ms | 62 ms | 250 ms |" in md  # by kind, queued

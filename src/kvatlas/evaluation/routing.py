@@ -55,10 +55,13 @@ class RoutingConfig:
 
     engines: int = 4
     """Nodes, each a cache server with one reference engine."""
-    requests: int = 20
-    """Requests per run (the same sequence in every run)."""
-    rate_per_s: float = 0.2
-    """Fixed arrival rate, requests per second."""
+    requests: int = 60
+    """Requests per run (the same sequence in every run); 100 s of arrivals."""
+    rate_per_s: float = 0.6
+    """Fixed arrival rate, requests per second: high enough that requests overlap on
+    the engines (a prefill takes 1-4 s on one core; four engines share two cores), so
+    placement shows in queueing and in prefixes computed twice, not only in cache hits;
+    low enough that round-robin without P2P does not fall behind for good."""
     max_tokens: int = 8
     """Completion tokens per request."""
     hot_docs: int = 3
@@ -79,6 +82,8 @@ class Request:
     """``doc`` (a question about a hot document), ``chat`` (a session's next turn) or
     ``unique``."""
     tokens: list[int]
+    group: int = -1
+    """The document or session it belongs to (-1 for a unique prompt)."""
 
 
 def workload(cfg: RoutingConfig) -> list[Request]:
@@ -98,11 +103,11 @@ def workload(cfg: RoutingConfig) -> list[Request]:
         u = rng.random()
         if u < 0.4:
             d = int(rng.choice(cfg.hot_docs, p=weights))
-            out.append(Request("doc", docs[d] + toks(int(rng.integers(30, 90)))))
+            out.append(Request("doc", docs[d] + toks(int(rng.integers(30, 90))), d))
         elif u < 0.75:
             s = int(rng.integers(cfg.sessions))
             history[s] = history[s] + toks(int(rng.integers(40, 100)))
-            out.append(Request("chat", list(history[s])))
+            out.append(Request("chat", list(history[s]), s))
             history[s] = history[s] + toks(int(rng.integers(60, 120)))  # the answer
         else:
             out.append(Request("unique", toks(int(rng.integers(200, 500)))))
@@ -134,6 +139,12 @@ def _route(header: str) -> dict[str, str]:
     return dict(p.split("=", 1) for p in header.split("; ") if "=" in p)
 
 
+def _own_ms(breakdown: dict[str, float]) -> float:
+    """The engine's own time to first token: its breakdown without the ``p2p_*`` parts,
+    which the cache server spent inside the engine's ``lookup``."""
+    return sum(v for k, v in breakdown.items() if not k.startswith("p2p_"))
+
+
 def _send(http: httpx.Client, url: str, req: Request, max_tokens: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
@@ -156,13 +167,18 @@ def _send(http: httpx.Client, url: str, req: Request, max_tokens: int) -> dict[s
     st = r.json().get("cached_token_stats") or {}
     route = _route(r.headers.get(ROUTE_HEADER, ""))
     overhead = float(route.get("overhead_ms", 0.0))
+    engine_ttft = float(st.get("ttft_ms", total_ms))
     return {
         "kind": req.kind,
+        "group": req.group,
         "ok": True,
         "engine": route.get("engine", ""),
         "reason": route.get("reason", ""),
+        "expected_cached": int(route.get("cached", 0)),
         "overhead_ms": overhead,
-        "ttft_ms": overhead + float(st.get("ttft_ms", total_ms)),
+        "ttft_ms": overhead + engine_ttft,
+        # the engine's TTFT less the parts of its breakdown: the time it queued
+        "queue_ms": max(0.0, engine_ttft - _own_ms(st.get("breakdown_ms") or {})),
         "prompt": len(req.tokens),
         "cached": int(st.get("num_cached_tokens", 0)),
         "peer": int(st.get("num_peer_cached_tokens", 0)),
@@ -218,6 +234,12 @@ def _run(
         "elapsed_s": round(elapsed, 1),
         "ttft_ms": percentiles([d["ttft_ms"] for d in ok]),
         "ttft_ms_hot_doc": percentiles(hot),
+        "ttft_ms_mean_by_kind": {
+            k: round(float(np.mean([d["ttft_ms"] for d in ok if d["kind"] == k])), 1)
+            for k in ("chat", "doc", "unique")
+            if any(d["kind"] == k for d in ok)
+        },
+        "queue_ms": percentiles([d["queue_ms"] for d in ok]),
         "ttft_ms_all": [round(d["ttft_ms"], 1) for d in ok],
         "router_overhead_ms": percentiles([d["overhead_ms"] for d in ok]),
         "prompt_tokens": prompt,
@@ -229,6 +251,9 @@ def _run(
         "engine_busy_s": {k: round(v, 2) for k, v in busy.items()},
         "busy_imbalance": round(max(busy.values()) / mean_busy, 3) if mean_busy else 0.0,
         "reasons": {r: sum(d["reason"] == r for d in ok) for r in {d["reason"] for d in ok}},
+        "per_request": [
+            {k: round(v, 1) if isinstance(v, float) else v for k, v in d.items()} for d in done
+        ],
     }
 
 

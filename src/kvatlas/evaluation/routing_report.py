@@ -123,6 +123,21 @@ def markdown(result: Mapping[str, Any], plots: list[str]) -> str:
             f" {r['busy_imbalance']:.2f} | {r['failed']} | {o['p50']:.2f} ms |"
             f" {o['p99']:.2f} ms |"
         )
+    lines += [
+        "",
+        "TTFT mean by request kind, and the time requests queued in their engine:",
+        "",
+        "| run | chat | hot doc | unique | queued mean | queued p99 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, r in rt["runs"].items():
+        if "ttft_ms_mean_by_kind" not in r:
+            continue
+        k, q = r["ttft_ms_mean_by_kind"], r["queue_ms"]
+        lines.append(
+            f"| {label} | {k.get('chat', 0):.0f} ms | {k.get('doc', 0):.0f} ms |"
+            f" {k.get('unique', 0):.0f} ms | {q['mean']:.0f} ms | {q['p99']:.0f} ms |"
+        )
     lines += ["", "## Targets", "", "| target | measured | goal | met |", "|---|---|---|---|"]
     tg = rt["targets"]
     if tg.get("evaluated"):
