@@ -22,6 +22,7 @@ from kvatlas.engine.engine_app import EngineApp
 from kvatlas.engine.model import LoadedModel, load_model
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import RouterConfig
+from kvatlas.router.service import LocalTokenizer
 from kvatlas.runtime.procs import HOST, free_port
 from support.launch import Proc
 from support.services import ServerProc, start_coordinator_process, start_server_process
@@ -32,6 +33,19 @@ MAX_MODEL_LEN = 2048
 @pytest.fixture(scope="session")
 def tiny() -> LoadedModel:
     return load_model("tiny-random")
+
+
+@pytest.fixture(scope="session")
+def smol(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """SmolLM2, converted from its GGUF once into pytest's cache folder (the folder the
+    engine suite's fixture uses: either suite's first run pays the ~20 s GGUF parse)."""
+    cache = getattr(request.config, "cache", None)
+    folder = (
+        Path(cache.mkdir("kvatlas-models"))
+        if cache is not None
+        else tmp_path_factory.mktemp("kvatlas-models")
+    )
+    return load_model("smollm2-135m", conversion_cache=folder)
 
 
 def engine_config(**kw: object) -> EngineConfig:
@@ -48,7 +62,7 @@ class Fleet:
     engines: list[EngineApp]
     routers: list[RouterApp] = field(default_factory=list)
 
-    def router(self, **kw: object) -> RouterApp:
+    def router(self, *, tokenizer: LocalTokenizer | None = None, **kw: object) -> RouterApp:
         """A started router in front of this fleet (stopped with the fleet)."""
         fields: dict[str, object] = {
             "port": 0,
@@ -59,7 +73,7 @@ class Fleet:
             "seed": 1,
         }
         fields.update(kw)
-        app = RouterApp(RouterConfig(**fields))  # type: ignore[arg-type]
+        app = RouterApp(RouterConfig(**fields), tokenizer=tokenizer)  # type: ignore[arg-type]
         app.start()
         self.routers.append(app)
         return app

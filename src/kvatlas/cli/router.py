@@ -10,8 +10,11 @@ router cannot start (a port in use).
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
+from collections.abc import Callable
+from typing import Final
 
 from kvatlas.cli.auth_flags import add_token_flags, read_token
 from kvatlas.cli.coordinator_flags import add_coordinator_url_flag, coordinator_urls
@@ -20,6 +23,11 @@ from kvatlas.core.errors import ConfigError, KvatlasError
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import RouterConfig, parse_engine
 from kvatlas.router.policy import POLICIES, Weights
+from kvatlas.router.service import LocalTokenizer
+
+_PROMPTS_MODULE: Final = "kvatlas.engine.prompts"
+"""Where ``--tokenizer`` is loaded from, imported on use: it brings transformers (and
+torch), which a router without the flag never loads, so ``--help`` answers at once."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-name",
         default="",
         help="model name the fleet hashes under (default: what the cache servers declare)",
+    )
+    ap.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="MODEL",
+        help="the engines' --model (smollm2-135m, a local Hugging Face or GGUF folder,"
+        " tiny-random): tokenize prompts here with its own tokenizer and chat template,"
+        " loaded offline as the engine loads them (no weights), on a worker thread;"
+        " default: ask an engine's POST /tokenize",
     )
     ap.add_argument(
         "--weight-p2p", type=float, default=w.p2p,
@@ -164,6 +181,15 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return config
 
 
+def load_tokenizer(model: str) -> LocalTokenizer:
+    """``--tokenizer``: the model's tokenizer and chat template, through the engine's
+    own loader (KvatlasError naming the source when it cannot be loaded)."""
+    load: Callable[[str], LocalTokenizer] = importlib.import_module(
+        _PROMPTS_MODULE
+    ).load_prompt_tokenizer
+    return load(model)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not configure_logging("kvatlas router", args.log_level):
@@ -173,8 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvatlas router: {exc}", file=sys.stderr)
         return 2
+    tokenizer: LocalTokenizer | None = None
+    if args.tokenizer is not None:
+        try:
+            tokenizer = load_tokenizer(args.tokenizer)
+        except KvatlasError as exc:
+            print(f"kvatlas router: --tokenizer {args.tokenizer}: {exc}", file=sys.stderr)
+            return 2
     try:
-        RouterApp(config).run()
+        RouterApp(config, tokenizer=tokenizer).run()
     except KvatlasError as exc:
         print(f"kvatlas router: {exc}", file=sys.stderr)
         return 1

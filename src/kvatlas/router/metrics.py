@@ -115,7 +115,8 @@ class RouterMetrics:
             buckets=_OVERHEAD_BUCKETS, registry=r,
         )  # fmt: skip
         self.tokenize = Histogram(
-            f"{ns}_tokenize_seconds", "The engine's /tokenize as the router waits for it",
+            f"{ns}_tokenize_seconds", "The prompt's tokenize as the router waits for it (its"
+            " own with --tokenizer, else an engine's /tokenize)",
             buckets=_OVERHEAD_BUCKETS, registry=r,
         )  # fmt: skip
         self.lookup = Histogram(

@@ -3,8 +3,10 @@
 Owns, for ``kvatlas router``:
 
 - one request end to end: the prompt's token ids (a completion's token-id prompt as it
-  is; else from an engine's ``/tokenize``, given the client's body as it is, so the
-  engine applies its own chat template and tokenizer), one coordinator
+  is; else, with ``--tokenizer``, from the model's own tokenizer and chat template in
+  this process, on a worker thread of its own; else from an engine's ``/tokenize``,
+  given the client's body as it is, so the engine applies its own chat template and
+  tokenizer), one coordinator
   lookup that answers every instance's cached prefix of those tokens (the coordinator
   hashes them with the fleet's contract), the prefixes it sent to engines moments ago
   that the coordinator cannot know yet (``pending``), the choice (``policy.Chooser``),
@@ -37,8 +39,9 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
 import httpx
 import msgspec
@@ -46,7 +49,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from kvatlas.core.errors import ServiceError
+from kvatlas.core.errors import InvalidInput, ServiceError
 from kvatlas.router.config import RouterConfig
 from kvatlas.router.engines import EngineState, EngineTable
 from kvatlas.router.metrics import RouterMetrics
@@ -104,6 +107,22 @@ def _error_body(message: str, kind: str) -> bytes:
     return msgspec.json.encode({"error": {"message": message, "type": kind}})
 
 
+class LocalTokenizer(Protocol):
+    """The model's tokenizer and chat template in the router's process (``--tokenizer``;
+    ``kvatlas.cli.router`` builds one from the engine's loader, which this package may
+    not import): a chat or completion body -> the prompt's ids as the engine prefills
+    them. Called from one thread at a time."""
+
+    @property
+    def source(self) -> str:
+        """What it was loaded from (the engines' ``--model``), for ``/status`` and logs."""
+        ...
+
+    def ids(self, body: bytes) -> list[int]:
+        """The prompt's ids; InvalidInput for a body the engine would refuse too."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """One request's routing: the ranking, its reason, and where the time went."""
@@ -124,10 +143,19 @@ class RouterService:
         config: RouterConfig,
         coordinator: CoordinatorClient | None,
         *,
+        tokenizer: LocalTokenizer | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self._coordinator = coordinator
+        self.tokenizer = tokenizer
+        # one thread: a tokenizer must not be used from two threads at once, and the
+        # event loop must not wait on one
+        self._tokenize_pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="kvatlas-router-tokenize")
+            if tokenizer is not None
+            else None
+        )
         self._clock = clock
         self.table = EngineTable()
         for e in config.engines:
@@ -161,6 +189,8 @@ class RouterService:
         for c in self._clients.values():
             await c.aclose()
         self._clients.clear()
+        if self._tokenize_pool is not None:
+            self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _every(self, interval: float, step: Callable[[], object]) -> None:
         while True:
@@ -287,8 +317,29 @@ class RouterService:
         return Plan(decision, policy, prompt, time.perf_counter() - t0, blob)
 
     async def _tokenize(self, engines: list[EngineState], body: bytes) -> list[int] | None:
-        """The prompt's ids from one engine's ``/tokenize`` (engines in turn); None when
-        it fails (the request is then routed by load, and its engine answers the error)."""
+        """The prompt's ids, here (``--tokenizer``) or from an engine's ``/tokenize``; None
+        when that fails (the request is then routed by load, and its engine answers the
+        error)."""
+        if self._tokenize_pool is None:
+            return await self._tokenize_on_engine(engines, body)
+        assert self.tokenizer is not None
+        t0 = time.perf_counter()
+        work = asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, self.tokenizer.ids, body
+        )
+        try:
+            ids = await asyncio.wait_for(work, self.config.lookup_timeout_s)
+        except (InvalidInput, TimeoutError) as exc:
+            log.debug("router: cannot tokenize the prompt here: %r", exc)
+            self.metrics.degraded.labels("tokenize").inc()
+            return None
+        self.metrics.tokenize.observe(time.perf_counter() - t0)
+        return ids
+
+    async def _tokenize_on_engine(
+        self, engines: list[EngineState], body: bytes
+    ) -> list[int] | None:
+        """The prompt's ids from one engine's ``/tokenize`` (engines in turn)."""
         self._tokenize_turn += 1
         e = engines[self._tokenize_turn % len(engines)]
         t0 = time.perf_counter()

