@@ -37,8 +37,13 @@ def refusal(r: httpx.Response, reason: str) -> None:
 def test_the_token_gates_every_path_but_the_probes(fleet: Fleet, start_router: StartRouter) -> None:
     engine = fleet.engines[0]
     with HttpTap(engine.port) as tap:
+        # probes every 1 s with a 2 s deadline: a loaded machine must not take the one
+        # engine out between two requests
         router = start_router(
-            engines=(StaticEngine(tap.url, "node-a"),), policy="round-robin", auth_token=TOKEN
+            engines=(StaticEngine(tap.url, "node-a"),),
+            policy="round-robin",
+            auth_token=TOKEN,
+            health_interval_s=1.0,
         )
         wait_until(lambda: router.status().engines[0].available, what="the tapped engine")
         base = router.url
@@ -85,7 +90,9 @@ def test_the_token_gates_every_path_but_the_probes(fleet: Fleet, start_router: S
 
 
 def test_without_a_token_nothing_is_asked(fleet: Fleet, start_router: StartRouter) -> None:
-    router = start_router(engines=(StaticEngine(fleet.engines[0].url, "node-a"),))
+    router = start_router(
+        engines=(StaticEngine(fleet.engines[0].url, "node-a"),), health_interval_s=1.0
+    )
     wait_until(lambda: router.status().engines[0].available, what="the engine")
     headers = {"Authorization": "Bearer anything"}
     assert httpx.post(f"{router.url}/v1/completions", json=BODY, timeout=60).status_code == 200
@@ -102,7 +109,7 @@ def test_the_command_reads_the_token_file(fleet: Fleet, tmp_path: Path) -> None:
     argv = python_module(
         "kvatlas.cli.router", "--port", str(port), "--auth-token-file", str(token_file),
         "--engine", f"{fleet.engines[0].url}=node-a", "--policy", "least-loaded",
-        "--health-interval", "0.2",
+        "--health-interval", "1",
     )  # fmt: skip
     with launch(argv, name="router", log=tmp_path / "router.log", http_port=port) as proc:
         wait_until(
