@@ -1,5 +1,5 @@
 """The console script: commands load only their own modules, and only the reference
-engine's process ever imports torch."""
+engine's process imports torch (and a router's given ``--tokenizer``, on use)."""
 
 from __future__ import annotations
 
