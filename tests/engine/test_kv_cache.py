@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache
 
 from kvatlas.engine.generate import prefill
-from kvatlas.engine.kv_cache import ArenaLayer, KVArena, KVArenaReused
-from kvatlas.engine.kv_layout import KVLayoutError, KVSpec, extract_chunks, layer_parts
+from kvatlas.engine.kv_cache import ArenaLayer, KVArena, KVArenaReused, settle_cache
+from kvatlas.engine.kv_layout import (
+    KVLayoutError,
+    KVSpec,
+    build_cache,
+    extract_chunks,
+    layer_parts,
+)
 from kvatlas.engine.model import LoadedModel
 
 SPEC = KVSpec(layers=2, kv_heads=2, head_dim=4, dtype="float32")
@@ -114,3 +121,37 @@ def _filled(k: torch.Tensor, v: torch.Tensor) -> DynamicCache:
     for layer in range(SPEC.layers):
         cache.update(k, v, layer)
     return cache
+
+
+def test_chunks_lying_at_equal_distances_are_one_part() -> None:
+    """Leased slots one after another in the L1 array become one view (one copy per
+    layer); anything else stays one part per chunk; the result is the same either way."""
+    k, v = states(80, 4)
+    source = _filled(k, v)
+    arrays = extract_chunks(source, 0, 5, 16)
+    nb = arrays[0].nbytes
+    region = np.zeros(6 * nb + 64, np.uint8)  # stands for the server's L1 region
+    starts = [0, nb, 2 * nb, 3 * nb + 64, 4 * nb + 64]  # a gap after the third chunk
+    slots = [region[s : s + nb] for s in starts]
+    for slot, a in zip(slots, arrays, strict=True):
+        slot[:] = a
+    keys, _ = layer_parts(slots, SPEC, 16)[1]
+    assert [tuple(p.shape) for p in keys] == [(1, 2, 3, 16, 4), (1, 2, 2, 16, 4)]
+    assert keys[1].data_ptr() == slots[3][nb // 2 :].ctypes.data  # layer 1's K, in place
+    keys, _ = layer_parts(slots, SPEC, 16, 79)[1]  # the partial last chunk stands alone
+    assert [p.dim() for p in keys] == [5, 4, 4]
+    spaced = [region[s : s + nb] for s in (0, 2 * nb, 4 * nb)]  # every other slot
+    for slot, a in zip(spaced, arrays[:3], strict=True):
+        slot[:] = a
+    assert len(layer_parts(spaced, SPEC, 16)[0][0]) == 1
+    assert [len(layer_parts([bytes(a) for a in arrays], SPEC, 16)[0][0])] == [5]
+    for slot, a in zip(slots, arrays, strict=True):
+        slot[:] = a
+    for n in (80, 79):
+        cache = KVArena(SPEC).cache(None, layer_parts(slots, SPEC, 16, n))
+        settle_cache(cache)
+        copied = build_cache(slots, SPEC, 16, n_tokens=n)
+        for layer in range(SPEC.layers):
+            assert torch.equal(cache.layers[layer].keys, k[:, :, :n])
+            assert torch.equal(cache.layers[layer].values, v[:, :, :n])
+            assert torch.equal(copied.layers[layer].keys, k[:, :, :n])

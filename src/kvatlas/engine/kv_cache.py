@@ -16,9 +16,9 @@ an ``ArenaLayer`` is a transformers ``DynamicLayer`` whose keys and values are t
 
 A layer may start with a *prefix*: per-layer parts viewing buffers the cache does not own
 (``kv_layout.layer_parts`` over leased L1 chunks). They are read where they lie and
-copied into the storage once, at the layer's first ``update``, just before its attention
-reads them (so the attention finds them in the CPU cache), or by ``settle`` /
-``settle_cache`` for a layer the forward did not update. After that nothing aliases the
+copied into the storage once (one copy per part), at the layer's first ``update``, just
+before its attention reads them (so the attention finds them in the CPU cache), or by
+``settle`` / ``settle_cache`` for a layer the forward did not update. After that nothing aliases the
 buffers, and their leases may end.
 
 One arena serves one cache at a time: ``KVArena.cache`` hands the storage to a new cache,
@@ -49,7 +49,15 @@ from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
 from kvatlas.core.errors import KvatlasError
-from kvatlas.engine.kv_layout import KVLayoutError, KVSpec, LayerParts, torch_dtype
+from kvatlas.engine.kv_layout import (
+    KVLayoutError,
+    KVSpec,
+    LayerParts,
+    concat_parts,
+    copy_parts,
+    part_tokens,
+    torch_dtype,
+)
 
 _GRANULE: Final = 1024
 """Tokens: the storage grows in steps of this."""
@@ -131,7 +139,7 @@ class KVArena:
             if type(layer) is DynamicLayer:
                 cache.layers[i] = ArenaLayer(self, i, keys, values)
             elif keys:
-                cache.update(torch.cat(keys, dim=-2), torch.cat(values, dim=-2), i)
+                cache.update(concat_parts(keys), concat_parts(values), i)
         return cache
 
 
@@ -150,7 +158,7 @@ class ArenaLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers
         self._index = index
         self._epoch = arena.epoch
         self._parts = (keys, values) if keys and values else None
-        self._pending = sum(int(k.shape[-2]) for k in keys) if keys else 0
+        self._pending = sum(part_tokens(k) for k in keys) if keys else 0
         self._n = 0
         spec = arena.spec
         self.device = torch.device("cpu")
@@ -184,10 +192,10 @@ class ArenaLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transformers
         if self._parts is not None:
             keys, values = self._parts
             n = self._pending
-            # one pass per layer and K/V, straight into the storage (torch.cat with out=
-            # takes strided output: no temporary, no second copy)
-            torch.cat(keys, dim=-2, out=keys_store[:, :, :n])
-            torch.cat(values, dim=-2, out=values_store[:, :, :n])
+            # straight into the storage, one copy per part (a run of chunks is one part):
+            # no temporary, no second copy
+            copy_parts(keys, keys_store[:, :, :n])
+            copy_parts(values, values_store[:, :, :n])
             self._parts, self._pending, self._n = None, 0, n
         return keys_store, values_store
 

@@ -198,23 +198,126 @@ def layer_parts(
     n_tokens: int | None = None,
 ) -> list[LayerParts]:
     """Per layer, the keys and values of the first ``n_tokens`` tokens of ``chunks``
-    (default: all) as views over the buffers, no copy: one ``(1, kv_heads, tokens,
-    head_dim)`` tensor per chunk, the last one cut to the tail. Raises KVLayoutError for
-    a buffer of the wrong size or shape before any view is made."""
+    (default: all) as views over the buffers, no copy, in token order.
+
+    A part is one chunk, ``(1, kv_heads, tokens, head_dim)`` (the last one cut to the
+    tail), or a *run* of ``k`` full chunks lying at equal distances in one numpy array
+    (leased slots of the cache server's L1 region usually do: the server reserves a
+    prefix's slots one after another), ``(1, kv_heads, k, chunk_size, head_dim)``: one
+    view, and one copy per layer instead of ``k`` (``copy_parts``). Raises KVLayoutError
+    for a buffer of the wrong size or shape before any view is made.
+    """
     total = len(chunks) * chunk_size
     n = total if n_tokens is None else n_tokens
     if not 0 < n <= total:
         raise KVLayoutError(f"n_tokens must be in [1, {total}], got {n}")
     views = [_chunk_view(buf, spec, chunk_size, i) for i, buf in enumerate(chunks)]
-    views = views[: -(-n // chunk_size)]
-    tail = n - (len(views) - 1) * chunk_size
+    used = -(-n // chunk_size)
+    tail = n - (used - 1) * chunk_size
+    full = used if tail == chunk_size else used - 1
+    blocks: list[torch.Tensor] = []  # (k, layers, 2, kv_heads, tokens, head_dim) each
+    for first, count, run in _runs(chunks[:full], spec, chunk_size):
+        blocks.append(run if run is not None else views[first].unsqueeze(0))
+        if run is None:
+            blocks.extend(v.unsqueeze(0) for v in views[first + 1 : first + count])
+    if full < used:
+        blocks.append(views[full][:, :, :, :tail].unsqueeze(0))
     out: list[LayerParts] = []
     for layer in range(spec.layers):
-        keys = [v[layer, 0].unsqueeze(0) for v in views]
-        values = [v[layer, 1].unsqueeze(0) for v in views]
-        keys[-1], values[-1] = keys[-1][:, :, :tail], values[-1][:, :, :tail]
+        keys, values = [], []
+        for block in blocks:
+            # (k, kv_heads, tokens, head_dim) -> (1, kv_heads, [k,] tokens, head_dim)
+            k_part = block[:, layer, 0].permute(1, 0, 2, 3).unsqueeze(0)
+            v_part = block[:, layer, 1].permute(1, 0, 2, 3).unsqueeze(0)
+            keys.append(k_part if block.shape[0] > 1 else k_part.squeeze(2))
+            values.append(v_part if block.shape[0] > 1 else v_part.squeeze(2))
         out.append((keys, values))
     return out
+
+
+def part_tokens(part: torch.Tensor) -> int:
+    """Tokens in one part of ``layer_parts`` (a chunk or a run of chunks)."""
+    return int(part.shape[2] * part.shape[3]) if part.dim() == 5 else int(part.shape[2])
+
+
+def copy_parts(parts: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Copy ``parts`` one after another along the tokens of ``out`` (1, kv_heads, tokens,
+    head_dim; a view into larger storage is fine): one copy per part."""
+    pos = 0
+    for part in parts:
+        n = part_tokens(part)
+        dst = out[:, :, pos : pos + n]
+        if part.dim() == 5:
+            dst = dst.view(1, out.shape[1], part.shape[2], part.shape[3], out.shape[3])
+        dst.copy_(part)
+        pos += n
+
+
+def concat_parts(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``parts`` in one new tensor of their own (1, kv_heads, tokens, head_dim)."""
+    first = parts[0]
+    shape = (1, first.shape[1], sum(part_tokens(p) for p in parts), first.shape[-1])
+    out = torch.empty(shape, dtype=first.dtype)
+    copy_parts(parts, out)
+    return out
+
+
+def _runs(
+    chunks: Sequence[ChunkBuffer], spec: KVSpec, chunk_size: int
+) -> list[tuple[int, int, torch.Tensor | None]]:
+    """(first, count, view) for consecutive chunks: ``view`` covers ``count`` > 1 chunks
+    lying at one distance from each other inside one numpy array, shaped
+    (count, layers, 2, kv_heads, chunk_size, head_dim); None for a lone chunk."""
+    nbytes = chunk_nbytes(spec, chunk_size)
+    itemsize = spec.itemsize
+    spots: list[tuple[int, int] | None] = []  # (id of the array, address) of each chunk
+    for buf in chunks:
+        root = buf.base if isinstance(buf, np.ndarray) else None
+        if isinstance(buf, np.ndarray) and isinstance(root, np.ndarray):
+            ok = root.flags.c_contiguous
+            spots.append((id(root), buf.__array_interface__["data"][0]) if ok else None)
+        else:
+            spots.append(None)
+    out: list[tuple[int, int, torch.Tensor | None]] = []
+    i = 0
+    while i < len(chunks):
+        j = i + 1
+        here = spots[i]
+        if here is not None and i + 1 < len(chunks):
+            nxt = spots[i + 1]
+            step = nxt[1] - here[1] if nxt is not None and nxt[0] == here[0] else 0
+            if step >= nbytes and step % itemsize == 0:
+                while j < len(chunks) and spots[j] == (here[0], here[1] + (j - i) * step):
+                    j += 1
+        if j - i == 1:
+            out.append((i, 1, None))
+        else:
+            out.append((i, j - i, _run_view(chunks[i], spec, chunk_size, j - i, step)))
+        i = j
+    return out
+
+
+def _run_view(
+    first: ChunkBuffer, spec: KVSpec, chunk_size: int, count: int, step: int
+) -> torch.Tensor:
+    """One tensor over ``count`` chunks ``step`` bytes apart, from ``first`` on, inside
+    ``first``'s numpy array (checked by the caller: every chunk lies in it)."""
+    assert isinstance(first, np.ndarray) and isinstance(first.base, np.ndarray)
+    root = first.base
+    start = first.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+    itemsize = spec.itemsize
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        whole = torch.frombuffer(root.data.cast("B"), dtype=torch.uint8)
+    span = whole[start : start + (count - 1) * step + chunk_nbytes(spec, chunk_size)]
+    typed = span.view(torch_dtype(spec.dtype)) if start % itemsize == 0 else None
+    if typed is None:
+        raise KVLayoutError("chunk run not aligned to the KV dtype")
+    inner = spec.chunk_shape(chunk_size)
+    strides = [1]
+    for dim in reversed(inner[1:]):
+        strides.insert(0, strides[0] * dim)
+    return typed.as_strided((count, *inner), (step // itemsize, *strides))
 
 
 def build_cache(
@@ -236,7 +339,7 @@ def build_cache(
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
     for layer, (keys, values) in enumerate(parts):
         _fill_layer(cache, layer, keys, values)
-    n = sum(int(k.shape[-2]) for k in parts[0][0])
+    n = sum(part_tokens(k) for k in parts[0][0])
     if cache.get_seq_length() != n:
         raise KVLayoutError(f"built a cache of {cache.get_seq_length()} tokens, expected {n}")
     return cache
@@ -252,9 +355,10 @@ def _fill_layer(
     lets transformers initialise the layer; a plain DynamicLayer then takes one
     concatenated tensor as it is; any other layer type gets the ordinary, copying update.
     """
-    cache.update(keys[0][:, :, :0], values[0][:, :, :0], layer)
+    k0, v0 = keys[0], values[0]
+    cache.update(k0[:, :, :0].flatten(2, -2), v0[:, :, :0].flatten(2, -2), layer)
     target = cache.layers[layer]
     if type(target) is DynamicLayer and target.get_seq_length() == 0:
-        target.keys, target.values = torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
+        target.keys, target.values = concat_parts(keys), concat_parts(values)
         return
-    cache.update(torch.cat(keys, dim=-2), torch.cat(values, dim=-2), layer)
+    cache.update(concat_parts(keys), concat_parts(values), layer)
