@@ -8,7 +8,8 @@ prompts) sent at a fixed arrival rate, once per run: ``kv``, ``kv-p2p``,
 today) and on. Per run it reports TTFT (the router's own time, from its route header,
 plus the engine's time to first token, which counts the engine's queue), the cached-token
 share, tokens recomputed, per-engine requests and busy time (the router's ``/status``),
-failed requests and the router's added latency; beside them the limit: the share one
+failed requests and the router's added latency, TTFT by request kind, the time requests
+queued in their engine and every request's record; beside them the limit: the share one
 logical cache of the fleet's total capacity would serve on the same sequence (an LRU of
 full chunks, replayed offline). Must not: print (progress goes through ``say``).
 """
