@@ -15,6 +15,7 @@ MODULES = [
     "bench.transfer_bench",
     "bench.p2p_bench",
     "bench.engine_model_bench",
+    "bench.engine_p2p_bench",
     "bench.router_bench",
 ]
 
