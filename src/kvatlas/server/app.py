@@ -9,7 +9,8 @@ channel, the transport built from the config by ``kvatlas.transfer.factory`` ser
 region, controller; its endpoint goes into the registration) -> lease sweeper.
 Ports are bound before any background thread starts, so a taken port fails the start
 with PortInUse. Stop runs in reverse: engines first, then P2P, a last event flush,
-deregistration, HTTP, and the region is unlinked.
+deregistration, HTTP, and the region is unlinked; a stop that hangs all the same
+dumps every thread's stack to the log after ``STOP_STACKS_S``.
 
 One `CoordinatorClient` serves every part that talks to the coordinator (registrar,
 HTTP event sink, P2P controller and fetcher): httpx.Client is thread-safe, so they share
@@ -26,6 +27,7 @@ business logic (the parts do).
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import logging
 import secrets
@@ -68,6 +70,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_L2_BYTES = 10 * GIB
 SWEEP_INTERVAL_S = 1.0
+STOP_STACKS_S = 10.0
+"""A stop still running after this long dumps every thread's stack to stderr."""
 
 
 def make_sink(config: ServerConfig, coordinator: CoordinatorClient) -> EventSink:
@@ -351,9 +355,13 @@ class CacheServer:
             self.start()
             done.wait()
         finally:
+            # Each step of stop() is bounded; should one still hang, every thread's
+            # stack goes to stderr (the log) so that the operator sees where.
+            faulthandler.dump_traceback_later(STOP_STACKS_S, exit=False)
             try:
                 self.stop()
             finally:
+                faulthandler.cancel_dump_traceback_later()
                 for s, handler in old.items():
                     signal.signal(s, handler)
 

@@ -112,6 +112,8 @@ class EngineApi:
         self._jobs: queue.SimpleQueue[list[zmq.Frame]] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
+        self.closed = threading.Event()
+        """Set once the sockets are closed (by stop, or after it when a thread was busy)."""
         self._max_queued = max_queued
         self._max_per_client = max_queued_per_client
         # Written by the I/O thread only; stats() reads them without a lock (ints).
@@ -293,13 +295,37 @@ class EngineApi:
         return encode(Response(PROTOCOL_VERSION, req.id, body))
 
     def stop(self) -> None:
-        """Stop the workers and the I/O thread, close the sockets (idempotent)."""
+        """Stop the workers and the I/O thread, close the sockets (idempotent). Returns
+        within ~5 s a thread: a thread still busy then (a request that does not return)
+        leaves the sockets to be closed when it is done."""
         if self._stop.is_set():
             return
         self._stop.set()
         for t in self._threads:
             t.join(5)
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        if stuck:
+            # Terminating the context waits for every socket, the stuck threads' too:
+            # stop returns now, and the sockets are closed once those threads are done.
+            log.warning(
+                "engine API of instance %s incarnation %d: %s still busy after 5 s at"
+                " shutdown; its sockets close when they finish",
+                self._service.identity.instance_id,
+                self._service.identity.incarnation,
+                ", ".join(stuck),
+            )
+            threading.Thread(target=self._close_after_threads, daemon=True).start()
+            return
+        self._close()
+
+    def _close_after_threads(self) -> None:
+        for t in self._threads:
+            t.join()
+        self._close()
+
+    def _close(self) -> None:
         for sock in (self._frontend, self._replies):
             if sock is not None:
                 sock.close(0)
         self._ctx.term()
+        self.closed.set()
