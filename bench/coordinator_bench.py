@@ -100,6 +100,12 @@ class Server:
         found = re.search(r'kvatlas_coordinator_json_token_parser\{parser="(\w+)"\} 1', text)
         return found.group(1) if found else "unknown"
 
+    def token_chain(self) -> str:
+        """The blake3 prefix chain the coordinator hashes tokens with (its metrics say)."""
+        text = httpx.get(self.url + "/metrics").text
+        found = re.search(r'kvatlas_coordinator_token_chain\{chain="(\w+)"\} 1', text)
+        return found.group(1) if found else "unknown"
+
     def rss(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
@@ -490,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     server = Server()
     try:
         res["json_token_parser"] = server.json_token_parser()
+        res["token_chain"] = server.token_chain()
         rss0 = server.rss()
         t0 = time.perf_counter()
         asyncio.run(_preload(server.port, args.keys))
@@ -585,7 +592,8 @@ def main(argv: list[str] | None = None) -> int:
             "",
         ),
         (
-            f"lookup 32,768 tokens as JSON token_ids ({res['json_token_parser']} parser),"
+            f"lookup 32,768 tokens as JSON token_ids ({res['json_token_parser']} parser,"
+            f" {res['token_chain']} chain),"
             f" {args.keys:,} keys: p50 / p99",
             lambda: _p50_p99(res["lookup_tokens_32k"]),
             "p99 <= 1.5 ms (keep-alive client)",

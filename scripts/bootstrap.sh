@@ -13,10 +13,12 @@ PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
 # network namespace set up with iproute2's `ip`; the fleet page's browser tests drive
 # Debian's headless chromium (Playwright uses it through executable_path: never
 # `playwright install`, which downloads a browser); gcc builds the coordinator's JSON
-# token parser (an optional C extension: without it a slower numpy parse serves).
-# Installed only when missing.
+# token parser (an optional C extension: without it a slower numpy parse serves), and
+# with librust-blake3-dev (the official BLAKE3 C sources, nothing else of Rust is used)
+# the blake3 prefix chain of lookups by tokens (optional too: without it the `blake3`
+# package's loop serves). Installed only when missing.
 missing=()
-for pkg in libibverbs1 iproute2 chromium gcc; do
+for pkg in libibverbs1 iproute2 chromium gcc librust-blake3-dev; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
 if ((${#missing[@]})); then
@@ -25,7 +27,7 @@ if ((${#missing[@]})); then
         apt-get update -qq >/dev/null
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
     else
-        echo "[kvatlas] warning: missing system packages ${missing[*]} (the mooncake engine, the browser tests and the compiled JSON token parser need them)" >&2
+        echo "[kvatlas] warning: missing system packages ${missing[*]} (the mooncake engine, the browser tests and the compiled JSON token parser and blake3 chain need them)" >&2
     fi
 fi
 if [[ ! -x "$VENV/bin/python" ]]; then

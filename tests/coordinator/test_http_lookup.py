@@ -11,7 +11,7 @@ import msgspec
 import numpy as np
 
 from kvatlas.core.events import Entry
-from kvatlas.core.keys import pack_kv_rank
+from kvatlas.core.keys import CHAINS, DEFAULT_CHAIN_NAME, pack_kv_rank
 from kvatlas.core.types import Tier
 from kvatlas.wire.http_api import LookupRequest, encode_lookup_msgpack
 from kvatlas.wire.json_tokens import DEFAULT_PARSER_NAME, PARSERS
@@ -363,3 +363,10 @@ def test_metrics_say_which_json_token_parser_reads_lookups(coord: RunningCoordin
     text = coord.client.get("/metrics").text
     assert f'kvatlas_coordinator_json_token_parser{{parser="{DEFAULT_PARSER_NAME}"}} 1.0' in text
     assert DEFAULT_PARSER_NAME in PARSERS
+
+
+def test_metrics_say_which_chain_hashes_lookups(coord: RunningCoordinator) -> None:
+    """The compiled chain where the BLAKE3 C sources were found, Python's where not."""
+    text = coord.client.get("/metrics").text
+    assert f'kvatlas_coordinator_token_chain{{chain="{DEFAULT_CHAIN_NAME}"}} 1.0' in text
+    assert DEFAULT_CHAIN_NAME in CHAINS

@@ -32,6 +32,7 @@ from kvatlas.coordinator.http_app import CoordinatorApp
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.core.fleet import FleetState
+from kvatlas.core.keys import DEFAULT_CHAIN_NAME
 from kvatlas.runtime.allocator import keep_freed_heap
 from kvatlas.runtime.gc_pauses import GcPauses
 from kvatlas.runtime.http_server import HttpServer
@@ -161,11 +162,12 @@ class Coordinator:
         self._expiry.start()
         log.info(
             "Coordinator listening on %s:%d (events over %s; JSON token arrays read by"
-            " the %s parser)",
+            " the %s parser, tokens hashed by the %s chain)",
             self.config.host,
             port,
             self.config.event_transport,
             DEFAULT_PARSER_NAME,
+            DEFAULT_CHAIN_NAME,
         )
         try:
             self.http.run(self._sock)

@@ -1,0 +1,7 @@
+"""Types of the compiled blake3 prefix chain (`_chain.c`): any buffer is taken; these
+are the ones kvatlas passes."""
+
+import numpy as np
+import numpy.typing as npt
+
+def chain(tokens: bytes | npt.NDArray[np.uint32], chunk_size: int, prefix: bytes, /) -> bytes: ...
