@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from unittest import mock
 
 import msgspec
@@ -38,10 +39,14 @@ PARSER_NAMES = ["numpy", "compiled"]
 
 
 @pytest.fixture(scope="session")
-def parsers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, DigitParser]:
-    """The installed parsers, and the compiled one built here when it was not installed."""
-    if "compiled" in PARSERS:
-        return PARSERS
+def compiled_module(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
+    """The installed `_token_digits`, or the C source built here when it was not."""
+    try:
+        from kvatlas.wire import _token_digits  # noqa: PLC0415  # optional extension
+    except ImportError:
+        pass
+    else:
+        return _token_digits
     out = tmp_path_factory.mktemp("token_digits")
     dist = Distribution({"ext_modules": [Extension("_token_digits", [str(C_SOURCE)])]})
     build = dist.get_command_obj("build_ext")
@@ -53,7 +58,15 @@ def parsers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, DigitParser]:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return {**PARSERS, "compiled": compiled_parser(module.parse)}
+    return module
+
+
+@pytest.fixture(scope="session")
+def parsers(compiled_module: ModuleType) -> dict[str, DigitParser]:
+    """The installed parsers, and the compiled one built here when it was not installed."""
+    if "compiled" in PARSERS:
+        return PARSERS
+    return {**PARSERS, "compiled": compiled_parser(compiled_module.parse)}
 
 
 @contextmanager
@@ -271,3 +284,112 @@ def test_near_the_end_of_the_body_and_at_every_length(
     ):
         with using(parsers[name]):
             assert pipeline(body) == reference(body), body
+
+
+LayoutReader = Callable[[bytes, int, int], bytes | None]
+
+
+@pytest.fixture(scope="session")
+def layout_reader(compiled_module: ModuleType) -> LayoutReader:
+    """The compiled module's block reader (`parse_layout`), where it was built (SSE2)."""
+    reader: LayoutReader | None = getattr(compiled_module, "parse_layout", None)
+    if reader is None:
+        pytest.skip("the compiled parser has no block reader on this machine (no SSE2)")
+    return reader
+
+
+# What encoders write: "," (compact) or ", " (Python's json.dumps) between numbers.
+layout_tokens_st = st.lists(st.one_of(st.integers(0, 9_999_999), token_st), max_size=400)
+
+
+@st.composite
+def layout_bodies(draw: st.DrawFn) -> tuple[bytes, int, int]:
+    """A body in an encoder's layout, with the span of its array."""
+    tokens = draw(layout_tokens_st)
+    sep = draw(st.sampled_from([",", ", "]))
+    lead = draw(st.sampled_from(["", '{"model_name": "m", "token_ids": ', '{"token_ids":']))
+    array = "[" + draw(space_st) + sep.join(map(str, tokens)) + draw(space_st) + "]"
+    tail = draw(st.sampled_from(["", "}", ', "model_name": "m"}']))
+    body = (lead + array + tail).encode()
+    return body, len(lead) + 1, len(lead) + len(array) - 1
+
+
+@given(case=layout_bodies())
+@settings(max_examples=500, deadline=None)
+def test_the_block_reader_reads_every_encoder_layout_exactly(
+    layout_reader: LayoutReader, case: tuple[bytes, int, int]
+) -> None:
+    """Numbers of up to 7 digits in "," or ", " layout: the block reader answers, with
+    the tokens msgspec reads; a longer number (or none: `parse` answers an empty array
+    itself) sends it to the general reader."""
+    body, start, end = case
+    want = msgspec.json.decode(b"[" + body[start:end] + b"]", type=list[int])
+    got = layout_reader(body, start, end)
+    if want and all(t < 10**7 for t in want):
+        assert got is not None
+    if got is not None:
+        assert np.frombuffer(got, dtype="<u4").tolist() == want
+
+
+@given(case=layout_bodies(), data=st.data())
+@settings(max_examples=1000, deadline=None)
+def test_the_block_reader_answers_only_what_msgspec_reads_alike(
+    layout_reader: LayoutReader,
+    case: tuple[bytes, int, int],
+    data: st.DataObject,
+) -> None:
+    """Mutated layouts (a byte added, removed or replaced anywhere in the array): where
+    the block reader answers, msgspec reads the same tokens (below 2**32)."""
+    body, start, end = case
+    at = data.draw(st.integers(start, end))
+    junk = data.draw(
+        st.sampled_from([b"-", b"0", b"00", b".5", b"e3", b",", b" ", b"  ", b"\t", b"x", b""])
+    )
+    cut = data.draw(st.integers(0, 2))
+    mutated = body[:at] + junk + body[min(at + cut, end) :]
+    new_end = end + len(junk) - (min(at + cut, end) - at)
+    got = layout_reader(mutated, start, new_end)
+    if got is None:
+        return
+    want = msgspec.json.decode(b"[" + mutated[start:new_end] + b"]", type=list[int])
+    assert np.frombuffer(got, dtype="<u4").tolist() == want
+    assert max(want, default=0) <= MAX_TOKEN_ID
+
+
+@pytest.mark.parametrize(
+    "array",
+    ["1,,2", "1 ,2", "1, ,2", ",1", "1,", " ,1", "01,2", "1,00", "1,  2", "1 2", "1,-2", "1,2x"],
+)
+def test_the_block_reader_leaves_other_shapes_to_the_general_reader(
+    layout_reader: LayoutReader, array: str
+) -> None:
+    body = f'{{"token_ids": [{array}], "model_name": "m"}}'.encode()
+    start = body.index(b"[") + 1
+    assert layout_reader(body, start, body.index(b"]")) is None
+
+
+def test_the_block_reader_crosses_its_64_byte_blocks(layout_reader: LayoutReader) -> None:
+    """Numbers at every offset against the block edges, in both layouts, and the array
+    at every distance from the body's end (the last 8 bytes are read one at a time)."""
+    reader = layout_reader
+    for shift in range(70):
+        for sep in (",", ", "):
+            tokens = [1234567, *range(shift), 89, 7654321]
+            array = "[" + sep.join(map(str, tokens)) + "]"
+            body = ('{"token_ids": ' + array + " " * (shift % 10) + "}").encode()
+            start = body.index(b"[") + 1
+            got = reader(body, start, body.index(b"]"))
+            assert got is not None and np.frombuffer(got, dtype="<u4").tolist() == tokens
+
+
+@pytest.mark.parametrize("sep", [",", ", "])
+@pytest.mark.parametrize("high", [10, 1000, 10**7])
+def test_the_block_reader_over_many_batches(
+    layout_reader: LayoutReader, sep: str, high: int
+) -> None:
+    """Thousands of numbers: single digits (32 to a 64-byte word, more than it takes at
+    once) up to 7 digits, across many of its 2 KiB batches."""
+    tokens = [int(t) for t in np.random.default_rng(high).integers(0, high, 5000)]
+    body = ('{"token_ids": [' + sep.join(map(str, tokens)) + "]}").encode()
+    got = layout_reader(body, body.index(b"[") + 1, body.index(b"]"))
+    assert got is not None and np.frombuffer(got, dtype="<u4").tolist() == tokens

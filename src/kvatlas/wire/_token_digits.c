@@ -13,7 +13,11 @@
  * Speed: ~6 ns per token here (~0.2 ms for 32,768 tokens, against ~0.7 ms for the numpy
  * parse and ~0.9 ms for msgspec building Python ints). Each number's first 8 bytes are
  * read as one word and converted with three multiply-shift steps (SWAR), so that its
- * length costs no branch per digit.
+ * length costs no branch per digit. Where SSE2 is (x86-64), the layouts encoders write
+ * (numbers of up to 7 digits separated by "," or ", ") are read by `parse_blocks`, whose
+ * numbers do not wait on each other: 10-20% faster (~175-190 us for 32,768 tokens,
+ * against 200-225 us, best of 300, for sequential and random ids in both layouts).
+ * Anything else, or anything it is not sure of, `parse_span` reads.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -86,6 +90,167 @@ static Py_ssize_t parse_span(const unsigned char *p, size_t n, size_t lim, unsig
     }
 }
 
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define HAVE_BLOCK_PARSE 1
+/* Number starts taken from each 64-byte word without a branch: token ids of 4-7 digits
+ * and their separators put 8-11 numbers in 64 bytes. */
+#define STARTS_AT_ONCE 12
+/* Words whose numbers are converted together (2 KiB of JSON, at most 1,024 numbers). */
+#define BATCH_WORDS 32
+
+/* Bits set in x, without the POPCNT instruction (not in the x86-64 baseline). */
+static size_t popcount64(uint64_t x) {
+    x -= (x >> 1) & 0x5555555555555555ULL;
+    x = (x & 0x3333333333333333ULL) + ((x >> 2) & 0x3333333333333333ULL);
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0FULL;
+    return (size_t)((x * 0x0101010101010101ULL) >> 56);
+}
+
+/* The digit, comma, space and '0' bits of the 16 bytes at p (bit i: byte i). */
+static void classify16(const unsigned char *p, uint64_t *d, uint64_t *c, uint64_t *s,
+                       uint64_t *z, int shift) {
+    __m128i x = _mm_loadu_si128((const __m128i *)p);
+    __m128i v = _mm_sub_epi8(x, _mm_set1_epi8('0'));
+    __m128i dig = _mm_cmpeq_epi8(_mm_min_epu8(v, _mm_set1_epi8(9)), v);
+    *d |= (uint64_t)(unsigned)_mm_movemask_epi8(dig) << shift;
+    *c |= (uint64_t)(unsigned)_mm_movemask_epi8(_mm_cmpeq_epi8(x, _mm_set1_epi8(','))) << shift;
+    *s |= (uint64_t)(unsigned)_mm_movemask_epi8(_mm_cmpeq_epi8(x, _mm_set1_epi8(' '))) << shift;
+    *z |= (uint64_t)(unsigned)_mm_movemask_epi8(_mm_cmpeq_epi8(x, _mm_set1_epi8('0'))) << shift;
+}
+
+/* The tokens of p[0:n] in the layouts encoders write (numbers separated by "," or ", ",
+ * nothing else; n > 0, no whitespace at either end), or -2 for anything else, which the
+ * caller then reads with `parse_span` (so this never has to refuse, only to be sure
+ * when it answers). Bytes up to p[lim - 1] may be read.
+ *
+ * Why: `parse_span` walks the span number by number, and where one number ends decides
+ * where the next begins, so its time is that chain of dependent steps (~6 ns a token).
+ * Here the bytes are first classified 64 at a time into bit masks (SSE2), the layout is
+ * checked on the masks, and each number's start comes from its mask bit: the numbers'
+ * conversions no longer wait on each other. */
+static Py_ssize_t parse_blocks(const unsigned char *p, size_t n, size_t lim, unsigned char *out,
+                               size_t cap) {
+    size_t words = (n + 63) / 64, k, count = 0;
+    uint64_t *digit, *comma, *space, *zero;
+    uint32_t starts[32 * BATCH_WORDS + STARTS_AT_ONCE];
+    Py_ssize_t result = -2;
+    /* One zero word past the end of each: the bits "after" the last byte. */
+    digit = PyMem_RawMalloc(4 * (words + 1) * sizeof(uint64_t));
+    if (digit == NULL) return -2;
+    comma = digit + words + 1;
+    space = comma + words + 1;
+    zero = space + words + 1;
+    for (k = 0; k < words; k++) {
+        uint64_t d = 0, c = 0, s = 0, z = 0, valid;
+        const unsigned char *b = p + 64 * k;
+        unsigned char pad[64];
+        if (64 * k + 64 > n) { /* the last block: the bytes past the span read as 0 */
+            memset(pad, 0, sizeof(pad));
+            memcpy(pad, b, n - 64 * k);
+            b = pad;
+            valid = (1ULL << (n - 64 * k)) - 1;
+        } else {
+            valid = ~0ULL;
+        }
+        classify16(b, &d, &c, &s, &z, 0);
+        classify16(b + 16, &d, &c, &s, &z, 16);
+        classify16(b + 32, &d, &c, &s, &z, 32);
+        classify16(b + 48, &d, &c, &s, &z, 48);
+        if (valid & ~(d | c | s)) goto done; /* a byte other than a digit, ',' or ' ' */
+        digit[k] = d;
+        comma[k] = c;
+        space[k] = s;
+        zero[k] = z;
+    }
+    digit[words] = comma[words] = space[words] = zero[words] = 0;
+    /* The layout, on the masks: every comma right after a digit, every space right
+     * after a comma, every comma followed by a digit or a space, every space by a digit
+     * (so the span begins and ends with a digit, and between two numbers lies exactly
+     * "," or ", "), and no number of more than one digit begins with '0'. */
+    {
+        uint64_t d_before = 0, c_before = 0;
+        for (k = 0; k < words; k++) {
+            uint64_t d = digit[k], c = comma[k], s = space[k];
+            uint64_t prev_d = d << 1 | d_before, prev_c = c << 1 | c_before;
+            uint64_t next_d = d >> 1 | digit[k + 1] << 63;
+            uint64_t next_s = s >> 1 | space[k + 1] << 63;
+            uint64_t starts = d & ~prev_d;
+            if ((c & ~prev_d) | (s & ~prev_c) | (c & ~(next_d | next_s)) | (s & ~next_d) |
+                (starts & zero[k] & next_d))
+                goto done;
+            zero[k] = starts; /* no longer needed as zeros: the numbers' starts */
+            d_before = d >> 63;
+            c_before = c >> 63;
+        }
+    }
+    /* Each batch of words: its numbers' starts as positions, STARTS_AT_ONCE of them per
+     * word whatever it holds (the slots past its count are written over next), so that
+     * no branch depends on how many numbers a word holds; then each number on its own. */
+    for (k = 0; k < words; k += BATCH_WORDS) {
+        size_t last = k + BATCH_WORDS < words ? k + BATCH_WORDS : words, m = 0, j, w_at;
+        for (w_at = k; w_at < last; w_at++) {
+            uint64_t w = zero[w_at];
+            size_t got = popcount64(w);
+            for (j = 0; j < STARTS_AT_ONCE; j++) {
+                starts[m + j] = (uint32_t)(64 * w_at + (size_t)__builtin_ctzll(w | 1ULL << 63));
+                w &= w - 1;
+            }
+            for (j = STARTS_AT_ONCE; w; j++) { /* numbers of 1-3 digits: more in a word */
+                starts[m + j] = (uint32_t)(64 * w_at + (size_t)__builtin_ctzll(w));
+                w &= w - 1;
+            }
+            m += got;
+        }
+        if (count + m > cap) goto done;
+        for (j = 0; j < m; j++) {
+            size_t i = starts[j], len;
+            uint32_t token;
+            if (i + 8 > lim) { /* within the body's last 8 bytes: a digit at a time */
+                for (token = 0, len = 0; i + len < n && (unsigned char)(p[i + len] - '0') <= 9;
+                     len++)
+                    token = token * 10 + (unsigned char)(p[i + len] - '0');
+            } else {
+                uint64_t word, x, junk;
+                memcpy(&word, p + i, 8);
+                x = word - ZEROS;
+                junk = (x | (x + PAST_NINE)) & TOPS;
+                if (!junk) goto done; /* 8 digits or more: `parse_span` reads those */
+                len = (size_t)__builtin_ctzll(junk) >> 3;
+                if (len > n - i) len = n - i;
+                x <<= 64 - 8 * len;
+                x = (x * 10 + (x >> 8)) & 0x00FF00FF00FF00FFULL;
+                x = (x * 100 + (x >> 16)) & 0x0000FFFF0000FFFFULL;
+                x = (x * 10000 + (x >> 32)) & 0xFFFFFFFFULL;
+                token = (uint32_t)x;
+            }
+            memcpy(out + 4 * (count + j), &token, 4); /* SSE2: x86, little-endian */
+        }
+        count += m;
+    }
+    result = (Py_ssize_t)count;
+done:
+    PyMem_RawFree(digit);
+    return result;
+}
+#endif
+
+/* The tokens of p[0:n] (see `parse_span`), by the fastest reader that can be sure. */
+static Py_ssize_t parse_tokens(const unsigned char *p, size_t n, size_t lim, unsigned char *out,
+                               size_t cap) {
+#ifdef HAVE_BLOCK_PARSE
+    size_t lead = 0, last = n;
+    while (lead < n && is_space(p[lead])) lead++;
+    while (last > lead && is_space(p[last - 1])) last--;
+    if (last > lead) {
+        Py_ssize_t got = parse_blocks(p + lead, last - lead, lim - lead, out, cap);
+        if (got != -2) return got;
+    }
+#endif
+    return parse_span(p, n, lim, out, cap);
+}
+
 static PyObject *parse(PyObject *module, PyObject *args) {
     Py_buffer body;
     Py_ssize_t start, end, got;
@@ -113,10 +278,10 @@ static PyObject *parse(PyObject *module, PyObject *args) {
     dst = (unsigned char *)PyBytes_AS_STRING(out);
     if (n > RELEASE_GIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS;
-        got = parse_span(span, n, lim, dst, cap);
+        got = parse_tokens(span, n, lim, dst, cap);
         Py_END_ALLOW_THREADS;
     } else {
-        got = parse_span(span, n, lim, dst, cap);
+        got = parse_tokens(span, n, lim, dst, cap);
     }
     PyBuffer_Release(&body);
     if (got < 0) {
@@ -127,11 +292,52 @@ static PyObject *parse(PyObject *module, PyObject *args) {
     return out;
 }
 
+#ifdef HAVE_BLOCK_PARSE
+/* For tests: `parse_blocks` alone, on the span without its outer whitespace; None where
+ * it leaves the span to `parse_span`. */
+static PyObject *parse_layout(PyObject *module, PyObject *args) {
+    Py_buffer body;
+    Py_ssize_t start, end, got = -2;
+    size_t lim;
+    const unsigned char *p;
+    PyObject *out;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "y*nn:parse_layout", &body, &start, &end)) return NULL;
+    if (start < 0 || end < start || end > body.len) {
+        PyBuffer_Release(&body);
+        PyErr_SetString(PyExc_ValueError, "the span must lie inside the body");
+        return NULL;
+    }
+    p = (const unsigned char *)body.buf;
+    while (start < end && is_space(p[start])) start++;
+    while (end > start && is_space(p[end - 1])) end--;
+    lim = (size_t)(body.len - start);
+    out = PyBytes_FromStringAndSize(NULL, 4 * ((end - start + 1) / 2));
+    if (out != NULL && end > start)
+        got = parse_blocks(p + start, (size_t)(end - start), lim,
+                           (unsigned char *)PyBytes_AS_STRING(out), (size_t)(end - start + 1) / 2);
+    PyBuffer_Release(&body);
+    if (out == NULL) return NULL;
+    if (got < 0) {
+        Py_DECREF(out);
+        Py_RETURN_NONE;
+    }
+    if (_PyBytes_Resize(&out, 4 * got) < 0) return NULL;
+    return out;
+}
+#endif
+
 static PyMethodDef methods[] = {
     {"parse", parse, METH_VARARGS,
      "parse(body, start, end) -> bytes | None: the JSON integers in body[start:end] as "
      "little-endian uint32, or None unless the span is exactly plain integers below 2**32 "
      "separated by commas."},
+#ifdef HAVE_BLOCK_PARSE
+    {"parse_layout", parse_layout, METH_VARARGS,
+     "parse_layout(body, start, end) -> bytes | None: for tests, the block reader of the "
+     "layouts encoders write alone; None where parse leaves the span to its general "
+     "reader."},
+#endif
     {NULL, NULL, 0, NULL},
 };
 
