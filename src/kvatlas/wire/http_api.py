@@ -654,7 +654,11 @@ def decode_lookup(body: bytes, content_type: str) -> LookupRequest:
             # form given (else the handler's "exactly one form" answers, as before).
             only_tokens = req is not None and req.keys is None and req.tokens_b64 is None
             if req is not None and only_tokens and req.token_ids == []:
-                return msgspec.structs.replace(req, token_ids=None, tokens_b64=tokens.tobytes())
+                # The compiled parser's array views the bytes it made: those, not a copy.
+                base: object = tokens.base
+                whole = isinstance(base, bytes) and len(base) == tokens.nbytes
+                raw = base if isinstance(base, bytes) and whole else tokens.tobytes()
+                return msgspec.structs.replace(req, token_ids=None, tokens_b64=raw)
         return _json_lookup.decode(body)
     except msgspec.ValidationError as exc:
         raise InvalidInput(f"invalid lookup body: {exc}") from exc

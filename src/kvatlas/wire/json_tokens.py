@@ -89,7 +89,8 @@ def token_ids_array(
 
 def compiled_parser(parse: Callable[[bytes, int, int], bytes | None]) -> DigitParser:
     """The `DigitParser` of `_token_digits.parse` (or of that module built elsewhere):
-    its bytes as a uint32 array, a view without a copy."""
+    its bytes as a uint32 array, a view without a copy (whose ``base`` is those bytes,
+    which `decode_lookup` passes on as they are)."""
 
     def parse_array(body: bytes, start: int, end: int) -> npt.NDArray[np.uint32] | None:
         raw = parse(body, start, end)
