@@ -37,31 +37,47 @@ def blake3_sources() -> Path | None:
 
 
 def chain_extension(c_dir: Path) -> Extension:
-    sources = ["src/kvatlas/core/_chain.c"]
-    sources += [str(c_dir / f) for f in ("blake3.c", "blake3_dispatch.c", "blake3_portable.c")]
+    """`kvatlas.core._chain`; the library's own files join its sources at build time
+    (`BuildExt`): the package's manifest refuses absolute paths."""
     x86_unix = platform.machine().lower() in ("x86_64", "amd64") and sys.platform != "win32"
+    library = [c_dir / f for f in ("blake3.c", "blake3_dispatch.c", "blake3_portable.c")]
     if x86_unix:
-        sources += [str(c_dir / f"blake3_{isa}_x86-64_unix.S") for isa in X86_ASM]
+        library += [c_dir / f"blake3_{isa}_x86-64_unix.S" for isa in X86_ASM]
         macros = []
     else:  # the portable C only: no intrinsics flags to get right per file
         macros = [(f"BLAKE3_NO_{isa.upper()}", "1") for isa in X86_ASM]
         macros.append(("BLAKE3_USE_NEON", "0"))
+    LIBRARY_SOURCES["kvatlas.core._chain"] = [str(f) for f in library]
     return Extension(
         "kvatlas.core._chain",
-        sources,
+        ["src/kvatlas/core/_chain.c"],
         include_dirs=[str(c_dir)],
         define_macros=macros,
         optional=True,
     )
 
 
+LIBRARY_SOURCES: dict[str, list[str]] = {}
+"""Sources outside the tree, by extension name, added when it is built."""
+
+
 class BuildExt(build_ext):
-    """build_ext that also assembles ``.S`` files (the C compiler preprocesses them)."""
+    """build_ext that adds `LIBRARY_SOURCES` while it compiles (and only then: the
+    commands that list the package's files after it refuse them) and also assembles
+    ``.S`` files (the C compiler preprocesses them)."""
 
     def build_extensions(self) -> None:
         if ".S" not in self.compiler.src_extensions:
             self.compiler.src_extensions.append(".S")
         super().build_extensions()
+
+    def build_extension(self, ext: Extension) -> None:
+        own = ext.sources
+        ext.sources = [*own, *LIBRARY_SOURCES.get(ext.name, [])]
+        try:
+            super().build_extension(ext)
+        finally:
+            ext.sources = own
 
 
 extensions = [
