@@ -31,7 +31,14 @@ import numpy as np
 from kvatlas.coordinator.views import holders_wire, lookup_json, prefix_response
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.fleet import FleetState
-from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes, default_kv_rank
+from kvatlas.core.keys import (
+    CHAINS,
+    Namespace,
+    ObjectKey,
+    chunk_hash_blob,
+    chunk_hashes,
+    default_kv_rank,
+)
 from kvatlas.core.types import EventType, Tier
 from kvatlas.runtime.allocator import keep_freed_heap
 from kvatlas.wire.http_api import (
@@ -130,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         ("decode body, `tokens_b64` (base64 in msgspec)", lambda: decode_lookup(b64_body, JSON)),
         ("decode body, msgpack (raw tokens)", lambda: decode_lookup(msgpack_body, MSGPACK)),
         ("hash 32,768 tokens into 128 chunk keys", lambda: chunk_hashes(raw)),
+        *(
+            (f"(the chain alone as one blob, {name} chain)",
+             partial(chunk_hash_blob, raw, 256, chain=chain))
+            for name, chain in CHAINS.items()
+        ),
         ("directory prefix lookup, 128 chunks", lambda: fleet.directory.lookup_prefix(hashes, ns)),
         ("response: JSON written by `lookup_json`, 128 chunks",
          lambda: lookup_json([h.hex() for h in hashes], ns, res, holders)),
