@@ -31,3 +31,16 @@ def test_the_index_is_bounded() -> None:
     assert len(p) == 3
     assert p.leading(blob([1, 2, 3, 4]), now=1.0) == {}  # its first chunk went first
     assert p.leading(blob([5, 6, 7, 8]), now=1.0) == {"b": 4}
+
+
+def test_a_failed_attempt_forgets_only_its_engine() -> None:
+    p = PendingPrefixes(chunk_size=4, ttl_s=10.0)
+    doc = list(range(8))
+    p.note(blob(doc), "a", now=0.0)
+    p.note(blob(doc), "b", now=0.0)
+    p.forget(blob(doc), "b")
+    assert p.leading(blob(doc), now=1.0) == {"a": 8}
+    p.forget(blob(doc), "a")
+    assert p.leading(blob(doc), now=1.0) == {}
+    assert len(p) == 0  # keys nobody claims go
+    p.forget(blob(doc), "a")  # forgetting twice is harmless

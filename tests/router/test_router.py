@@ -228,6 +228,34 @@ def test_a_prefix_just_sent_follows_its_engine_before_the_coordinator_knows(
     assert send(forgetful)["reason"] == "kv: load"
 
 
+def test_a_prefix_still_prefilling_draws_the_next_request_for_it(fleet: Fleet) -> None:
+    """The first request is noted when it is sent, not when its engine answers: a second
+    request for the same prefix that arrives while the first is in flight joins it on its
+    engine instead of computing the prefix again on the idle one."""
+    # a model name nobody hashes under: only the router's own notes can place it
+    router = fleet.router(policy="kv", model_name="nobody")
+    wait_until(lambda: len(available(router)), lambda n: n == 2, what="both engines")
+    doc = [5 + i % 230 for i in range(768)]
+    long = {"prompt": doc, "max_tokens": 1200, "temperature": 0, "ignore_eos": True}
+
+    def in_flight() -> dict[str, int]:
+        return {e.url: e.in_flight for e in router.status().engines if e.in_flight}
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(httpx.post, f"{router.url}/v1/completions", json=long, timeout=120)
+        busy = wait_until(in_flight, lambda v: len(v) == 1, what="the first in flight")
+        second = httpx.post(
+            f"{router.url}/v1/completions",
+            json={"prompt": [*doc, 9, 9, 9], "max_tokens": 2, "temperature": 0},
+            timeout=120,
+        )
+        done = first.result()
+    assert done.status_code == 200 and second.status_code == 200, second.text
+    assert route(done)["engine"] in busy
+    assert route(second)["engine"] == route(done)["engine"], route(second)
+    assert route(second)["cached"] == "768" and route(second)["reason"] == "kv: prefix"
+
+
 def test_a_server_advertises_its_engine_url_flag(fleet: Fleet, tmp_path: Any) -> None:
     silent = f"http://127.0.0.1:{free_port()}"
     node = start_server_process(

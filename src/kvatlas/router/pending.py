@@ -7,6 +7,10 @@ same prefix (a chat's next turn, another question about the same document) has t
 placed. Counting the prefix as the chosen engine's for ``ttl_s`` lets that request
 follow it (Dynamo's and SGLang's routers do the same with their own trees). Only the
 engine that will hold the prefix benefits: a prefix in flight cannot be read by P2P yet.
+The router notes a prompt when it sends it, not when the engine answers: a request that
+arrives while the first is still queued or prefilling is the one that would otherwise
+compute the prefix a second time (a non-streamed answer's status line comes only with
+its last token); an attempt that fails is forgotten.
 
 Prefixes are keyed by the hash of their little-endian uint32 bytes (per process; a
 collision costs one misplaced request, never wrong KV: the engine's own lookup decides
@@ -44,6 +48,14 @@ class PendingPrefixes:
             engines[engine] = expiry
         while len(self._index) > self.max_prefixes:
             self._index.popitem(last=False)
+
+    def forget(self, blob: bytes, engine: str) -> None:
+        """``engine`` did not take ``blob`` after all (the attempt failed before its first
+        byte): its claims on the prompt's prefixes go; other engines' stay."""
+        for key in self._keys(blob):
+            engines = self._index.get(key)
+            if engines is not None and engines.pop(engine, None) is not None and not engines:
+                del self._index[key]
 
     def leading(self, blob: bytes, now: float) -> dict[str, int]:
         """Per engine, the leading tokens of ``blob`` it was sent within ``ttl_s``."""

@@ -414,13 +414,17 @@ class RouterService:
             if e is None or not e.available(self._clock()):
                 continue
             attempts.append(e.url)
+            if plan.blob:
+                # before the engine answers: the next request for this prefix may arrive
+                # while this one still queues or prefills (see ``PendingPrefixes``)
+                self.pending.note(plan.blob, e.url, self._clock())
             resp = await self._attempt(
                 e, choice, method=request.method, endpoint=endpoint, body=body, headers=headers
             )
             if resp is None:
+                if plan.blob:
+                    self.pending.forget(plan.blob, e.url)
                 continue
-            if plan.blob:
-                self.pending.note(plan.blob, e.url, self._clock())
             return self._relay(
                 e, choice, plan, resp, endpoint=endpoint, rid=rid, attempt=len(attempts)
             )
