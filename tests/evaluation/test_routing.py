@@ -7,7 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvatlas.evaluation.routing import Request, RoutingConfig, one_cache_limit, targets, workload
+from kvatlas.evaluation.routing import (
+    Request,
+    RoutingConfig,
+    one_cache_hits,
+    one_cache_limit,
+    short_of_limit,
+    targets,
+    workload,
+)
 from kvatlas.evaluation.routing_report import write_routing
 
 
@@ -32,6 +40,30 @@ def test_the_one_cache_limit_serves_leading_chunks_under_lru() -> None:
     assert one_cache_limit(reqs, 1, 4) == 0.0
 
 
+def test_the_shortfall_traces_each_miss_to_a_prefix_in_flight_or_not_found() -> None:
+    x, y = [1] * 4, [2] * 4
+    reqs = [Request("doc", x + y), Request("doc", x + y + [5]), Request("doc", x + y + [6])]
+    hits = one_cache_hits(reqs, 8, 4)
+    assert hits == [0, 8, 8]
+
+    def rec(cached: int, ttft_ms: float) -> dict[str, Any]:
+        return {"ok": True, "cached": cached, "ttft_ms": ttft_ms}
+
+    # at 1 request/s: the first reaches its first token at 1.5 s, after the second was
+    # sent (1 s: in flight) and before the third (2 s: computed, not found)
+    done = [rec(0, 1500), rec(0, 900), rec(4, 100)]
+    assert short_of_limit(reqs, hits, done, 1.0, 4) == {
+        "requests": 2, "in_flight": 8, "not_found": 4,
+    }  # fmt: skip
+    # the third's missing chunk (x+y) was ready from the second too (1 s + 0.9 s)
+    everything = [rec(0, 1500), rec(8, 900), rec(8, 100)]
+    assert short_of_limit(reqs, hits, everything, 1.0, 4)["requests"] == 0
+    failed = [rec(0, 1500), {"ok": False, "error": "x"}, rec(0, 100)]
+    assert short_of_limit(reqs, hits, failed, 1.0, 4) == {
+        "requests": 1, "in_flight": 0, "not_found": 8,
+    }  # fmt: skip
+
+
 def _run(mean: float, hot_p99: float, share: float, imbalance: float) -> dict[str, Any]:
     return {
         "ttft_ms": {"mean": mean, "p50": mean, "p99": mean * 2},
@@ -47,6 +79,7 @@ def _run(mean: float, hot_p99: float, share: float, imbalance: float) -> dict[st
         "failed": 0,
         "ttft_ms_mean_by_kind": {"chat": mean / 2, "doc": mean, "unique": mean * 2},
         "queue_ms": {"mean": mean / 4, "p99": mean},
+        "short_of_limit": {"requests": 2, "in_flight": 512, "not_found": 256},
     }
 
 
@@ -96,3 +129,4 @@ def test_targets_and_report(tmp_path: Path) -> None:
     assert "| kv-p2p | 250 ms |" in md and "skipped: ProcessError: boom" in md
     assert "| kv_p2p_ttft_mean_le_third_of_rr_off | 0.278 | <= 0.333 | yes |" in md
     assert "| kv-p2p | 125 ms | 250 ms | 500 ms | 62 ms | 250 ms |" in md  # by kind, queued
+    assert "| kv-p2p | 2 | 768 | 512 | 256 |" in md  # short of the limit

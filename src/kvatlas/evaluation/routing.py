@@ -11,7 +11,9 @@ share, tokens recomputed, per-engine requests and busy time (the router's ``/sta
 failed requests and the router's added latency, TTFT by request kind, the time requests
 queued in their engine and every request's record; beside them the limit: the share one
 logical cache of the fleet's total capacity would serve on the same sequence (an LRU of
-full chunks, replayed offline). Must not: print (progress goes through ``say``).
+full chunks, replayed offline), and per run the tokens it fell short of that limit by,
+each traced to a prefix still in flight or one computed but not found. Must not: print
+(progress goes through ``say``).
 """
 
 from __future__ import annotations
@@ -115,14 +117,14 @@ def workload(cfg: RoutingConfig) -> list[Request]:
     return out
 
 
-def one_cache_limit(requests: Sequence[Request], capacity_chunks: int, chunk: int) -> float:
-    """The cached-token share one LRU cache of ``capacity_chunks`` full chunks would reach
+def one_cache_hits(requests: Sequence[Request], capacity_chunks: int, chunk: int) -> list[int]:
+    """Per request, the tokens one LRU cache of ``capacity_chunks`` full chunks serves
     on ``requests`` in order (a request is served its leading chunks that are cached)."""
     lru: OrderedDict[tuple[int, ...], None] = OrderedDict()
-    hit = total = 0
+    hits: list[int] = []
     for r in requests:
-        total += len(r.tokens)
         keys = [tuple(r.tokens[: (k + 1) * chunk]) for k in range(len(r.tokens) // chunk)]
+        hit = 0
         leading = True
         for key in keys:
             if leading and key in lru:
@@ -133,7 +135,48 @@ def one_cache_limit(requests: Sequence[Request], capacity_chunks: int, chunk: in
             lru.move_to_end(key)
             while len(lru) > capacity_chunks:
                 lru.popitem(last=False)
-    return hit / total if total else 0.0
+        hits.append(hit)
+    return hits
+
+
+def one_cache_limit(requests: Sequence[Request], capacity_chunks: int, chunk: int) -> float:
+    """The cached-token share of ``one_cache_hits``: the limit a fleet of that capacity
+    is measured against."""
+    total = sum(len(r.tokens) for r in requests)
+    return sum(one_cache_hits(requests, capacity_chunks, chunk)) / total if total else 0.0
+
+
+def short_of_limit(
+    requests: Sequence[Request],
+    hits: Sequence[int],
+    done: Sequence[dict[str, Any]],
+    rate_per_s: float,
+    chunk: int,
+) -> dict[str, int]:
+    """Tokens the limit serves that a run recomputed, by why. For each request that
+    found fewer than ``hits``, its first missing chunk is traced to the earlier requests
+    that carried it: ``in_flight`` when none of them had reached its first token by the
+    time this one was sent (the prefix was still queued or prefilling somewhere, so no
+    cache held it yet and P2P had nothing to read); ``not_found`` when one had (the
+    prefix was computed but this request's engine did not get it: on another node
+    without P2P, evicted, or a lookup that failed)."""
+    out = {"requests": 0, "in_flight": 0, "not_found": 0}
+    for i, (req, hit, d) in enumerate(zip(requests, hits, done, strict=True)):
+        got = int(d.get("cached", 0)) if d.get("ok") else 0
+        if not d.get("ok") or got >= hit:
+            continue
+        end = (got // chunk + 1) * chunk
+        first = req.tokens[:end]
+        sent = i / rate_per_s
+        ready = [
+            j / rate_per_s + float(done[j]["ttft_ms"]) / 1000
+            for j in range(i)
+            if done[j].get("ok") and requests[j].tokens[:end] == first
+        ]
+        why = "not_found" if any(t <= sent for t in ready) else "in_flight"
+        out["requests"] += 1
+        out[why] += hit - got
+    return out
 
 
 def _route(header: str) -> dict[str, str]:
@@ -264,7 +307,9 @@ def run_routing_phase(fcfg: FleetConfig, cfg: RoutingConfig, say: Say) -> dict[s
     requests = workload(cfg)
     chunk = fcfg.chunk_size
     per_server = int(cfg.l1_size_mb * (1 << 20)) // SMOLLM2_CHUNK_BYTES
-    limit = one_cache_limit(requests, per_server * cfg.engines, chunk)
+    hits = one_cache_hits(requests, per_server * cfg.engines, chunk)
+    total = sum(len(r.tokens) for r in requests)
+    limit = sum(hits) / total if total else 0.0
     kinds = {k: sum(r.kind == k for r in requests) for k in ("doc", "chat", "unique")}
     say(
         f"routing phase: {cfg.engines} engines ({MODEL}), {len(requests)} requests at"
@@ -275,7 +320,11 @@ def run_routing_phase(fcfg: FleetConfig, cfg: RoutingConfig, say: Say) -> dict[s
     for label, policy, p2p in RUNS:
         try:
             fleet_cfg = replace(base, p2p=p2p)
-            runs[label] = _run(fleet_cfg, cfg, requests, policy=policy, label=label, say=say)
+            run = _run(fleet_cfg, cfg, requests, policy=policy, label=label, say=say)
+            run["short_of_limit"] = short_of_limit(
+                requests, hits, run["per_request"], cfg.rate_per_s, chunk
+            )
+            runs[label] = run
         except (httpx.HTTPError, OSError, ProcessError) as exc:
             say(f"  [{label}] failed: {type(exc).__name__}: {exc}")
             runs[label] = {"skipped": f"{type(exc).__name__}: {str(exc)[:500]}"}

@@ -138,6 +138,22 @@ def markdown(result: Mapping[str, Any], plots: list[str]) -> str:
             f"| {label} | {k.get('chat', 0):.0f} ms | {k.get('doc', 0):.0f} ms |"
             f" {k.get('unique', 0):.0f} ms | {q['mean']:.0f} ms | {q['p99']:.0f} ms |"
         )
+    short = {k: r["short_of_limit"] for k, r in rt["runs"].items() if "short_of_limit" in r}
+    if short:
+        lines += [
+            "",
+            "Short of the limit: prompt tokens the one logical cache serves that a run"
+            " recomputed, by why (each request's first missing chunk traced to the earlier"
+            " requests that carried it):",
+            "",
+            "| run | requests | tokens | prefix still in flight | computed before, not found |",
+            "|---|---|---|---|---|",
+        ]
+        for label, v in short.items():
+            lines.append(
+                f"| {label} | {v['requests']} | {v['in_flight'] + v['not_found']} |"
+                f" {v['in_flight']} | {v['not_found']} |"
+            )
     lines += ["", "## Targets", "", "| target | measured | goal | met |", "|---|---|---|---|"]
     tg = rt["targets"]
     if tg.get("evaluated"):
@@ -160,6 +176,12 @@ def markdown(result: Mapping[str, Any], plots: list[str]) -> str:
         " requests (the reference engine runs one request at a time).",
         "- Cached share: prompt tokens the engines loaded from a cache (their node's L1, or"
         " a peer's through P2P) over all prompt tokens; recomputed: tokens prefilled.",
+        "- Short of the limit, prefix still in flight: the request was sent before any"
+        " earlier request carrying its prefix had reached its first token, so no cache"
+        " held the prefix yet and P2P had nothing to read; only waiting for the engine"
+        " computing it (the router's note of prefixes it has sent) avoids the recompute."
+        " Computed before, not found: the prefix existed somewhere (on another node"
+        " without P2P, evicted, or missed by a failed lookup).",
         "- Busy: seconds an engine had at least one of the router's requests in flight (the"
         " router's `/status`); max/mean over the engines is the load imbalance.",
         "- Router p50/p99: the router's added latency per request (tokenize on an engine's"
