@@ -102,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between probes of each engine's /metrics",
     )  # fmt: skip
     ap.add_argument(
+        "--probe-timeout", type=float, default=d.probe_timeout_s,
+        help="seconds a probe waits for an engine's /metrics; an engine that does not answer"
+        " in time is out, and the requests waiting on it are retried elsewhere",
+    )  # fmt: skip
+    ap.add_argument(
         "--lookup-timeout", type=float, default=d.lookup_timeout_s,
         help="deadline of the per-request tokenize and lookup (past it: route by load)",
     )  # fmt: skip
@@ -166,6 +171,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         auth_token=read_token(args, os.environ) or None,
         refresh_interval_s=args.refresh_interval,
         health_interval_s=args.health_interval,
+        probe_timeout_s=args.probe_timeout,
         lookup_timeout_s=args.lookup_timeout,
         coordinator_backoff_s=args.coordinator_backoff,
         connect_timeout_s=args.engine_connect_timeout,

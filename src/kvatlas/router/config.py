@@ -52,6 +52,12 @@ class RouterConfig:
     """Seconds between listings of the coordinator's instances (``--refresh-interval``)."""
     health_interval_s: float = 1.0
     """Seconds between probes of each engine's ``/metrics`` (``--health-interval``)."""
+    probe_timeout_s: float = 2.0
+    """Seconds a probe waits for an engine's ``/metrics`` (``--probe-timeout``). An engine
+    that does not answer in time (frozen, or its process stopped) is out: the requests
+    waiting for its first byte are retried on their next choice, and its streams end with
+    an error, at most ``health_interval_s + probe_timeout_s`` after it stopped answering.
+    A busy engine must answer its probes well within it."""
     lookup_timeout_s: float = 0.25
     """Deadline of the per-request tokenize and lookup (``--lookup-timeout``); past it
     the request is routed by load."""
@@ -110,6 +116,7 @@ class RouterConfig:
         for flag, secs in (
             ("--refresh-interval", self.refresh_interval_s),
             ("--health-interval", self.health_interval_s),
+            ("--probe-timeout", self.probe_timeout_s),
             ("--lookup-timeout", self.lookup_timeout_s),
             ("--coordinator-backoff", self.coordinator_backoff_s),
             ("--engine-connect-timeout", self.connect_timeout_s),

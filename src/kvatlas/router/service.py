@@ -18,7 +18,11 @@ Owns, for ``kvatlas router``:
   the engine down at once); failures in a row open the engine's breaker; a failed
   tokenize or lookup routes this request, and the coordinator's next
   ``coordinator_backoff_s``, by load (``least-loaded``) instead of failing; an answer
-  broken off after its first byte ends a stream with an error event;
+  broken off after its first byte ends a stream with an error event. An engine that
+  stops answering its probe (frozen: its sockets stay open, nothing comes) ends, through
+  ``tripwires``, every await on it: requests waiting for its first byte are retried on
+  their next choice (also when its breaker opens), its streams end with the error
+  event; the load accounting of a relay ends exactly once however it ends;
 - the loops: the coordinator's listing every ``refresh_interval_s`` (each cache server
   advertises its engines' URLs as ``engine_urls``), and a probe of every engine's
   ``/metrics`` every ``health_interval_s`` (health, its count of running requests, and
@@ -38,7 +42,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Final, Protocol
@@ -48,6 +52,7 @@ import msgspec
 import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from kvatlas.core.errors import InvalidInput, ServiceError
 from kvatlas.router.config import RouterConfig
@@ -55,6 +60,7 @@ from kvatlas.router.engines import EngineState, EngineTable
 from kvatlas.router.metrics import RouterMetrics
 from kvatlas.router.pending import PendingPrefixes
 from kvatlas.router.policy import KV_POLICIES, Candidate, Choice, Chooser, Decision, Policy
+from kvatlas.router.tripwires import Kind, Tripped, Tripwires
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.wire.fleet_view import ENGINE_URLS_KEY
 from kvatlas.wire.http_api import LookupRequest
@@ -163,6 +169,7 @@ class RouterService:
         self.chooser = Chooser(config.policy, config.weights, random.Random(config.seed))
         self.pending = PendingPrefixes(config.chunk_size, config.pending_ttl_s)
         self.metrics = RouterMetrics(self.table, config.weights.p2p)
+        self.wires = Tripwires()
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._coordinator_down_until = 0.0
         self._tokenize_turn = 0
@@ -236,6 +243,7 @@ class RouterService:
             )
         for url in dropped:
             log.info("router: engine %s left the listing", url)
+            self.wires.forget(url)
             client = self._clients.pop(url, None)
             if client is not None:
                 await client.aclose()
@@ -246,18 +254,29 @@ class RouterService:
         await asyncio.gather(*(self.probe(e) for e in list(self.table.engines.values())))
 
     async def probe(self, e: EngineState) -> None:
-        """``GET /metrics``: a 200 is healthy; its count of running requests is load."""
+        """``GET /metrics``: a 200 is healthy; its count of running requests is load. No
+        answer in ``probe_timeout_s`` (cause ``frozen``) or a refused connection (``down``)
+        also ends every await on the engine (``_fail_over``)."""
         was = e.available(self._clock())
+        cause = ""
+        timeout = self.config.probe_timeout_s
         try:
-            resp = await self._client(e.url).get(
-                "/metrics", timeout=min(2.0, self.config.health_interval_s * 2)
-            )
+            resp = await self._client(e.url).get("/metrics", timeout=timeout)
             ok, reason = resp.status_code == 200, f"/metrics answered {resp.status_code}"
             samples = _samples(resp.text) if ok else {}
+        except httpx.TimeoutException:
+            ok, samples, cause = False, {}, "frozen"
+            reason = f"/metrics failed: no answer in {timeout:g} s (frozen?)"
         except httpx.HTTPError as exc:
+            # nothing listens: down. A connection broken otherwise (a keep-alive one the
+            # engine closed as it was reused) takes it out until the next probe, but is
+            # no proof that its requests are lost
             ok, reason, samples = False, f"/metrics failed: {exc!r}", {}
+            cause = "down" if isinstance(exc, httpx.ConnectError) else ""
         running = next((int(samples[m]) for m in _RUNNING_METRICS if m in samples), 0)
         e.probed(ok, running, reason, self._clock())
+        if cause:
+            self._fail_over(e, cause, streams=True)
         for meter, (tokens, seconds) in ((e.prefill, _PREFILL_METRICS), (e.p2p, _P2P_METRICS)):
             if tokens in samples and seconds in samples:
                 meter.sample(samples[tokens], samples[seconds])
@@ -267,6 +286,18 @@ class RouterService:
                 log.info("router: engine %s (instance %s) is available", e.url, e.instance_id)
             else:
                 log.warning("router: engine %s is unavailable: %s", e.url, e.last_error)
+
+    def _fail_over(self, e: EngineState, cause: str, *, streams: bool) -> None:
+        """End the awaits on ``e`` (it is out already): those for a first byte are retried
+        elsewhere by their requests, and with ``streams`` its streams end with an error."""
+        kinds: tuple[Kind, ...] = ("first_byte", "stream") if streams else ("first_byte",)
+        n = self.wires.trip(e.url, cause, kinds)
+        if n:
+            log.warning(
+                "router: engine %s is out (%s): ending %d request(s) waiting on it or"
+                " streaming from it",
+                e.url, cause, n,
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ routing
 
@@ -455,13 +486,25 @@ class RouterService:
         headers: dict[str, str],
     ) -> httpx.Response | None:
         """Send to one engine; its answer once the status line is in, or None after a
-        failure before the first byte (counted against the engine)."""
+        failure before the first byte (counted against the engine; one that ended because
+        the engine is out, ``Tripped``, is not: the fault is counted once, by whoever
+        found it)."""
         client = self._client(e.url)
         e.begin(choice.prefill_tokens, self._clock())
         cause = ""
         try:
             req = client.build_request(method, endpoint, content=body, headers=headers)
-            resp = await client.send(req, stream=True)
+            async with self.wires.arm(e.url, "first_byte"):
+                resp = await client.send(req, stream=True)
+        except Tripped as exc:
+            e.end(choice.prefill_tokens, self._clock())
+            self.metrics.retries.labels(e.url, exc.cause).inc()
+            log.warning(
+                "router: engine %s is out (%s) before its first byte: the request goes to"
+                " its next choice",
+                e.url, exc.cause,
+            )  # fmt: skip
+            return None
         except httpx.ConnectError as exc:
             cause, detail = "refused", repr(exc)
             e.healthy = False  # nothing listens: down until a probe says otherwise
@@ -469,6 +512,9 @@ class RouterService:
             cause, detail = "timeout", repr(exc)
         except httpx.HTTPError as exc:
             cause, detail = "broken", repr(exc)
+        except BaseException:  # cancelled (the router stops): the accounting stays right
+            e.end(choice.prefill_tokens, self._clock())
+            raise
         else:
             if resp.status_code < 500:
                 e.succeeded()
@@ -482,6 +528,7 @@ class RouterService:
         ):
             self.metrics.breaker_opens.labels(e.url).inc()
             log.warning("router: breaker of engine %s opened after %d failures", e.url, e.failures)
+            self._fail_over(e, "breaker", streams=False)
         log.warning("router: engine %s failed before its first byte (%s): %s", e.url, cause, detail)
         return None
 
@@ -518,20 +565,51 @@ class RouterService:
         headers[ROUTE_HEADER] = route
         headers.setdefault(REQUEST_ID_HEADER, rid)
         stream = "text/event-stream" in resp.headers.get("content-type", "")
-        return StreamingResponse(
-            self._pieces(e, choice, resp, stream, rid),
+        ended = False
+
+        async def end() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                e.end(choice.prefill_tokens, self._clock())
+                await resp.aclose()
+
+        return _Relayed(
+            self._pieces(e, resp, stream, rid, end),
+            end,
             status_code=resp.status_code,
             headers=headers,
         )
 
     async def _pieces(
-        self, e: EngineState, choice: Choice, resp: httpx.Response, stream: bool, rid: str
+        self,
+        e: EngineState,
+        resp: httpx.Response,
+        stream: bool,
+        rid: str,
+        end: Callable[[], Awaitable[None]],
     ) -> AsyncIterator[bytes]:
+        pieces = resp.aiter_raw()
         try:
-            async for piece in resp.aiter_raw():
+            while True:
+                # armed around the await only: a trip never lands on the client's send
+                async with self.wires.arm(e.url, "stream"):
+                    try:
+                        piece = await anext(pieces)
+                    except StopAsyncIteration:
+                        break
                 yield piece
+        except Tripped as exc:
+            self.metrics.stream_failures.labels(e.url, exc.cause).inc()
+            log.warning(
+                "router: request %s: engine %s is out (%s) mid-answer", rid, e.url, exc.cause
+            )
+            if not stream:
+                raise  # the client sees the connection close before the promised length
+            message = f"the engine {e.url} stopped answering ({exc.cause}); this answer is cut"
+            yield b"data: " + _error_body(message, "upstream_error") + b"\n\n"
         except httpx.HTTPError as exc:
-            self.metrics.stream_failures.labels(e.url).inc()
+            self.metrics.stream_failures.labels(e.url, "broken").inc()
             e.failed(repr(exc), self._clock(), self.config.breaker_failures, 0.0)
             log.warning("router: request %s: engine %s broke off its answer: %r", rid, e.url, exc)
             if not stream:
@@ -539,12 +617,34 @@ class RouterService:
             message = f"the engine {e.url} broke off this answer: {exc!r}"
             yield b"data: " + _error_body(message, "upstream_error") + b"\n\n"
         finally:
-            await resp.aclose()
-            e.end(choice.prefill_tokens, self._clock())
+            await end()
 
     def _refuse(self, endpoint: str, code: int, message: str, kind: str) -> Response:
         self.metrics.requests.labels(endpoint, str(code)).inc()
         return Response(_error_body(message, kind), status_code=code, media_type=_JSON)
+
+
+class _Relayed(StreamingResponse):
+    """An engine's answer on its way to the client; ``end`` (idempotent) closes it and
+    ends its accounting however the relay ends, also when the client left before the
+    body began (the pieces' generator then never runs, nor its ``finally``)."""
+
+    def __init__(
+        self,
+        pieces: AsyncIterator[bytes],
+        end: Callable[[], Awaitable[None]],
+        *,
+        status_code: int,
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(pieces, status_code=status_code, headers=headers)
+        self._end = end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._end()
 
 
 def _prompt_ids(body: bytes) -> list[int] | None:
