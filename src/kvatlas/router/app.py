@@ -13,6 +13,7 @@ Must not: parse flags (``kvatlas.cli.router``), or decide routes (``service``).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import signal
 import threading
@@ -224,6 +225,12 @@ class RouterApp:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+        # The process is ours: move what startup built (the modules, and with
+        # --tokenizer transformers and torch, some million objects) out of the
+        # collector's sight, or each full collection walks them all inside some
+        # request's routing time (kvatlas_router_gc_pause_seconds says how long).
+        gc.collect()
+        gc.freeze()
         try:
             self.start()
             while not self._stop.wait(0.5):

@@ -10,10 +10,11 @@ from collections.abc import Iterator
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvatlas.router.engines import EngineTable
+from kvatlas.runtime.gc_pauses import GENERATIONS, GcPauses
 
 _OVERHEAD_BUCKETS: Final = (
     0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0,
@@ -73,10 +74,33 @@ class _EngineGauges(Collector):
         yield from fams.values()
 
 
+class _GcCollector(Collector):
+    """The process's garbage-collection pauses, read at scrape time."""
+
+    def __init__(self, pauses: GcPauses) -> None:
+        self._pauses = pauses
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        p = self._pauses
+        runs = CounterMetricFamily(
+            "kvatlas_router_gc_collections", "Garbage collections in the router's process,"
+            " by generation", labels=["generation"],
+        )  # fmt: skip
+        paused = CounterMetricFamily(
+            "kvatlas_router_gc_pause_seconds", "Seconds the router's process spent in the"
+            " garbage collector, by generation", labels=["generation"],
+        )  # fmt: skip
+        for g in range(GENERATIONS):
+            runs.add_metric([str(g)], p.collections[g])
+            paused.add_metric([str(g)], p.seconds[g])
+        yield runs
+        yield paused
+
+
 class RouterMetrics:
     """Counters and histograms of routing decisions, attempts and overhead."""
 
-    def __init__(self, table: EngineTable, default_p2p_weight: float) -> None:
+    def __init__(self, table: EngineTable, default_p2p_weight: float, gc: GcPauses) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         ns = "kvatlas_router"
@@ -125,11 +149,31 @@ class RouterMetrics:
             f"{ns}_lookup_seconds", "The coordinator's prefix lookup as the router waits for it",
             buckets=_OVERHEAD_BUCKETS, registry=r,
         )  # fmt: skip
+        self.lookup_server = Histogram(
+            f"{ns}_lookup_server_seconds", "The coordinator's own time for those lookups (its"
+            " Server-Timing); the rest of the lookup's time is the network and the router",
+            buckets=_OVERHEAD_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.hash = Histogram(
+            f"{ns}_hash_seconds", "The prompt's tokens as uint32 and its full-chunk prefixes"
+            " in flight (the prefixes just sent to engines), per tokenized request",
+            buckets=_OVERHEAD_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.pick = Histogram(
+            f"{ns}_pick_seconds", "Scoring and ranking the engines, per routed request",
+            buckets=_OVERHEAD_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.plan_gc = Histogram(
+            f"{ns}_overhead_gc_seconds", "The garbage collector's pauses inside a request's"
+            " tokenize + lookup + pick (in any thread of the router)",
+            buckets=(0.0, *_OVERHEAD_BUCKETS), registry=r,
+        )  # fmt: skip
         self.auth_refusals = Counter(
             f"{ns}_auth_refusals", "Requests refused with 401 for want of the fleet's token,"
             " by reason (missing, wrong)", ["reason"], registry=r,
         )  # fmt: skip
         r.register(_EngineGauges(table, default_p2p_weight))
+        r.register(_GcCollector(gc))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

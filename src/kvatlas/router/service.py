@@ -8,7 +8,9 @@ Owns, for ``kvatlas router``:
   given the client's body as it is, so the engine applies its own chat template and
   tokenizer), one coordinator
   lookup that answers every instance's cached prefix of those tokens (the coordinator
-  hashes them with the fleet's contract), the prefixes it sent to engines moments ago
+  hashes them with the fleet's contract; asked from this loop through ``AsyncLookups``:
+  the tokens' uint32 bytes as msgpack on a keep-alive connection), the prefixes it sent
+  to engines moments ago
   that the coordinator cannot know yet (``pending``), the choice (``policy.Chooser``),
   and the
   proxying: the client's body and headers (``Authorization`` and the request id
@@ -30,9 +32,11 @@ Owns, for ``kvatlas router``:
   price a peer-held token for ``kv-p2p``).
 
 The decision goes out in the ``X-Kvatlas-Route`` header, to the debug log and to the
-metrics. Must not: parse or rewrite what an engine answers (beyond the error event of a
-broken stream), read configuration, or block the loop (coordinator calls go through
-``CoordinatorClient`` on worker threads).
+metrics, and each step of the routing (tokenize, hash, lookup and the coordinator's own
+part of it, pick, and the collector's pauses inside) to its histogram. Must not: parse
+or rewrite what an engine answers (beyond the error event of a broken stream), read
+configuration, or block the loop (the listing goes through ``CoordinatorClient`` on a
+worker thread, the lookup through its ``AsyncLookups`` on the loop).
 """
 
 from __future__ import annotations
@@ -62,8 +66,8 @@ from kvatlas.router.pending import PendingPrefixes
 from kvatlas.router.policy import KV_POLICIES, Candidate, Choice, Chooser, Decision, Policy
 from kvatlas.router.tripwires import Kind, Tripped, Tripwires
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
+from kvatlas.runtime.gc_pauses import GcPauses
 from kvatlas.wire.fleet_view import ENGINE_URLS_KEY
-from kvatlas.wire.http_api import LookupRequest
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +133,11 @@ class LocalTokenizer(Protocol):
         ...
 
 
+def _uint32(ids: list[int]) -> bytes:
+    """Token ids as the little-endian uint32 bytes the router keys and looks up by."""
+    return np.asarray(ids, dtype="<u4").tobytes()
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """One request's routing: the ranking, its reason, and where the time went."""
@@ -154,6 +163,7 @@ class RouterService:
     ) -> None:
         self.config = config
         self._coordinator = coordinator
+        self._lookups = coordinator.async_lookups() if coordinator is not None else None
         self.tokenizer = tokenizer
         # one thread: a tokenizer must not be used from two threads at once, and the
         # event loop must not wait on one
@@ -168,7 +178,8 @@ class RouterService:
             self.table.add_static(e.url, e.instance_id)
         self.chooser = Chooser(config.policy, config.weights, random.Random(config.seed))
         self.pending = PendingPrefixes(config.chunk_size, config.pending_ttl_s)
-        self.metrics = RouterMetrics(self.table, config.weights.p2p)
+        self.gc = GcPauses()
+        self.metrics = RouterMetrics(self.table, config.weights.p2p, self.gc)
         self.wires = Tripwires()
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._coordinator_down_until = 0.0
@@ -181,6 +192,7 @@ class RouterService:
 
     async def start(self) -> None:
         """One listing and one round of probes, then the loops."""
+        self.gc.install()
         await self.refresh()
         await self.probe_all()
         self._tasks = [
@@ -196,6 +208,9 @@ class RouterService:
         for c in self._clients.values():
             await c.aclose()
         self._clients.clear()
+        if self._lookups is not None:
+            await self._lookups.aclose()
+        self.gc.remove()
         if self._tokenize_pool is not None:
             self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -304,6 +319,7 @@ class RouterService:
     async def plan(self, body: bytes, endpoint: str = "/v1/chat/completions") -> Plan:
         """Tokenize, look up and rank; ServiceError when no engine is available."""
         t0 = time.perf_counter()
+        gc0 = self.gc.total
         engines = self.table.available(self._clock())
         if not engines:
             raise ServiceError("no engine is available")
@@ -312,26 +328,29 @@ class RouterService:
         fleet = 0
         local: dict[str, int] = {}
         pending: dict[str, int] = {}
-        blob = b""
+        blob: bytes | None = None
         if policy in KV_POLICIES:
-            ids = _prompt_ids(body) if endpoint == "/v1/completions" else None
-            if ids is None:
-                ids = await self._tokenize(engines, body)
-            if ids is not None:
-                blob = np.asarray(ids, dtype="<u4").tobytes()
+            t_hash = time.perf_counter()
+            blob = _prompt_blob(body) if endpoint == "/v1/completions" else None
+            if blob is None:
+                blob = await self._tokenize(engines, body)
+                t_hash = time.perf_counter()
+            if blob is not None:
                 pending = self.pending.leading(blob, self._clock())
-            holders = None if ids is None else await self._lookup(blob)
+                self.metrics.hash.observe(time.perf_counter() - t_hash)
+            holders = None if blob is None else await self._lookup(blob)
             if holders is None:
                 policy = "least-loaded"
             else:
-                assert ids is not None
-                prompt = len(ids)
+                assert blob is not None
+                prompt = len(blob) // 4
                 for instance, tokens in holders:
                     local[instance] = max(local.get(instance, 0), tokens)
                     fleet = max(fleet, tokens)
                 self.metrics.prompt_tokens.inc(prompt)
         if not prompt:
             prompt = len(body) // _BYTES_PER_TOKEN_GUESS
+        t_pick = time.perf_counter()
         candidates = [
             Candidate(
                 e.url,
@@ -345,31 +364,33 @@ class RouterService:
         decision = self.chooser.rank(candidates, prompt, fleet, policy=policy)
         if policy != self.config.policy:
             decision = Decision(decision.ranked, f"{policy}: lookup unavailable")
-        return Plan(decision, policy, prompt, time.perf_counter() - t0, blob)
+        end = time.perf_counter()
+        self.metrics.pick.observe(end - t_pick)
+        self.metrics.plan_gc.observe(self.gc.total - gc0)
+        return Plan(decision, policy, prompt, end - t0, blob or b"")
 
-    async def _tokenize(self, engines: list[EngineState], body: bytes) -> list[int] | None:
-        """The prompt's ids, here (``--tokenizer``) or from an engine's ``/tokenize``; None
-        when that fails (the request is then routed by load, and its engine answers the
-        error)."""
+    async def _tokenize(self, engines: list[EngineState], body: bytes) -> bytes | None:
+        """The prompt's ids as uint32 bytes, here (``--tokenizer``, on the tokenizer's
+        thread, which also packs them) or from an engine's ``/tokenize``; None when that
+        fails (the request is then routed by load, and its engine answers the error)."""
         if self._tokenize_pool is None:
             return await self._tokenize_on_engine(engines, body)
-        assert self.tokenizer is not None
+        tokenizer = self.tokenizer
+        assert tokenizer is not None
         t0 = time.perf_counter()
         work = asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, self.tokenizer.ids, body
+            self._tokenize_pool, lambda: _uint32(tokenizer.ids(body))
         )
         try:
             ids = await asyncio.wait_for(work, self.config.lookup_timeout_s)
-        except (InvalidInput, TimeoutError) as exc:
+        except (InvalidInput, TimeoutError, OverflowError) as exc:
             log.debug("router: cannot tokenize the prompt here: %r", exc)
             self.metrics.degraded.labels("tokenize").inc()
             return None
         self.metrics.tokenize.observe(time.perf_counter() - t0)
         return ids
 
-    async def _tokenize_on_engine(
-        self, engines: list[EngineState], body: bytes
-    ) -> list[int] | None:
+    async def _tokenize_on_engine(self, engines: list[EngineState], body: bytes) -> bytes | None:
         """The prompt's ids from one engine's ``/tokenize`` (engines in turn)."""
         self._tokenize_turn += 1
         e = engines[self._tokenize_turn % len(engines)]
@@ -384,8 +405,8 @@ class RouterService:
             if resp.status_code != 200:
                 self.metrics.degraded.labels("tokenize").inc()
                 return None
-            ids = _tokenize_answer.decode(resp.content).tokens
-        except (httpx.HTTPError, msgspec.DecodeError) as exc:
+            ids = _uint32(_tokenize_answer.decode(resp.content).tokens)
+        except (httpx.HTTPError, msgspec.DecodeError, OverflowError) as exc:
             log.debug("router: /tokenize on %s failed: %r", e.url, exc)
             self.metrics.degraded.labels("tokenize").inc()
             return None
@@ -396,17 +417,16 @@ class RouterService:
         """(instance, leading tokens held) for every holder of the prompt's prefix; None
         without a coordinator, a model name, or an answer in time."""
         model = self.config.model_name or self.table.model_name()
-        if self._coordinator is None or not model:
+        if self._lookups is None or not model:
             self.metrics.degraded.labels("lookup").inc()
             return None
         if self._clock() < self._coordinator_down_until:
             self.metrics.degraded.labels("lookup").inc()
             return None
-        req = LookupRequest(tokens_b64=blob, model_name=model)
         t0 = time.perf_counter()
         try:
-            answer = await asyncio.to_thread(
-                self._coordinator.lookup, req, timeout_s=self.config.lookup_timeout_s
+            answer = await self._lookups.holders(
+                blob, model, timeout_s=self.config.lookup_timeout_s
             )
         except CoordinatorError as exc:
             self._coordinator_down_until = self._clock() + self.config.coordinator_backoff_s
@@ -418,7 +438,9 @@ class RouterService:
             self.metrics.degraded.labels("lookup").inc()
             return None
         self.metrics.lookup.observe(time.perf_counter() - t0)
-        return [(h.instance_id, h.tokens) for h in answer.prefix_holders]
+        if answer.server_s is not None:
+            self.metrics.lookup_server.observe(answer.server_s)
+        return [(h.instance_id, h.tokens) for h in answer.holders]
 
     # ------------------------------------------------------------------ proxying
 
@@ -647,11 +669,12 @@ class _Relayed(StreamingResponse):
             await self._end()
 
 
-def _prompt_ids(body: bytes) -> list[int] | None:
-    """A completion's prompt when it is token ids (the engine prefills exactly those)."""
+def _prompt_blob(body: bytes) -> bytes | None:
+    """A completion's prompt when it is token ids (the engine prefills exactly those), as
+    uint32 bytes; None for any other body (one with an id outside uint32 too)."""
     try:
-        return _token_ids_prompt.decode(body).prompt
-    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _uint32(_token_ids_prompt.decode(body).prompt)
+    except (msgspec.DecodeError, msgspec.ValidationError, OverflowError):
         return None
 
 
