@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"arrival rate, requests per second (default {d_r.rate_per_s:g})",
     )  # fmt: skip
     routing.add_argument(
+        "--routing-tokenizer", default=d_r.tokenizer, metavar="MODEL|engine",
+        help="the router's --tokenizer (default: the engines' model, tokenized in the"
+        " router); 'engine': the router asks an engine's /tokenize",
+    )  # fmt: skip
+    routing.add_argument(
         "--routing-l1-size-mb", type=float, default=d_r.l1_size_mb,
         help=f"L1 per server in MiB (default {d_r.l1_size_mb:g})",
     )  # fmt: skip
@@ -129,6 +134,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             rate_per_s=args.routing_rate,
             l1_size_mb=args.routing_l1_size_mb,
             seed=args.seed,
+            tokenizer=None if args.routing_tokenizer == "engine" else args.routing_tokenizer,
         )
         if args.routing
         else None,

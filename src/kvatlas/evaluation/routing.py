@@ -77,6 +77,10 @@ class RoutingConfig:
     """L1 per server (MiB); the offline limit's capacity is all servers' together."""
     seed: int = 7
     """Workload seed."""
+    tokenizer: str | None = MODEL
+    """The router's ``--tokenizer`` (the engines' model: prompts are tokenized in the
+    router, so its added latency is its own, not a busy engine's ``/tokenize``); None:
+    the router asks the engines. The workload's token-id prompts need neither."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +246,8 @@ def _run(
     with Fleet(fcfg) as fleet:
         fleet.start(lambda m: say(f"  [{label}] {m}"))
         urls = fleet.start_engines(extra_args=("--num-threads", "1"))
-        router = fleet.start_router(policy, ("--seed", str(cfg.seed)))
+        tokenizer = ("--tokenizer", cfg.tokenizer) if cfg.tokenizer else ()
+        router = fleet.start_router(policy, ("--seed", str(cfg.seed), *tokenizer))
         fleet.wait_router_engines(router, len(urls), 60.0)
         say(f"  [{label}] {len(urls)} engines behind the router; sending {len(requests)}")
         t0 = time.monotonic()
