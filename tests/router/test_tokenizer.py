@@ -11,6 +11,7 @@ counts its tokenize time in its added latency.
 from __future__ import annotations
 
 import json
+import random
 import re
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import pytest
 
 from kvatlas.cli.router import main
 from kvatlas.engine.engine_app import EngineApp
-from kvatlas.engine.model import LoadedModel, load_tokenizer
+from kvatlas.engine.model import HFTokenizer, LoadedModel, load_tokenizer
 from kvatlas.engine.prompts import PromptTokenizer, RustTokenizer, fast_path, load_prompt_tokenizer
 from support.wait import wait_until
 
@@ -151,3 +152,31 @@ def test_cli_names_a_tokenizer_it_cannot_load(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"--tokenizer {missing}" in err and "unknown model" in err
+
+
+def test_a_long_text_cut_into_pieces_has_the_engines_ids() -> None:
+    """RustTokenizer cuts long texts where the ids cannot change, and encodes the pieces
+    at once: the same ids as the engine's tokenizer (through transformers, whole) on
+    texts that mix what the pre-tokenizer treats differently."""
+    hf = load_tokenizer("smollm2-135m")
+    assert isinstance(hf, HFTokenizer)
+    fast = fast_path(hf)
+    assert isinstance(fast, RustTokenizer) and fast.pieces >= 1
+    cut = RustTokenizer(hf, hf.inner.backend_tokenizer, pieces=4)
+    assert cut.pieces == 4
+    rng = random.Random(16)
+    parts = [
+        " ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", "\u00a0", "\u2003", "\u3000", " \n ",
+        "word", "Words", "a", "I", "x1", "123", "4567890", "3.14", "'s", "'re", "'ll", "n't",
+        "don't", "?!", "...", "--", "(", ")", "[x]", "{}", '"', "'", "#", "@", "$5", "_", "é",
+        "Ünïcödé", "日本語", "テキスト", "\U0001f680", "\U0001f469\u200d\U0001f52c", "ﬁ",
+        "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start|>user\n", "\x1c", "\x0b",
+    ]  # fmt: skip
+    for _ in range(24):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(3000, 9000)))
+        assert len(cut._cut(text)) > 1
+        assert cut.encode(text) == hf.encode(text)
+        assert fast.encode(text) == hf.encode(text)
+    # too short to cut, or nowhere to cut: one piece
+    assert cut._cut("short text") == ["short text"]
+    assert cut._cut("日本語" * 5000) == ["日本語" * 5000]

@@ -15,13 +15,22 @@ to do with a bad request (``BadRequest`` says what is wrong; callers answer).
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any, Final
 
 from kvatlas.engine.model import HFTokenizer, Tokenizer, load_tokenizer
 from kvatlas.engine.openai_proto import BadRequest, ChatMessage, TokenizeRequest, decode_tokenize
 
 _WARM_UP: Final = b'{"messages":[{"role":"user","content":"hi"}]}'
+_PIECE_CHARS: Final = 4096
+"""A text is cut into pieces encoded in parallel from about this many characters each."""
+_MAX_PIECES: Final = 4
+_CUT: Final = re.compile(r"(?<=[!-~]) ")
+"""Where a byte-level BPE text may be cut: at a space after a printable ASCII character
+(see ``RustTokenizer``)."""
 
 
 def chat_ids(
@@ -74,21 +83,49 @@ class RustTokenizer:
     call (its ``BatchEncoding``, attention masks), the character offsets it has Rust
     compute, and, through a plain ``encode``, holding the GIL for the whole call, which
     stops the router's event loop. ``encode_batch_fast`` computes no offsets and lets
-    the GIL go while it runs."""
+    the GIL go while it runs.
 
-    def __init__(self, hf: HFTokenizer, backend: Any) -> None:
+    A long text is also cut into pieces that Rust encodes on its threads at once, where
+    the cuts provably change no id: for a byte-level BPE (GPT-2's pre-tokenizer regex,
+    SmolLM2's) with no normalizer, a space after a non-space character always starts a
+    new pre-token (no pattern takes whitespace but as its first character, and nothing
+    looks behind), and every pre-token is merged on its own; when no added token
+    contains a space or strips the whitespace around it, the added tokens split the
+    same way too. Any other tokenizer is encoded in one piece."""
+
+    def __init__(self, hf: HFTokenizer, backend: Any, pieces: int | None = None) -> None:
         self._hf = hf
         self._backend = backend
         # transformers sets this on the backend before each of its calls
         backend.encode_special_tokens = bool(getattr(hf.inner, "split_special_tokens", False))
+        if pieces is None:
+            pieces = min(_MAX_PIECES, len(os.sched_getaffinity(0)))
+        self.pieces = pieces if _cuttable(backend) else 1
+        """Pieces a long text is encoded in (1: whole)."""
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._hf.eos_token_ids
 
     def encode(self, text: str) -> list[int]:
-        ids: list[int] = self._backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
-        return ids
+        encoded = self._backend.encode_batch_fast(self._cut(text), add_special_tokens=False)
+        if len(encoded) == 1:
+            ids: list[int] = encoded[0].ids
+            return ids
+        return [i for e in encoded for i in e.ids]
+
+    def _cut(self, text: str) -> list[str]:
+        n = min(self.pieces, len(text) // _PIECE_CHARS)
+        if n < 2:
+            return [text]
+        cuts = [0]
+        for k in range(1, n):
+            found = _CUT.search(text, max(len(text) * k // n, cuts[-1] + 1))
+            if found is None:
+                break
+            cuts.append(found.start())
+        cuts.append(len(text))
+        return [text[a:b] for a, b in pairwise(cuts)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._hf.decode(ids, skip_special_tokens)
@@ -100,6 +137,22 @@ class RustTokenizer:
             [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=False
         )
         return self.encode(str(text))
+
+
+def _cuttable(backend: Any) -> bool:
+    """Whether ``backend`` encodes a text cut at ``_CUT`` as it encodes it whole (see
+    ``RustTokenizer``)."""
+    pre = backend.pre_tokenizer
+    if backend.normalizer is not None or type(pre).__name__ != "ByteLevel":
+        return False
+    if not getattr(pre, "use_regex", False) or getattr(pre, "add_prefix_space", True):
+        return False
+    for token in backend.get_added_tokens_decoder().values():
+        if token.lstrip or token.rstrip or token.single_word or token.normalized:
+            return False
+        if any(c.isspace() for c in token.content):
+            return False
+    return True
 
 
 def fast_path(tokenizer: Tokenizer) -> Tokenizer:
