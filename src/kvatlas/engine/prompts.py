@@ -99,7 +99,7 @@ class RustTokenizer:
         # transformers sets this on the backend before each of its calls
         backend.encode_special_tokens = bool(getattr(hf.inner, "split_special_tokens", False))
         if pieces is None:
-            pieces = min(_MAX_PIECES, len(os.sched_getaffinity(0)))
+            pieces = min(_MAX_PIECES, _cpus())
         self.pieces = pieces if _cuttable(backend) else 1
         """Pieces a long text is encoded in (1: whole)."""
 
@@ -137,6 +137,13 @@ class RustTokenizer:
             [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=False
         )
         return self.encode(str(text))
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _cuttable(backend: Any) -> bool:
