@@ -152,6 +152,8 @@ def test_cli_names_a_tokenizer_it_cannot_load(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"--tokenizer {missing}" in err and "unknown model" in err
+    assert main([*argv, "--tokenizer-threads", "0"]) == 2
+    assert "--tokenizer-threads must be in [1, 64], got 0" in capsys.readouterr().err
 
 
 def test_a_long_text_cut_into_pieces_has_the_engines_ids() -> None:

@@ -15,7 +15,6 @@ to do with a bad request (``BadRequest`` says what is wrong; callers answer).
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
 from itertools import pairwise
@@ -25,9 +24,8 @@ from kvatlas.engine.model import HFTokenizer, Tokenizer, load_tokenizer
 from kvatlas.engine.openai_proto import BadRequest, ChatMessage, TokenizeRequest, decode_tokenize
 
 _WARM_UP: Final = b'{"messages":[{"role":"user","content":"hi"}]}'
-_PIECE_CHARS: Final = 4096
+_PIECE_CHARS: Final = 2048
 """A text is cut into pieces encoded in parallel from about this many characters each."""
-_MAX_PIECES: Final = 4
 _CUT: Final = re.compile(r"(?<=[!-~]) ")
 """Where a byte-level BPE text may be cut: at a space after a printable ASCII character
 (see ``RustTokenizer``)."""
@@ -85,21 +83,21 @@ class RustTokenizer:
     stops the router's event loop. ``encode_batch_fast`` computes no offsets and lets
     the GIL go while it runs.
 
-    A long text is also cut into pieces that Rust encodes on its threads at once, where
-    the cuts provably change no id: for a byte-level BPE (GPT-2's pre-tokenizer regex,
-    SmolLM2's) with no normalizer, a space after a non-space character always starts a
-    new pre-token (no pattern takes whitespace but as its first character, and nothing
-    looks behind), and every pre-token is merged on its own; when no added token
-    contains a space or strips the whitespace around it, the added tokens split the
-    same way too. Any other tokenizer is encoded in one piece."""
+    With ``pieces`` > 1 a long text is also cut into up to that many pieces that Rust
+    encodes on its threads at once (less wall time on idle cores, more CPU time in all:
+    Rust's threads wait for work spinning), where the cuts provably change no id: for a
+    byte-level BPE (GPT-2's pre-tokenizer regex, SmolLM2's) with no normalizer, a space
+    after a non-space character always starts a new pre-token (no pattern takes
+    whitespace but as its first character, and nothing looks behind), and every
+    pre-token is merged on its own; when no added token contains a space or strips the
+    whitespace around it, the added tokens split the same way too. Any other tokenizer
+    is encoded in one piece."""
 
-    def __init__(self, hf: HFTokenizer, backend: Any, pieces: int | None = None) -> None:
+    def __init__(self, hf: HFTokenizer, backend: Any, pieces: int = 1) -> None:
         self._hf = hf
         self._backend = backend
         # transformers sets this on the backend before each of its calls
         backend.encode_special_tokens = bool(getattr(hf.inner, "split_special_tokens", False))
-        if pieces is None:
-            pieces = min(_MAX_PIECES, _cpus())
         self.pieces = pieces if _cuttable(backend) else 1
         """Pieces a long text is encoded in (1: whole)."""
 
@@ -139,13 +137,6 @@ class RustTokenizer:
         return self.encode(str(text))
 
 
-def _cpus() -> int:
-    """The CPUs this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def _cuttable(backend: Any) -> bool:
     """Whether ``backend`` encodes a text cut at ``_CUT`` as it encodes it whole (see
     ``RustTokenizer``)."""
@@ -162,15 +153,16 @@ def _cuttable(backend: Any) -> bool:
     return True
 
 
-def fast_path(tokenizer: Tokenizer) -> Tokenizer:
+def fast_path(tokenizer: Tokenizer, pieces: int = 1) -> Tokenizer:
     """``tokenizer`` through its Rust tokenizer where it has one (a Hugging Face fast
-    tokenizer whose bindings have ``encode_batch_fast``), else itself."""
+    tokenizer whose bindings have ``encode_batch_fast``; a long text in up to ``pieces``
+    at once), else itself."""
     if not isinstance(tokenizer, HFTokenizer):
         return tokenizer
     backend = getattr(tokenizer.inner, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "encode_batch_fast"):
         return tokenizer
-    return RustTokenizer(tokenizer, backend)
+    return RustTokenizer(tokenizer, backend, pieces)
 
 
 class PromptTokenizer:
@@ -178,8 +170,8 @@ class PromptTokenizer:
     would prefill them. Not thread-safe (a tokenizer must not be used from two threads
     at once): the router calls it from one worker thread."""
 
-    def __init__(self, tokenizer: Tokenizer, source: str) -> None:
-        self._tokenizer = fast_path(tokenizer)
+    def __init__(self, tokenizer: Tokenizer, source: str, pieces: int = 1) -> None:
+        self._tokenizer = fast_path(tokenizer, pieces)
         self.source = source
 
     def ids(self, body: bytes) -> list[int]:
@@ -187,10 +179,10 @@ class PromptTokenizer:
         return tokenize_ids(self._tokenizer, decode_tokenize(body), None)
 
 
-def load_prompt_tokenizer(name_or_path: str) -> PromptTokenizer:
+def load_prompt_tokenizer(name_or_path: str, pieces: int = 1) -> PromptTokenizer:
     """The tokenizer of ``name_or_path`` (an engine's ``--model``), its chat template
-    compiled once here rather than in the first request's time; ModelLoadError names
-    the source."""
-    tokenizer = PromptTokenizer(load_tokenizer(name_or_path), name_or_path)
+    compiled once here rather than in the first request's time (a long text in up to
+    ``pieces`` at once, see ``RustTokenizer``); ModelLoadError names the source."""
+    tokenizer = PromptTokenizer(load_tokenizer(name_or_path), name_or_path, pieces)
     tokenizer.ids(_WARM_UP)
     return tokenizer
