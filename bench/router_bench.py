@@ -11,7 +11,9 @@ tokenizing mode:
 - ``engine``: no ``--tokenizer``, the router asks an engine's ``/tokenize``;
 - ``router-bpe``: ``--tokenizer smollm2-135m``, the cost of a real BPE tokenizer on a
   4k-token prompt (its ids are not the tiny engines' bytes, so its lookups find no
-  holders: the tokenize part is what this mode measures).
+  holders: the tokenize part is what this mode measures);
+- ``router-bpe-threads``: the same with ``--tokenizer-threads 2`` (the prompt in two
+  pieces at once).
 
 Each mode sends the same mix, one request at a time through one keep-alive client:
 ``/v1/completions`` with ``max_tokens=1``, prompts of a few shared prefixes (3/4 of the
@@ -19,6 +21,12 @@ prompt) with unique tails, so the coordinator's lookup finds holders. The router
 figure is read from each response's ``X-Kvatlas-Route`` header (``overhead_ms=``); the
 client-observed total is shown beside it for context. Each prompt's length as the engine
 sees it is checked from the response's usage. The target is p99 <= 5 ms.
+
+Before the fleet, the ``router-bpe`` prompts' tokenizing alone, in this process, three
+ways (each call's wall and process CPU time; the ids must be equal): the engine's path
+(transformers, as ``/tokenize`` runs it), the router's (``--tokenizer``: Rust), and the
+router's with ``--tokenizer-threads`` (up to 4 pieces at once). CPU time shows the cost
+where a shared machine's wall time shows mostly the wait for a core.
 """
 
 from __future__ import annotations
@@ -39,7 +47,9 @@ import httpx
 import numpy as np
 
 from bench.machine import describe
-from kvatlas.engine.model import load_tokenizer
+from kvatlas.engine.model import HFTokenizer, load_tokenizer
+from kvatlas.engine.openai_proto import decode_tokenize
+from kvatlas.engine.prompts import load_prompt_tokenizer, tokenize_ids
 from kvatlas.evaluation.fleet import Fleet, FleetConfig
 
 TARGET_P99_MS = 5.0
@@ -47,14 +57,17 @@ MODES = {
     "router": ("--tokenizer", "tiny-random"),
     "engine": (),
     "router-bpe": ("--tokenizer", "smollm2-135m"),
+    "router-bpe-threads": ("--tokenizer", "smollm2-135m", "--tokenizer-threads", "2"),
 }
 _OVERHEAD = re.compile(r"overhead_ms=([0-9.]+)")
 _CACHED = re.compile(r"cached=(\d+)")
-_STAGES = ("tokenize", "lookup", "overhead")
+_STAGES = ("tokenize", "hash", "lookup", "lookup_server", "pick", "overhead_gc", "overhead")
+"""The router's histograms of each step (``kvatlas_router_<step>_seconds``)."""
 
 
 def stage_means_ms(metrics: str) -> dict[str, float]:
-    """Mean of the router's tokenize, lookup and overhead histograms (its /metrics)."""
+    """Mean of each of the router's step histograms (its /metrics), and the seconds its
+    process spent in the garbage collector (``gc_total``)."""
     out: dict[str, float] = {}
     for stage in _STAGES:
         base = f"kvatlas_router_{stage}_seconds"
@@ -62,6 +75,9 @@ def stage_means_ms(metrics: str) -> dict[str, float]:
         count = re.search(rf"^{base}_count (\S+)$", metrics, re.M)
         if total and count and float(count.group(1)) > 0:
             out[stage] = round(float(total.group(1)) / float(count.group(1)) * 1e3, 3)
+    paused = re.findall(r"^kvatlas_router_gc_pause_seconds_total\{[^}]*\} (\S+)$", metrics, re.M)
+    if paused:
+        out["gc_total"] = round(sum(map(float, paused)) * 1e3, 3)
     return out
 
 
@@ -175,6 +191,40 @@ def run_mode(
     }
 
 
+def tokenize_costs(bodies: list[bytes]) -> dict[str, Any]:
+    """Wall and CPU ms per body of SmolLM2's tokenizing, the engine's way and the
+    router's (see the module doc); RuntimeError if their ids differ."""
+    hf = load_tokenizer("smollm2-135m")
+    assert isinstance(hf, HFTokenizer)
+    threads = min(4, os.cpu_count() or 1)
+    router = load_prompt_tokenizer("smollm2-135m")
+    pieces = load_prompt_tokenizer("smollm2-135m", threads)
+    ways: dict[str, Any] = {
+        "engine (transformers)": lambda b: tokenize_ids(hf, decode_tokenize(b), None),
+        "router (--tokenizer: rust, one piece)": router.ids,
+        f"router, --tokenizer-threads {threads}": pieces.ids,
+    }
+    out: dict[str, Any] = {}
+    first: list[list[int]] = []
+    for name, way in ways.items():
+        wall: list[float] = []
+        cpu: list[float] = []
+        ids = []
+        way(bodies[0])  # warm
+        for b in bodies:
+            t, c = time.perf_counter(), time.process_time()
+            ids.append(way(b))
+            cpu.append((time.process_time() - c) * 1e3)
+            wall.append((time.perf_counter() - t) * 1e3)
+        if not first:
+            first = ids
+        elif ids != first:
+            raise RuntimeError(f"{name}: ids differ from the engine's")
+        out[name] = {"wall_ms": percentiles(wall), "cpu_ms": percentiles(cpu)}
+        print(f"[router] tokenize {name}: wall {out[name]['wall_ms']}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=100, help="requests per mode")
@@ -186,6 +236,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     args = ap.parse_args(argv)
 
     rows: list[dict[str, Any]] = []
+    bpe, _ = build_prompts(args.requests, args.prompt_tokens, args.prefixes, args.seed, True)
+    costs = tokenize_costs(
+        [json.dumps({"model": "x", "prompt": p, "max_tokens": 1}).encode() for p in bpe]
+    )
     with Fleet(FleetConfig(nodes=2, l1_size_mb=256.0)) as fleet:
         fleet.start(lambda m: print(f"[router] {m}", flush=True))
         urls = fleet.start_engines("tiny-random", ("--num-threads", "1"))
@@ -197,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                 args.prompt_tokens,
                 args.prefixes,
                 args.seed + k,
-                mode == "router-bpe",
+                mode.startswith("router-bpe"),
             )
             bodies = [
                 json.dumps({"model": "tiny-random", "prompt": p, "max_tokens": 1}).encode()
@@ -218,10 +272,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "policy": "kv-p2p",
         "target_p99_ms": TARGET_P99_MS,
         "rows": rows,
+        "tokenize_smollm2": costs,
     }
     print(
         "\n| tokenizing | engine prompt tokens (p50) | router-added p50 | router-added p99"
-        " | mean tokenize / lookup | client total p50 / p99 | p99 <= 5 ms | failed |"
+        " | mean tokenize / hash / lookup (coordinator's part) / pick | client total p50 / p99"
+        " | p99 <= 5 ms | failed |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -229,9 +285,17 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         print(
             f"| {r['mode']} {' '.join(r['router_flags'])} | {r['engine_prompt_tokens'].get('p50')}"
             f" | {o.get('p50')} ms | {o.get('p99')} ms"
-            f" | {m.get('tokenize')} / {m.get('lookup')} ms | {c.get('p50')} / {c.get('p99')} ms"
+            f" | {m.get('tokenize')} / {m.get('hash')} / {m.get('lookup')}"
+            f" ({m.get('lookup_server')}) / {m.get('pick')} ms"
+            f" | {c.get('p50')} / {c.get('p99')} ms"
             f" | {'yes' if r['meets_target'] else 'no'} | {r['failed']}/{r['requests']} |"
         )
+    print("\n| SmolLM2 tokenizing, 4k tokens | wall p50 / p99 | CPU p50 / p99 |")
+    print("|---|---|---|")
+    for name, cost in costs.items():
+        if isinstance(cost, dict):
+            w, c = cost["wall_ms"], cost["cpu_ms"]
+            print(f"| {name} | {w['p50']} / {w['p99']} ms | {c['p50']} / {c['p99']} ms |")
     out = Path("bench/results")
     out.mkdir(parents=True, exist_ok=True)
     (out / "router.json").write_text(json.dumps(result, indent=2))
