@@ -184,9 +184,9 @@ def markdown(result: Mapping[str, Any], plots: list[str]) -> str:
         " without P2P, evicted, or missed by a failed lookup).",
         "- Busy: seconds an engine had at least one of the router's requests in flight (the"
         " router's `/status`); max/mean over the engines is the load imbalance.",
-        "- Router p50/p99: the router's added latency per request (tokenize on an engine's"
-        " `/tokenize`, one coordinator lookup, the choice); `round-robin`, `random` and"
-        " `least-loaded` neither tokenize nor look up.",
+        "- Router p50/p99: the router's added latency per request (the prompts are sent as"
+        " token ids to `/v1/completions`, so: hashing the ids, one coordinator lookup, the"
+        " choice); `round-robin`, `random` and `least-loaded` neither hash nor look up.",
         "",
     ]
     return "\n".join(lines)
