@@ -1,10 +1,11 @@
 """An engine that freezes (SIGSTOP: its sockets stay open, nothing answers) costs no
-request, and one that is only busy is not failed over.
+request, and one that is only busy is not failed over; a coordinator that freezes costs
+no request either, and after the first lookup that finds it out no request waits on it.
 
 A real reference engine runs as a process of its own (it is frozen and resumed with
 signals); the other is in this process. The router probes every 0.2 s with a 1 s probe
 timeout, and keeps its default 600 s ``--engine-timeout``: every bound below is the
-probe's, not the timeout's.
+probe's, not the timeout's. The coordinator is a real one, in a process of its own.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from kvatlas.engine.model import LoadedModel
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import StaticEngine
 from kvatlas.router.service import ROUTE_HEADER
+from kvatlas.router.tripwires import COORDINATOR
 from kvatlas.runtime.procs import free_port
 from support.launch import Proc, launch, python_module
+from support.services import start_coordinator_process
 from support.wait import wait_until
 
 from .conftest import StartRouter, engine_config
@@ -90,8 +93,8 @@ def _post(router: RouterApp, body: dict[str, Any], path: str = "chat/completions
 def _metric(router: RouterApp, name: str, **labels: str) -> float:
     text = httpx.get(f"{router.url}/metrics", timeout=10).text
     total = 0.0
-    for m in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M):
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+    for m in re.finditer(rf"^{name}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
         if all(got.get(k) == v for k, v in labels.items()):
             total += float(m.group(2))
     return total
@@ -194,3 +197,88 @@ def test_a_frozen_engine_costs_no_request_and_comes_back(
     )
     # what it finished for clients that had gone elsewhere broke nothing
     assert _post(router, chat("and once more")).json()["choices"]
+
+
+@pytest.fixture(scope="module")
+def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    """A coordinator in a process of its own, to freeze; resumed before it is stopped."""
+    log = tmp_path_factory.mktemp("failover-coordinator") / "coordinator.log"
+    proc = start_coordinator_process(log=log)
+    try:
+        yield proc
+    finally:
+        if proc.alive():
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.stop()
+
+
+LOOKUP_S = 2.0
+"""The router's ``--lookup-timeout`` in the coordinator test: long enough that a request
+that waited for it cannot pass for one that did not."""
+
+
+def _overhead_s(resp: httpx.Response) -> float:
+    """The router's own time for a request (tokenize + lookup + pick), from its header."""
+    return float(route(resp)["overhead_ms"]) / 1000
+
+
+def test_a_frozen_coordinator_routes_by_load_without_waiting_and_comes_back(
+    coordinator: Proc, steady: EngineApp, start_router: StartRouter
+) -> None:
+    """Frozen (its sockets accept, nothing answers): the lookups in flight end at the
+    first one's timeout, every request is answered by load, and the requests after that
+    do not wait on the coordinator (its trials run in the background every backoff);
+    resumed, routing by the directory comes back."""
+    router = start_router(
+        coordinator_urls=(coordinator.url,),
+        engines=(StaticEngine(steady.url, "y"),),
+        model_name="tiny-random",
+        policy="kv",
+        lookup_timeout_s=LOOKUP_S,
+        coordinator_backoff_s=0.2,
+        refresh_interval_s=0.2,
+    )
+    wait_until(lambda: len(available(router)), lambda n: n == 1, what="the engine")
+    wires = router.service.wires
+
+    def ask(i: int) -> httpx.Response:
+        body = {"prompt": [7 + i % 50] * 40, "max_tokens": 1, "temperature": 0}
+        return _post(router, body, "completions")
+
+    assert route(ask(0))["reason"] == "kv: load"  # the coordinator answers: no holder
+    assert _metric(router, "kvatlas_router_coordinator_available") == 1
+    os.kill(coordinator.pid, signal.SIGSTOP)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(ask, 1)
+            wait_until(lambda: wires.armed(COORDINATOR, "lookup"), what="a lookup waits")
+            time.sleep(LOOKUP_S / 2)
+            second = pool.submit(ask, 2)
+            wait_until(
+                lambda: wires.armed(COORDINATOR, "lookup"), lambda n: n == 2,
+                what="a second lookup waits",
+            )  # fmt: skip
+            a, b = first.result(), second.result()
+        assert [route(r)["reason"] for r in (a, b)] == ["least-loaded: lookup unavailable"] * 2
+        # the first waited its whole timeout; the second, half of one, was ended with it
+        assert _overhead_s(a) >= LOOKUP_S * 0.9, route(a)
+        assert _overhead_s(b) < LOOKUP_S * 0.75, route(b)
+        assert _metric(router, "kvatlas_router_coordinator_available") == 0
+        # out: for ten backoffs' time, no request waits on it (the trials are not theirs)
+        since = time.monotonic()
+        later: list[httpx.Response] = []
+        while time.monotonic() - since < 10 * 0.2 or len(later) < 5:
+            later.append(ask(3 + len(later)))
+        assert all(route(r)["reason"] == "least-loaded: lookup unavailable" for r in later), [
+            route(r) for r in later
+        ]
+        assert max(_overhead_s(r) for r in later) < LOOKUP_S / 2, [route(r) for r in later]
+    finally:
+        os.kill(coordinator.pid, signal.SIGCONT)
+    wait_until(
+        lambda: route(ask(99))["reason"],
+        lambda reason: reason == "kv: load",
+        what="routing by the directory again",
+        timeout=30,
+    )
+    assert _metric(router, "kvatlas_router_coordinator_available") == 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -135,6 +135,11 @@ class RouterMetrics:
         self.degraded = Counter(
             f"{ns}_degraded", "Requests routed by load because a lookup step failed, by step",
             ["step"], registry=r,
+        )  # fmt: skip
+        self.coordinator_available = Gauge(
+            f"{ns}_coordinator_available", "1 while the router asks the coordinator for"
+            " prefixes; 0 without one, or while it is out (a lookup failed: requests are"
+            " routed by load until a trial lookup in the background answers)", registry=r,
         )  # fmt: skip
         self.overhead = Histogram(
             f"{ns}_overhead_seconds", "Tokenize + lookup + pick, per routed request",

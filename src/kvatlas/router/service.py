@@ -18,9 +18,14 @@ Owns, for ``kvatlas router``:
 - failure handling: an attempt that is refused, times out or answers 5xx before its
   first byte is retried on the next engine of the ranking (a refused connection marks
   the engine down at once); failures in a row open the engine's breaker; a failed
-  tokenize or lookup routes this request, and the coordinator's next
-  ``coordinator_backoff_s``, by load (``least-loaded``) instead of failing; an answer
-  broken off after its first byte ends a stream with an error event. An engine that
+  tokenize or lookup routes this request by load (``least-loaded``) instead of failing.
+  A failed lookup also takes the coordinator out (its breaker): the lookups waiting on
+  it end at once (``tripwires``), and no request asks it again until, after
+  ``coordinator_backoff_s``, one lookup in the background (a trial: no request waits on
+  it) finds it answering; so a coordinator that is down or frozen (its sockets accept,
+  nothing answers) costs the requests in flight when it stopped at most one
+  ``lookup_timeout_s``, and the rest nothing. An answer broken off after its first byte
+  ends a stream with an error event. An engine that
   stops answering its probe (frozen: its sockets stay open, nothing comes) ends, through
   ``tripwires``, every await on it: requests waiting for its first byte are retried on
   their next choice (also when its breaker opens), its streams end with the error
@@ -64,7 +69,7 @@ from kvatlas.router.engines import EngineState, EngineTable
 from kvatlas.router.metrics import RouterMetrics
 from kvatlas.router.pending import PendingPrefixes
 from kvatlas.router.policy import KV_POLICIES, Candidate, Choice, Chooser, Decision, Policy
-from kvatlas.router.tripwires import Kind, Tripped, Tripwires
+from kvatlas.router.tripwires import COORDINATOR, Kind, Tripped, Tripwires
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.runtime.gc_pauses import GcPauses
 from kvatlas.wire.fleet_view import ENGINE_URLS_KEY
@@ -181,8 +186,11 @@ class RouterService:
         self.gc = GcPauses()
         self.metrics = RouterMetrics(self.table, config.weights.p2p, self.gc)
         self.wires = Tripwires()
+        self.metrics.coordinator_available.set(1 if coordinator is not None else 0)
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._coordinator_down_until = 0.0
+        """0 while the coordinator answers; else when to try it again (its breaker)."""
+        self._coordinator_trial: asyncio.Task[None] | None = None
         self._tokenize_turn = 0
         self._tasks: list[asyncio.Task[None]] = []
         self.routed = 0
@@ -201,9 +209,12 @@ class RouterService:
         ]
 
     async def close(self) -> None:
-        for t in self._tasks:
+        tasks = list(self._tasks)
+        if self._coordinator_trial is not None:
+            tasks.append(self._coordinator_trial)
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks = []
         for c in self._clients.values():
             await c.aclose()
@@ -415,32 +426,69 @@ class RouterService:
 
     async def _lookup(self, blob: bytes) -> list[tuple[str, int]] | None:
         """(instance, leading tokens held) for every holder of the prompt's prefix; None
-        without a coordinator, a model name, or an answer in time."""
+        without a coordinator, a model name, or an answer in time, and while the
+        coordinator is out (see the module doc)."""
         model = self.config.model_name or self.table.model_name()
-        if self._lookups is None or not model:
-            self.metrics.degraded.labels("lookup").inc()
-            return None
-        if self._clock() < self._coordinator_down_until:
+        if self._lookups is None or not model or not self._coordinator_in(blob, model):
             self.metrics.degraded.labels("lookup").inc()
             return None
         t0 = time.perf_counter()
         try:
-            answer = await self._lookups.holders(
-                blob, model, timeout_s=self.config.lookup_timeout_s
-            )
+            async with self.wires.arm(COORDINATOR, "lookup"):
+                answer = await self._lookups.holders(
+                    blob, model, timeout_s=self.config.lookup_timeout_s
+                )
+        except Tripped:  # another lookup found the coordinator out
+            self.metrics.degraded.labels("lookup").inc()
+            return None
         except CoordinatorError as exc:
-            self._coordinator_down_until = self._clock() + self.config.coordinator_backoff_s
-            log.warning(
-                "router: coordinator lookup failed, routing by load for %.1f s: %s",
-                self.config.coordinator_backoff_s,
-                exc,
-            )
+            self._coordinator_out(exc)
             self.metrics.degraded.labels("lookup").inc()
             return None
         self.metrics.lookup.observe(time.perf_counter() - t0)
         if answer.server_s is not None:
             self.metrics.lookup_server.observe(answer.server_s)
         return [(h.instance_id, h.tokens) for h in answer.holders]
+
+    def _coordinator_in(self, blob: bytes, model: str) -> bool:
+        """Whether a request may ask the coordinator now: yes while it answers; while it
+        is out, no, and once its backoff is over this request's lookup is sent as the
+        trial, in the background (the request routes by load)."""
+        if not self._coordinator_down_until:
+            return True
+        if self._coordinator_trial is None and self._clock() >= self._coordinator_down_until:
+            self._coordinator_trial = asyncio.create_task(self._try_coordinator(blob, model))
+        return False
+
+    def _coordinator_out(self, exc: CoordinatorError) -> None:
+        """A lookup failed: the coordinator is out for ``coordinator_backoff_s``, and the
+        lookups waiting on it end now."""
+        backoff = self.config.coordinator_backoff_s
+        was_in = not self._coordinator_down_until
+        self._coordinator_down_until = self._clock() + backoff
+        self.metrics.coordinator_available.set(0)
+        n = self.wires.trip(COORDINATOR, "out", ("lookup",))
+        if was_in:
+            log.warning(
+                "router: coordinator lookup failed, routing by load (trying it again every"
+                " %.1f s, in the background; %d other lookup(s) ended): %s",
+                backoff, n, exc,
+            )  # fmt: skip
+
+    async def _try_coordinator(self, blob: bytes, model: str) -> None:
+        """The trial lookup of a coordinator that is out: back in when it answers."""
+        assert self._lookups is not None
+        try:
+            await self._lookups.holders(blob, model, timeout_s=self.config.lookup_timeout_s)
+        except CoordinatorError as exc:
+            self._coordinator_down_until = self._clock() + self.config.coordinator_backoff_s
+            log.debug("router: the coordinator is still out: %s", exc)
+        else:
+            self._coordinator_down_until = 0.0
+            self.metrics.coordinator_available.set(1)
+            log.info("router: the coordinator answers again: routing by %s", self.config.policy)
+        finally:
+            self._coordinator_trial = None
 
     # ------------------------------------------------------------------ proxying
 

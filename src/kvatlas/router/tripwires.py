@@ -1,11 +1,15 @@
-"""Per engine, the router's awaits on it that a fault must end now, not at a timeout.
+"""Per engine (and for the coordinator), the router's awaits on it that a fault must
+end now, not at a timeout.
 
 An engine that freezes (a stopped process, a stuck GPU) keeps its sockets open: a request
 waiting for its first byte, or for a stream's next piece, would wait the whole
 ``--engine-timeout``. The router arms a wire around each such await (``arm``); when the
 probe finds the engine not answering, or its breaker opens, ``trip`` ends the awaits
 armed on it: each raises ``Tripped`` with the cause, and the request is retried on its
-next choice (before the first byte) or its stream is ended with an error (after it).
+next choice (before the first byte) or its stream is ended with an error (after it). The
+coordinator's prefix lookups are armed the same way (kind ``lookup``, under the key
+``COORDINATOR``): the first lookup that finds the coordinator out ends the others
+waiting on it, which route by load at once.
 
 An armed wire works as ``asyncio.timeout`` does, without a deadline (and cheaper: no
 timer, nothing but the task read on entry): tripping it cancels the task that awaits in
@@ -24,9 +28,12 @@ import asyncio
 from types import TracebackType
 from typing import Final, Literal
 
-Kind = Literal["first_byte", "stream"]
-"""What an armed await waits for: an answer's status line, or a stream's next piece."""
-KINDS: Final[tuple[Kind, ...]] = ("first_byte", "stream")
+Kind = Literal["first_byte", "stream", "lookup"]
+"""What an armed await waits for: an answer's status line, a stream's next piece, or
+the coordinator's answer to a prefix lookup."""
+KINDS: Final[tuple[Kind, ...]] = ("first_byte", "stream", "lookup")
+COORDINATOR: Final = "coordinator"
+"""The key the coordinator's lookups are armed under (engines are keyed by URL)."""
 
 
 class Tripped(Exception):
@@ -92,7 +99,8 @@ class Tripwires:
         self._armed: dict[tuple[str, Kind], set[_Wire]] = {}
 
     def arm(self, url: str, kind: Kind) -> _Wire:
-        """A wire to ``async with`` around one await on engine ``url``."""
+        """A wire to ``async with`` around one await on engine ``url`` (or on
+        ``COORDINATOR``)."""
         armed = self._armed.get((url, kind))
         if armed is None:
             armed = self._armed[(url, kind)] = set()
