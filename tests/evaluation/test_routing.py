@@ -7,9 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvatlas.evaluation.routing import (
+    Pace,
     Request,
     RoutingConfig,
+    arrival_rate,
+    calibration_prompts,
     one_cache_hits,
     one_cache_limit,
     short_of_limit,
@@ -28,6 +33,39 @@ def test_the_workload_is_seeded_and_mixes_the_three_kinds() -> None:
     assert all(n >= 8 for n in kinds.values()), kinds
     docs = [r.tokens[: cfg.doc_tokens] for r in a if r.kind == "doc"]
     assert len({tuple(d) for d in docs}) <= cfg.hot_docs  # questions share hot documents
+
+
+def test_the_arrival_rate_is_the_load_of_the_fleets_prefill_capacity() -> None:
+    # 4 engines at 200 tokens/s recompute 800 tokens/s: 1 request/s of 800 tokens is
+    # load 1; at load 0.9, 0.9 requests/s
+    assert arrival_rate(1.0, 4, 200.0, 800.0) == pytest.approx(1.0)
+    assert arrival_rate(0.9, 4, 200.0, 800.0) == pytest.approx(0.9)
+    # twice the engines or half the prompt: twice the rate
+    assert arrival_rate(0.9, 8, 200.0, 800.0) == pytest.approx(1.8)
+    assert arrival_rate(0.9, 4, 200.0, 400.0) == pytest.approx(1.8)
+    for bad in ((0.0, 4, 200.0, 800.0), (0.9, 0, 200.0, 800.0), (0.9, 4, 0.0, 800.0),
+                (0.9, 4, 200.0, 0.0), (-1.0, 4, 200.0, 800.0)):  # fmt: skip
+        with pytest.raises(ValueError, match="positive"):
+            arrival_rate(*bad)
+
+
+def test_the_first_calibration_sets_the_rate_of_every_run() -> None:
+    pace = Pace(load=0.5, mean_prompt_tokens=500.0)
+    assert pace.rate(4, [100.0, 300.0]) == pytest.approx(0.5 * 4 * 200.0 / 500.0)
+    assert pace.prefill_tokens_per_s == pytest.approx(200.0)
+    assert pace.rate(4, [1000.0, 1000.0]) == pytest.approx(0.8)  # later runs: unchanged
+    given = Pace(load=0.5, mean_prompt_tokens=500.0, rate_per_s=2.5)
+    assert given.rate(4, [100.0]) == 2.5 and given.prefill_tokens_per_s is None
+
+
+def test_calibration_prompts_are_the_mean_length_and_share_no_chunk_with_the_workload() -> None:
+    cfg = RoutingConfig(requests=60, seed=3, calibration_rounds=3)
+    reqs = workload(cfg)
+    prompts = calibration_prompts(cfg, 700.4)
+    assert len(prompts) == 3 and {len(p) for p in prompts} == {700}
+    assert prompts == calibration_prompts(cfg, 700.4)
+    first_chunks = {tuple(r.tokens[:256]) for r in reqs} | {tuple(p[:256]) for p in prompts[1:]}
+    assert tuple(prompts[0][:256]) not in first_chunks
 
 
 def test_the_one_cache_limit_serves_leading_chunks_under_lru() -> None:
@@ -79,6 +117,8 @@ def _run(mean: float, hot_p99: float, share: float, imbalance: float) -> dict[st
         "failed": 0,
         "ttft_ms_mean_by_kind": {"chat": mean / 2, "doc": mean, "unique": mean * 2},
         "queue_ms": {"mean": mean / 4, "p99": mean},
+        "busy_share": 0.55,
+        "prefill_tokens_per_s": [201.4, 198.6],
         "short_of_limit": {"requests": 2, "in_flight": 512, "not_found": 256},
     }
 
@@ -109,7 +149,7 @@ def test_targets_and_report(tmp_path: Path) -> None:
                 "l1_size_mb": 512,
                 "seed": 7,
                 "requests": 2,
-                "rate_per_s": 1,
+                "rate_per_s": None,
                 "hot_docs": 3,
                 "doc_tokens": 768,
                 "sessions": 4,
@@ -117,6 +157,13 @@ def test_targets_and_report(tmp_path: Path) -> None:
             },
             "kinds": {"doc": 1, "chat": 1, "unique": 0},
             "prompt_tokens": 100,
+            "mean_prompt_tokens": 50.0,
+            "arrival": {
+                "rate_per_s": 7.2,
+                "given": False,
+                "load": 0.9,
+                "prefill_tokens_per_s": 200.0,
+            },
             "one_cache_limit": 0.4,
             "one_cache_capacity_chunks": 90,
             "runs": {**runs, "random": {"skipped": "ProcessError: boom"}},
@@ -128,5 +175,14 @@ def test_targets_and_report(tmp_path: Path) -> None:
     md = (tmp_path / "report.md").read_text()
     assert "| kv-p2p | 250 ms |" in md and "skipped: ProcessError: boom" in md
     assert "| kv_p2p_ttft_mean_le_third_of_rr_off | 0.278 | <= 0.333 | yes |" in md
-    assert "| kv-p2p | 125 ms | 250 ms | 500 ms | 62 ms | 250 ms |" in md  # by kind, queued
+    assert "| kv-p2p | 125 ms | 250 ms | 500 ms | 62 ms | 250 ms | 55% | 201/199 |" in md
+    assert "2 requests at 7.2/s" in md
+    assert "**7.2/s**, is load 0.9 of" in md and "0.9 x 2 engines x 200 tokens/s" in md
+    given = {**result, "routing": {**result["routing"], "arrival": {
+        "rate_per_s": 0.6, "given": True, "load": 0.9, "prefill_tokens_per_s": None}}}  # fmt: skip
+    write_routing(given, tmp_path)
+    assert (
+        "The arrival rate, 0.6/s, was given (`--routing-rate`)."
+        in (tmp_path / "report.md").read_text()
+    )
     assert "| kv-p2p | 2 | 768 | 512 | 256 |" in md  # short of the limit

@@ -25,6 +25,9 @@ from kvatlas.evaluation.faults_report import write_faults_report
 from kvatlas.evaluation.routing import RoutingConfig
 from kvatlas.evaluation.runner import BenchConfig, run_bench
 
+MAX_ROUTING_LOAD = 2.0
+"""Above it even a policy that reuses half of every prompt falls behind for good."""
+
 USAGE = "usage: kvatlas bench {fleet,faults} [options]  (see kvatlas bench fleet --help)"
 
 
@@ -83,8 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"requests per run (default {d_r.requests})",
     )  # fmt: skip
     routing.add_argument(
-        "--routing-rate", type=float, default=d_r.rate_per_s,
-        help=f"arrival rate, requests per second (default {d_r.rate_per_s:g})",
+        "--routing-load", type=float, default=d_r.load,
+        help="the arrival rate as the fleet's utilisation if every prompt token were"
+        " recomputed, from the engines' prefill rate measured before each run (default"
+        f" {d_r.load:g}; at most {MAX_ROUTING_LOAD:g})",
+    )  # fmt: skip
+    routing.add_argument(
+        "--routing-rate", type=float, default=None,
+        help="a fixed arrival rate, requests per second, instead of --routing-load",
     )  # fmt: skip
     routing.add_argument(
         "--routing-tokenizer", default=d_r.tokenizer, metavar="MODEL|engine",
@@ -111,10 +120,17 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise ValueError("--requests must be >= 1")
     if args.duration_s <= 0:
         raise ValueError("--duration-s must be positive")
-    if args.routing_engines < 2 or args.routing_requests < 1 or args.routing_rate <= 0:
+    if args.routing_engines < 2:
+        raise ValueError("--routing-engines must be >= 2")
+    if args.routing_requests < 1:
+        raise ValueError("--routing-requests must be >= 1")
+    if not 0 < args.routing_load <= MAX_ROUTING_LOAD:  # also rejects nan
         raise ValueError(
-            "--routing-engines must be >= 2, --routing-requests >= 1, --routing-rate > 0"
+            f"--routing-load must be above 0 and at most {MAX_ROUTING_LOAD:g} (a share of"
+            f" the fleet's prefill capacity), not {args.routing_load:g}"
         )
+    if args.routing_rate is not None and not 0 < args.routing_rate < float("inf"):
+        raise ValueError(f"--routing-rate must be a positive number, not {args.routing_rate:g}")
     if args.routing_l1_size_mb < 64:
         raise ValueError("--routing-l1-size-mb must be at least 64")
     return replace(
@@ -131,6 +147,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         routing=RoutingConfig(
             engines=args.routing_engines,
             requests=args.routing_requests,
+            load=args.routing_load,
             rate_per_s=args.routing_rate,
             l1_size_mb=args.routing_l1_size_mb,
             seed=args.seed,

@@ -3,7 +3,7 @@
 Owns the measurement of issue 16: a fleet of cache servers, each with a reference engine
 (SmolLM2-135M on the CPU, one torch thread), a router in front, and the same request
 sequence (multi-turn chat sessions, questions about a few hot shared documents, unique
-prompts) sent at a fixed arrival rate, once per run: ``kv``, ``kv-p2p``,
+prompts) sent at a fixed arrival rate that loads the engines, once per run: ``kv``, ``kv-p2p``,
 ``least-loaded``, ``random``, and ``round-robin`` twice, with P2P off (what fleets run
 today) and on. Per run it reports TTFT (the router's own time, from its route header,
 plus the engine's time to first token, which counts the engine's queue), the cached-token
@@ -12,8 +12,15 @@ failed requests and the router's added latency, TTFT by request kind, the time r
 queued in their engine and every request's record; beside them the limit: the share one
 logical cache of the fleet's total capacity would serve on the same sequence (an LRU of
 full chunks, replayed offline), and per run the tokens it fell short of that limit by,
-each traced to a prefix still in flight or one computed but not found. Must not: print
-(progress goes through ``say``).
+each traced to a prefix still in flight or one computed but not found.
+
+The arrival rate is derived from the engines' measured speed unless given: in each fleet,
+before its run, every engine prefills the same few uncached prompts of the workload's mean
+length, all engines at once (their rate when the whole fleet is busy, which on a machine
+with fewer cores than engines is less than one engine's alone); the first fleet's rate
+sets the arrival rate for every run (``arrival_rate``), the later fleets' rates are
+recorded to show how steady the machine was. Every fleet runs the same calibration, so
+every run starts from the same caches. Must not: print (progress goes through ``say``).
 """
 
 from __future__ import annotations
@@ -58,13 +65,32 @@ class RoutingConfig:
 
     engines: int = 4
     """Nodes, each a cache server with one reference engine."""
-    requests: int = 60
-    """Requests per run (the same sequence in every run); 100 s of arrivals."""
-    rate_per_s: float = 0.6
-    """Fixed arrival rate, requests per second: high enough that requests overlap on
-    the engines (a prefill takes 1-4 s on one core; four engines share two cores), so
-    placement shows in queueing and in prefixes computed twice, not only in cache hits;
-    low enough that round-robin without P2P does not fall behind for good."""
+    requests: int = 100
+    """Requests per run (the same sequence in every run): enough that the engines'
+    queues reach a steady state after the first few requests fill the caches, few
+    enough that the six runs (about two minutes of arrivals each at load 0.9 on two
+    cores, plus a fleet start) take about 20 minutes."""
+    load: float = 0.9
+    """Target utilisation of the fleet if every prompt token were recomputed (the worst
+    case: no policy recomputes more), from which the arrival rate is derived
+    (``arrival_rate``). Below 1, so no run can fall behind for good whatever its
+    placement, with a tenth of the capacity left for the router, the cache servers and
+    the calibration's error; close to 1, so the runs that recompute most (round-robin
+    without P2P recomputes most of each prompt) queue as a loaded fleet does, and a
+    policy's placement shows in queueing, not only in cache hits."""
+    rate_per_s: float | None = None
+    """Fixed arrival rate, requests per second (``--routing-rate``); None: derived from
+    ``load`` and the engines' measured prefill rate."""
+    calibration_rounds: int = 3
+    """Uncached prefills each engine runs before its run, all engines at once; the first
+    is not counted (it pays for the engine's first prompt of that size)."""
+    request_timeout_s: float = 180.0
+    """Seconds a client waits for one request: past it the request counts as failed (a
+    fleet that keeps a request this long has fallen behind for good)."""
+    max_send_s: float = 400.0
+    """The most seconds one run may spend sending its requests (requests / rate): a
+    slower rate (a very busy machine) stops the phase with a clear error instead of
+    running for hours."""
     max_tokens: int = 8
     """Completion tokens per request."""
     hot_docs: int = 3
@@ -119,6 +145,29 @@ def workload(cfg: RoutingConfig) -> list[Request]:
         else:
             out.append(Request("unique", toks(int(rng.integers(200, 500)))))
     return out
+
+
+def arrival_rate(
+    load: float, engines: int, prefill_tokens_per_s: float, mean_prompt_tokens: float
+) -> float:
+    """Requests per second at which ``engines`` engines, each prefilling
+    ``prefill_tokens_per_s`` (measured with all of them busy), are busy ``load`` of the
+    time if every prompt token is recomputed: the fleet's prefill capacity times
+    ``load`` over the mean prompt. A policy that reuses cached prefixes is less busy."""
+    if load <= 0 or engines < 1 or prefill_tokens_per_s <= 0 or mean_prompt_tokens <= 0:
+        raise ValueError(
+            f"arrival_rate needs positive inputs: load {load}, engines {engines},"
+            f" prefill {prefill_tokens_per_s} tokens/s, mean prompt {mean_prompt_tokens}"
+        )
+    return load * engines * prefill_tokens_per_s / mean_prompt_tokens
+
+
+def calibration_prompts(cfg: RoutingConfig, mean_prompt_tokens: float) -> list[list[int]]:
+    """``calibration_rounds`` prompts of the workload's mean length, from their own seed:
+    random tokens no workload prompt shares a chunk with, so nothing is cached for them."""
+    rng = np.random.default_rng([cfg.seed, 0xCA1])
+    n = max(1, round(mean_prompt_tokens))
+    return [[int(t) for t in rng.integers(0, VOCAB_SIZE, n)] for _ in range(cfg.calibration_rounds)]
 
 
 def one_cache_hits(requests: Sequence[Request], capacity_chunks: int, chunk: int) -> list[int]:
@@ -234,10 +283,62 @@ def _send(http: httpx.Client, url: str, req: Request, max_tokens: int) -> dict[s
     }
 
 
+def _prefill_rate(http: httpx.Client, url: str, prompts: Sequence[list[int]]) -> float:
+    """One engine's prefill tokens per second over ``prompts`` (sent one after another,
+    straight to the engine), the first not counted: the engine's own ``prefill`` time
+    from its breakdown, so neither HTTP nor the cache lookup is counted."""
+    tokens, seconds = 0, 0.0
+    for i, prompt in enumerate(prompts):
+        r = http.post(
+            url + "/v1/completions",
+            json={
+                "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                "kv_transfer_params": {"cached_token_stats": True},
+            },
+        )  # fmt: skip
+        r.raise_for_status()
+        st = r.json().get("cached_token_stats") or {}
+        if i > 0 or len(prompts) == 1:
+            tokens += int(st.get("num_prefilled_tokens", 0))
+            seconds += float((st.get("breakdown_ms") or {}).get("prefill", 0.0)) / 1000
+    if tokens <= 0 or seconds <= 0:
+        raise ProcessError(f"the engine at {url} reported no prefill to calibrate with")
+    return tokens / seconds
+
+
+def calibrate(urls: Sequence[str], prompts: Sequence[list[int]], timeout_s: float) -> list[float]:
+    """Every engine's prefill rate (tokens/s), all engines prefilling at the same time."""
+    with (
+        httpx.Client(timeout=timeout_s) as http,
+        concurrent.futures.ThreadPoolExecutor(len(urls)) as pool,
+    ):
+        return list(pool.map(lambda u: _prefill_rate(http, u, prompts), urls))
+
+
+@dataclass(slots=True)
+class Pace:
+    """The arrival rate of every run: given, or derived from the first calibration."""
+
+    load: float
+    mean_prompt_tokens: float
+    rate_per_s: float | None = None
+    prefill_tokens_per_s: float | None = None
+    """The engines' mean prefill rate that set ``rate_per_s`` (None when given)."""
+
+    def rate(self, engines: int, measured: Sequence[float]) -> float:
+        if self.rate_per_s is None:
+            self.prefill_tokens_per_s = float(np.mean(measured))
+            self.rate_per_s = arrival_rate(
+                self.load, engines, self.prefill_tokens_per_s, self.mean_prompt_tokens
+            )
+        return self.rate_per_s
+
+
 def _run(
     fcfg: FleetConfig,
     cfg: RoutingConfig,
     requests: Sequence[Request],
+    pace: Pace,
     *,
     policy: str,
     label: str,
@@ -249,15 +350,31 @@ def _run(
         tokenizer = ("--tokenizer", cfg.tokenizer) if cfg.tokenizer else ()
         router = fleet.start_router(policy, ("--seed", str(cfg.seed), *tokenizer))
         fleet.wait_router_engines(router, len(urls), 60.0)
-        say(f"  [{label}] {len(urls)} engines behind the router; sending {len(requests)}")
+        prompts = calibration_prompts(cfg, pace.mean_prompt_tokens)
+        measured = calibrate(urls, prompts, cfg.request_timeout_s)
+        rate = pace.rate(len(urls), measured)
+        send_s = len(requests) / rate
+        say(
+            f"  [{label}] engines prefill {np.mean(measured):.0f} tokens/s each (all at"
+            f" once); sending {len(requests)} requests at {rate:.3g}/s ({send_s:.0f} s)"
+        )
+        if send_s > cfg.max_send_s:
+            raise ProcessError(
+                f"{len(requests)} requests at {rate:.3g}/s take {send_s:.0f} s to send, more"
+                f" than {cfg.max_send_s:.0f} s: the engines prefill only"
+                f" {np.mean(measured):.0f} tokens/s each; give a higher --routing-load or"
+                " --routing-rate, or fewer --routing-requests"
+            )
         t0 = time.monotonic()
+        # a thread per request: the client must never hold a request back, or the time it
+        # waited for a thread would be queueing that no TTFT counts
         with (
-            httpx.Client(timeout=600) as http,
-            concurrent.futures.ThreadPoolExecutor(48) as pool,
+            httpx.Client(timeout=cfg.request_timeout_s) as http,
+            concurrent.futures.ThreadPoolExecutor(len(requests)) as pool,
         ):
             futures = []
             for i, req in enumerate(requests):
-                time.sleep(max(0.0, t0 + i / cfg.rate_per_s - time.monotonic()))
+                time.sleep(max(0.0, t0 + i / rate - time.monotonic()))
                 futures.append(pool.submit(_send, http, router, req, cfg.max_tokens))
             done = [f.result() for f in futures]
         elapsed = time.monotonic() - t0
@@ -281,6 +398,9 @@ def _run(
         "failed": len(done) - len(ok),
         "errors": sorted({d["error"] for d in done if not d["ok"]})[:5],
         "elapsed_s": round(elapsed, 1),
+        "rate_per_s": round(rate, 6),
+        "prefill_tokens_per_s": [round(v, 1) for v in measured],
+        "busy_share": round(mean_busy / elapsed, 3) if elapsed > 0 else 0.0,
         "ttft_ms": percentiles([d["ttft_ms"] for d in ok]),
         "ttft_ms_hot_doc": percentiles(hot),
         "ttft_ms_mean_by_kind": {
@@ -316,18 +436,21 @@ def run_routing_phase(fcfg: FleetConfig, cfg: RoutingConfig, say: Say) -> dict[s
     total = sum(len(r.tokens) for r in requests)
     limit = sum(hits) / total if total else 0.0
     kinds = {k: sum(r.kind == k for r in requests) for k in ("doc", "chat", "unique")}
+    pace = Pace(cfg.load, total / max(1, len(requests)), cfg.rate_per_s)
     say(
-        f"routing phase: {cfg.engines} engines ({MODEL}), {len(requests)} requests at"
-        f" {cfg.rate_per_s:g}/s ({kinds}); one-cache limit {limit:.1%}"
+        f"routing phase: {cfg.engines} engines ({MODEL}), {len(requests)} requests"
+        f" ({kinds}, {pace.mean_prompt_tokens:.0f} prompt tokens on average) at "
+        + (f"{cfg.rate_per_s:g}/s" if cfg.rate_per_s else f"load {cfg.load:g}")
+        + f"; one-cache limit {limit:.1%}"
     )
     base = replace(fcfg, nodes=cfg.engines, l1_size_mb=cfg.l1_size_mb, start_timeout_s=300.0)
     runs: dict[str, Any] = {}
     for label, policy, p2p in RUNS:
         try:
             fleet_cfg = replace(base, p2p=p2p)
-            run = _run(fleet_cfg, cfg, requests, policy=policy, label=label, say=say)
+            run = _run(fleet_cfg, cfg, requests, pace, policy=policy, label=label, say=say)
             run["short_of_limit"] = short_of_limit(
-                requests, hits, run["per_request"], cfg.rate_per_s, chunk
+                requests, hits, run["per_request"], run["rate_per_s"], chunk
             )
             runs[label] = run
         except (httpx.HTTPError, OSError, ProcessError) as exc:
@@ -338,6 +461,15 @@ def run_routing_phase(fcfg: FleetConfig, cfg: RoutingConfig, say: Say) -> dict[s
         "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
         "kinds": kinds,
         "prompt_tokens": sum(len(r.tokens) for r in requests),
+        "mean_prompt_tokens": round(pace.mean_prompt_tokens, 1),
+        "arrival": {
+            "rate_per_s": None if pace.rate_per_s is None else round(pace.rate_per_s, 4),
+            "given": cfg.rate_per_s is not None,
+            "load": cfg.load,
+            "prefill_tokens_per_s": None
+            if pace.prefill_tokens_per_s is None
+            else round(pace.prefill_tokens_per_s, 1),
+        },
         "one_cache_limit": round(limit, 4),
         "one_cache_capacity_chunks": per_server * cfg.engines,
         "runs": runs,

@@ -76,6 +76,21 @@ def markdown(result: Mapping[str, Any], plots: list[str]) -> str:
     m = result.get("machine", {})
     rt = result["routing"]
     c = rt["config"]
+    a = rt["arrival"]
+    rate = f"{a['rate_per_s']:.3g}/s" if a["rate_per_s"] else "(no run started)"
+    if a["given"]:
+        arrival = f"The arrival rate, {rate}, was given (`--routing-rate`)."
+    elif a["prefill_tokens_per_s"]:
+        arrival = (
+            f"The arrival rate, **{rate}**, is load {a['load']:g} of the fleet's prefill"
+            f" capacity if every prompt token were recomputed: {a['load']:g} x"
+            f" {c['engines']} engines x {a['prefill_tokens_per_s']:.0f} tokens/s (each"
+            f" engine's prefill rate, measured with all {c['engines']} prefilling at once"
+            f" before the first run) / {rt['mean_prompt_tokens']:.0f} prompt tokens on"
+            " average."
+        )
+    else:
+        arrival = f"The arrival rate was to be load {a['load']:g}; no run measured the engines."
     lines = [
         "# kvatlas routing evaluation",
         "",
@@ -91,11 +106,13 @@ def markdown(result: Mapping[str, Any], plots: list[str]) -> str:
         " fresh for each run.",
         "",
         f"Workload (seed {c['seed']}, the same sequence in every run): {c['requests']}"
-        f" requests at {c['rate_per_s']:g}/s: {rt['kinds']['doc']} questions about"
+        f" requests at {rate}: {rt['kinds']['doc']} questions about"
         f" {c['hot_docs']} hot documents of {c['doc_tokens']} tokens (popularity 1/rank),"
         f" {rt['kinds']['chat']} turns of {c['sessions']} chat sessions, {rt['kinds']['unique']}"
         f" unique prompts; {rt['prompt_tokens']} prompt tokens, {c['max_tokens']} completion"
         " tokens each.",
+        "",
+        arrival,
         "",
         f"The limit: one logical LRU cache of the fleet's total capacity"
         f" ({rt['one_cache_capacity_chunks']} chunks of 256 tokens) replayed offline on the"
@@ -125,10 +142,12 @@ def markdown(result: Mapping[str, Any], plots: list[str]) -> str:
         )
     lines += [
         "",
-        "TTFT mean by request kind, and the time requests queued in their engine:",
+        "TTFT mean by request kind, the time requests queued in their engine, how busy"
+        " the engines were, and the prefill rate the engines measured before the run:",
         "",
-        "| run | chat | hot doc | unique | queued mean | queued p99 |",
-        "|---|---|---|---|---|---|",
+        "| run | chat | hot doc | unique | queued mean | queued p99 | engines busy |"
+        " prefill tokens/s per engine |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label, r in rt["runs"].items():
         if "ttft_ms_mean_by_kind" not in r:
@@ -137,6 +156,8 @@ def markdown(result: Mapping[str, Any], plots: list[str]) -> str:
         lines.append(
             f"| {label} | {k.get('chat', 0):.0f} ms | {k.get('doc', 0):.0f} ms |"
             f" {k.get('unique', 0):.0f} ms | {q['mean']:.0f} ms | {q['p99']:.0f} ms |"
+            f" {r['busy_share']:.0%} |"
+            f" {'/'.join(f'{v:.0f}' for v in r['prefill_tokens_per_s'])} |"
         )
     short = {k: r["short_of_limit"] for k, r in rt["runs"].items() if "short_of_limit" in r}
     if short:
@@ -170,6 +191,17 @@ def markdown(result: Mapping[str, Any], plots: list[str]) -> str:
     lines += [
         "## How to read this",
         "",
+        "- The arrival rate: a routing policy matters when the engines are loaded: a"
+        " recompute then delays every request queued behind it, and a hot prefix pinned"
+        " to one engine queues there. The rate is therefore derived from the engines'"
+        " measured speed, not fixed: at load L the fleet would be busy L of the time if it"
+        " recomputed every prompt token, the worst any policy can do. Below 1 no run falls"
+        " behind for good; near 1 the runs that recompute most queue as a loaded fleet"
+        " does. The engines prefill the same uncached prompts of the workload's mean"
+        " length before every run, all at once (with more engines than cores their rate"
+        " when all are busy is below one engine's alone); only the first run's rate sets"
+        " the arrival rate, the others show how steady the machine was. Engines busy: the"
+        " engines' mean busy time over the time the run took.",
         "- TTFT: the router's own time (tokenize + lookup + pick, from its `X-Kvatlas-Route`"
         " header) plus the engine's time to first token, which starts when the request"
         " reaches the engine and so counts the time it queues behind the engine's other"
