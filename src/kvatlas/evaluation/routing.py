@@ -315,6 +315,11 @@ def calibrate(urls: Sequence[str], prompts: Sequence[list[int]], timeout_s: floa
         return list(pool.map(lambda u: _prefill_rate(http, u, prompts), urls))
 
 
+class PaceError(RuntimeError):
+    """The arrival rate makes a run send for longer than ``max_send_s``: every later run
+    would use the same rate, so the phase stops instead of starting their fleets."""
+
+
 @dataclass(slots=True)
 class Pace:
     """The arrival rate of every run: given, or derived from the first calibration."""
@@ -359,7 +364,7 @@ def _run(
             f" once); sending {len(requests)} requests at {rate:.3g}/s ({send_s:.0f} s)"
         )
         if send_s > cfg.max_send_s:
-            raise ProcessError(
+            raise PaceError(
                 f"{len(requests)} requests at {rate:.3g}/s take {send_s:.0f} s to send, more"
                 f" than {cfg.max_send_s:.0f} s: the engines prefill only"
                 f" {np.mean(measured):.0f} tokens/s each; give a higher --routing-load or"
@@ -445,7 +450,11 @@ def run_routing_phase(fcfg: FleetConfig, cfg: RoutingConfig, say: Say) -> dict[s
     )
     base = replace(fcfg, nodes=cfg.engines, l1_size_mb=cfg.l1_size_mb, start_timeout_s=300.0)
     runs: dict[str, Any] = {}
+    stop: str | None = None
     for label, policy, p2p in RUNS:
+        if stop is not None:
+            runs[label] = {"skipped": stop}
+            continue
         try:
             fleet_cfg = replace(base, p2p=p2p)
             run = _run(fleet_cfg, cfg, requests, pace, policy=policy, label=label, say=say)
@@ -453,6 +462,10 @@ def run_routing_phase(fcfg: FleetConfig, cfg: RoutingConfig, say: Say) -> dict[s
                 requests, hits, run["per_request"], run["rate_per_s"], chunk
             )
             runs[label] = run
+        except PaceError as exc:
+            say(f"  [{label}] stopped the phase: {exc}")
+            stop = f"PaceError: {exc}"
+            runs[label] = {"skipped": stop}
         except (httpx.HTTPError, OSError, ProcessError) as exc:
             say(f"  [{label}] failed: {type(exc).__name__}: {exc}")
             runs[label] = {"skipped": f"{type(exc).__name__}: {str(exc)[:500]}"}
