@@ -11,9 +11,12 @@ probe's, not the timeout's. The coordinator is a real one, in a process of its o
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import re
 import signal
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -27,7 +30,7 @@ from kvatlas.router.app import RouterApp
 from kvatlas.router.config import StaticEngine
 from kvatlas.router.service import ROUTE_HEADER
 from kvatlas.router.tripwires import COORDINATOR
-from kvatlas.runtime.procs import free_port
+from kvatlas.runtime.procs import HOST, free_port
 from support.launch import Proc, launch, python_module
 from support.services import start_coordinator_process
 from support.wait import wait_until
@@ -84,10 +87,21 @@ def _router(start_router: StartRouter, frozen: Proc, steady: EngineApp) -> Route
     return router
 
 
-def _post(router: RouterApp, body: dict[str, Any], path: str = "chat/completions") -> Any:
-    r = httpx.post(f"{router.url}/v1/{path}", json=body, timeout=120)
+def _post(
+    router: RouterApp, body: dict[str, Any], path: str = "chat/completions", **kw: Any
+) -> Any:
+    r = httpx.post(f"{router.url}/v1/{path}", json=body, timeout=120, **kw)
     assert r.status_code == 200, r.text
     return r
+
+
+def _stream(
+    router: RouterApp, body: dict[str, Any], path: str = "chat/completions"
+) -> tuple[httpx.Headers, list[str]]:
+    """A streamed request's headers and its events' lines."""
+    with httpx.stream("POST", f"{router.url}/v1/{path}", json=body, timeout=120) as s:
+        assert s.status_code == 200, s.read()
+        return s.headers, [line for line in s.iter_lines() if line]
 
 
 def _metric(router: RouterApp, name: str, **labels: str) -> float:
@@ -197,6 +211,137 @@ def test_a_frozen_engine_costs_no_request_and_comes_back(
     )
     # what it finished for clients that had gone elsewhere broke nothing
     assert _post(router, chat("and once more")).json()["choices"]
+
+
+def test_a_stream_whose_engine_freezes_before_its_first_event_is_retried(
+    frozen_one: Proc, steady: EngineApp, start_router: StartRouter
+) -> None:
+    """Nothing of it reached the client: it goes to the next choice, and the client sees
+    a whole stream from there (the route header says ``; retry``), not an error. (The
+    reference engine sends a stream's head with its first event; a head sent before it
+    is the next test's.)"""
+    router = _router(start_router, frozen_one, steady)  # the next request goes to it
+    frozen = frozen_one.url
+    # a long answer it works on, and the stream queued behind it (round-robin: one to
+    # the other engine between them): the stream has its head, not its first event
+    blocker = {"prompt": LONG_PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    body = chat("a story", max_tokens=8, stream=True)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(_post, router, blocker, "completions")
+            wait_until(lambda: _engine(router, frozen).in_flight, what="the blocker is sent")
+            assert route(_post(router, chat("turn")))["engine"] == steady.url
+            streamed = pool.submit(_stream, router, body)
+            wait_until(
+                lambda: router.service.wires.armed(frozen, "first_byte"),
+                lambda n: n == 2,
+                what="the stream queued behind it",
+            )
+            time.sleep(0.5)  # the engine sends the stream's head as the request comes
+            os.kill(frozen_one.pid, signal.SIGSTOP)
+            headers, lines = streamed.result()
+            blocked = first.result()
+    finally:
+        os.kill(frozen_one.pid, signal.SIGCONT)
+    for h in (headers[ROUTE_HEADER], blocked.headers[ROUTE_HEADER]):
+        assert h.startswith(f"engine={steady.url};") and "; retry;" in h, h
+    assert lines[-1] == "data: [DONE]" and not any("error" in line for line in lines), lines
+    assert _metric(router, "kvatlas_router_retries_total", engine=frozen, cause="frozen") == 2
+    assert _metric(router, "kvatlas_router_stream_failures_total", engine=frozen) == 0
+    wait_until(lambda: frozen in available(router), what="the resumed engine back", timeout=60)
+
+
+class _CuttingEngine:
+    """A fake engine on 127.0.0.1: ``/metrics`` answers 200; a stream's request gets an
+    event stream's head and a closed connection, before any event; any other request
+    gets a head that promises 1000 bytes, 20 of them, and a closed connection."""
+
+    def __init__(self) -> None:
+        self._sock = socket.create_server((HOST, 0))
+        self.url = f"http://{HOST}:{self._sock.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    more = conn.recv(65536)
+                    if not more:
+                        break
+                    data += more
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+                while length and len(body) < int(length.group(1)):
+                    more = conn.recv(65536)
+                    if not more:
+                        break
+                    body += more
+                if head.split(b" ")[1:2] == [b"/metrics"]:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                elif b'"stream":true' in body.replace(b" ", b""):
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                        b"transfer-encoding: chunked\r\n\r\n"
+                    )
+                else:
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                        b'content-length: 1000\r\n\r\n{"choices": [{"text": '
+                    )
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def test_an_answer_cut_short_is_retried_with_one_clear_line(
+    steady: EngineApp, start_router: StartRouter, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A non-streamed answer is relayed once it is whole, a stream once its first event
+    is in: one its engine cuts short before then reached nobody, so it goes to the next
+    choice, and the router says so in one line (request id, engine, cause), with no
+    traceback from the HTTP server."""
+    cutter = _CuttingEngine()
+    asgi = logging.getLogger("uvicorn.error")  # it does not propagate to the root
+    asgi.addHandler(caplog.handler)
+    try:
+        router = start_router(
+            engines=(StaticEngine(cutter.url, "c"), StaticEngine(steady.url, "y")),
+            policy="round-robin",
+            breaker_failures=100,
+        )
+        wait_until(lambda: len(available(router)), lambda n: n == 2, what="both engines")
+        with caplog.at_level(logging.WARNING):
+            answers = [
+                _post(router, chat(f"question {i}"), headers={"x-request-id": f"cut-{i}"})
+                for i in range(4)
+            ]
+            streams = [_stream(router, chat(f"story {i}", stream=True)) for i in range(2)]
+    finally:
+        asgi.removeHandler(caplog.handler)
+        cutter.close()
+    routes = [a.headers[ROUTE_HEADER] for a in answers]
+    assert all(r.startswith(f"engine={steady.url};") for r in routes), routes
+    assert all(a.json()["choices"] for a in answers)
+    retried = [a.headers["x-request-id"] for a in answers if "; retry;" in a.headers[ROUTE_HEADER]]
+    assert len(retried) == 2, routes
+    for rid in retried:
+        lines = [r.getMessage() for r in caplog.records if rid in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert cutter.url in lines[0] and "(broken: " in lines[0], lines[0]
+    assert not [r for r in caplog.records if r.exc_info or "Exception in ASGI" in r.getMessage()]
+    # round-robin: one of the two streams was sent to the cutter first
+    assert [sum("; retry;" in h[ROUTE_HEADER] for h, _ in streams)] == [1], streams
+    for h, lines in streams:
+        assert h[ROUTE_HEADER].startswith(f"engine={steady.url};"), h[ROUTE_HEADER]
+        assert lines[-1] == "data: [DONE]" and not any("error" in x for x in lines), lines
+    assert _metric(router, "kvatlas_router_retries_total", engine=cutter.url, cause="broken") == 3
+    assert _metric(router, "kvatlas_router_stream_failures_total", engine=cutter.url) == 0
 
 
 @pytest.fixture(scope="module")

@@ -55,9 +55,9 @@ class RouterConfig:
     probe_timeout_s: float = 2.0
     """Seconds a probe waits for an engine's ``/metrics`` (``--probe-timeout``). An engine
     that does not answer in time (frozen, or its process stopped) is out: the requests
-    waiting for its first byte are retried on their next choice, and its streams end with
-    an error, at most ``health_interval_s + probe_timeout_s`` after it stopped answering.
-    A busy engine must answer its probes well within it."""
+    none of whose answer went to the client yet are retried on their next choice, and
+    its streams end with an error, at most ``health_interval_s + probe_timeout_s`` after
+    it stopped answering. A busy engine must answer its probes well within it."""
     lookup_timeout_s: float = 0.25
     """Deadline of the per-request tokenize and lookup (``--lookup-timeout``); past it
     the request is routed by load."""

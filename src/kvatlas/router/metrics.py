@@ -120,15 +120,16 @@ class RouterMetrics:
             f"{ns}_prompt_tokens", "Prompt tokens of routed requests (tokenized)", registry=r
         )
         self.retries = Counter(
-            f"{ns}_retries", "Attempts that failed before the first byte, by engine and cause"
-            " (refused, timeout, broken, 5xx; frozen, down, breaker: ended because the engine"
-            " went out while the request waited on it)", ["engine", "cause"], registry=r,
+            f"{ns}_retries", "Attempts that failed before any of their answer went to the"
+            " client, by engine and cause (refused, timeout, broken, 5xx; frozen, down,"
+            " breaker: ended because the engine went out while the request waited on it)",
+            ["engine", "cause"], registry=r,
         )  # fmt: skip
         self.breaker_opens = Counter(
             f"{ns}_breaker_opens", "Times an engine's breaker opened", ["engine"], registry=r
         )
         self.stream_failures = Counter(
-            f"{ns}_stream_failures", "Answers broken off after their first byte, by engine and"
+            f"{ns}_stream_failures", "Streams broken off after their first event, by engine and"
             " cause (broken: by the engine; frozen, down: the router cut them because the"
             " engine stopped answering its probe)", ["engine", "cause"], registry=r,
         )  # fmt: skip

@@ -14,21 +14,25 @@ Owns, for ``kvatlas router``:
   that the coordinator cannot know yet (``pending``), the choice (``policy.Chooser``),
   and the
   proxying: the client's body and headers (``Authorization`` and the request id
-  included) to the chosen engine, its answer back byte for byte, streams as they come;
-- failure handling: an attempt that is refused, times out or answers 5xx before its
-  first byte is retried on the next engine of the ranking (a refused connection marks
-  the engine down at once); failures in a row open the engine's breaker; a failed
-  tokenize or lookup routes this request by load (``least-loaded``) instead of failing.
-  A failed lookup also takes the coordinator out (its breaker): the lookups waiting on
-  it end at once (``tripwires``), and no request asks it again until, after
-  ``coordinator_backoff_s``, one lookup in the background (a trial: no request waits on
-  it) finds it answering; so a coordinator that is down or frozen (its sockets accept,
-  nothing answers) costs the requests in flight when it stopped at most one
-  ``lookup_timeout_s``, and the rest nothing. An answer broken off after its first byte
-  ends a stream with an error event. An engine that
-  stops answering its probe (frozen: its sockets stay open, nothing comes) ends, through
-  ``tripwires``, every await on it: requests waiting for its first byte are retried on
-  their next choice (also when its breaker opens), its streams end with the error
+  included) to the chosen engine, its answer back byte for byte (a stream as it comes,
+  any other answer once it is whole);
+- failure handling: an attempt that is refused, times out, answers 5xx or breaks off
+  before anything of its answer went to the client is retried on the next engine of
+  the ranking (a refused connection marks the engine down at once). Nothing goes to the
+  client before a stream's first piece (its first event), or the whole of any other
+  answer, is in, so a stream whose engine stops before its first event, or an answer
+  cut short, is retried as invisibly as a refused connection. Failures in a row open
+  the engine's breaker; a failed tokenize or lookup routes this request by load
+  (``least-loaded``) instead of failing. A failed lookup also takes the coordinator out
+  (its breaker): the lookups waiting on it end at once (``tripwires``), and no request
+  asks it again until, after ``coordinator_backoff_s``, one lookup in the background (a
+  trial: no request waits on it) finds it answering; so a coordinator that is down or
+  frozen (its sockets accept, nothing answers) costs the requests in flight when it
+  stopped at most one ``lookup_timeout_s``, and the rest nothing. A stream broken off
+  after its first piece ends with an error event. An engine that stops answering its
+  probe (frozen: its sockets stay open, nothing comes) ends, through ``tripwires``,
+  every await on it: requests none of whose answer went to the client yet are retried
+  on their next choice (also when its breaker opens), its streams end with the error
   event; the load accounting of a relay ends exactly once however it ends;
 - the loops: the coordinator's listing every ``refresh_interval_s`` (each cache server
   advertises its engines' URLs as ``engine_urls``), and a probe of every engine's
@@ -153,6 +157,17 @@ class Plan:
     overhead_s: float
     blob: bytes = b""
     """The prompt's token ids as LE uint32 (empty when not tokenized)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Head:
+    """What an attempt read of its answer before the client is sent anything."""
+
+    resp: httpx.Response
+    first: bytes
+    """A stream's first piece; any other answer's whole body (raw, as it came)."""
+    rest: AsyncIterator[bytes] | None
+    """A stream's pieces after the first; None for a whole body."""
 
 
 class RouterService:
@@ -519,15 +534,15 @@ class RouterService:
                 # before the engine answers: the next request for this prefix may arrive
                 # while this one still queues or prefills (see ``PendingPrefixes``)
                 self.pending.note(plan.blob, e.url, self._clock())
-            resp = await self._attempt(
+            head = await self._attempt(
                 e, choice, method=request.method, endpoint=endpoint, body=body, headers=headers
             )
-            if resp is None:
+            if head is None:
                 if plan.blob:
                     self.pending.forget(plan.blob, e.url)
                 continue
             return self._relay(
-                e, choice, plan, resp, endpoint=endpoint, rid=rid, attempt=len(attempts)
+                e, choice, plan, head, endpoint=endpoint, rid=rid, attempt=len(attempts)
             )
         self.failed += 1
         return self._refuse(
@@ -554,25 +569,29 @@ class RouterService:
         endpoint: str,
         body: bytes,
         headers: dict[str, str],
-    ) -> httpx.Response | None:
-        """Send to one engine; its answer once the status line is in, or None after a
-        failure before the first byte (counted against the engine; one that ended because
-        the engine is out, ``Tripped``, is not: the fault is counted once, by whoever
-        found it)."""
+    ) -> _Head | None:
+        """Send to one engine and read its answer's head (``_Head``); None after a
+        failure before anything of it could go to the client, counted against the
+        engine (one that ended because the engine is out, ``Tripped``, is not: the fault
+        is counted once, by whoever found it)."""
         client = self._client(e.url)
+        rid = headers[REQUEST_ID_HEADER]
         e.begin(choice.prefill_tokens, self._clock())
+        resp: httpx.Response | None = None
         cause = ""
         try:
             req = client.build_request(method, endpoint, content=body, headers=headers)
             async with self.wires.arm(e.url, "first_byte"):
                 resp = await client.send(req, stream=True)
+                if resp.status_code < 500:
+                    head = await _read_head(resp)
         except Tripped as exc:
-            e.end(choice.prefill_tokens, self._clock())
+            await self._abandon(e, choice, resp)
             self.metrics.retries.labels(e.url, exc.cause).inc()
             log.warning(
-                "router: engine %s is out (%s) before its first byte: the request goes to"
-                " its next choice",
-                e.url, exc.cause,
+                "router: request %s: engine %s is out (%s) before its answer began: the"
+                " request goes to its next choice",
+                rid, e.url, exc.cause,
             )  # fmt: skip
             return None
         except httpx.ConnectError as exc:
@@ -583,15 +602,15 @@ class RouterService:
         except httpx.HTTPError as exc:
             cause, detail = "broken", repr(exc)
         except BaseException:  # cancelled (the router stops): the accounting stays right
-            e.end(choice.prefill_tokens, self._clock())
+            await self._abandon(e, choice, resp)
             raise
         else:
+            assert resp is not None
             if resp.status_code < 500:
                 e.succeeded()
-                return resp
-            await resp.aclose()
+                return head
             cause, detail = "5xx", f"answered {resp.status_code}"
-        e.end(choice.prefill_tokens, self._clock())
+        await self._abandon(e, choice, resp)
         self.metrics.retries.labels(e.url, cause).inc()
         if e.failed(
             detail, self._clock(), self.config.breaker_failures, self.config.breaker_open_s
@@ -599,20 +618,32 @@ class RouterService:
             self.metrics.breaker_opens.labels(e.url).inc()
             log.warning("router: breaker of engine %s opened after %d failures", e.url, e.failures)
             self._fail_over(e, "breaker", streams=False)
-        log.warning("router: engine %s failed before its first byte (%s): %s", e.url, cause, detail)
+        log.warning(
+            "router: request %s: engine %s failed before its answer began (%s: %s): the"
+            " request goes to its next choice",
+            rid, e.url, cause, detail,
+        )  # fmt: skip
         return None
+
+    async def _abandon(self, e: EngineState, choice: Choice, resp: httpx.Response | None) -> None:
+        """End an attempt that will not be relayed: its accounting, and its answer's
+        connection (nothing more of that answer will be read)."""
+        e.end(choice.prefill_tokens, self._clock())
+        if resp is not None:
+            await resp.aclose()
 
     def _relay(
         self,
         e: EngineState,
         choice: Choice,
         plan: Plan,
-        resp: httpx.Response,
+        head: _Head,
         *,
         endpoint: str,
         rid: str,
         attempt: int,
     ) -> Response:
+        resp = head.resp
         reason = plan.decision.reason if attempt == 1 else f"{plan.decision.reason}; retry"
         route = (
             f"engine={e.url}; cached={choice.cached_tokens}; reason={reason};"
@@ -630,11 +661,8 @@ class RouterService:
             )  # fmt: skip
         self.metrics.requests.labels(endpoint, str(resp.status_code)).inc()
         headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_BY_HOP}
-        if "content-length" in resp.headers:
-            headers["content-length"] = resp.headers["content-length"]
         headers[ROUTE_HEADER] = route
         headers.setdefault(REQUEST_ID_HEADER, rid)
-        stream = "text/event-stream" in resp.headers.get("content-type", "")
         ended = False
 
         async def end() -> None:
@@ -644,8 +672,10 @@ class RouterService:
                 e.end(choice.prefill_tokens, self._clock())
                 await resp.aclose()
 
+        if head.rest is None:  # whole (its length is the body's): done with the engine
+            return _Whole(head.first, end, status_code=resp.status_code, headers=headers)
         return _Relayed(
-            self._pieces(e, resp, stream, rid, end),
+            self._pieces(e, head.first, head.rest, rid, end),
             end,
             status_code=resp.status_code,
             headers=headers,
@@ -654,36 +684,40 @@ class RouterService:
     async def _pieces(
         self,
         e: EngineState,
-        resp: httpx.Response,
-        stream: bool,
+        first: bytes,
+        rest: AsyncIterator[bytes],
         rid: str,
         end: Callable[[], Awaitable[None]],
     ) -> AsyncIterator[bytes]:
-        pieces = resp.aiter_raw()
+        """A stream's pieces as they come; one broken off ends with an error event."""
         try:
+            if first:
+                yield first
             while True:
                 # armed around the await only: a trip never lands on the client's send
                 async with self.wires.arm(e.url, "stream"):
                     try:
-                        piece = await anext(pieces)
+                        piece = await anext(rest)
                     except StopAsyncIteration:
                         break
                 yield piece
         except Tripped as exc:
             self.metrics.stream_failures.labels(e.url, exc.cause).inc()
             log.warning(
-                "router: request %s: engine %s is out (%s) mid-answer", rid, e.url, exc.cause
-            )
-            if not stream:
-                raise  # the client sees the connection close before the promised length
+                "router: request %s: engine %s is out (%s) mid-stream: the stream ends with"
+                " an error event",
+                rid, e.url, exc.cause,
+            )  # fmt: skip
             message = f"the engine {e.url} stopped answering ({exc.cause}); this answer is cut"
             yield b"data: " + _error_body(message, "upstream_error") + b"\n\n"
         except httpx.HTTPError as exc:
             self.metrics.stream_failures.labels(e.url, "broken").inc()
             e.failed(repr(exc), self._clock(), self.config.breaker_failures, 0.0)
-            log.warning("router: request %s: engine %s broke off its answer: %r", rid, e.url, exc)
-            if not stream:
-                raise  # the client sees the connection close before the promised length
+            log.warning(
+                "router: request %s: engine %s broke off its stream (%r): the stream ends"
+                " with an error event",
+                rid, e.url, exc,
+            )  # fmt: skip
             message = f"the engine {e.url} broke off this answer: {exc!r}"
             yield b"data: " + _error_body(message, "upstream_error") + b"\n\n"
         finally:
@@ -692,6 +726,28 @@ class RouterService:
     def _refuse(self, endpoint: str, code: int, message: str, kind: str) -> Response:
         self.metrics.requests.labels(endpoint, str(code)).inc()
         return Response(_error_body(message, kind), status_code=code, media_type=_JSON)
+
+
+class _Whole(Response):
+    """An answer read whole; ``end`` (idempotent) ends its accounting once it is sent,
+    or the client left."""
+
+    def __init__(
+        self,
+        body: bytes,
+        end: Callable[[], Awaitable[None]],
+        *,
+        status_code: int,
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(body, status_code=status_code, headers=headers)
+        self._end = end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._end()
 
 
 class _Relayed(StreamingResponse):
@@ -715,6 +771,14 @@ class _Relayed(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._end()
+
+
+async def _read_head(resp: httpx.Response) -> _Head:
+    """A stream's (``text/event-stream``) first piece, or any other answer whole."""
+    pieces = resp.aiter_raw()
+    if "text/event-stream" in resp.headers.get("content-type", ""):
+        return _Head(resp, await anext(pieces, b""), pieces)
+    return _Head(resp, b"".join([p async for p in pieces]), None)
 
 
 def _prompt_blob(body: bytes) -> bytes | None:

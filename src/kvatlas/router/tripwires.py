@@ -2,11 +2,13 @@
 end now, not at a timeout.
 
 An engine that freezes (a stopped process, a stuck GPU) keeps its sockets open: a request
-waiting for its first byte, or for a stream's next piece, would wait the whole
+waiting for its answer (a stream's first event, any other answer whole), or for a
+stream's next piece, would wait the whole
 ``--engine-timeout``. The router arms a wire around each such await (``arm``); when the
 probe finds the engine not answering, or its breaker opens, ``trip`` ends the awaits
 armed on it: each raises ``Tripped`` with the cause, and the request is retried on its
-next choice (before the first byte) or its stream is ended with an error (after it). The
+next choice (nothing of its answer went to the client yet) or its stream is ended with
+an error (after its first event). The
 coordinator's prefix lookups are armed the same way (kind ``lookup``, under the key
 ``COORDINATOR``): the first lookup that finds the coordinator out ends the others
 waiting on it, which route by load at once.
@@ -29,8 +31,9 @@ from types import TracebackType
 from typing import Final, Literal
 
 Kind = Literal["first_byte", "stream", "lookup"]
-"""What an armed await waits for: an answer's status line, a stream's next piece, or
-the coordinator's answer to a prefix lookup."""
+"""What an armed await waits for: an answer until the client may be sent it (a stream's
+first event, any other answer whole), a stream's next piece, or the coordinator's answer
+to a prefix lookup."""
 KINDS: Final[tuple[Kind, ...]] = ("first_byte", "stream", "lookup")
 COORDINATOR: Final = "coordinator"
 """The key the coordinator's lookups are armed under (engines are keyed by URL)."""
