@@ -62,7 +62,7 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, Self, TypeVar, cast
@@ -329,23 +329,11 @@ class CoordinatorClient:
         ``timeout_s`` in all when given); a 2xx answer (or a status in ``accept``) is
         returned, anything else raised as the tree above: a 4xx at once, and when no
         replica answered, the last replica's error, naming the others'."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         sent = dict(headers or {})
         if body is not None:
             sent["content-type"] = content_type
-        several = len(self._replicas) > 1
-        errors: list[str] = []
-        last: CoordinatorError | None = None
-        cause: BaseException | None = None
-        for index in self._order():
-            timeout = self._timeout
-            if deadline is not None:
-                timeout = deadline - time.monotonic()
-                if timeout <= 0:
-                    break
-                if several:  # one replica may not take the whole call's time
-                    timeout = min(timeout, self._timeout)
-            url = self._replicas[index].base + path
+        walk = _Walk(self, method, path, timeout_s)
+        for index, url, timeout in walk.attempts():
             try:
                 resp = self._http.request(
                     method,
@@ -356,35 +344,16 @@ class CoordinatorClient:
                     timeout=timeout,
                 )
             except httpx.HTTPError as exc:
-                self._failed(index)
-                last = CoordinatorUnreachable(
-                    _with_others(f"{method} {url} failed: {exc!r}", errors)
-                )
-                cause = exc
-                errors.append(f"{url}: {exc!r}")
+                walk.no_answer(index, url, exc)
                 continue
             reason = "" if resp.is_success else _reason(resp)
-            if resp.status_code >= 500 and resp.status_code not in accept:
-                self._failed(index)
-                last = CoordinatorRefused(
-                    _with_others(f"{method} {url} answered {resp.status_code}: {reason}", errors),
-                    resp.status_code,
-                    reason,
-                )
-                cause = None
-                errors.append(f"{url}: {resp.status_code} {reason}")
+            if not walk.answered(index, url, resp.status_code, reason, accept):
                 continue
-            self._answered(index, "; ".join(errors))
             if resp.is_success or resp.status_code in accept:
                 return resp
-            raise CoordinatorRefused(
-                f"{method} {url} answered {resp.status_code}: {reason}", resp.status_code, reason
-            )
-        if last is None:  # the call's deadline ran out before any replica was asked
-            last = CoordinatorUnreachable(
-                f"{method} {path}: no coordinator replica could be asked within {timeout_s} s"
-            )
-        raise last from cause
+            raise walk.refused(url, resp.status_code, reason)
+        error, cause = walk.failure()
+        raise error from cause
 
     # ---- membership ----------------------------------------------------------------
 
@@ -471,6 +440,108 @@ class CoordinatorClient:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+class _Walk:
+    """One call's way over the replicas: the failover rule, in one place for the
+    blocking calls (`CoordinatorClient._send`, over httpx) and the loop's lookups
+    (`AsyncLookups.holders`, over its own connections). The replicas come in the
+    client's order (`CoordinatorClient._order`: the one in use first, skipped ones
+    left out); each attempt gets the client's per-request timeout, or with a call
+    deadline what is left of it (at most the per-request timeout when there are
+    several replicas, so one cannot take the whole call's time). No answer, or a 5xx
+    not in ``accept``, fails over and opens that replica's breaker
+    (`CoordinatorClient._failed`); any other answer is final and makes its replica the
+    one in use (`CoordinatorClient._answered`, which counts and reports a failover).
+    When no replica answered, the error to raise is the last one's, naming the
+    others'."""
+
+    __slots__ = (
+        "_client",
+        "_deadline",
+        "_method",
+        "_path",
+        "_timeout_s",
+        "cause",
+        "errors",
+        "last",
+    )
+
+    def __init__(
+        self, client: CoordinatorClient, method: str, path: str, timeout_s: float | None
+    ) -> None:
+        self._client = client
+        self._method = method
+        self._path = path
+        self._timeout_s = timeout_s
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.errors: list[str] = []
+        """What each replica asked so far answered, or how it failed."""
+        self.last: CoordinatorError | None = None
+        self.cause: BaseException | None = None
+
+    def attempts(self) -> Iterator[tuple[int, str, float]]:
+        """Each replica to ask, as its index, the request's URL and its timeout; stops
+        early once the call's deadline has passed."""
+        client = self._client
+        several = len(client._replicas) > 1
+        for index in client._order():
+            timeout = client._timeout
+            if self._deadline is not None:
+                timeout = self._deadline - time.monotonic()
+                if timeout <= 0:
+                    return
+                if several:  # one replica may not take the whole call's time
+                    timeout = min(timeout, client._timeout)
+            yield index, client._replicas[index].base + self._path, timeout
+
+    def no_answer(self, index: int, url: str, exc: BaseException) -> None:
+        """Replica ``index`` gave no answer (refused, reset, timed out): fail over."""
+        self._client._failed(index)
+        self.last = CoordinatorUnreachable(
+            _with_others(f"{self._method} {url} failed: {exc!r}", self.errors)
+        )
+        self.cause = exc
+        self.errors.append(f"{url}: {exc!r}")
+
+    def answered(
+        self,
+        index: int,
+        url: str,
+        status: int,
+        reason: str,
+        accept: frozenset[int] = frozenset(),
+    ) -> bool:
+        """Replica ``index`` answered ``status`` (``reason``: its error text, "" for a
+        2xx). False: a 5xx not in ``accept``, which fails over; True: the answer is
+        final (a 4xx is too: the replica works, the request was refused)."""
+        if status >= 500 and status not in accept:
+            self._client._failed(index)
+            self.last = CoordinatorRefused(
+                _with_others(f"{self._method} {url} answered {status}: {reason}", self.errors),
+                status,
+                reason,
+            )
+            self.cause = None
+            self.errors.append(f"{url}: {status} {reason}")
+            return False
+        self._client._answered(index, "; ".join(self.errors))
+        return True
+
+    def refused(self, url: str, status: int, reason: str) -> CoordinatorRefused:
+        """The error for a final answer other than 2xx (and not accepted)."""
+        return CoordinatorRefused(
+            f"{self._method} {url} answered {status}: {reason}", status, reason
+        )
+
+    def failure(self) -> tuple[CoordinatorError, BaseException | None]:
+        """What to raise when no replica answered, and its cause."""
+        if self.last is None:  # the call's deadline ran out before any replica was asked
+            return CoordinatorUnreachable(
+                f"{self._method} {self._path}: no coordinator replica could be asked"
+                f" within {self._timeout_s} s"
+            ), None
+        return self.last, self.cause
 
 
 def _with_others(message: str, others: list[str]) -> str:
@@ -643,42 +714,19 @@ class AsyncLookups:
         ``model_name``, within ``timeout_s`` over all the replicas asked; the same
         errors as ``CoordinatorClient.lookup``."""
         body = _msgpack.encode(LookupRequest(tokens_b64=tokens, model_name=model_name))
-        owner = self._owner
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        several = len(self._targets) > 1
-        errors: list[str] = []
-        last: CoordinatorError | None = None
-        for index in owner._order():
-            timeout = deadline - loop.time()
-            if timeout <= 0:
-                break
-            if several:  # one replica may not take the whole call's time
-                timeout = min(timeout, owner._timeout)
-            url = owner._replicas[index].base + LOOKUP_PATH
+        walk = _Walk(self._owner, "POST", LOOKUP_PATH, timeout_s)
+        for index, url, timeout in walk.attempts():
             try:
                 answer = await asyncio.wait_for(self._exchange(self._targets[index], body), timeout)
             except (OSError, TimeoutError) as exc:
-                owner._failed(index)
-                last = CoordinatorUnreachable(_with_others(f"POST {url} failed: {exc!r}", errors))
-                errors.append(f"{url}: {exc!r}")
+                walk.no_answer(index, url, exc)
                 continue
-            if answer.status >= 500:
-                owner._failed(index)
-                reason = _reason_of(answer.body)
-                last = CoordinatorRefused(
-                    _with_others(f"POST {url} answered {answer.status}: {reason}", errors),
-                    answer.status,
-                    reason,
-                )
-                errors.append(f"{url}: {answer.status} {reason}")
+            success = 200 <= answer.status < 300
+            reason = "" if success else _reason_of(answer.body)
+            if not walk.answered(index, url, answer.status, reason):
                 continue
-            owner._answered(index, "; ".join(errors))
-            if not 200 <= answer.status < 300:
-                reason = _reason_of(answer.body)
-                raise CoordinatorRefused(
-                    f"POST {url} answered {answer.status}: {reason}", answer.status, reason
-                )
+            if not success:
+                raise walk.refused(url, answer.status, reason)
             try:
                 holders = _holders_answer.decode(answer.body).prefix_holders
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -688,11 +736,8 @@ class AsyncLookups:
                     answer.status,
                 ) from exc
             return LookupAnswer(holders, _app_seconds(answer.server_timing))
-        if last is None:  # the call's deadline ran out before any replica was asked
-            last = CoordinatorUnreachable(
-                f"POST {LOOKUP_PATH}: no coordinator replica could be asked within {timeout_s} s"
-            )
-        raise last
+        error, cause = walk.failure()
+        raise error from cause
 
     async def _exchange(self, target: _Target, body: bytes) -> _Answer:
         """One request and its answer, on an idle connection or a new one; a cancelled
