@@ -19,6 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvatlas.runtime.http_server import (
+    DIRECT_BODY_BYTES,
+    HEAD_READ_BYTES,
     LINGER_S,
     UNRESERVED_BODY_BYTES,
     HttpRequest,
@@ -80,6 +82,11 @@ def _big(request: HttpRequest) -> HttpResponse:
     return HttpResponse(200, _BIG, "application/octet-stream")
 
 
+def _waited(request: HttpRequest) -> HttpResponse:
+    """How long ago the request's first byte arrived, and its body's length."""
+    return HttpResponse(200, b"%.6f %d" % (time.monotonic() - request.arrived, len(request.body)))
+
+
 class Served:
     def __init__(
         self,
@@ -96,6 +103,7 @@ class Served:
         r.add("GET", "/value-error", _value_error)
         r.add("GET", "/boom", _boom)
         r.add("GET", "/big", _big)
+        r.add("POST", "/waited", _waited)
         self.server = HttpServer(
             r,
             _translate,
@@ -569,5 +577,194 @@ def test_a_body_that_arrived_fast_and_then_stalls_gets_408() -> None:
             timeout=5, every=0.01,
         )  # fmt: skip
         assert served.server.stats().refused["body_rate"] == 1
+    finally:
+        served.stop()
+
+
+# ---- bodies read straight into their own buffer (DIRECT_BODY_BYTES and up) ----------
+
+
+def _pattern(n: int, seed: int) -> bytes:
+    """``n`` bytes that differ at every position from a shifted copy (a misplaced chunk
+    shows), and from one seed to the next."""
+    return bytes((i * 7 + i // 251 + seed) & 0xFF for i in range(n))
+
+
+def _send_in_pieces(s: socket.socket, data: bytes, cuts: list[int], pause_s: float) -> None:
+    """Send ``data`` cut at ``cuts`` (sorted offsets), each piece its own segment: the
+    client does not coalesce (TCP_NODELAY) and pauses between pieces."""
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    at = 0
+    for cut in [*cuts, len(data)]:
+        if cut > at:
+            s.sendall(data[at:cut])
+            at = cut
+            time.sleep(pause_s)
+
+
+def test_the_direct_body_sizes_are_what_the_tests_assume() -> None:
+    """The head read is small enough that a body of DIRECT_BODY_BYTES and more is read
+    in at least two reads, the second straight into its buffer."""
+    assert UNRESERVED_BODY_BYTES > DIRECT_BODY_BYTES >= HEAD_READ_BYTES
+
+
+def test_a_big_body_in_many_segments_arrives_whole_and_the_connection_goes_on() -> None:
+    """A body over DIRECT_BODY_BYTES sent in pieces of 1 byte to 60 KB, each its own
+    segment, arrives whole and in order; the next request on the connection (a fresh
+    parser) is served, and every reservation is given back."""
+    served = Served(max_body_bytes=MIB)
+    try:
+        body = _pattern(300_000, 1)
+        data = _post_head(len(body)) + body
+        cuts = [10, 60, 61, 62, 100, 5000, 20_000, 20_001, 80_000, 140_000, 299_000]
+        s = served.connect()
+        _send_in_pieces(s, data, cuts, 0.002)
+        f = s.makefile("rb")
+        assert _read_response(f) == (200, _echo_headers(len(body)), body)
+        s.sendall(_post_head(5) + b"after")
+        assert _read_response(f)[2] == b"after"
+        s.close()
+        wait_until(
+            lambda: _buffered(served), lambda n: n == 0, what="the reservation given back",
+            timeout=5, every=0.01,
+        )  # fmt: skip
+    finally:
+        served.stop()
+
+
+def _echo_headers(length: int) -> dict[str, str]:
+    return {"content-type": "application/octet-stream", "content-length": str(length)}
+
+
+@st.composite
+def _pipelined(draw: st.DrawFn) -> tuple[list[bytes], list[int]]:
+    """A few requests' bodies (small, around DIRECT_BODY_BYTES, big) and where to cut
+    their pipelined bytes into segments."""
+    sizes = st.sampled_from(
+        [0, 3, DIRECT_BODY_BYTES - 1, DIRECT_BODY_BYTES, DIRECT_BODY_BYTES + 1, 70_000, 200_000]
+    )
+    bodies = [_pattern(n, i) for i, n in enumerate(draw(st.lists(sizes, min_size=1, max_size=4)))]
+    total = sum(len(_post_head(len(b))) + len(b) for b in bodies)
+    cuts = draw(st.lists(st.integers(1, total - 1), max_size=12, unique=True))
+    return bodies, sorted(cuts)
+
+
+@pytest.fixture(scope="module")
+def served_big() -> Iterator[Served]:
+    """One server for every example of a hypothesis test."""
+    s = Served(max_body_bytes=MIB)
+    yield s
+    s.stop()
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=_pipelined())
+def test_pipelined_bodies_cut_anywhere_are_answered_whole_and_in_order(
+    served_big: Served, case: tuple[list[bytes], list[int]]
+) -> None:
+    """Pipelined requests, small and big bodies mixed, their bytes cut into segments
+    at any points (a body's end and the next request's head in one segment, a head cut
+    in its middle): every body comes back whole, in order."""
+    bodies, cuts = case
+    data = b"".join(_post_head(len(b)) + b for b in bodies)
+    s = served_big.connect()
+    try:
+        _send_in_pieces(s, data, cuts, 0.0005)
+        f = s.makefile("rb")
+        for body in bodies:
+            assert _read_response(f) == (200, _echo_headers(len(body)), body)
+    finally:
+        s.close()
+
+
+def test_content_length_mismatches() -> None:
+    """A direct body shorter than declared: with the client gone, nothing is answered
+    and its reservation comes back; stalled, it gets 408. Longer than declared: the
+    request is answered with the declared bytes, and the rest is the next request (here
+    malformed: 400, and the connection closes)."""
+    served = Served(max_body_bytes=MIB, body_timeout=0.3, min_body_rate=1000)
+    try:
+        s = served.connect()
+        s.sendall(_post_head(200_000) + b"x" * 100_000)
+        s.shutdown(socket.SHUT_WR)
+        assert s.makefile("rb").read() == b""  # closed, no answer
+        s.close()
+        wait_until(
+            lambda: _buffered(served), lambda n: n == 0, what="the short body given back",
+            timeout=5, every=0.01,
+        )  # fmt: skip
+
+        s = served.connect()
+        s.sendall(_post_head(200_000) + b"x" * 100_000)
+        status, _, body = _read_response(s.makefile("rb"))
+        assert status == 408 and b"bytes/s" in body
+        s.close()
+
+        s = served.connect()
+        body = _pattern(DIRECT_BODY_BYTES * 2, 3)
+        s.sendall(_post_head(len(body)) + body + b"garbage that is no request\r\n\r\n")
+        f = s.makefile("rb")
+        assert _read_response(f) == (200, _echo_headers(len(body)), body)
+        status, headers, _ = _read_response(f)
+        assert status == 400 and headers["connection"] == "close"
+        assert f.read() == b""
+        s.close()
+        wait_until(
+            lambda: _buffered(served), lambda n: n == 0, what="every reservation given back",
+            timeout=5, every=0.01,
+        )  # fmt: skip
+    finally:
+        served.stop()
+
+
+def test_oversized_direct_bodies_get_413_unread_and_chunked_bodies_still_arrive() -> None:
+    served = Served(max_body_bytes=MIB)
+    try:
+        s = served.connect()
+        s.sendall(_post_head(MIB + 1) + b"x" * 50_000)
+        status, headers, body = _read_response(s.makefile("rb"))
+        assert (status, headers["connection"]) == (413, "close")
+        assert b"%d" % (MIB + 1) in body
+        s.close()
+        assert served.server.stats().buffered_bytes == 0
+
+        # A chunked body (no declared length) goes through the parser, however big.
+        payload = _pattern(150_000, 5)
+        chunks = b"".join(
+            b"%x\r\n%b\r\n" % (len(payload[i : i + 40_000]), payload[i : i + 40_000])
+            for i in range(0, len(payload), 40_000)
+        )
+        s = served.connect()
+        head = b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        _send_in_pieces(s, head + chunks + b"0\r\n\r\n", [30, 5000, 70_000], 0.002)
+        assert _read_response(s.makefile("rb")) == (200, _echo_headers(len(payload)), payload)
+        s.close()
+
+        # Both a length and chunked framing: refused (the length is not trusted).
+        s = served.connect()
+        s.sendall(
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 20000\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+        )
+        assert _read_response(s.makefile("rb"))[0] == 400
+        s.close()
+    finally:
+        served.stop()
+
+
+def test_a_request_says_when_its_first_byte_arrived() -> None:
+    """``HttpRequest.arrived`` is the time of the request's first data: a body sent over
+    0.3 s is handled at least that long after it."""
+    served = Served(max_body_bytes=MIB)
+    try:
+        s = served.connect()
+        body = b"y" * 50_000
+        data = b"POST /waited HTTP/1.1\r\nHost: x\r\nContent-Length: 50000\r\n\r\n" + body
+        _send_in_pieces(s, data, [20, 30_000], 0.15)
+        status, _, answer = _read_response(s.makefile("rb"))
+        waited, length = answer.split()
+        assert status == 200 and int(length) == len(body)
+        assert 0.29 < float(waited) < 5
+        s.close()
     finally:
         served.stop()

@@ -78,7 +78,7 @@ _encoder = msgspec.json.Encoder()
 _T = TypeVar("_T")
 
 
-def _decode(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:
+def _decode(decoder: msgspec.json.Decoder[_T], body: bytes | bytearray) -> _T:
     """``decoder.decode(body)``; a body nested past msgspec's recursion (100k ``[``) is
     a 400 like any malformed body, not a RecursionError (500)."""
     try:
@@ -280,12 +280,16 @@ class CoordinatorApp:
         says in `Server-Timing` how long it took here, from the body to the answer's
         bytes (``app``, what `bench.coordinator_bench` reports as server-side), and
         each step's part of it: ``decode``, ``hash`` (tokens form), ``probe``,
-        ``encode``, and ``gc``, the collector's pauses in between (inside the steps)."""
+        ``encode``, and ``gc``, the collector's pauses in between (inside the steps).
+        Before ``app``: ``recv``, from the data holding the request's first byte to this
+        handler (the body arriving, the HTTP parse, a wait behind a pipelined request)."""
+        recv = time.monotonic() - request.arrived if request.arrived else 0.0
         gc_before = self._gc.total if self._gc is not None else 0.0
         marks = [time.perf_counter()]
         response = self._lookup(request, marks)
         end = time.perf_counter()
-        steps = [
+        steps = [f"recv;dur={recv * 1000:.3f}"]
+        steps += [
             f"{name};dur={(t1 - t0) * 1000:.3f}"
             for name, t0, t1 in zip(_LOOKUP_STEPS, marks, marks[1:], strict=False)
         ]

@@ -535,13 +535,13 @@ def decode_any_batch(raw: bytes | msgspec.Raw, msgpack: bool, where: str = "") -
         raise msgspec.DecodeError(TOO_DEEP) from exc
 
 
-def _tolerant_batches(body: bytes, msgpack: bool) -> tuple[list[msgspec.Raw], int]:
+def _tolerant_batches(body: bytes | bytearray, msgpack: bool) -> tuple[list[msgspec.Raw], int]:
     """The body's batches undecoded, and its compact version (JSON: the current one)."""
     raw = (_msgpack_raw_events if msgpack else _json_raw_events).decode(body)
     return raw.batches, raw.version
 
 
-def decode_events(body: bytes, content_type: str, max_entries: int) -> list[AnyBatch]:
+def decode_events(body: bytes | bytearray, content_type: str, max_entries: int) -> list[AnyBatch]:
     """Decode and validate a whole `POST /events` body; raise InvalidInput on any error.
 
     Nothing is returned unless every batch is valid, so a bad body applies nothing. A
@@ -633,7 +633,7 @@ _json_lookup = msgspec.json.Decoder(LookupRequest)
 _msgpack_lookup = msgspec.msgpack.Decoder(LookupRequest)
 
 
-def decode_lookup(body: bytes, content_type: str) -> LookupRequest:
+def decode_lookup(body: bytes | bytearray, content_type: str) -> LookupRequest:
     """A lookup body, JSON or msgpack by its content type; InvalidInput when malformed.
 
     A JSON ``token_ids`` array comes back as the raw little-endian uint32 bytes that

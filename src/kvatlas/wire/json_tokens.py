@@ -28,13 +28,13 @@ import numpy.typing as npt
 
 from kvatlas.core.keys import MAX_TOKEN_ID
 
-_compiled_parse: Callable[[bytes, int, int], bytes | None] | None
+_compiled_parse: Callable[[bytes | bytearray, int, int], bytes | None] | None
 try:
     from kvatlas.wire._token_digits import parse as _compiled_parse
 except ImportError:  # installed without a C compiler: the numpy parse serves alone
     _compiled_parse = None
 
-DigitParser = Callable[[bytes, int, int], npt.NDArray[np.uint32] | None]
+DigitParser = Callable[[bytes | bytearray, int, int], npt.NDArray[np.uint32] | None]
 """Reads ``body[start:end]``, the inside of a JSON array, into uint32 tokens; None
 unless the span is exactly plain non-negative integers below 2**32 and commas."""
 
@@ -57,8 +57,8 @@ digits: a JSON integer of n > 1 digits has no leading zero, and a word with no d
 
 
 def token_ids_array(
-    body: bytes, parse: DigitParser | None = None
-) -> tuple[npt.NDArray[np.uint32], bytes] | None:
+    body: bytes | bytearray, parse: DigitParser | None = None
+) -> tuple[npt.NDArray[np.uint32], bytes | bytearray] | None:
     """The tokens of ``body``'s top-level ``token_ids`` array as uint32, and the body
     with that array emptied (``[]``, for the caller to decode the other fields); None
     when the fast path cannot prove the answer (the caller decodes ``body`` as usual).
@@ -87,19 +87,21 @@ def token_ids_array(
     return tokens, body[: open_at + 1] + body[close_at:]
 
 
-def compiled_parser(parse: Callable[[bytes, int, int], bytes | None]) -> DigitParser:
+def compiled_parser(
+    parse: Callable[[bytes | bytearray, int, int], bytes | None],
+) -> DigitParser:
     """The `DigitParser` of `_token_digits.parse` (or of that module built elsewhere):
     its bytes as a uint32 array, a view without a copy (whose ``base`` is those bytes,
     which `decode_lookup` passes on as they are)."""
 
-    def parse_array(body: bytes, start: int, end: int) -> npt.NDArray[np.uint32] | None:
+    def parse_array(body: bytes | bytearray, start: int, end: int) -> npt.NDArray[np.uint32] | None:
         raw = parse(body, start, end)
         return None if raw is None else np.frombuffer(raw, dtype="<u4")
 
     return parse_array
 
 
-def _parse_digits(body: bytes, start: int, end: int) -> npt.NDArray[np.uint32] | None:
+def _parse_digits(body: bytes | bytearray, start: int, end: int) -> npt.NDArray[np.uint32] | None:
     """The comma-separated JSON integers in ``body[start:end]``, or None unless the
     span is exactly ``ws* N , ws* N , ... ws* N ws*`` (or only whitespace) with each N
     a plain non-negative integer below 2**32 (digits only, no leading zero).
@@ -171,7 +173,7 @@ def _parse_digits(body: bytes, start: int, end: int) -> npt.NDArray[np.uint32] |
     return x.astype("<u4")
 
 
-def _words_before(body: bytes, ends: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
+def _words_before(body: bytes | bytearray, ends: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
     """The 8 bytes before each of ``ends`` as a little-endian word, from two aligned
     reads and a funnel shift (numpy would first copy an unaligned view whole)."""
     padded = np.frombuffer(body + bytes(16 - len(body) % 8), dtype="<u8")
@@ -192,7 +194,7 @@ def _words_before(body: bytes, ends: npt.NDArray[np.int64]) -> npt.NDArray[np.ui
 
 
 def _longer_numbers(
-    body: bytes, ends: npt.NDArray[np.int64], low: npt.NDArray[np.uint64]
+    body: bytes | bytearray, ends: npt.NDArray[np.int64], low: npt.NDArray[np.uint64]
 ) -> tuple[npt.NDArray[np.uint64], int] | None:
     """The values of the numbers ending at ``ends`` whose last 8 digits are ``low``
     (JSON allows 9 and 10 digits below 2**32), and the digits found beyond those 8;
