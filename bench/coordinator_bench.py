@@ -161,9 +161,23 @@ class Conn:
         self.w.close()
 
 
+def encode_request(method: str, path: str, body: bytes, ctype: str) -> bytes:
+    """The whole request's bytes, built once per scenario: the client sends the same
+    bytes every time and spends nothing per request on building them (a 218 KB
+    ``head + body`` per request cost the client an allocation and a copy)."""
+    head = (
+        f"{method} {path} HTTP/1.1\r\nHost: b\r\nContent-Type: {ctype}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    return head + body
+
+
 class BlockingConn:
     """One keep-alive connection with a blocking socket: for sequential latency, the
-    client's own overhead stays out of the way (an asyncio client adds ~30 us)."""
+    client's own overhead stays out of the way (an asyncio client adds ~30 us). Its
+    own cost per request: one ``sendall`` of pre-built bytes, a buffered read of the
+    answer's head line by line and of its body, and three clock reads (``sent_at``,
+    ``first_at``: the client's timeline of the last request)."""
 
     def __init__(self, port: int) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port))
@@ -171,14 +185,18 @@ class BlockingConn:
         self.f = self.sock.makefile("rb")
         self.timing: dict[str, float] = {}
         """The last answer's `Server-Timing` (name;dur=ms, ...): empty without one."""
+        self.sent_at = 0.0
+        """When the last request's ``sendall`` returned (the kernel holds all of it)."""
+        self.first_at = 0.0
+        """When the last answer's status line had arrived."""
 
-    def request(self, method: str, path: str, body: bytes, ctype: str) -> tuple[int, bytes]:
-        head = (
-            f"{method} {path} HTTP/1.1\r\nHost: b\r\nContent-Type: {ctype}\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n"
-        ).encode()
-        self.sock.sendall(head + body)
-        status = int(self.f.readline().split()[1])
+    def send(self, request: bytes) -> tuple[int, bytes]:
+        """Send one pre-built request (`encode_request`) and read its answer."""
+        self.sock.sendall(request)
+        self.sent_at = time.perf_counter()
+        line = self.f.readline()
+        self.first_at = time.perf_counter()
+        status = int(line.split()[1])
         length = 0
         while True:
             line = self.f.readline()
@@ -206,6 +224,10 @@ def _server_timing(value: bytes) -> dict[str, float]:
             if key == "dur":
                 out[name] = float(v)
     return out
+
+
+_CLIENT_STEPS = ("send_ms", "wait_ms", "read_ms", "unaccounted_ms")
+"""The client's side of each request's timeline (see `_lookups`)."""
 
 
 def _pct(lat: list[float], q: float) -> float:
@@ -320,21 +342,40 @@ def _lookups(
     path: str = "/directory/lookup",
 ) -> dict[str, Any]:
     conn = BlockingConn(port)
+    request = encode_request(method, path, body, ctype)
     lat = []
     timeline: list[dict[str, float]] = []
     stop_at = time.perf_counter() + seconds
     for _ in range(50):  # warm-up
-        conn.request(method, path, body, ctype)
+        conn.send(request)
     begun = time.perf_counter()
     while time.perf_counter() < stop_at and len(lat) < max_n:
         t0 = time.perf_counter()
         conn.timing = {}
-        status, data = conn.request(method, path, body, ctype)
-        took = time.perf_counter() - t0
+        status, data = conn.send(request)
+        end = time.perf_counter()
+        took = end - t0
         lat.append(took)
         assert status == 200, data[:200]
         if "app" in conn.timing:
-            timeline.append({"at_s": t0 - begun, "client_ms": took * 1000, **conn.timing})
+            # The client's side of the timeline: its send (until the kernel holds the
+            # request), its wait for the status line, and its read of the rest; and
+            # what of the wait the server does not account for (recv + app): the
+            # kernel's delivery both ways and the wake-ups of both processes.
+            wait = (conn.first_at - conn.sent_at) * 1000
+            timeline.append(
+                {
+                    "at_s": t0 - begun,
+                    "client_ms": took * 1000,
+                    "send_ms": (conn.sent_at - t0) * 1000,
+                    "wait_ms": wait,
+                    "read_ms": (end - conn.first_at) * 1000,
+                    "unaccounted_ms": took * 1000
+                    - conn.timing.get("recv", 0.0)
+                    - conn.timing["app"],
+                    **conn.timing,
+                }
+            )
     conn.close()
     out: dict[str, Any] = {"n": len(lat), "p50_ms": _pct(lat, 50), "p99_ms": _pct(lat, 99)}
     if timeline:  # the coordinator's own time per lookup and its steps (Server-Timing)
@@ -346,7 +387,14 @@ def _lookups(
                 "p99_ms": _pct([t[name] / 1000 for t in timeline], 99),
             }
             for name in timeline[0]
-            if name not in ("at_s", "client_ms")
+            if name not in ("at_s", "client_ms") and name not in _CLIENT_STEPS
+        }
+        out["client_steps"] = {
+            name: {
+                "p50_ms": _pct([t[name] / 1000 for t in timeline], 50),
+                "p99_ms": _pct([t[name] / 1000 for t in timeline], 99),
+            }
+            for name in _CLIENT_STEPS
         }
         # The tail, request by request: where the slowest 1% spent their time.
         slowest = sorted(timeline, key=lambda t: t["client_ms"])[-max(1, len(timeline) // 100) :]
@@ -443,6 +491,17 @@ def _steps(r: dict[str, Any]) -> str:
         f" / {statistics.median(x['steps'][name]['p99_ms'] for x in rounds):.3f}"
         for name in rounds[0]["steps"]
         if name != "app"
+    )
+
+
+def _client_steps(r: dict[str, Any]) -> str:
+    """The client's send, wait, read, and the time neither side accounts for."""
+    rounds = r["rounds"]
+    return ", ".join(
+        f"{name.removesuffix('_ms')}"
+        f" {statistics.median(x['client_steps'][name]['p50_ms'] for x in rounds):.3f}"
+        f" / {statistics.median(x['client_steps'][name]['p99_ms'] for x in rounds):.3f}"
+        for name in _CLIENT_STEPS
     )
 
 
@@ -606,6 +665,11 @@ def main(argv: list[str] | None = None) -> int:
         (
             "the same, each step server-side (median over rounds): p50 / p99",
             lambda: _steps(res["lookup_tokens_32k"]),
+            "",
+        ),
+        (
+            "the same, the client's side (median over rounds): p50 / p99",
+            lambda: _client_steps(res["lookup_tokens_32k"]),
             "",
         ),
         (
