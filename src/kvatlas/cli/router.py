@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
         " Less wall time on idle cores, more CPU time in all; default 1",
     )  # fmt: skip
     ap.add_argument(
+        "--tokenizer-cache-mb", type=float, default=64.0, metavar="MB",
+        help="with --tokenizer: keep the ids of recently seen text pieces (cut where a"
+        " byte-level BPE provably gives the same ids; about 1k characters each) up to this"
+        " size, so a shared system prompt, document or earlier turns are not encoded"
+        " again; 0: off. Default 64",
+    )  # fmt: skip
+    ap.add_argument(
         "--weight-p2p", type=float, default=w.p2p,
         help="kv-p2p: cost of a token read from a peer, relative to recomputing it, until"
         " the router has measured the P2P and prefill rates (then those decide)",
@@ -193,13 +200,13 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return config
 
 
-def load_tokenizer(model: str, threads: int = 1) -> LocalTokenizer:
+def load_tokenizer(model: str, threads: int = 1, cache_bytes: int = 0) -> LocalTokenizer:
     """``--tokenizer``: the model's tokenizer and chat template, through the engine's
     own loader (KvatlasError naming the source when it cannot be loaded)."""
-    load: Callable[[str, int], LocalTokenizer] = importlib.import_module(
+    load: Callable[[str, int, int], LocalTokenizer] = importlib.import_module(
         _PROMPTS_MODULE
     ).load_prompt_tokenizer
-    return load(model, threads)
+    return load(model, threads, cache_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,9 +225,18 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if not 0 <= args.tokenizer_cache_mb <= 1 << 20:
+        print(
+            "kvatlas router: --tokenizer-cache-mb must be in [0, 1048576], got"
+            f" {args.tokenizer_cache_mb:g}",
+            file=sys.stderr,
+        )
+        return 2
     if args.tokenizer is not None:
         try:
-            tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_threads)
+            tokenizer = load_tokenizer(
+                args.tokenizer, args.tokenizer_threads, int(args.tokenizer_cache_mb * (1 << 20))
+            )
         except KvatlasError as exc:
             print(f"kvatlas router: --tokenizer {args.tokenizer}: {exc}", file=sys.stderr)
             return 2

@@ -9,16 +9,24 @@ router package may not import this one), so that a router's ids are the engine's
 construction. For a Hugging Face fast tokenizer, ``PromptTokenizer`` calls its Rust
 tokenizer directly (``RustTokenizer``): the same pipeline and ids as the engine's path
 through transformers, in a fraction of its time, and with the GIL released while it
-runs. Must not: run a model, do I/O beyond loading the tokenizer's files, or decide what
-to do with a bad request (``BadRequest`` says what is wrong; callers answer).
+runs; and for a byte-level BPE it keeps the ids of recent text pieces (``PieceCache``,
+cut only where the ids provably cannot change), so the system prompt, document or
+earlier turns a prompt shares with recent ones are not encoded again. Must not: run a
+model, do I/O beyond loading the tokenizer's files, or decide what to do with a bad
+request (``BadRequest`` says what is wrong; callers answer).
 """
 
 from __future__ import annotations
 
 import re
+import sys
+from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any, Final
+
+import numpy as np
 
 from kvatlas.engine.model import HFTokenizer, Tokenizer, load_tokenizer
 from kvatlas.engine.openai_proto import BadRequest, ChatMessage, TokenizeRequest, decode_tokenize
@@ -29,6 +37,19 @@ _PIECE_CHARS: Final = 2048
 _CUT: Final = re.compile(r"(?<=[!-~]) ")
 """Where a byte-level BPE text may be cut: at a space after a printable ASCII character
 (see ``RustTokenizer``)."""
+CACHE_PIECE_CHARS: Final = 1024
+"""With a ``PieceCache``, a text is cut at the first ``_CUT`` at least this many
+characters after the previous cut (from its start: texts that share a prefix share the
+pieces inside it)."""
+_ARRAY_IS_LE_U32: Final = array("I").itemsize == 4 and sys.byteorder == "little"
+
+
+def pack_ids(ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes (the router's keys and lookups);
+    OverflowError for an id outside uint32."""
+    if _ARRAY_IS_LE_U32:
+        return array("I", ids).tobytes()
+    return np.asarray(ids, dtype="<u4").tobytes()  # pragma: no cover - big-endian hosts
 
 
 def chat_ids(
@@ -40,6 +61,19 @@ def chat_ids(
     messages = [{"role": m.role, "content": m.text()} for m in chat]
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt)
+    except Exception as exc:  # a template error is the messages' fault
+        raise BadRequest(f"cannot apply the chat template: {exc}", "messages") from exc
+
+
+def _chat_text(
+    tokenizer: RustTokenizer, chat: list[ChatMessage], add_generation_prompt: bool
+) -> str:
+    """The chat template's text, which ``chat_ids`` encodes (the same errors)."""
+    if not chat:
+        raise BadRequest("messages must not be empty", "messages")
+    messages = [{"role": m.role, "content": m.text()} for m in chat]
+    try:
+        return tokenizer.render(messages, add_generation_prompt)
     except Exception as exc:  # a template error is the messages' fault
         raise BadRequest(f"cannot apply the chat template: {exc}", "messages") from exc
 
@@ -91,15 +125,33 @@ class RustTokenizer:
     whitespace but as its first character, and nothing looks behind), and every
     pre-token is merged on its own; when no added token contains a space or strips the
     whitespace around it, the added tokens split the same way too. Any other tokenizer
-    is encoded in one piece."""
+    is encoded in one piece.
 
-    def __init__(self, hf: HFTokenizer, backend: Any, pieces: int = 1) -> None:
+    With a ``cache`` (``encode_blob``), the same cuts (every ``piece_chars`` from the
+    text's start) make pieces whose ids are kept: the ids of a text are the ids of
+    its pieces, one after the other, each from the cache or encoded now (up to
+    ``pieces`` missing pieces in one call)."""
+
+    def __init__(
+        self,
+        hf: HFTokenizer,
+        backend: Any,
+        pieces: int = 1,
+        cache: PieceCache | None = None,
+        piece_chars: int = CACHE_PIECE_CHARS,
+    ) -> None:
         self._hf = hf
         self._backend = backend
         # transformers sets this on the backend before each of its calls
         backend.encode_special_tokens = bool(getattr(hf.inner, "split_special_tokens", False))
-        self.pieces = pieces if _cuttable(backend) else 1
-        """Pieces a long text is encoded in (1: whole)."""
+        cuttable = _cuttable(backend)
+        self.pieces = pieces if cuttable else 1
+        """Pieces a long text is encoded in (1: whole), or, with ``cache``, the most
+        missing pieces encoded in one call."""
+        self.cache = cache if cuttable else None
+        """The ids of recent pieces (None: none kept, or a tokenizer that may not be cut)."""
+        self.piece_chars = piece_chars
+        """With ``cache``: the least characters of a piece (its cut is the next ``_CUT``)."""
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -128,13 +180,125 @@ class RustTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._hf.decode(ids, skip_special_tokens)
 
-    def apply_chat_template(
-        self, messages: Sequence[Any], add_generation_prompt: bool = True
-    ) -> list[int]:
+    def render(self, messages: Sequence[Any], add_generation_prompt: bool = True) -> str:
+        """The chat template's text (which ``apply_chat_template`` encodes)."""
         text = self._hf.inner.apply_chat_template(
             [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=False
         )
-        return self.encode(str(text))
+        return str(text)
+
+    def apply_chat_template(
+        self, messages: Sequence[Any], add_generation_prompt: bool = True
+    ) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt))
+
+    def encode_blob(self, text: str) -> bytes:
+        """``encode(text)`` as little-endian uint32 bytes, through the cache when there
+        is one."""
+        cache = self.cache
+        if cache is None:
+            return pack_ids(self.encode(text))
+        pieces = aligned_pieces(text, self.piece_chars)
+        found = [cache.get(p) for p in pieces]
+        missing = [i for i, b in enumerate(found) if b is None]
+        for start in range(0, len(missing), self.pieces):
+            batch = missing[start : start + self.pieces]
+            encoded = self._backend.encode_batch_fast(
+                [pieces[i] for i in batch], add_special_tokens=False
+            )
+            for i, e in zip(batch, encoded, strict=True):
+                found[i] = cache.put(pieces[i], pack_ids(e.ids))
+        return b"".join(b for b in found if b is not None)
+
+
+def aligned_pieces(text: str, every: int) -> list[str]:
+    """``text`` cut at the first ``_CUT`` at least ``every`` characters after the
+    previous cut (the first: after the start), so where a text is cut depends on its
+    characters up to the cut only: texts that share a prefix share its pieces (but the
+    last piece that reaches past the shared part)."""
+    out: list[str] = []
+    start = 0
+    while len(text) - start > every:
+        found = _CUT.search(text, start + every)
+        if found is None:
+            break
+        out.append(text[start : found.start()])
+        start = found.start()
+    out.append(text[start:])
+    return out
+
+
+class PieceCache:
+    """Recently encoded text pieces -> their ids (little-endian uint32 bytes), least
+    recently used first out once the entries' bytes pass ``max_bytes``; counts its hits
+    and misses (pieces and tokens) for the router's metrics. Only ``RustTokenizer`` cuts
+    the pieces, where the ids of a text are provably those of its pieces one after the
+    other. Not thread-safe: used from the tokenizer's thread; the counters may be read
+    from another."""
+
+    _ENTRY_OVERHEAD: Final = 100
+    """Bytes counted per entry beyond its piece and ids (the dict's slot, the objects'
+    headers: an estimate)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"a piece cache needs a positive size, got {max_bytes} bytes")
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, bytes] = OrderedDict()
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.hit_tokens = 0
+        self.miss_tokens = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _size(self, piece: str, ids: bytes) -> int:
+        return sys.getsizeof(piece) + len(ids) + self._ENTRY_OVERHEAD
+
+    def get(self, piece: str) -> bytes | None:
+        """The piece's ids if kept (a hit), else None (a miss: ``put`` them)."""
+        ids = self._entries.get(piece)
+        if ids is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(piece)
+        self.hits += 1
+        self.hit_tokens += len(ids) // 4
+        return ids
+
+    def put(self, piece: str, ids: bytes) -> bytes:
+        """Keep ``ids`` as the piece's (one larger than an eighth of the cache is not
+        kept); returns ``ids``."""
+        self.miss_tokens += len(ids) // 4
+        size = self._size(piece, ids)
+        if size > self.max_bytes // 8:
+            return ids
+        old = self._entries.pop(piece, None)
+        if old is not None:
+            self.bytes -= self._size(piece, old)
+        self._entries[piece] = ids
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            p, b = self._entries.popitem(last=False)
+            self.bytes -= self._size(p, b)
+            self.evictions += 1
+        return ids
+
+    def stats(self) -> dict[str, float]:
+        """The counters and sizes, for metrics (see ``PromptTokenizer.cache_stats``)."""
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_tokens": self.hit_tokens,
+            "miss_tokens": self.miss_tokens,
+            "evictions": self.evictions,
+            "entries": len(self._entries),
+            "bytes": self.bytes,
+            "max_bytes": self.max_bytes,
+        }
 
 
 def _cuttable(backend: Any) -> bool:
@@ -153,16 +317,18 @@ def _cuttable(backend: Any) -> bool:
     return True
 
 
-def fast_path(tokenizer: Tokenizer, pieces: int = 1) -> Tokenizer:
+def fast_path(tokenizer: Tokenizer, pieces: int = 1, cache_bytes: int = 0) -> Tokenizer:
     """``tokenizer`` through its Rust tokenizer where it has one (a Hugging Face fast
     tokenizer whose bindings have ``encode_batch_fast``; a long text in up to ``pieces``
-    at once), else itself."""
+    at once; with ``cache_bytes``, a ``PieceCache`` of that size where the tokenizer may
+    be cut), else itself."""
     if not isinstance(tokenizer, HFTokenizer):
         return tokenizer
     backend = getattr(tokenizer.inner, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "encode_batch_fast"):
         return tokenizer
-    return RustTokenizer(tokenizer, backend, pieces)
+    cache = PieceCache(cache_bytes) if cache_bytes > 0 else None
+    return RustTokenizer(tokenizer, backend, pieces, cache)
 
 
 class PromptTokenizer:
@@ -170,19 +336,47 @@ class PromptTokenizer:
     would prefill them. Not thread-safe (a tokenizer must not be used from two threads
     at once): the router calls it from one worker thread."""
 
-    def __init__(self, tokenizer: Tokenizer, source: str, pieces: int = 1) -> None:
-        self._tokenizer = fast_path(tokenizer, pieces)
+    def __init__(
+        self, tokenizer: Tokenizer, source: str, pieces: int = 1, cache_bytes: int = 0
+    ) -> None:
+        self._tokenizer = fast_path(tokenizer, pieces, cache_bytes)
         self.source = source
 
     def ids(self, body: bytes) -> list[int]:
         """The prompt's ids; BadRequest for a body the engine would refuse too."""
         return tokenize_ids(self._tokenizer, decode_tokenize(body), None)
 
+    def blob(self, body: bytes) -> bytes:
+        """``ids(body)`` as little-endian uint32 bytes (what the router keys and looks up
+        by), a text through the piece cache where there is one; BadRequest as ``ids``,
+        OverflowError for a token id outside uint32."""
+        req = decode_tokenize(body)
+        tok = self._tokenizer
+        if isinstance(tok, RustTokenizer) and tok.cache is not None:
+            if req.messages is not None:
+                return tok.encode_blob(_chat_text(tok, req.messages, req.add_generation_prompt))
+            prompt = req.prompt
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                return tok.encode_blob(prompt)
+        return pack_ids(tokenize_ids(tok, req, None))
 
-def load_prompt_tokenizer(name_or_path: str, pieces: int = 1) -> PromptTokenizer:
+    def cache_stats(self) -> dict[str, float]:
+        """The piece cache's counters (``PieceCache.stats``); empty without one."""
+        tok = self._tokenizer
+        if isinstance(tok, RustTokenizer) and tok.cache is not None:
+            return tok.cache.stats()
+        return {}
+
+
+def load_prompt_tokenizer(
+    name_or_path: str, pieces: int = 1, cache_bytes: int = 0
+) -> PromptTokenizer:
     """The tokenizer of ``name_or_path`` (an engine's ``--model``), its chat template
     compiled once here rather than in the first request's time (a long text in up to
-    ``pieces`` at once, see ``RustTokenizer``); ModelLoadError names the source."""
-    tokenizer = PromptTokenizer(load_tokenizer(name_or_path), name_or_path, pieces)
-    tokenizer.ids(_WARM_UP)
+    ``pieces`` at once, see ``RustTokenizer``; with ``cache_bytes``, the ids of recent
+    pieces kept, see ``PieceCache``); ModelLoadError names the source."""
+    tokenizer = PromptTokenizer(load_tokenizer(name_or_path), name_or_path, pieces, cache_bytes)
+    tokenizer.blob(_WARM_UP)
     return tokenizer

@@ -6,7 +6,7 @@ the engine table when scraped. Must not: decide anything (the service observes i
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -97,6 +97,49 @@ class _GcCollector(Collector):
         yield paused
 
 
+class _TokenizeCacheCollector(Collector):
+    """The router-side tokenizer's cache of text pieces (``--tokenizer-cache-mb``), read
+    at scrape time; nothing while the tokenizer keeps none."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, float]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        s = dict(self._stats())
+        if not s:
+            return
+        ns = "kvatlas_router_tokenize_cache"
+        pieces = CounterMetricFamily(
+            f"{ns}_pieces", "Text pieces the router's tokenizer looked up in its cache, by"
+            " result (hit: ids reused; miss: encoded)", labels=["result"],
+        )  # fmt: skip
+        pieces.add_metric(["hit"], s["hits"])
+        pieces.add_metric(["miss"], s["misses"])
+        tokens = CounterMetricFamily(
+            f"{ns}_tokens", "Prompt tokens from the tokenizer's cache (hit) or encoded and"
+            " then kept (miss)", labels=["result"],
+        )  # fmt: skip
+        tokens.add_metric(["hit"], s["hit_tokens"])
+        tokens.add_metric(["miss"], s["miss_tokens"])
+        yield pieces
+        yield tokens
+        yield CounterMetricFamily(
+            f"{ns}_evictions",
+            "Pieces dropped to keep the cache in its size",
+            value=s["evictions"],
+        )
+        yield GaugeMetricFamily(f"{ns}_entries", "Pieces in the cache", value=s["entries"])
+        yield GaugeMetricFamily(
+            f"{ns}_bytes", "The cache's size (pieces, their ids and an estimate of the"
+            " overhead per entry)", value=s["bytes"],
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            f"{ns}_capacity_bytes",
+            "The cache's bound (--tokenizer-cache-mb)",
+            value=s["max_bytes"],
+        )
+
+
 class RouterMetrics:
     """Counters and histograms of routing decisions, attempts and overhead."""
 
@@ -180,6 +223,10 @@ class RouterMetrics:
         )  # fmt: skip
         r.register(_EngineGauges(table, default_p2p_weight))
         r.register(_GcCollector(gc))
+
+    def watch_tokenize_cache(self, stats: Callable[[], Mapping[str, float]]) -> None:
+        """Export the router-side tokenizer's piece cache (``stats``: its counters)."""
+        self.registry.register(_TokenizeCacheCollector(stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -55,7 +55,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Final, Protocol
@@ -137,8 +137,15 @@ class LocalTokenizer(Protocol):
         """What it was loaded from (the engines' ``--model``), for ``/status`` and logs."""
         ...
 
-    def ids(self, body: bytes) -> list[int]:
-        """The prompt's ids; InvalidInput for a body the engine would refuse too."""
+    def blob(self, body: bytes) -> bytes:
+        """The prompt's ids as little-endian uint32 bytes; InvalidInput for a body the
+        engine would refuse too, OverflowError for an id outside uint32."""
+        ...
+
+    def cache_stats(self) -> Mapping[str, float]:
+        """Its cache of recently encoded text pieces, if it keeps one (``hits``,
+        ``misses``, ``hit_tokens``, ``miss_tokens``, ``evictions``, ``entries``,
+        ``bytes``, ``max_bytes``); empty when it keeps none. Read from another thread."""
         ...
 
 
@@ -200,6 +207,8 @@ class RouterService:
         self.pending = PendingPrefixes(config.chunk_size, config.pending_ttl_s)
         self.gc = GcPauses()
         self.metrics = RouterMetrics(self.table, config.weights.p2p, self.gc)
+        if tokenizer is not None:
+            self.metrics.watch_tokenize_cache(tokenizer.cache_stats)
         self.wires = Tripwires()
         self.metrics.coordinator_available.set(1 if coordinator is not None else 0)
         self._clients: dict[str, httpx.AsyncClient] = {}
@@ -397,16 +406,15 @@ class RouterService:
 
     async def _tokenize(self, engines: list[EngineState], body: bytes) -> bytes | None:
         """The prompt's ids as uint32 bytes, here (``--tokenizer``, on the tokenizer's
-        thread, which also packs them) or from an engine's ``/tokenize``; None when that
-        fails (the request is then routed by load, and its engine answers the error)."""
+        thread, which also packs them, through its piece cache where it keeps one) or
+        from an engine's ``/tokenize``; None when that fails (the request is then routed
+        by load, and its engine answers the error)."""
         if self._tokenize_pool is None:
             return await self._tokenize_on_engine(engines, body)
         tokenizer = self.tokenizer
         assert tokenizer is not None
         t0 = time.perf_counter()
-        work = asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, lambda: _uint32(tokenizer.ids(body))
-        )
+        work = asyncio.get_running_loop().run_in_executor(self._tokenize_pool, tokenizer.blob, body)
         try:
             ids = await asyncio.wait_for(work, self.config.lookup_timeout_s)
         except (InvalidInput, TimeoutError, OverflowError) as exc:
