@@ -9,24 +9,38 @@ tokenizing mode:
 
 - ``router``: ``--tokenizer tiny-random`` (the engines' own tokenizer, in the router);
 - ``engine``: no ``--tokenizer``, the router asks an engine's ``/tokenize``;
-- ``router-bpe``: ``--tokenizer smollm2-135m``, the cost of a real BPE tokenizer on a
-  4k-token prompt (its ids are not the tiny engines' bytes, so its lookups find no
-  holders: the tokenize part is what this mode measures);
-- ``router-bpe-threads``: the same with ``--tokenizer-threads 2`` (the prompt in two
-  pieces at once).
+- ``router-bpe``: ``--tokenizer smollm2-135m``, the cost of a real BPE tokenizer (its ids
+  are not the tiny engines' bytes, so its lookups find no holders: the tokenize part is
+  what this mode measures), with the router's piece cache (``--tokenizer-cache-mb``, on
+  by default);
+- ``router-bpe-nocache``: the same with ``--tokenizer-cache-mb 0``: every prompt encoded
+  whole, as a prompt that shares nothing with recent ones is;
+- ``router-bpe-threads``: ``router-bpe`` with ``--tokenizer-threads 2`` (up to two
+  pieces encoded at once).
 
-Each mode sends the same mix, one request at a time through one keep-alive client:
-``/v1/completions`` with ``max_tokens=1``, prompts of a few shared prefixes (3/4 of the
-prompt) with unique tails, so the coordinator's lookup finds holders. The router's own
-figure is read from each response's ``X-Kvatlas-Route`` header (``overhead_ms=``); the
-client-observed total is shown beside it for context. Each prompt's length as the engine
-sees it is checked from the response's usage. The target is p99 <= 5 ms.
+What "``--prompt-tokens`` tokens" means: tokens as the router's tokenizer counts them,
+which is the model's own. For ``router`` and ``engine`` that is the tiny engines' byte
+tokens, checked against each answer's ``usage.prompt_tokens``. For the ``router-bpe``
+modes the prompt text is built word by word so that SmolLM2's tokenizer yields exactly
+that many tokens (checked here on the whole text, and against the router's own count,
+``kvatlas_router_prompt_tokens_total``); the tiny engines behind count the same text in
+bytes (~1.8 per token: the "engine prompt tokens" column), which is not what is measured.
 
-Before the fleet, the ``router-bpe`` prompts' tokenizing alone, in this process, three
-ways (each call's wall and process CPU time; the ids must be equal): the engine's path
-(transformers, as ``/tokenize`` runs it), the router's (``--tokenizer``: Rust), and the
-router's with ``--tokenizer-threads`` (up to 4 pieces at once). CPU time shows the cost
-where a shared machine's wall time shows mostly the wait for a core.
+Each mode sends the same kind of mix, one request at a time through one keep-alive
+client: ``/v1/completions`` with ``max_tokens=1``, prompts of a few shared prefixes (3/4 of
+the prompt, one of ``--prefixes`` in turn) with unique tails, so the coordinator's lookup
+finds holders and the router's piece cache sees the prefixes again (the first request of
+each prefix finds nothing: with 4 prefixes in 100 requests, those 4 are the p99; the
+``repeat`` figures leave them out). The router's own figure is read from each response's
+``X-Kvatlas-Route`` header (``overhead_ms=``); the client-observed total is shown beside it
+for context. The target is p99 <= 5 ms.
+
+Before the fleet, the ``router-bpe`` prompts' tokenizing alone, in this process (each
+call's wall and process CPU time; the ids must be equal): the engine's path
+(transformers, as ``/tokenize`` runs it), the router's (``--tokenizer``: Rust, whole), the
+router's with ``--tokenizer-threads`` (up to 4 pieces at once), and the router's with its
+piece cache (the mix's prefixes come again). CPU time shows the cost where a shared
+machine's wall time shows mostly the wait for a core.
 """
 
 from __future__ import annotations
@@ -49,7 +63,7 @@ import numpy as np
 from bench.machine import describe
 from kvatlas.engine.model import HFTokenizer, load_tokenizer
 from kvatlas.engine.openai_proto import decode_tokenize
-from kvatlas.engine.prompts import load_prompt_tokenizer, tokenize_ids
+from kvatlas.engine.prompts import load_prompt_tokenizer, pack_ids, tokenize_ids
 from kvatlas.evaluation.fleet import Fleet, FleetConfig
 
 TARGET_P99_MS = 5.0
@@ -57,10 +71,13 @@ MODES = {
     "router": ("--tokenizer", "tiny-random"),
     "engine": (),
     "router-bpe": ("--tokenizer", "smollm2-135m"),
+    "router-bpe-nocache": ("--tokenizer", "smollm2-135m", "--tokenizer-cache-mb", "0"),
     "router-bpe-threads": ("--tokenizer", "smollm2-135m", "--tokenizer-threads", "2"),
 }
 _OVERHEAD = re.compile(r"overhead_ms=([0-9.]+)")
 _CACHED = re.compile(r"cached=(\d+)")
+_CACHE_BYTES = 64 << 20
+"""The router's default ``--tokenizer-cache-mb``, for the in-process comparison."""
 _STAGES = ("tokenize", "hash", "lookup", "lookup_server", "pick", "overhead_gc", "overhead")
 """The router's histograms of each step (``kvatlas_router_<step>_seconds``)."""
 
@@ -81,6 +98,25 @@ def stage_means_ms(metrics: str) -> dict[str, float]:
     return out
 
 
+def router_counts(metrics: str) -> dict[str, float]:
+    """The router's own count of the prompt tokens it tokenized and looked up
+    (``prompt_tokens``), and its piece cache's tokens by result (``cache_hit_tokens``,
+    ``cache_miss_tokens``; absent without a cache)."""
+    out: dict[str, float] = {}
+    found = re.search(r"^kvatlas_router_prompt_tokens_total (\S+)$", metrics, re.M)
+    if found:
+        out["prompt_tokens"] = float(found.group(1))
+    for result in ("hit", "miss"):
+        found = re.search(
+            rf'^kvatlas_router_tokenize_cache_tokens_total\{{result="{result}"\}} (\S+)$',
+            metrics,
+            re.M,
+        )
+        if found:
+            out[f"cache_{result}_tokens"] = float(found.group(1))
+    return out
+
+
 def _words(rng: random.Random, n_chars: int) -> str:
     """``n_chars`` of ASCII words (one byte per character, so one tiny-model token each)."""
     out: list[str] = []
@@ -89,19 +125,28 @@ def _words(rng: random.Random, n_chars: int) -> str:
         w = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9)))
         out.append(w)
         size += len(w) + 1
-    return " ".join(out)[:n_chars]
+    return (" ".join(out) + "x")[:n_chars]  # the join is n_chars - 1 long at times
 
 
-def _bpe_fit(text: str, n_tokens: int, encode: Any) -> str:
-    """The longest prefix of ``text`` (cut at a space) of at most ``n_tokens`` BPE tokens."""
-    lo, hi = 0, len(text)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if len(encode(text[:mid])) <= n_tokens:
-            lo = mid
-        else:
-            hi = mid - 1
-    return text[:lo]
+def _bpe_words(rng: random.Random, n_tokens: int, backend: Any, lead: bool) -> str:
+    """ASCII words, each after a space (but the first unless ``lead``), of exactly
+    ``n_tokens`` tokens of ``backend`` (a byte-level BPE's Rust tokenizer): a space after
+    a word always starts a new pre-token, so the text's tokens are its words' tokens
+    added up; single letters (one token each) fill the end."""
+    words = _words(rng, n_tokens * 6).split(" ")
+    spaced = [w if k == 0 and not lead else " " + w for k, w in enumerate(words)]
+    counts = [len(e.ids) for e in backend.encode_batch_fast(spaced, add_special_tokens=False)]
+    out: list[str] = []
+    total = 0
+    for w, c in zip(spaced, counts, strict=True):
+        if total + c > n_tokens:
+            break
+        out.append(w)
+        total += c
+    while total < n_tokens:
+        out.append(" a" if out or lead else "a")
+        total += 1
+    return "".join(out)
 
 
 def build_prompts(
@@ -109,22 +154,25 @@ def build_prompts(
 ) -> tuple[list[str], list[int]]:
     """``n`` prompts of ``prompt_tokens`` tokens (bytes, or SmolLM2 BPE tokens with ``bpe``):
     a shared prefix of 3/4 of the prompt (one of ``prefixes``, in turn) and a unique tail;
-    and each prompt's token count by the bench's own tokenizer."""
+    and each prompt's token count, by the bench's own tokenizer on the whole text
+    (RuntimeError if a BPE prompt is not exactly ``prompt_tokens``)."""
     rng = random.Random(seed)
     head = prompt_tokens * 3 // 4
     if not bpe:
         heads = [_words(rng, head) for _ in range(prefixes)]
         prompts = [heads[i % prefixes] + _words(rng, prompt_tokens - head) for i in range(n)]
         return prompts, [len(p.encode()) for p in prompts]
-    encode = load_tokenizer("smollm2-135m").encode
-    # ~4 characters per BPE token on random words is an overestimate: fit from more text.
-    heads = [_bpe_fit(_words(rng, head * 6), head, encode) for _ in range(prefixes)]
-    prompts = []
-    for i in range(n):
-        h = heads[i % prefixes]
-        tail = _bpe_fit(_words(rng, (prompt_tokens - head) * 6), prompt_tokens - head, encode)
-        prompts.append(h + tail)
-    return prompts, [len(encode(p)) for p in prompts]
+    hf = load_tokenizer("smollm2-135m")
+    assert isinstance(hf, HFTokenizer)
+    backend = hf.inner.backend_tokenizer  # its Rust tokenizer, as the router's
+    heads = [_bpe_words(rng, head, backend, False) for _ in range(prefixes)]
+    prompts = [
+        heads[i % prefixes] + _bpe_words(rng, prompt_tokens - head, backend, True) for i in range(n)
+    ]
+    counted = [len(e.ids) for e in backend.encode_batch_fast(prompts, add_special_tokens=False)]
+    if any(c != prompt_tokens for c in counted):
+        raise RuntimeError(f"BPE prompts of {sorted(set(counted))} tokens, not {prompt_tokens}")
+    return prompts, counted
 
 
 def percentiles(xs: list[float]) -> dict[str, float]:
@@ -141,11 +189,12 @@ def percentiles(xs: list[float]) -> dict[str, float]:
 
 
 def run_mode(
-    fleet: Fleet, mode: str, bodies: list[bytes], engines: int, deadline: float
+    fleet: Fleet, mode: str, bodies: list[bytes], engines: int, deadline: float, prefixes: int
 ) -> dict[str, Any]:
     router = fleet.start_router("kv-p2p", ("--seed", "1", *MODES[mode]))
     fleet.wait_router_engines(router, engines, 60.0)
     overhead: list[float] = []
+    repeat: list[float] = []
     total: list[float] = []
     engine_tokens: list[int] = []
     cached = 0
@@ -165,6 +214,8 @@ def run_mode(
                 failed += 1
                 continue
             overhead.append(float(m.group(1)))
+            if i >= prefixes:
+                repeat.append(overhead[-1])
             total.append(elapsed)
             c = _CACHED.search(route)
             cached += int(c.group(1)) if c else 0
@@ -175,7 +226,9 @@ def run_mode(
                     f" {np.percentile(overhead, 50):.2f} ms",
                     flush=True,
                 )
-        means = stage_means_ms(http.get("/metrics").text)
+        metrics = http.get("/metrics").text
+        means = stage_means_ms(metrics)
+        counts = router_counts(metrics)
     fleet.stop(fleet.extras.pop())  # this mode's router: the next mode starts its own
     return {
         "mode": mode,
@@ -183,6 +236,8 @@ def run_mode(
         "requests": len(overhead) + failed,
         "failed": failed,
         "overhead_ms": percentiles(overhead),
+        "overhead_repeat_ms": percentiles(repeat),
+        "router_counts": counts,
         "client_total_ms": percentiles(total),
         "router_mean_ms": means,
         "expected_cached_tokens": cached,
@@ -199,18 +254,21 @@ def tokenize_costs(bodies: list[bytes]) -> dict[str, Any]:
     threads = min(4, os.cpu_count() or 1)
     router = load_prompt_tokenizer("smollm2-135m")
     pieces = load_prompt_tokenizer("smollm2-135m", threads)
+    cached = load_prompt_tokenizer("smollm2-135m", 1, _CACHE_BYTES)
     ways: dict[str, Any] = {
-        "engine (transformers)": lambda b: tokenize_ids(hf, decode_tokenize(b), None),
-        "router (--tokenizer: rust, one piece)": router.ids,
-        f"router, --tokenizer-threads {threads}": pieces.ids,
+        "engine (transformers)": lambda b: pack_ids(tokenize_ids(hf, decode_tokenize(b), None)),
+        "router (--tokenizer: rust, whole, no cache)": lambda b: pack_ids(router.ids(b)),
+        f"router, --tokenizer-threads {threads}, no cache": lambda b: pack_ids(pieces.ids(b)),
+        "router, piece cache (the mix's prefixes again)": cached.blob,
     }
     out: dict[str, Any] = {}
-    first: list[list[int]] = []
+    first: list[bytes] = []
+    warm = json.dumps({"prompt": "warm up the tokenizer's paths", "max_tokens": 1}).encode()
     for name, way in ways.items():
         wall: list[float] = []
         cpu: list[float] = []
         ids = []
-        way(bodies[0])  # warm
+        way(warm)
         for b in bodies:
             t, c = time.perf_counter(), time.process_time()
             ids.append(way(b))
@@ -262,8 +320,18 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                 " tokens (bench's count)",
                 flush=True,
             )
-            row = run_mode(fleet, mode, bodies, len(urls), time.monotonic() + args.time_limit)
+            row = run_mode(
+                fleet, mode, bodies, len(urls), time.monotonic() + args.time_limit, args.prefixes
+            )
             row["bench_prompt_tokens"] = percentiles([float(c) for c in counted])
+            routed = row["requests"] - row["failed"]
+            counted_by_router = row["router_counts"].get("prompt_tokens", 0.0)
+            row["router_prompt_tokens_mean"] = round(counted_by_router / routed, 1) if routed else 0
+            if mode != "engine" and routed == len(bodies) and counted_by_router != sum(counted):
+                raise RuntimeError(
+                    f"{mode}: the router counted {counted_by_router:.0f} prompt tokens, the"
+                    f" bench {sum(counted)}"
+                )
             rows.append(row)
 
     result: dict[str, object] = {
@@ -275,22 +343,31 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "tokenize_smollm2": costs,
     }
     print(
-        "\n| tokenizing | engine prompt tokens (p50) | router-added p50 | router-added p99"
-        " | mean tokenize / hash / lookup (coordinator's part) / pick | client total p50 / p99"
-        " | p99 <= 5 ms | failed |"
+        "\n| tokenizing | prompt tokens (router's count, mean) | engine prompt tokens (p50)"
+        " | router-added p50 | p99 | p99 without each prefix's first"
+        " | mean tokenize / hash / lookup (coordinator's part) / pick"
+        " | cache hit tokens | client total p50 / p99 | p99 <= 5 ms | failed |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         o, c, m = r["overhead_ms"], r["client_total_ms"], r["router_mean_ms"]
+        counts = r["router_counts"]
+        hit = counts.get("cache_hit_tokens")
+        seen = hit + counts.get("cache_miss_tokens", 0.0) if hit is not None else 0.0
+        share = f"{hit / seen:.0%}" if hit is not None and seen else "-"
         print(
-            f"| {r['mode']} {' '.join(r['router_flags'])} | {r['engine_prompt_tokens'].get('p50')}"
-            f" | {o.get('p50')} ms | {o.get('p99')} ms"
+            f"| {r['mode']} {' '.join(r['router_flags'])} | {r['router_prompt_tokens_mean']}"
+            f" | {r['engine_prompt_tokens'].get('p50')}"
+            f" | {o.get('p50')} ms | {o.get('p99')} ms | {r['overhead_repeat_ms'].get('p99')} ms"
             f" | {m.get('tokenize')} / {m.get('hash')} / {m.get('lookup')}"
-            f" ({m.get('lookup_server')}) / {m.get('pick')} ms"
+            f" ({m.get('lookup_server')}) / {m.get('pick')} ms | {share}"
             f" | {c.get('p50')} / {c.get('p99')} ms"
             f" | {'yes' if r['meets_target'] else 'no'} | {r['failed']}/{r['requests']} |"
         )
-    print("\n| SmolLM2 tokenizing, 4k tokens | wall p50 / p99 | CPU p50 / p99 |")
+    print(
+        f"\n| SmolLM2 tokenizing, {args.prompt_tokens} tokens, in this process"
+        " | wall p50 / p99 | CPU p50 / p99 |"
+    )
     print("|---|---|---|")
     for name, cost in costs.items():
         if isinstance(cost, dict):
