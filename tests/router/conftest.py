@@ -1,7 +1,7 @@
 """Fixtures of the router's tests: a real fleet on loopback (a coordinator and two cache
 servers as processes, two reference engines on the tiny random model in this process,
 each registered with its node's server, which advertises it), the same with P2P between
-the servers, and routers in front.
+the servers, and routers in front; and ``route``, the one reading of the route header.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvatlas.engine.config import CacheLinkConfig, EngineConfig
@@ -22,12 +23,36 @@ from kvatlas.engine.engine_app import EngineApp
 from kvatlas.engine.model import LoadedModel, load_model
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import RouterConfig
-from kvatlas.router.service import LocalTokenizer
+from kvatlas.router.service import ROUTE_HEADER, LocalTokenizer
 from kvatlas.runtime.procs import HOST, free_port
 from support.launch import Proc
 from support.services import ServerProc, start_coordinator_process, start_server_process
 
 MAX_MODEL_LEN = 2048
+
+
+def route(answer: httpx.Response | httpx.Headers) -> dict[str, str]:
+    """An answer's ``X-Kvatlas-Route`` header as a dict: engine, cached, reason,
+    overhead_ms. Its parts are ``name=value`` joined by ``"; "``; a part with no ``=``
+    belongs to the value before it (a retried request's reason ends ``"; retry"``:
+    ``reason=kv: prefix; retry``)."""
+    headers = answer.headers if isinstance(answer, httpx.Response) else answer
+    out: dict[str, str] = {}
+    last = ""
+    for part in headers[ROUTE_HEADER].split("; "):
+        name, sep, value = part.partition("=")
+        if sep:
+            out[name] = value
+            last = name
+        else:
+            assert last, f"a route header that does not begin with name=value: {part!r}"
+            out[last] += f"; {part}"
+    return out
+
+
+def retried(answer: httpx.Response | httpx.Headers) -> bool:
+    """Whether the router sent the request elsewhere after an engine failed it."""
+    return route(answer)["reason"].endswith("; retry")
 
 
 @pytest.fixture(scope="session")

@@ -20,14 +20,13 @@ import pytest
 from kvatlas.cli.router import build_parser, config_from_args, main
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import StaticEngine
-from kvatlas.router.service import ROUTE_HEADER
 from kvatlas.runtime.procs import free_port
 from support.launch import launch, python_module
 from support.services import start_server_process
 from support.tap import HttpTap
 from support.wait import wait_until
 
-from .conftest import Fleet, StartRouter
+from .conftest import Fleet, StartRouter, retried, route
 
 DOC = "".join(f"Paragraph {i}: the fleet keeps this chunk of the document. " for i in range(14))
 
@@ -41,12 +40,6 @@ def chat(content: str, **extra: Any) -> dict[str, Any]:
         "kv_transfer_params": {"cached_token_stats": True},
         **extra,
     }
-
-
-def route(resp: httpx.Response) -> dict[str, str]:
-    """The ``X-Kvatlas-Route`` header as a dict (engine, cached, reason)."""
-    items = (part.split("=", 1) for part in resp.headers[ROUTE_HEADER].split("; "))
-    return {k: v for k, v in items}
 
 
 def post(router: RouterApp, body: dict[str, Any], **kw: Any) -> httpx.Response:
@@ -301,6 +294,19 @@ def test_a_coordinator_outage_routes_by_load(fleet: Fleet) -> None:
     metrics = httpx.get(f"{router.url}/metrics", timeout=5).text
     assert re.search(r'kvatlas_router_degraded_total\{step="lookup"\} [1-9]', metrics)
     assert len(available(router)) == 2  # the last listing is kept
+
+
+def test_the_route_header_reads_in_every_form_the_router_emits() -> None:
+    first = "engine=http://a:1; cached=512; reason=kv: prefix; overhead_ms=0.250"
+    plain = httpx.Headers({"x-kvatlas-route": first})
+    second = "engine=http://b:2; cached=0; reason=least-loaded: lookup unavailable; retry"
+    again = httpx.Headers({"x-kvatlas-route": f"{second}; overhead_ms=3.000"})
+    assert route(plain) == {
+        "engine": "http://a:1", "cached": "512", "reason": "kv: prefix", "overhead_ms": "0.250"
+    }  # fmt: skip
+    assert not retried(plain)
+    assert route(again)["reason"] == "least-loaded: lookup unavailable; retry"
+    assert route(again)["overhead_ms"] == "3.000" and retried(again)
 
 
 def test_cli_refuses_bad_flags_naming_them(capsys: pytest.CaptureFixture[str]) -> None:

@@ -25,7 +25,7 @@ from kvatlas.engine.model import HFTokenizer, LoadedModel, load_tokenizer
 from kvatlas.engine.prompts import PromptTokenizer, RustTokenizer, fast_path, load_prompt_tokenizer
 from support.wait import wait_until
 
-from .conftest import Fleet, engine_config
+from .conftest import Fleet, engine_config, route
 
 DOC = "".join(f"Section {i}: what the fleet keeps about this document. " for i in range(16))
 
@@ -115,8 +115,7 @@ def test_a_router_with_its_own_tokenizer_routes_without_tokenize(fleet: Fleet) -
     def routed() -> dict[str, str]:
         r = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
-        items = (part.split("=", 1) for part in r.headers["x-kvatlas-route"].split("; "))
-        return dict(items)
+        return route(r)
 
     first = routed()
     again = wait_until(routed, lambda r: int(r["cached"]) >= 512, what="the prefix is known")
