@@ -9,7 +9,6 @@ input with either. The golden vectors of tests/core/test_keys.py hold whichever 
 
 from __future__ import annotations
 
-import importlib.util
 import platform
 from glob import glob
 from pathlib import Path
@@ -18,8 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from setuptools import Distribution, Extension
-from setuptools.command.build_ext import build_ext
+from setuptools import Extension
 
 from kvatlas.core import keys
 from kvatlas.core.errors import InvalidInput
@@ -32,15 +30,10 @@ from kvatlas.core.keys import (
     chunk_hashes,
 )
 from kvatlas.core.types import ChunkHash
+from support.extensions import build_extension
 
 C_SOURCE = Path(keys.__file__).with_name("_chain.c")
 BLAKE3_GLOB = "/usr/share/cargo/registry/blake3-*/c"
-
-
-class _BuildExt(build_ext):
-    def build_extensions(self) -> None:
-        self.compiler.src_extensions.append(".S")
-        super().build_extensions()
 
 
 @pytest.fixture(scope="session")
@@ -62,18 +55,8 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> ChainHasher:
     else:
         macros = [(f"BLAKE3_NO_{isa.upper()}", "1") for isa in keys_isas()]
         macros.append(("BLAKE3_USE_NEON", "0"))
-    out = tmp_path_factory.mktemp("chain")
     ext = Extension("_chain", sources, include_dirs=[str(c_dir)], define_macros=macros)
-    dist = Distribution({"ext_modules": [ext], "cmdclass": {"build_ext": _BuildExt}})
-    build = dist.get_command_obj("build_ext")
-    build.build_lib, build.build_temp = str(out), str(out / "tmp")  # type: ignore[attr-defined]
-    build.ensure_finalized()
-    build.run()
-    (path,) = out.glob("_chain*.so")
-    spec = importlib.util.spec_from_file_location("_chain", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = build_extension(ext, tmp_path_factory.mktemp("chain"))
     chain: ChainHasher = module.chain
     return chain
 

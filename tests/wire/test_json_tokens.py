@@ -11,7 +11,6 @@ source built here with the C compiler, as `pip install` builds it).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,13 +23,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from setuptools import Distribution, Extension
+from setuptools import Extension
 
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import MAX_TOKEN_ID, as_token_array
 from kvatlas.wire import json_tokens
 from kvatlas.wire.http_api import LookupRequest, decode_lookup
 from kvatlas.wire.json_tokens import PARSERS, DigitParser, compiled_parser, token_ids_array
+from support.extensions import build_extension
 
 JSON = "application/json"
 _reference = msgspec.json.Decoder(LookupRequest)
@@ -47,18 +47,8 @@ def compiled_module(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
         pass
     else:
         return _token_digits
-    out = tmp_path_factory.mktemp("token_digits")
-    dist = Distribution({"ext_modules": [Extension("_token_digits", [str(C_SOURCE)])]})
-    build = dist.get_command_obj("build_ext")
-    build.build_lib, build.build_temp = str(out), str(out / "tmp")  # type: ignore[attr-defined]
-    build.ensure_finalized()
-    build.run()
-    (path,) = out.glob("_token_digits*.so")
-    spec = importlib.util.spec_from_file_location("_token_digits", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    ext = Extension("_token_digits", [str(C_SOURCE)])
+    return build_extension(ext, tmp_path_factory.mktemp("token_digits"))
 
 
 @pytest.fixture(scope="session")
