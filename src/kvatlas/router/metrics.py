@@ -7,7 +7,7 @@ the engine table when scraped. Must not: decide anything (the service observes i
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Final
+from typing import Final, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -19,6 +19,39 @@ from kvatlas.runtime.gc_pauses import GENERATIONS, GcPauses
 _OVERHEAD_BUCKETS: Final = (
     0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0,
 )  # fmt: skip
+
+Step = Literal[
+    "overhead", "tokenize", "lookup", "lookup_server", "hash", "pick", "overhead_gc"
+]  # fmt: skip
+"""A step of the routing, timed per request into ``kvatlas_router_<step>_seconds``."""
+STEPS: Final[dict[Step, tuple[str, tuple[float, ...]]]] = {
+    "overhead": ("Tokenize + lookup + pick, per routed request", _OVERHEAD_BUCKETS),
+    "tokenize": (
+        "The prompt's tokenize as the router waits for it (its own with --tokenizer, else"
+        " an engine's /tokenize)",
+        _OVERHEAD_BUCKETS,
+    ),
+    "lookup": (
+        "The coordinator's prefix lookup as the router waits for it", _OVERHEAD_BUCKETS
+    ),
+    "lookup_server": (
+        "The coordinator's own time for those lookups (its Server-Timing); the rest of the"
+        " lookup's time is the network and the router",
+        _OVERHEAD_BUCKETS,
+    ),
+    "hash": (
+        "The prompt's tokens as uint32 and its full-chunk prefixes in flight (the prefixes"
+        " just sent to engines), per tokenized request",
+        _OVERHEAD_BUCKETS,
+    ),
+    "pick": ("Scoring and ranking the engines, per routed request", _OVERHEAD_BUCKETS),
+    "overhead_gc": (
+        "The garbage collector's pauses inside a request's tokenize + lookup + pick (in any"
+        " thread of the router)",
+        (0.0, *_OVERHEAD_BUCKETS),
+    ),
+}  # fmt: skip
+"""Each step's help and buckets (seconds): the histograms are made from this table."""
 
 
 class _EngineGauges(Collector):
@@ -185,38 +218,10 @@ class RouterMetrics:
             " prefixes; 0 without one, or while it is out (a lookup failed: requests are"
             " routed by load until a trial lookup in the background answers)", registry=r,
         )  # fmt: skip
-        self.overhead = Histogram(
-            f"{ns}_overhead_seconds", "Tokenize + lookup + pick, per routed request",
-            buckets=_OVERHEAD_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.tokenize = Histogram(
-            f"{ns}_tokenize_seconds", "The prompt's tokenize as the router waits for it (its"
-            " own with --tokenizer, else an engine's /tokenize)",
-            buckets=_OVERHEAD_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.lookup = Histogram(
-            f"{ns}_lookup_seconds", "The coordinator's prefix lookup as the router waits for it",
-            buckets=_OVERHEAD_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.lookup_server = Histogram(
-            f"{ns}_lookup_server_seconds", "The coordinator's own time for those lookups (its"
-            " Server-Timing); the rest of the lookup's time is the network and the router",
-            buckets=_OVERHEAD_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.hash = Histogram(
-            f"{ns}_hash_seconds", "The prompt's tokens as uint32 and its full-chunk prefixes"
-            " in flight (the prefixes just sent to engines), per tokenized request",
-            buckets=_OVERHEAD_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.pick = Histogram(
-            f"{ns}_pick_seconds", "Scoring and ranking the engines, per routed request",
-            buckets=_OVERHEAD_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.plan_gc = Histogram(
-            f"{ns}_overhead_gc_seconds", "The garbage collector's pauses inside a request's"
-            " tokenize + lookup + pick (in any thread of the router)",
-            buckets=(0.0, *_OVERHEAD_BUCKETS), registry=r,
-        )  # fmt: skip
+        self._steps = {
+            step: Histogram(f"{ns}_{step}_seconds", help_text, buckets=buckets, registry=r)
+            for step, (help_text, buckets) in STEPS.items()
+        }
         self.auth_refusals = Counter(
             f"{ns}_auth_refusals", "Requests refused with 401 for want of the fleet's token,"
             " by reason (missing, wrong)", ["reason"], registry=r,
@@ -227,6 +232,10 @@ class RouterMetrics:
     def watch_tokenize_cache(self, stats: Callable[[], Mapping[str, float]]) -> None:
         """Export the router-side tokenizer's piece cache (``stats``: its counters)."""
         self.registry.register(_TokenizeCacheCollector(stats))
+
+    def observe(self, step: Step, seconds: float) -> None:
+        """One request's time in ``step``."""
+        self._steps[step].observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

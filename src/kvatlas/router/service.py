@@ -372,7 +372,7 @@ class RouterService:
                 t_hash = time.perf_counter()
             if blob is not None:
                 pending = self.pending.leading(blob, self._clock())
-                self.metrics.hash.observe(time.perf_counter() - t_hash)
+                self.metrics.observe("hash", time.perf_counter() - t_hash)
             holders = None if blob is None else await self._lookup(blob)
             if holders is None:
                 policy = "least-loaded"
@@ -400,8 +400,8 @@ class RouterService:
         if policy != self.config.policy:
             decision = Decision(decision.ranked, f"{policy}: lookup unavailable")
         end = time.perf_counter()
-        self.metrics.pick.observe(end - t_pick)
-        self.metrics.plan_gc.observe(self.gc.total - gc0)
+        self.metrics.observe("pick", end - t_pick)
+        self.metrics.observe("overhead_gc", self.gc.total - gc0)
         return Plan(decision, policy, prompt, end - t0, blob or b"")
 
     async def _tokenize(self, engines: list[EngineState], body: bytes) -> bytes | None:
@@ -421,7 +421,7 @@ class RouterService:
             log.debug("router: cannot tokenize the prompt here: %r", exc)
             self.metrics.degraded.labels("tokenize").inc()
             return None
-        self.metrics.tokenize.observe(time.perf_counter() - t0)
+        self.metrics.observe("tokenize", time.perf_counter() - t0)
         return ids
 
     async def _tokenize_on_engine(self, engines: list[EngineState], body: bytes) -> bytes | None:
@@ -444,7 +444,7 @@ class RouterService:
             log.debug("router: /tokenize on %s failed: %r", e.url, exc)
             self.metrics.degraded.labels("tokenize").inc()
             return None
-        self.metrics.tokenize.observe(time.perf_counter() - t0)
+        self.metrics.observe("tokenize", time.perf_counter() - t0)
         return ids
 
     async def _lookup(self, blob: bytes) -> list[tuple[str, int]] | None:
@@ -468,9 +468,9 @@ class RouterService:
             self._coordinator_out(exc)
             self.metrics.degraded.labels("lookup").inc()
             return None
-        self.metrics.lookup.observe(time.perf_counter() - t0)
+        self.metrics.observe("lookup", time.perf_counter() - t0)
         if answer.server_s is not None:
-            self.metrics.lookup_server.observe(answer.server_s)
+            self.metrics.observe("lookup_server", answer.server_s)
         return [(h.instance_id, h.tokens) for h in answer.holders]
 
     def _coordinator_in(self, blob: bytes, model: str) -> bool:
@@ -529,7 +529,7 @@ class RouterService:
         except ServiceError as exc:
             return self._refuse(endpoint, 503, str(exc), "service_unavailable")
         if request.method == "POST":
-            self.metrics.overhead.observe(plan.overhead_s)
+            self.metrics.observe("overhead", plan.overhead_s)
         attempts: list[str] = []
         for choice in plan.decision.ranked:
             if len(attempts) >= self.config.max_attempts:
