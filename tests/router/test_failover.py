@@ -252,8 +252,10 @@ def test_a_stream_whose_engine_freezes_before_its_first_event_is_retried(
 
 class _CuttingEngine:
     """A fake engine on 127.0.0.1: ``/metrics`` answers 200; a stream's request gets an
-    event stream's head and a closed connection, before any event; any other request
-    gets a head that promises 1000 bytes, 20 of them, and a closed connection."""
+    event stream's head and a closed connection, before any event; a request whose body
+    says ``"whole"`` gets a 1000-byte answer, one that says ``"cut"`` the same answer's
+    first 600 bytes and a closed connection; any other request gets a head that promises
+    1000 bytes, 20 of them, and a closed connection."""
 
     def __init__(self) -> None:
         self._sock = socket.create_server((HOST, 0))
@@ -283,6 +285,14 @@ class _CuttingEngine:
                     body += more
                 if head.split(b" ")[1:2] == [b"/metrics"]:
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                elif b'"whole"' in body or b'"cut"' in body:
+                    answer = b'{"choices": [{"text": "' + b"x" * 973 + b'"}]}'
+                    assert len(answer) == 1000
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                        b"content-length: 1000\r\n\r\n"
+                        + (answer if b'"whole"' in body else answer[:600])
+                    )
                 elif b'"stream":true' in body.replace(b" ", b""):
                     conn.sendall(
                         b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
@@ -426,3 +436,44 @@ def test_a_frozen_coordinator_routes_by_load_without_waiting_and_comes_back(
         timeout=30,
     )
     assert _metric(router, "kvatlas_router_coordinator_available") == 1
+
+
+def test_an_answer_past_the_held_size_is_relayed_as_it_comes(
+    steady: EngineApp, start_router: StartRouter, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The router holds at most ``--max-held-answer-mb`` of a non-streamed answer: a
+    longer one goes to the client as it comes, whole when its engine sends it whole;
+    one cut short after that reaches the client cut (its connection closes before the
+    promised length: a client error, never a short body taken for whole), with one
+    line in the log and no traceback, and the router serves the next request."""
+    cutter = _CuttingEngine()
+    asgi = logging.getLogger("uvicorn.error")
+    asgi.addHandler(caplog.handler)
+    try:
+        router = start_router(
+            engines=(StaticEngine(cutter.url, "c"),),
+            breaker_failures=100,
+            max_held_answer_bytes=100,
+        )
+        wait_until(lambda: len(available(router)), lambda n: n == 1, what="the engine")
+        with caplog.at_level(logging.WARNING):
+            whole = _post(router, {"model": "m", "prompt": "whole"}, "completions")
+            with pytest.raises(httpx.RemoteProtocolError):
+                httpx.post(
+                    f"{router.url}/v1/completions",
+                    json={"model": "m", "prompt": "cut"},
+                    headers={"x-request-id": "cut-late"},
+                    timeout=30,
+                )
+            again = _post(router, {"model": "m", "prompt": "whole"}, "completions")
+    finally:
+        asgi.removeHandler(caplog.handler)
+        cutter.close()
+    for r in (whole, again):
+        assert len(r.content) == 1000 and r.json()["choices"][0]["text"] == "x" * 973
+        assert not retried(r)
+    lines = [r.getMessage() for r in caplog.records if "cut-late" in r.getMessage()]
+    assert len(lines) == 1 and "closes before the answer's length" in lines[0], lines
+    assert not [r for r in caplog.records if r.exc_info or "Exception in ASGI" in r.getMessage()]
+    assert _metric(router, "kvatlas_router_stream_failures_total", engine=cutter.url) == 1
+    assert _metric(router, "kvatlas_router_retries_total", engine=cutter.url) == 0

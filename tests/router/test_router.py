@@ -318,6 +318,14 @@ def test_cli_refuses_bad_flags_naming_them(capsys: pytest.CaptureFixture[str]) -
     assert "--weight-load" in capsys.readouterr().err
     assert main(["--coordinator-url", "http://127.0.0.1:1,http://127.0.0.1:1/"]) == 2
     assert "--coordinator-url names http://127.0.0.1:1 more than once" in capsys.readouterr().err
+    for bad in ("0", "-2", "nan", "inf"):
+        assert main(["--coordinator-url", "http://127.0.0.1:1", "--max-held-answer-mb", bad]) == 2
+        err = capsys.readouterr().err
+        assert "--max-held-answer-mb must be a positive size in MiB" in err, err
+    args = build_parser().parse_args(
+        ["--coordinator-url", "http://a:1", "--max-held-answer-mb", ".5"]
+    )
+    assert config_from_args(args).max_held_answer_bytes == 1 << 19
 
 
 def test_coordinator_urls_repeat_or_separate_by_commas() -> None:

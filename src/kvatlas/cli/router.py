@@ -136,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait for an engine's answer, and between two pieces of a stream",
     )  # fmt: skip
     ap.add_argument(
+        "--max-held-answer-mb", type=float, default=d.max_held_answer_bytes / 2**20,
+        help="MiB of a non-streamed answer held until it is whole (so an answer cut short"
+        " is retried elsewhere); past it the answer is relayed as it comes",
+    )  # fmt: skip
+    ap.add_argument(
         "--max-attempts", type=int, default=d.max_attempts,
         help="engines tried per request before answering 502",
     )  # fmt: skip
@@ -189,6 +194,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         coordinator_backoff_s=args.coordinator_backoff,
         connect_timeout_s=args.engine_connect_timeout,
         first_byte_timeout_s=args.engine_timeout,
+        max_held_answer_bytes=_mib(args.max_held_answer_mb, "--max-held-answer-mb"),
         max_attempts=args.max_attempts,
         breaker_failures=args.breaker_failures,
         breaker_open_s=args.breaker_open,
@@ -250,3 +256,10 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _mib(value: float, flag: str) -> int:
+    """A positive size in MiB -> bytes; ConfigError naming the flag otherwise."""
+    if not 0 < value < 2**40:  # NaN and infinity too
+        raise ConfigError(f"{flag} must be a positive size in MiB, got {value}")
+    return max(1, int(value * 2**20))

@@ -69,6 +69,12 @@ class RouterConfig:
     first_byte_timeout_s: float = 600.0
     """Seconds to wait for an engine's answer, and between two pieces of a stream
     (``--engine-timeout``)."""
+    max_held_answer_bytes: int = 4 << 20
+    """The most of a non-streamed answer the router holds before it answers the client
+    (``--max-held-answer-mb``, in MiB). An answer up to this size goes to the client
+    only once it is whole, so one its engine cuts short is retried on the next choice;
+    a bigger one is relayed as it comes past this size, and one cut short after that
+    reaches the client cut (the connection closes before its promised length)."""
     max_attempts: int = 3
     """Engines tried per request before answering 502 (``--max-attempts``)."""
     breaker_failures: int = 3
@@ -128,6 +134,10 @@ class RouterConfig:
                 raise ConfigError(f"{flag} must be positive, got {secs}")
         if self.chunk_size < 1:
             raise ConfigError(f"--chunk-size must be positive, got {self.chunk_size}")
+        if self.max_held_answer_bytes < 1:
+            raise ConfigError(
+                f"--max-held-answer-mb must be positive, got {self.max_held_answer_bytes / 2**20:g}"
+            )
         if self.max_attempts < 1:
             raise ConfigError(f"--max-attempts must be at least 1, got {self.max_attempts}")
         if self.breaker_failures < 1:

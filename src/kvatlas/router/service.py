@@ -174,7 +174,10 @@ class _Head:
     first: bytes
     """A stream's first piece; any other answer's whole body (raw, as it came)."""
     rest: AsyncIterator[bytes] | None
-    """A stream's pieces after the first; None for a whole body."""
+    """The answer's pieces after ``first``; None for a whole body."""
+    stream: bool
+    """An event stream (one broken off ends with an error event; any other answer cut
+    short closes the client's connection before its promised length)."""
 
 
 class RouterService:
@@ -592,7 +595,7 @@ class RouterService:
             async with self.wires.arm(e.url, "first_byte"):
                 resp = await client.send(req, stream=True)
                 if resp.status_code < 500:
-                    head = await _read_head(resp)
+                    head = await _read_head(resp, self.config.max_held_answer_bytes)
         except Tripped as exc:
             await self._abandon(e, choice, resp)
             self.metrics.retries.labels(e.url, exc.cause).inc()
@@ -669,6 +672,8 @@ class RouterService:
             )  # fmt: skip
         self.metrics.requests.labels(endpoint, str(resp.status_code)).inc()
         headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_BY_HOP}
+        if head.rest is not None and not head.stream and "content-length" in resp.headers:
+            headers["content-length"] = resp.headers["content-length"]  # relayed as it comes
         headers[ROUTE_HEADER] = route
         headers.setdefault(REQUEST_ID_HEADER, rid)
         ended = False
@@ -683,24 +688,22 @@ class RouterService:
         if head.rest is None:  # whole (its length is the body's): done with the engine
             return _Whole(head.first, end, status_code=resp.status_code, headers=headers)
         return _Relayed(
-            self._pieces(e, head.first, head.rest, rid, end),
+            self._pieces(e, head, rid, end),
             end,
             status_code=resp.status_code,
             headers=headers,
         )
 
     async def _pieces(
-        self,
-        e: EngineState,
-        first: bytes,
-        rest: AsyncIterator[bytes],
-        rid: str,
-        end: Callable[[], Awaitable[None]],
+        self, e: EngineState, head: _Head, rid: str, end: Callable[[], Awaitable[None]]
     ) -> AsyncIterator[bytes]:
-        """A stream's pieces as they come; one broken off ends with an error event."""
+        """An answer's pieces as they come: a stream broken off ends with an error event;
+        any other answer (one past ``max_held_answer_bytes``) ends cut (``_CutShort``)."""
+        rest = head.rest
+        assert rest is not None
         try:
-            if first:
-                yield first
+            if head.first:
+                yield head.first
             while True:
                 # armed around the await only: a trip never lands on the client's send
                 async with self.wires.arm(e.url, "stream"):
@@ -711,22 +714,18 @@ class RouterService:
                 yield piece
         except Tripped as exc:
             self.metrics.stream_failures.labels(e.url, exc.cause).inc()
-            log.warning(
-                "router: request %s: engine %s is out (%s) mid-stream: the stream ends with"
-                " an error event",
-                rid, e.url, exc.cause,
-            )  # fmt: skip
             message = f"the engine {e.url} stopped answering ({exc.cause}); this answer is cut"
+            log.warning("router: request %s: %s (%s)", rid, message, _ENDING[head.stream])
+            if not head.stream:
+                raise _CutShort from exc
             yield b"data: " + _error_body(message, "upstream_error") + b"\n\n"
         except httpx.HTTPError as exc:
             self.metrics.stream_failures.labels(e.url, "broken").inc()
             e.failed(repr(exc), self._clock(), self.config.breaker_failures, 0.0)
-            log.warning(
-                "router: request %s: engine %s broke off its stream (%r): the stream ends"
-                " with an error event",
-                rid, e.url, exc,
-            )  # fmt: skip
             message = f"the engine {e.url} broke off this answer: {exc!r}"
+            log.warning("router: request %s: %s (%s)", rid, message, _ENDING[head.stream])
+            if not head.stream:
+                raise _CutShort from exc
             yield b"data: " + _error_body(message, "upstream_error") + b"\n\n"
         finally:
             await end()
@@ -758,6 +757,17 @@ class _Whole(Response):
             await self._end()
 
 
+_ENDING: Final = {
+    True: "the stream ends with an error event",
+    False: "the client's connection closes before the answer's length",
+}
+
+
+class _CutShort(Exception):
+    """A relayed answer that is not a stream was broken off (logged where it was found):
+    the client's connection closes without the rest of it."""
+
+
 class _Relayed(StreamingResponse):
     """An engine's answer on its way to the client; ``end`` (idempotent) closes it and
     ends its accounting however the relay ends, also when the client left before the
@@ -777,16 +787,26 @@ class _Relayed(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except _CutShort:
+            pass  # the body ends unfinished: the HTTP server closes the connection
         finally:
             await self._end()
 
 
-async def _read_head(resp: httpx.Response) -> _Head:
-    """A stream's (``text/event-stream``) first piece, or any other answer whole."""
+async def _read_head(resp: httpx.Response, hold: int) -> _Head:
+    """A stream's (``text/event-stream``) first piece; any other answer whole, or its
+    first ``hold`` bytes or more and the rest of its pieces when it is longer."""
     pieces = resp.aiter_raw()
     if "text/event-stream" in resp.headers.get("content-type", ""):
-        return _Head(resp, await anext(pieces, b""), pieces)
-    return _Head(resp, b"".join([p async for p in pieces]), None)
+        return _Head(resp, await anext(pieces, b""), pieces, stream=True)
+    held: list[bytes] = []
+    size = 0
+    async for piece in pieces:
+        held.append(piece)
+        size += len(piece)
+        if size >= hold:
+            return _Head(resp, b"".join(held), pieces, stream=False)
+    return _Head(resp, b"".join(held), None, stream=False)
 
 
 def _prompt_blob(body: bytes) -> bytes | None:
