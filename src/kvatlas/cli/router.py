@@ -171,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _mib(value: float, flag: str) -> int:
+    """A positive size in MiB -> bytes; ConfigError naming the flag otherwise."""
+    if not 0 < value < 2**40:  # NaN and infinity too
+        raise ConfigError(f"{flag} must be a positive size in MiB, got {value}")
+    return max(1, int(value * 2**20))
+
+
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """Flags -> RouterConfig (validated; ConfigError names the flag)."""
     config = RouterConfig(
@@ -256,10 +263,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _mib(value: float, flag: str) -> int:
-    """A positive size in MiB -> bytes; ConfigError naming the flag otherwise."""
-    if not 0 < value < 2**40:  # NaN and infinity too
-        raise ConfigError(f"{flag} must be a positive size in MiB, got {value}")
-    return max(1, int(value * 2**20))

@@ -22,15 +22,16 @@ import re
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import pairwise
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import numpy as np
 
 from kvatlas.engine.model import HFTokenizer, Tokenizer, load_tokenizer
 from kvatlas.engine.openai_proto import BadRequest, ChatMessage, TokenizeRequest, decode_tokenize
 
+_T = TypeVar("_T")
 _WARM_UP: Final = b'{"messages":[{"role":"user","content":"hi"}]}'
 _PIECE_CHARS: Final = 2048
 """A text is cut into pieces encoded in parallel from about this many characters each."""
@@ -56,25 +57,26 @@ def chat_ids(
     tokenizer: Tokenizer, chat: list[ChatMessage], add_generation_prompt: bool = True
 ) -> list[int]:
     """The chat template's token ids (on the thread that owns ``tokenizer``)."""
-    if not chat:
-        raise BadRequest("messages must not be empty", "messages")
-    messages = [{"role": m.role, "content": m.text()} for m in chat]
-    try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt)
-    except Exception as exc:  # a template error is the messages' fault
-        raise BadRequest(f"cannot apply the chat template: {exc}", "messages") from exc
+    return _templated(
+        chat, lambda messages: tokenizer.apply_chat_template(messages, add_generation_prompt)
+    )
 
 
 def _chat_text(
     tokenizer: RustTokenizer, chat: list[ChatMessage], add_generation_prompt: bool
 ) -> str:
     """The chat template's text, which ``chat_ids`` encodes (the same errors)."""
+    return _templated(chat, lambda messages: tokenizer.render(messages, add_generation_prompt))
+
+
+def _templated(chat: list[ChatMessage], apply: Callable[[list[dict[str, str]]], _T]) -> _T:
+    """``apply`` (a chat template) to the messages; BadRequest for none, or for messages
+    the template refuses (a template error is the messages' fault)."""
     if not chat:
         raise BadRequest("messages must not be empty", "messages")
-    messages = [{"role": m.role, "content": m.text()} for m in chat]
     try:
-        return tokenizer.render(messages, add_generation_prompt)
-    except Exception as exc:  # a template error is the messages' fault
+        return apply([{"role": m.role, "content": m.text()} for m in chat])
+    except Exception as exc:
         raise BadRequest(f"cannot apply the chat template: {exc}", "messages") from exc
 
 
