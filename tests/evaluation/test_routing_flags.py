@@ -10,7 +10,7 @@ import pytest
 
 from kvatlas.cli.bench import build_parser, config_from_args, main
 from kvatlas.evaluation.fleet import ENGINE_MODEL
-from kvatlas.evaluation.routing import RoutingConfig
+from kvatlas.evaluation.routing import RUNS, RoutingConfig, selected_runs
 
 
 def routing_tokenizer(*flags: str) -> str | None:
@@ -37,6 +37,16 @@ def test_the_rate_derives_from_the_load_unless_given() -> None:
     assert routing("--routing-rate", "1.5").rate_per_s == 1.5
 
 
+def test_routing_runs_picks_runs_by_short_name_in_the_phases_order() -> None:
+    assert routing().runs == ()
+    assert [r[0] for r in selected_runs(routing().runs)] == [r[0] for r in RUNS]
+    picked = routing("--routing-runs", "kv-p2p, rr-off").runs
+    assert picked == ("kv-p2p", "rr-off")
+    assert [r[0] for r in selected_runs(picked)] == ["round-robin, P2P off", "kv-p2p"]
+    with pytest.raises(ValueError, match="unknown run fastest: the runs are rr-off, rr-on"):
+        selected_runs(["fastest"])
+
+
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
@@ -49,6 +59,9 @@ def test_the_rate_derives_from_the_load_unless_given() -> None:
         (["--routing-rate", "inf"], "--routing-rate"),
         (["--routing-requests", "0"], "--routing-requests"),
         (["--routing-engines", "1"], "--routing-engines"),
+        (["--routing-runs", "kv,fastest"], "--routing-runs"),
+        (["--routing-engine-nice", "-1"], "--routing-engine-nice"),
+        (["--routing-engine-nice", "20"], "--routing-engine-nice"),
     ],
 )
 def test_bad_routing_flags_are_a_cli_error_naming_the_flag(

@@ -22,7 +22,7 @@ from types import FrameType
 
 from kvatlas.evaluation.faults import FAULT_NAMES, FaultsConfig, run_faults
 from kvatlas.evaluation.faults_report import write_faults_report
-from kvatlas.evaluation.routing import RoutingConfig
+from kvatlas.evaluation.routing import RUN_NAMES, RoutingConfig, selected_runs
 from kvatlas.evaluation.runner import BenchConfig, run_bench
 
 MAX_ROUTING_LOAD = 2.0
@@ -101,6 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
         " router); 'engine': the router asks an engine's /tokenize",
     )  # fmt: skip
     routing.add_argument(
+        "--routing-engine-nice", type=int, default=d_r.engine_nice, metavar="N",
+        help="niceness of the engines above the rest of the fleet (default"
+        f" {d_r.engine_nice}: their prefill stands in for accelerator work and the router,"
+        " coordinator and cache servers do not wait for a CPU behind it; 0: all alike)",
+    )  # fmt: skip
+    routing.add_argument(
+        "--routing-runs", default="", metavar="NAME,...",
+        help="only these runs, comma-separated, of " + ", ".join(RUN_NAMES)
+        + " (default: all; the targets need rr-off, rr-on, kv and kv-p2p)",
+    )  # fmt: skip
+    routing.add_argument(
         "--routing-l1-size-mb", type=float, default=d_r.l1_size_mb,
         help=f"L1 per server in MiB (default {d_r.l1_size_mb:g})",
     )  # fmt: skip
@@ -133,6 +144,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise ValueError(f"--routing-rate must be a positive number, not {args.routing_rate:g}")
     if args.routing_l1_size_mb < 64:
         raise ValueError("--routing-l1-size-mb must be at least 64")
+    if not 0 <= args.routing_engine_nice <= 19:
+        raise ValueError(f"--routing-engine-nice must be 0 to 19, not {args.routing_engine_nice}")
+    runs = tuple(n.strip() for n in args.routing_runs.split(",") if n.strip())
+    try:
+        selected_runs(runs)
+    except ValueError as exc:
+        raise ValueError(f"--routing-runs: {exc}") from exc
     return replace(
         BenchConfig(),
         nodes=args.nodes,
@@ -152,6 +170,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             l1_size_mb=args.routing_l1_size_mb,
             seed=args.seed,
             tokenizer=None if args.routing_tokenizer == "engine" else args.routing_tokenizer,
+            runs=runs,
+            engine_nice=args.routing_engine_nice,
         )
         if args.routing
         else None,

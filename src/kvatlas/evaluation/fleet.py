@@ -118,6 +118,9 @@ class Proc:
     log_path: Path
     popen: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    nice: int = 0
+    """Added to the process's niceness at its start (``os.nice``): 0 runs it at the
+    harness's own priority."""
 
     @property
     def base_url(self) -> str:
@@ -258,7 +261,7 @@ class Fleet:
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
+                preexec_fn=_child_setup(proc.nice),  # noqa: PLW1509
             )
 
     def _wait_healthy(self, proc: Proc) -> None:
@@ -323,9 +326,10 @@ class Fleet:
         self._spawn(s)
         self._wait_healthy(s)
 
-    def start_extra(self, name: str, args: list[str], http_port: int) -> Proc:
-        """Start another process (``python`` + ``args``) that answers /healthz on its port."""
-        proc = Proc(name, args, http_port, self.workdir / f"{name}.log")
+    def start_extra(self, name: str, args: list[str], http_port: int, nice: int = 0) -> Proc:
+        """Start another process (``python`` + ``args``) that answers /healthz on its port,
+        ``nice`` steps below the harness's priority."""
+        proc = Proc(name, args, http_port, self.workdir / f"{name}.log", nice=nice)
         self.extras.append(proc)
         self._spawn(proc)
         self._wait_healthy(proc)
@@ -337,10 +341,14 @@ class Fleet:
         extra_args: tuple[str, ...] = (),
         names: tuple[str, ...] | None = None,
         on_start: Callable[[str, str], None] | None = None,
+        nice: int = 0,
     ) -> list[str]:
         """One reference engine in front of each server (``kvatlas.cli.engine`` with the
         fleet's chunk size); waits until each answers /healthz; returns their base URLs.
-        ``on_start(name, url)`` is called before each starts (model loading takes time)."""
+        ``on_start(name, url)`` is called before each starts (model loading takes time).
+        ``nice``: the engines run that many steps below the rest of the fleet's priority
+        (a benchmark whose engines' compute would sit on accelerators in a real fleet, so
+        that the fleet's other processes do not wait for a CPU behind it)."""
         urls: list[str] = []
         for i, srv in enumerate(self.servers):
             name = names[i] if names else f"engine-{i}"
@@ -354,7 +362,7 @@ class Fleet:
                 "--cache-port", str(srv.engine_port), "--chunk-size", str(self.cfg.chunk_size),
                 "--log-level", "WARNING", *extra_args,
             ]  # fmt: skip
-            self.start_extra(name, args, port)
+            self.start_extra(name, args, port, nice=nice)
             urls.append(url)
         return urls
 
@@ -523,3 +531,18 @@ def describe_machine() -> dict[str, str]:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
     }
+
+
+def _child_setup(nice: int) -> Callable[[], None] | None:
+    """What a child runs before it executes: it dies with the harness (Linux), and
+    lowers its priority by ``nice``."""
+    if sys.platform != "linux" and not nice:
+        return None
+
+    def setup() -> None:  # pragma: no cover - runs in the child
+        if sys.platform == "linux":
+            die_with_parent()
+        if nice:
+            os.nice(nice)
+
+    return setup

@@ -26,6 +26,7 @@ every run starts from the same caches. Must not: print (progress goes through ``
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -35,8 +36,9 @@ from typing import Any, Final
 import httpx
 import numpy as np
 
+from kvatlas.evaluation.cpu_account import machine_times, process_cpu_s
 from kvatlas.evaluation.fleet import ENGINE_MODEL as MODEL
-from kvatlas.evaluation.fleet import Fleet, FleetConfig
+from kvatlas.evaluation.fleet import Fleet, FleetConfig, Proc
 from kvatlas.evaluation.metrics import percentiles
 from kvatlas.evaluation.workload import VOCAB_SIZE
 from kvatlas.router.service import ROUTE_HEADER
@@ -57,6 +59,16 @@ RUNS: Final[tuple[tuple[str, str, bool], ...]] = (
     ("kv-p2p", "kv-p2p", True),
 )
 """(label, --policy, P2P) of each run, in order."""
+
+RUN_NAMES: Final[dict[str, str]] = {
+    "rr-off": "round-robin, P2P off",
+    "rr-on": "round-robin, P2P on",
+    "random": "random",
+    "least-loaded": "least-loaded",
+    "kv": "kv",
+    "kv-p2p": "kv-p2p",
+}
+"""The short names ``--routing-runs`` takes, and the run each names."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +119,17 @@ class RoutingConfig:
     """The router's ``--tokenizer`` (the engines' model: prompts are tokenized in the
     router, so its added latency is its own, not a busy engine's ``/tokenize``); None:
     the router asks the engines. The workload's token-id prompts need neither."""
+    engine_nice: int = 10
+    """Niceness the engines run at, above the rest of the fleet's (``--routing-engine-nice``).
+    In a real fleet an engine's prefill runs on its accelerator, and the host's CPUs
+    serve the router, the coordinator and the cache servers without waiting behind it;
+    here four CPU-bound engines share the machine's cores with them, so at the same
+    priority the router's added latency would mostly measure its wait for a CPU behind
+    the engines' prefill. At 10 the engines still get every cycle the others leave
+    (those used 4-5% of the CPU in the quiet runs); 0 runs everything alike."""
+    runs: tuple[str, ...] = ()
+    """The runs to make, by their ``RUN_NAMES`` (``--routing-runs``); empty: all of
+    ``RUNS``. The targets are evaluated only when the runs they compare were made."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,7 +374,7 @@ def _run(
 ) -> dict[str, Any]:
     with Fleet(fcfg) as fleet:
         fleet.start(lambda m: say(f"  [{label}] {m}"))
-        urls = fleet.start_engines(extra_args=("--num-threads", "1"))
+        urls = fleet.start_engines(extra_args=("--num-threads", "1"), nice=cfg.engine_nice)
         tokenizer = ("--tokenizer", cfg.tokenizer) if cfg.tokenizer else ()
         router = fleet.start_router(policy, ("--seed", str(cfg.seed), *tokenizer))
         fleet.wait_router_engines(router, len(urls), 60.0)
@@ -370,6 +393,8 @@ def _run(
                 f" {np.mean(measured):.0f} tokens/s each; give a higher --routing-load or"
                 " --routing-rate, or fewer --routing-requests"
             )
+        procs = _roles(fleet)
+        cpu0, machine0 = _cpu_by_role(procs), machine_times()
         t0 = time.monotonic()
         # a thread per request: the client must never hold a request back, or the time it
         # waited for a thread would be queueing that no TTFT counts
@@ -383,6 +408,7 @@ def _run(
                 futures.append(pool.submit(_send, http, router, req, cfg.max_tokens))
             done = [f.result() for f in futures]
         elapsed = time.monotonic() - t0
+        cpu1, machine1 = _cpu_by_role(procs), machine_times()
         status = httpx.get(f"{router}/status", timeout=10).json()
     ok = [d for d in done if d["ok"]]
     busy = {e["url"]: float(e["busy_s"]) for e in status["engines"]}
@@ -425,10 +451,47 @@ def _run(
         "engine_busy_s": {k: round(v, 2) for k, v in busy.items()},
         "busy_imbalance": round(max(busy.values()) / mean_busy, 3) if mean_busy else 0.0,
         "reasons": {r: sum(d["reason"] == r for d in ok) for r in {d["reason"] for d in ok}},
+        "cpu_s": {k: round(cpu1[k] - cpu0[k], 1) for k in cpu1 if k in cpu0},
+        "machine": machine1.since(machine0).shares() if machine0 and machine1 else {},
         "per_request": [
             {k: round(v, 1) if isinstance(v, float) else v for k, v in d.items()} for d in done
         ],
     }
+
+
+def _roles(fleet: Fleet) -> dict[str, list[Proc]]:
+    """The fleet's processes by kind: engines, cache servers, coordinator, router."""
+    extras = fleet.extras
+    return {
+        "engines": [p for p in extras if p.name.startswith("engine")],
+        "servers": list(fleet.servers),
+        "coordinator": list(fleet.coordinators),
+        "router": [p for p in extras if p.name == "router"],
+    }
+
+
+def _cpu_by_role(procs: dict[str, list[Proc]]) -> dict[str, float]:
+    """CPU seconds so far of each kind of process, and of this one (the load client);
+    a kind none of whose processes could be read is left out."""
+    out: dict[str, float] = {}
+    for role, ps in procs.items():
+        seconds = [s for p in ps if (s := process_cpu_s(p.pid)) is not None]
+        if seconds:
+            out[role] = sum(seconds)
+    own = process_cpu_s(os.getpid())
+    if own is not None:
+        out["client"] = own
+    return out
+
+
+def selected_runs(names: Sequence[str]) -> tuple[tuple[str, str, bool], ...]:
+    """The runs of ``RUNS`` that ``names`` (``RUN_NAMES`` keys) pick, in ``RUNS``'s order;
+    all of them for none. An unknown name is a ValueError naming the known ones."""
+    unknown = [n for n in names if n not in RUN_NAMES]
+    if unknown:
+        raise ValueError(f"unknown run {', '.join(unknown)}: the runs are {', '.join(RUN_NAMES)}")
+    labels = {RUN_NAMES[n] for n in names}
+    return tuple(r for r in RUNS if not labels or r[0] in labels)
 
 
 def run_routing_phase(fcfg: FleetConfig, cfg: RoutingConfig, say: Say) -> dict[str, Any]:
@@ -451,7 +514,7 @@ def run_routing_phase(fcfg: FleetConfig, cfg: RoutingConfig, say: Say) -> dict[s
     base = replace(fcfg, nodes=cfg.engines, l1_size_mb=cfg.l1_size_mb, start_timeout_s=300.0)
     runs: dict[str, Any] = {}
     stop: str | None = None
-    for label, policy, p2p in RUNS:
+    for label, policy, p2p in selected_runs(cfg.runs):
         if stop is not None:
             runs[label] = {"skipped": stop}
             continue

@@ -103,7 +103,14 @@ def markdown(result: Mapping[str, Any], plots: list[str]) -> str:
         f"Fleet: {c['engines']} nodes on 127.0.0.1, each a cache server (L1"
         f" {c['l1_size_mb']:g} MiB) with one reference engine ({rt['model']}, float32, one"
         " torch thread), a coordinator, and `kvatlas router` in front. The fleet is started"
-        " fresh for each run.",
+        " fresh for each run."
+        + (
+            f" The engines run at niceness {c['engine_nice']} above the rest of the fleet:"
+            " their prefill stands in for accelerator work, so the router, the coordinator"
+            " and the cache servers do not wait for a CPU behind it (`--routing-engine-nice`)."
+            if c.get("engine_nice")
+            else ""
+        ),
         "",
         f"Workload (seed {c['seed']}, the same sequence in every run): {c['requests']}"
         f" requests at {rate}: {rt['kinds']['doc']} questions about"
@@ -159,6 +166,24 @@ def markdown(result: Mapping[str, Any], plots: list[str]) -> str:
             f" {r['busy_share']:.0%} |"
             f" {'/'.join(f'{v:.0f}' for v in r['prefill_tokens_per_s'])} |"
         )
+    cpu = {k: r for k, r in rt["runs"].items() if r.get("cpu_s")}
+    if cpu:
+        roles = ("engines", "servers", "coordinator", "router", "client")
+        lines += [
+            "",
+            "Where the CPU went while the run sent and waited (CPU seconds per kind of"
+            " process, all of its processes together) and the machine's own accounting over"
+            " the same time (busy, idle, and stolen: time the hypervisor ran something else"
+            " on this VM's CPUs):",
+            "",
+            "| run | " + " | ".join(roles) + " | machine busy | idle | stolen |",
+            "|---|" + "---|" * (len(roles) + 3),
+        ]
+        for label, r in cpu.items():
+            mach = r.get("machine") or {}
+            cells = [f"{r['cpu_s'][k]:.0f} s" if k in r["cpu_s"] else "" for k in roles]
+            cells += [f"{mach[k]:.1%}" if k in mach else "" for k in ("busy", "idle", "steal")]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     short = {k: r["short_of_limit"] for k, r in rt["runs"].items() if "short_of_limit" in r}
     if short:
         lines += [
