@@ -186,3 +186,15 @@ def test_targets_and_report(tmp_path: Path) -> None:
         in (tmp_path / "report.md").read_text()
     )
     assert "| kv-p2p | 2 | 768 | 512 | 256 |" in md  # short of the limit
+    assert "niceness" not in md  # the engines ran at the fleet's priority
+    # where the CPU went, for the runs that measured it
+    runs["kv-p2p"] |= {
+        "cpu_s": {"engines": 150.46, "servers": 4.9, "router": 1.4, "client": 0.3},
+        "machine": {"busy": 0.8216, "idle": 0.1727, "steal": 0.0057},
+    }
+    result["routing"]["config"]["engine_nice"] = 10
+    write_routing(result, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "| kv-p2p | 150 s | 5 s |  | 1 s | 0 s | 82.2% | 17.3% | 0.6% |" in md
+    assert "| round-robin, P2P on | 0 s" not in md
+    assert "The engines run at niceness 10 above the rest of the fleet" in md
