@@ -291,7 +291,17 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--time-limit", type=float, default=300.0, help="seconds per mode")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--engine-nice",
+        type=int,
+        default=10,
+        help="niceness of the engines above the router's (default 10: their prefill stands"
+        " in for accelerator work, which a real router does not wait for a CPU behind;"
+        " 0: all alike)",
+    )
     args = ap.parse_args(argv)
+    if not 0 <= args.engine_nice <= 19:
+        ap.error(f"--engine-nice must be 0 to 19, not {args.engine_nice}")
 
     rows: list[dict[str, Any]] = []
     bpe, _ = build_prompts(args.requests, args.prompt_tokens, args.prefixes, args.seed, True)
@@ -300,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     )
     with Fleet(FleetConfig(nodes=2, l1_size_mb=256.0)) as fleet:
         fleet.start(lambda m: print(f"[router] {m}", flush=True))
-        urls = fleet.start_engines("tiny-random", ("--num-threads", "1"))
+        urls = fleet.start_engines("tiny-random", ("--num-threads", "1"), nice=args.engine_nice)
         print(f"[router] {len(urls)} tiny-random engines up", flush=True)
         for k, mode in enumerate(args.modes):
             # A seed per mode: each mode starts with its prefixes not yet cached anywhere.
@@ -337,6 +347,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     result: dict[str, object] = {
         "machine": describe(),
         "engines": "2 x tiny-random (kvatlas.cli.engine --num-threads 1)",
+        "engine_nice": args.engine_nice,
         "policy": "kv-p2p",
         "target_p99_ms": TARGET_P99_MS,
         "rows": rows,
