@@ -31,6 +31,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Final
 
 import httpx
@@ -486,6 +487,31 @@ def _cpu_by_role(procs: dict[str, list[Proc]]) -> dict[str, float]:
     return out
 
 
+PORT_TAKEN: Final = "is already in use"
+"""What a kvatlas process says when a port it must bind is taken (``PortInUse``), as the
+fleet's ``ProcessError`` quotes it from the child's log."""
+PORT_RETRIES: Final = 2
+"""Fresh fleets a run may start after one whose process found its port taken."""
+
+
+def run_with_fresh_ports(
+    run: Callable[[], dict[str, Any]], on_retry: Callable[[], None]
+) -> dict[str, Any]:
+    """``run()``, again (up to ``PORT_RETRIES`` times) when it fails because a process of
+    its fleet found its port taken: ports are picked free and released before the child
+    binds them, and on a busy machine something else can take one in between. A run
+    starts a new fleet with new ports, so nothing of the failed start carries over. Any
+    other failure is the caller's."""
+    for attempt in range(PORT_RETRIES + 1):
+        try:
+            return run()
+        except ProcessError as exc:
+            if PORT_TAKEN not in str(exc) or attempt == PORT_RETRIES:
+                raise
+            on_retry()
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 def selected_runs(names: Sequence[str]) -> tuple[tuple[str, str, bool], ...]:
     """The runs of ``RUNS`` that ``names`` (``RUN_NAMES`` keys) pick, in ``RUNS``'s order;
     all of them for none. An unknown name is a ValueError naming the known ones."""
@@ -522,7 +548,14 @@ def run_routing_phase(fcfg: FleetConfig, cfg: RoutingConfig, say: Say) -> dict[s
             continue
         try:
             fleet_cfg = replace(base, p2p=p2p)
-            run = _run(fleet_cfg, cfg, requests, pace, policy=policy, label=label, say=say)
+            run = run_with_fresh_ports(
+                partial(_run, fleet_cfg, cfg, requests, pace, policy=policy, label=label, say=say),
+                partial(
+                    say,
+                    f"  [{label}] a port was taken between its choice and its bind:"
+                    " a fresh fleet, with new ports",
+                ),
+            )
             run["short_of_limit"] = short_of_limit(
                 requests, hits, run["per_request"], run["rate_per_s"], chunk
             )
