@@ -43,6 +43,13 @@ BOUND_S = 30.0
 """Freeze to answer, generously (a loaded 2-core machine): far below the 600 s timeout."""
 LONG_PROMPT = [5 + i % 200 for i in range(1800)]
 """A prompt the reference engine takes seconds to prefill on a CPU."""
+BLOCKER_TOKENS = 1600
+"""Completion tokens of the answer a frozen engine is working on when it freezes: a few
+seconds of decoding, so that it cannot end before the freeze however fast the machine
+(at 400 tokens, capped at 248 by a 2,048-token context, a fast machine finished it
+within the half second the test waits before SIGSTOP)."""
+BLOCKER_LEN = len(LONG_PROMPT) + BLOCKER_TOKENS + 64
+"""Both engines' context: the blocker fits whole, on either (it is retried)."""
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +58,7 @@ def frozen_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
     port = free_port()
     argv = python_module(
         "kvatlas.cli.engine", "--model", "tiny-random", "--port", str(port), "--no-cache",
-        "--max-model-len", "2048", "--num-threads", "1",
+        "--max-model-len", str(BLOCKER_LEN), "--num-threads", "1",
     )  # fmt: skip
     log = tmp_path_factory.mktemp("failover") / "frozen.log"
     # a generous start: torch's import alone takes a minute on a loaded 2-core machine
@@ -64,7 +71,7 @@ def frozen_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
 
 @pytest.fixture(scope="module")
 def steady(tiny: LoadedModel) -> Iterator[EngineApp]:
-    app = EngineApp(engine_config(), model=tiny)
+    app = EngineApp(engine_config(max_model_len=BLOCKER_LEN), model=tiny)
     app.start()
     try:
         yield app
@@ -223,7 +230,9 @@ def test_a_stream_whose_engine_freezes_before_its_first_event_is_retried(
     frozen = frozen_one.url
     # a long answer it works on, and the stream queued behind it (round-robin: one to
     # the other engine between them): the stream has its head, not its first event
-    blocker = {"prompt": LONG_PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    blocker = {
+        "prompt": LONG_PROMPT, "max_tokens": BLOCKER_TOKENS, "temperature": 0, "ignore_eos": True,
+    }  # fmt: skip
     body = chat("a story", max_tokens=8, stream=True)
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
