@@ -4,14 +4,12 @@ targets and the report (the runs themselves need SmolLM2 engines: ``kvatlas benc
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvatlas.evaluation.routing import (
-    PORT_RETRIES,
     Pace,
     Request,
     RoutingConfig,
@@ -19,13 +17,11 @@ from kvatlas.evaluation.routing import (
     calibration_prompts,
     one_cache_hits,
     one_cache_limit,
-    run_with_fresh_ports,
     short_of_limit,
     targets,
     workload,
 )
 from kvatlas.evaluation.routing_report import write_routing
-from kvatlas.runtime.procs import ProcessError
 
 
 def test_the_workload_is_seeded_and_mixes_the_three_kinds() -> None:
@@ -202,34 +198,3 @@ def test_targets_and_report(tmp_path: Path) -> None:
     assert "| kv-p2p | 150 s | 5 s |  | 1 s | 0 s | 82.2% | 17.3% | 0.6% |" in md
     assert "| round-robin, P2P on | 0 s" not in md
     assert "The engines run at niceness 10 above the rest of the fleet" in md
-
-
-def test_a_run_whose_port_was_taken_gets_a_fresh_fleet_and_other_failures_do_not() -> None:
-    taken = ProcessError(
-        "node-2 exited during startup:\nkvatlas server: engine API port 127.0.0.1:13919 is"
-        " already in use; pick another --port"
-    )
-    attempts: list[int] = []
-    retries: list[int] = []
-
-    def flaky(fail: int, exc: ProcessError) -> Callable[[], dict[str, Any]]:
-        def run() -> dict[str, Any]:
-            attempts.append(1)
-            if len(attempts) <= fail:
-                raise exc
-            return {"ok": True}
-
-        return run
-
-    assert run_with_fresh_ports(flaky(1, taken), lambda: retries.append(1)) == {"ok": True}
-    assert (len(attempts), len(retries)) == (2, 1)
-    attempts.clear()
-    with pytest.raises(ProcessError, match="already in use"):  # the last try's failure
-        run_with_fresh_ports(flaky(PORT_RETRIES + 1, taken), lambda: None)
-    assert len(attempts) == PORT_RETRIES + 1
-    attempts.clear()
-    with pytest.raises(ProcessError, match="did not answer"):  # not retried
-        run_with_fresh_ports(
-            flaky(1, ProcessError("engine-0 did not answer /healthz")), lambda: None
-        )
-    assert len(attempts) == 1

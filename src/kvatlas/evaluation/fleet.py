@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Final, Self
 
 import httpx
 import msgspec
@@ -43,7 +43,6 @@ from kvatlas.runtime.procs import (
     HOST,
     ProcessError,
     die_with_parent,
-    free_port,
     free_ports,
 )
 from kvatlas.wire.coordinator_views import StatsResponse
@@ -152,6 +151,10 @@ class ServerProc(Proc):
         return f"tcp://{HOST}:{self.engine_port}"
 
 
+_PORT_PICKS: Final = 100
+"""Rounds of ``free_ports`` a fleet tries for ports it has not handed out yet."""
+
+
 class Fleet:
     """Start, probe, kill, restart and stop a coordinator and N servers on loopback."""
 
@@ -162,6 +165,8 @@ class Fleet:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.p2p = cfg.p2p
         self._http = httpx.Client(timeout=PROBE_TIMEOUT_S)
+        self._handed: set[int] = set()
+        """Every port this fleet has handed to a process (``_free_ports``)."""
         if cfg.coordinators > 1 and not cfg.kafka_bootstrap:
             raise ValueError("coordinator replicas need kafka_bootstrap (a shared log)")
         self.coordinators = [self._coordinator_proc(i) for i in range(cfg.coordinators)]
@@ -197,7 +202,7 @@ class Fleet:
     def _coordinator_proc(self, i: int) -> Proc:
         cfg = self.cfg
         name = "coordinator" if i == 0 else f"coordinator-{i}"
-        port = free_port()
+        (port,) = self._free_ports(1)
         snapshot = (
             ["--snapshot-path", str(self.workdir / f"{name}.snapshot"), "--snapshot-interval", "0"]
             if cfg.snapshot
@@ -212,10 +217,24 @@ class Fleet:
         ]  # fmt: skip
         return Proc(name, args, port, self.workdir / f"{name}.log")
 
+    def _free_ports(self, count: int) -> list[int]:
+        """``count`` free ports that this fleet has not handed out before. A picked port
+        is released at once and bound only when its process starts, so two separate
+        picks (the coordinator's, each server's three) could return the same port, and
+        the second process to bind it would exit with its port taken."""
+        out: list[int] = []
+        for _ in range(_PORT_PICKS):
+            fresh = [p for p in free_ports(count - len(out)) if p not in self._handed]
+            self._handed.update(fresh)
+            out += fresh
+            if len(out) == count:
+                return out
+        raise ProcessError(f"no {count} free ports this fleet has not used in {_PORT_PICKS} picks")
+
     def _server_proc(self, i: int) -> ServerProc:
         c = self.cfg
         iid = f"node-{i}"
-        engine_port, http_port, p2p_port = free_ports(3)
+        engine_port, http_port, p2p_port = self._free_ports(3)
         args = [
             "-m", "kvatlas.cli.server", "--host", HOST, "--port", str(engine_port),
             "--http-port", str(http_port), "--instance-id", iid,
@@ -352,7 +371,7 @@ class Fleet:
         urls: list[str] = []
         for i, srv in enumerate(self.servers):
             name = names[i] if names else f"engine-{i}"
-            port = free_port()
+            (port,) = self._free_ports(1)
             url = f"http://{HOST}:{port}"
             if on_start is not None:
                 on_start(name, url)
@@ -369,7 +388,7 @@ class Fleet:
     def start_router(self, policy: str, extra_args: tuple[str, ...] = ()) -> str:
         """``kvatlas router`` in front of the fleet (engines found through the
         coordinator); returns its base URL once it answers /healthz."""
-        port = free_port()
+        (port,) = self._free_ports(1)
         args = [
             "-m", "kvatlas.cli.router", "--host", HOST, "--port", str(port),
             "--coordinator-url", self.coordinator_url, "--policy", policy,

@@ -31,7 +31,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any, Final
 
 import httpx
@@ -396,7 +395,7 @@ def _run(
                 f" {np.mean(measured):.0f} tokens/s each; give a higher --routing-load or"
                 " --routing-rate, or fewer --routing-requests"
             )
-        procs = _roles(fleet)
+        procs = _roles(fleet, urls, router)
         cpu0, machine0 = _cpu_by_role(procs), machine_times()
         t0 = time.monotonic()
         # a thread per request: the client must never hold a request back, or the time it
@@ -462,14 +461,15 @@ def _run(
     }
 
 
-def _roles(fleet: Fleet) -> dict[str, list[Proc]]:
-    """The fleet's processes by kind: engines, cache servers, coordinator, router."""
+def _roles(fleet: Fleet, engine_urls: Sequence[str], router_url: str) -> dict[str, list[Proc]]:
+    """The fleet's processes by kind: engines, cache servers, coordinator, router (the
+    engines and the router known by the URLs their starts returned)."""
     extras = fleet.extras
     return {
-        "engines": [p for p in extras if p.name.startswith("engine")],
+        "engines": [p for p in extras if p.base_url in engine_urls],
         "servers": list(fleet.servers),
         "coordinator": list(fleet.coordinators),
-        "router": [p for p in extras if p.name == "router"],
+        "router": [p for p in extras if p.base_url == router_url],
     }
 
 
@@ -485,31 +485,6 @@ def _cpu_by_role(procs: dict[str, list[Proc]]) -> dict[str, float]:
     if own is not None:
         out["client"] = own
     return out
-
-
-PORT_TAKEN: Final = "is already in use"
-"""What a kvatlas process says when a port it must bind is taken (``PortInUse``), as the
-fleet's ``ProcessError`` quotes it from the child's log."""
-PORT_RETRIES: Final = 2
-"""Fresh fleets a run may start after one whose process found its port taken."""
-
-
-def run_with_fresh_ports(
-    run: Callable[[], dict[str, Any]], on_retry: Callable[[], None]
-) -> dict[str, Any]:
-    """``run()``, again (up to ``PORT_RETRIES`` times) when it fails because a process of
-    its fleet found its port taken: ports are picked free and released before the child
-    binds them, and on a busy machine something else can take one in between. A run
-    starts a new fleet with new ports, so nothing of the failed start carries over. Any
-    other failure is the caller's."""
-    for attempt in range(PORT_RETRIES + 1):
-        try:
-            return run()
-        except ProcessError as exc:
-            if PORT_TAKEN not in str(exc) or attempt == PORT_RETRIES:
-                raise
-            on_retry()
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def selected_runs(names: Sequence[str]) -> tuple[tuple[str, str, bool], ...]:
@@ -548,14 +523,7 @@ def run_routing_phase(fcfg: FleetConfig, cfg: RoutingConfig, say: Say) -> dict[s
             continue
         try:
             fleet_cfg = replace(base, p2p=p2p)
-            run = run_with_fresh_ports(
-                partial(_run, fleet_cfg, cfg, requests, pace, policy=policy, label=label, say=say),
-                partial(
-                    say,
-                    f"  [{label}] a port was taken between its choice and its bind:"
-                    " a fresh fleet, with new ports",
-                ),
-            )
+            run = _run(fleet_cfg, cfg, requests, pace, policy=policy, label=label, say=say)
             run["short_of_limit"] = short_of_limit(
                 requests, hits, run["per_request"], run["rate_per_s"], chunk
             )
