@@ -15,8 +15,9 @@ tokenizing mode:
   by default);
 - ``router-bpe-nocache``: the same with ``--tokenizer-cache-mb 0``: every prompt encoded
   whole, as a prompt that shares nothing with recent ones is;
-- ``router-bpe-threads``: ``router-bpe`` with ``--tokenizer-threads 2`` (up to two
-  pieces encoded at once).
+- ``router-bpe-tokenizers``: ``router-bpe`` with ``--tokenizer-encoder tokenizers``:
+  Hugging Face tokenizers' own encoder instead of fastokens (the router's default since
+  the ninth session), side by side.
 
 What "``--prompt-tokens`` tokens" means: tokens as the router's tokenizer counts them,
 which is the model's own. For ``router`` and ``engine`` that is the tiny engines' byte
@@ -37,10 +38,11 @@ for context. The target is p99 <= 5 ms.
 
 Before the fleet, the ``router-bpe`` prompts' tokenizing alone, in this process (each
 call's wall and process CPU time; the ids must be equal): the engine's path
-(transformers, as ``/tokenize`` runs it), the router's (``--tokenizer``: Rust, whole), the
-router's with ``--tokenizer-threads`` (up to 4 pieces at once), and the router's with its
-piece cache (the mix's prefixes come again). CPU time shows the cost where a shared
-machine's wall time shows mostly the wait for a core.
+(transformers, as ``/tokenize`` runs it), and the router's with each encoder (Hugging
+Face tokenizers' Rust encoder: whole, with ``--tokenizer-threads`` (up to 4 pieces at
+once), with the piece cache (the mix's prefixes come again); fastokens: whole, and with
+the piece cache, the router's default). CPU time shows the cost where a shared machine's
+wall time shows mostly the wait for a core.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ MODES = {
     "engine": (),
     "router-bpe": ("--tokenizer", "smollm2-135m"),
     "router-bpe-nocache": ("--tokenizer", "smollm2-135m", "--tokenizer-cache-mb", "0"),
-    "router-bpe-threads": ("--tokenizer", "smollm2-135m", "--tokenizer-threads", "2"),
+    "router-bpe-tokenizers": ("--tokenizer", "smollm2-135m", "--tokenizer-encoder", "tokenizers"),
 }
 _OVERHEAD = re.compile(r"overhead_ms=([0-9.]+)")
 _CACHED = re.compile(r"cached=(\d+)")
@@ -252,14 +254,18 @@ def tokenize_costs(bodies: list[bytes]) -> dict[str, Any]:
     hf = load_tokenizer("smollm2-135m")
     assert isinstance(hf, HFTokenizer)
     threads = min(4, os.cpu_count() or 1)
-    router = load_prompt_tokenizer("smollm2-135m")
-    pieces = load_prompt_tokenizer("smollm2-135m", threads)
-    cached = load_prompt_tokenizer("smollm2-135m", 1, _CACHE_BYTES)
+    rust = load_prompt_tokenizer("smollm2-135m", fast=False)
+    pieces = load_prompt_tokenizer("smollm2-135m", threads, fast=False)
+    rust_cached = load_prompt_tokenizer("smollm2-135m", 1, _CACHE_BYTES, fast=False)
+    fast = load_prompt_tokenizer("smollm2-135m")
+    fast_cached = load_prompt_tokenizer("smollm2-135m", 1, _CACHE_BYTES)
     ways: dict[str, Any] = {
         "engine (transformers)": lambda b: pack_ids(tokenize_ids(hf, decode_tokenize(b), None)),
-        "router (--tokenizer: rust, whole, no cache)": lambda b: pack_ids(router.ids(b)),
-        f"router, --tokenizer-threads {threads}, no cache": lambda b: pack_ids(pieces.ids(b)),
-        "router, piece cache (the mix's prefixes again)": cached.blob,
+        "router, tokenizers (rust), whole, no cache": rust.blob,
+        f"router, tokenizers, --tokenizer-threads {threads}, no cache": pieces.blob,
+        "router, tokenizers, piece cache (the mix's prefixes again)": rust_cached.blob,
+        "router, fastokens, whole, no cache": fast.blob,
+        "router, fastokens, piece cache (the router's default)": fast_cached.blob,
     }
     out: dict[str, Any] = {}
     first: list[bytes] = []

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvatlas.cli.router import main
+from kvatlas.engine.fast_encoder import load_fast_encoder
 from kvatlas.engine.model import HFTokenizer, load_tokenizer
 from kvatlas.engine.openai_proto import decode_tokenize
 from kvatlas.engine.prompts import (
@@ -54,10 +55,18 @@ def hf() -> HFTokenizer:
 
 
 def cached(
-    hf: HFTokenizer, max_bytes: int = 1 << 20, *, every: int = 8, pieces: int = 1
+    hf: HFTokenizer,
+    max_bytes: int = 1 << 20,
+    *,
+    every: int = 8,
+    pieces: int = 1,
+    fast: bool = False,
 ) -> RustTokenizer:
     tok = RustTokenizer(hf, hf.inner.backend_tokenizer, pieces, PieceCache(max_bytes), every)
     assert tok.cache is not None, "SmolLM2's tokenizer may be cut"
+    if fast:
+        tok.fast, why = load_fast_encoder(hf.inner.backend_tokenizer)
+        assert tok.fast is not None, why
     return tok
 
 
@@ -88,13 +97,21 @@ def test_aligned_pieces_cut_only_at_safe_spaces_and_keep_shared_prefixes(
     every=st.sampled_from([1, 4, 8, 32]),
     pieces=st.sampled_from([1, 3]),
     max_bytes=st.sampled_from([2000, 1 << 20]),
+    fast=st.booleans(),
 )
 def test_ids_through_the_cache_are_the_engines(
-    hf: HFTokenizer, prefix: str, tails: list[str], every: int, pieces: int, max_bytes: int
+    hf: HFTokenizer,
+    prefix: str,
+    tails: list[str],
+    every: int,
+    pieces: int,
+    max_bytes: int,
+    fast: bool,
 ) -> None:
     """Texts sharing a prefix, one after the other through one cache (a small one too,
-    evicting as it goes): each text's ids are the engine's for the whole text."""
-    tok = cached(hf, max_bytes, every=every, pieces=pieces)
+    evicting as it goes), encoded by tokenizers or by the fast encoder: each text's ids
+    are the engine's for the whole text."""
+    tok = cached(hf, max_bytes, every=every, pieces=pieces, fast=fast)
     for tail in [*tails, *tails]:
         text = prefix + tail
         assert tok.encode_blob(text) == pack_ids(hf.encode(text)), text
@@ -135,8 +152,9 @@ def test_bodies_through_the_cache_are_the_engines(hf: HFTokenizer) -> None:
     """Every kind of body (chats with the template's special tokens, completions, token
     ids) twice: the second time partly from the cache, the same ids."""
     with_cache = PromptTokenizer(hf, "smollm2-135m", cache_bytes=1 << 20)
-    without = PromptTokenizer(hf, "smollm2-135m")
+    without = PromptTokenizer(hf, "smollm2-135m", fast=False)  # tokenizers' own encoder
     assert without.cache_stats() == {}
+    assert with_cache.encoder.startswith("fastokens")
     chat: list[dict[str, Any]] = [
         {"role": "system", "content": BODIES[1]["messages"][0]["content"]}
     ]

@@ -95,15 +95,16 @@ def test_router_side_ids_are_smollm2s(smol: LoadedModel) -> None:
         # the router's path goes to the Rust tokenizer, not through transformers
         assert isinstance(fast_path(load_tokenizer("smollm2-135m")), RustTokenizer)
         local = load_prompt_tokenizer("smollm2-135m")
-        assert local.source == "smollm2-135m"
+        assert local.source == "smollm2-135m" and local.encoder.startswith("fastokens")
         assert_same_ids(local, engine.url)
+        assert_same_ids(load_prompt_tokenizer("smollm2-135m", fast=False), engine.url)
     finally:
         engine.stop()
 
 
 def test_a_router_with_its_own_tokenizer_routes_without_tokenize(fleet: Fleet) -> None:
     router = fleet.router(policy="kv", tokenizer=load_prompt_tokenizer("tiny-random"))
-    assert router.status().tokenizer == "local: tiny-random"
+    assert router.status().tokenizer == "local: tiny-random, encoder python"
     wait_until(
         lambda: sum(e.available for e in router.status().engines),
         lambda n: n == 2,

@@ -76,8 +76,8 @@ class RouterStatus(msgspec.Struct, frozen=True):
     """The fleet's measured P2P read rate (tokens per second of reading); None until
     measured."""
     tokenizer: str
-    """Where prompts are tokenized: ``local: <model>`` (``--tokenizer``) or ``engine``
-    (an engine's ``/tokenize``)."""
+    """Where prompts are tokenized: ``local: <model>, encoder <what encodes and why>``
+    (``--tokenizer``) or ``engine`` (an engine's ``/tokenize``)."""
 
 
 class RouterApp:
@@ -196,7 +196,7 @@ class RouterApp:
 
     def _tokens_from(self) -> str:
         tok = self.service.tokenizer
-        return "engine" if tok is None else f"local: {tok.source}"
+        return "engine" if tok is None else f"local: {tok.source}, encoder {tok.encoder}"
 
     def start(self, timeout_s: float = 30.0) -> None:
         """Serve in a thread; returns once the first listing and probes are done."""

@@ -131,15 +131,21 @@ class _GcCollector(Collector):
 
 
 class _TokenizeCacheCollector(Collector):
-    """The router-side tokenizer's cache of text pieces (``--tokenizer-cache-mb``), read
-    at scrape time; nothing while the tokenizer keeps none."""
+    """The router-side tokenizer's cache of text pieces (``--tokenizer-cache-mb``) and
+    its fast encoder's refusals, read at scrape time; nothing of what it has not."""
 
     def __init__(self, stats: Callable[[], Mapping[str, float]]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         s = dict(self._stats())
-        if not s:
+        if "fast_refused" in s:
+            yield CounterMetricFamily(
+                "kvatlas_router_tokenize_fast_refused", "Texts the fast encoder (fastokens)"
+                " refused and Hugging Face tokenizers encoded instead (a character whose"
+                " bytes have no token in the vocabulary)", value=s["fast_refused"],
+            )  # fmt: skip
+        if "hits" not in s:
             return
         ns = "kvatlas_router_tokenize_cache"
         pieces = CounterMetricFamily(
@@ -212,6 +218,11 @@ class RouterMetrics:
         self.degraded = Counter(
             f"{ns}_degraded", "Requests routed by load because a lookup step failed, by step",
             ["step"], registry=r,
+        )  # fmt: skip
+        self.tokenized = Counter(
+            f"{ns}_tokenized", "Prompts the router tokenized itself (--tokenizer), by where:"
+            " inline (a fast encoder on the event loop) or thread (the tokenizer's thread:"
+            " a slow encoder, a big body, or the thread busy)", ["where"], registry=r,
         )  # fmt: skip
         self.coordinator_available = Gauge(
             f"{ns}_coordinator_available", "1 while the router asks the coordinator for"

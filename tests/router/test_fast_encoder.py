@@ -1,0 +1,158 @@
+"""The router's fast encoder (fastokens on the tokenizer's own ``tokenizer.json``): the
+same ids as Hugging Face ``tokenizers`` on SmolLM2's byte-level BPE for texts drawn
+from what its pre-tokenizer and added tokens treat differently; taken only after its
+self-test, refused when it gives other ids, absent without the package; and cheap
+enough that the router runs it on its event loop, never beside the tokenizer's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvatlas.cli.router import build_parser
+from kvatlas.engine.fast_encoder import FastEncoder, load_fast_encoder, self_test_texts
+from kvatlas.engine.model import HFTokenizer, load_tokenizer
+from kvatlas.engine.prompts import INLINE_MAX_BYTES, PromptTokenizer, pack_ids
+from kvatlas.router.config import RouterConfig
+from kvatlas.router.service import RouterService
+
+from .test_token_cache import PARTS
+from .test_tokenizer import BODIES
+
+texts = st.one_of(
+    st.lists(st.sampled_from(PARTS), max_size=150).map("".join),
+    st.text(max_size=400),
+    st.text(st.characters(codec="utf-8"), max_size=200),
+)
+
+
+@pytest.fixture(scope="module")
+def hf() -> HFTokenizer:
+    tok = load_tokenizer("smollm2-135m")
+    assert isinstance(tok, HFTokenizer)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def fast(hf: HFTokenizer) -> FastEncoder:
+    encoder, why = load_fast_encoder(hf.inner.backend_tokenizer)
+    assert encoder is not None, why
+    assert re.fullmatch(r"fastokens: the same ids on a \d+-text self-test", why)
+    return encoder
+
+
+@settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(batch=st.lists(texts, min_size=1, max_size=4))
+def test_fast_ids_are_the_tokenizers(hf: HFTokenizer, fast: FastEncoder, batch: list[str]) -> None:
+    """Equal ids, or a refusal (ValueError) where tokenizers drops a byte the vocabulary
+    has no token for: the router then encodes that text the tokenizer's own way."""
+    backend = hf.inner.backend_tokenizer
+    want = [pack_ids(e.ids) for e in backend.encode_batch_fast(batch, add_special_tokens=False)]
+    try:
+        got = fast.blobs(batch)
+    except ValueError as exc:
+        assert "has no token in vocabulary" in str(exc), batch
+        return
+    assert got == want, batch
+    assert fast.ids(batch[0]) == list(backend.encode(batch[0], add_special_tokens=False).ids)
+
+
+def test_what_the_fast_encoder_refuses_the_tokenizer_encodes(hf: HFTokenizer) -> None:
+    """U+40000's first UTF-8 byte (0xf1) has no token in SmolLM2's vocabulary from its
+    GGUF: tokenizers drops it, fastokens refuses the text. The router's ids are still
+    the engine's, and the refusal is counted."""
+    tok = PromptTokenizer(hf, "smollm2-135m", cache_bytes=1 << 20)
+    text = "before \U00040000 after " * 3
+    with pytest.raises(ValueError, match="has no token in vocabulary"):
+        load_fast_encoder(hf.inner.backend_tokenizer)[0].blobs([text])  # type: ignore[union-attr]
+    body = json.dumps({"prompt": text}).encode()
+    assert tok.blob(body) == pack_ids(hf.encode(text)) and tok.ids(body) == hf.encode(text)
+    assert tok.encoder.startswith("fastokens") and tok.fast_refused() == 2
+    metrics = RouterService(RouterConfig(), None, tokenizer=tok).metrics.render().decode()
+    assert "kvatlas_router_tokenize_fast_refused_total 2.0" in metrics
+
+
+class _OtherMerges:
+    """SmolLM2's Rust tokenizer, but what it hands fastokens has lost some merges: a
+    fast encoder that is not the same tokenizer."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def to_str(self) -> str:
+        spec = json.loads(self._backend.to_str())
+        del spec["model"]["merges"][200:400]
+        return json.dumps(spec)
+
+
+def test_a_fast_encoder_with_other_ids_is_refused(hf: HFTokenizer) -> None:
+    backend = hf.inner.backend_tokenizer
+    encoder, why = load_fast_encoder(_OtherMerges(backend))
+    assert encoder is None and "gave other ids than the tokenizer for" in why
+    # the corpus it was refused on covers every added token, inside text too
+    corpus = self_test_texts(backend)
+    assert "<|im_start|>" in corpus and any("a <|im_end|> b" in t for t in corpus)
+
+
+def test_without_fastokens_the_tokenizers_own_encoder_serves(
+    hf: HFTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "fastokens", None)  # an import of it fails
+    assert load_fast_encoder(hf.inner.backend_tokenizer) == (None, "fastokens is not installed")
+    slow = PromptTokenizer(hf, "smollm2-135m", cache_bytes=1 << 20)
+    assert slow.encoder == "tokenizers (fastokens is not installed)"
+    assert not slow.inline_ok(b"{}")
+    monkeypatch.undo()
+    quick = PromptTokenizer(hf, "smollm2-135m", cache_bytes=1 << 20)
+    assert quick.encoder.startswith("fastokens (fastokens: the same ids")
+    asked_not = PromptTokenizer(hf, "smollm2-135m", fast=False)
+    assert asked_not.encoder == "tokenizers (not asked for)"
+    for body in [*BODIES, *BODIES]:
+        raw = json.dumps(body).encode()
+        assert slow.blob(raw) == quick.blob(raw) == asked_not.blob(raw), body
+
+
+def test_the_router_tokenizes_inline_only_when_cheap_and_its_thread_is_idle(
+    hf: HFTokenizer,
+) -> None:
+    tok = PromptTokenizer(hf, "smollm2-135m", cache_bytes=1 << 20)
+    small = json.dumps({"prompt": "a shared document. " * 200}).encode()
+    big = json.dumps({"prompt": "word " * (INLINE_MAX_BYTES // 5 + 10)}).encode()
+    assert tok.inline_ok(small) and not tok.inline_ok(big)
+
+    async def run() -> tuple[list[bytes | None], str]:
+        service = RouterService(RouterConfig(), None, tokenizer=tok)
+        try:
+            first = await service._tokenize([], small)
+            # while the thread works on the big body, a small one queues behind it
+            both = await asyncio.gather(service._tokenize([], big), service._tokenize([], small))
+            return [first, *both], service.metrics.render().decode()
+        finally:
+            await service.close()
+
+    blobs, metrics = asyncio.run(run())
+    assert blobs[0] == blobs[2] == tok.blob(small) and blobs[1] == tok.blob(big)
+    assert 'kvatlas_router_tokenized_total{where="inline"} 1.0' in metrics
+    assert 'kvatlas_router_tokenized_total{where="thread"} 2.0' in metrics
+
+
+def test_cli_names_the_encoder_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert build_parser().parse_args(["--tokenizer-encoder", "tokenizers"]).tokenizer_encoder == (
+        "tokenizers"
+    )
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--tokenizer-encoder", "tiktoken"])
+    assert "--tokenizer-encoder: invalid choice: 'tiktoken'" in capsys.readouterr().err
