@@ -238,6 +238,7 @@ def run_mode(
         "requests": len(overhead) + failed,
         "failed": failed,
         "overhead_ms": percentiles(overhead),
+        "overhead_each_ms": overhead,
         "overhead_repeat_ms": percentiles(repeat),
         "router_counts": counts,
         "client_total_ms": percentiles(total),

@@ -135,6 +135,7 @@ def test_the_router_tokenizes_inline_only_when_cheap_and_its_thread_is_idle(
 
     async def run() -> tuple[list[bytes | None], str]:
         service = RouterService(RouterConfig(), None, tokenizer=tok)
+        await service.start()  # readies the fast encoder on the loop's and the pool's thread
         try:
             first = await service._tokenize([], small)
             # while the thread works on the big body, a small one queues behind it

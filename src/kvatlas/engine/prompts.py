@@ -460,6 +460,13 @@ class PromptTokenizer:
                 out["fast_refused"] = tok.fast_refused
         return out
 
+    def warm(self) -> None:
+        """Ready the calling thread for the fast encoder (``FastEncoder.warm``); nothing
+        without one."""
+        tok = self._tokenizer
+        if isinstance(tok, RustTokenizer) and tok.fast is not None:
+            tok.fast.warm()
+
     def fast_refused(self) -> int:
         """Texts the fast encoder refused and ``tokenizers`` encoded (0 without one)."""
         tok = self._tokenizer
