@@ -17,10 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvatlas.cli.router import build_parser
+from kvatlas.cli.router import build_parser, main
 from kvatlas.engine.fast_encoder import FastEncoder, load_fast_encoder, self_test_texts
 from kvatlas.engine.model import HFTokenizer, load_tokenizer
-from kvatlas.engine.prompts import INLINE_MAX_BYTES, PromptTokenizer, pack_ids
+from kvatlas.engine.prompts import INLINE_MAX_BYTES, PromptTokenizer, RustTokenizer, pack_ids
 from kvatlas.router.config import RouterConfig
 from kvatlas.router.service import RouterService
 
@@ -114,7 +114,7 @@ def test_without_fastokens_the_tokenizers_own_encoder_serves(
     assert load_fast_encoder(hf.inner.backend_tokenizer) == (None, "fastokens is not installed")
     slow = PromptTokenizer(hf, "smollm2-135m", cache_bytes=1 << 20)
     assert slow.encoder == "tokenizers (fastokens is not installed)"
-    assert not slow.inline_ok(b"{}")
+    assert not slow.inline_ok(b"{}") and slow.verify(b'{"prompt":"x"}', b"") is None
     monkeypatch.undo()
     quick = PromptTokenizer(hf, "smollm2-135m", cache_bytes=1 << 20)
     assert quick.encoder.startswith("fastokens (fastokens: the same ids")
@@ -157,3 +157,84 @@ def test_cli_names_the_encoder_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--tokenizer-encoder", "tiktoken"])
     assert "--tokenizer-encoder: invalid choice: 'tiktoken'" in capsys.readouterr().err
+
+
+def _metric(text: str, name: str) -> float:
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+async def _tokenize_and_wait_for_checks(
+    service: RouterService, bodies: list[bytes], checks: int
+) -> str:
+    """Tokenize ``bodies`` one after the other, each after the previous one's check
+    ended; the router's metrics once ``checks`` checks are counted (10 s at most)."""
+    for body in bodies:
+        await service._tokenize([], body)
+        for _ in range(1000):
+            if not service._verifying:
+                break
+            await asyncio.sleep(0.01)
+    text = service.metrics.render().decode()
+    name = "kvatlas_router_tokenize_verified_total"
+    counted = _metric(text, f'{name}{{result="same"}}') + _metric(
+        text, f'{name}{{result="different"}}'
+    )
+    assert counted == checks, text
+    return text
+
+
+def test_live_prompts_are_checked_against_the_tokenizers_own_encoder(hf: HFTokenizer) -> None:
+    tok = PromptTokenizer(hf, "smollm2-135m", cache_bytes=1 << 20)
+    bodies = [json.dumps(b).encode() for b in BODIES]
+
+    async def run() -> str:
+        service = RouterService(RouterConfig(tokenizer_verify_every=2), None, tokenizer=tok)
+        await service.start()
+        try:
+            return await _tokenize_and_wait_for_checks(service, bodies, len(bodies) // 2)
+        finally:
+            await service.close()
+
+    text = asyncio.run(run())
+    assert (
+        _metric(text, 'kvatlas_router_tokenize_verified_total{result="same"}') == len(BODIES) // 2
+    )
+    assert tok.encoder.startswith("fastokens")
+
+
+def test_a_fast_encoder_that_differs_on_a_live_prompt_is_switched_off(hf: HFTokenizer) -> None:
+    """A fast encoder that passed no self-test (its merges cut) stands in: the first
+    checked prompt shows it, and from the next one on the tokenizer's own encoder
+    serves, its piece cache emptied of what the fast one put there."""
+    tok = PromptTokenizer(hf, "smollm2-135m", cache_bytes=1 << 20)
+    rust = tok._tokenizer
+    assert isinstance(rust, RustTokenizer)
+    other = json.loads(_OtherMerges(hf.inner.backend_tokenizer).to_str())
+    module = pytest.importorskip("fastokens")
+    rust.fast = FastEncoder(module.Tokenizer.from_json_str(json.dumps(other)), False)
+    text = "The merges of this encoder were cut, so its ids differ. " * 20
+    body = json.dumps({"prompt": text}).encode()
+    assert tok.blob(body) != pack_ids(hf.encode(text))  # the stand-in is wrong
+
+    async def run() -> str:
+        service = RouterService(RouterConfig(tokenizer_verify_every=1), None, tokenizer=tok)
+        await service.start()
+        try:
+            return await _tokenize_and_wait_for_checks(service, [body], 1)
+        finally:
+            await service.close()
+
+    metrics = asyncio.run(run())
+    assert 'kvatlas_router_tokenize_verified_total{result="different"} 1.0' in metrics
+    assert tok.blob(body) == pack_ids(hf.encode(text))
+    assert tok.encoder == (
+        "tokenizers (switched off: other ids than the tokenizer's own on a live prompt)"
+    )
+    assert not tok.inline_ok(body) and tok.cache_stats()["entries"] >= 1
+
+
+def test_cli_refuses_a_negative_check_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--engine", "http://127.0.0.1:1=x", "--port", "0", "--tokenizer", "tiny-random"]
+    assert main([*argv, "--tokenizer-verify-every", "-1"]) == 2
+    assert "--tokenizer-verify-every must be in [0, 1000000], got -1" in capsys.readouterr().err

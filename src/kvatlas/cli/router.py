@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
         " tokenizers: Hugging Face tokenizers' own encoder)",
     )  # fmt: skip
     ap.add_argument(
+        "--tokenizer-verify-every", type=int, default=d.tokenizer_verify_every, metavar="N",
+        help="with a fast encoder: encode one prompt in N again with the tokenizer's own"
+        " encoder, in the background after routing it, and switch the fast encoder off on"
+        " a mismatch (kvatlas_router_tokenize_verified_total); 0: never. Default 64",
+    )  # fmt: skip
+    ap.add_argument(
         "--tokenizer-cache-mb", type=float, default=64.0, metavar="MB",
         help="with --tokenizer: keep the ids of recently seen text pieces (cut where a"
         " byte-level BPE provably gives the same ids; about 1k characters each) up to this"
@@ -215,6 +221,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         seed=args.seed,
         chunk_size=args.chunk_size,
         pending_ttl_s=args.pending_ttl,
+        tokenizer_verify_every=args.tokenizer_verify_every,
     )
     config.validate()
     return config

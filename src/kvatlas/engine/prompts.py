@@ -158,6 +158,10 @@ class RustTokenizer:
     ) -> None:
         self._hf = hf
         self._backend = backend
+        self.hf = hf
+        """The transformers tokenizer (its chat template)."""
+        self.backend = backend
+        """The Rust tokenizer (``tokenizers.Tokenizer``)."""
         self.fast: FastEncoder | None = None
         """fastokens on the same ``tokenizer.json``, proven on a self-test corpus
         (``fast_encoder``): encodes in its stead where set."""
@@ -333,6 +337,11 @@ class PieceCache:
             self.evictions += 1
         return ids
 
+    def clear(self) -> None:
+        """Forget every piece (the counters stay)."""
+        self._entries.clear()
+        self.bytes = 0
+
     def stats(self) -> dict[str, float]:
         """The counters and sizes, for metrics (see ``PromptTokenizer.cache_stats``)."""
         return {
@@ -407,6 +416,14 @@ class PromptTokenizer:
     ) -> None:
         self._tokenizer = fast_path(tokenizer, pieces, cache_bytes, fast)
         self.source = source
+        self._reference: RustTokenizer | None = None
+        """The tokenizer's own encoder on a backend of its own (``verify``'s thread)."""
+        self._distrust = ""
+        """Why the fast encoder is to be switched off at the next ``blob`` ("": not)."""
+        rust = self._tokenizer
+        if isinstance(rust, RustTokenizer) and rust.fast is not None:
+            backend = type(rust.backend).from_str(rust.backend.to_str())
+            self._reference = RustTokenizer(rust.hf, backend)
 
     @property
     def encoder(self) -> str:
@@ -438,6 +455,11 @@ class PromptTokenizer:
         OverflowError for a token id outside uint32."""
         req = decode_tokenize(body)
         tok = self._tokenizer
+        if self._distrust and isinstance(tok, RustTokenizer) and tok.fast is not None:
+            # here, on the one thread that encodes now: the cache is this thread's too
+            tok.fast, tok.fast_note = None, f"switched off: {self._distrust}"
+            if tok.cache is not None:
+                tok.cache.clear()
         if isinstance(tok, RustTokenizer) and tok.cache is not None:
             if req.messages is not None:
                 return tok.encode_blob(_chat_text(tok, req.messages, req.add_generation_prompt))
@@ -459,6 +481,24 @@ class PromptTokenizer:
             if tok.fast is not None:
                 out["fast_refused"] = tok.fast_refused
         return out
+
+    def verify(self, body: bytes, blob: bytes) -> bool | None:
+        """Whether the tokenizer's own encoder gives ``blob`` for ``body``; None without
+        a fast encoder in use (nothing to check). Safe on a thread of its own beside
+        ``blob``: it shares no encoder and no cache with it (the chat template's
+        rendering is stateless)."""
+        ref, tok = self._reference, self._tokenizer
+        if ref is None or not isinstance(tok, RustTokenizer) or tok.fast is None:
+            return None
+        try:
+            return pack_ids(tokenize_ids(ref, decode_tokenize(body), None)) == blob
+        except (BadRequest, OverflowError):
+            return None  # nothing to compare: the fast path's ids came from this body
+
+    def distrust(self, why: str) -> None:
+        """Switch the fast encoder off at the next ``blob`` (and empty the piece cache
+        it filled); any thread."""
+        self._distrust = why or "distrusted"
 
     def warm(self) -> None:
         """Ready the calling thread for the fast encoder (``FastEncoder.warm``); nothing

@@ -89,11 +89,21 @@ class RouterConfig:
     pending_ttl_s: float = 60.0
     """Seconds a prefix just sent to an engine counts as that engine's before the
     coordinator reports it (``--pending-ttl``)."""
+    tokenizer_verify_every: int = 64
+    """With a fast encoder (``--tokenizer``), one prompt in this many is encoded again
+    by the tokenizer's own encoder on a thread of its own, after the request was routed,
+    and a mismatch switches the fast encoder off (``--tokenizer-verify-every``; 0: never).
+    One check at a time: a prompt whose turn comes while one runs is not checked."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the flag of the first bad setting."""
         if not self.host:
             raise ConfigError("--host must not be empty")
+        if not 0 <= self.tokenizer_verify_every <= 1_000_000:
+            raise ConfigError(
+                "--tokenizer-verify-every must be in [0, 1000000], got"
+                f" {self.tokenizer_verify_every}"
+            )
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be a TCP port in [0, 65535], got {self.port}")
         if not self.coordinator_urls and not self.engines:

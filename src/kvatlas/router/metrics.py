@@ -224,6 +224,12 @@ class RouterMetrics:
             " inline (a fast encoder on the event loop) or thread (the tokenizer's thread:"
             " a slow encoder, a big body, or the thread busy)", ["where"], registry=r,
         )  # fmt: skip
+        self.verified = Counter(
+            f"{ns}_tokenize_verified", "Prompts the fast encoder encoded that the tokenizer's"
+            " own encoder encoded again in the background (--tokenizer-verify-every), by"
+            " result: same, or different (which switches the fast encoder off)",
+            ["result"], registry=r,
+        )  # fmt: skip
         self.coordinator_available = Gauge(
             f"{ns}_coordinator_available", "1 while the router asks the coordinator for"
             " prefixes; 0 without one, or while it is out (a lookup failed: requests are"

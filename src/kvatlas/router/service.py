@@ -4,7 +4,11 @@ Owns, for ``kvatlas router``:
 
 - one request end to end: the prompt's token ids (a completion's token-id prompt as it
   is; else, with ``--tokenizer``, from the model's own tokenizer and chat template in
-  this process, on a worker thread of its own; else from an engine's ``/tokenize``,
+  this process: on this loop where a fast encoder makes it cheap and the tokenizer's
+  thread is idle, else on that worker thread; one prompt in
+  ``tokenizer_verify_every`` encoded again by the tokenizer's own encoder on a third
+  thread after routing, a mismatch switching the fast encoder off; else from an
+  engine's ``/tokenize``,
   given the client's body as it is, so the engine applies its own chat template and
   tokenizer), one coordinator
   lookup that answers every instance's cached prefix of those tokens (the coordinator
@@ -157,6 +161,16 @@ class LocalTokenizer(Protocol):
         readies per-thread state: 15-25 ms here), not in a request's time."""
         ...
 
+    def verify(self, body: bytes, blob: bytes) -> bool | None:
+        """Whether the tokenizer's own encoder gives ``blob`` for ``body``; None when
+        there is nothing to check (no fast encoder). Runs on a thread of its own,
+        beside ``blob``."""
+        ...
+
+    def distrust(self, why: str) -> None:
+        """Stop using the fast encoder (from the next ``blob`` on); any thread."""
+        ...
+
     def cache_stats(self) -> Mapping[str, float]:
         """Its fast encoder's refusals, if it has one (``fast_refused``), and its cache
         of recently encoded text pieces, if it keeps one (``hits``,
@@ -218,6 +232,15 @@ class RouterService:
             if tokenizer is not None
             else None
         )
+        # a thread of its own: a check of the fast encoder (tokenizers' speed) must not
+        # queue the next prompts behind it
+        self._verify_pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="kvatlas-router-verify")
+            if tokenizer is not None and config.tokenizer_verify_every
+            else None
+        )
+        self._verify_turn = 0
+        self._verifying = False
         self._clock = clock
         self.table = EngineTable()
         for e in config.engines:
@@ -273,8 +296,9 @@ class RouterService:
         if self._lookups is not None:
             await self._lookups.aclose()
         self.gc.remove()
-        if self._tokenize_pool is not None:
-            self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._tokenize_pool, self._verify_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
     async def _every(self, interval: float, step: Callable[[], object]) -> None:
         while True:
@@ -456,7 +480,45 @@ class RouterService:
             self.metrics.degraded.labels("tokenize").inc()
             return None
         self.metrics.observe("tokenize", time.perf_counter() - t0)
+        self._maybe_verify(tokenizer, body, ids)
         return ids
+
+    def _maybe_verify(self, tokenizer: LocalTokenizer, body: bytes, blob: bytes) -> None:
+        """Every ``tokenizer_verify_every``-th prompt, unless a check runs: its ids
+        encoded again by the tokenizer's own encoder, off the request's path."""
+        if self._verify_pool is None or self._verifying:
+            return
+        self._verify_turn += 1
+        if self._verify_turn % self.config.tokenizer_verify_every:
+            return
+        self._verifying = True
+        work = asyncio.get_running_loop().run_in_executor(
+            self._verify_pool, tokenizer.verify, body, blob
+        )
+        work.add_done_callback(lambda done: self._verified(tokenizer, len(body), done))
+
+    def _verified(
+        self, tokenizer: LocalTokenizer, size: int, done: asyncio.Future[bool | None]
+    ) -> None:
+        self._verifying = False
+        if done.cancelled():
+            return
+        exc = done.exception()
+        if exc is not None:
+            log.warning("router: checking the fast encoder failed: %r", exc)
+            return
+        same = done.result()
+        if same is None:
+            return
+        self.metrics.verified.labels("same" if same else "different").inc()
+        if not same:
+            log.error(
+                "router: the fast encoder gave other ids than the tokenizer's own for a"
+                " prompt of %d bytes: switching it off (every prompt from now on is encoded"
+                " by the tokenizer's own encoder, on its thread)",
+                size,
+            )
+            tokenizer.distrust("other ids than the tokenizer's own on a live prompt")
 
     async def _tokenize_on_thread(self, tokenizer: LocalTokenizer, body: bytes) -> bytes:
         """``tokenizer.blob(body)`` on the tokenizer's thread (TimeoutError past the
