@@ -170,7 +170,9 @@ async def _tokenize_and_wait_for_checks(
     """Tokenize ``bodies`` one after the other, each after the previous one's check
     ended; the router's metrics once ``checks`` checks are counted (10 s at most)."""
     for body in bodies:
-        await service._tokenize([], body)
+        blob = await service._tokenize([], body)
+        assert blob is not None and service.tokenizer is not None
+        service._maybe_verify(service.tokenizer, body, blob)  # as plan() does after choosing
         for _ in range(1000):
             if not service._verifying:
                 break

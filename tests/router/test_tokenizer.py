@@ -182,3 +182,33 @@ def test_a_long_text_cut_into_pieces_has_the_engines_ids() -> None:
     # too short to cut, or nowhere to cut: one piece
     assert cut._cut("short text") == ["short text"]
     assert cut._cut("日本語" * 5000) == ["日本語" * 5000]
+
+
+def test_a_router_checks_its_fast_encoder_on_the_prompts_it_routes(fleet: Fleet) -> None:
+    """SmolLM2's tokenizer in the router (its ids are not the tiny engines', which only
+    means its lookups find nothing): every routed prompt is encoded again by tokenizers
+    after its choice, and none differs."""
+    tok = load_prompt_tokenizer("smollm2-135m", cache_bytes=1 << 20)
+    router = fleet.router(policy="kv", tokenizer=tok, tokenizer_verify_every=1)
+    assert router.status().tokenizer.startswith("local: smollm2-135m, encoder fastokens (")
+    wait_until(
+        lambda: sum(e.available for e in router.status().engines),
+        lambda n: n == 2,
+        what="both engines",
+    )
+    for body in BODIES[:3]:
+        r = httpx.post(f"{router.url}/v1/chat/completions" if "messages" in body else
+                       f"{router.url}/v1/completions", json={**body, "stream": False},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+
+    def checked() -> float:
+        metrics = httpx.get(f"{router.url}/metrics", timeout=10).text
+        found = re.search(
+            r'^kvatlas_router_tokenize_verified_total\{result="same"\} (\S+)$', metrics, re.M
+        )
+        assert not re.search(r'verified_total\{result="different"\} [1-9]', metrics)
+        return float(found.group(1)) if found else 0.0
+
+    # one check at a time: a prompt whose turn comes while one runs is not checked
+    wait_until(checked, lambda n: n >= 1, what="a check of the fast encoder")

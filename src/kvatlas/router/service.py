@@ -410,6 +410,7 @@ class RouterService:
         if not engines:
             raise ServiceError("no engine is available")
         policy: Policy = self.config.policy
+        tokenized_here = False
         prompt = 0
         fleet = 0
         local: dict[str, int] = {}
@@ -421,6 +422,7 @@ class RouterService:
             if blob is None:
                 blob = await self._tokenize(engines, body)
                 t_hash = time.perf_counter()
+                tokenized_here = blob is not None and self.tokenizer is not None
             if blob is not None:
                 pending = self.pending.leading(blob, self._clock())
                 self.metrics.observe("hash", time.perf_counter() - t_hash)
@@ -453,6 +455,9 @@ class RouterService:
         end = time.perf_counter()
         self.metrics.observe("pick", end - t_pick)
         self.metrics.observe("overhead_gc", self.gc.total - gc0)
+        if tokenized_here and self.tokenizer is not None and blob is not None:
+            # after the choice: the check's CPU does not delay this request's lookup
+            self._maybe_verify(self.tokenizer, body, blob)
         return Plan(decision, policy, prompt, end - t0, blob or b"")
 
     async def _tokenize(self, engines: list[EngineState], body: bytes) -> bytes | None:
@@ -480,7 +485,6 @@ class RouterService:
             self.metrics.degraded.labels("tokenize").inc()
             return None
         self.metrics.observe("tokenize", time.perf_counter() - t0)
-        self._maybe_verify(tokenizer, body, ids)
         return ids
 
     def _maybe_verify(self, tokenizer: LocalTokenizer, body: bytes, blob: bytes) -> None:
