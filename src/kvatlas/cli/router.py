@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer-threads", type=int, default=1, metavar="N",
         help="with --tokenizer: encode a long prompt in up to N pieces at once on the"
         " tokenizer's threads (byte-level BPE tokenizers such as SmolLM2's; the same ids)."
-        " Less wall time on idle cores, more CPU time in all; default 1",
+        " Less wall time on idle cores, more CPU time in all; with --tokenizer-encoder"
+        " tokenizers only (fastokens encodes a prompt whole); default 1",
     )  # fmt: skip
     ap.add_argument(
         "--tokenizer-encoder", default="fastokens", choices=("fastokens", "tokenizers"),

@@ -52,8 +52,6 @@ class FastEncoder:
     added tokens in the text recognized, as ``tokenizers``' ``encode`` does them. Safe
     to call from one thread at a time; the GIL is let go while it encodes."""
 
-    name: Final = _MODULE
-
     def __init__(self, native: Any, split_special_tokens: bool) -> None:
         self._native = native
         self._split = split_special_tokens
@@ -72,11 +70,6 @@ class FastEncoder:
         """Ready the calling thread: fastokens' first encode on a thread costs 15-25 ms
         here (per-thread state), every later one a fraction of a millisecond."""
         self.blobs(["ready this thread: 1 2 3, \u00e9\u00e8 <|im_start|>"])
-
-    def ids(self, text: str) -> list[int]:
-        """The text's ids."""
-        ids: list[int] = np.frombuffer(self.blobs([text])[0], dtype="<u4").tolist()
-        return ids
 
 
 def self_test_texts(backend: Any, extra: Sequence[str] = ()) -> list[str]:
