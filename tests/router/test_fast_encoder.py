@@ -11,6 +11,7 @@ import asyncio
 import json
 import re
 import sys
+import threading
 from typing import Any
 
 import pytest
@@ -241,3 +242,76 @@ def test_cli_refuses_a_negative_check_rate(capsys: pytest.CaptureFixture[str]) -
     argv = ["--engine", "http://127.0.0.1:1=x", "--port", "0", "--tokenizer", "tiny-random"]
     assert main([*argv, "--tokenizer-verify-every", "-1"]) == 2
     assert "--tokenizer-verify-every must be in [0, 1000000], got -1" in capsys.readouterr().err
+
+
+class _SlowFirst:
+    """A ``LocalTokenizer`` whose first body of ``hold`` blocks until ``release`` is set
+    (a tokenize that outlives the router's deadline), and that records how many of its
+    calls ever ran at once."""
+
+    source = "slow-first"
+    encoder = "test (a tokenizer that holds one body)"
+
+    def __init__(self, hold: bytes) -> None:
+        self.hold = hold
+        self.release = threading.Event()
+        self._lock = threading.Lock()
+        self._running = 0
+        self.most_at_once = 0
+
+    def blob(self, body: bytes) -> bytes:
+        with self._lock:
+            self._running += 1
+            self.most_at_once = max(self.most_at_once, self._running)
+        try:
+            if body == self.hold:
+                self.release.wait(30)
+            return pack_ids([len(body)])
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def inline_ok(self, body: bytes) -> bool:
+        return body != self.hold
+
+    def warm(self) -> None:
+        pass
+
+    def verify(self, body: bytes, blob: bytes) -> bool | None:
+        return None
+
+    def distrust(self, why: str) -> None:
+        pass
+
+    def cache_stats(self) -> dict[str, float]:
+        return {}
+
+
+def test_the_prompts_after_a_tokenize_past_its_deadline_never_run_beside_it() -> None:
+    """A tokenize on the thread outlives the deadline (that request is routed by load);
+    the prompts after it queue on the thread while it still runs, never inline beside
+    it, and run inline again once it has ended."""
+    slow = _SlowFirst(b'{"prompt":"held"}')
+    small = b'{"prompt":"small"}'
+
+    async def run() -> tuple[list[bytes | None], str]:
+        service = RouterService(RouterConfig(lookup_timeout_s=0.2), None, tokenizer=slow)
+        try:
+            held = await service._tokenize([], slow.hold)  # past its deadline
+            behind = await service._tokenize([], small)  # queued behind it: past too
+            slow.release.set()
+            for _ in range(500):
+                if not service._tokenize_busy:
+                    break
+                await asyncio.sleep(0.01)
+            after = await service._tokenize([], small)
+            return [held, behind, after], service.metrics.render().decode()
+        finally:
+            slow.release.set()
+            await service.close()
+
+    (held, behind, after), metrics = asyncio.run(run())
+    assert held is None and behind is None and after == pack_ids([len(small)])
+    assert slow.most_at_once == 1  # "behind" did not run inline: it would have answered
+    assert 'kvatlas_router_degraded_total{step="tokenize"} 2.0' in metrics
+    assert 'kvatlas_router_tokenized_total{where="inline"} 1.0' in metrics
