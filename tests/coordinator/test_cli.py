@@ -12,6 +12,7 @@ from kvatlas.cli.coordinator import config_from_args, main
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.fleet import FleetState
+from kvatlas.core.keys import CHAINS
 
 
 def test_defaults_and_env_token() -> None:
@@ -66,6 +67,7 @@ def test_defaults_and_env_token() -> None:
         ({"body_timeout_s": -1.0}, "--body-timeout-s"),
         ({"min_body_rate": 0.0}, "--min-body-rate"),
         ({"drop_token_ids": True, "enable_blend_lookup": True}, "--drop-token-ids"),
+        ({"token_hash_memo_bytes": -1}, "--token-hash-memo-bytes"),
     ],
 )
 def test_validation_names_the_flag(overrides: dict[str, object], flag: str) -> None:
@@ -76,6 +78,18 @@ def test_validation_names_the_flag(overrides: dict[str, object], flag: str) -> N
 def test_main_exits_2_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--chunk-size", "0"]) == 2
     assert "--chunk-size" in capsys.readouterr().err
+
+
+def test_the_token_hash_memo_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert config_from_args([], {}).token_hash_memo_bytes == 32 << 20
+    assert config_from_args(["--token-hash-memo-bytes", "0"], {}).token_hash_memo_bytes == 0
+    if "compiled" not in CHAINS:
+        pytest.skip("the memo serves the compiled chain, not built here")
+    # Under one set of four links: refused at start, naming the flag and the least size.
+    assert main(["--host", "127.0.0.1", "--port", "0", "--token-hash-memo-bytes", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "--token-hash-memo-bytes" in err
+    assert "at least 4416 bytes" in err
 
 
 def test_snapshot_of_other_chunk_size_is_refused(tmp_path: Path) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Callable
 
 import httpx
 import msgspec
 import numpy as np
+import pytest
 
 from kvatlas.core.events import Entry
 from kvatlas.core.keys import CHAINS, DEFAULT_CHAIN_NAME, pack_kv_rank
@@ -370,3 +372,39 @@ def test_metrics_say_which_chain_hashes_lookups(coord: RunningCoordinator) -> No
     text = coord.client.get("/metrics").text
     assert f'kvatlas_coordinator_token_chain{{chain="{DEFAULT_CHAIN_NAME}"}} 1.0' in text
     assert DEFAULT_CHAIN_NAME in CHAINS
+
+
+def _memo_metric(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_a_prompt_asked_again_is_hashed_from_the_memo(
+    start_coordinator: Callable[..., RunningCoordinator],
+) -> None:
+    """Answers stay the same whether the links come from the memo or not; the memo's
+    metrics say which (admitted on the second lookup, found from the third)."""
+    if "compiled" not in CHAINS:
+        pytest.skip("the memo serves the compiled chain, not built here")
+    with_memo = start_coordinator()
+    without = start_coordinator(token_hash_memo_bytes=0)
+    tokens = list(range(500, 500 + 256 * 6 + 3))
+    hs = prompt_hashes(tokens)
+    answers = []
+    for rc in (with_memo, without):
+        rc.client.post("/instances", json=register_body("node-a"))
+        rc.client.post("/events", content=json_body(batch("node-a", 1, hs[:4])), headers=JSON)
+        for _ in range(3):
+            r = rc.client.post("/directory/lookup", json={"token_ids": tokens, "model_name": MODEL})
+            assert r.status_code == 200, r.text
+            answers.append(r.json())
+    assert all(a == answers[0] for a in answers)
+    assert [len(res["placements"]) for res in answers[0]["results"]] == [1] * 4 + [0] * 2
+    text = with_memo.client.get("/metrics").text
+    hit = 'kvatlas_coordinator_token_hash_memo_links_total{result="hit"}'
+    miss = 'kvatlas_coordinator_token_hash_memo_links_total{result="miss"}'
+    assert (_memo_metric(text, hit), _memo_metric(text, miss)) == (6.0, 12.0)
+    assert (_memo_metric(text, "kvatlas_coordinator_token_hash_memo_bytes") or 0) > 0
+    assert _memo_metric(without.client.get("/metrics").text, hit) is None

@@ -1,7 +1,7 @@
 """The compiled blake3 prefix chain (`kvatlas.core._chain`) against the Python loop.
 
 Property: for any tokens, chunk size and prefix, the compiled chain (the installed one,
-or else built here from the BLAKE3 C sources as `pip install` builds it) and
+or else built here from the BLAKE3 C sources as `pip install` builds it: conftest.py) and
 `keys._python_chain` give the same bytes, and `chunk_hash_blob` refuses the same bad
 input with either. The golden vectors of tests/core/test_keys.py hold whichever chain
 `chunk_hashes` uses.
@@ -9,15 +9,12 @@ input with either. The golden vectors of tests/core/test_keys.py hold whichever 
 
 from __future__ import annotations
 
-import platform
-from glob import glob
-from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from setuptools import Extension
 
 from kvatlas.core import keys
 from kvatlas.core.errors import InvalidInput
@@ -30,39 +27,12 @@ from kvatlas.core.keys import (
     chunk_hashes,
 )
 from kvatlas.core.types import ChunkHash
-from support.extensions import build_extension
-
-C_SOURCE = Path(keys.__file__).with_name("_chain.c")
-BLAKE3_GLOB = "/usr/share/cargo/registry/blake3-*/c"
 
 
 @pytest.fixture(scope="session")
-def compiled(tmp_path_factory: pytest.TempPathFactory) -> ChainHasher:
-    """The installed compiled chain, or the one built here from Debian's BLAKE3 C sources
-    (librust-blake3-dev; scripts/bootstrap.sh installs it, so CI always has one)."""
-    if "compiled" in CHAINS:
-        return CHAINS["compiled"]
-    found = sorted(glob(BLAKE3_GLOB))
-    if not found:
-        pytest.skip("no compiled chain installed and no BLAKE3 C sources to build one")
-    c_dir = Path(found[-1])
-    sources = [str(C_SOURCE)] + [
-        str(c_dir / f) for f in ("blake3.c", "blake3_dispatch.c", "blake3_portable.c")
-    ]
-    macros: list[tuple[str, str | None]] = []
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        sources += [str(c_dir / f"blake3_{isa}_x86-64_unix.S") for isa in keys_isas()]
-    else:
-        macros = [(f"BLAKE3_NO_{isa.upper()}", "1") for isa in keys_isas()]
-        macros.append(("BLAKE3_USE_NEON", "0"))
-    ext = Extension("_chain", sources, include_dirs=[str(c_dir)], define_macros=macros)
-    module = build_extension(ext, tmp_path_factory.mktemp("chain"))
-    chain: ChainHasher = module.chain
+def compiled(compiled_module: ModuleType) -> ChainHasher:
+    chain: ChainHasher = compiled_module.chain
     return chain
-
-
-def keys_isas() -> tuple[str, ...]:
-    return ("sse2", "sse41", "avx2", "avx512")
 
 
 token_st = st.one_of(st.integers(0, MAX_TOKEN_ID), st.integers(0, 300))

@@ -139,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="most tokens per lookup (default %(default)s)",
     )
     a(
+        "--token-hash-memo-bytes",
+        type=int,
+        default=_D.token_hash_memo_bytes,
+        help="memory for recent links of the token hash chain, so that a prompt looked"
+        " up again is not hashed again; 0: none (default %(default)s)",
+    )
+    a(
         "--max-lookup-keys",
         type=int,
         default=_D.max_lookup_keys,
@@ -208,6 +215,7 @@ def config_from_args(argv: list[str] | None, environ: dict[str, str]) -> Coordin
         max_body_bytes=ns.max_body_bytes,
         max_batch_entries=ns.max_batch_entries,
         max_lookup_tokens=ns.max_lookup_tokens,
+        token_hash_memo_bytes=ns.token_hash_memo_bytes,
         max_lookup_keys=ns.max_lookup_keys,
         max_connections=ns.max_connections,
         max_buffered_bytes=ns.max_buffered_bytes,

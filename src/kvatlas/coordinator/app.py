@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import signal
 import socket
 import threading
@@ -31,8 +32,9 @@ from kvatlas.coordinator.frontend import LocalMembership, MembershipFrontend
 from kvatlas.coordinator.http_app import CoordinatorApp
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.core.errors import ConfigError, InvalidInput
 from kvatlas.core.fleet import FleetState
-from kvatlas.core.keys import DEFAULT_CHAIN_NAME
+from kvatlas.core.keys import DEFAULT_CHAIN_NAME, ChainMemo, chain_memo
 from kvatlas.runtime.allocator import keep_freed_heap
 from kvatlas.runtime.gc_pauses import GcPauses
 from kvatlas.runtime.http_server import HttpServer
@@ -75,7 +77,10 @@ class Coordinator:
             positions: dict[str, int] = {}
         else:
             fleet, positions = restored
-        self.service = CoordinatorService(fleet, self.metrics, config.bounds())
+        self.memo = _token_hash_memo(config.token_hash_memo_bytes, fleet.chunk_size)
+        self.service = CoordinatorService(fleet, self.metrics, config.bounds(), self.memo)
+        if self.memo is not None:
+            self.metrics.attach_memo(self.memo.stats)
         self.service.positions.update(positions)
         self.metrics.attach_state(lambda: self.service.sample(clock()))
         self._parts: list[_Part] = []
@@ -160,14 +165,18 @@ class Coordinator:
             self.snapshots.start()
         self._expiry = threading.Thread(target=self._expiry_loop, name="expiry", daemon=True)
         self._expiry.start()
+        memo = self.memo.stats() if self.memo is not None else None
         log.info(
             "Coordinator listening on %s:%d (events over %s; JSON token arrays read by"
-            " the %s parser, tokens hashed by the %s chain)",
+            " the %s parser, tokens hashed by the %s chain, %s)",
             self.config.host,
             port,
             self.config.event_transport,
             DEFAULT_PARSER_NAME,
             DEFAULT_CHAIN_NAME,
+            f"with a memo of {memo['links']} links in {memo['bytes'] / 2**20:.1f} MiB"
+            if memo is not None
+            else "without a memo",
         )
         try:
             self.http.run(self._sock)
@@ -201,3 +210,12 @@ class Coordinator:
         if self._sock is not None:
             self._sock.close()
         log.info("Coordinator stopped")
+
+
+def _token_hash_memo(max_bytes: int, chunk_size: int) -> ChainMemo | None:
+    """The memo of the token hash chain (`--token-hash-memo-bytes`), keyed afresh in
+    every process; None when off or where the compiled chain was not built."""
+    try:
+        return chain_memo(chunk_size, max_bytes, os.urandom(32))
+    except InvalidInput as exc:
+        raise ConfigError(f"--token-hash-memo-bytes: {exc} (0: no memo)") from exc

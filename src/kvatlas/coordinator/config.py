@@ -93,6 +93,15 @@ class CoordinatorConfig:
     """Most entries in one event batch (`--max-batch-entries`); more: 413."""
     max_lookup_tokens: int = 1 << 20
     """Most tokens in one lookup or blend lookup (`--max-lookup-tokens`); more: 413."""
+    token_hash_memo_bytes: int = 32 * 1024 * 1024
+    """Memory for the memo of recent links of the token hash chain
+    (`--token-hash-memo-bytes`): a lookup by tokens whose chunks were looked up before
+    (the same prompt asked again while its request waits, a chat's next turn, a shared
+    system prompt) takes their hashes from it, compared byte for byte, instead of
+    hashing them again (~10 us instead of ~185 us for 32,768 tokens). A link is
+    remembered from its second lookup on; one takes 64 + 4 * `--chunk-size` bytes (at
+    most this many bytes in all, allocated as it fills). 0: no memo. Only where the
+    compiled chain was built."""
     max_lookup_keys: int = 65536
     """Most keys in one keys lookup (`--max-lookup-keys`); more: 413."""
     max_connections: int = 0
@@ -158,6 +167,11 @@ class CoordinatorConfig:
         ):
             if value <= 0:
                 raise ConfigError(f"{flag} must be > 0, got {value}")
+        if self.token_hash_memo_bytes < 0:
+            raise ConfigError(
+                f"--token-hash-memo-bytes must be >= 0 (0: no memo),"
+                f" got {self.token_hash_memo_bytes}"
+            )
         if self.max_buffered_bytes < self.max_body_bytes:
             raise ConfigError(
                 f"--max-buffered-bytes ({self.max_buffered_bytes}) must be at least"

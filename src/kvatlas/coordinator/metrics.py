@@ -163,6 +163,35 @@ class _EdgeCollector(Collector):
         return [conns, buffered, budget, refused]
 
 
+class _MemoCollector(Collector):
+    """The token hash chain's memo (`--token-hash-memo-bytes`), read at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._stats()
+        links = CounterMetricFamily(
+            "kvatlas_coordinator_token_hash_memo_links",
+            "Links of the token hash chain looked for in its memo, by result (hit: the hash"
+            " taken from it; miss: hashed)",
+            labels=["result"],
+        )
+        links.add_metric(["hit"], s["hits"])
+        links.add_metric(["miss"], s["misses"])
+        busy = CounterMetricFamily(
+            "kvatlas_coordinator_token_hash_memo_busy",
+            "Lookups that found the memo in use by another thread and hashed without it",
+        )
+        busy.add_metric([], s["busy"])
+        size = GaugeMetricFamily(
+            "kvatlas_coordinator_token_hash_memo_bytes",
+            "Memory the memo may fill (its pages are mapped as it fills)",
+        )
+        size.add_metric([], s["bytes"])
+        return [links, busy, size]
+
+
 class _GcCollector(Collector):
     def __init__(self, pauses: GcPauses) -> None:
         self._pauses = pauses
@@ -326,6 +355,10 @@ class CoordinatorMetrics:
     def attach_edge(self, sample: Callable[[], EdgeStats]) -> None:
         """Register the scrape-time collector of the HTTP server's ``sample()``."""
         self.registry.register(_EdgeCollector(sample))
+
+    def attach_memo(self, stats: Callable[[], dict[str, int]]) -> None:
+        """Register the scrape-time collector of the token hash chain's memo."""
+        self.registry.register(_MemoCollector(stats))
 
     def attach_gc(self, pauses: GcPauses) -> None:
         """Register the scrape-time collector of the process's garbage-collection pauses."""

@@ -30,7 +30,7 @@ from kvatlas.core.errors import CredentialRefused, InvalidInput, OutOfBounds, Un
 from kvatlas.core.events import EventBatch
 from kvatlas.core.fleet import Fenced, FenceReason, FleetState
 from kvatlas.core.gate import Verdict
-from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes
+from kvatlas.core.keys import ChainMemo, Namespace, ObjectKey, chunk_hashes
 from kvatlas.core.membership import InstanceInfo, RegisterOutcome
 from kvatlas.core.placements import KeyColumns, KeyResult, PrefixResult
 from kvatlas.core.types import ChunkHash, EventType, Incarnation, InstanceId, Tier
@@ -66,11 +66,17 @@ class CoordinatorService:
     """Thread-safe front of one `FleetState`."""
 
     def __init__(
-        self, fleet: FleetState, metrics: CoordinatorMetrics, bounds: Bounds | None = None
+        self,
+        fleet: FleetState,
+        metrics: CoordinatorMetrics,
+        bounds: Bounds | None = None,
+        memo: ChainMemo | None = None,
     ) -> None:
         """``bounds``: the credential requirement and cursor bounds every request about an
-        instance is held to (`core.credentials`)."""
+        instance is held to (`core.credentials`). ``memo``: recent links of the token
+        hash chain, for lookups by tokens (`--token-hash-memo-bytes`)."""
         self.fleet = fleet
+        self._memo = memo
         self.metrics = metrics
         self.bounds = bounds if bounds is not None else Bounds()
         self.lock = threading.Lock()
@@ -451,8 +457,9 @@ class CoordinatorService:
     # ---- lookups ---------------------------------------------------------------------
 
     def hash_tokens(self, tokens: Sequence[int] | bytes) -> list[ChunkHash]:
-        """The prompt's chunk hashes; CPU work done outside the lock."""
-        return list(chunk_hashes(tokens, self.fleet.chunk_size))
+        """The prompt's chunk hashes; CPU work done outside the lock (the memo has its
+        own, and a call that finds it taken hashes without it)."""
+        return chunk_hashes(tokens, self.fleet.chunk_size, memo=self._memo)
 
     def lookup_hashes(self, hashes: Sequence[ChunkHash], ns: Namespace) -> PrefixResult:
         with self.lock:
