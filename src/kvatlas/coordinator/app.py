@@ -39,7 +39,7 @@ from kvatlas.runtime.allocator import keep_freed_heap
 from kvatlas.runtime.gc_pauses import GcPauses
 from kvatlas.runtime.http_server import HttpServer
 from kvatlas.runtime.net import bind
-from kvatlas.wire.json_tokens import DEFAULT_PARSER_NAME
+from kvatlas.wire.json_tokens import DEFAULT_PARSER_READER
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class Coordinator:
             self.config.host,
             port,
             self.config.event_transport,
-            DEFAULT_PARSER_NAME,
+            DEFAULT_PARSER_READER,
             DEFAULT_CHAIN_NAME,
             f"with a memo of {memo['links']} links in {memo['bytes'] / 2**20:.1f} MiB"
             if memo is not None

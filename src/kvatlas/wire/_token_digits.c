@@ -17,7 +17,10 @@
  * (numbers of up to 7 digits separated by "," or ", ") are read by `parse_blocks`, whose
  * numbers do not wait on each other: 10-20% faster (~175-190 us for 32,768 tokens,
  * against 200-225 us, best of 300, for sequential and random ids in both layouts).
- * Anything else, or anything it is not sure of, `parse_span` reads.
+ * Where the CPU has AVX-512 (F, BW, CD; chosen at import), `parse_blocks512` reads
+ * those layouts (numbers of up to 8 digits) eight numbers at a time, another ~2.5x
+ * (50-90 us against 145-220 us in one process with the coordinator's malloc settings).
+ * Anything else, or anything they are not sure of, `parse_span` reads.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -236,17 +239,146 @@ done:
 }
 #endif
 
+#if defined(HAVE_BLOCK_PARSE) && defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_AVX512_PARSE 1
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512cd,popcnt,bmi,bmi2")))
+/* Set at import where the CPU (and the OS) has AVX-512 F, BW and CD (and POPCNT, BMI1
+ * and BMI2, which every CPU with those has). */
+static int have_avx512 = 0;
+
+/* `parse_blocks` on AVX-512 (F, BW, CD): the same layouts, answers and refusals, with
+ * the numbers converted eight at a time. Each number is read as the 8 bytes that end
+ * with its last digit (eight loads into one vector: a gather took 2.5x as long on the
+ * development VM's AMD EPYC), so only the numbers' ends are needed: the digits above the first other byte from the top are the number, at most
+ * the bytes back to the span's start, and a number of 8 digits whose byte before is a
+ * digit too is longer, which `parse_span` reads. Needs `before` >= 8: the bytes before
+ * p that may be read (the array's '[' and the key before it, in a lookup body).
+ * ~2.5x faster than `parse_blocks` on the development VM (AMD EPYC): 54-60 us against
+ * 145-155 us for 32,768 tokens, best of 2,000, both layouts. */
+AVX512_TARGET static Py_ssize_t parse_blocks512(const unsigned char *p, size_t n, size_t before,
+                                               unsigned char *out, size_t cap) {
+    size_t words = (n + 63) / 64, k, count = 0;
+    uint64_t *digit, *comma, *space, *ends;
+    int64_t at[32 * BATCH_WORDS + STARTS_AT_ONCE + 8];
+    Py_ssize_t result = -2;
+    const __m512i zeros = _mm512_set1_epi8('0'), ten = _mm512_set1_epi8(10);
+    const __m512i tens = _mm512_set1_epi16(0x010A); /* bytes 10, 1: pairs of digits */
+    const __m512i hundreds = _mm512_set1_epi32(0x00010064); /* 100, 1: pairs of pairs */
+    if (before < 8) return -2;
+    digit = PyMem_RawMalloc(4 * (words + 1) * sizeof(uint64_t));
+    if (digit == NULL) return -2;
+    comma = digit + words + 1;
+    space = comma + words + 1;
+    ends = space + words + 1;
+    for (k = 0; k < words; k++) {
+        const unsigned char *b = p + 64 * k;
+        uint64_t valid = 64 * k + 64 > n ? (1ULL << (n - 64 * k)) - 1 : ~0ULL, d, c, s, z;
+        __m512i x = _mm512_maskz_loadu_epi8(valid, b); /* never past the span */
+        d = _mm512_cmplt_epu8_mask(_mm512_sub_epi8(x, zeros), ten) & valid;
+        c = _mm512_cmpeq_epi8_mask(x, _mm512_set1_epi8(','));
+        s = _mm512_cmpeq_epi8_mask(x, _mm512_set1_epi8(' '));
+        z = _mm512_cmpeq_epi8_mask(x, zeros);
+        if (valid & ~(d | c | s)) goto done; /* a byte other than a digit, ',' or ' ' */
+        digit[k] = d;
+        comma[k] = c;
+        space[k] = s;
+        ends[k] = z; /* the zeros until the check below has read them */
+    }
+    digit[words] = comma[words] = space[words] = ends[words] = 0;
+    { /* The layout, as `parse_blocks` checks it; then each number's last digit. */
+        uint64_t d_before = 0, c_before = 0;
+        for (k = 0; k < words; k++) {
+            uint64_t d = digit[k], c = comma[k], s = space[k];
+            uint64_t prev_d = d << 1 | d_before, prev_c = c << 1 | c_before;
+            uint64_t next_d = d >> 1 | digit[k + 1] << 63;
+            uint64_t next_s = s >> 1 | space[k + 1] << 63;
+            uint64_t starts = d & ~prev_d;
+            if ((c & ~prev_d) | (s & ~prev_c) | (c & ~(next_d | next_s)) | (s & ~next_d) |
+                (starts & ends[k] & next_d))
+                goto done;
+            ends[k] = d & ~next_d;
+            d_before = d >> 63;
+            c_before = c >> 63;
+        }
+    }
+    for (k = 0; k < words; k += BATCH_WORDS) {
+        size_t last = k + BATCH_WORDS < words ? k + BATCH_WORDS : words, m = 0, j, w_at;
+        for (w_at = k; w_at < last; w_at++) { /* the ends' positions, as `parse_blocks` */
+            uint64_t w = ends[w_at];
+            size_t got = (size_t)__builtin_popcountll(w);
+            for (j = 0; j < STARTS_AT_ONCE; j++) {
+                at[m + j] = (int64_t)(64 * w_at + (size_t)__builtin_ctzll(w | 1ULL << 63));
+                w &= w - 1;
+            }
+            for (j = STARTS_AT_ONCE; w; j++) {
+                at[m + j] = (int64_t)(64 * w_at + (size_t)__builtin_ctzll(w));
+                w &= w - 1;
+            }
+            m += got;
+        }
+        if (count + m > cap) goto done;
+        for (j = m; j < m + 8; j++) at[j] = at[m - 1]; /* a last group of fewer than 8 */
+        for (j = 0; j < m; j += 8) {
+            __m512i e = _mm512_loadu_si512((const void *)(at + j));
+            uint64_t words8[8];
+            __m512i t;
+            for (int q = 0; q < 8; q++) memcpy(&words8[q], p + at[j + (size_t)q] - 7, 8);
+            t = _mm512_sub_epi8(_mm512_loadu_si512((const void *)words8), zeros); /* 0-9 */
+            __mmask64 other = _mm512_cmpge_epu8_mask(t, ten);
+            /* The digits above the highest other byte (0x80 there: lzcnt finds it), at
+             * most back to the span's start: 1-8 of them. */
+            __m512i lz = _mm512_lzcnt_epi64(_mm512_maskz_mov_epi8(other, _mm512_set1_epi8(-128)));
+            __m512i len = _mm512_min_epi64(_mm512_srli_epi64(_mm512_add_epi64(lz, _mm512_set1_epi64(1)), 3),
+                                           _mm512_add_epi64(e, _mm512_set1_epi64(1)));
+            __m512i keep = _mm512_sllv_epi64(_mm512_set1_epi64(-1),
+                                             _mm512_sub_epi64(_mm512_set1_epi64(64),
+                                                              _mm512_slli_epi64(len, 3)));
+            __m512i v = _mm512_and_si512(t, keep); /* leading bytes zero, digits on top */
+            __mmask8 full = _mm512_cmpeq_epi64_mask(len, _mm512_set1_epi64(8));
+            uint32_t tokens[8];
+            v = _mm512_madd_epi16(_mm512_maddubs_epi16(v, tens), hundreds);
+            v = _mm512_add_epi64(_mm512_mul_epu32(v, _mm512_set1_epi64(10000)),
+                                 _mm512_srli_epi64(v, 32));
+            while (full) { /* 8 digits: longer if the byte before is a digit too */
+                int lane = __builtin_ctz(full);
+                int64_t before_at = at[j + (size_t)lane] - 8;
+                full &= (__mmask8)(full - 1);
+                if (before_at >= 0 && (digit[before_at >> 6] >> (before_at & 63) & 1)) goto done;
+            }
+            if (j + 8 <= m) {
+                _mm256_storeu_si256((__m256i *)(out + 4 * (count + j)), _mm512_cvtepi64_epi32(v));
+            } else {
+                _mm256_storeu_si256((__m256i *)tokens, _mm512_cvtepi64_epi32(v));
+                memcpy(out + 4 * (count + j), tokens, 4 * (m - j));
+            }
+        }
+        count += m;
+    }
+    result = (Py_ssize_t)count;
+done:
+    PyMem_RawFree(digit);
+    return result;
+}
+#endif
+
 /* The tokens of p[0:n] (see `parse_span`), by the fastest reader that can be sure. */
-static Py_ssize_t parse_tokens(const unsigned char *p, size_t n, size_t lim, unsigned char *out,
-                               size_t cap) {
+static Py_ssize_t parse_tokens(const unsigned char *p, size_t n, size_t before, size_t lim,
+                               unsigned char *out, size_t cap) {
 #ifdef HAVE_BLOCK_PARSE
     size_t lead = 0, last = n;
     while (lead < n && is_space(p[lead])) lead++;
     while (last > lead && is_space(p[last - 1])) last--;
     if (last > lead) {
-        Py_ssize_t got = parse_blocks(p + lead, last - lead, lim - lead, out, cap);
+        Py_ssize_t got = -2;
+#ifdef HAVE_AVX512_PARSE
+        if (have_avx512) got = parse_blocks512(p + lead, last - lead, before + lead, out, cap);
+#endif
+        if (got == -2) got = parse_blocks(p + lead, last - lead, lim - lead, out, cap);
         if (got != -2) return got;
     }
+#else
+    (void)before;
 #endif
     return parse_span(p, n, lim, out, cap);
 }
@@ -278,10 +410,10 @@ static PyObject *parse(PyObject *module, PyObject *args) {
     dst = (unsigned char *)PyBytes_AS_STRING(out);
     if (n > RELEASE_GIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS;
-        got = parse_tokens(span, n, lim, dst, cap);
+        got = parse_tokens(span, n, (size_t)start, lim, dst, cap);
         Py_END_ALLOW_THREADS;
     } else {
-        got = parse_tokens(span, n, lim, dst, cap);
+        got = parse_tokens(span, n, (size_t)start, lim, dst, cap);
     }
     PyBuffer_Release(&body);
     if (got < 0) {
@@ -293,16 +425,26 @@ static PyObject *parse(PyObject *module, PyObject *args) {
 }
 
 #ifdef HAVE_BLOCK_PARSE
-/* For tests: `parse_blocks` alone, on the span without its outer whitespace; None where
- * it leaves the span to `parse_span`. */
+/* For tests: `parse_blocks` (or with avx512 true, `parse_blocks512`) alone, on the span
+ * without its outer whitespace; None where it leaves the span to `parse_span`. */
 static PyObject *parse_layout(PyObject *module, PyObject *args) {
     Py_buffer body;
     Py_ssize_t start, end, got = -2;
     size_t lim;
+    int avx512 = 0;
     const unsigned char *p;
     PyObject *out;
     (void)module;
-    if (!PyArg_ParseTuple(args, "y*nn:parse_layout", &body, &start, &end)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*nn|p:parse_layout", &body, &start, &end, &avx512)) return NULL;
+#ifdef HAVE_AVX512_PARSE
+    if (avx512 && !have_avx512) {
+#else
+    if (avx512) {
+#endif
+        PyBuffer_Release(&body);
+        PyErr_SetString(PyExc_RuntimeError, "this CPU has no AVX-512 (F, BW, CD)");
+        return NULL;
+    }
     if (start < 0 || end < start || end > body.len) {
         PyBuffer_Release(&body);
         PyErr_SetString(PyExc_ValueError, "the span must lie inside the body");
@@ -313,9 +455,16 @@ static PyObject *parse_layout(PyObject *module, PyObject *args) {
     while (end > start && is_space(p[end - 1])) end--;
     lim = (size_t)(body.len - start);
     out = PyBytes_FromStringAndSize(NULL, 4 * ((end - start + 1) / 2));
-    if (out != NULL && end > start)
-        got = parse_blocks(p + start, (size_t)(end - start), lim,
-                           (unsigned char *)PyBytes_AS_STRING(out), (size_t)(end - start + 1) / 2);
+    if (out != NULL && end > start) {
+        unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
+        size_t n = (size_t)(end - start), cap = (size_t)(end - start + 1) / 2;
+#ifdef HAVE_AVX512_PARSE
+        if (avx512)
+            got = parse_blocks512(p + start, n, (size_t)start, dst, cap);
+        else
+#endif
+            got = parse_blocks(p + start, n, lim, dst, cap);
+    }
     PyBuffer_Release(&body);
     if (out == NULL) return NULL;
     if (got < 0) {
@@ -334,8 +483,9 @@ static PyMethodDef methods[] = {
      "separated by commas."},
 #ifdef HAVE_BLOCK_PARSE
     {"parse_layout", parse_layout, METH_VARARGS,
-     "parse_layout(body, start, end) -> bytes | None: for tests, the block reader of the "
-     "layouts encoders write alone; None where parse leaves the span to its general "
+     "parse_layout(body, start, end, avx512=False) -> bytes | None: for tests, the block "
+     "reader of the layouts encoders write alone (its AVX-512 twin with avx512, where "
+     "HAVE_AVX512 says the CPU has it); None where parse leaves the span to its general "
      "reader."},
 #endif
     {NULL, NULL, 0, NULL},
@@ -346,4 +496,23 @@ static struct PyModuleDef module_def = {
     "The digits of a JSON token_ids array, read into little-endian uint32 bytes.", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__token_digits(void) { return PyModule_Create(&module_def); }
+PyMODINIT_FUNC PyInit__token_digits(void) {
+    PyObject *module;
+#ifdef HAVE_AVX512_PARSE
+    __builtin_cpu_init();
+    have_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("popcnt") &&
+                  __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2");
+#endif
+    module = PyModule_Create(&module_def);
+    if (module == NULL) return NULL;
+#ifdef HAVE_AVX512_PARSE
+    if (PyModule_AddIntConstant(module, "HAVE_AVX512", have_avx512) < 0) {
+#else
+    if (PyModule_AddIntConstant(module, "HAVE_AVX512", 0) < 0) {
+#endif
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

@@ -5,10 +5,11 @@ LMCache's clients ask `POST /directory/lookup` with the prompt as a JSON integer
 builds 32,768 Python ints (~0.9 ms here) that hashing then packs back into a uint32
 array. `token_ids_array` reads the array straight into that uint32 array. Two parsers
 of the digits answer alike (a hypothesis test holds them to msgspec): the compiled
-`kvatlas.wire._token_digits` (~0.2 ms for 32,768 tokens), built by ``pip install`` where
-a C compiler is found, and `_parse_digits`, a fixed number of numpy passes with no
-per-token Python work (~0.7 ms; each number is the 8 bytes before its comma read as one
-little-endian word, converted by SWAR arithmetic), which serves where it was not built.
+`kvatlas.wire._token_digits` (~0.05-0.09 ms for 32,768 tokens where the CPU has
+AVX-512, ~0.15-0.2 ms with SSE2), built by ``pip install`` where a C compiler is found,
+and `_parse_digits`, a fixed number of numpy passes with no per-token Python work
+(~0.7 ms; each number is the 8 bytes before its comma read as one little-endian word,
+converted by SWAR arithmetic), which serves where it was not built.
 `token_ids_array` answers only for a body it can prove msgspec would read as the same
 request with the same tokens, and None for anything else (escapes anywhere, the key
 twice, a value that is not a plain array of non-negative JSON integers below 2**32,
@@ -30,9 +31,11 @@ from kvatlas.core.keys import MAX_TOKEN_ID
 
 _compiled_parse: Callable[[bytes | bytearray, int, int], bytes | None] | None
 try:
+    from kvatlas.wire._token_digits import HAVE_AVX512 as _HAVE_AVX512
     from kvatlas.wire._token_digits import parse as _compiled_parse
 except ImportError:  # installed without a C compiler: the numpy parse serves alone
     _compiled_parse = None
+    _HAVE_AVX512 = 0
 
 DigitParser = Callable[[bytes | bytearray, int, int], npt.NDArray[np.uint32] | None]
 """Reads ``body[start:end]``, the inside of a JSON array, into uint32 tokens; None
@@ -222,3 +225,11 @@ if _compiled_parse is not None:
 DEFAULT_PARSER_NAME: Final = "compiled" if "compiled" in PARSERS else "numpy"
 """The parser `token_ids_array` uses: the compiled one where it was built."""
 DEFAULT_PARSER: Final = PARSERS[DEFAULT_PARSER_NAME]
+DEFAULT_PARSER_READER: Final = (
+    "numpy"
+    if _compiled_parse is None
+    else "compiled, AVX-512 block reader"
+    if _HAVE_AVX512
+    else "compiled, SSE2 block reader"
+)
+"""What reads encoders' layouts here, for the coordinator's start-up log."""
