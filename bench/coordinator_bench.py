@@ -35,10 +35,18 @@ import httpx
 import numpy as np
 
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
-from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes, default_kv_rank
+from kvatlas.core.keys import (
+    Namespace,
+    ObjectKey,
+    chain_memo,
+    chunk_hash_blob,
+    chunk_hashes,
+    default_kv_rank,
+)
 from kvatlas.core.types import EventType, Tier
 from kvatlas.evaluation.broker import Broker, broker_binary
 from kvatlas.evaluation.cpu_account import machine_times
+from kvatlas.runtime.allocator import keep_freed_heap
 from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.runtime.procs import free_port
 from kvatlas.wire.http_api import (
@@ -48,6 +56,11 @@ from kvatlas.wire.http_api import (
     encode_lookup_msgpack,
 )
 from kvatlas.wire.kafka_records import encode_batch_msgpack
+
+try:
+    from kvatlas.wire import _token_digits
+except ImportError:  # built without a C compiler: no block readers to compare
+    _token_digits = None
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -440,6 +453,54 @@ async def _mixed(port: int, lookup_body: bytes, seconds: float, base: int) -> di
     }
 
 
+def _in_process(repeats: int = 300) -> dict[str, Any]:
+    """The two steps of a 32k-token JSON lookup this round changed, timed in this process
+    side by side (interleaved, medians over ``repeats``; with the coordinator's malloc
+    settings): the JSON token readers (SSE2 and AVX-512 block readers on the same
+    bodies) and the hash chain without a memo, through a memo that misses (prompts not
+    seen before) and through one that finds every link."""
+    keep_freed_heap()
+    out: dict[str, Any] = {}
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 2**17, 32768).astype("<u4") for _ in range(repeats + 2)]
+    bodies = [
+        json.dumps({"token_ids": p.tolist(), "model_name": MODEL}).encode() for p in prompts[:8]
+    ]
+    spans = [(b, b.index(b"[") + 1, b.index(b"]")) for b in bodies]
+    readers: dict[str, Callable[[bytes, int, int], object]] = {}
+    layout = getattr(_token_digits, "parse_layout", None)
+    if layout is not None:
+        readers["sse2"] = layout
+        if _token_digits.HAVE_AVX512:
+            readers["avx512"] = lambda b, s, e: layout(b, s, e, True)
+    times: dict[str, list[float]] = {name: [] for name in readers}
+    for i in range(repeats):
+        for name, read in readers.items():
+            body, start, end = spans[i % len(spans)]
+            t0 = time.perf_counter()
+            read(body, start, end)
+            times[name].append(time.perf_counter() - t0)
+    out["token_readers_us"] = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+    memo = chain_memo(256, 32 << 20, os.urandom(32))
+    if memo is not None:
+        raw = [p.tobytes() for p in prompts]
+        seen = raw[-1]
+        for _ in range(3):  # admitted on the second miss, found from the third
+            chunk_hash_blob(seen, 256, memo=memo)
+        chain_times: dict[str, list[float]] = {"no memo": [], "memo, missed": [], "memo, found": []}
+        for fresh in raw[:repeats]:
+            for name, tokens, with_memo in (
+                ("no memo", fresh, None),
+                ("memo, missed", fresh, memo),
+                ("memo, found", seen, memo),
+            ):
+                t0 = time.perf_counter()
+                chunk_hash_blob(tokens, 256, memo=with_memo)
+                chain_times[name].append(time.perf_counter() - t0)
+        out["chain_us"] = {k: statistics.median(v) * 1e6 for k, v in chain_times.items()}
+    return out
+
+
 def _kafka(n_events: int) -> dict[str, Any]:
     from confluent_kafka import Producer  # noqa: PLC0415  # optional: the kafka extra
 
@@ -625,14 +686,18 @@ def main(argv: list[str] | None = None) -> int:
         held = [_batch("holder", 1, list(hs[:100]))]
         server.client.post_events(held)
         tokens_body = json.dumps({"token_ids": tokens, "model_name": MODEL}).encode()
-        # Prompts never seen before, one per request: the memo of the hash chain admits
-        # a link on its second miss, and these come round again only after 128 * 400
-        # links, which push every one of them out of its set's ghosts first.
+        # Prompts never seen before, one per request (random ids below 2**17, as a
+        # 128k vocabulary gives): the memo of the hash chain admits a link on its second
+        # miss, and these come round again only after 128 * 400 links, which push every
+        # one of them out of its set's ghosts first.
         fresh_bodies = [
             json.dumps(
-                {"token_ids": list(range(10**6 * k, 10**6 * k + 32768)), "model_name": MODEL}
+                {
+                    "token_ids": np.random.default_rng(k).integers(0, 2**17, 32768).tolist(),
+                    "model_name": MODEL,
+                }
             ).encode()
-            for k in range(1, 1 + FRESH_PROMPTS)
+            for k in range(FRESH_PROMPTS)
         ]
         keys_body = json.dumps(
             {
@@ -659,7 +724,8 @@ def main(argv: list[str] | None = None) -> int:
         # Rounds interleave the forms, so that a noisy stretch of the machine spreads
         # over all of them; each figure is the median over the rounds.
         rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in scenarios}
-        for _ in range(args.rounds):
+        for round_no in range(args.rounds):
+            print(f"[bench] lookup round {round_no + 1}/{args.rounds}", file=sys.stderr)
             for name, (body, ctype, method, path) in scenarios.items():
                 memo_before = server.memo_links()
                 before = machine_times()
@@ -701,6 +767,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_kafka and not args.lookups_only:
         res["kafka"] = _kafka(args.keys)
 
+    print("[bench] the token readers and the hash chain, in this process", file=sys.stderr)
+    res["in_process"] = _in_process()
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "coordinator.json"
     out.write_text(json.dumps(res, indent=2))
@@ -799,6 +867,19 @@ def main(argv: list[str] | None = None) -> int:
             "<= 20 ms",
         ),
         ("resident memory per key", lambda: f"{res['memory']['bytes_per_key']:.0f} B", "<= 300 B"),
+        (
+            "in this process: a JSON array of 32,768 random ids below 2**17 read by each block"
+            " reader (median)",
+            lambda: ", ".join(
+                f"{k} {v:.0f} us" for k, v in res["in_process"]["token_readers_us"].items()
+            ),
+            "",
+        ),
+        (
+            "in this process: the hash chain of 32,768 tokens (median)",
+            lambda: ", ".join(f"{k} {v:.0f} us" for k, v in res["in_process"]["chain_us"].items()),
+            "",
+        ),
     ]
     if "kafka" in res:
         k = res["kafka"]
