@@ -424,3 +424,12 @@ def test_the_block_readers_at_each_number_length(layout_reader: LayoutReader, di
             assert digits == 8
             continue
         assert np.frombuffer(got, dtype="<u4").tolist() == tokens
+
+
+def test_the_block_readers_refuse_a_number_longer_than_their_batch(
+    layout_reader: LayoutReader,
+) -> None:
+    """3,000 digits (more than one 2 KiB batch holds), alone and among short numbers."""
+    for array in ("9" * 3000, "1, " + "9" * 3000 + ", 2", "1," * 700 + "9" * 3000):
+        body = f'{{"token_ids": [{array}]}}'.encode()
+        assert layout_reader(body, body.index(b"[") + 1, body.index(b"]")) is None

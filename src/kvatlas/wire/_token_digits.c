@@ -318,6 +318,7 @@ AVX512_TARGET static Py_ssize_t parse_blocks512(const unsigned char *p, size_t n
             m += got;
         }
         if (count + m > cap) goto done;
+        if (m == 0) continue; /* 2 KiB of one number's digits: longer than 8, refused below */
         for (j = m; j < m + 8; j++) at[j] = at[m - 1]; /* a last group of fewer than 8 */
         for (j = 0; j < m; j += 8) {
             __m512i e = _mm512_loadu_si512((const void *)(at + j));
