@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -255,6 +256,10 @@ def _server_timing(value: bytes) -> dict[str, float]:
 
 _CLIENT_STEPS = ("send_ms", "wait_ms", "read_ms", "unaccounted_ms")
 """The client's side of each request's timeline (see `_lookups`)."""
+_CPU_STEPS = ("client_cpu_ms", "client_queued_ms", "server_cpu_ms", "server_queued_ms")
+"""With --cpu-timeline: each side's time on a CPU during a lookup (client: its thread,
+kernel work on its behalf included; server: its event loop's thread), and time it was
+runnable but queued behind another thread of this VM."""
 
 
 def _pct(lat: list[float], q: float) -> float:
@@ -359,6 +364,14 @@ async def _preload(port: int, n: int) -> None:
     conn.close()
 
 
+def _schedstat(pid: int, tid: int) -> tuple[int, int]:
+    """A thread's nanoseconds on a CPU and runnable but queued (kernel scheduler stats:
+    neither counts the time the hypervisor took the CPU away)."""
+    with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+        ran, queued = f.read().split()[:2]
+    return int(ran), int(queued)
+
+
 def _lookups(
     port: int,
     body: bytes | list[bytes],
@@ -367,10 +380,13 @@ def _lookups(
     ctype: str = "application/json",
     method: str = "POST",
     path: str = "/directory/lookup",
+    cpu_of: int | None = None,
 ) -> dict[str, Any]:
     """Sequential lookups for ``seconds`` after 50 for warm-up; ``body``: one body sent
-    again and again, or a list of bodies sent in turn (round and round)."""
+    again and again, or a list of bodies sent in turn (round and round). ``cpu_of``: the
+    server's pid, to time both sides' CPU around each lookup (`_CPU_STEPS`)."""
     conn = BlockingConn(port)
+    me, my_thread = os.getpid(), threading.get_native_id()
     bodies = body if isinstance(body, list) else [body]
     requests = [encode_request(method, path, b, ctype) for b in bodies]
     lat = []
@@ -383,11 +399,22 @@ def _lookups(
     while time.perf_counter() < stop_at and len(lat) < max_n:
         request = requests[sent % len(requests)]
         sent += 1
+        if cpu_of is not None:
+            client0, server0 = _schedstat(me, my_thread), _schedstat(cpu_of, cpu_of)
         t0 = time.perf_counter()
         conn.timing = {}
         status, data = conn.send(request)
         end = time.perf_counter()
         took = end - t0
+        cpu: dict[str, float] = {}
+        if cpu_of is not None:
+            client1, server1 = _schedstat(me, my_thread), _schedstat(cpu_of, cpu_of)
+            cpu = {
+                "client_cpu_ms": (client1[0] - client0[0]) / 1e6,
+                "client_queued_ms": (client1[1] - client0[1]) / 1e6,
+                "server_cpu_ms": (server1[0] - server0[0]) / 1e6,
+                "server_queued_ms": (server1[1] - server0[1]) / 1e6,
+            }
         lat.append(took)
         assert status == 200, data[:200]
         if "app" in conn.timing:
@@ -407,6 +434,7 @@ def _lookups(
                     - conn.timing.get("recv", 0.0)
                     - conn.timing["app"],
                     **conn.timing,
+                    **cpu,
                 }
             )
     conn.close()
@@ -422,7 +450,7 @@ def _lookups(
                 "p99_ms": _pct([t[name] / 1000 for t in timeline], 99),
             }
             for name in timeline[0]
-            if name not in ("at_s", "client_ms") and name not in _CLIENT_STEPS
+            if name not in ("at_s", "client_ms", *_CLIENT_STEPS, *_CPU_STEPS)
         }
         out["client_steps"] = {
             name: {
@@ -434,6 +462,14 @@ def _lookups(
         # The tail, request by request: where the slowest 1% spent their time.
         slowest = sorted(timeline, key=lambda t: t["client_ms"])[-max(1, len(timeline) // 100) :]
         out["slowest"] = [{k: round(v, 3) for k, v in t.items()} for t in slowest]
+        if cpu_of is not None:
+            out["cpu"] = {
+                name: {
+                    "p50_ms": _pct([t[name] / 1000 for t in timeline], 50),
+                    "slowest_mean_ms": statistics.mean(t[name] for t in slowest),
+                }
+                for name in _CPU_STEPS
+            }
     return out
 
 
@@ -604,6 +640,19 @@ def _machine(r: dict[str, Any]) -> str:
     )
 
 
+def _cpu(r: dict[str, Any]) -> str:
+    """Each side's CPU time per lookup, typical and in the slowest 1% (--cpu-timeline)."""
+    rounds = [x["cpu"] for x in r["rounds"] if "cpu" in x]
+    if not rounds:
+        raise KeyError("cpu")  # not asked for: the row is left out
+    parts = []
+    for name in _CPU_STEPS:
+        p50 = statistics.median(x[name]["p50_ms"] for x in rounds)
+        slow = statistics.median(x[name]["slowest_mean_ms"] for x in rounds)
+        parts.append(f"{name.removesuffix('_ms').replace('_', ' ')} {p50:.3f} / {slow:.3f}")
+    return ", ".join(parts) + " ms"
+
+
 def _median_ratio(rounds: list[dict[str, Any]]) -> float | None:
     ratios = [r["memo_hit_ratio"] for r in rounds if r.get("memo_hit_ratio") is not None]
     return statistics.median(ratios) if ratios else None
@@ -637,6 +686,13 @@ def main(argv: list[str] | None = None) -> int:
         "--lookup-seconds", type=float, default=2.0, help="duration of each lookup round"
     )
     ap.add_argument("--no-kafka", action="store_true")
+    ap.add_argument(
+        "--cpu-timeline",
+        action="store_true",
+        help="time the client's and the server's CPU around every lookup (schedstat; costs"
+        " the client ~20 us a lookup): says whether the slowest lookups waited for a CPU"
+        " or ran slower on one",
+    )
     ap.add_argument(
         "--lookups-only",
         action="store_true",
@@ -729,7 +785,16 @@ def main(argv: list[str] | None = None) -> int:
             for name, (body, ctype, method, path) in scenarios.items():
                 memo_before = server.memo_links()
                 before = machine_times()
-                got = _lookups(server.port, body, args.lookup_seconds, 20000, ctype, method, path)
+                got = _lookups(
+                    server.port,
+                    body,
+                    args.lookup_seconds,
+                    20000,
+                    ctype,
+                    method,
+                    path,
+                    server.proc.pid if args.cpu_timeline else None,
+                )
                 after = machine_times()
                 hits, misses = np.subtract(server.memo_links(), memo_before)
                 got["memo_hit_ratio"] = hits / (hits + misses) if hits + misses else None
@@ -823,6 +888,12 @@ def main(argv: list[str] | None = None) -> int:
         (
             "the same, the machine during its rounds: CPU busy / stolen by the hypervisor",
             lambda: _machine(res["lookup_tokens_32k"]),
+            "",
+        ),
+        (
+            "the same, CPU time per lookup (--cpu-timeline): median of all / mean of the"
+            " slowest 1% (median over rounds)",
+            lambda: _cpu(res["lookup_tokens_32k"]),
             "",
         ),
         (
