@@ -155,6 +155,74 @@ class Server:
         self.log.close()
 
 
+class LMCacheCoordinator:
+    """LMCache 0.5.6's own coordinator (`lmcache coordinator`, from .venv-lmcache, which
+    scripts/lmcache_env.sh builds) on 127.0.0.1, for the same lookups side by side."""
+
+    VENV = Path(os.environ.get("KVATLAS_LMCACHE_VENV", ROOT / ".venv-lmcache"))
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
+        env = {
+            **os.environ,
+            "LMCACHE_TRACK_USAGE": "false",
+            "DO_NOT_TRACK": "1",
+            "LMCACHE_DISABLE_BANNER": "1",
+            "PATH": f"{self.VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
+        env.pop("PYTHONPATH", None)  # kvatlas' sources stay out of LMCache's interpreter
+        argv = [str(self.VENV / "bin" / "lmcache"), "coordinator", "--host", "127.0.0.1"]
+        argv += ["--port", str(self.port), "--disable-metrics"]
+        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=60)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if self.client.get("/instances").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError("lmcache coordinator did not start: " + self.log.read().decode())
+            time.sleep(0.1)
+
+    @classmethod
+    def available(cls) -> bool:
+        return (cls.VENV / "bin" / "lmcache").exists()
+
+    def load(self, keys: int, held: list[bytes]) -> None:
+        """``keys`` stored keys (LMCache's JSON events, 8,192 a batch) and ``held``."""
+        r = self.client.post(
+            "/instances", json={"instance_id": "holder", "ip": "127.0.0.1", "http_port": 1}
+        )
+        r.raise_for_status()
+        batches = [(10**12 + start, min(8192, keys - start)) for start in range(0, keys, 8192)]
+        for seq, (start, n) in enumerate(batches, 1):
+            self._post(_batch("holder", seq, _hashes(start, n)))
+        self._post(_batch("holder", len(batches) + 1, held))
+
+    def _post(self, batch: EventBatch) -> None:
+        """One batch in LMCache's own shape: token ids a list, a backend named."""
+        body = json.loads(encode_events_json([batch]))
+        for b in body["batches"]:
+            b.setdefault("backend", "dram")
+            for e in b["entries"]:
+                e["token_ids"] = e.get("token_ids") or []
+        r = self.client.post("/events", json=body)
+        if r.status_code != 200 or r.json().get("applied") != 1:
+            raise RuntimeError(
+                f"lmcache coordinator refused events: {r.status_code} {r.text[:200]}"
+            )
+
+    def stop(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
+
+
 # ---- a minimal HTTP/1.1 client -------------------------------------------------------
 
 
@@ -687,6 +755,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-kafka", action="store_true")
     ap.add_argument(
+        "--no-lmcache",
+        action="store_true",
+        help="leave out the same lookups against LMCache's own coordinator (.venv-lmcache)",
+    )
+    ap.add_argument(
+        "--lmcache-keys",
+        type=int,
+        default=100_000,
+        help="keys stored in LMCache's coordinator first (its JSON ingest took ~55 s for"
+        " 1,000,000 here; a lookup reads its dict by key, whatever its size)",
+    )
+    ap.add_argument(
         "--cpu-timeline",
         action="store_true",
         help="time the client's and the server's CPU around every lookup (schedstat; costs"
@@ -722,7 +802,16 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop()
     server = Server()
+    lmcache = None
     try:
+        if not args.no_lmcache and LMCacheCoordinator.available():
+            lmcache = LMCacheCoordinator()
+        elif not args.no_lmcache:
+            print(
+                "[bench] no .venv-lmcache (scripts/lmcache_env.sh builds it): the LMCache"
+                " coordinator row is left out",
+                file=sys.stderr,
+            )
         res["json_token_parser"] = server.json_token_parser()
         res["token_chain"] = server.token_chain()
         rss0 = server.rss()
@@ -777,6 +866,17 @@ def main(argv: list[str] | None = None) -> int:
             # The floor under every figure above: a request that does no work.
             "healthz": (b"", "text/plain", "GET", "/healthz"),
         }
+        ports = dict.fromkeys(scenarios, server.port)
+        if lmcache is not None:
+            print(
+                f"[bench] loading {args.lmcache_keys:,} keys into LMCache's coordinator",
+                file=sys.stderr,
+            )
+            lmcache.load(args.lmcache_keys, list(hs[:100]))
+            res["lmcache_keys"] = args.lmcache_keys
+            # The same body through the same client, against LMCache's own coordinator.
+            scenarios["lmcache_lookup_tokens_32k"] = (tokens_body, "application/json", *lookup)
+            ports["lmcache_lookup_tokens_32k"] = lmcache.port
         # Rounds interleave the forms, so that a noisy stretch of the machine spreads
         # over all of them; each figure is the median over the rounds.
         rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in scenarios}
@@ -786,14 +886,14 @@ def main(argv: list[str] | None = None) -> int:
                 memo_before = server.memo_links()
                 before = machine_times()
                 got = _lookups(
-                    server.port,
+                    ports[name],
                     body,
                     args.lookup_seconds,
                     20000,
                     ctype,
                     method,
                     path,
-                    server.proc.pid if args.cpu_timeline else None,
+                    server.proc.pid if args.cpu_timeline and ports[name] == server.port else None,
                 )
                 after = machine_times()
                 hits, misses = np.subtract(server.memo_links(), memo_before)
@@ -829,6 +929,8 @@ def main(argv: list[str] | None = None) -> int:
             )
     finally:
         server.stop()
+        if lmcache is not None:
+            lmcache.stop()
     if not args.no_kafka and not args.lookups_only:
         res["kafka"] = _kafka(args.keys)
 
@@ -910,6 +1012,13 @@ def main(argv: list[str] | None = None) -> int:
         (
             "the same, each step server-side (median over rounds): p50 / p99",
             lambda: _steps(res["lookup_tokens_32k_fresh"]),
+            "",
+        ),
+        (
+            f"the same JSON lookup (the same prompt) against LMCache 0.5.6's own coordinator"
+            f" (`lmcache coordinator`), same client, {res.get('lmcache_keys', 0):,} keys:"
+            " p50 / p99",
+            lambda: _p50_p99(res["lmcache_lookup_tokens_32k"]),
             "",
         ),
         (
