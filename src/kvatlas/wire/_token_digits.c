@@ -123,6 +123,32 @@ static void classify16(const unsigned char *p, uint64_t *d, uint64_t *c, uint64_
     *z |= (uint64_t)(unsigned)_mm_movemask_epi8(_mm_cmpeq_epi8(x, _mm_set1_epi8('0'))) << shift;
 }
 
+/* The layout encoders write, on the masks of `words` 64-byte words (each array with a
+ * zero word past the end): every comma right after a digit, every space right after a
+ * comma, every comma followed by a digit or a space, every space by a digit (so the span
+ * begins and ends with a digit, and between two numbers lies exactly "," or ", "), and
+ * no number of more than one digit begins with '0'. 0 when the span is laid out
+ * otherwise; else 1, with mark[k] (the '0' bytes on entry) overwritten by the bits of
+ * the numbers' first digits, or with `ends` their last digits. */
+static int check_layout(const uint64_t *digit, const uint64_t *comma, const uint64_t *space,
+                        uint64_t *mark, size_t words, int ends) {
+    uint64_t d_before = 0, c_before = 0;
+    for (size_t k = 0; k < words; k++) {
+        uint64_t d = digit[k], c = comma[k], s = space[k];
+        uint64_t prev_d = d << 1 | d_before, prev_c = c << 1 | c_before;
+        uint64_t next_d = d >> 1 | digit[k + 1] << 63;
+        uint64_t next_s = s >> 1 | space[k + 1] << 63;
+        uint64_t starts = d & ~prev_d;
+        if ((c & ~prev_d) | (s & ~prev_c) | (c & ~(next_d | next_s)) | (s & ~next_d) |
+            (starts & mark[k] & next_d))
+            return 0;
+        mark[k] = ends ? d & ~next_d : starts;
+        d_before = d >> 63;
+        c_before = c >> 63;
+    }
+    return 1;
+}
+
 /* The tokens of p[0:n] in the layouts encoders write (numbers separated by "," or ", ",
  * nothing else; n > 0, no whitespace at either end), or -2 for anything else, which the
  * caller then reads with `parse_span` (so this never has to refuse, only to be sure
@@ -168,26 +194,7 @@ static Py_ssize_t parse_blocks(const unsigned char *p, size_t n, size_t lim, uns
         zero[k] = z;
     }
     digit[words] = comma[words] = space[words] = zero[words] = 0;
-    /* The layout, on the masks: every comma right after a digit, every space right
-     * after a comma, every comma followed by a digit or a space, every space by a digit
-     * (so the span begins and ends with a digit, and between two numbers lies exactly
-     * "," or ", "), and no number of more than one digit begins with '0'. */
-    {
-        uint64_t d_before = 0, c_before = 0;
-        for (k = 0; k < words; k++) {
-            uint64_t d = digit[k], c = comma[k], s = space[k];
-            uint64_t prev_d = d << 1 | d_before, prev_c = c << 1 | c_before;
-            uint64_t next_d = d >> 1 | digit[k + 1] << 63;
-            uint64_t next_s = s >> 1 | space[k + 1] << 63;
-            uint64_t starts = d & ~prev_d;
-            if ((c & ~prev_d) | (s & ~prev_c) | (c & ~(next_d | next_s)) | (s & ~next_d) |
-                (starts & zero[k] & next_d))
-                goto done;
-            zero[k] = starts; /* no longer needed as zeros: the numbers' starts */
-            d_before = d >> 63;
-            c_before = c >> 63;
-        }
-    }
+    if (!check_layout(digit, comma, space, zero, words, 0)) goto done; /* zero: starts */
     /* Each batch of words: its numbers' starts as positions, STARTS_AT_ONCE of them per
      * word whatever it holds (the slots past its count are written over next), so that
      * no branch depends on how many numbers a word holds; then each number on its own. */
@@ -286,22 +293,7 @@ AVX512_TARGET static Py_ssize_t parse_blocks512(const unsigned char *p, size_t n
         ends[k] = z; /* the zeros until the check below has read them */
     }
     digit[words] = comma[words] = space[words] = ends[words] = 0;
-    { /* The layout, as `parse_blocks` checks it; then each number's last digit. */
-        uint64_t d_before = 0, c_before = 0;
-        for (k = 0; k < words; k++) {
-            uint64_t d = digit[k], c = comma[k], s = space[k];
-            uint64_t prev_d = d << 1 | d_before, prev_c = c << 1 | c_before;
-            uint64_t next_d = d >> 1 | digit[k + 1] << 63;
-            uint64_t next_s = s >> 1 | space[k + 1] << 63;
-            uint64_t starts = d & ~prev_d;
-            if ((c & ~prev_d) | (s & ~prev_c) | (c & ~(next_d | next_s)) | (s & ~next_d) |
-                (starts & ends[k] & next_d))
-                goto done;
-            ends[k] = d & ~next_d;
-            d_before = d >> 63;
-            c_before = c >> 63;
-        }
-    }
+    if (!check_layout(digit, comma, space, ends, words, 1)) goto done; /* ends: ends */
     for (k = 0; k < words; k += BATCH_WORDS) {
         size_t last = k + BATCH_WORDS < words ? k + BATCH_WORDS : words, m = 0, j, w_at;
         for (w_at = k; w_at < last; w_at++) { /* the ends' positions, as `parse_blocks` */
