@@ -98,9 +98,10 @@ class CoordinatorConfig:
     (`--token-hash-memo-bytes`): a lookup by tokens whose chunks were looked up before
     (the same prompt asked again while its request waits, a chat's next turn, a shared
     system prompt) takes their hashes from it, compared byte for byte, instead of
-    hashing them again (~10 us instead of ~185 us for 32,768 tokens). A link is
-    remembered from its second lookup on; one takes 64 + 4 * `--chunk-size` bytes (at
-    most this many bytes in all, allocated as it fills). 0: no memo. Only where the
+    hashing them again (13-28 us instead of 170-220 us for 32,768 tokens in
+    `bench.coordinator_bench`). A link is remembered from its second lookup on; one
+    takes 64 + 4 * `--chunk-size` bytes (at most this many bytes in all, allocated as it
+    fills). 0: no memo. Only where the
     compiled chain was built."""
     max_lookup_keys: int = 65536
     """Most keys in one keys lookup (`--max-lookup-keys`); more: 413."""
