@@ -17,7 +17,7 @@
  *
  * Speed: ~1.4 us per 256-token link here (~185 us for 32,768 tokens, against ~240 us
  * for the Python loop at best): the compressions themselves, since each link needs the
- * one before it. A link found in a memo costs ~0.1 us.
+ * one before it. A link found in a memo costs 0.1-0.2 us.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -41,8 +41,8 @@
  * again: ~1.4 us of dependent compressions each. A `ChainMemo` remembers recent links
  * as (parent hash, the chunk's token bytes) -> hash, and `chain` takes a link's hash
  * from it when both match byte for byte (memcmp: a fingerprint only picks the slot, so a
- * collision, crafted or not, can only cost a miss, never a wrong hash). ~0.1 us a link
- * found, ~0.1 us more a link missed. Only links whose parent is a 32-byte hash go
+ * collision, crafted or not, can only cost a miss, never a wrong hash). 0.1-0.2 us a link
+ * found, ~0.15 us more a link missed. Only links whose parent is a 32-byte hash go
  * through it (a chain's first link with a prefix of another length never does).
  *
  * Sets of MEMO_WAYS links, the least recently used link of a set replaced. Each set's
@@ -50,7 +50,7 @@
  * each link's slot holds its parent, its hash and its tokens. A link missed is admitted
  * only when it was missed before (its fingerprint is among its set's `ghost`s, the
  * fingerprints of recent misses): copying 1 KiB of tokens into cold memory for every link of every new
- * prompt cost a prompt never seen again ~25% more than no memo; now ~5%, and a prompt
+ * prompt cost a prompt never seen again ~25% more than no memo; now 9-14%, and a prompt
  * is found from its third lookup on. A lock guards the memo,
  * because a chain over a big input runs without the GIL; a call that finds the lock
  * taken hashes without the memo rather than wait (counted as busy). */
