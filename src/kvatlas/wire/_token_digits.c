@@ -257,9 +257,10 @@ static int have_avx512 = 0;
 /* `parse_blocks` on AVX-512 (F, BW, CD): the same layouts, answers and refusals, with
  * the numbers converted eight at a time. Each number is read as the 8 bytes that end
  * with its last digit (eight loads into one vector: a gather took 2.5x as long on the
- * development VM's AMD EPYC), so only the numbers' ends are needed: the digits above the first other byte from the top are the number, at most
- * the bytes back to the span's start, and a number of 8 digits whose byte before is a
- * digit too is longer, which `parse_span` reads. Needs `before` >= 8: the bytes before
+ * development VM's AMD EPYC), so only the numbers' ends are needed: the digits above
+ * the first other byte from the top are the number, at most the bytes back to the
+ * span's start, and a number of 8 digits whose byte before is a digit too is longer,
+ * which `parse_span` reads. Needs `before` >= 8: the bytes before
  * p that may be read (the array's '[' and the key before it, in a lookup body).
  * ~2.5x faster than `parse_blocks` on the development VM (AMD EPYC): 54-60 us against
  * 145-155 us for 32,768 tokens, best of 2,000, both layouts. */
@@ -322,8 +323,9 @@ AVX512_TARGET static Py_ssize_t parse_blocks512(const unsigned char *p, size_t n
             /* The digits above the highest other byte (0x80 there: lzcnt finds it), at
              * most back to the span's start: 1-8 of them. */
             __m512i lz = _mm512_lzcnt_epi64(_mm512_maskz_mov_epi8(other, _mm512_set1_epi8(-128)));
-            __m512i len = _mm512_min_epi64(_mm512_srli_epi64(_mm512_add_epi64(lz, _mm512_set1_epi64(1)), 3),
-                                           _mm512_add_epi64(e, _mm512_set1_epi64(1)));
+            __m512i len = _mm512_min_epi64(
+                _mm512_srli_epi64(_mm512_add_epi64(lz, _mm512_set1_epi64(1)), 3),
+                _mm512_add_epi64(e, _mm512_set1_epi64(1)));
             __m512i keep = _mm512_sllv_epi64(_mm512_set1_epi64(-1),
                                              _mm512_sub_epi64(_mm512_set1_epi64(64),
                                                               _mm512_slli_epi64(len, 3)));
