@@ -18,8 +18,9 @@
  * numbers do not wait on each other: 10-20% faster (~175-190 us for 32,768 tokens,
  * against 200-225 us, best of 300, for sequential and random ids in both layouts).
  * Where the CPU has AVX-512 (F, BW, CD; chosen at import), `parse_blocks512` reads
- * those layouts (numbers of up to 8 digits) eight numbers at a time, another ~2.5x
- * (50-90 us against 145-220 us in one process with the coordinator's malloc settings).
+ * those layouts (numbers of up to 8 digits) eight numbers at a time, another ~2.8x
+ * (57-83 us against 157-233 us for 32,768 random ids: `bench.coordinator_bench`'s
+ * in-process row, medians of 300).
  * Anything else, or anything they are not sure of, `parse_span` reads.
  */
 #define PY_SSIZE_T_CLEAN
@@ -149,6 +150,22 @@ static int check_layout(const uint64_t *digit, const uint64_t *comma, const uint
     return 1;
 }
 
+/* The positions of the bits of w (a word of marks at byte `base`) into dst, in order:
+ * STARTS_AT_ONCE of them whatever w holds (slots past its count are written over next),
+ * so that no branch depends on how many numbers a word holds; beyond, one at a time
+ * (numbers of 1-3 digits). The caller counts them (its own popcount). */
+static inline void mark_positions(uint64_t w, size_t base, int64_t *dst) {
+    size_t j;
+    for (j = 0; j < STARTS_AT_ONCE; j++) {
+        dst[j] = (int64_t)(base + (size_t)__builtin_ctzll(w | 1ULL << 63));
+        w &= w - 1;
+    }
+    for (j = STARTS_AT_ONCE; w; j++) {
+        dst[j] = (int64_t)(base + (size_t)__builtin_ctzll(w));
+        w &= w - 1;
+    }
+}
+
 /* The tokens of p[0:n] in the layouts encoders write (numbers separated by "," or ", ",
  * nothing else; n > 0, no whitespace at either end), or -2 for anything else, which the
  * caller then reads with `parse_span` (so this never has to refuse, only to be sure
@@ -163,7 +180,7 @@ static Py_ssize_t parse_blocks(const unsigned char *p, size_t n, size_t lim, uns
                                size_t cap) {
     size_t words = (n + 63) / 64, k, count = 0;
     uint64_t *digit, *comma, *space, *zero;
-    uint32_t starts[32 * BATCH_WORDS + STARTS_AT_ONCE];
+    int64_t starts[32 * BATCH_WORDS + STARTS_AT_ONCE];
     Py_ssize_t result = -2;
     /* One zero word past the end of each: the bits "after" the last byte. */
     digit = PyMem_RawMalloc(4 * (words + 1) * sizeof(uint64_t));
@@ -195,27 +212,16 @@ static Py_ssize_t parse_blocks(const unsigned char *p, size_t n, size_t lim, uns
     }
     digit[words] = comma[words] = space[words] = zero[words] = 0;
     if (!check_layout(digit, comma, space, zero, words, 0)) goto done; /* zero: starts */
-    /* Each batch of words: its numbers' starts as positions, STARTS_AT_ONCE of them per
-     * word whatever it holds (the slots past its count are written over next), so that
-     * no branch depends on how many numbers a word holds; then each number on its own. */
+    /* Each batch of words: its numbers' starts as positions, then each number on its own. */
     for (k = 0; k < words; k += BATCH_WORDS) {
         size_t last = k + BATCH_WORDS < words ? k + BATCH_WORDS : words, m = 0, j, w_at;
         for (w_at = k; w_at < last; w_at++) {
-            uint64_t w = zero[w_at];
-            size_t got = popcount64(w);
-            for (j = 0; j < STARTS_AT_ONCE; j++) {
-                starts[m + j] = (uint32_t)(64 * w_at + (size_t)__builtin_ctzll(w | 1ULL << 63));
-                w &= w - 1;
-            }
-            for (j = STARTS_AT_ONCE; w; j++) { /* numbers of 1-3 digits: more in a word */
-                starts[m + j] = (uint32_t)(64 * w_at + (size_t)__builtin_ctzll(w));
-                w &= w - 1;
-            }
-            m += got;
+            mark_positions(zero[w_at], 64 * w_at, starts + m);
+            m += popcount64(zero[w_at]);
         }
         if (count + m > cap) goto done;
         for (j = 0; j < m; j++) {
-            size_t i = starts[j], len;
+            size_t i = (size_t)starts[j], len;
             uint32_t token;
             if (i + 8 > lim) { /* within the body's last 8 bytes: a digit at a time */
                 for (token = 0, len = 0; i + len < n && (unsigned char)(p[i + len] - '0') <= 9;
@@ -255,15 +261,14 @@ done:
 static int have_avx512 = 0;
 
 /* `parse_blocks` on AVX-512 (F, BW, CD): the same layouts, answers and refusals, with
- * the numbers converted eight at a time. Each number is read as the 8 bytes that end
- * with its last digit (eight loads into one vector: a gather took 2.5x as long on the
- * development VM's AMD EPYC), so only the numbers' ends are needed: the digits above
- * the first other byte from the top are the number, at most the bytes back to the
- * span's start, and a number of 8 digits whose byte before is a digit too is longer,
- * which `parse_span` reads. Needs `before` >= 8: the bytes before
- * p that may be read (the array's '[' and the key before it, in a lookup body).
- * ~2.5x faster than `parse_blocks` on the development VM (AMD EPYC): 54-60 us against
- * 145-155 us for 32,768 tokens, best of 2,000, both layouts. */
+ * the numbers converted eight at a time (and numbers of 8 digits too). Each number is
+ * read as the 8 bytes that end with its last digit (eight loads into one vector: a
+ * gather took 2.5x as long on the development VM's AMD EPYC, in a one-off harness), so
+ * only the numbers' ends are needed: the digits above the first other byte from the top
+ * are the number, at most the bytes back to the span's start, and a number of 8 digits
+ * whose byte before is a digit too is longer, which `parse_span` reads. Needs `before`
+ * >= 8 (else -2): the bytes before p that may be read (the array's '[' and the key
+ * before it, in a lookup body). */
 AVX512_TARGET static Py_ssize_t parse_blocks512(const unsigned char *p, size_t n, size_t before,
                                                unsigned char *out, size_t cap) {
     size_t words = (n + 63) / 64, k, count = 0;
@@ -297,18 +302,9 @@ AVX512_TARGET static Py_ssize_t parse_blocks512(const unsigned char *p, size_t n
     if (!check_layout(digit, comma, space, ends, words, 1)) goto done; /* ends: ends */
     for (k = 0; k < words; k += BATCH_WORDS) {
         size_t last = k + BATCH_WORDS < words ? k + BATCH_WORDS : words, m = 0, j, w_at;
-        for (w_at = k; w_at < last; w_at++) { /* the ends' positions, as `parse_blocks` */
-            uint64_t w = ends[w_at];
-            size_t got = (size_t)__builtin_popcountll(w);
-            for (j = 0; j < STARTS_AT_ONCE; j++) {
-                at[m + j] = (int64_t)(64 * w_at + (size_t)__builtin_ctzll(w | 1ULL << 63));
-                w &= w - 1;
-            }
-            for (j = STARTS_AT_ONCE; w; j++) {
-                at[m + j] = (int64_t)(64 * w_at + (size_t)__builtin_ctzll(w));
-                w &= w - 1;
-            }
-            m += got;
+        for (w_at = k; w_at < last; w_at++) { /* the ends' positions */
+            mark_positions(ends[w_at], 64 * w_at, at + m);
+            m += (size_t)__builtin_popcountll(ends[w_at]);
         }
         if (count + m > cap) goto done;
         if (m == 0) continue; /* 2 KiB of one number's digits: longer than 8, refused below */
@@ -365,11 +361,15 @@ static Py_ssize_t parse_tokens(const unsigned char *p, size_t n, size_t before, 
     while (lead < n && is_space(p[lead])) lead++;
     while (last > lead && is_space(p[last - 1])) last--;
     if (last > lead) {
-        Py_ssize_t got = -2;
+        Py_ssize_t got;
 #ifdef HAVE_AVX512_PARSE
-        if (have_avx512) got = parse_blocks512(p + lead, last - lead, before + lead, out, cap);
+        /* Where it can run it reads every layout the SSE2 reader does (and 8 digits):
+         * what it leaves, the SSE2 reader would leave too. */
+        if (have_avx512 && before + lead >= 8)
+            got = parse_blocks512(p + lead, last - lead, before + lead, out, cap);
+        else
 #endif
-        if (got == -2) got = parse_blocks(p + lead, last - lead, lim - lead, out, cap);
+            got = parse_blocks(p + lead, last - lead, lim - lead, out, cap);
         if (got != -2) return got;
     }
 #else
