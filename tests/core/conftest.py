@@ -1,4 +1,5 @@
-"""Fixtures of the core tests: the compiled blake3 chain module, installed or built here."""
+"""Fixtures of the core tests: the compiled blake3 chain module, installed or built here,
+and a build of it whose memo tags collide."""
 
 from __future__ import annotations
 
@@ -25,18 +26,29 @@ def compiled_module(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
     (librust-blake3-dev; scripts/bootstrap.sh installs it, so CI always has one)."""
     if "compiled" in keys.CHAINS:
         return importlib.import_module("kvatlas.core._chain")
+    return _build_chain(tmp_path_factory.mktemp("chain"))
+
+
+@pytest.fixture(scope="session")
+def colliding_module(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
+    """The same sources built with tags of two bits (``MEMO_TAG_MASK``): every link of a
+    memo set has the same tag, so only the memo's byte comparison tells them apart."""
+    return _build_chain(tmp_path_factory.mktemp("chain-colliding"), [("MEMO_TAG_MASK", "3")])
+
+
+def _build_chain(out: Path, extra: list[tuple[str, str | None]] | None = None) -> ModuleType:
     found = sorted(glob(BLAKE3_GLOB))
     if not found:
-        pytest.skip("no compiled chain installed and no BLAKE3 C sources to build one")
+        pytest.skip("no BLAKE3 C sources to build the compiled chain from")
     c_dir = Path(found[-1])
     sources = [str(C_SOURCE)] + [
         str(c_dir / f) for f in ("blake3.c", "blake3_dispatch.c", "blake3_portable.c")
     ]
-    macros: list[tuple[str, str | None]] = []
+    macros: list[tuple[str, str | None]] = list(extra or [])
     if platform.machine().lower() in ("x86_64", "amd64"):
         sources += [str(c_dir / f"blake3_{isa}_x86-64_unix.S") for isa in X86_ISAS]
     else:
-        macros = [(f"BLAKE3_NO_{isa.upper()}", "1") for isa in X86_ISAS]
+        macros += [(f"BLAKE3_NO_{isa.upper()}", "1") for isa in X86_ISAS]
         macros.append(("BLAKE3_USE_NEON", "0"))
     ext = Extension("_chain", sources, include_dirs=[str(c_dir)], define_macros=macros)
-    return build_extension(ext, tmp_path_factory.mktemp("chain"))
+    return build_extension(ext, out)

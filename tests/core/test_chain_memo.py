@@ -33,6 +33,14 @@ def module(compiled_module: ModuleType) -> ModuleType:
     return compiled_module
 
 
+@pytest.fixture(scope="module", params=["installed", "colliding tags"])
+def any_module(
+    request: pytest.FixtureRequest, compiled_module: ModuleType, colliding_module: ModuleType
+) -> ModuleType:
+    """The installed chain, and a build whose memo tags all collide within a set."""
+    return compiled_module if request.param == "installed" else colliding_module
+
+
 def memo_of(module: ModuleType, chunk_size: int, max_bytes: int) -> ChainMemo:
     memo: ChainMemo = module.ChainMemo(chunk_size, max_bytes, os.urandom(32))
     return memo
@@ -58,8 +66,9 @@ def prompts(draw: st.DrawFn) -> tuple[int, list[bytes]]:
 @given(case=prompts(), sets=st.sampled_from([1, 2, 64]), repeat=st.integers(1, 3))
 @settings(max_examples=200, deadline=None)
 def test_the_memo_never_changes_a_hash(
-    module: ModuleType, case: tuple[int, list[bytes]], sets: int, repeat: int
+    any_module: ModuleType, case: tuple[int, list[bytes]], sets: int, repeat: int
 ) -> None:
+    module = any_module
     chunk_size, bodies = case
     memo = memo_of(module, chunk_size, SET_BYTES[chunk_size] * sets)
     for _ in range(repeat):
@@ -90,6 +99,20 @@ def test_a_link_is_admitted_on_its_second_miss_and_found_after(module: ModuleTyp
     assert memo.stats()["hits"] == 24  # forgotten: missed again
 
 
+def test_links_whose_tags_collide_are_told_apart_by_their_bytes(
+    colliding_module: ModuleType,
+) -> None:
+    """One set of four links whose tags are all equal: the memo still finds each link's
+    own hash (it would answer another link's if it trusted the tag)."""
+    memo = memo_of(colliding_module, 256, SET_BYTES[256])
+    prompts = [raw(list(range(k, k + 512))) for k in (0, 1000)]
+    for _ in range(4):
+        for body in prompts:
+            want = keys._python_chain(body, 256, PREFIX)
+            assert colliding_module.chain(body, 256, PREFIX, memo) == want
+    assert memo.stats()["hits"] > 0
+
+
 def test_only_links_with_a_32_byte_parent_go_through_it(module: ModuleType) -> None:
     memo = memo_of(module, 2, 1 << 16)
     body = raw([1, 2, 3, 4, 5, 6])
@@ -101,8 +124,9 @@ def test_only_links_with_a_32_byte_parent_go_through_it(module: ModuleType) -> N
     assert stats["hits"] + stats["misses"] == 2 * 3 * 2
 
 
-def test_identical_chunks_in_one_prompt_are_distinct_links(module: ModuleType) -> None:
+def test_identical_chunks_in_one_prompt_are_distinct_links(any_module: ModuleType) -> None:
     """A prompt of one repeated chunk: every link has the same tokens, another parent."""
+    module = any_module
     memo = memo_of(module, 256, SET_BYTES[256])  # one set: they all compete for it
     body = raw([0] * 256 * 9)
     want = keys._python_chain(body, 256, PREFIX)
@@ -110,9 +134,10 @@ def test_identical_chunks_in_one_prompt_are_distinct_links(module: ModuleType) -
         assert module.chain(body, 256, PREFIX, memo) == want
 
 
-def test_a_big_chain_without_the_gil_and_small_ones_beside_it(module: ModuleType) -> None:
+def test_a_big_chain_without_the_gil_and_small_ones_beside_it(any_module: ModuleType) -> None:
     """Over 1 MiB of tokens the chain runs without the GIL, holding the memo; chains on
     other threads meanwhile hash without it (busy) or through it, and all are right."""
+    module = any_module
     memo = memo_of(module, 256, 8 << 20)
     big = raw(np.random.default_rng(1).integers(0, 2**32, 256 * 1100, dtype=np.uint64))
     small = [raw(list(range(k, k + 256 * 8))) for k in range(4)]
