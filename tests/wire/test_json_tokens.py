@@ -290,13 +290,23 @@ def layout_reader(request: pytest.FixtureRequest, compiled_module: ModuleType) -
         return reader
     if not compiled_module.HAVE_AVX512:
         pytest.skip("this CPU has no AVX-512 (F, BW, CD)")
-    return lambda body, start, end: reader(body, start, end, True)
+
+    def avx512_reader(body: bytes, start: int, end: int) -> bytes | None:
+        return reader(body, start, end, True)
+
+    NEEDS_BYTES_BEFORE[avx512_reader] = 8
+    return avx512_reader
+
+
+NEEDS_BYTES_BEFORE: dict[Callable[..., object], int] = {}
+"""Bytes a block reader needs before the span to answer: the AVX-512 reader reads each
+number as the 8 bytes that end with its last digit (in a lookup body, the key and its
+'[' are there)."""
 
 
 def answers_layout(reader: LayoutReader, start: int) -> bool:
-    """Whether ``reader`` answers every encoder layout at this span start: the AVX-512
-    reader needs 8 bytes before the span (in a lookup body, the key and its '[')."""
-    return start >= 8 or getattr(reader, "__name__", "") == "parse_layout"
+    """Whether ``reader`` answers every encoder layout at this span start."""
+    return start >= NEEDS_BYTES_BEFORE.get(reader, 0)
 
 
 # What encoders write: "," (compact) or ", " (Python's json.dumps) between numbers.
