@@ -51,10 +51,11 @@
  * each link's slot holds its parent, its hash and its tokens. A link missed is admitted
  * only when it was missed before (its fingerprint is among its set's `ghost`s, the
  * fingerprints of recent misses): copying 1 KiB of tokens into cold memory for every
- * link of every new prompt cost a prompt never seen again ~25% more than no memo; now
- * 9-14%, and a prompt is found from its third lookup on. A lock guards the memo,
- * because a chain over a big input runs without the GIL; a call that finds the lock
- * taken hashes without the memo rather than wait (counted as busy). */
+ * link of every new prompt cost a prompt never seen again ~25% more than no memo (a
+ * one-off script); now 9-14% (`bench.coordinator_bench`), and a prompt is found from
+ * its third lookup on. A lock guards the memo, because a chain over a big input runs
+ * without the GIL; a call that finds the lock taken hashes without the memo rather than
+ * wait (counted as busy). */
 #define MEMO_WAYS 4
 #define SLOT_PARENT 0
 #define SLOT_HASH 32

@@ -6,7 +6,7 @@ builds 32,768 Python ints (~0.9 ms here) that hashing then packs back into a uin
 array. `token_ids_array` reads the array straight into that uint32 array. Two parsers
 of the digits answer alike (a hypothesis test holds them to msgspec): the compiled
 `kvatlas.wire._token_digits` (~0.05-0.09 ms for 32,768 tokens where the CPU has
-AVX-512, ~0.15-0.2 ms with SSE2), built by ``pip install`` where a C compiler is found,
+AVX-512, ~0.16-0.23 ms with SSE2), built by ``pip install`` where a C compiler is found,
 and `_parse_digits`, a fixed number of numpy passes with no per-token Python work
 (~0.7 ms; each number is the 8 bytes before its comma read as one little-endian word,
 converted by SWAR arithmetic), which serves where it was not built.
