@@ -443,3 +443,15 @@ def test_the_block_readers_refuse_a_number_longer_than_their_batch(
     for array in ("9" * 3000, "1, " + "9" * 3000 + ", 2", "1," * 700 + "9" * 3000):
         body = f'{{"token_ids": [{array}]}}'.encode()
         assert layout_reader(body, body.index(b"[") + 1, body.index(b"]")) is None
+
+
+@given(tokens=layout_tokens_st, sep=st.sampled_from([",", ", "]), lead=st.integers(0, 12))
+@settings(max_examples=200, deadline=None)
+def test_parse_answers_alike_whichever_block_reader_it_picks(
+    compiled_module: ModuleType, tokens: list[int], sep: str, lead: int
+) -> None:
+    """`parse` picks the AVX-512 reader only with 8 bytes before the span (else the SSE2
+    one, also on a CPU with AVX-512): the same tokens either way."""
+    body = (" " * lead + "[" + sep.join(map(str, tokens)) + "]").encode()
+    got = compiled_module.parse(body, lead + 1, len(body) - 1)
+    assert got is not None and np.frombuffer(got, dtype="<u4").tolist() == tokens
