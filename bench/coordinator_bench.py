@@ -30,7 +30,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from types import ModuleType
+from typing import IO, Any, Protocol
 
 import httpx
 import numpy as np
@@ -58,6 +59,7 @@ from kvatlas.wire.http_api import (
 )
 from kvatlas.wire.kafka_records import encode_batch_msgpack
 
+_token_digits: ModuleType | None
 try:
     from kvatlas.wire import _token_digits
 except ImportError:  # built without a C compiler: no block readers to compare
@@ -81,7 +83,28 @@ def _log_file(name: str) -> tuple[IO[bytes], Path]:
     return os.fdopen(fd, "wb"), Path(path)
 
 
-class Server:
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+class _Child:
+    """A child process of this benchmark: its log (`_log_file`), its client, and `stop`,
+    which ends only this child, by its handle, and removes its log."""
+
+    proc: subprocess.Popen[bytes]
+    log: IO[bytes]
+    log_path: Path
+    client: _Closable
+
+    def stop(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
+        self.log_path.unlink(missing_ok=True)
+
+
+class Server(_Child):
     def __init__(self, *args: str) -> None:
         self.port = free_port()
         self.log, self.log_path = _log_file("coordinator")
@@ -105,7 +128,7 @@ class Server:
         )
         self.url = f"http://127.0.0.1:{self.port}"
         wait_http(self.url + "/healthz", self.proc, self.log_path)
-        self.client = CoordinatorClient(self.url)
+        self.client: CoordinatorClient = CoordinatorClient(self.url)
 
     def json_token_parser(self) -> str:
         """The parser the coordinator reads JSON token arrays with (its metrics say)."""
@@ -144,15 +167,8 @@ class Server:
             time.sleep(0.01)
         return time.perf_counter() - t0
 
-    def stop(self) -> None:
-        self.client.close()
-        self.proc.terminate()
-        self.proc.wait(30)
-        self.log.close()
-        self.log_path.unlink(missing_ok=True)
 
-
-class LMCacheCoordinator:
+class LMCacheCoordinator(_Child):
     """LMCache 0.5.6's own coordinator (`lmcache coordinator`, from .venv-lmcache, which
     scripts/lmcache_env.sh builds) on 127.0.0.1, for the same lookups side by side."""
 
@@ -174,7 +190,7 @@ class LMCacheCoordinator:
         self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{self.port}"
         wait_http(url + "/instances", self.proc, self.log_path, timeout=60)
-        self.client = httpx.Client(base_url=url, timeout=60)
+        self.client: httpx.Client = httpx.Client(base_url=url, timeout=60)
 
     @classmethod
     def available(cls) -> bool:
@@ -203,13 +219,6 @@ class LMCacheCoordinator:
             raise RuntimeError(
                 f"lmcache coordinator refused events: {r.status_code} {r.text[:200]}"
             )
-
-    def stop(self) -> None:
-        self.client.close()
-        self.proc.terminate()
-        self.proc.wait(30)
-        self.log.close()
-        self.log_path.unlink(missing_ok=True)
 
 
 # ---- a minimal HTTP/1.1 client -------------------------------------------------------
@@ -799,14 +808,14 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version()}}
     s = args.seconds
 
-    scenarios = (
+    ingest_scenarios = (
         ("json", 1),
         ("json", 8),
         ("msgpack", 1),
         ("msgpack", 8),
         ("msgpack-entries", 1),
     )
-    for fmt, per in () if args.lookups_only else scenarios:
+    for fmt, per in () if args.lookups_only else ingest_scenarios:
         # A fresh coordinator for each: the directory's dicts grow by doubling, and a
         # scenario that started on millions of keys left by the one before would pay
         # for copies that the other did not.
@@ -923,22 +932,26 @@ def main(argv: list[str] | None = None) -> int:
                     # given to something else, which no code here can shorten
                     got["machine"] = after.since(before).shares()
                 rounds[name].append(got)
-        for name, got in rounds.items():
+        for name, of_rounds in rounds.items():
             # each lookup's own figures, pooled over the rounds (not written out)
-            each = [x for r in got for x in r.pop("_each_ms")]
-            server_each = [x for r in got for x in r.pop("_server_each_ms", [])]
+            each = [x for r in of_rounds for x in r.pop("_each_ms")]
+            server_each = [x for r in of_rounds for x in r.pop("_server_each_ms", [])]
             res[name] = {
-                "p50_ms": statistics.median(r["p50_ms"] for r in got),
-                "p99_ms": statistics.median(r["p99_ms"] for r in got),
+                "p50_ms": statistics.median(r["p50_ms"] for r in of_rounds),
+                "p99_ms": statistics.median(r["p99_ms"] for r in of_rounds),
                 # every lookup of every round as one sample: a bad round weighs in full
                 "pooled_p99_ms": _pct(each, 99),
-                "n": sum(r["n"] for r in got),
-                "memo_hit_ratio": _median_ratio(got),
-                "rounds": got,
+                "n": sum(r["n"] for r in of_rounds),
+                "memo_hit_ratio": _median_ratio(of_rounds),
+                "rounds": of_rounds,
             }
-            if all("server_p99_ms" in r for r in got):
-                res[name]["server_p50_ms"] = statistics.median(r["server_p50_ms"] for r in got)
-                res[name]["server_p99_ms"] = statistics.median(r["server_p99_ms"] for r in got)
+            if all("server_p99_ms" in r for r in of_rounds):
+                res[name]["server_p50_ms"] = statistics.median(
+                    r["server_p50_ms"] for r in of_rounds
+                )
+                res[name]["server_p99_ms"] = statistics.median(
+                    r["server_p99_ms"] for r in of_rounds
+                )
                 res[name]["server_pooled_p99_ms"] = _pct(server_each, 99)
         if not args.lookups_only:
             res["ingest_during_lookups"] = asyncio.run(
