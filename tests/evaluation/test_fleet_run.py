@@ -71,6 +71,9 @@ def test_small_fleet_run_keeps_the_invariants(tmp_path: Path) -> None:
         chunk_bytes=CHUNK_BYTES,
         deadline=time.monotonic() + 90,
         say=lambda _m: None,
+        # Back to back the 60 requests take ~0.2 s here, one event flush interval: the
+        # directory could name nothing before the stream ended. Paced, they span ~10.
+        rate_per_s=30.0,
     )
     s = res.summary
     inv = s["invariants"]

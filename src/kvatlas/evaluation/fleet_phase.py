@@ -86,8 +86,13 @@ def run_mode(
     chunk_bytes: int,
     deadline: float,
     say: Say,
+    rate_per_s: float = 0.0,
 ) -> ModeResult:
-    """Start a fleet (P2P as ``fcfg.p2p``), drive the stream, check the invariants, stop."""
+    """Start a fleet (P2P as ``fcfg.p2p``), drive the stream, check the invariants, stop.
+
+    ``rate_per_s``: requests start at most this often (0: back to back). Back to back, a
+    short stream can end inside one event flush interval, before the directory names
+    anything; a real engine's prefill spaces requests out."""
     with Fleet(fcfg) as fleet:
         fleet.start(lambda m: say(f"  [{mode}] {m}"))
         driver = NodeDriver(fleet, chunk_bytes=chunk_bytes)
@@ -96,7 +101,9 @@ def run_mode(
             driver.connect_all()
             first = sampler.sample()
             sampler.start()
-            recs = drive(driver, requests, deadline=deadline, say=say, label=mode)
+            recs = drive(
+                driver, requests, deadline=deadline, say=say, label=mode, rate_per_s=rate_per_s
+            )
         finally:
             sampler.stop()
             driver.close()
