@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,10 +10,13 @@ from pathlib import Path
 import pytest
 
 from kvatlas.cli.coordinator import config_from_args, main
+from kvatlas.coordinator.app import Coordinator
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import CHAINS
+from kvatlas.runtime import cpu_latency
+from kvatlas.runtime.cpu_latency import current_limit_us
 
 
 def test_defaults_and_env_token() -> None:
@@ -68,6 +72,7 @@ def test_defaults_and_env_token() -> None:
         ({"min_body_rate": 0.0}, "--min-body-rate"),
         ({"drop_token_ids": True, "enable_blend_lookup": True}, "--drop-token-ids"),
         ({"token_hash_memo_bytes": -1}, "--token-hash-memo-bytes"),
+        ({"cpu_latency_us": -1}, "--cpu-latency-us"),
     ],
 )
 def test_validation_names_the_flag(overrides: dict[str, object], flag: str) -> None:
@@ -117,3 +122,35 @@ def test_snapshot_of_other_chunk_size_is_refused(tmp_path: Path) -> None:
     assert "--chunk-size 128" in r.stderr
     snap.write_bytes(b"garbage")
     assert main(["--host", "127.0.0.1", "--port", "0", "--snapshot-path", str(snap)]) == 2
+
+
+def test_the_cpu_latency_flag(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert config_from_args([], {}).cpu_latency_us is None
+    assert config_from_args(["--cpu-latency-us", "0"], {}).cpu_latency_us == 0
+    assert main(["--cpu-latency-us", "-1"]) == 2
+    assert "--cpu-latency-us must be 0-2000000000 us, got -1" in capsys.readouterr().err
+    # Where the device cannot be opened (no root): refused at start, naming the flag.
+    monkeypatch.setattr(cpu_latency, "DEVICE", tmp_path / "no_such_device")
+    assert main(["--host", "127.0.0.1", "--port", "0", "--cpu-latency-us", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--cpu-latency-us: cannot open" in err and "needs root" in err
+
+
+@pytest.mark.skipif(
+    not os.access(cpu_latency.DEVICE, os.R_OK | os.W_OK),
+    reason="needs the kernel's PM QoS device",
+)
+def test_the_coordinator_holds_the_cpu_latency_while_it_lives() -> None:
+    before = current_limit_us()
+    assert before is not None
+    coordinator = Coordinator(
+        CoordinatorConfig(host="127.0.0.1", port=0, cpu_latency_us=9, token_hash_memo_bytes=0)
+    )
+    try:
+        assert current_limit_us() == min(before, 9)
+        assert b"kvatlas_coordinator_cpu_latency_hold_us 9.0" in coordinator.metrics.render()
+    finally:
+        coordinator.shutdown()
+    assert current_limit_us() == before

@@ -36,6 +36,7 @@ from kvatlas.core.errors import ConfigError, InvalidInput
 from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import DEFAULT_CHAIN_NAME, ChainMemo, chain_memo
 from kvatlas.runtime.allocator import keep_freed_heap
+from kvatlas.runtime.cpu_latency import CpuLatencyError, CpuLatencyHold
 from kvatlas.runtime.gc_pauses import GcPauses
 from kvatlas.runtime.http_server import HttpServer
 from kvatlas.runtime.net import bind
@@ -122,6 +123,9 @@ class Coordinator:
         self._expiry: threading.Thread | None = None
         self.final_snapshot_failed = False
         """True when the snapshot written at shutdown failed: a restart loses state."""
+        self.cpu_latency = _cpu_latency_hold(config.cpu_latency_us)
+        if self.cpu_latency is not None:
+            self.metrics.attach_cpu_latency(self.cpu_latency.us)
 
     def bind(self) -> int:
         """Bind the HTTP socket now; returns the port (useful with port 0)."""
@@ -168,7 +172,7 @@ class Coordinator:
         memo = self.memo.stats() if self.memo is not None else None
         log.info(
             "Coordinator listening on %s:%d (events over %s; JSON token arrays read by"
-            " the %s parser, tokens hashed by the %s chain, %s)",
+            " the %s parser, tokens hashed by the %s chain, %s; %s)",
             self.config.host,
             port,
             self.config.event_transport,
@@ -177,6 +181,9 @@ class Coordinator:
             f"with a memo of {memo['links']} links in {memo['bytes'] / 2**20:.1f} MiB"
             if memo is not None
             else "without a memo",
+            f"holding the CPUs' wake-up latency to {self.cpu_latency.us} us"
+            if self.cpu_latency is not None
+            else "no CPU latency hold",
         )
         try:
             self.http.run(self._sock)
@@ -209,7 +216,19 @@ class Coordinator:
             )
         if self._sock is not None:
             self._sock.close()
+        if self.cpu_latency is not None:
+            self.cpu_latency.close()
         log.info("Coordinator stopped")
+
+
+def _cpu_latency_hold(us: int | None) -> CpuLatencyHold | None:
+    """The PM QoS hold of `--cpu-latency-us`, or None without the flag."""
+    if us is None:
+        return None
+    try:
+        return CpuLatencyHold(us)
+    except CpuLatencyError as exc:
+        raise ConfigError(f"--cpu-latency-us: {exc}") from exc
 
 
 def _token_hash_memo(max_bytes: int, chunk_size: int) -> ChainMemo | None:

@@ -356,6 +356,15 @@ class CoordinatorMetrics:
         """Register the scrape-time collector of the HTTP server's ``sample()``."""
         self.registry.register(_EdgeCollector(sample))
 
+    def attach_cpu_latency(self, us: int) -> None:
+        """Say which CPU wake-up latency this process holds (`--cpu-latency-us`)."""
+        Gauge(
+            "kvatlas_coordinator_cpu_latency_hold_us",
+            "The CPU wake-up latency limit this coordinator holds (--cpu-latency-us;"
+            " absent without one)",
+            registry=self.registry,
+        ).set(us)
+
     def attach_memo(self, stats: Callable[[], dict[str, int]]) -> None:
         """Register the scrape-time collector of the token hash chain's memo."""
         self.registry.register(_MemoCollector(stats))

@@ -1,0 +1,96 @@
+"""The PM QoS hold: what it writes, how long it keeps it, and what it says when it can't.
+
+A regular file stands in for the kernel's device where the bytes matter; the kernel's
+own device is used where this process may open it (root), to show the limit the kernel
+keeps while the hold is open and the one it keeps again after.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import pytest
+
+from kvatlas.runtime import cpu_latency
+from kvatlas.runtime.cpu_latency import (
+    NO_LIMIT_US,
+    CpuLatencyError,
+    CpuLatencyHold,
+    current_limit_us,
+)
+
+
+def _open_fds() -> set[str]:
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:  # the listing's own descriptor, closed by now
+            pass
+    return out
+
+
+def test_writes_a_native_s32_and_keeps_the_file_open_until_closed(tmp_path: Path) -> None:
+    dev = tmp_path / "cpu_dma_latency"
+    dev.write_bytes(b"")
+    hold = CpuLatencyHold(25, dev)
+    assert hold.held and hold.us == 25
+    assert dev.read_bytes() == struct.pack("=i", 25)
+    assert str(dev) in _open_fds()  # the kernel keeps the request while it is open
+    hold.close()
+    hold.close()  # idempotent
+    assert not hold.held
+    assert str(dev) not in _open_fds()
+
+
+def test_a_with_block_drops_the_hold_even_on_an_exception(tmp_path: Path) -> None:
+    dev = tmp_path / "cpu_dma_latency"
+    dev.write_bytes(b"")
+    with pytest.raises(RuntimeError), CpuLatencyHold(0, dev) as hold:
+        assert hold.held
+        raise RuntimeError("boom")
+    assert not hold.held
+    assert str(dev) not in _open_fds()
+
+
+@pytest.mark.parametrize("us", [-1, NO_LIMIT_US + 1])
+def test_out_of_range_is_refused_before_opening_anything(tmp_path: Path, us: int) -> None:
+    dev = tmp_path / "never_created"
+    with pytest.raises(ValueError, match="0-2000000000"):
+        CpuLatencyHold(us, dev)
+    assert not dev.exists()
+
+
+def test_a_device_it_cannot_open_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = tmp_path / "no_such_device"
+    monkeypatch.setattr(cpu_latency, "DEVICE", missing)
+    with pytest.raises(CpuLatencyError, match=r"cannot open .*no_such_device.*needs root"):
+        CpuLatencyHold(0)
+    assert current_limit_us() is None
+
+
+def test_current_limit_reads_the_value_and_refuses_short_reads(tmp_path: Path) -> None:
+    dev = tmp_path / "dev"
+    dev.write_bytes(struct.pack("=i", 1234))
+    assert current_limit_us(dev) == 1234
+    dev.write_bytes(b"\x01\x02")
+    assert current_limit_us(dev) is None
+
+
+def _kernel_device_writable() -> bool:
+    return os.access(cpu_latency.DEVICE, os.R_OK | os.W_OK)
+
+
+@pytest.mark.skipif(not _kernel_device_writable(), reason="needs the kernel's PM QoS device")
+def test_the_kernel_keeps_the_lowest_hold_while_open_and_drops_it_after() -> None:
+    before = current_limit_us()
+    assert before is not None
+    with CpuLatencyHold(7):
+        with CpuLatencyHold(3):
+            assert current_limit_us() == min(before, 3)
+        assert current_limit_us() == min(before, 7)
+    assert current_limit_us() == before
