@@ -7,6 +7,7 @@ keeps while the hold is open and the one it keeps again after.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from pathlib import Path
@@ -25,10 +26,9 @@ from kvatlas.runtime.cpu_latency import (
 def _open_fds() -> set[str]:
     out = set()
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        # the listing's own descriptor is closed by now
+        with contextlib.suppress(FileNotFoundError):
             out.add(os.readlink(f"/proc/self/fd/{fd}"))
-        except FileNotFoundError:  # the listing's own descriptor, closed by now
-            pass
     return out
 
 
