@@ -50,6 +50,7 @@ from kvatlas.evaluation.broker import Broker, broker_binary
 from kvatlas.evaluation.cpu_account import machine_times
 from kvatlas.runtime.allocator import keep_freed_heap
 from kvatlas.runtime.coordinator_client import CoordinatorClient
+from kvatlas.runtime.cpu_latency import CpuLatencyError, CpuLatencyHold
 from kvatlas.runtime.procs import free_port, wait_http
 from kvatlas.wire.http_api import (
     LookupRequest,
@@ -731,6 +732,10 @@ def _json_lookup_rows(res: dict[str, Any], name: str, title: str) -> list[Row]:
 
 
 CLIENT_TARGET = "p99 <= 1.5 ms (keep-alive client)"
+HELD = (
+    "idle CPUs polling (the CPU latency held at 0 us, as `kvatlas coordinator"
+    " --cpu-latency-us 0` holds it)"
+)
 
 
 def _cpu(r: dict[str, Any]) -> str:
@@ -755,6 +760,15 @@ def _memo(r: dict[str, Any]) -> str:
     """How many of the scenario's links the hash chain's memo held (median of rounds)."""
     ratio = r.get("memo_hit_ratio")
     return "no memo" if ratio is None else f"{ratio:.0%} of links found in the hash memo"
+
+
+def _can_hold_cpu_latency() -> bool:
+    try:
+        CpuLatencyHold(0).close()
+    except CpuLatencyError as exc:
+        print(f"[bench] the CPU latency rows are left out: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def _p50_p99(r: dict[str, Any]) -> str:
@@ -798,6 +812,13 @@ def main(argv: list[str] | None = None) -> int:
         " the client ~50 us a lookup, outside the timed request, about half of it inside"
         " its own CPU figure): says whether the slowest lookups waited for a CPU or ran"
         " slower on one",
+    )
+    ap.add_argument(
+        "--no-cpu-latency-hold",
+        action="store_true",
+        help="leave out the JSON lookups run again while this machine's CPUs are held to"
+        " waking within 0 us (what `kvatlas coordinator --cpu-latency-us 0` holds; needs"
+        " root)",
     )
     ap.add_argument(
         "--lookups-only",
@@ -885,13 +906,24 @@ def main(argv: list[str] | None = None) -> int:
         lookup = ("POST", "/directory/lookup")
         scenarios = {
             "lookup_tokens_32k": (tokens_body, "application/json", *lookup),
+            "lookup_tokens_32k_held": (tokens_body, "application/json", *lookup),
             "lookup_tokens_32k_fresh": (fresh_bodies, "application/json", *lookup),
+            "lookup_tokens_32k_fresh_held": (fresh_bodies, "application/json", *lookup),
             "lookup_tokens_b64_32k": (b64_body, "application/json", *lookup),
             "lookup_tokens_msgpack_32k": (msgpack_body, "application/msgpack", *lookup),
             "lookup_keys_128": (keys_body, "application/json", *lookup),
             # The floor under every figure above: a request that does no work.
             "healthz": (b"", "text/plain", "GET", "/healthz"),
         }
+        # The same lookups with idle CPUs polling instead of halting: the bench holds
+        # the kernel's CPU latency at 0 around these scenarios only, which is what the
+        # coordinator's --cpu-latency-us 0 holds for its life (the request is the
+        # machine's, whichever process makes it). Interleaved with the plain ones.
+        held = {"lookup_tokens_32k_held", "lookup_tokens_32k_fresh_held"}
+        if args.no_cpu_latency_hold or not _can_hold_cpu_latency():
+            for name in held:
+                del scenarios[name]
+            held = set()
         ports = dict.fromkeys(scenarios, server.port)
         if lmcache is not None:
             print(
@@ -910,18 +942,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] lookup round {round_no + 1}/{args.rounds}", file=sys.stderr)
             for name, (body, ctype, method, path) in scenarios.items():
                 memo_before = server.memo_links()
-                before = machine_times()
-                got = _lookups(
-                    ports[name],
-                    body,
-                    args.lookup_seconds,
-                    20000,
-                    ctype,
-                    method,
-                    path,
-                    server.proc.pid if args.cpu_timeline and ports[name] == server.port else None,
-                )
-                after = machine_times()
+                hold = CpuLatencyHold(0) if name in held else None
+                try:
+                    before = machine_times()
+                    got = _lookups(
+                        ports[name],
+                        body,
+                        args.lookup_seconds,
+                        20000,
+                        ctype,
+                        method,
+                        path,
+                        server.proc.pid
+                        if args.cpu_timeline and ports[name] == server.port
+                        else None,
+                    )
+                    after = machine_times()
+                finally:
+                    if hold is not None:
+                        hold.close()
                 hits, misses = np.subtract(server.memo_links(), memo_before)
                 got["memo_hit_ratio"] = hits / (hits + misses) if hits + misses else None
                 if isinstance(body, list):  # the next round goes on where this one ended
@@ -1019,8 +1058,29 @@ def main(argv: list[str] | None = None) -> int:
         ),
         *_json_lookup_rows(
             res,
+            "lookup_tokens_32k_held",
+            f"{HELD}: lookup 32,768 tokens as JSON token_ids, the same prompt each request",
+        ),
+        (
+            "the same, the client's side (median over rounds): p50 / p99",
+            lambda: _client_steps(res["lookup_tokens_32k_held"]),
+            "",
+        ),
+        (
+            "the same, the machine during its rounds: CPU busy / stolen by the hypervisor",
+            lambda: _machine(res["lookup_tokens_32k_held"]),
+            "",
+        ),
+        *_json_lookup_rows(
+            res,
             "lookup_tokens_32k_fresh",
             "lookup 32,768 tokens as JSON token_ids, a prompt not seen before each request",
+        ),
+        *_json_lookup_rows(
+            res,
+            "lookup_tokens_32k_fresh_held",
+            f"{HELD}: lookup 32,768 tokens as JSON token_ids, a prompt not seen before each"
+            " request",
         ),
         (
             f"the same JSON lookup (the same prompt) against LMCache 0.5.6's own coordinator"
