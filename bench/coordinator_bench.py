@@ -919,11 +919,11 @@ def main(argv: list[str] | None = None) -> int:
         # the kernel's CPU latency at 0 around these scenarios only, which is what the
         # coordinator's --cpu-latency-us 0 holds for its life (the request is the
         # machine's, whichever process makes it). Interleaved with the plain ones.
-        held = {"lookup_tokens_32k_held", "lookup_tokens_32k_fresh_held"}
+        polled: set[str] = {"lookup_tokens_32k_held", "lookup_tokens_32k_fresh_held"}
         if args.no_cpu_latency_hold or not _can_hold_cpu_latency():
-            for name in held:
-                del scenarios[name]
-            held = set()
+            for scenario in polled:
+                del scenarios[scenario]
+            polled = set()
         ports = dict.fromkeys(scenarios, server.port)
         if lmcache is not None:
             print(
@@ -942,7 +942,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] lookup round {round_no + 1}/{args.rounds}", file=sys.stderr)
             for name, (body, ctype, method, path) in scenarios.items():
                 memo_before = server.memo_links()
-                hold = CpuLatencyHold(0) if name in held else None
+                hold = CpuLatencyHold(0) if name in polled else None
                 try:
                     before = machine_times()
                     got = _lookups(
