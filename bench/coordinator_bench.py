@@ -731,6 +731,22 @@ def _json_lookup_rows(res: dict[str, Any], name: str, title: str) -> list[Row]:
     ]
 
 
+def _client_and_machine_rows(res: dict[str, Any], name: str) -> list[Row]:
+    """Scenario ``name``'s client-side steps and the machine's share during its rounds."""
+    return [
+        (
+            "the same, the client's side (median over rounds): p50 / p99",
+            lambda: _client_steps(res[name]),
+            "",
+        ),
+        (
+            "the same, the machine during its rounds: CPU busy / stolen by the hypervisor",
+            lambda: _machine(res[name]),
+            "",
+        ),
+    ]
+
+
 CLIENT_TARGET = "p99 <= 1.5 ms (keep-alive client)"
 HELD = (
     "idle CPUs polling (the CPU latency held at 0 us, as `kvatlas coordinator"
@@ -1040,16 +1056,7 @@ def main(argv: list[str] | None = None) -> int:
             f"lookup 32,768 tokens as JSON token_ids ({res['json_token_parser']} parser,"
             f" {res['token_chain']} chain), {args.keys:,} keys, the same prompt each request",
         ),
-        (
-            "the same, the client's side (median over rounds): p50 / p99",
-            lambda: _client_steps(res["lookup_tokens_32k"]),
-            "",
-        ),
-        (
-            "the same, the machine during its rounds: CPU busy / stolen by the hypervisor",
-            lambda: _machine(res["lookup_tokens_32k"]),
-            "",
-        ),
+        *_client_and_machine_rows(res, "lookup_tokens_32k"),
         (
             "the same, CPU time per lookup (--cpu-timeline): median of all / mean of the"
             " slowest 1% (median over rounds)",
@@ -1061,16 +1068,7 @@ def main(argv: list[str] | None = None) -> int:
             "lookup_tokens_32k_held",
             f"{HELD}: lookup 32,768 tokens as JSON token_ids, the same prompt each request",
         ),
-        (
-            "the same, the client's side (median over rounds): p50 / p99",
-            lambda: _client_steps(res["lookup_tokens_32k_held"]),
-            "",
-        ),
-        (
-            "the same, the machine during its rounds: CPU busy / stolen by the hypervisor",
-            lambda: _machine(res["lookup_tokens_32k_held"]),
-            "",
-        ),
+        *_client_and_machine_rows(res, "lookup_tokens_32k_held"),
         *_json_lookup_rows(
             res,
             "lookup_tokens_32k_fresh",
