@@ -110,9 +110,9 @@ class CoordinatorConfig:
     """While serving, hold this machine's CPUs to waking within this many microseconds
     (`--cpu-latency-us`, the kernel's PM QoS device; needs root). 0 keeps idle CPUs
     polling instead of halting: on VMs whose halted vCPUs now and then wake
-    milliseconds late, it took the 32k-token lookup's client p99 from 1.9-5.1 ms to
-    0.5-1.1 ms in `bench.coordinator_bench`, at the price of idle CPUs spinning. None:
-    no hold."""
+    milliseconds late, the 32k-token lookup's client p99 in one-second rounds of
+    `bench.coordinator_bench` stayed at or under 1.3 ms with it, beside rounds of up to
+    3.7 ms without, at the price of idle CPUs spinning. None: no hold."""
     max_connections: int = 0
     """Most open HTTP connections served at once (`--max-connections`); more are
     answered 503 with Retry-After. 0: 4096, or fewer when the open-file limit
