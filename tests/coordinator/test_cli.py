@@ -135,7 +135,7 @@ def test_the_cpu_latency_flag(
     monkeypatch.setattr(cpu_latency, "DEVICE", tmp_path / "no_such_device")
     assert main(["--host", "127.0.0.1", "--port", "0", "--cpu-latency-us", "0"]) == 2
     err = capsys.readouterr().err
-    assert "--cpu-latency-us: cannot open" in err and "needs root" in err
+    assert "--cpu-latency-us: cannot open" in err and "no CPU latency QoS device" in err
 
 
 @pytest.mark.skipif(

@@ -63,14 +63,23 @@ def test_out_of_range_is_refused_before_opening_anything(tmp_path: Path, us: int
     assert not dev.exists()
 
 
-def test_a_device_it_cannot_open_is_a_clear_error(
+def test_a_kernel_without_the_device_is_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     missing = tmp_path / "no_such_device"
     monkeypatch.setattr(cpu_latency, "DEVICE", missing)
-    with pytest.raises(CpuLatencyError, match=r"cannot open .*no_such_device.*needs root"):
+    with pytest.raises(CpuLatencyError, match=r"cannot open .*no_such_device.*has no CPU"):
         CpuLatencyHold(0)
     assert current_limit_us() is None
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root opens a read-only file for writing")
+def test_a_device_it_may_not_open_says_what_it_needs(tmp_path: Path) -> None:
+    unwritable = tmp_path / "read_only"
+    unwritable.write_bytes(b"")
+    unwritable.chmod(0o400)
+    with pytest.raises(CpuLatencyError, match="needs root"):
+        CpuLatencyHold(0, unwritable)
 
 
 def test_current_limit_reads_the_value_and_refuses_short_reads(tmp_path: Path) -> None:

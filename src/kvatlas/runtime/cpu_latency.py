@@ -20,7 +20,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Final
 
-DEVICE: Final = Path("/dev/cpu_dma_latency")
+DEVICE = Path("/dev/cpu_dma_latency")
+"""The kernel's device (a module variable, so that tests can name another)."""
 NO_LIMIT_US: Final = 2_000_000_000
 """The kernel's value when nothing is held (PM_QOS_CPU_LATENCY_DEFAULT_VALUE)."""
 _VALUE = struct.Struct("=i")
@@ -44,10 +45,12 @@ class CpuLatencyHold:
         try:
             fd = os.open(device, os.O_WRONLY | os.O_CLOEXEC)
         except OSError as exc:
-            raise CpuLatencyError(
-                f"cannot open {device}: {exc.strerror} (the kernel's CPU latency QoS"
-                " device; opening it needs root)"
-            ) from exc
+            why = (
+                "this kernel has no CPU latency QoS device"
+                if isinstance(exc, FileNotFoundError)
+                else "the kernel's CPU latency QoS device; opening it needs root"
+            )
+            raise CpuLatencyError(f"cannot open {device}: {exc.strerror} ({why})") from exc
         try:
             written = os.write(fd, _VALUE.pack(us))
         except OSError as exc:
