@@ -50,7 +50,7 @@ from kvatlas.evaluation.broker import Broker, broker_binary
 from kvatlas.evaluation.cpu_account import machine_times
 from kvatlas.runtime.allocator import keep_freed_heap
 from kvatlas.runtime.coordinator_client import CoordinatorClient
-from kvatlas.runtime.cpu_latency import CpuLatencyError, CpuLatencyHold
+from kvatlas.runtime.cpu_latency import CpuLatencyHold, why_not_held
 from kvatlas.runtime.procs import free_port, wait_http
 from kvatlas.wire.http_api import (
     LookupRequest,
@@ -778,15 +778,6 @@ def _memo(r: dict[str, Any]) -> str:
     return "no memo" if ratio is None else f"{ratio:.0%} of links found in the hash memo"
 
 
-def _can_hold_cpu_latency() -> bool:
-    try:
-        CpuLatencyHold(0).close()
-    except CpuLatencyError as exc:
-        print(f"[bench] the CPU latency rows are left out: {exc}", file=sys.stderr)
-        return False
-    return True
-
-
 def _p50_p99(r: dict[str, Any]) -> str:
     text = f"{r['p50_ms']:.3f} / {r['p99_ms']:.3f} ms"
     rounds = r.get("rounds", [])
@@ -936,7 +927,10 @@ def main(argv: list[str] | None = None) -> int:
         # coordinator's --cpu-latency-us 0 holds for its life (the request is the
         # machine's, whichever process makes it). Interleaved with the plain ones.
         polled: set[str] = {"lookup_tokens_32k_held", "lookup_tokens_32k_fresh_held"}
-        if args.no_cpu_latency_hold or not _can_hold_cpu_latency():
+        why = None if args.no_cpu_latency_hold else why_not_held()
+        if why is not None:
+            print(f"[bench] the polled rows are left out: {why}", file=sys.stderr)
+        if args.no_cpu_latency_hold or why is not None:
             for scenario in polled:
                 del scenarios[scenario]
             polled = set()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from kvatlas.core.errors import ConfigError
 from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import CHAINS
 from kvatlas.runtime import cpu_latency
-from kvatlas.runtime.cpu_latency import current_limit_us
+from kvatlas.runtime.cpu_latency import current_limit_us, why_not_held
 
 
 def test_defaults_and_env_token() -> None:
@@ -138,10 +137,7 @@ def test_the_cpu_latency_flag(
     assert "--cpu-latency-us: cannot open" in err and "no CPU latency QoS device" in err
 
 
-@pytest.mark.skipif(
-    not os.access(cpu_latency.DEVICE, os.R_OK | os.W_OK),
-    reason="needs the kernel's PM QoS device",
-)
+@pytest.mark.skipif(why_not_held() is not None, reason="needs the kernel's PM QoS device")
 def test_the_coordinator_holds_the_cpu_latency_while_it_lives() -> None:
     before = current_limit_us()
     assert before is not None

@@ -20,6 +20,7 @@ from kvatlas.runtime.cpu_latency import (
     CpuLatencyError,
     CpuLatencyHold,
     current_limit_us,
+    why_not_held,
 )
 
 
@@ -71,6 +72,7 @@ def test_a_kernel_without_the_device_is_a_clear_error(
     with pytest.raises(CpuLatencyError, match=r"cannot open .*no_such_device.*has no CPU"):
         CpuLatencyHold(0)
     assert current_limit_us() is None
+    assert "has no CPU latency QoS device" in (why_not_held() or "")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root opens a read-only file for writing")
@@ -90,11 +92,7 @@ def test_current_limit_reads_the_value_and_refuses_short_reads(tmp_path: Path) -
     assert current_limit_us(dev) is None
 
 
-def _kernel_device_writable() -> bool:
-    return os.access(cpu_latency.DEVICE, os.R_OK | os.W_OK)
-
-
-@pytest.mark.skipif(not _kernel_device_writable(), reason="needs the kernel's PM QoS device")
+@pytest.mark.skipif(why_not_held() is not None, reason="needs the kernel's PM QoS device")
 def test_the_kernel_keeps_the_lowest_hold_while_open_and_drops_it_after() -> None:
     before = current_limit_us()
     assert before is not None

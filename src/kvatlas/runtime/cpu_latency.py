@@ -88,6 +88,16 @@ class CpuLatencyHold:
         self.close()
 
 
+def why_not_held() -> str | None:
+    """None where this process can hold a CPU latency request, else why not (opens the
+    device and closes it at once; the request it holds meanwhile limits nothing)."""
+    try:
+        CpuLatencyHold(NO_LIMIT_US).close()
+    except CpuLatencyError as exc:
+        return str(exc)
+    return None
+
+
 def current_limit_us(device: Path | None = None) -> int | None:
     """The limit the kernel keeps now, over every holder (``NO_LIMIT_US``: none);
     None when the device cannot be read."""
