@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import platform
@@ -952,8 +953,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] lookup round {round_no + 1}/{args.rounds}", file=sys.stderr)
             for name, (body, ctype, method, path) in scenarios.items():
                 memo_before = server.memo_links()
-                hold = CpuLatencyHold(0) if name in polled else None
-                try:
+                hold = (
+                    contextlib.closing(CpuLatencyHold(0))
+                    if name in polled
+                    else contextlib.nullcontext()
+                )
+                with hold:
                     before = machine_times()
                     got = _lookups(
                         ports[name],
@@ -968,9 +973,6 @@ def main(argv: list[str] | None = None) -> int:
                         else None,
                     )
                     after = machine_times()
-                finally:
-                    if hold is not None:
-                        hold.close()
                 hits, misses = np.subtract(server.memo_links(), memo_before)
                 got["memo_hit_ratio"] = hits / (hits + misses) if hits + misses else None
                 if isinstance(body, list):  # the next round goes on where this one ended

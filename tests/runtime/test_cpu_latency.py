@@ -46,10 +46,11 @@ def test_writes_a_native_s32_and_keeps_the_file_open_until_closed(tmp_path: Path
     assert str(dev) not in _open_fds()
 
 
-def test_a_with_block_drops_the_hold_even_on_an_exception(tmp_path: Path) -> None:
+def test_closing_drops_the_hold_even_on_an_exception(tmp_path: Path) -> None:
     dev = tmp_path / "cpu_dma_latency"
     dev.write_bytes(b"")
-    with pytest.raises(RuntimeError), CpuLatencyHold(0, dev) as hold:
+    hold = CpuLatencyHold(0, dev)
+    with pytest.raises(RuntimeError), contextlib.closing(hold):
         assert hold.held
         raise RuntimeError("boom")
     assert not hold.held
@@ -96,8 +97,8 @@ def test_current_limit_reads_the_value_and_refuses_short_reads(tmp_path: Path) -
 def test_the_kernel_keeps_the_lowest_hold_while_open_and_drops_it_after() -> None:
     before = current_limit_us()
     assert before is not None
-    with CpuLatencyHold(7):
-        with CpuLatencyHold(3):
+    with contextlib.closing(CpuLatencyHold(7)):
+        with contextlib.closing(CpuLatencyHold(3)):
             assert current_limit_us() == min(before, 3)
         assert current_limit_us() == min(before, 7)
     assert current_limit_us() == before

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-from types import TracebackType
 from typing import Final
 
 DEVICE = Path("/dev/cpu_dma_latency")
@@ -35,7 +34,8 @@ class CpuLatencyHold:
     """Holds "wake within ``us`` microseconds" for every CPU until `close`.
 
     Several holds (of this or other processes) may exist at once: the kernel keeps the
-    lowest. ``device``: `DEVICE` when None (tests name another)."""
+    lowest. For a block, ``contextlib.closing(CpuLatencyHold(us))``. ``device``:
+    `DEVICE` when None (tests name another)."""
 
     def __init__(self, us: int, device: Path | None = None) -> None:
         self._fd: int | None = None
@@ -60,7 +60,6 @@ class CpuLatencyHold:
             os.close(fd)
             raise CpuLatencyError(f"{device} took {written} of {_VALUE.size} bytes")
         self.us = us
-        self.device = device
         self._fd = fd
 
     @property
@@ -72,17 +71,6 @@ class CpuLatencyHold:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
-
-    def __enter__(self) -> CpuLatencyHold:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __del__(self) -> None:
         self.close()
