@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import CHAINS
 from kvatlas.runtime import cpu_latency
 from kvatlas.runtime.cpu_latency import current_limit_us, why_not_held
+from kvatlas.runtime.procs import free_port, wait_http
 
 
 def test_defaults_and_env_token() -> None:
@@ -149,4 +152,48 @@ def test_the_coordinator_holds_the_cpu_latency_while_it_lives() -> None:
         assert b"kvatlas_coordinator_cpu_latency_hold_us 9.0" in coordinator.metrics.render()
     finally:
         coordinator.shutdown()
+    assert current_limit_us() == before
+
+
+@pytest.mark.skipif(why_not_held() is not None, reason="needs the kernel's PM QoS device")
+def test_a_frozen_coordinator_keeps_the_hold_and_a_killed_one_drops_it(tmp_path: Path) -> None:
+    """The hold lives exactly as long as the process: SIGSTOP keeps it (the process still
+    exists), SIGKILL drops it with no shutdown code run, and the next coordinator holds
+    its own."""
+
+    def start(us: int) -> subprocess.Popen[bytes]:
+        port = free_port()
+        log = tmp_path / f"coordinator-{us}.log"
+        with log.open("wb") as out:
+            argv = [sys.executable, "-m", "kvatlas.cli.coordinator", "--host", "127.0.0.1"]
+            argv += ["--port", str(port), "--cpu-latency-us", str(us)]
+            proc = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        wait_http(f"http://127.0.0.1:{port}/healthz", proc, log)
+        return proc
+
+    before = current_limit_us()
+    assert before is not None
+    proc = start(13)
+    try:
+        assert current_limit_us() == min(before, 13)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(0.2)
+        assert current_limit_us() == min(before, 13)  # frozen: still held
+        proc.kill()  # delivered to a stopped process too
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert current_limit_us() == before
+    proc = start(17)
+    try:
+        assert current_limit_us() == min(before, 17)
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
     assert current_limit_us() == before
