@@ -31,9 +31,9 @@ def compiled_module(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
 
 @pytest.fixture(scope="session")
 def colliding_module(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
-    """The same sources built with tags of two bits (``MEMO_TAG_MASK``): every link of a
+    """The same sources built with tags of no bits (``MEMO_TAG_MASK`` 0): every link of a
     memo set has the same tag, so only the memo's byte comparison tells them apart."""
-    return _build_chain(tmp_path_factory.mktemp("chain-colliding"), [("MEMO_TAG_MASK", "3")])
+    return _build_chain(tmp_path_factory.mktemp("chain-colliding"), [("MEMO_TAG_MASK", "0")])
 
 
 def _build_chain(out: Path, extra: list[tuple[str, str | None]] | None = None) -> ModuleType:
