@@ -1,0 +1,108 @@
+"""LMCache MP requests on the engine API's ROUTER: which frames are LMCache's, and answers.
+
+``kvatlas server --port`` serves both protocols on one socket, so replacing ``lmcache
+server`` by ``kvatlas server`` with the same flags is the whole migration. The framing
+tells them apart without a handshake: a kvatlas engine (``connector.client``) sends
+``[b"", envelope]`` (an empty delimiter, then one frame), while LMCache's DEALER sends
+``[uid, operation, *payloads]`` with ``uid`` a msgpack int, never empty. The engine
+API's I/O thread asks ``claims``; claimed requests are admitted under the same queue
+bounds and answered by the same worker threads through ``answer``.
+
+Every claimed request gets exactly one reply, an error reply when it cannot be served
+(see ``wire``): unknown operations, other LMCache versions, malformed payloads,
+refusals and failures are logged (at most once per ``_LOG_EVERY_S`` per reason) and
+counted by reason. Stream control frames (``[uid, b"", b"ack"|b"cancel"]``, for
+``subscribe_kv_events``, which this server does not advertise) expect no reply: they are
+dropped and counted.
+
+Must not: touch the store (``service``) or the socket (the engine API's I/O thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvatlas.server.lmcache_mp.service import LMCacheMPService, MpError
+from kvatlas.server.lmcache_mp.wire import (
+    LMCACHE_VERSION,
+    WireError,
+    decode_request,
+    encode_reply,
+    error_reply,
+)
+
+log = logging.getLogger(__name__)
+
+_LOG_EVERY_S = 10.0
+
+
+class _Frame(Protocol):
+    @property
+    def bytes(self) -> bytes: ...
+
+
+class LMCacheMPHandler:
+    """The LMCache side of the shared ROUTER."""
+
+    def __init__(self, service: LMCacheMPService) -> None:
+        self.service = service
+        self.errors: Counter[str] = Counter()
+        """Error replies and dropped frames, by reason."""
+        self._next_log: dict[str, float] = {}
+
+    @staticmethod
+    def claims(frames: Sequence[_Frame]) -> bool:
+        """True for LMCache's framing (I/O thread: cheap, no decoding)."""
+        return len(frames) >= 2 and frames[1].bytes != b""
+
+    @staticmethod
+    def expects_reply(frames: Sequence[_Frame]) -> bool:
+        """False for a stream control frame (its operation frame is empty)."""
+        return len(frames) >= 3 and frames[2].bytes != b""
+
+    def drop(self, frames: Sequence[_Frame]) -> None:
+        self._count("stream_control", "LMCache stream control frame dropped (no streams here)")
+
+    def answer(self, frames: Sequence[_Frame]) -> list[bytes]:
+        """The reply to one claimed request (worker thread); never raises."""
+        raw = [f.bytes for f in frames]
+        try:
+            req = decode_request(raw)
+        except WireError as exc:
+            self._count(exc.reason, str(exc))
+            return error_reply(raw, str(exc))
+        try:
+            result = self.service.handle(req.operation, req.args)
+            return encode_reply(req, result)
+        except MpError as exc:
+            self._count(exc.reason, f"{req.operation}: {exc}")
+            return error_reply(raw, f"{req.operation}: {exc}")
+        except Exception as exc:
+            self.errors["internal"] += 1
+            log.exception(
+                "LMCache %s failed on instance %s incarnation %d",
+                req.operation,
+                self.service.identity.instance_id,
+                self.service.identity.incarnation,
+            )
+            return error_reply(raw, f"{req.operation} failed: {type(exc).__name__}: {exc}")
+
+    def _count(self, reason: str, message: str) -> None:
+        self.errors[reason] += 1
+        now = time.monotonic()
+        if now >= self._next_log.get(reason, 0.0):
+            self._next_log[reason] = now + _LOG_EVERY_S
+            log.warning(
+                "LMCache MP request refused (%s, %d so far; this server speaks LMCache %s):"
+                " %s (instance %s incarnation %d)",
+                reason,
+                self.errors[reason],
+                LMCACHE_VERSION,
+                message,
+                self.service.identity.instance_id,
+                self.service.identity.incarnation,
+            )
