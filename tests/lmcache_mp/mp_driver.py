@@ -40,6 +40,7 @@ from lmcache.integration.vllm.vllm_multi_process_adapter import (
 )
 
 CHUNK = 256
+"""Tokens per chunk: the server's, read once registered."""
 BLOCK = 16
 BLOCKS = 256
 LAYERS = 2
@@ -70,6 +71,8 @@ def main() -> None:
     }
     worker.register_kv_caches(kv, layout_hints={"kv_layout": "NHD"})
     kv = worker.kv_caches  # lmcache-driven moves them into shared memory
+    global CHUNK  # noqa: PLW0603 (set once, before any command)
+    CHUNK = worker.lmcache_tokens_per_chunk  # the server's --chunk-size
     answers.write(
         json.dumps({"ok": True, "ready": True, "chunk": worker.lmcache_tokens_per_chunk}) + "\n"
     )

@@ -128,6 +128,7 @@ class LMCacheMPService:
         self._contracts: dict[str, HashContract] = {}
         self._writes: dict[_Pending, list[tuple[ObjectKey, LeaseId]]] = {}
         self._reads: dict[_Pending, list[LeaseId]] = {}
+        self._told_unknown: set[int] = set()
         self.sessions = Sessions()
         self._prefetch = ThreadPoolExecutor(prefetch_workers, "kvatlas-lmcache-prefetch")
         self.counts: Counter[str] = Counter()
@@ -253,7 +254,17 @@ class LMCacheMPService:
         return []  # no kv_event_stream: workers report their own stores to vLLM
 
     def op_ping(self, instance_id: int | None) -> bool:
-        return True
+        """True, except once for a worker this process does not know (the server
+        restarted under it): LMCache's heartbeat then sees unhealthy, and on the next
+        True re-registers its KV cache (its recovery callback)."""
+        if instance_id is None:
+            return True
+        with self._lock:
+            if instance_id in self._workers or instance_id in self._told_unknown:
+                return True
+            self._told_unknown.add(instance_id)
+        log.info("ping from unregistered LMCache worker %d: asking it to re-register", instance_id)
+        return False
 
     def op_noop(self) -> str:
         return "OK"
