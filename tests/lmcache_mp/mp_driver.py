@@ -16,6 +16,7 @@ stdout (LMCache's own prints go to stderr):
     {"op": "fetch", "tokens": [...], "rid": "r2"}
         zeroes other blocks, looks up, retrieves the hit chunks into them
         -> {"ok": true, "hit": 2, "digests": [...]}  (digests of what landed)
+    {"op": "reset"}  scheduler.reset_cache() (vLLM's prefix-cache reset) -> {"ok": true}
     {"op": "quit"}
 
 Not part of the kvatlas package: it imports lmcache, which only .venv-lmcache has.
@@ -81,6 +82,9 @@ def main() -> None:
             cmd = json.loads(line)
             if cmd["op"] == "quit":
                 break
+            if cmd["op"] == "reset":  # vLLM's /reset_prefix_cache
+                answers.write(json.dumps({"ok": scheduler.reset_cache()}) + "\n")
+                continue
             try:
                 answer = run(scheduler, worker, kv, cmd)
             except Exception as exc:  # the test reads the reason

@@ -11,12 +11,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 import zmq
 
 from kvatlas.connector.client import CacheClient
-from kvatlas.runtime.procs import HOST
+from kvatlas.runtime.procs import HOST, free_ports
 from p2p.cluster import cluster, wait_peers
 from support.launch import Proc, launch
 from support.services import ServerProc, start_server_process
@@ -104,6 +105,8 @@ def test_unmodified_adapters_store_lookup_retrieve(
             metrics
         )
         assert srv.status()["leases"]["read"] == 0  # retrieves and end_session released them
+        assert drv.call("reset", [], "")["ok"]  # clear: the chunks are gone
+        assert drv.call("fetch", tokens, "f3")["hit"] == 0
     finally:
         drv.close()
         srv.stop()
@@ -224,3 +227,77 @@ def test_unknown_malformed_and_other_versions_get_an_error_reply(tmp_path: Path)
             c.close()
     finally:
         srv.stop()
+
+
+def test_auth_token_refuses_lmcache_unless_admitted(tmp_path: Path) -> None:
+    srv = start_server_process(tmp_path, "mp-t", "--l1-size-gb", "0.02", "--auth-token", "s3cret")
+    try:
+        enc = msgspec.msgpack.encode
+        reply = _ask(srv.engine_url, [enc(1), enc(21)])
+        text = msgspec.msgpack.decode(reply[1])
+        assert text.startswith("error: ") and "--lmcache-mp on" in text, text
+        assert (
+            'reason="disabled"'
+            in httpx.get(
+                f"{srv.url}/metrics", headers={"Authorization": "Bearer s3cret"}, timeout=5
+            ).text
+        )
+    finally:
+        srv.stop()
+    srv = start_server_process(
+        tmp_path, "mp-u", "--l1-size-gb", "0.02", "--auth-token", "s3cret", "--lmcache-mp", "on"
+    )
+    try:
+        assert _ask(srv.engine_url, [msgspec.msgpack.encode(1), msgspec.msgpack.encode(21)])[
+            2
+        ] == msgspec.msgpack.encode(256)
+    finally:
+        srv.stop()
+
+
+def test_same_answers_as_lmcache_server(tmp_path: Path, lmcache_venv: Path) -> None:
+    """The same adapter calls against `lmcache server` 0.5.6 and `kvatlas server`:
+    the same hit counts and the same bytes back, in both modes."""
+    port, http_port = free_ports(2)
+    env = {**os.environ, **QUIET}
+    env.pop("PYTHONPATH", None)
+    ref = launch(
+        [
+            str(lmcache_venv / "bin" / "lmcache"), "server", "--host", HOST, "--port", str(port),
+            "--http-host", HOST, "--http-port", str(http_port), "--chunk-size", "256",
+            "--l1-size-gb", "0.0625", "--no-l1-use-lazy", "--eviction-policy", "LRU",
+            "--supported-transfer-mode", "auto",
+        ],
+        name="lmcache-server",
+        log=tmp_path / "lmcache-server.log",
+        env=env,
+        http_port=http_port,
+        wait=False,
+    )  # fmt: skip
+    srv = server(tmp_path)
+    try:
+        ref.wait_http("/healthcheck", timeout=90)
+        answers: dict[str, list[tuple[bool, int, list[str]]]] = {}
+        for name, url in (("lmcache", f"tcp://{HOST}:{port}"), ("kvatlas", srv.engine_url)):
+            for mode in ("engine_driven", "lmcache_driven"):
+                drv = Driver(lmcache_venv, url, mode, tmp_path / f"{name}-{mode}.log")
+                try:
+                    seed = 20 if mode == "engine_driven" else 30
+                    a, b = prompt(seed, 3), prompt(seed, 3)[: 2 * CHUNK] + [1] * 300
+                    seq = [
+                        drv.call("fetch", a, "f0"),
+                        drv.call("store", b, "s0", seed=seed),  # 3 chunks
+                        drv.call("store", a, "s1", seed=seed),  # 1 more (2 shared with b)
+                        drv.call("fetch", a, "f1"),
+                        drv.call("fetch", b, "f2"),
+                    ]
+                finally:
+                    drv.close()
+                answers.setdefault(name, []).extend(
+                    (r["ok"], r["hit"], r["digests"] if r["hit"] else []) for r in seq
+                )
+        assert answers["kvatlas"] == answers["lmcache"], answers
+        assert [hit for _, hit, _ in answers["kvatlas"][:5]] == [0, 0, 2, 3, 3]
+    finally:
+        srv.stop()
+        ref.stop(signal.SIGINT)

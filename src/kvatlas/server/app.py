@@ -175,8 +175,9 @@ class CacheServer:
                 self.guarded,
                 MpIdentity(config.instance_id, self.incarnation, config.chunk_size, config.lease_s),
                 prefetch_workers=max(1, config.engine_p2p_workers),
+                transfer_mode=config.lmcache_transfer_mode,
             )
-            self.lmcache_mp = LMCacheMPHandler(self.lmcache)
+            self.lmcache_mp = LMCacheMPHandler(self.lmcache, refusal=self._lmcache_refusal())
             self.engine_api = EngineApi(
                 self.service,
                 config.host,
@@ -255,6 +256,24 @@ class CacheServer:
             raise
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="kvatlas-sweeper", daemon=True)
+
+    def _lmcache_refusal(self) -> str | None:
+        """Why LMCache MP requests are refused on this server (None: they are served)."""
+        mode = self.config.lmcache_mp
+        token = bool(self.config.coordinator.auth_token)
+        if mode == "off":
+            return "the LMCache MP protocol is off on this kvatlas server (--lmcache-mp off)"
+        if mode == "auto" and token:
+            return (
+                "this kvatlas server requires --auth-token and LMCache clients send none"
+                " (start it with --lmcache-mp on to admit them)"
+            )
+        if token:
+            log.warning(
+                "--lmcache-mp on with --auth-token: LMCache clients on --port are admitted"
+                " without a token (they cannot send one)"
+            )
+        return None
 
     def _build_p2p(self) -> P2PNode:
         config = self.config

@@ -49,7 +49,7 @@ from kvatlas.core.keys import (
     chunk_hashes,
     pack_kv_rank,
 )
-from kvatlas.core.l1pool import LeaseId, Refusal, Reserved
+from kvatlas.core.l1pool import DeleteOutcome, LeaseId, Refusal, Reserved
 from kvatlas.core.types import ChunkHash
 from kvatlas.server.lmcache_mp.cpu_kv import ITEMSIZES, ChunkGeometry, CpuPagedKV
 from kvatlas.server.lmcache_mp.sessions import Sessions
@@ -62,6 +62,9 @@ from kvatlas.server.lmcache_mp.wire import (
 from kvatlas.server.storage.guarded import GuardedStore
 
 log = logging.getLogger(__name__)
+
+WAIT_CAP_S = 1.0
+"""The longest ``wait_prefetch_status`` holds a worker; a later poll sees the rest."""
 
 HOLDER = "lmcache-mp"
 """The lease holder of every lease this protocol takes."""
@@ -117,7 +120,12 @@ class LMCacheMPService:
         *,
         declare_contract: Callable[[HashContract], str | None] | None = None,
         prefetch_workers: int = 4,
+        transfer_mode: str = "auto",
     ) -> None:
+        """``transfer_mode``: the modes served (``--supported-transfer-mode``)."""
+        self._modes = (
+            {"engine_driven", "lmcache_driven"} if transfer_mode == "auto" else {transfer_mode}
+        )
         self._guarded = guarded
         self._store = guarded.store
         self.identity = identity
@@ -195,6 +203,14 @@ class LMCacheMPService:
                 f" {self.identity.instance_id} (restarted? the worker re-registers)",
             )
         return w
+
+    def _check_mode(self, mode: str) -> None:
+        if mode not in self._modes:
+            raise MpError(
+                "unsupported",
+                f"{mode} transfer is off on this server (--supported-transfer-mode"
+                f" {' '.join(sorted(self._modes))})",
+            )
 
     def _register(self, instance_id: int, worker: _Worker) -> None:
         g = worker.geometry
@@ -275,16 +291,38 @@ class LMCacheMPService:
         self.block_allocations += len(records)
 
     def op_clear(self, force: bool) -> None:
-        """End the sessions' read leases; chunks stay (kvatlas evicts by LRU and the
-        coordinator's fleet controllers, never on one client's word)."""
+        """vLLM's prefix-cache reset: end the sessions' read leases, then delete every
+        unlocked L1 chunk of the models LMCache clients registered here (DELETE events
+        follow). Chunks a reader holds stay even with ``force``: bytes are never pulled
+        from under a copy. Other models' chunks (kvatlas engines') and L2 stay."""
         self._release(self.sessions.clear())
-        log.info("LMCache clear(force=%s): released every session's read leases", force)
+        with self._lock:
+            models = set(self._contracts)
+        deleted = kept = 0
+        with self._guarded.lock:
+            pool = self._store.pool
+            for info in pool.slots():
+                if info.key.model_name not in models or not info.committed:
+                    continue
+                if pool.delete(info.key) is DeleteOutcome.DELETED:
+                    deleted += 1
+                else:
+                    kept += 1
+            self._guarded.drain_locked()
+        log.info(
+            "LMCache clear(force=%s) of models %s: %d L1 chunks deleted, %d kept (locked)",
+            force,
+            sorted(models),
+            deleted,
+            kept,
+        )
 
     # ------------------------------------------------------------------ registration
 
     def op_register_kv_cache_engine_driven_context(
         self, p: EngineDrivenRegistration
     ) -> dict[str, Any]:
+        self._check_mode("engine_driven")
         if p.dtype_str not in ITEMSIZES:
             raise MpError("invalid", f"KV dtype {p.dtype_str!r} not one of {sorted(ITEMSIZES)}")
         slots = p.num_physical_slots or self.identity.chunk_size
@@ -314,6 +352,7 @@ class LMCacheMPService:
         layout_hints: dict[str, Any],
         engine_group_infos: list[Any],
     ) -> None:
+        self._check_mode("lmcache_driven")
         descs = [d for d in kv_caches if isinstance(d, IpcDescriptor)]
         if len(descs) != len(kv_caches):
             raise MpError("invalid", "register_kv_cache: KV tensors must be IPC descriptors")
@@ -439,7 +478,8 @@ class LMCacheMPService:
         s = self.sessions.get(request_id)
         if s is None:
             return 0
-        s.done.wait(max(0.0, min(timeout, 60.0)))
+        # Capped: the wait holds one of the engine API's workers.
+        s.done.wait(max(0.0, min(timeout, WAIT_CAP_S)))
         return s.hit_chunks if s.done.is_set() else None
 
     def op_free_lookup_locks(self, key: IPCKey, tp_size: int) -> None:

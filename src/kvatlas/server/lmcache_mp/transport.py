@@ -48,8 +48,10 @@ class _Frame(Protocol):
 class LMCacheMPHandler:
     """The LMCache side of the shared ROUTER."""
 
-    def __init__(self, service: LMCacheMPService) -> None:
+    def __init__(self, service: LMCacheMPService, refusal: str | None = None) -> None:
+        """``refusal``: why every request is refused (the protocol is off), or None."""
         self.service = service
+        self._refusal = refusal
         self.errors: Counter[str] = Counter()
         """Error replies and dropped frames, by reason."""
         self._next_log: dict[str, float] = {}
@@ -70,6 +72,9 @@ class LMCacheMPHandler:
     def answer(self, frames: Sequence[_Frame]) -> list[bytes]:
         """The reply to one claimed request (worker thread); never raises."""
         raw = [f.bytes for f in frames]
+        if self._refusal is not None:
+            self._count("disabled", self._refusal)
+            return error_reply(raw, self._refusal)
         try:
             req = decode_request(raw)
         except WireError as exc:
