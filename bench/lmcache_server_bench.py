@@ -1,9 +1,10 @@
 """LMCache's own server benchmark against `lmcache server` and against `kvatlas server`,
 side by side in one run (issue #28).
 
-Both servers are started with the same flags (LMCache's P2P guide's, plus CPU mode's:
-``--supported-transfer-mode auto --shm-name ... --no-l1-use-lazy``) on 127.0.0.1, and
-driven by the same unmodified LMCache 0.5.6 client code from .venv-lmcache:
+Both servers are started with the same flags, LMCache's P2P guide's (LMCache's also get
+``--supported-transfer-mode auto --shm-name ... --no-l1-use-lazy``, which it needs for
+its CPU transfer modes and kvatlas does not), on 127.0.0.1, and driven by the same
+unmodified LMCache 0.5.6 client code from .venv-lmcache:
 
 - **one node**: `lmcache bench server --mode cpu` (its baseline case: per request a cold
   LOOKUP + STORE of 512 tokens, then a warm LOOKUP + RETRIEVE of them, checksums

@@ -137,24 +137,22 @@ class Proc:
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """One cache server's flags: the same for `lmcache server` and `kvatlas server`."""
+    """One cache server's flags: the same for `lmcache server` and `kvatlas server`
+    (`lmcache_cpu_flags` adds what LMCache needs for the CPU transfer modes)."""
 
     instance_id: str
     l1_gb: float
     coordinator_url: str = ""
     p2p: bool = False
 
-    def flags(self, port: int, http_port: int, p2p_port: int, shm_name: str) -> list[str]:
-        """LMCache's P2P guide's flags, plus what CPU mode needs: both transfer modes
-        (``--supported-transfer-mode auto``) and the engine-driven SHM pool
-        (``--shm-name``, which needs an L1 allocated up front: ``--no-l1-use-lazy``)."""
+    def flags(self, port: int, http_port: int, p2p_port: int) -> list[str]:
+        """LMCache's P2P guide's `lmcache server` flags, which `kvatlas server` takes as
+        they are (the L1 size and the ports are the benchmark's)."""
         flags = [
             "--instance-id", self.instance_id,
-            "--host", HOST, "--port", str(port),
-            "--http-host", HOST, "--http-port", str(http_port),
-            "--l1-size-gb", f"{self.l1_gb:g}", "--no-l1-use-lazy",
-            "--eviction-policy", "LRU", "--l1-align-bytes", "65536",
-            "--supported-transfer-mode", "auto", "--shm-name", shm_name,
+            "--host", HOST, "--port", str(port), "--http-port", str(http_port),
+            "--l1-size-gb", f"{self.l1_gb:g}", "--eviction-policy", "LRU",
+            "--l1-align-bytes", "65536",
         ]  # fmt: skip
         if self.coordinator_url:
             flags += [
@@ -165,6 +163,16 @@ class ServerSpec:
         if self.p2p:
             flags += ["--p2p-advertise-url", f"{HOST}:{p2p_port}"]
         return flags
+
+
+def lmcache_cpu_flags(shm_name: str) -> list[str]:
+    """What `lmcache server` needs besides for both CPU transfer modes: engine-driven
+    transfer next to its default lmcache-driven one (``--supported-transfer-mode auto``)
+    and a shared-memory pool for it (``--shm-name``, which needs an L1 allocated up
+    front: ``--no-l1-use-lazy``; without a pool its clients pickle KV over ZeroMQ).
+    `kvatlas server` needs none of them: it serves both modes, and its L1 region is
+    always the shared-memory pool, allocated up front."""
+    return ["--supported-transfer-mode", "auto", "--shm-name", shm_name, "--no-l1-use-lazy"]
 
 
 @dataclass
@@ -180,10 +188,11 @@ def start_server(target: str, spec: ServerSpec, log_dir: Path) -> Server:
     """`lmcache server` or `kvatlas server` with ``spec``'s flags, started (not waited)."""
     port, http_port, p2p_port = free_ports(3)
     shm_name = f"kvb{os.getpid()}{spec.instance_id}"
-    flags = spec.flags(port, http_port, p2p_port, shm_name)
+    flags = spec.flags(port, http_port, p2p_port)
     http_url = f"http://{HOST}:{http_port}"
     if target == "lmcache":
         argv = [str(LMCACHE_VENV / "bin" / "lmcache"), "server", *flags]
+        argv += lmcache_cpu_flags(shm_name)
         env = lmcache_env(NIXL_ON_LOOPBACK if spec.p2p else None)
         stop_sig = signal.SIGINT  # SIGINT: LMCache's clean stop (it deregisters)
     else:
