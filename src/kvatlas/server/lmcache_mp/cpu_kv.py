@@ -26,7 +26,7 @@ import mmap
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -75,6 +75,31 @@ class ChunkGeometry:
     @property
     def nbytes(self) -> int:
         return self.planes * self.layers * self.tokens * self.hidden * ITEMSIZES[self.dtype]
+
+
+class PagedKV(Protocol):
+    """A registered worker's paged KV, as ``service`` copies chunks in and out of it:
+    ``CpuPagedKV`` here, ``cuda_kv.CudaPagedKV`` for CUDA IPC handles."""
+
+    geometry: ChunkGeometry
+    block_size: int
+    blocks_per_chunk: int
+
+    def gather(self, block_ids: Sequence[int], index: int, out: memoryview) -> None: ...
+
+    def scatter(
+        self, block_ids: Sequence[int], index: int, src: memoryview, skip_blocks: int = 0
+    ) -> None: ...
+
+    def begin(self, event_handle: bytes) -> None:
+        """Order the copies after the worker's event."""
+        ...
+
+    def end(self) -> bytes:
+        """Wait for the copies; the event handle to answer with."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class CpuPagedKV:
@@ -197,6 +222,13 @@ class CpuPagedKV:
                     a[:, blocks[j]] = kv
                 else:
                     a[blocks[j]] = kv
+
+    def begin(self, event_handle: bytes) -> None:
+        """CPU copies are synchronous: a worker's CPU event is recorded already."""
+
+    def end(self) -> bytes:
+        """Nothing pending: an empty event handle."""
+        return b""
 
     def close(self) -> None:
         self._layers = []

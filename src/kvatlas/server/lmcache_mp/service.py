@@ -51,7 +51,7 @@ from kvatlas.core.keys import (
 )
 from kvatlas.core.l1pool import DeleteOutcome, LeaseId, Refusal, Reserved
 from kvatlas.core.types import ChunkHash
-from kvatlas.server.lmcache_mp.cpu_kv import ITEMSIZES, ChunkGeometry, CpuPagedKV
+from kvatlas.server.lmcache_mp.cpu_kv import ITEMSIZES, ChunkGeometry, CpuPagedKV, PagedKV
 from kvatlas.server.lmcache_mp.sessions import Sessions
 from kvatlas.server.lmcache_mp.wire import (
     BlockAllocation,
@@ -102,7 +102,7 @@ class _Worker:
     model: str
     world_size: int
     geometry: ChunkGeometry
-    kv: CpuPagedKV | None = None
+    kv: PagedKV | None = None
     """Mapped KV (lmcache-driven); None for an engine-driven registration."""
 
 
@@ -357,18 +357,26 @@ class LMCacheMPService:
         if len(descs) != len(kv_caches):
             raise MpError("invalid", "register_kv_cache: KV tensors must be IPC descriptors")
         kinds = {d.type for d in descs}
-        if kinds != {"cpu_shm"}:
+        if len(engine_group_infos) > 1:
+            raise MpError("unsupported", "hybrid KV cache groups are not supported")
+        hint = layout_hints.get("kv_layout")
+        kv: PagedKV
+        if kinds == {"cpu_shm"}:
+            # LMCache reads CPU KV without a hint as HND (vLLM's CPU attention layout)
+            kv = CpuPagedKV(descs, self.identity.chunk_size, str(hint or "HND"))
+        elif kinds == {"cuda"}:
+            # Only now: torch stays out of a server no CUDA worker registers with.
+            from kvatlas.server.lmcache_mp import cuda_kv  # noqa: PLC0415 (loads torch)
+
+            kv = cuda_kv.CudaPagedKV(descs, self.identity.chunk_size, str(hint or "NHD"))
+        else:
             raise MpError(
                 "unsupported",
                 f"KV tensors of kind {sorted(kinds)}: this kvatlas server maps CPU POSIX SHM"
-                " KV only (lmcache-driven). GPU workers select engine-driven transfer"
-                ' ("lmcache.mp.mp_transfer_mode": "engine_driven" in kv_connector_extra_config'
-                " or LMCACHE_MP_TRANSFER_MODE=engine_driven)",
+                " and 'cuda' (PyTorch shared storage) KV. Other workers select engine-driven"
+                ' transfer ("lmcache.mp.mp_transfer_mode": "engine_driven" in'
+                " kv_connector_extra_config, or LMCACHE_MP_TRANSFER_MODE=engine_driven)",
             )
-        if len(engine_group_infos) > 1:
-            raise MpError("unsupported", "hybrid KV cache groups are not supported")
-        layout = layout_hints.get("kv_layout") or "HND"  # LMCache's default for CPU KV
-        kv = CpuPagedKV(descs, self.identity.chunk_size, str(layout))
         try:
             self._register(instance_id, _Worker(model_name, world_size, kv.geometry, kv))
         except BaseException:
@@ -617,7 +625,7 @@ class LMCacheMPService:
 
     # ------------------------------------------------------------------ lmcache-driven
 
-    def _mapped(self, instance_id: int) -> CpuPagedKV:
+    def _mapped(self, instance_id: int) -> PagedKV:
         kv = self._worker(instance_id).kv
         if kv is None:
             raise MpError("invalid", f"worker {instance_id} registered engine-driven, not KV")
@@ -635,6 +643,7 @@ class LMCacheMPService:
             log.warning("store of %s: too few block ids for %d chunks", key.request_id, len(keys))
             return b"", False
         ok = True
+        kv.begin(event)
         for i, k in enumerate(keys):
             with self._guarded.lock:
                 now = self._guarded.clock()
@@ -654,7 +663,7 @@ class LMCacheMPService:
                 done = self._store.commit(k, self._guarded.clock(), digest, res.slot.lease_id)
                 self._guarded.drain_locked()
             ok = ok and done is not None
-        return b"", ok
+        return kv.end(), ok
 
     def op_retrieve(
         self,
@@ -675,6 +684,7 @@ class LMCacheMPService:
         if leases is None:
             return b"", False
         try:
+            kv.begin(event)
             skip = max(0, skip_first_n_tokens) // kv.block_size
             for i, (_, _, off, size) in enumerate(leases):
                 if size != kv.geometry.nbytes:
@@ -685,6 +695,7 @@ class LMCacheMPService:
                 first = max(0, skip - i * kv.blocks_per_chunk)
                 if first < kv.blocks_per_chunk:
                     kv.scatter(block_ids[0], i, self._store.region.view(off, size), first)
+            handle = kv.end()
         finally:
             self._release([lid for _, lid, _, _ in leases])
-        return b"", True
+        return handle, True

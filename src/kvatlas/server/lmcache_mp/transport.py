@@ -8,12 +8,13 @@ tells them apart without a handshake: a kvatlas engine (``connector.client``) se
 API's I/O thread asks ``claims``; claimed requests are admitted under the same queue
 bounds and answered by the same worker threads through ``answer``.
 
-Every claimed request gets exactly one reply, an error reply when it cannot be served
-(see ``wire``): unknown operations, other LMCache versions, malformed payloads,
-refusals and failures are logged (at most once per ``_LOG_EVERY_S`` per reason) and
-counted by reason. Stream control frames (``[uid, b"", b"ack"|b"cancel"]``, for
-``subscribe_kv_events``, which this server does not advertise) expect no reply: they are
-dropped and counted.
+Every claimed request gets exactly one reply: a transfer that fails answers the result
+LMCache's adapters read as a failed transfer (``wire.FAILURE_RESULTS``); anything else
+that cannot be served gets an error reply (see ``wire``). Unknown operations, other
+LMCache versions, malformed payloads, refusals and failures are all logged (at most
+once per ``_LOG_EVERY_S`` per reason) and counted by reason. Stream control frames
+(``[uid, b"", b"ack"|b"cancel"]``, for ``subscribe_kv_events``, which this server does
+not advertise) expect no reply: they are dropped and counted.
 
 Must not: touch the store (``service``) or the socket (the engine API's I/O thread).
 """
@@ -28,6 +29,7 @@ from typing import Protocol
 
 from kvatlas.server.lmcache_mp.service import LMCacheMPService, MpError
 from kvatlas.server.lmcache_mp.wire import (
+    FAILURE_RESULTS,
     LMCACHE_VERSION,
     WireError,
     decode_request,
@@ -80,12 +82,15 @@ class LMCacheMPHandler:
         except WireError as exc:
             self._count(exc.reason, str(exc))
             return error_reply(raw, str(exc))
+        except Exception as exc:  # a payload no decoder anticipated: still one reply
+            self._count("malformed", f"{type(exc).__name__}: {exc}")
+            return error_reply(raw, f"malformed request: {type(exc).__name__}: {exc}")
         try:
             result = self.service.handle(req.operation, req.args)
             return encode_reply(req, result)
         except MpError as exc:
             self._count(exc.reason, f"{req.operation}: {exc}")
-            return error_reply(raw, f"{req.operation}: {exc}")
+            reason = f"{req.operation}: {exc}"
         except Exception as exc:
             self.errors["internal"] += 1
             log.exception(
@@ -94,7 +99,10 @@ class LMCacheMPHandler:
                 self.service.identity.instance_id,
                 self.service.identity.incarnation,
             )
-            return error_reply(raw, f"{req.operation} failed: {type(exc).__name__}: {exc}")
+            reason = f"{req.operation} failed: {type(exc).__name__}: {exc}"
+        if req.operation in FAILURE_RESULTS:
+            return encode_reply(req, FAILURE_RESULTS[req.operation])
+        return error_reply(raw, reason)
 
     def _count(self, reason: str, message: str) -> None:
         self.errors[reason] += 1

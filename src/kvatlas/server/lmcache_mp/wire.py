@@ -213,6 +213,21 @@ OPERATIONS: Final[dict[str, OperationSpec]] = {
 }
 """The operations kvatlas serves; the other 0.5.6 operations get an error reply."""
 
+FAILURE_RESULTS: Final[dict[str, Any]] = {
+    "prepare_store": {"context": {"slots": [], "chunk_indices": []}},
+    "commit_store": False,
+    "prepare_retrieve": {"success": False, "data": b"", "context": {}},
+    "commit_retrieve": False,
+    "store": (b"", False),
+    "retrieve": (b"", False),
+    "query_prefetch_status": 0,
+    "wait_prefetch_status": 0,
+}
+"""What a transfer or status request that fails answers instead of an error reply: the
+result LMCache's adapters treat as a failed transfer (recompute, blocks flagged) or a
+miss. An error reply there would raise inside vLLM's model step. ``prepare_store``'s
+"nothing to write" drops the store (the chunks are recomputed next time)."""
+
 _decoders: Final = {
     op: tuple(msgspec.msgpack.Decoder(t, ext_hook=_ext_hook) for t in spec.args)
     for op, spec in OPERATIONS.items()
