@@ -9,9 +9,9 @@ server process.
 
 Modules: ``wire`` (framing, payloads, replies, the supported version), ``service``
 (what each request does to the shared ``GuardedStore``), ``sessions`` (lookups and
-their read leases), ``cpu_kv`` (a worker's CPU KV mapped from POSIX SHM),
-``transport`` (the engine API's ROUTER hands LMCache-framed requests here) and
-``metrics``.
+their read leases), ``cpu_kv`` (a worker's CPU KV mapped from POSIX SHM), ``cuda_kv``
+(a worker's GPU KV from CUDA IPC handles), ``transport`` (the engine API's ROUTER hands
+LMCache-framed requests here) and ``metrics``.
 
 Transfer modes:
 
@@ -25,9 +25,10 @@ Transfer modes:
 - lmcache-driven with CPU KV (``REGISTER_KV_CACHE`` of POSIX SHM tensors,
   ``STORE``/``RETRIEVE`` with block ids): the server maps the worker's paged KV and
   copies chunks itself.
-- lmcache-driven with CUDA IPC handles is refused at registration with a message that
-  names engine-driven mode: the server process does not import torch (an import
-  contract of ``pyproject.toml``), and CUDA IPC import needs it.
+- lmcache-driven with CUDA IPC handles of kind ``cuda`` (PyTorch shared storage,
+  LMCache's default wrapper): ``cuda_kv`` opens them with torch, which the server
+  imports only when such a registration arrives. ``cuda_raw``/``cuda_vmm`` handles are
+  refused with a message naming engine-driven mode.
 
 Must not: reach into the kvatlas engine API (``engine_service``), or keep chunk state
 outside the shared store.
