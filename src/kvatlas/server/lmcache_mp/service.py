@@ -245,7 +245,7 @@ class LMCacheMPService:
             " on instance %s incarnation %d",
             instance_id,
             worker.model,
-            "lmcache-driven CPU SHM" if worker.kv is not None else "engine-driven",
+            "engine-driven" if worker.kv is None else f"lmcache-driven, {type(worker.kv).__name__}",
             worker.world_size,
             g.shape,
             g.dtype,
