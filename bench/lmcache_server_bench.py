@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import tempfile
@@ -168,8 +169,8 @@ def bench_single_node(
                 s.proc.stop()
                 del servers[t]
         for t, s in servers.items():  # not counted: every page of the L1 once touched
-            warm = single_node_run(
-                s, modes[0], 1, WARMUP_REQUESTS, log_dir / f"warmup-{t}.json", log_dir
+            warm = single_node_run(  # lmcache-driven: the server copies, the client idles
+                s, "lmcache_driven", 1, WARMUP_REQUESTS, log_dir / f"warmup-{t}.json", log_dir
             )
             print(f"  warm-up {t}: {brief(warm)}", flush=True)
         for mi, mode in enumerate(modes):
@@ -184,6 +185,7 @@ def bench_single_node(
                         log_dir / f"probe-{t}-{mode}-{r}.json", log_dir,
                     )  # fmt: skip
                     row["round"] = r
+                    row["load_avg_1m"] = os.getloadavg()[0]
                     runs[mode][t].append(row)
                     print(f"  {mode} round {r} {t}: {brief(row)}", flush=True)
     finally:
@@ -302,6 +304,7 @@ def bench_p2p(
         for t in targets if r % 2 == 0 else targets[::-1]:
             row = p2p_fleet_run(t, modes, repeats, log_dir, f"r{r}")
             row["round"] = r
+            row["load_avg_1m"] = os.getloadavg()[0]
             runs[t].append(row)
             summary = row.get("error") or "; ".join(
                 f"{m}: " + (brief(row[m]) if "error" not in row[m] else row[m]["error"][:200])
@@ -402,6 +405,11 @@ def oneline(errors: list[str]) -> str:
 
 def print_tables(summary: dict[str, Any], targets: list[str]) -> None:
     for key, s in summary.items():
+        if key == "load_avg_1m":
+            print(
+                f"\nmachine load average (1 min) as the runs began: {s['min']:.1f}-{s['max']:.1f}"
+            )
+            continue
         print(f"\n### {key}\n")
         if key.startswith("single_node"):
             print(
@@ -444,6 +452,17 @@ def print_tables(summary: dict[str, Any], targets: list[str]) -> None:
         if ratio:
             print("\nkvatlas / LMCache (median of per-round ratios): "
                   + ", ".join(f"{k} {num(v, '.2f')}x" for k, v in ratio.items()))  # fmt: skip
+
+
+def _rows(phase: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Every run row of a phase's results (single node: per mode and target)."""
+    if not phase:
+        return []
+    runs = phase["runs"]
+    rows = []
+    for v in runs.values():
+        rows += [r for t in v.values() for r in t] if isinstance(v, dict) else list(v)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -489,6 +508,13 @@ def main(argv: list[str] | None = None) -> int:
             print("P2P: store through A, retrieve through B", flush=True)
             results["p2p"] = bench_p2p(targets, modes, args.p2p_rounds, args.p2p_repeats, log_dir)
     results["summary"] = summarize(results, targets, modes)
+    loads = [
+        r["load_avg_1m"]
+        for phase in ("single_node", "p2p")
+        for r in _rows(results.get(phase))
+        if "load_avg_1m" in r
+    ]
+    results["summary"]["load_avg_1m"] = {"min": min(loads, default=0), "max": max(loads, default=0)}
     print_tables(results["summary"], targets)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
