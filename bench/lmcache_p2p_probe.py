@@ -9,7 +9,8 @@ for two stand-in engines, one per server, and per repeat:
 
 1. writes fresh random bytes into A's blocks and stores them through server A (LOOKUP,
    then STORE of the missing chunks, END_SESSION), as an engine after its prefill;
-2. waits ``--settle-s`` (the servers' event flush and peer discovery are not timed);
+2. waits ``--settle-s`` (2 s: more than a server's event flush interval, 1 s for
+   kvatlas, after which the coordinator's directory names A as the holder; not timed);
 3. on B: zeroes B's destination blocks, LOOKUP, then polls QUERY_PREFETCH_STATUS every
    ``--poll-ms`` (as vLLM's scheduler does, step by step) until B answers: this is where
    B fetches the prefix from A into its own L1 ("p2p lookup"); then RETRIEVE into B's
@@ -172,7 +173,7 @@ def main() -> int:
     ap.add_argument("--shape", default="(2,128,16,8,128):float16:32")
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--settle-s", type=float, default=1.0)
+    ap.add_argument("--settle-s", type=float, default=2.0)
     ap.add_argument("--poll-ms", type=float, default=1.0)
     args = ap.parse_args()
     answers = os.fdopen(os.dup(1), "w", buffering=1)
