@@ -8,7 +8,8 @@ and P2P peers serve. Users keep ``lmcache`` installed beside vLLM and replace on
 server process.
 
 Modules: ``wire`` (framing, payloads, replies, the supported version), ``service``
-(what each request does to the shared ``GuardedStore``), ``sessions`` (lookups and
+(dispatch, management, lookups), ``transfers`` (both transfer modes), ``core`` (the
+workers, contracts and keys they share, over the shared ``GuardedStore``), ``sessions`` (lookups and
 their read leases), ``cpu_kv`` (a worker's CPU KV mapped from POSIX SHM), ``cuda_kv``
 (a worker's GPU KV from CUDA IPC handles), ``transport`` (the engine API's ROUTER hands
 LMCache-framed requests here) and ``metrics``.
