@@ -124,3 +124,32 @@ def test_transport_answers_every_request_once(svc: LMCacheMPService) -> None:
     assert msgspec.msgpack.decode(off.answer([Frame(b"i"), Frame(enc(1)), Frame(enc(21))])[2]) == (
         "error: off here"
     )
+
+
+def test_tensor_parallel_lookup_needs_every_rank(svc: LMCacheMPService) -> None:
+    """world_size 2: a chunk hits only once both workers stored their shard, and each
+    worker's retrieve takes its own rank's lease."""
+    for iid in (1, 2):
+        reg = EngineDrivenRegistration(iid, "m", 2, 4, 2, 8, "float16", False, CHUNK)
+        svc.handle("register_kv_cache_engine_driven_context", (reg,))
+    tokens = list(range(CHUNK + 3))
+
+    def tp_key(rid: str, worker: int | None) -> IPCKey:
+        return IPCKey("m", 2, worker, tokens, 0, CHUNK, rid, "", None, 1)
+
+    def store(worker: int) -> None:
+        svc.handle("prepare_store", (tp_key("s", worker), worker + 1))
+        assert svc.handle("commit_store", (tp_key("s", worker), worker + 1, b"")) is True
+
+    store(0)
+    svc.handle("lookup", (tp_key("a", None), 2))
+    assert svc.handle("query_prefetch_status", ("a",)) == 0  # rank 1's shard is missing
+    store(1)
+    svc.handle("lookup", (tp_key("b", None), 2))
+    assert svc.handle("query_prefetch_status", ("b",)) == 1
+    assert svc._store.pool.stats().read_leases == 2  # one per rank
+    for worker in (0, 1):
+        assert svc.handle("prepare_retrieve", (tp_key("b", worker), worker + 1))["success"]
+        svc.handle("commit_retrieve", (tp_key("b", worker), worker + 1))
+    assert svc._store.pool.stats().read_leases == 0
+    svc.handle("end_session", ("b",))
