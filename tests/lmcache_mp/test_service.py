@@ -9,9 +9,11 @@ from collections.abc import Iterator
 import msgspec
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvatlas.core.l1pool import L1Pool
 from kvatlas.runtime.region import L1Region
+from kvatlas.server.lmcache_mp.metrics import LMCacheMPCollector
 from kvatlas.server.lmcache_mp.service import LMCacheMPService, MpError, MpIdentity
 from kvatlas.server.lmcache_mp.transport import LMCacheMPHandler
 from kvatlas.server.lmcache_mp.wire import EngineDrivenRegistration, IPCKey
@@ -106,6 +108,12 @@ def test_unregistered_workers_and_pings(svc: LMCacheMPService) -> None:
     assert svc.handle("ping", (None,)) is True
 
 
+def collector_registry(handler: LMCacheMPHandler) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(LMCacheMPCollector("mp-test", handler))
+    return registry
+
+
 def test_transport_answers_every_request_once(svc: LMCacheMPService) -> None:
     handler = LMCacheMPHandler(svc)
     frames = [b"id", enc(3), enc(16), enc(msgspec.to_builtins(key([1] * 16, 0, 16, "x"))), enc(9)]
@@ -120,6 +128,11 @@ def test_transport_answers_every_request_once(svc: LMCacheMPService) -> None:
     frames = [b"id", enc(4), enc(1), *(x if isinstance(x, bytes) else enc(x) for x in reg)]
     out = handler.answer([Frame(f) for f in frames])
     assert msgspec.msgpack.decode(out[2]).startswith("error: malformed request")
+    text = generate_latest(collector_registry(handler)).decode()
+    assert (
+        'kvatlas_server_lmcache_errors_total{instance_id="mp-test",reason="malformed"} 1.0' in text
+    )
+    assert 'operation="prepare_store"' in text
     off = LMCacheMPHandler(svc, refusal="off here")
     assert msgspec.msgpack.decode(off.answer([Frame(b"i"), Frame(enc(1)), Frame(enc(21))])[2]) == (
         "error: off here"

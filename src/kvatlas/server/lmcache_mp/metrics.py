@@ -47,6 +47,14 @@ class LMCacheMPCollector(Collector):
         )
         sessions.add_metric([self._iid], len(svc.sessions))
         yield sessions
+        dropped = CounterMetricFamily(
+            "kvatlas_server_lmcache_sessions_dropped",
+            "LMCache sessions dropped, oldest first, beyond the session limit (their read"
+            " leases were released: a client that never sends end_session).",
+            labels=["instance_id"],
+        )
+        dropped.add_metric([self._iid], svc.sessions.dropped)
+        yield dropped
         workers = GaugeMetricFamily(
             "kvatlas_server_lmcache_workers",
             "LMCache workers with a registered KV cache, by transfer mode.",
