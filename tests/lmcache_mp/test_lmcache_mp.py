@@ -157,7 +157,10 @@ def test_restart_under_a_connected_client(tmp_path: Path, lmcache_venv: Path) ->
     try:
         tokens = prompt(4)
         assert drv.call("store", tokens, "s", seed=1)["ok"]
-        srv.stop()
+        pid = srv.pid
+        srv.stop(signal.SIGKILL)  # killed: no shutdown code runs
+        for seg in Path("/dev/shm").glob(f"kvatlas-mp-a-{pid}-*"):
+            seg.unlink()  # the killed server's L1 region (it could not unlink it)
         srv = start_server_process(
             tmp_path, "mp-a", "--l1-size-gb", "0.05", port=port, http_port=http_port
         )
