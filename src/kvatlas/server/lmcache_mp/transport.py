@@ -85,6 +85,8 @@ class LMCacheMPHandler:
         except Exception as exc:  # a payload no decoder anticipated: still one reply
             self._count("malformed", f"{type(exc).__name__}: {exc}")
             return error_reply(raw, f"malformed request: {type(exc).__name__}: {exc}")
+        if req.unknown_fields:  # a newer client: served, its extra fields skipped
+            self._count("newer_fields", f"{req.operation} carried fields 0.5.6 does not have")
         try:
             result = self.service.handle(req.operation, req.args)
             return encode_reply(req, result)

@@ -228,7 +228,32 @@ result LMCache's adapters treat as a failed transfer (recompute, blocks flagged)
 miss. An error reply there would raise inside vLLM's model step. ``prepare_store``'s
 "nothing to write" drops the store (the chunks are recomputed next time)."""
 
+
+class _StrictIPCKey(IPCKey, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class _StrictRegistration(EngineDrivenRegistration, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class _StrictAllocation(BlockAllocation, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+_STRICT: Final[dict[Any, Any]] = {
+    IPCKey: _StrictIPCKey,
+    EngineDrivenRegistration: _StrictRegistration,
+    list[BlockAllocation]: list[_StrictAllocation],
+}
+"""Each map payload first decodes with no field beyond 0.5.6's: a newer client's extra
+fields then decode again, leniently (skipped), and the request says so (counted)."""
+
 _decoders: Final = {
+    op: tuple(msgspec.msgpack.Decoder(_STRICT.get(t, t), ext_hook=_ext_hook) for t in spec.args)
+    for op, spec in OPERATIONS.items()
+}
+_lenient: Final = {
     op: tuple(msgspec.msgpack.Decoder(t, ext_hook=_ext_hook) for t in spec.args)
     for op, spec in OPERATIONS.items()
 }
@@ -241,6 +266,8 @@ class Request:
     op_frame: bytes
     operation: str
     args: tuple[Any, ...]
+    unknown_fields: bool = False
+    """A map payload carried fields 0.5.6 does not have (a newer client); skipped."""
 
 
 def decode_operation(frame: bytes) -> str:
@@ -302,16 +329,30 @@ def decode_request(frames: list[bytes]) -> Request:
             f" {len(decoders)}: the client speaks another LMCache version",
         )
     args: list[Any] = []
+    unknown = False
     for i, (payload, dec) in enumerate(zip(payloads, decoders, strict=True)):
         try:
             args.append(dec.decode(payload))
+            continue
+        except msgspec.ValidationError as exc:
+            if "unknown field" not in str(exc):
+                raise _version_error(op, i, exc) from exc
+        except msgspec.DecodeError as exc:
+            raise _version_error(op, i, exc) from exc
+        try:
+            args.append(_lenient[op][i].decode(payload))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise WireError(
-                "version",
-                f"{op} argument {i} does not decode as LMCache {LMCACHE_VERSION} sends it"
-                f" ({exc}): the client speaks another LMCache version",
-            ) from exc
-    return Request(identity, uid, op_frame, op, tuple(args))
+            raise _version_error(op, i, exc) from exc
+        unknown = True
+    return Request(identity, uid, op_frame, op, tuple(args), unknown)
+
+
+def _version_error(op: str, i: int, exc: Exception) -> WireError:
+    return WireError(
+        "version",
+        f"{op} argument {i} does not decode as LMCache {LMCACHE_VERSION} sends it"
+        f" ({exc}): the client speaks another LMCache version",
+    )
 
 
 def encode_reply(req: Request, result: Any) -> list[bytes]:
