@@ -133,6 +133,11 @@ def test_transport_answers_every_request_once(svc: LMCacheMPService) -> None:
         'kvatlas_server_lmcache_errors_total{instance_id="mp-test",reason="malformed"} 1.0' in text
     )
     assert 'operation="prepare_store"' in text
+    # refused by the queue bounds: a transfer's failure result, else an error reply
+    busy = handler.overloaded([Frame(f) for f in [b"i", enc(7), enc(18), b"k", b"1"]], "full")
+    assert msgspec.msgpack.decode(busy[3]) == {"success": False, "data": b"", "context": {}}
+    busy = handler.overloaded([Frame(b"i"), Frame(enc(8)), Frame(enc(21))], "full")
+    assert msgspec.msgpack.decode(busy[2]).startswith("error: overloaded: full")
     off = LMCacheMPHandler(svc, refusal="off here")
     assert msgspec.msgpack.decode(off.answer([Frame(b"i"), Frame(enc(1)), Frame(enc(21))])[2]) == (
         "error: off here"

@@ -95,6 +95,10 @@ class SecondProtocol(Protocol):
         """The reply frames, identity first (worker thread); never raises."""
         ...
 
+    def overloaded(self, frames: Sequence[zmq.Frame], reason: str) -> list[bytes]:
+        """The at-once reply to a request the queue bounds refuse (I/O thread)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class EngineApiStats:
@@ -256,8 +260,13 @@ class EngineApi:
 
     def _overload_refusal(self, frames: list[zmq.Frame]) -> list[bytes]:
         """The second protocol's at-once answer to a request that does not fit."""
+        assert self._second is not None
         self._overloaded += 1
-        return [frames[0].bytes, frames[1].bytes, msgspec.msgpack.encode("error: overloaded")]
+        reason = (
+            f"the cache server holds {self._queued} requests (--engine-max-queued"
+            f" {self._max_queued}, --engine-max-queued-per-client {self._max_per_client})"
+        )
+        return self._second.overloaded(frames, reason)
 
     def _overload_answer(self, frames: list[zmq.Frame]) -> list[bytes]:
         """The at-once answer to a request that does not fit (I/O thread): count, log

@@ -31,7 +31,9 @@ from kvatlas.server.lmcache_mp.service import LMCacheMPService, MpError
 from kvatlas.server.lmcache_mp.wire import (
     FAILURE_RESULTS,
     LMCACHE_VERSION,
+    Request,
     WireError,
+    decode_operation,
     decode_request,
     encode_reply,
     error_reply,
@@ -105,6 +107,20 @@ class LMCacheMPHandler:
         if req.operation in FAILURE_RESULTS:
             return encode_reply(req, FAILURE_RESULTS[req.operation])
         return error_reply(raw, reason)
+
+    def overloaded(self, frames: Sequence[_Frame], reason: str) -> list[bytes]:
+        """The at-once reply to a request the engine API's queue bounds refuse (I/O
+        thread): a transfer's failure result, else an error reply; the operation frame
+        alone is decoded."""
+        raw = [f.bytes for f in frames]
+        self._count("overloaded", reason)
+        try:
+            op = decode_operation(raw[2]) if len(raw) > 2 else ""
+        except WireError:
+            op = ""
+        if op in FAILURE_RESULTS:
+            return encode_reply(Request(raw[0], raw[1], raw[2], op, ()), FAILURE_RESULTS[op])
+        return error_reply(raw, f"overloaded: {reason}; recompute, or retry later")
 
     def _count(self, reason: str, message: str) -> None:
         self.errors[reason] += 1
