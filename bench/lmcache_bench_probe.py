@@ -9,7 +9,7 @@ with the same argv: the same parser, the same `run_server_bench`, the same
   match), as passed / failed counts;
 - per LOOKUP / STORE / RETRIEVE call: its wall time, the tokens it moved (a lookup: the
   tokens it found; a failed transfer: 0), and the client's own cost, the CPU time (all
-  threads of this process) spent inside the call;
+  threads of this process) spent inside the call and the minor page faults it took;
 - the load phase's wall time and the CPU time this process and the server's process tree
   (``--server-pid`` and its descendants, from /proc) used during it; the one-time startup
   (torch import, KV allocation, registration) is outside that window.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from collections.abc import Callable
@@ -64,18 +65,22 @@ class Watch:
         self.op_cpu_ms: dict[str, list[float]] = {}
         self.op_wall_ms: dict[str, list[float]] = {}
         self.op_tokens: dict[str, list[int]] = {}
+        self.op_minor_faults: dict[str, list[int]] = {}
         self.load: dict[str, float] = {}
         self.result: BenchResult | None = None
 
     def wrap_op(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(client: ServerBenchClient, request: Any, *args: Any, **kw: Any) -> Any:
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             c0, w0 = time.process_time(), time.perf_counter()
             out = fn(client, request, *args, **kw)
             c1, w1 = time.process_time(), time.perf_counter()
+            f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             if out is not None:  # an empty range is not a transfer
                 key = f"{request.request_kind}.{name}"
                 self.op_cpu_ms.setdefault(key, []).append((c1 - c0) * 1e3)
                 self.op_wall_ms.setdefault(key, []).append((w1 - w0) * 1e3)
+                self.op_minor_faults.setdefault(key, []).append(f1 - f0)
                 ok = out.succeeded
                 # a transfer's tokens; a lookup's: the tokens it found
                 tokens = (
@@ -110,6 +115,7 @@ class Watch:
             "op_cpu_ms": self.op_cpu_ms,
             "op_wall_ms": self.op_wall_ms,
             "op_tokens": self.op_tokens,
+            "op_minor_faults": self.op_minor_faults,
             "load": self.load,
         }
 

@@ -16,7 +16,7 @@ for two stand-in engines, one per server, and per repeat:
    B fetches the prefix from A into its own L1 ("p2p lookup"); then RETRIEVE into B's
    tensors ("retrieve"), END_SESSION; and compares B's blocks with A's, byte for byte;
 4. the same prefix on B once more: now a local L1 hit ("local lookup" / "local retrieve"),
-   the reference the peer path is compared with.
+   the reference the peer path is compared with, and again compared with A's bytes.
 
 Per step it records the wall time and the client's own CPU time (this process, all
 threads). One JSON line per repeat on stdout; the harness takes the medians.
@@ -146,11 +146,15 @@ def one_repeat(
     time.sleep(args.settle_s)
     for t in tensors(b):
         blocks(t, nblocks).zero_()
+
+    def same() -> bool:
+        return all(
+            torch.equal(blocks(ta, nblocks), blocks(tb, nblocks))
+            for ta, tb in zip(tensors(a), tensors(b), strict=True)
+        )
+
     row, p2p_hit = fetch(b, request(tokens, f"p2p-{n}"), args.poll_ms / 1e3, "p2p")
-    same = all(
-        torch.equal(blocks(ta, nblocks), blocks(tb, nblocks))
-        for ta, tb in zip(tensors(a), tensors(b), strict=True)
-    )
+    p2p_same = same()
     for t in tensors(b):
         blocks(t, nblocks).zero_()
     local, local_hit = fetch(b, request(tokens, f"local-{n}"), args.poll_ms / 1e3, "local")
@@ -158,8 +162,9 @@ def one_repeat(
         "repeat": n,
         "chunks": args.chunks,
         "p2p_hit_chunks": p2p_hit,
-        "p2p_bytes_match": bool(same and p2p_hit == args.chunks),
+        "p2p_bytes_match": bool(p2p_same and p2p_hit == args.chunks),
         "local_hit_chunks": local_hit,
+        "local_bytes_match": bool(same() and local_hit == args.chunks),
         **row,
         **local,
     }

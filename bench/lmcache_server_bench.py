@@ -287,10 +287,11 @@ def p2p_probe(
         "local_Bps": statistics.median(
             nbytes / ((r["local_lookup_ms"] + r["local_retrieve_ms"]) / 1e3)
             for r in good
-            if r["local_hit_chunks"] == 4
+            if r["local_bytes_match"]
         )
-        if any(r["local_hit_chunks"] == 4 for r in good)
+        if any(r["local_bytes_match"] for r in good)
         else None,
+        "local_bytes_match": sum(r["local_bytes_match"] for r in good),
         "client_cpu_p2p_ms": m("p2p_lookup_client_cpu_ms") + m("p2p_retrieve_client_cpu_ms"),
         "rows": rows,
     }
@@ -386,6 +387,7 @@ def summarize(results: dict[str, Any], targets: list[str], modes: list[str]) -> 
                               "local_Bps", "client_cpu_p2p_ms")
                 }  # fmt: skip
                 s[t]["bytes_match"] = sum(r.get("bytes_match", 0) for r in flat[t])
+                s[t]["local_bytes_match"] = sum(r.get("local_bytes_match", 0) for r in flat[t])
                 s[t]["repeats"] = sum(r.get("repeats", 0) for r in flat[t])
                 idle = [c for r in p2p["runs"][t] for c in r.get("idle_cpu_pct", [])]
                 s[t]["idle_cpu_pct_per_server"] = med(idle)
@@ -434,7 +436,7 @@ def print_tables(summary: dict[str, Any], targets: list[str]) -> None:
         else:
             print(
                 "| target | P2P: B's engine has A's prefix | fetch into B's L1 (lookup) "
-                "| lookup | retrieve | same prefix, local hit | bytes match "
+                "| lookup | retrieve | same prefix, local hit | bytes match P2P/local "
                 "| idle CPU / server | client CPU |"
             )
             print("|---|---|---|---|---|---|---|---|---|")
@@ -445,7 +447,8 @@ def print_tables(summary: dict[str, Any], targets: list[str]) -> None:
                     continue
                 print(f"| {t} | {gbps(v['p2p_Bps'])} | {gbps(v['p2p_fetch_Bps'])} "
                       f"| {num(v['p2p_lookup_ms'])} ms | {num(v['p2p_retrieve_ms'])} ms "
-                      f"| {gbps(v['local_Bps'])} | {v['bytes_match']}/{v['repeats']} "
+                      f"| {gbps(v['local_Bps'])} "
+                      f"| {v['bytes_match']}/{v['local_bytes_match']} of {v['repeats']} "
                       f"| {num(v['idle_cpu_pct_per_server'], '.0f')}% "
                       f"| {num(v['client_cpu_p2p_ms'])} ms |")  # fmt: skip
         ratio = s.get("ratio_kvatlas_over_lmcache")
