@@ -17,6 +17,7 @@ MODULES = [
     "bench.engine_model_bench",
     "bench.engine_p2p_bench",
     "bench.router_bench",
+    "bench.lmcache_server_bench",
 ]
 
 

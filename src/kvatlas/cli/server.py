@@ -34,6 +34,7 @@ from kvatlas.server.config import (
     ServerConfig,
     default_state_dir,
 )
+from kvatlas.server.lmcache_mp.wire import LMCACHE_VERSION
 from kvatlas.transfer.config import MooncakeConfig
 from kvatlas.transfer.factory import TRANSPORTS
 from kvatlas.wire.kafka_records import DEFAULT_PARTITIONER, DEFAULT_TOPIC
@@ -41,10 +42,21 @@ from kvatlas.wire.kafka_records import DEFAULT_PARTITIONER, DEFAULT_TOPIC
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="kvatlas server", description="kvatlas cache server (one per node)"
+        prog="kvatlas server",
+        description="kvatlas cache server (one per node). --port serves the kvatlas engine"
+        f" API and LMCache {LMCACHE_VERSION}'s MP protocol (what vLLM's LMCacheMPConnector"
+        " speaks: replace `lmcache server` by `kvatlas server` with the same --port,"
+        " --chunk-size, --l1-size-gb and --eviction-policy; keep lmcache installed beside"
+        " vLLM). LMCache workers transfer engine-driven (any device; the worker copies"
+        " through this server's L1 shared memory) or lmcache-driven with CPU KV.",
     )
     ap.add_argument("--host", default="127.0.0.1", help="interface to bind (engine API, HTTP)")
-    ap.add_argument("--port", type=int, default=6555, help="ZeroMQ engine API port")
+    ap.add_argument(
+        "--port",
+        type=int,
+        default=6555,
+        help=f"ZeroMQ port: kvatlas engine API and LMCache {LMCACHE_VERSION} MP protocol",
+    )
     ap.add_argument("--http-port", type=int, default=7555, help="/status /metrics /healthz port")
     ap.add_argument("--instance-id", default=None, help="name in the fleet (default: host-port)")
     ap.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="tokens per chunk")
@@ -82,6 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         help="the same bound per engine socket, so that one flooding engine cannot hold"
         " the whole queue (default %(default)s)",
+    )
+    ap.add_argument(
+        "--lmcache-mp",
+        default="auto",
+        help=f"LMCache {LMCACHE_VERSION} MP protocol on --port: on, off, or auto (on unless"
+        " --auth-token is set: LMCache clients send no token; `on` admits them anyway)",
+    )
+    ap.add_argument(
+        "--supported-transfer-mode",
+        default="auto",
+        help="LMCache transfer modes served: lmcache_driven, engine_driven or auto (both;"
+        " the default here)",
     )
     ap.add_argument("--state-dir", default=None, help="incarnation counter dir")
     add_coordinator_url_flag(ap, "where this server registers, sends events and finds peers")
@@ -204,6 +228,8 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
         engine_p2p_workers=args.engine_p2p_workers,
         engine_max_queued=args.engine_max_queued,
         engine_max_queued_per_client=args.engine_max_queued_per_client,
+        lmcache_mp=args.lmcache_mp,
+        lmcache_transfer_mode=args.supported_transfer_mode,
         l1=L1Config(
             size_bytes=int(args.l1_size_gb * GIB),
             eviction_policy=args.eviction_policy,

@@ -50,6 +50,9 @@ from kvatlas.server.engine_service import EngineService, ServiceIdentity
 from kvatlas.server.http_app import build_app
 from kvatlas.server.incarnation import load_secret, next_incarnation, save_secret
 from kvatlas.server.lease_ids import RandomLeaseIds
+from kvatlas.server.lmcache_mp.metrics import LMCacheMPCollector
+from kvatlas.server.lmcache_mp.service import LMCacheMPService, MpIdentity
+from kvatlas.server.lmcache_mp.transport import LMCacheMPHandler
 from kvatlas.server.metrics import ServerMetrics
 from kvatlas.server.p2p.node import P2PNode
 from kvatlas.server.p2p.store_access import PeerStoreAccess
@@ -167,6 +170,14 @@ class CacheServer:
                 ),
                 p2p_slots=config.engine_p2p_workers,
             )
+            # LMCache 0.5.6's MP protocol on the same --port (told apart by framing).
+            self.lmcache = LMCacheMPService(
+                self.guarded,
+                MpIdentity(config.instance_id, self.incarnation, config.chunk_size, config.lease_s),
+                prefetch_workers=max(1, config.engine_p2p_workers),
+                transfer_mode=config.lmcache_transfer_mode,
+            )
+            self.lmcache_mp = LMCacheMPHandler(self.lmcache, refusal=self._lmcache_refusal())
             self.engine_api = EngineApi(
                 self.service,
                 config.host,
@@ -176,6 +187,7 @@ class CacheServer:
                 max_queued=config.engine_max_queued,
                 max_queued_per_client=config.engine_max_queued_per_client,
                 auth_token=config.coordinator.auth_token,
+                second=self.lmcache_mp,
             )
             self.engine_api.start()  # binds --port: PortInUse before anything else runs
             try:
@@ -194,6 +206,7 @@ class CacheServer:
                     self.http.stop()
                     raise
                 self.service.set_peer_source(self.p2p.fetcher)
+                self.lmcache.set_peer_source(self.p2p.fetcher)
             if self.coordinator is not None:
                 self.registrar = Registrar(
                     self.coordinator,
@@ -222,6 +235,7 @@ class CacheServer:
                     on_secret=functools.partial(save_secret, config.state_dir, config.instance_id),
                 )
                 self.service.set_contract_declarer(self.registrar.declare_contract)
+                self.lmcache.set_contract_declarer(self.registrar.declare_contract)
                 self.service.set_engine_advertiser(self.registrar.advertise_engine)
             self.metrics = ServerMetrics(
                 config.instance_id,
@@ -233,6 +247,7 @@ class CacheServer:
                 lookups=self.service.lookup_counts,
                 p2p=lambda: self.p2p.stats() if self.p2p else None,
                 engine_api=self.engine_api.stats,
+                extra=[LMCacheMPCollector(config.instance_id, self.lmcache_mp)],
             )
         except BaseException:
             if self.coordinator is not None:
@@ -241,6 +256,24 @@ class CacheServer:
             raise
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="kvatlas-sweeper", daemon=True)
+
+    def _lmcache_refusal(self) -> str | None:
+        """Why LMCache MP requests are refused on this server (None: they are served)."""
+        mode = self.config.lmcache_mp
+        token = bool(self.config.coordinator.auth_token)
+        if mode == "off":
+            return "the LMCache MP protocol is off on this kvatlas server (--lmcache-mp off)"
+        if mode == "auto" and token:
+            return (
+                "this kvatlas server requires --auth-token and LMCache clients send none"
+                " (start it with --lmcache-mp on to admit them)"
+            )
+        if token:
+            log.warning(
+                "--lmcache-mp on with --auth-token: LMCache clients on --port are admitted"
+                " without a token (they cannot send one)"
+            )
+        return None
 
     def _build_p2p(self) -> P2PNode:
         config = self.config
@@ -315,10 +348,12 @@ class CacheServer:
     def stop(self) -> None:
         self._stop.set()
         self.engine_api.stop()
+        self.lmcache.close()
         if self._sweeper.is_alive():
             self._sweeper.join(5)
         if self.p2p is not None:
             self.service.set_peer_source(None)
+            self.lmcache.set_peer_source(None)
             self.p2p.stop()
         self.guarded.drain()
         if self.publisher is not None:

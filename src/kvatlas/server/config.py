@@ -216,6 +216,15 @@ class ServerConfig:
     engine_max_queued_per_client: int = 64
     """The same bound per engine socket (``--engine-max-queued-per-client``), so that one
     flooding engine cannot fill the queue for all."""
+    lmcache_mp: str = "auto"
+    """LMCache's MP protocol on ``--port`` (``--lmcache-mp``): ``on``; ``off``; ``auto``
+    (the default): on unless ``--auth-token`` is set, since LMCache's protocol carries
+    no token. ``on`` with a token admits LMCache clients unauthenticated (loopback or a
+    trusted network only)."""
+    lmcache_transfer_mode: str = "auto"
+    """The LMCache transfer modes served (``--supported-transfer-mode``, LMCache's flag):
+    ``lmcache_driven``, ``engine_driven`` or ``auto`` (both, the default here; LMCache's
+    own default is ``lmcache_driven``)."""
     l1: L1Config = field(default_factory=L1Config)
     l2: L2Config = field(default_factory=L2Config)
     coordinator: CoordinatorLink = field(default_factory=CoordinatorLink)
@@ -242,6 +251,13 @@ def _problems(c: ServerConfig) -> list[str]:
         out.append(f"--chunk-size must be positive, got {c.chunk_size}")
     if not c.lease_s > 0:
         out.append(f"--lease-seconds must be positive, got {c.lease_s}")
+    if c.lmcache_mp not in ("auto", "on", "off"):
+        out.append(f"--lmcache-mp must be auto, on or off, got {c.lmcache_mp!r}")
+    if c.lmcache_transfer_mode not in ("auto", "lmcache_driven", "engine_driven"):
+        out.append(
+            "--supported-transfer-mode must be lmcache_driven, engine_driven or auto, got"
+            f" {c.lmcache_transfer_mode!r}"
+        )
     if c.engine_workers < 1:
         out.append(f"--engine-workers must be >= 1, got {c.engine_workers}")
     if c.engine_p2p_workers < 1:

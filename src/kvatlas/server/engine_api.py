@@ -24,6 +24,11 @@ The per-client bound keeps one flooding socket from filling the whole queue, so 
 engines' local hits still wait behind at most ``max_queued_per_client`` of its requests.
 ZeroMQ's own buffer of messages not yet taken is as deep per socket (its receive
 high-water mark), so a socket sending faster than the I/O thread reads is slowed by TCP.
+A second protocol may share the ROUTER (``second``: LMCache's MP protocol, see
+``kvatlas.server.lmcache_mp.transport``): the I/O thread asks it whether it ``claims`` a
+request by its framing; claimed requests are admitted under the same bounds, and a
+worker has it ``answer`` them (exactly one reply each, so the held counts balance).
+
 Must not: interpret requests beyond decoding, or touch the chunk store.
 """
 
@@ -36,7 +41,9 @@ import secrets
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 import zmq
@@ -69,6 +76,30 @@ _LOG_EVERY_S = 10.0
 """At most one overload warning per this many seconds (a flood must not flood the log)."""
 
 
+class SecondProtocol(Protocol):
+    """Another protocol on the engine API's ROUTER, told apart by its framing."""
+
+    def claims(self, frames: Sequence[zmq.Frame]) -> bool:
+        """Whether ``[identity, ...]`` is this protocol's (I/O thread; no decoding)."""
+        ...
+
+    def expects_reply(self, frames: Sequence[zmq.Frame]) -> bool:
+        """False for a claimed message that wants no answer (it is dropped)."""
+        ...
+
+    def drop(self, frames: Sequence[zmq.Frame]) -> None:
+        """Count a claimed message that wants no answer (I/O thread)."""
+        ...
+
+    def answer(self, frames: Sequence[zmq.Frame]) -> list[bytes]:
+        """The reply frames, identity first (worker thread); never raises."""
+        ...
+
+    def overloaded(self, frames: Sequence[zmq.Frame], reason: str) -> list[bytes]:
+        """The at-once reply to a request the queue bounds refuse (I/O thread)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class EngineApiStats:
     """What the engine API's I/O thread counted (a snapshot)."""
@@ -95,12 +126,14 @@ class EngineApi:
         max_queued: int = 1024,
         max_queued_per_client: int = 64,
         auth_token: str | None = None,
+        second: SecondProtocol | None = None,
     ) -> None:
         """``p2p_workers``: extra threads for lookups that wait on peers (the service's
         P2P slots); ``workers`` stay for local work. ``max_queued`` and
         ``max_queued_per_client``: the bounds on requests held at once, in all and per
         engine socket."""
         self._service = service
+        self._second = second
         self._gate = TokenGate(auth_token)
         self._host = host
         self._port = port
@@ -181,8 +214,17 @@ class EngineApi:
                             frames = frontend.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        if self._admit(frames[0].bytes):
+                        second = self._second
+                        if (
+                            second is not None
+                            and second.claims(frames)
+                            and not second.expects_reply(frames)
+                        ):
+                            second.drop(frames)
+                        elif self._admit(frames[0].bytes):
                             self._jobs.put(frames)
+                        elif second is not None and second.claims(frames):
+                            frontend.send_multipart(self._overload_refusal(frames))
                         else:
                             frontend.send_multipart(self._overload_answer(frames))
                 if replies in ready:
@@ -215,6 +257,16 @@ class EngineApi:
         else:
             del self._held[client]  # identities come and go: keep only those holding some
         self._clients = len(self._held)
+
+    def _overload_refusal(self, frames: list[zmq.Frame]) -> list[bytes]:
+        """The second protocol's at-once answer to a request that does not fit."""
+        assert self._second is not None
+        self._overloaded += 1
+        reason = (
+            f"the cache server holds {self._queued} requests (--engine-max-queued"
+            f" {self._max_queued}, --engine-max-queued-per-client {self._max_per_client})"
+        )
+        return self._second.overloaded(frames, reason)
 
     def _overload_answer(self, frames: list[zmq.Frame]) -> list[bytes]:
         """The at-once answer to a request that does not fit (I/O thread): count, log
@@ -260,6 +312,9 @@ class EngineApi:
                 try:
                     frames = self._jobs.get(timeout=_POLL_S)
                 except queue.Empty:
+                    continue
+                if self._second is not None and self._second.claims(frames):
+                    push.send_multipart(self._second.answer(frames))
                     continue
                 envelope = [f.bytes for f in frames[:-1]]  # the engine's identity, b""
                 push.send_multipart([*envelope, self._answer(frames[-1].buffer)])

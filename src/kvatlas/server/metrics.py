@@ -7,7 +7,7 @@ nothing extra. Must not: be imported for side effects or touch the global regist
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -195,8 +195,12 @@ class ServerMetrics:
         p2p: Callable[[], P2PStats | None] = lambda: None,
         coordinator: Callable[[], ClientStats | None] = lambda: None,
         engine_api: Callable[[], EngineApiStats | None] = lambda: None,
+        extra: Sequence[Collector] = (),
     ) -> None:
+        """``extra``: the collectors of parts that own their metric names (LMCache MP)."""
         self.registry = CollectorRegistry(auto_describe=False)
+        for collector in extra:
+            self.registry.register(collector)
         self.registry.register(
             _StatsCollector(
                 instance_id,

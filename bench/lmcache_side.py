@@ -1,0 +1,257 @@
+"""The processes of the side-by-side benchmark: `lmcache server` (LMCache 0.5.6, from
+.venv-lmcache) and `kvatlas server`, started with the same flags, and the coordinators of
+their P2P fleets (`lmcache coordinator` for LMCache, as in LMCache's P2P guide;
+`kvatlas coordinator` for kvatlas).
+
+Owns their argv, ports (free ports on 127.0.0.1), log files, waiting until they answer,
+and stopping them by pid (SIGINT, LMCache's clean stop, then SIGKILL after 20 s), and
+removing the engine-driven SHM pool a stopped server left behind (only the pool names this
+process chose). Must not: signal a process it did not start, bind anything but 127.0.0.1.
+
+A server that exits while starting, or does not answer in time, is a `Refused` with the
+tail of its log: the benchmark reports it for that target and carries on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvatlas.runtime.procs import HOST, die_with_parent, free_ports
+
+ROOT = Path(__file__).resolve().parents[1]
+LMCACHE_VENV = Path(os.environ.get("KVATLAS_LMCACHE_VENV", ROOT / ".venv-lmcache"))
+QUIET = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "LMCACHE_DISABLE_BANNER": "1"}
+NIXL_ON_LOOPBACK = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,cma,self"}
+"""LMCache's NIXL P2P on one host: UCX on loopback TCP and cross-memory attach only."""
+TARGETS = ("lmcache", "kvatlas")
+START_TIMEOUT_S = 120.0
+
+
+class Refused(Exception):
+    """A process did not come up: it exited, or did not answer in time."""
+
+
+def lmcache_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, **QUIET, **(extra or {})}
+    env["PATH"] = f"{LMCACHE_VENV / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env.pop("PYTHONPATH", None)  # kvatlas' sources stay out of LMCache's interpreter
+    return env
+
+
+def kvatlas_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT / "src"), env.get("PYTHONPATH", "")) if p
+    )
+    return env
+
+
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its live descendants (0 once gone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo.extend(int(k) for k in (task / "children").read_text().split())
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+@dataclass
+class Proc:
+    """One child process, its log, and how it is stopped."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    health_urls: tuple[str, ...]
+    stop_signal: int = signal.SIGINT
+    shm_pools: tuple[str, ...] = ()
+    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        with self.log.open("wb") as out:
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                cwd=ROOT,
+                preexec_fn=die_with_parent,  # noqa: PLW1509 (no threads start in the child)
+            )
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def tail(self, lines: int = 4) -> str:
+        """The last ``lines`` non-empty lines of its log (where a CLI says why it quit)."""
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join([ln for ln in text.splitlines() if ln.strip()][-lines:])
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        assert self.popen is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise Refused(f"{self.name} exited with {self.popen.returncode}:\n{self.tail()}")
+            for url in self.health_urls:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(url, timeout=1.0).status_code == 200:
+                        return
+            time.sleep(0.2)
+        raise Refused(f"{self.name} did not answer {self.health_urls} in {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(self.stop_signal)
+            try:
+                self.popen.wait(20)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        for pool in self.shm_pools:  # names this process chose, left by a killed server
+            with contextlib.suppress(OSError):
+                Path("/dev/shm", pool).unlink()
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One cache server's flags: the same for `lmcache server` and `kvatlas server`
+    (`lmcache_cpu_flags` adds what LMCache needs for the CPU transfer modes)."""
+
+    instance_id: str
+    l1_gb: float
+    coordinator_url: str = ""
+    p2p: bool = False
+
+    def flags(self, port: int, http_port: int, p2p_port: int) -> list[str]:
+        """LMCache's P2P guide's `lmcache server` flags, which `kvatlas server` takes as
+        they are (the L1 size and the ports are the benchmark's)."""
+        flags = [
+            "--instance-id", self.instance_id,
+            "--host", HOST, "--port", str(port), "--http-port", str(http_port),
+            "--l1-size-gb", f"{self.l1_gb:g}", "--eviction-policy", "LRU",
+            "--l1-align-bytes", "65536",
+        ]  # fmt: skip
+        if self.coordinator_url:
+            flags += [
+                "--coordinator-url", self.coordinator_url,
+                "--coordinator-advertise-ip", HOST,
+                "--coordinator-heartbeat-interval", "1",
+            ]  # fmt: skip
+        if self.p2p:
+            flags += ["--p2p-advertise-url", f"{HOST}:{p2p_port}"]
+        return flags
+
+
+def lmcache_cpu_flags(shm_name: str) -> list[str]:
+    """What `lmcache server` needs besides for both CPU transfer modes: engine-driven
+    transfer next to its default lmcache-driven one (``--supported-transfer-mode auto``)
+    and a shared-memory pool for it (``--shm-name``, which needs an L1 allocated up
+    front: ``--no-l1-use-lazy``; without a pool its clients pickle KV over ZeroMQ).
+    `kvatlas server` needs none of them: it serves both modes, and its L1 region is
+    always the shared-memory pool, allocated up front."""
+    return ["--supported-transfer-mode", "auto", "--shm-name", shm_name, "--no-l1-use-lazy"]
+
+
+@dataclass
+class Server:
+    target: str
+    spec: ServerSpec
+    proc: Proc
+    rpc_url: str
+    http_url: str
+
+
+def start_server(target: str, spec: ServerSpec, log_dir: Path) -> Server:
+    """`lmcache server` or `kvatlas server` with ``spec``'s flags, started (not waited)."""
+    port, http_port, p2p_port = free_ports(3)
+    shm_name = f"kvb{os.getpid()}{spec.instance_id}"
+    flags = spec.flags(port, http_port, p2p_port)
+    http_url = f"http://{HOST}:{http_port}"
+    if target == "lmcache":
+        argv = [str(LMCACHE_VENV / "bin" / "lmcache"), "server", *flags]
+        argv += lmcache_cpu_flags(shm_name)
+        env = lmcache_env(NIXL_ON_LOOPBACK if spec.p2p else None)
+        stop_sig = signal.SIGINT  # SIGINT: LMCache's clean stop (it deregisters)
+    else:
+        argv = [sys.executable, "-m", "kvatlas.cli.server", *flags]
+        env = kvatlas_env()
+        stop_sig = signal.SIGTERM
+    proc = Proc(
+        name=f"{target}-server-{spec.instance_id}",
+        argv=argv,
+        env=env,
+        log=log_dir / f"{target}-server-{spec.instance_id}.log",
+        health_urls=(f"{http_url}/healthcheck", f"{http_url}/healthz"),
+        stop_signal=stop_sig,
+        shm_pools=(shm_name, f"lmcache_l1_pool_{shm_name}"),
+    )
+    proc.start()
+    return Server(target, spec, proc, f"tcp://{HOST}:{port}", http_url)
+
+
+def start_coordinator(target: str, log_dir: Path) -> tuple[Proc, str]:
+    (port,) = free_ports(1)
+    url = f"http://{HOST}:{port}"
+    if target == "lmcache":
+        argv = [str(LMCACHE_VENV / "bin" / "lmcache"), "coordinator", "--host", HOST,
+                "--port", str(port), "--disable-metrics"]  # fmt: skip
+        proc = Proc(f"{target}-coordinator", argv, lmcache_env(),
+                    log_dir / f"{target}-coordinator.log", (f"{url}/instances",))  # fmt: skip
+    else:
+        argv = [sys.executable, "-m", "kvatlas.cli.coordinator", "--host", HOST,
+                "--port", str(port), "--snapshot-interval", "0"]  # fmt: skip
+        proc = Proc(f"{target}-coordinator", argv, kvatlas_env(),
+                    log_dir / f"{target}-coordinator.log", (f"{url}/healthz",),
+                    stop_signal=signal.SIGTERM)  # fmt: skip
+    proc.start()
+    return proc, url
+
+
+def p2p_peer_counts(servers: list[Server]) -> list[int]:
+    """Each server's connected peers by its `/status` (``p2p_peer_count`` where it says
+    so, LMCache's field; -1 where its status does not tell)."""
+    counts = []
+    for s in servers:
+        try:
+            status = httpx.get(f"{s.http_url}/status", timeout=2).json()
+        except (httpx.HTTPError, ValueError):
+            counts.append(0)
+            continue
+        counts.append(int(_find(status, "p2p_peer_count", -1)))
+    return counts
+
+
+def _find(obj: object, key: str, default: object) -> object:
+    if isinstance(obj, dict):
+        if key in obj:
+            return obj[key]
+        obj = list(obj.values())
+    if isinstance(obj, list):
+        for item in obj:
+            got = _find(item, key, None)
+            if got is not None:
+                return got
+    return default

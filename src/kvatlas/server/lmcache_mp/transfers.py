@@ -1,0 +1,289 @@
+"""LMCache's two transfer modes on kvatlas' store.
+
+Engine-driven mode (the worker copies; no CUDA needed in the server, works for a GPU
+worker too): the shared-memory pool LMCache advertises on registration is kvatlas' L1
+region itself. ``prepare_store`` write-locks L1 slots and hands their offsets (with the
+chunk's tensor shape) to the worker, which maps the region by name and gathers its KV
+straight into them; ``commit_store`` checksums and commits the slots. ``prepare_retrieve``
+read-locks the chunks (taking over the lookup's leases) and hands their offsets;
+``commit_retrieve`` releases them. No copy in the server, no pickle: a worker that falls
+back to LMCache's pickle transport is refused (``commit_store`` answers False, counted),
+since unpickling a client's bytes would run its code in the server.
+
+Lmcache-driven mode: the worker's paged KV is mapped by the server (``cpu_kv`` for CPU
+POSIX SHM, ``cuda_kv`` for CUDA IPC handles, loaded only then), which gathers chunks
+into L1 slots on ``store`` and scatters them back on ``retrieve``. Both modes write the
+same chunk bytes (``[2, layers, tokens, hidden]``), so either retrieves the other's.
+
+Must not: parse frames (``wire``) or import torch at module level.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvatlas.core.checksum import checksum
+from kvatlas.core.keys import ObjectKey
+from kvatlas.core.l1pool import LeaseId, Refusal, Reserved
+from kvatlas.server.lmcache_mp.core import HOLDER, MpCore, MpError, Worker
+from kvatlas.server.lmcache_mp.cpu_kv import ITEMSIZES, ChunkGeometry, CpuPagedKV, PagedKV
+from kvatlas.server.lmcache_mp.wire import EngineDrivenRegistration, IpcDescriptor, IPCKey
+
+log = logging.getLogger(__name__)
+
+
+class Transfers(MpCore):
+    """The registration and transfer requests of both modes."""
+
+    # ------------------------------------------------------------------ registration
+
+    def op_register_kv_cache_engine_driven_context(
+        self, p: EngineDrivenRegistration
+    ) -> dict[str, Any]:
+        self._check_mode("engine_driven")
+        if p.dtype_str not in ITEMSIZES:
+            raise MpError("invalid", f"KV dtype {p.dtype_str!r} not one of {sorted(ITEMSIZES)}")
+        slots = p.num_physical_slots or self.identity.chunk_size
+        if slots != self.identity.chunk_size:
+            raise MpError(
+                "invalid",
+                f"{slots} physical slots per chunk; this server stores {self.identity.chunk_size}"
+                "-token chunks (--chunk-size)",
+            )
+        geometry = ChunkGeometry(
+            p.num_layers, slots, p.hidden_dim_size, p.dtype_str, 1 if p.use_mla else 2
+        )
+        self._register(p.instance_id, Worker(p.model_name, p.world_size, geometry))
+        region = self._store.region
+        return {"shm_name": region.name, "pool_size": region.size}
+
+    def op_unregister_kv_cache_engine_driven_context(self, instance_id: int) -> None:
+        self.op_unregister_kv_cache(instance_id)
+
+    def op_register_kv_cache(  # noqa: PLR0917 (LMCache's positional arguments)
+        self,
+        instance_id: int,
+        kv_caches: list[Any],
+        model_name: str,
+        world_size: int,
+        engine_type: str,
+        layout_hints: dict[str, Any],
+        engine_group_infos: list[Any],
+    ) -> None:
+        self._check_mode("lmcache_driven")
+        descs = [d for d in kv_caches if isinstance(d, IpcDescriptor)]
+        if len(descs) != len(kv_caches):
+            raise MpError("invalid", "register_kv_cache: KV tensors must be IPC descriptors")
+        kinds = {d.type for d in descs}
+        if len(engine_group_infos) > 1:
+            raise MpError("unsupported", "hybrid KV cache groups are not supported")
+        hint = layout_hints.get("kv_layout")
+        kv: PagedKV
+        if kinds == {"cpu_shm"}:
+            # LMCache reads CPU KV without a hint as HND (vLLM's CPU attention layout)
+            kv = CpuPagedKV(descs, self.identity.chunk_size, str(hint or "HND"))
+        elif kinds == {"cuda"}:
+            # Only now: torch stays out of a server no CUDA worker registers with.
+            from kvatlas.server.lmcache_mp import cuda_kv  # noqa: PLC0415 (loads torch)
+
+            kv = cuda_kv.CudaPagedKV(descs, self.identity.chunk_size, str(hint or "NHD"))
+        else:
+            raise MpError(
+                "unsupported",
+                f"KV tensors of kind {sorted(kinds)}: this kvatlas server maps CPU POSIX SHM"
+                " and 'cuda' (PyTorch shared storage) KV. Other workers select engine-driven"
+                ' transfer ("lmcache.mp.mp_transfer_mode": "engine_driven" in'
+                " kv_connector_extra_config, or LMCACHE_MP_TRANSFER_MODE=engine_driven)",
+            )
+        try:
+            self._register(instance_id, Worker(model_name, world_size, kv.geometry, kv))
+        except BaseException:
+            kv.close()
+            raise
+
+    def op_unregister_kv_cache(self, instance_id: int) -> None:
+        with self._lock:
+            w = self._workers.pop(instance_id, None)
+            writes = [k for k in self._writes if k[0] == instance_id]
+            reads = [k for k in self._reads if k[0] == instance_id]
+            aborted = [key for k in writes for key, _ in self._writes.pop(k)]
+            released = [lid for k in reads for lid in self._reads.pop(k)]
+        if w is None:
+            log.warning("unregister of unknown LMCache worker %d", instance_id)
+            return
+        with self._guarded.lock:
+            for key in aborted:
+                self._store.abort(key)
+            for lid in released:
+                self._store.release(lid, HOLDER)
+            self._guarded.drain_locked()
+        if w.kv is not None:
+            w.kv.close()
+        log.info("LMCache worker %d unregistered", instance_id)
+
+    # ------------------------------------------------------------------ engine-driven
+
+    def op_prepare_store(self, key: IPCKey, instance_id: int) -> dict[str, Any]:
+        w = self._worker(instance_id)
+        keys = self._keys(key, key.start, key.end, key.worker_id or 0)
+        g = w.geometry
+        slots: list[dict[str, Any]] = []
+        indices: list[int] = []
+        reserved: list[tuple[ObjectKey, LeaseId]] = []
+        with self._guarded.lock:
+            now = self._guarded.clock()
+            for i, k in enumerate(keys):
+                res = self._store.reserve(k, g.nbytes, now, self.identity.lease_s, HOLDER)
+                if isinstance(res, Reserved):
+                    s = res.slot
+                    slots.append(
+                        {"offset": s.offset, "length": s.size, "shape": g.shape, "dtype": g.dtype}
+                    )
+                    indices.append(i)
+                    reserved.append((k, s.lease_id))
+                elif res.reason is Refusal.NO_SPACE:
+                    self.refused["no_space"] += 1
+            self._guarded.drain_locked()
+        if reserved:
+            pending = (instance_id, key.request_id, key.start, key.end)
+            with self._lock:
+                old = self._writes.pop(pending, [])
+                self._writes[pending] = reserved
+            self._abort([k for k, _ in old])
+        return {"context": {"slots": slots, "chunk_indices": indices}}
+
+    def op_commit_store(self, key: IPCKey, instance_id: int, data: bytes) -> bool:
+        self._worker(instance_id)
+        pending = (instance_id, key.request_id, key.start, key.end)
+        with self._lock:
+            reserved = self._writes.pop(pending, None)
+        if data:
+            self._abort([k for k, _ in reserved or []])
+            self.refused["pickle_refused"] += 1
+            log.warning(
+                "LMCache worker %d sent a pickled store (it could not map the L1 region %s):"
+                " refused, kvatlas never unpickles client data",
+                instance_id,
+                self._store.region.name,
+            )
+            return False
+        if reserved is None:
+            return False
+        ok = True
+        with self._guarded.lock:
+            now = self._guarded.clock()
+            for k, lid in reserved:
+                info = self._store.pool.get(k)
+                if info is None or info.committed:
+                    ok = False
+                    continue
+                digest = checksum(self._store.region.view(info.offset, info.size))
+                ok = self._store.commit(k, now, digest, lid) is not None and ok
+            self._guarded.drain_locked()
+        return ok
+
+    def op_prepare_retrieve(self, key: IPCKey, instance_id: int) -> dict[str, Any]:
+        w = self._worker(instance_id)
+        keys = self._keys(key, key.start, key.end, key.worker_id or 0)
+        leases = self._read_leases(key, keys) if keys else None
+        if not leases:
+            return {"success": False, "data": b"", "context": {}}
+        g = w.geometry
+        if any(size != g.nbytes for _, _, _, size in leases):
+            self._release([lid for _, lid, _, _ in leases])
+            raise MpError("contract", f"stored chunks are not {g.nbytes} bytes of {g.shape}")
+        pending = (instance_id, key.request_id, key.start, key.end)
+        with self._lock:
+            old = self._reads.pop(pending, [])
+            self._reads[pending] = [lid for _, lid, _, _ in leases]
+        self._release(old)
+        slots = [
+            {"offset": off, "length": size, "shape": g.shape, "dtype": g.dtype}
+            for _, _, off, size in leases
+        ]
+        return {"success": True, "data": b"", "context": {"slots": slots}}
+
+    def op_commit_retrieve(self, key: IPCKey, instance_id: int) -> bool:
+        pending = (instance_id, key.request_id, key.start, key.end)
+        with self._lock:
+            leases = self._reads.pop(pending, [])
+        self._release(leases)
+        return True
+
+    # ------------------------------------------------------------------ lmcache-driven
+
+    def _mapped(self, instance_id: int) -> PagedKV:
+        kv = self._worker(instance_id).kv
+        if kv is None:
+            raise MpError("invalid", f"worker {instance_id} registered engine-driven, not KV")
+        return kv
+
+    def op_store(
+        self, key: IPCKey, instance_id: int, block_ids: list[list[int]], event: bytes
+    ) -> tuple[bytes, bool]:
+        kv = self._mapped(instance_id)
+        if len(block_ids) != 1:
+            raise MpError("unsupported", f"{len(block_ids)} KV groups; one is supported")
+        keys = self._keys(key, key.start, key.end, key.worker_id or 0)
+        nbytes = kv.geometry.nbytes
+        if len(block_ids[0]) < len(keys) * kv.blocks_per_chunk:
+            log.warning("store of %s: too few block ids for %d chunks", key.request_id, len(keys))
+            return b"", False
+        ok = True
+        kv.begin(event)
+        for i, k in enumerate(keys):
+            with self._guarded.lock:
+                now = self._guarded.clock()
+                res = self._store.reserve(k, nbytes, now, self.identity.lease_s, HOLDER)
+                self._guarded.drain_locked()
+            if not isinstance(res, Reserved):
+                ok = ok and res.reason is not Refusal.NO_SPACE
+                continue
+            view = self._store.slot_view(res.slot)
+            try:
+                kv.gather(block_ids[0], i, view)
+                digest = checksum(view)
+            except BaseException:
+                self._abort([k])
+                raise
+            with self._guarded.lock:
+                done = self._store.commit(k, self._guarded.clock(), digest, res.slot.lease_id)
+                self._guarded.drain_locked()
+            ok = ok and done is not None
+        return kv.end(), ok
+
+    def op_retrieve(
+        self,
+        key: IPCKey,
+        instance_id: int,
+        block_ids: list[list[int]],
+        event: bytes,
+        skip_first_n_tokens: int,
+    ) -> tuple[bytes, bool]:
+        kv = self._mapped(instance_id)
+        if len(block_ids) != 1:
+            raise MpError("unsupported", f"{len(block_ids)} KV groups; one is supported")
+        keys = self._keys(key, key.start, key.end, key.worker_id or 0)
+        if not keys or len(block_ids[0]) < len(keys) * kv.blocks_per_chunk:
+            self._release(list(self.sessions.take(key.request_id, keys).values()))
+            return b"", False
+        leases = self._read_leases(key, keys)
+        if leases is None:
+            return b"", False
+        try:
+            kv.begin(event)
+            skip = max(0, skip_first_n_tokens) // kv.block_size
+            for i, (_, _, off, size) in enumerate(leases):
+                if size != kv.geometry.nbytes:
+                    raise MpError(
+                        "contract",
+                        f"stored chunk of {size} bytes, worker expects {kv.geometry.nbytes}",
+                    )
+                first = max(0, skip - i * kv.blocks_per_chunk)
+                if first < kv.blocks_per_chunk:
+                    kv.scatter(block_ids[0], i, self._store.region.view(off, size), first)
+            handle = kv.end()
+        finally:
+            self._release([lid for _, lid, _, _ in leases])
+        return handle, True

@@ -1,0 +1,306 @@
+"""LMCache 0.5.6's unmodified vLLM adapters (``mp_driver.py`` in .venv-lmcache) against
+``kvatlas server``: both CPU transfer modes, P2P across two servers, a restart under a
+connected client, and requests the server must refuse at once (raw ZeroMQ, here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from kvatlas.connector.client import CacheClient
+from kvatlas.runtime.procs import HOST, free_ports
+from p2p.cluster import cluster, wait_peers
+from support.launch import Proc, launch
+from support.services import ServerProc, start_server_process
+
+pytestmark = pytest.mark.lmcache
+
+DRIVER = Path(__file__).with_name("mp_driver.py")
+CHUNK = 256
+QUIET = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "LMCACHE_DISABLE_BANNER": "1"}
+
+
+class Driver:
+    """``mp_driver.py`` speaking JSON lines over pipes; stopped by its own pid."""
+
+    def __init__(self, venv: Path, url: str, mode: str, log: Path) -> None:
+        env = {**os.environ, **QUIET}
+        env.pop("PYTHONPATH", None)  # kvatlas' sources stay out of LMCache's interpreter
+        self.proc: Proc = launch(
+            [str(venv / "bin" / "python"), str(DRIVER), url, mode],
+            name=f"driver-{mode}",
+            log=log,
+            env=env,
+            wait=False,
+            pipes=True,
+        )
+        ready = self._read()
+        assert ready.get("ready"), ready
+
+    def call(self, op: str, tokens: list[int], rid: str, **extra: Any) -> dict[str, Any]:
+        stdin = self.proc.popen.stdin
+        assert stdin is not None
+        stdin.write(json.dumps({"op": op, "tokens": tokens, "rid": rid, **extra}) + "\n")
+        stdin.flush()
+        return self._read()
+
+    def _read(self) -> dict[str, Any]:
+        stdout = self.proc.popen.stdout
+        assert stdout is not None
+        line = stdout.readline()
+        if not line:
+            raise RuntimeError(f"driver exited:\n{self.proc.text()[-4000:]}")
+        out: dict[str, Any] = json.loads(line)
+        return out
+
+    def close(self) -> None:
+        stdin = self.proc.popen.stdin
+        if self.proc.popen.poll() is None and stdin is not None:
+            try:
+                stdin.write('{"op": "quit"}\n')
+                stdin.close()
+                self.proc.popen.wait(30)
+            except (BrokenPipeError, OSError):
+                pass
+        self.proc.stop(signal.SIGTERM)
+
+
+def prompt(seed: int, chunks: int = 2, chunk: int = CHUNK) -> list[int]:
+    """``chunks`` full chunks and a partial one (never stored)."""
+    return [seed * 100_000 + i for i in range(chunks * chunk + chunk // 2)]
+
+
+def server(tmp_path: Path, name: str = "mp-a") -> ServerProc:
+    return start_server_process(tmp_path, name, "--l1-size-gb", "0.05", "--chunk-size", "256")
+
+
+@pytest.mark.parametrize("mode", ["engine_driven", "lmcache_driven"])
+def test_unmodified_adapters_store_lookup_retrieve(
+    tmp_path: Path, lmcache_venv: Path, mode: str
+) -> None:
+    srv = server(tmp_path)
+    drv = Driver(lmcache_venv, srv.engine_url, mode, tmp_path / "driver.log")
+    try:
+        tokens = prompt(1)
+        stored = drv.call("store", tokens, "s1", seed=11)
+        assert stored["ok"] and stored["hit"] == 0 and len(stored["digests"]) == 2, stored
+        got = drv.call("fetch", tokens, "f1")
+        assert got["ok"] and got["hit"] == 2, got
+        assert got["digests"] == stored["digests"]  # the bytes that landed are the stored ones
+        # a prompt sharing one chunk hits one
+        other = tokens[:CHUNK] + [7] * (CHUNK + 40)
+        assert drv.call("fetch", other, "f2")["hit"] == 1
+        metrics = srv.metrics()
+        op = "prepare_store" if mode == "engine_driven" else "store"
+        assert f'kvatlas_server_lmcache_requests_total{{instance_id="mp-a",operation="{op}"}}' in (
+            metrics
+        )
+        assert srv.status()["leases"]["read"] == 0  # retrieves and end_session released them
+        assert drv.call("reset", [], "")["ok"]  # clear: the chunks are gone
+        assert drv.call("fetch", tokens, "f3")["hit"] == 0
+    finally:
+        drv.close()
+        srv.stop()
+
+
+def test_modes_share_chunks(tmp_path: Path, lmcache_venv: Path) -> None:
+    """A chunk stored engine-driven is retrieved lmcache-driven, bytes equal."""
+    srv = server(tmp_path)
+    a = Driver(lmcache_venv, srv.engine_url, "engine_driven", tmp_path / "a.log")
+    b = Driver(lmcache_venv, srv.engine_url, "lmcache_driven", tmp_path / "b.log")
+    try:
+        tokens = prompt(2)
+        stored = a.call("store", tokens, "s", seed=5)
+        got = b.call("fetch", tokens, "f")
+        assert got["hit"] == 2 and got["digests"] == stored["digests"], (stored, got)
+    finally:
+        a.close()
+        b.close()
+        srv.stop()
+
+
+def test_p2p_across_two_kvatlas_servers(tmp_path: Path, lmcache_venv: Path) -> None:
+    with cluster(tmp_path, "node-a", "node-b") as (_, (na, nb)):
+        wait_peers([na, nb])
+        a = Driver(lmcache_venv, na.engine_url, "engine_driven", tmp_path / "a.log")
+        b = Driver(lmcache_venv, nb.engine_url, "lmcache_driven", tmp_path / "b.log")
+        try:
+            tokens = prompt(3, chunk=16)  # the cluster's --chunk-size
+            stored = a.call("store", tokens, "s", seed=9)
+            assert stored["ok"] and stored["hit"] == 0
+            deadline = time.monotonic() + 20
+            got = b.call("fetch", tokens, "f0")
+            while got["hit"] < 2 and time.monotonic() < deadline:  # A's STOREs in flight
+                time.sleep(0.3)
+                got = b.call("fetch", tokens, f"f{time.monotonic_ns()}")
+            assert got["ok"] and got["hit"] == 2, got
+            assert got["digests"] == stored["digests"]
+            assert nb.status()["p2p"]["chunks_fetched"] >= 2
+        finally:
+            a.close()
+            b.close()
+
+
+def test_restart_under_a_connected_client(tmp_path: Path, lmcache_venv: Path) -> None:
+    srv = server(tmp_path)
+    port, http_port = srv.port, int(srv.url.rsplit(":", 1)[1])
+    drv = Driver(lmcache_venv, srv.engine_url, "engine_driven", tmp_path / "driver.log")
+    try:
+        tokens = prompt(4)
+        assert drv.call("store", tokens, "s", seed=1)["ok"]
+        pid = srv.pid
+        srv.stop(signal.SIGKILL)  # killed: no shutdown code runs
+        for seg in Path("/dev/shm").glob(f"kvatlas-mp-a-{pid}-*"):
+            seg.unlink()  # the killed server's L1 region (it could not unlink it)
+        srv = start_server_process(
+            tmp_path, "mp-a", "--l1-size-gb", "0.05", port=port, http_port=http_port
+        )
+        # The restarted server holds nothing: the client recomputes (a miss), never
+        # anything wrong; the server's first ping answer from it is False, so LMCache's
+        # heartbeat re-registers the KV cache and stores work again.
+        deadline = time.monotonic() + 90  # LMCache's heartbeat: every 10 s
+        while True:
+            stored = drv.call("store", tokens, f"s{time.monotonic_ns()}", seed=1)
+            got = drv.call("fetch", tokens, f"f{time.monotonic_ns()}")
+            # a failed store (the worker not yet re-registered) or a miss (recompute)
+            # or the right bytes, never anything else
+            if stored.get("ok") and got.get("hit"):
+                assert got["digests"] == stored["digests"][: got["hit"]], got
+            if got.get("hit") == 2:
+                break
+            assert time.monotonic() < deadline, (stored, got)
+            time.sleep(1)
+        assert "asking it to re-register" in srv.text()
+    finally:
+        drv.close()
+        srv.stop()
+
+
+def _ask(url: str, frames: list[bytes]) -> list[bytes]:
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(url)
+        sock.send_multipart(frames)
+        assert sock.poll(10_000), "no reply: the client would hang until its timeout"
+        return sock.recv_multipart()
+    finally:
+        ctx.destroy(0)
+
+
+def test_unknown_malformed_and_other_versions_get_an_error_reply(tmp_path: Path) -> None:
+    srv = start_server_process(tmp_path, "mp-a", "--l1-size-gb", "0.02")
+    try:
+        enc = msgspec.msgpack.encode
+        # get_chunk_size by its 0.5.6 id answers
+        assert _ask(srv.engine_url, [enc(1), enc(21)]) == [enc(1), enc(21), enc(256)]
+        cases = {
+            "unsupported": [enc(2), enc(25), enc(1)],  # cb_register_rope: not served
+            "version": [enc(3), enc(11), enc("r")],  # retired in 0.5.6
+            "version ": [enc(4), enc(99)],  # no such id in 0.5.6
+            "version  ": [enc(5), enc(22)],  # ping without its argument
+            "malformed": [enc(6), b"\xc1"],  # not msgpack
+        }
+        for want, frames in cases.items():
+            reply = _ask(srv.engine_url, frames)
+            assert reply[0] == frames[0] and len(reply) == 2, reply
+            text = msgspec.msgpack.decode(reply[1])
+            assert text.startswith("error: "), text
+            if want.strip() == "version":
+                assert "0.5.6" in text
+        metrics = srv.metrics()
+        for reason in ("unsupported", "version", "malformed"):
+            assert f'reason="{reason}"' in metrics, metrics
+        assert "LMCache MP request refused (version" in srv.text()
+        # the kvatlas engine API still answers on the same port
+        c = CacheClient(f"tcp://{HOST}:{srv.port}", timeout_s=10)
+        try:
+            assert c.register("m", "float16", (2, 2, 8), chunk_size=256) is not None
+        finally:
+            c.close()
+    finally:
+        srv.stop()
+
+
+def test_auth_token_refuses_lmcache_unless_admitted(tmp_path: Path) -> None:
+    srv = start_server_process(tmp_path, "mp-t", "--l1-size-gb", "0.02", "--auth-token", "s3cret")
+    try:
+        enc = msgspec.msgpack.encode
+        reply = _ask(srv.engine_url, [enc(1), enc(21)])
+        text = msgspec.msgpack.decode(reply[1])
+        assert text.startswith("error: ") and "--lmcache-mp on" in text, text
+        assert (
+            'reason="disabled"'
+            in httpx.get(
+                f"{srv.url}/metrics", headers={"Authorization": "Bearer s3cret"}, timeout=5
+            ).text
+        )
+    finally:
+        srv.stop()
+    srv = start_server_process(
+        tmp_path, "mp-u", "--l1-size-gb", "0.02", "--auth-token", "s3cret", "--lmcache-mp", "on"
+    )
+    try:
+        assert _ask(srv.engine_url, [msgspec.msgpack.encode(1), msgspec.msgpack.encode(21)])[
+            2
+        ] == msgspec.msgpack.encode(256)
+    finally:
+        srv.stop()
+
+
+def test_same_answers_as_lmcache_server(tmp_path: Path, lmcache_venv: Path) -> None:
+    """The same adapter calls against `lmcache server` 0.5.6 and `kvatlas server`:
+    the same hit counts and the same bytes back, in both modes."""
+    port, http_port = free_ports(2)
+    env = {**os.environ, **QUIET}
+    env.pop("PYTHONPATH", None)
+    ref = launch(
+        [
+            str(lmcache_venv / "bin" / "lmcache"), "server", "--host", HOST, "--port", str(port),
+            "--http-host", HOST, "--http-port", str(http_port), "--chunk-size", "256",
+            "--l1-size-gb", "0.0625", "--no-l1-use-lazy", "--eviction-policy", "LRU",
+            "--supported-transfer-mode", "auto",
+        ],
+        name="lmcache-server",
+        log=tmp_path / "lmcache-server.log",
+        env=env,
+        http_port=http_port,
+        wait=False,
+    )  # fmt: skip
+    srv = server(tmp_path)
+    try:
+        ref.wait_http("/healthcheck", timeout=90)
+        answers: dict[str, list[tuple[bool, int, list[str]]]] = {}
+        for name, url in (("lmcache", f"tcp://{HOST}:{port}"), ("kvatlas", srv.engine_url)):
+            for mode in ("engine_driven", "lmcache_driven"):
+                drv = Driver(lmcache_venv, url, mode, tmp_path / f"{name}-{mode}.log")
+                try:
+                    seed = 20 if mode == "engine_driven" else 30
+                    a, b = prompt(seed, 3), prompt(seed, 3)[: 2 * CHUNK] + [1] * 300
+                    seq = [
+                        drv.call("fetch", a, "f0"),
+                        drv.call("store", b, "s0", seed=seed),  # 3 chunks
+                        drv.call("store", a, "s1", seed=seed),  # 1 more (2 shared with b)
+                        drv.call("fetch", a, "f1"),
+                        drv.call("fetch", b, "f2"),
+                    ]
+                finally:
+                    drv.close()
+                answers.setdefault(name, []).extend(
+                    (r["ok"], r["hit"], r["digests"] if r["hit"] else []) for r in seq
+                )
+        assert answers["kvatlas"] == answers["lmcache"], answers
+        assert [hit for _, hit, _ in answers["kvatlas"][:5]] == [0, 0, 2, 3, 3]
+    finally:
+        srv.stop()
+        ref.stop(signal.SIGINT)
