@@ -1,9 +1,6 @@
 """The P2P read path of the requester: a local miss becomes a read from a peer's L1.
 
-Owns, for one lookup's missing keys: the deadlines (``core.peers.p2p_deadline``: the
-configured lookup and load timeouts at most, and no longer than recomputing the missing
-tokens would take: the engine's estimate, else ``--p2p-expected-recompute-s-per-token``,
-else ``--p2p-default-recompute-s-per-token``), the choice of peers (the coordinator's
+Owns, for one lookup's missing keys: the deadlines, the choice of peers (the coordinator's
 directory names who holds the keys, and when it names nobody no peer is asked; only when
 the directory cannot be asked are up to ``BLIND_PEERS`` live peers asked, within
 ``BLIND_LOOKUP_S``, counted as ``all_peer_fallbacks``; the directory's own wait is
@@ -17,6 +14,15 @@ acknowledged unlock. Every failure is a miss for the rest of the prefix and is c
 by cause (``CAUSES``, the ``PeerFallback`` values: timeout, peer_dead, checksum_mismatch,
 refused, stale_hint, no_space; and busy, a lookup the engine service did not hand over
 because every P2P slot was taken).
+
+Deadlines: the recompute time of the missing tokens (the engine's estimate or its
+learned rate, which the engine service passes; else ``--p2p-expected-recompute-s-per-token``,
+else ``--p2p-default-recompute-s-per-token``) caps everything, with the configured lookup
+and load timeouts (``core.peers.p2p_deadline``). Under that cap each ``lookup_and_lock``
+waits its own short deadline, learned from the peer's RPC round trips, and each load one
+that scales with its bytes and the peer's bandwidth (``core.peer_timing``, kept by the
+controller, which this module feeds with every answer's round trip and every load's
+bytes and seconds).
 
 It runs WITHOUT the store lock and takes it only briefly, through
 ``PeerStoreAccess.reserve_for_peer_fetch`` / ``commit_peer_fetch``.
@@ -179,6 +185,7 @@ class PeerFetcher:
                 self._active -= 1
 
     def _budgets(self, keys: Sequence[ObjectKey], recompute_s: float) -> tuple[float, float]:
+        """The lookup's and each load's cap: the timeouts, and no longer than recomputing."""
         expected = recompute_s
         if not expected > 0:
             per_token = (
@@ -288,21 +295,32 @@ class PeerFetcher:
         peer = adapter.instance_id
         ns = keys[0].namespace
         lease_s = min(self._config.lock_lease_s, lookup_s + load_budget + UNLOCK_TIMEOUT_S + 1.0)
+        lock_s = self._controller.lock_deadline(peer, lookup_s)
         # ObjectKey keeps its hash as plain bytes (decoding a key then costs no NewType
         # call); these came from the engine service's ChunkHash list, so one cast, not
         # one conversion per key.
         hashes = cast(list[ChunkHash], [k.chunk_hash for k in keys])
         with self._lock:
             self.stats.locks_requested += 1
+        t0 = time.perf_counter()
         try:
             with _timed(timings, "lock"):
                 answer = adapter.control.call(
-                    LookupAndLock(self.instance_id, ns, hashes, lease_s, self._token), lookup_s
+                    LookupAndLock(self.instance_id, ns, hashes, lease_s, self._token),
+                    lock_s,
+                    self._controller.abandon_event(peer),
                 )
         except ChannelError as exc:
-            log.info("lookup_and_lock to peer %s failed (%s): %s", peer, exc.cause, exc)
+            log.info(
+                "lookup_and_lock to peer %s failed (%s, deadline %.0f ms): %s",
+                peer,
+                exc.cause,
+                lock_s * 1000,
+                exc,
+            )
             self._failed(peer, exc.cause)
             return _Loaded(), exc.cause
+        self._controller.rpc_answered(peer, time.perf_counter() - t0)
         if not isinstance(answer, Locked):
             self._failed(peer, PeerFallback.REFUSED)
             return _Loaded(), PeerFallback.REFUSED
@@ -350,10 +368,12 @@ class PeerFetcher:
         timings: dict[str, float],
     ) -> tuple[_Loaded, PeerFallback | None]:
         store = self._store
+        peer = adapter.instance_id
+        load_s = self._controller.load_deadline(peer, sum(c.size for c in chunks), load_budget)
         with _timed(timings, "reserve"):
             grants = store.reserve_for_peer_fetch(
                 [(k, c.size) for k, c in zip(keys, chunks, strict=True)],
-                load_budget + WRITE_GRACE_S,
+                load_s + WRITE_GRACE_S,
             )
         reads: list[ReadOp] = []
         slots: list[Slot] = []
@@ -367,12 +387,25 @@ class PeerFetcher:
                 slots.append(grant)
         outcomes: list[ReadResult] = []
         if reads:
+            t0 = time.perf_counter()
             try:
                 with _timed(timings, "transfer"):
-                    outcomes = adapter.link.read(reads, load_budget)
+                    outcomes = adapter.link.read(reads, load_s)
             except Exception as exc:  # a transport bug must cost a miss, not the lookup
                 log.warning("P2P read from %s failed: %r", adapter.instance_id, exc)
                 outcomes = [ReadResult(op, ReadStatus.PEER_DEAD, repr(exc)) for op in reads]
+            took = time.perf_counter() - t0
+            if any(o.status is ReadStatus.TIMEOUT for o in outcomes):
+                log.info(
+                    "P2P load of %d bytes from peer %s missed its %.0f ms deadline on instance %s",
+                    sum(r.size for r in reads),
+                    peer,
+                    load_s * 1000,
+                    self.instance_id,
+                )
+                self._controller.load_timed_out(peer)
+            elif all(o.ok for o in outcomes):
+                self._controller.load_done(peer, sum(r.size for r in reads), took)
         done: list[tuple[Slot, int]] = []
         failed: list[Slot] = []
         cause: PeerFallback | None = None
@@ -417,8 +450,10 @@ class PeerFetcher:
     def _unlock(self, adapter: PeerAdapter, lease_ids: list[int]) -> None:
         if not lease_ids:
             return
+        t0 = time.perf_counter()
         try:
             adapter.control.call(Unlock(self.instance_id, lease_ids, self._token), UNLOCK_TIMEOUT_S)
+            self._controller.rpc_answered(adapter.instance_id, time.perf_counter() - t0)
         except ChannelError as exc:
             log.info(
                 "unlock at peer %s failed (%s); its leases expire instead", adapter.instance_id, exc
