@@ -58,12 +58,13 @@ def test_frozen_peer_without_estimate_costs_one_short_lock_deadline(tmp_path: Pa
             assert {f for f, _ in outs} <= {"timeout", "cooling_off"}, outs
             st = p2p(b)
             assert st["cooling_peers"] == ["node-a"] and st["breakers_opened"] == 1, st
-            locks = st["lock_requests"]
+            locks, dirs = st["lock_requests"], st["directory_lookups"]
             for _ in range(5):
                 (res, _), took = timed(lambda: fetch(cb, held))
                 assert res.p2p_fallback == "cooling_off" and took < 0.5, (res, took)
             st = p2p(b)
-            assert st["lock_requests"] == locks
+            # its only peer is down: neither the peer nor the directory is asked
+            assert (st["lock_requests"], st["directory_lookups"]) == (locks, dirs), st
             assert st["lock_deadline_prior_ms"] == 100.0
             (timing,) = [t for t in st["peer_timings"] if t["peer"] == "node-a"]  # type: ignore[attr-defined]
             assert 0 < timing["last_lock_deadline_ms"] <= 100.0, timing

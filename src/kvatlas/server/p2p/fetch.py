@@ -201,6 +201,10 @@ class PeerFetcher:
         adapters = self._controller.adapters()
         if not adapters:
             return PeerFetch()
+        if not self._controller.usable(adapters):
+            # every peer's breaker is open: whoever the directory names, nobody is asked,
+            # so it is not asked either (a frozen peer costs the next lookups nothing)
+            return PeerFetch(fallback=PeerFallback.COOLING_OFF)
         lookup_budget, load_budget = self._budgets(keys, recompute_s)
         lookup_deadline = time.monotonic() + lookup_budget
         timings: dict[str, float] = {}
