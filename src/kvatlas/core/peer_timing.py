@@ -35,9 +35,11 @@ RPC_SAMPLES: Final = 128
 """Round trips kept per peer (and fleet-wide) for the p99."""
 BANDWIDTH_ALPHA: Final = 0.3
 """Weight of the newest load in the bandwidth EWMA."""
-LOAD_FLOOR_S: Final = 0.05
-"""The least a load waits once the peer's bandwidth is known: a transfer of a few bytes
-still costs a round trip and a checksum, and a scheduler hiccup of a busy machine."""
+LOAD_FLOOR_S: Final = 0.25
+"""The least a load waits once the peer's bandwidth is known. Generous on purpose: the
+peer answered its lock RPC a moment before, so a load that overruns is far more often a
+scheduler hiccup or a GC pause of a busy machine than a peer that froze in between, and
+a false timeout costs a recompute (and the peer's breaker opening)."""
 
 
 @dataclass(frozen=True, slots=True)
