@@ -21,7 +21,8 @@ Owns the samples: per peer, the last ``RPC_SAMPLES`` RPC round trips (a bounded 
 so a p99 follows the peer's recent state and costs a sort of at most that many floats)
 and an EWMA of its load bandwidth; fleet-wide, the last ``RPC_SAMPLES`` round trips of
 any peer. Pure: no clock, no I/O, single-threaded; the shells measure durations with
-their clock and pass them in, and lock around it.
+their clock and pass them in, and lock around it. Must not: decide whether a peer is
+down (``core.peers.PeerHealth`` does, from the failures these deadlines produce).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ engine of the model ever said is the server's flag the fallback (the caller's ch
 
 Bounded: at most ``max_engines`` engines are remembered, the least recently heard from
 are dropped first. Pure: no clock, no I/O, single-threaded (the engine service calls it
-under its lock).
+under its lock). Must not: choose the fallback when nothing is known (the caller's flags).
 """
 
 from __future__ import annotations
