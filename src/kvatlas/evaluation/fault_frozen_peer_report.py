@@ -84,8 +84,9 @@ def frozen_peer_md(result: Mapping[str, Any]) -> list[str]:
         f" Took {case['elapsed_s']:g} s: {'PASS' if case['passed'] else 'FAIL'}.",
         "",
         "| phase | result | first max ms | next p50/max ms | healthy lock p50 ms | lock"
-        " deadline ms (prior) | breaker closed after SIGCONT (s) | fallbacks |",
-        "|---|---|---|---|---|---|---|---|",
+        " deadline ms (prior) | breaker closed after SIGCONT (s) | lookups until A served |"
+        " fallbacks |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for ph in case["phases"]:
         missed = [k for k, v in ph["targets"].items() if not v]
@@ -97,7 +98,8 @@ def frozen_peer_md(result: Mapping[str, Any]) -> list[str]:
             f" | {ph['next_ms']['p50']:.1f}/{ph['next_ms']['max']:.1f}"
             f" | {healthy_p50}"
             f" | {ph['lock_deadline_ms']} ({ph['lock_deadline_prior_ms']})"
-            f" | {ph['breaker_closed_after_thaw_s']} | {', '.join(ph['fallbacks']) or '-'} |"
+            f" | {ph['breaker_closed_after_thaw_s']} | {ph['after_thaw_tries']}"
+            f" | {', '.join(ph['fallbacks']) or '-'} |"
         )
     for ph in case["phases"]:
         out += ["", f"Timeline of the {ph['phase']} phase (s since SIGSTOP; ms; chunks hit"
