@@ -128,3 +128,34 @@ def test_slow_peer_is_still_read_under_a_learned_engine_rate(tmp_path: Path) -> 
         # the second load's deadline came from A's observed (slow) bandwidth
         assert timing["bandwidth_mib_s"] > 0 and timing["last_load_deadline_ms"] > 300, timing
         assert timing["lock_deadline_ms"] < 1000, timing
+
+
+def test_a_peer_promoting_from_l2_gets_the_lookups_time_not_the_short_deadline(
+    tmp_path: Path,
+) -> None:
+    size = 1 << 20  # A's 10 MiB of L1 holds fewer than 10 chunks of 1 MiB
+    n = 16
+    l2 = ["--l2-path", str(tmp_path / "l2"), "--l2-size-gb", "0.1"]
+    with cluster(tmp_path, "node-a", "node-b", extra={"node-a": l2}, l1_gb=0.01) as (
+        coord,
+        (a, b),
+    ):
+        wait_peers([a, b])
+        ca, cb = a.client(), b.client()
+        tokens = prompt(n, seed=81)
+        data = chunk_data(n, size, seed=81)
+        for i in range(n):  # one at a time: the first ones go to L2 to make room
+            stored = ca.store_chunks(tokens[: (i + 1) * CHUNK], [data[i]], first_chunk=i)
+            assert stored.stored == 1, (i, stored)
+        assert a.status()["l2"]["demotions"] > 0  # type: ignore[index]
+        first = tokens[: 2 * CHUNK]
+        wait_until(lambda: coord.held(ca, first).get("node-a") == 2, what="directory")
+        before = p2p(b)
+        (res, got), _ = timed(lambda: fetch(cb, first))
+        assert (res.hit_chunks, res.peer_chunks, res.p2p_fallback) == (2, 2, ""), res
+        assert all(np.array_equal(x, y) for x, y in zip(got, data, strict=False))
+        st = p2p(b)
+        assert st["promoting_locks"] == before["promoting_locks"] + 1, st  # type: ignore[operator]
+        # its round trip (a disk read) is no sample of A's RPC time
+        (timing,) = [t for t in st["peer_timings"] if t["peer"] == "node-a"]  # type: ignore[attr-defined]
+        assert timing["rpc_samples"] == 1, timing  # the unlock only

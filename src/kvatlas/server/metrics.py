@@ -190,6 +190,12 @@ class _StatsCollector(Collector):
         )
         yield self._g("p2p_peers_down", "Peers whose breaker is open.", len(pp.cooling_peers))
         yield self._c("p2p_breakers_opened", "Times a peer's breaker opened.", pp.breakers_opened)
+        yield self._c(
+            "p2p_promoting_locks",
+            "Lock RPCs to a peer holding some of the keys in L2 only (they wait the lookup's"
+            " remaining time, not the peer's learned lock deadline).",
+            f.promoting_locks,
+        )
         yield from _deadline_metrics(self._iid, pp)
         fb = CounterMetricFamily(
             "kvatlas_server_p2p_fallbacks",

@@ -162,6 +162,7 @@ def p2p_status(p2p: P2PStats) -> P2PStatus:
         breakers_opened=p2p.breakers_opened,
         probes=p2p.probes,
         lock_deadline_prior_ms=p2p.lock_deadline_prior_s * 1000,
+        promoting_locks=f.promoting_locks,
         fleet_rpc_p99_ms=_ms(p2p.fleet_rpc_p99_s),
         peer_timings=[
             PeerTimingStatus(

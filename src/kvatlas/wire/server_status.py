@@ -156,6 +156,9 @@ class P2PStatus(msgspec.Struct, frozen=True):
     fleet_rpc_p99_ms: float | None = None
     """The p99 of all peers' control round trips: the prior of a peer not yet heard."""
     peer_timings: list[PeerTimingStatus] = []
+    promoting_locks: int = 0
+    """Lock RPCs to a peer holding some of the keys in L2 only (they wait the lookup's
+    remaining time: the peer reads its disk first)."""
 
 
 class ServerStatus(msgspec.Struct, frozen=True, omit_defaults=True):

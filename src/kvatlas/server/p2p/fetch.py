@@ -22,7 +22,9 @@ and load timeouts (``core.peers.p2p_deadline``). Under that cap each ``lookup_an
 waits its own short deadline, learned from the peer's RPC round trips, and each load one
 that scales with its bytes and the peer's bandwidth (``core.peer_timing``, kept by the
 controller, which this module feeds with every answer's round trip and every load's
-bytes and seconds).
+bytes and seconds). A peer the directory says holds some of the keys in L2 only reads
+them from disk inside its ``lookup_and_lock``: that RPC waits the lookup's remaining time,
+as all did before, and is no sample of the peer's RPC time.
 
 It runs WITHOUT the store lock and takes it only briefly, through
 ``PeerStoreAccess.reserve_for_peer_fetch`` / ``commit_peer_fetch``.
@@ -44,7 +46,7 @@ from typing import Final, cast
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.l1pool import Refusal, Slot
 from kvatlas.core.peers import p2p_deadline
-from kvatlas.core.types import ChunkHash
+from kvatlas.core.types import ChunkHash, Tier
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.server.config import P2PConfig
 from kvatlas.server.engine_service import PeerFetch
@@ -104,6 +106,9 @@ class PeerFetchStats:
     """Lookups for which the directory named no holder, so no peer was asked."""
     locks_requested: int = 0
     fallbacks: dict[PeerFallback, int] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
+    promoting_locks: int = 0
+    """Lock RPCs to a peer the directory says holds some of the keys in L2 only: they
+    wait the lookup's remaining time, not the peer's learned lock deadline."""
 
 
 class PeerFetcher:
@@ -152,6 +157,7 @@ class PeerFetcher:
                 self.stats.no_holder,
                 self.stats.locks_requested,
                 dict(self.stats.fallbacks),
+                self.stats.promoting_locks,
             )
 
     def busy(self) -> None:
@@ -209,7 +215,9 @@ class PeerFetcher:
         lookup_deadline = time.monotonic() + lookup_budget
         timings: dict[str, float] = {}
         with _timed(timings, "directory"):
-            hints = self._directory(keys, lookup_deadline)
+            found = self._directory(keys, lookup_deadline)
+        hints = None if found is None else found.counts
+        from_l2 = frozenset[str]() if found is None else found.from_l2
         if hints is None:  # the directory cannot be asked: a few peers, briefly
             with self._lock:
                 self.stats.all_peer_fallbacks += 1
@@ -243,7 +251,13 @@ class PeerFetcher:
             # from ``pos`` on, so it is hinted to hold what is left of its run past pos.
             hinted = max(0, (hints or {}).get(adapter.instance_id, 0) - pos)
             got, cause = self._from_peer(
-                adapter, keys[pos:], hinted, remaining, load_budget, timings=timings
+                adapter,
+                keys[pos:],
+                hinted,
+                remaining,
+                load_budget,
+                promotes=adapter.instance_id in from_l2,
+                timings=timings,
             )
             fetched.update(got.fetched)
             pos += got.present
@@ -255,9 +269,10 @@ class PeerFetcher:
             fallback = PeerFallback.NOT_FOUND
         return PeerFetch(frozenset(fetched), fallback, timings)
 
-    def _directory(self, keys: Sequence[ObjectKey], deadline: float) -> dict[str, int] | None:
-        """Per peer, how many leading ``keys`` the directory says it holds; None when
-        the directory cannot be asked (all peers are asked then)."""
+    def _directory(self, keys: Sequence[ObjectKey], deadline: float) -> _Hints | None:
+        """Per peer, how many leading ``keys`` the directory says it holds, and which
+        peers hold some of them in L2 only; None when the directory cannot be asked (all
+        peers are asked then)."""
         if self._dir_failed_at > self._controller.listed_at:
             return None  # down since it last failed: no lookup waits on it again
         timeout = min(self._dir_timeout, deadline - time.monotonic())
@@ -275,15 +290,19 @@ class PeerFetcher:
             log.debug("directory lookup failed on instance %s: %s", self.instance_id, exc)
             return None
         holders: dict[str, int] = {}
+        from_l2: set[str] = set()
         alive: set[str] | None = None
         for result in body.results:
             here = {p.instance_id for p in result.placements if p.instance_id != self.instance_id}
             alive = here if alive is None else alive & here
             if not alive:
                 break
+            in_l1 = {p.instance_id for p in result.placements if p.tier == Tier.L1.value}
             for iid in alive:
                 holders[iid] = holders.get(iid, 0) + 1
-        return holders
+                if iid not in in_l1:
+                    from_l2.add(iid)
+        return _Hints(holders, frozenset(from_l2))
 
     def _from_peer(
         self,
@@ -293,19 +312,24 @@ class PeerFetcher:
         lookup_s: float,
         load_budget: float,
         *,
+        promotes: bool,
         timings: dict[str, float],
     ) -> tuple[_Loaded, PeerFallback | None]:
-        """What this peer brought, and why it could not bring the rest (None: it did)."""
+        """What this peer brought, and why it could not bring the rest (None: it did).
+        ``promotes``: the directory says the peer holds some of ``keys`` in L2 only, so
+        its lock RPC reads them from disk first: it may take the lookup's whole remaining
+        time (``lookup_s``), and its round trip is no sample of the peer's RPC time."""
         peer = adapter.instance_id
         ns = keys[0].namespace
         lease_s = min(self._config.lock_lease_s, lookup_s + load_budget + UNLOCK_TIMEOUT_S + 1.0)
-        lock_s = self._controller.lock_deadline(peer, lookup_s)
+        lock_s = lookup_s if promotes else self._controller.lock_deadline(peer, lookup_s)
         # ObjectKey keeps its hash as plain bytes (decoding a key then costs no NewType
         # call); these came from the engine service's ChunkHash list, so one cast, not
         # one conversion per key.
         hashes = cast(list[ChunkHash], [k.chunk_hash for k in keys])
         with self._lock:
             self.stats.locks_requested += 1
+            self.stats.promoting_locks += promotes
         t0 = time.perf_counter()
         try:
             with _timed(timings, "lock"):
@@ -324,7 +348,8 @@ class PeerFetcher:
             )
             self._failed(peer, exc.cause)
             return _Loaded(), exc.cause
-        self._controller.rpc_answered(peer, time.perf_counter() - t0)
+        if not promotes:
+            self._controller.rpc_answered(peer, time.perf_counter() - t0)
         if not isinstance(answer, Locked):
             self._failed(peer, PeerFallback.REFUSED)
             return _Loaded(), PeerFallback.REFUSED
@@ -462,6 +487,16 @@ class PeerFetcher:
             log.info(
                 "unlock at peer %s failed (%s); its leases expire instead", adapter.instance_id, exc
             )
+
+
+@dataclass(frozen=True, slots=True)
+class _Hints:
+    """What the directory said of the missing keys."""
+
+    counts: dict[str, int]
+    """Per peer, how many leading keys it holds."""
+    from_l2: frozenset[str]
+    """Peers holding some of those in L2 only (their lock RPC promotes them first)."""
 
 
 @dataclass(frozen=True, slots=True)
