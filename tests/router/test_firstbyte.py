@@ -3,6 +3,12 @@ first byte, floored and capped, run from the last progress, only while work wait
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
+from kvatlas.core.errors import ConfigError
+from kvatlas.router.config import RouterConfig, StaticEngine
 from kvatlas.router.firstbyte import DECAY, FirstByteWatch, overdue
 
 
@@ -41,3 +47,15 @@ def test_only_engines_with_waiting_work_and_past_their_deadline_are_overdue() ->
         [("quiet", quiet, 2), ("idle", idle, 0), ("busy", busy, 3)], 10.0, 5.0, 4.0, 600.0
     )
     assert [(o.url, o.silent_s, o.deadline_s) for o in late] == [("quiet", 10.0, 5.0)]
+
+
+def test_bad_deadline_settings_are_refused_naming_the_flag() -> None:
+    base = RouterConfig(engines=(StaticEngine("http://127.0.0.1:1", "a"),))
+    base.validate()
+    for kw, flag in (
+        ({"first_byte_floor_s": 0.0}, "--first-byte-deadline-floor"),
+        ({"first_byte_factor": 0.5}, "--first-byte-deadline-factor"),
+        ({"first_byte_factor": float("nan")}, "--first-byte-deadline-factor"),
+    ):
+        with pytest.raises(ConfigError, match=flag):
+            replace(base, **kw).validate()  # type: ignore[arg-type]
