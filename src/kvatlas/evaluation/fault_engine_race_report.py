@@ -48,10 +48,11 @@ def plot_engine_race(result: Mapping[str, Any], out: Path) -> list[Path]:
             if pts:
                 ax.plot([p["t_s"] for p in pts], [p["s"] for p in pts], "o", ms=3,
                         color=color, label=f"{kind} ({len(pts)})")  # fmt: skip
-        for name, t in case["events_s"].items():
-            if t is not None:
+        top = ax.get_ylim()[1]
+        for k, (name, t) in enumerate(case["events_s"].items()):
+            if t is not None:  # labels stepped down: thaw and back are often close
                 ax.axvline(t, color="gray", lw=0.8, ls="--")
-                ax.text(t, ax.get_ylim()[1] * 0.95, f" {name}", fontsize=8, va="top")
+                ax.text(t, top * (0.95 - 0.07 * k), f" {name}", fontsize=8, va="top")
         ax.axhline(case["bound_s"], color="black", lw=0.8, ls=":", label="bound")
         ax.set_xlabel("request start, s since the freeze")
         ax.set_ylabel("request duration, s")

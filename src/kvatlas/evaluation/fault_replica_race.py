@@ -78,7 +78,7 @@ def run_replica_race(cfg: ReplicaRaceConfig, say: Say, *, required: bool) -> dic
         broker.create_topic(topic)
         fcfg = replace(
             cfg.fleet, nodes=0, coordinators=2, kafka_bootstrap=broker.bootstrap,
-            kafka_topic=topic, instance_timeout_s=300.0, snapshot=False,
+            kafka_topic=topic, instance_timeout_s=300.0, snapshot=False, p2p=False,
         )  # fmt: skip
         with Fleet(fcfg) as fleet:
             fleet.start(lambda m: say(f"  {m}"))
