@@ -223,7 +223,7 @@ def _deadline_metrics(iid: str, pp: P2PStats) -> Iterator[GaugeMetricFamily]:
     )
     p99 = GaugeMetricFamily(
         "kvatlas_server_p2p_peer_rpc_p99_seconds",
-        "The p99 of the peer's control round trips (lock, unlock, probe).",
+        "The p99 of the peer's control round trips (lock and unlock RPCs).",
         labels=["instance_id", "peer"],
     )
     bw = GaugeMetricFamily(

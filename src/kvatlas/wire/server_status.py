@@ -104,7 +104,7 @@ class PeerTimingStatus(msgspec.Struct, frozen=True):
 
     peer: str
     rpc_samples: int
-    """Control round trips (lock, unlock, probe) kept for the p99."""
+    """Control round trips (lock and unlock RPCs) kept for the p99."""
     rpc_p99_ms: float | None
     bandwidth_mib_s: float | None
     """The EWMA of its loads' bandwidth (None: not known, a load waits the recompute cap)."""

@@ -22,7 +22,7 @@ requests other lookups are still waiting on it with (``ChannelClient.call``): a 
 peer costs one lock deadline once, for all lookups together.
 
 And each peer's timings (``core.peer_timing.PeerTimings``): the round trips of its
-control requests (lock, unlock, probes) and the bandwidth of its loads, which give the
+lock and unlock RPCs (not its probes) and the bandwidth of its loads, which give the
 fetcher its lock and load deadlines; a new adapter (a new endpoint or incarnation) or
 none starts them afresh.
 
@@ -256,7 +256,6 @@ class P2PController:
             if adapter is None:
                 continue
             self._probes += 1
-            t0 = time.monotonic()
             try:
                 answer = adapter.control.call(
                     Hello(self.instance_id, self._token or ""), PROBE_TIMEOUT_S
@@ -266,7 +265,9 @@ class P2PController:
                 with self._health_lock:
                     self._health.record_probe_failure(iid, self._clock())
                 continue
-            self.rpc_answered(iid, time.monotonic() - t0)
+            # no RPC sample: a probe goes to a peer in trouble, and one answered as a
+            # frozen peer wakes measures how long it was away, which would set its lock
+            # deadline to 4x that for the next RPC_SAMPLES round trips
             if isinstance(answer, HelloReply) and (
                 not adapter.peer.incarnation or answer.incarnation == adapter.peer.incarnation
             ):
