@@ -102,10 +102,9 @@ def test_replicas_agree_on_directory_and_membership(
     assert r.status_code == 200 and r.json()["re_registered"] is False
     r = b.client.post("/instances", json=register_body("node-b", contract={"model_name": "llama"}))
     assert r.status_code == 200
-    # A decides node-c's contract by what it has read of the log: node-b's record is on
-    # another partition, so A must have read it first (replicas read partitions in their
-    # own interleaving; registrations that race through different replicas are decided
-    # by each replica's reading order, docs/architecture.md "Failure model").
+    # A refuses node-c's contract from its view once it has read node-b's record (on
+    # another partition); registrations that race through different replicas are
+    # decided by their contract claims' order (test_kafka_contract_race.py)
     wait_until(a.instance_ids, lambda ids: len(ids) == 2, what="A lists both", timeout=15)
     r = a.client.post(
         "/instances",

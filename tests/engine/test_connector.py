@@ -124,6 +124,10 @@ def test_store_then_load_through_the_region_gives_the_same_greedy_output(
         with conn.fetch_prefix(ids[: 3 * CHUNK + 10]) as part:
             assert part.stats.hit_chunks == 3
         assert conn.stats().hit_chunks == n_full + 3
+        # the engine's measured prefill rate travels with its lookups: the server learns
+        # it, for lookups that come without an estimate
+        rates = server.status()["lookups"]["recompute_s_per_token"]  # type: ignore[index]
+        assert list(rates.values()) == [pytest.approx(conn.stats().prefill_s_per_token)]
     finally:
         conn.close()
 

@@ -21,13 +21,20 @@ from typing import Any
 import pytest
 
 from kvatlas.evaluation.broker import broker_binary
+from kvatlas.evaluation.fault_frozen_engine import FROZEN_ENGINE
+from kvatlas.evaluation.fault_frozen_peer import FROZEN_PEER
+from kvatlas.evaluation.fault_replica_race import REPLICA_RACE
 from kvatlas.evaluation.faults import FAULT_NAMES, FaultsConfig, run_faults
 from kvatlas.evaluation.faults_report import write_faults_report
 
 pytestmark = pytest.mark.slow
 
 KAFKA_FAULT = "coordinator_replica_loss"
-PLAIN = tuple(n for n in FAULT_NAMES if n != KAFKA_FAULT)
+PLAIN = tuple(
+    n for n in FAULT_NAMES if n not in (KAFKA_FAULT, FROZEN_PEER, FROZEN_ENGINE, REPLICA_RACE)
+)
+"""The faults under load on the shared fleet (the cases on fleets of their own have
+their own tests)."""
 SMALL = FaultsConfig(
     nodes=3,
     rate_per_node=3.0,

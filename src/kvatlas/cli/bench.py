@@ -272,6 +272,7 @@ def _faults(cfg: FaultsConfig, command: str, say: Callable[[str], None]) -> int:
     result = run_faults(cfg, command=command, say=say)
     write_faults_report(result, cfg.out)
     failed = [name for name, f in result["faults"].items() if not f["passed"]]
+    failed += [name for name, c in result.get("cases", {}).items() if not c["passed"]]
     say(f"targets: {'all met' if not failed else 'MISSED by ' + ', '.join(failed)}")
     say(f"report: {cfg.out / 'report.md'}")
     return 1 if failed else 0

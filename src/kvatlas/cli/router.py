@@ -150,6 +150,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait for an engine's answer, and between two pieces of a stream",
     )  # fmt: skip
     ap.add_argument(
+        "--first-byte-deadline-floor", type=float, default=d.first_byte_floor_s,
+        help="the least seconds requests wait on an engine that shows no progress (no byte,"
+        " no token counter moving) before it is taken out and they go elsewhere, even if"
+        " its probe answers",
+    )  # fmt: skip
+    ap.add_argument(
+        "--first-byte-deadline-factor", type=float, default=d.first_byte_factor,
+        help="an engine's first-byte deadline in times its recent longest wait for a first"
+        " byte (at least the floor, at most --engine-timeout)",
+    )  # fmt: skip
+    ap.add_argument(
         "--max-held-answer-mb", type=float, default=d.max_held_answer_bytes / 2**20,
         help="MiB of a non-streamed answer held until it is whole (so an answer cut short"
         " is retried elsewhere); past it the answer is relayed as it comes",
@@ -215,6 +226,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         coordinator_backoff_s=args.coordinator_backoff,
         connect_timeout_s=args.engine_connect_timeout,
         first_byte_timeout_s=args.engine_timeout,
+        first_byte_floor_s=args.first_byte_deadline_floor,
+        first_byte_factor=args.first_byte_deadline_factor,
         max_held_answer_bytes=_mib(args.max_held_answer_mb, "--max-held-answer-mb"),
         max_attempts=args.max_attempts,
         breaker_failures=args.breaker_failures,

@@ -193,6 +193,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a local miss waits for the directory's answer; past it the"
         " directory is skipped until the next peer listing succeeds (default 0.075)",
     )
+    p2p.add_argument(
+        "--p2p-lock-deadline-floor",
+        type=float,
+        default=0.025,
+        help="seconds a lookup_and_lock to a peer waits at least (default 0.025)",
+    )
+    p2p.add_argument(
+        "--p2p-lock-deadline-factor",
+        type=float,
+        default=4.0,
+        help="a lookup_and_lock waits this many times the peer's observed RPC p99"
+        " (default 4; at least the floor, at most the recompute time)",
+    )
+    p2p.add_argument(
+        "--p2p-lock-deadline-prior",
+        type=float,
+        default=0.1,
+        help="seconds a lookup_and_lock waits before any peer answered one (default 0.1);"
+        " after that, the fleet's observed RPC p99 is the prior",
+    )
+    p2p.add_argument(
+        "--p2p-load-deadline-factor",
+        type=float,
+        default=4.0,
+        help="a load waits this many times its bytes / the peer's observed bandwidth"
+        " (default 4; at most the recompute time and --p2p-load-timeout)",
+    )
     p2p.add_argument("--p2p-lock-lease-seconds", type=float, default=30.0)
     p2p.add_argument("--p2p-cooloff-seconds", type=float, default=10.0)
     p2p.add_argument(
@@ -273,6 +300,10 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
             recompute_s_per_token=args.p2p_expected_recompute_s_per_token,
             default_recompute_s_per_token=args.p2p_default_recompute_s_per_token,
             directory_timeout_s=args.p2p_directory_timeout,
+            lock_deadline_floor_s=args.p2p_lock_deadline_floor,
+            lock_deadline_factor=args.p2p_lock_deadline_factor,
+            lock_deadline_prior_s=args.p2p_lock_deadline_prior,
+            load_deadline_factor=args.p2p_load_deadline_factor,
             lock_lease_s=args.p2p_lock_lease_seconds,
             cooloff_s=args.p2p_cooloff_seconds,
             fault_corrupt_read=args.p2p_fault_corrupt_read,

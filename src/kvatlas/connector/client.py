@@ -251,8 +251,13 @@ class CacheClient:
         hashes: Sequence[ChunkHash] | None = None,
         acquire: bool = False,
         lease_s: float = 0.0,
+        recompute_s: float = 0.0,
+        prefill_s_per_token: float = 0.0,
     ) -> LookupResult:
-        """How many leading tokens the server has (L2 hits are promoted into L1)."""
+        """How many leading tokens the server has (L2 hits are promoted into L1).
+        ``recompute_s`` (the time recomputing them would take) and
+        ``prefill_s_per_token`` (this engine's measured rate) bound the server's wait on
+        peers; 0: unknown, the server uses the rate it learned, else its flags."""
         token_bytes = None
         if tokens is not None:
             token_bytes = as_token_array(tokens).astype("<u4", copy=False).tobytes()
@@ -262,6 +267,9 @@ class CacheClient:
             hashes=list(hashes) if hashes is not None else None,
             acquire=acquire,
             lease_s=lease_s,
+            recompute_s=recompute_s,
+            prefill_s_per_token=prefill_s_per_token,
+            engine_id=self.engine_id,
         )
         return self._expect(req, LookupResult)
 

@@ -418,7 +418,13 @@ class KVConnector:
         if ns is None:
             raise ServerUnavailable("the cache client is not registered")
         req = Lookup(
-            ns, token_ids=token_bytes, acquire=True, lease_s=self.lease_s, recompute_s=estimate
+            ns,
+            token_ids=token_bytes,
+            acquire=True,
+            lease_s=self.lease_s,
+            recompute_s=estimate,
+            prefill_s_per_token=self._s_per_token,
+            engine_id=self.client.engine_id,
         )
         for attempt in (1, 2):
             try:

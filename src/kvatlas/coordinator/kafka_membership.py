@@ -8,9 +8,19 @@ both keep their relative order in one partition), and every replica, this one in
 applies membership only from the log, with the time carried in the record.
 
 - Register / deregister: publish, then wait until this replica's consumer has applied
-  the record, and answer with what the log apply decided (409 for a contract mismatch
-  or a stale incarnation, exactly as every replica decided). The HTTP call stays
+  the record, and answer with what the log apply decided (409 for a stale incarnation
+  or a refused credential, exactly as every replica decided). The HTTP call stays
   synchronous and read-your-writes on this replica.
+- The hash contract of a registration (a cross-instance decision: instances' records
+  sit on different partitions, read in each replica's own interleaving) is decided by
+  the replica that receives it, before it publishes the registration: against its view
+  (409 at once, nothing published; 503 while it is not caught up), then by a
+  `ContractClaim` keyed by the model, which every replica decides alike in that
+  partition's one order (`core.contract_claims`); the receiver waits for its claim to
+  come back (409 when refused) and only then publishes the registration, marked
+  ``decided``: every replica applies it without checking the contract again. Two
+  conflicting registrations racing through two replicas therefore end the same
+  everywhere: the first claim in the log wins, the other's receiver answers 409.
 - Credentials: a registration's record carries the digest of the instance's secret
   (`InstanceInfo.credential_digest`), so every replica knows it and a server can fail
   over to any of them; registrations and deregistrations carry the proof their request
@@ -44,10 +54,12 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.frontend import Unavailable
 from kvatlas.coordinator.service import CoordinatorService, Position
-from kvatlas.core.errors import InvalidInput
+from kvatlas.core.contract_claims import ContractClaims, claim_key
+from kvatlas.core.errors import ContractMismatch, InvalidInput
 from kvatlas.core.membership import InstanceInfo, RegisterOutcome
 from kvatlas.core.types import InstanceId
 from kvatlas.wire.kafka_records import (
+    ContractClaim,
     DeregisterRecord,
     ExpireRecord,
     HeartbeatRecord,
@@ -87,6 +99,8 @@ class LogMembership:
         self._waiters: dict[str, concurrent.futures.Future[object]] = {}
         self._lock = threading.Lock()
         self._expiring: dict[tuple[str, int, float], float] = {}
+        self._claims = ContractClaims()
+        """The contract claims read from the log (the consumer thread's alone)."""
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
 
@@ -108,15 +122,17 @@ class LogMembership:
 
     # ---- publishing ------------------------------------------------------------------
 
-    def _publish(self, instance_id: str, record: MembershipRecord, request_id: str = "") -> None:
+    def _publish(self, key: str, record: MembershipRecord, request_id: str = "") -> None:
+        """Publish under ``key``: the instance id, or a claim's model (``claim_key``)."""
+
         def delivered(err: KafkaError | None, msg: Message) -> None:
             if err is not None:
-                log.warning("Membership record for %s not published: %s", instance_id, err)
+                log.warning("Membership record for %s not published: %s", key, err)
                 self._resolve(request_id, Unavailable(f"could not publish to Kafka: {err}"))
 
         try:
             self._producer.produce(
-                self._topic, key=instance_id, value=encode_membership(record), on_delivery=delivered
+                self._topic, key=key, value=encode_membership(record), on_delivery=delivered
             )
         except (BufferError, KafkaException) as exc:
             raise Unavailable(f"could not publish to Kafka: {exc}") from exc
@@ -154,12 +170,34 @@ class LogMembership:
     # ---- MembershipFrontend ----------------------------------------------------------
 
     async def register(self, info: InstanceInfo, proof: bytes) -> RegisterOutcome:
+        if info.contract is not None:
+            await self._claim(info)
         rid = uuid.uuid4().hex
-        result = await self._publish_and_wait(
-            info.instance_id, RegisterRecord(rid, self._clock(), info, proof), rid
-        )
+        record = RegisterRecord(rid, self._clock(), info, proof, decided=True)
+        result = await self._publish_and_wait(info.instance_id, record, rid)
         assert isinstance(result, RegisterOutcome)
         return result
+
+    async def _claim(self, info: InstanceInfo) -> None:
+        """Decide ``info``'s contract here (see the module doc): returns when it is
+        accepted; raises ContractMismatch when refused, Unavailable when this replica
+        cannot decide now."""
+        contract = info.contract
+        assert contract is not None
+        if not self._svc.ready:
+            # its view may lack the fleet's registrations: it cannot decide
+            raise Unavailable(
+                f"not caught up on Kafka topic {self._topic} yet"
+                f" ({self._svc.not_ready_reason}); register through another replica or retry"
+            )
+        self._svc.check_contract(info)
+        rid = uuid.uuid4().hex
+        claim = ContractClaim(rid, self._clock(), info.instance_id, contract)
+        try:
+            await self._publish_and_wait(claim_key(contract.model_name), claim, rid)
+        except ContractMismatch as exc:
+            self._svc.refused_registration(info, exc)
+            raise
 
     async def heartbeat(self, instance_id: InstanceId, proof: bytes) -> bool:
         if not self._svc.ready:
@@ -212,10 +250,26 @@ class LogMembership:
         svc = self._svc
         if isinstance(record, RegisterRecord):
             try:
-                outcome: object = svc.register(record.info, record.at, position, record.proof)
+                outcome: object = svc.register(
+                    record.info,
+                    record.at,
+                    position,
+                    record.proof,
+                    check_contract=not record.decided,
+                )
             except InvalidInput as exc:
                 outcome = exc
             self._resolve(record.request_id, outcome)
+        elif isinstance(record, ContractClaim):
+            verdict = self._claims.decide(record.contract, record.instance_id, record.at)
+            svc.advance(position)
+            if verdict is not None:
+                log.info(
+                    "Contract claim of instance %s for model %r refused (a claim read"
+                    " earlier from the log holds another): %s",
+                    record.instance_id, record.contract.model_name, verdict,
+                )  # fmt: skip
+            self._resolve(record.request_id, verdict)
         elif isinstance(record, HeartbeatRecord):
             svc.heartbeat(record.instance_id, record.at, position)
         elif isinstance(record, DeregisterRecord):

@@ -26,7 +26,13 @@ from kvatlas.coordinator.metrics import CoordinatorMetrics, StateSample
 from kvatlas.coordinator.views import key_view, stats_response
 from kvatlas.core.blend import BlendMatch
 from kvatlas.core.credentials import Bounds
-from kvatlas.core.errors import CredentialRefused, InvalidInput, OutOfBounds, Unauthenticated
+from kvatlas.core.errors import (
+    ContractMismatch,
+    CredentialRefused,
+    InvalidInput,
+    OutOfBounds,
+    Unauthenticated,
+)
 from kvatlas.core.events import EventBatch
 from kvatlas.core.fleet import Fenced, FenceReason, FleetState
 from kvatlas.core.gate import Verdict
@@ -132,13 +138,18 @@ class CoordinatorService:
         now: float,
         position: Position | None = None,
         proof: bytes = b"",
+        *,
+        check_contract: bool = True,
     ) -> RegisterOutcome:
         """Register ``info``; raises InvalidInput (ContractMismatch, StaleIncarnation, and
         for a live bound instance without its ``proof`` Unauthenticated or
-        CredentialRefused; OutOfBounds)."""
+        CredentialRefused; OutOfBounds). ``check_contract`` off: its contract was
+        decided where it was received (a Kafka record that carries the decision)."""
         with self.lock:
             try:
-                outcome, fenced = self.fleet.register(info, now, proof, self.bounds)
+                outcome, fenced = self.fleet.register(
+                    info, now, proof, self.bounds, check_contract=check_contract
+                )
             except InvalidInput as exc:
                 self.metrics.registrations.labels("refused").inc()
                 self._count_refusal("register", exc, "http" if position is None else "kafka")
@@ -184,6 +195,30 @@ class CoordinatorService:
         if not known:
             log.info("Heartbeat from unknown instance %s; asked to re-register", instance_id)
         return known
+
+    def check_contract(self, info: InstanceInfo) -> None:
+        """Raise ContractMismatch (counted, logged) when ``info``'s contract contradicts
+        that of a live instance of its model in this replica's view."""
+        if info.contract is None:
+            return
+        with self.lock:
+            fleet = self.fleet.membership.fleet_contract(
+                info.contract.model_name, excluding=info.instance_id
+            )
+        try:
+            if fleet is not None:
+                fleet.check_compatible(info.contract)
+        except ContractMismatch as exc:
+            self.refused_registration(info, exc)
+            raise
+
+    def refused_registration(self, info: InstanceInfo, exc: InvalidInput) -> None:
+        """Count and log a registration refused before its record was published."""
+        self.metrics.registrations.labels("refused").inc()
+        log.warning(
+            "Refused registration of instance %s incarnation %d: %s",
+            info.instance_id, info.incarnation, exc,
+        )  # fmt: skip
 
     def check_heartbeat(self, instance_id: InstanceId, proof: bytes) -> bool:
         """Is ``instance_id`` live, and may ``proof`` speak for it? False: unknown. Raises

@@ -204,11 +204,15 @@ class FleetState:
         now: float,
         proof: bytes = b"",
         bounds: Bounds | None = None,
+        *,
+        check_contract: bool = True,
     ) -> tuple[RegisterOutcome, Fenced | None]:
         """Register (or re-register) an instance; fences a superseded incarnation.
 
         Raises StaleIncarnation below the highest incarnation seen (also from events),
-        ContractMismatch when the hash contract contradicts the fleet's. An instance that
+        ContractMismatch when the hash contract contradicts the fleet's (unless
+        ``check_contract`` is off: the replica that received the registration decided it,
+        and the record carries the decision, `core.contract_claims`). An instance that
         registers without an incarnation (``incarnation_from_events``) takes the highest
         one known for its id, so it is never stale; its events move it up from there.
         A live bound instance is re-registered only with its ``proof`` (Unauthenticated,
@@ -232,7 +236,7 @@ class FleetState:
                     " coordinator requires one (--require-instance-credentials)"
                 )
             check_incarnation(iid, info.incarnation, high, now, bounds)
-        outcome = self.membership.register(info, now)
+        outcome = self.membership.register(info, now, check_contract=check_contract)
         self._departed.pop(info.instance_id, None)
         prov = self._provisional.pop(info.instance_id, None)
         fenced = None

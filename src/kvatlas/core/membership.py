@@ -90,21 +90,25 @@ class Membership:
     def instance_timeout(self) -> float:
         return self._timeout
 
-    def register(self, info: InstanceInfo, now: float) -> RegisterOutcome:
+    def register(
+        self, info: InstanceInfo, now: float, *, check_contract: bool = True
+    ) -> RegisterOutcome:
         """Admit ``info`` as the live process of its instance id.
 
         Raises InvalidInput for an empty id or an impossible port or incarnation (TooLarge
         for metadata or fields over their limits),
         StaleIncarnation if a higher incarnation of the id was seen before, and
         ContractMismatch if ``info.contract`` contradicts the contract of another live
-        instance of the same model. Nothing changes when it raises.
+        instance of the same model (unless ``check_contract`` is off: the contract was
+        decided where the registration was received, `core.contract_claims`). Nothing
+        changes when it raises.
         """
         check_registration(info)
         iid = info.instance_id
         highest = self._high.get(iid)
         if highest is not None and info.incarnation < highest:
             raise StaleIncarnation(iid, info.incarnation, highest)
-        if info.contract is not None:
+        if info.contract is not None and check_contract:
             fleet = self.fleet_contract(info.contract.model_name, excluding=iid)
             if fleet is not None:
                 fleet.check_compatible(info.contract)

@@ -13,7 +13,10 @@ acts on:
   a row. An open peer is skipped until it shows a new incarnation or reappears in a
   listing (the controller calls ``forget``), or answers a cheap probe: probes are due
   ``probe_after_s`` after opening, then at doubling intervals up to ``cooloff_s``
-  (half-open). Past ``cooloff_s`` without a probe, one request may try it again.
+  (half-open). A probe that goes unanswered keeps the breaker open another
+  ``cooloff_s`` (``record_probe_failure``), so a frozen peer costs requests one deadline
+  once, not one per cool-off; past ``cooloff_s`` without any probe (the poll thread was
+  held up), one request may try it again.
 - `p2p_deadline`: a lookup or load gives up at the configured timeout at the latest,
   and earlier when recomputing the missing tokens would be quicker than waiting.
 
@@ -131,6 +134,12 @@ class PeerHealth:
             self.opened += 1
             return True
         return False
+
+    def record_probe_failure(self, peer: str, now: float) -> None:
+        """A probe of an open peer went unanswered: requests keep skipping it for
+        another ``cooloff_s`` (probes go on at their own, doubling, interval)."""
+        if peer in self._skip_until:
+            self._skip_until[peer] = max(self._skip_until[peer], now + self.cooloff_s)
 
     def record_success(self, peer: str) -> None:
         """The peer answered (a request or a probe): close its breaker."""

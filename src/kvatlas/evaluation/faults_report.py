@@ -19,6 +19,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from kvatlas.evaluation.fault_engine_race_report import engine_race_md, plot_engine_race
+from kvatlas.evaluation.fault_frozen_peer_report import frozen_peer_md, plot_frozen_peer
 from kvatlas.evaluation.fault_load import CLASSES
 
 _TITLES = {"local_hit": "local hits", "local_miss": "local misses", "p2p": "asked a peer"}
@@ -31,7 +33,7 @@ def write_faults_report(result: Mapping[str, Any], out: Path) -> list[Path]:
     written = [out / "result.json"]
     written[0].write_text(json.dumps(result, indent=1) + "\n")
     plots = [plot_fault(f, result, out) for f in result["faults"].values()]
-    written += plots
+    written += plots + plot_frozen_peer(result, out) + plot_engine_race(result, out)
     md = out / "report.md"
     md.write_text(markdown(result, {p.stem.removeprefix("fault_"): p.name for p in plots}))
     written.append(md)
@@ -124,6 +126,8 @@ def markdown(result: Mapping[str, Any], plots: Mapping[str, str]) -> str:
     lines.append("")
     for f in result["faults"].values():
         lines += _fault_md(f, plots.get(f["name"]))
+    lines += frozen_peer_md(result)
+    lines += engine_race_md(result)
     exits = result.get("server_exit_after_sigterm_s") or {}
     if exits:
         lines += [

@@ -69,6 +69,17 @@ class RouterConfig:
     first_byte_timeout_s: float = 600.0
     """Seconds to wait for an engine's answer, and between two pieces of a stream
     (``--engine-timeout``)."""
+    first_byte_floor_s: float = 30.0
+    """The least an engine's first-byte deadline can be (``--first-byte-deadline-floor``):
+    while requests wait on an engine that has shown no sign of progress (a byte of an
+    answer, a token counter of its metrics that moved) for longer than its deadline, it
+    is out, even if its probe answers (its work is stuck): the requests none of whose
+    answer went to the client yet go to their next choice, its streams end with an
+    error. The deadline is ``first_byte_factor`` times its recent longest wait for a
+    first byte, at least this, at most ``--engine-timeout`` (``router.firstbyte``)."""
+    first_byte_factor: float = 4.0
+    """Times an engine's recent longest wait for a first byte that its first-byte
+    deadline allows (``--first-byte-deadline-factor``)."""
     max_held_answer_bytes: int = 4 << 20
     """The most of a non-streamed answer the router holds before it answers the client
     (``--max-held-answer-mb``, in MiB). An answer up to this size goes to the client
@@ -139,9 +150,14 @@ class RouterConfig:
             ("--engine-timeout", self.first_byte_timeout_s),
             ("--breaker-open", self.breaker_open_s),
             ("--pending-ttl", self.pending_ttl_s),
+            ("--first-byte-deadline-floor", self.first_byte_floor_s),
         ):
             if not secs > 0:
                 raise ConfigError(f"{flag} must be positive, got {secs}")
+        if not self.first_byte_factor >= 1:
+            raise ConfigError(
+                f"--first-byte-deadline-factor must be at least 1, got {self.first_byte_factor}"
+            )
         if self.chunk_size < 1:
             raise ConfigError(f"--chunk-size must be positive, got {self.chunk_size}")
         if self.max_held_answer_bytes < 1:

@@ -5,7 +5,8 @@ holdings the coordinator reports), the model name that instance hashes under, he
 (the last probe), a breaker (``breaker_failures`` failures in a row open it for
 ``breaker_open_s``; a successful probe after that closes it), and the router's own
 load accounting (requests in flight, their prefill tokens, plus the requests the
-engine's last probe ran beyond the router's own: other clients' work), and the rates its
+engine's last probe ran beyond the router's own: other clients' work), its last sign of
+progress and first-byte deadline (``firstbyte``), and the rates its
 metrics measure: its prefill (seconds per computed token) and the P2P reads its cache
 server made for it (seconds per token read from peers). Engines come
 from the coordinator's listing and from ``--engine``; one that leaves the listing is
@@ -20,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final
+
+from kvatlas.router.firstbyte import FirstByteWatch
 
 RATE_SMOOTHING: Final = 0.3
 """Weight of the newest probe interval in a ``RateMeter`` (an exponential average)."""
@@ -80,6 +83,8 @@ class EngineState:
     """Its prefill: seconds per computed token (its metrics)."""
     p2p: RateMeter = field(default_factory=RateMeter)
     """Its cache server's P2P reads for it: seconds per token read from peers."""
+    watch: FirstByteWatch = field(default_factory=FirstByteWatch)
+    """Its last sign of progress and its learned first-byte deadline (``firstbyte``)."""
     _busy_since: float = field(default=0.0, repr=False)
 
     def available(self, now: float) -> bool:
@@ -90,6 +95,7 @@ class EngineState:
         return self.in_flight + self.others_running
 
     def begin(self, prefill_tokens: int, now: float) -> None:
+        self.watch.began(self.in_flight == 0, now)
         if self.in_flight == 0:
             self._busy_since = now
         self.in_flight += 1
@@ -115,6 +121,19 @@ class EngineState:
             self.breaker_opens += 1
             return True
         return False
+
+    def stalled(self, silent_s: float, deadline_s: float, now: float, open_s: float) -> None:
+        """It showed no progress for ``silent_s`` while requests waited on it, past its
+        first-byte deadline: its breaker opens for ``open_s``, and its next deadline
+        runs from now."""
+        self.watch.trips += 1
+        self.watch.last_progress = now
+        self.open_until = now + open_s
+        self.breaker_opens += 1
+        self.last_error = (
+            f"no progress in {silent_s:.1f} s while requests waited on it (its first-byte"
+            f" deadline: {deadline_s:.1f} s)"
+        )
 
     def probed(self, ok: bool, running: int, reason: str, now: float) -> None:
         """A probe's outcome: a good one after the open period closes the breaker."""

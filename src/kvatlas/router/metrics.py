@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvatlas.router.engines import EngineTable
+from kvatlas.router.firstbyte import FirstByteWatch
 from kvatlas.runtime.gc_pauses import GENERATIONS, GcPauses
 
 _OVERHEAD_BUCKETS: Final = (
@@ -55,9 +56,15 @@ STEPS: Final[dict[Step, tuple[str, tuple[float, ...]]]] = {
 
 
 class _EngineGauges(Collector):
-    def __init__(self, table: EngineTable, default_p2p_weight: float) -> None:
+    def __init__(
+        self,
+        table: EngineTable,
+        default_p2p_weight: float,
+        deadline: Callable[[FirstByteWatch], float],
+    ) -> None:
         self._table = table
         self._default_p2p = default_p2p_weight
+        self._deadline = deadline
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         table = self._table
@@ -89,6 +96,11 @@ class _EngineGauges(Collector):
                 f"{ns}_prefill_tokens_per_second", "An engine's measured prefill rate (0 until"
                 " measured)", labels=["engine"],
             ),
+            "deadline": GaugeMetricFamily(
+                f"{ns}_first_byte_deadline_seconds", "How long requests may wait on an"
+                " engine that shows no progress before it is taken out (learned from its"
+                " waits for a first byte)", labels=["engine"],
+            ),
             "p2p_weight": GaugeMetricFamily(
                 f"{ns}_p2p_weight", "Prefill tokens kv-p2p charges an engine per token read"
                 " from a peer: measured P2P over prefill cost, or --weight-p2p until measured",
@@ -102,6 +114,7 @@ class _EngineGauges(Collector):
             fams["busy"].add_metric([e.url], e.busy_s)
             prefill = e.prefill.s_per_token
             fams["prefill"].add_metric([e.url], 1.0 / prefill if prefill else 0.0)
+            fams["deadline"].add_metric([e.url], self._deadline(e.watch))
             weight = table.p2p_weight(e)
             fams["p2p_weight"].add_metric([e.url], self._default_p2p if weight is None else weight)
         yield from fams.values()
@@ -182,7 +195,15 @@ class _TokenizeCacheCollector(Collector):
 class RouterMetrics:
     """Counters and histograms of routing decisions, attempts and overhead."""
 
-    def __init__(self, table: EngineTable, default_p2p_weight: float, gc: GcPauses) -> None:
+    def __init__(
+        self,
+        table: EngineTable,
+        default_p2p_weight: float,
+        gc: GcPauses,
+        deadline: Callable[[FirstByteWatch], float] = lambda w: 0.0,
+    ) -> None:
+        """``deadline``: an engine's first-byte deadline from its watch (the router's
+        settings)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         ns = "kvatlas_router"
@@ -204,16 +225,24 @@ class RouterMetrics:
         self.retries = Counter(
             f"{ns}_retries", "Attempts that failed before any of their answer went to the"
             " client, by engine and cause (refused, timeout, broken, 5xx; frozen, down,"
-            " breaker: ended because the engine went out while the request waited on it)",
+            " breaker, stalled: ended because the engine went out while the request waited on"
+            " it)",
             ["engine", "cause"], registry=r,
         )  # fmt: skip
         self.breaker_opens = Counter(
             f"{ns}_breaker_opens", "Times an engine's breaker opened", ["engine"], registry=r
         )
+        self.first_byte_deadlines = Counter(
+            f"{ns}_first_byte_deadlines", "Times an engine was taken out because requests"
+            " waited on it with no sign of progress past its first-byte deadline (its probe"
+            " may still answer); its requests are counted in retries and stream failures"
+            " with cause stalled", ["engine"], registry=r,
+        )  # fmt: skip
         self.stream_failures = Counter(
             f"{ns}_stream_failures", "Streams broken off after their first event, by engine and"
             " cause (broken: by the engine; frozen, down: the router cut them because the"
-            " engine stopped answering its probe)", ["engine", "cause"], registry=r,
+            " engine stopped answering its probe; stalled: it showed no progress past its"
+            " first-byte deadline)", ["engine", "cause"], registry=r,
         )  # fmt: skip
         self.degraded = Counter(
             f"{ns}_degraded", "Requests routed by load because a lookup step failed, by step",
@@ -243,7 +272,7 @@ class RouterMetrics:
             f"{ns}_auth_refusals", "Requests refused with 401 for want of the fleet's token,"
             " by reason (missing, wrong)", ["reason"], registry=r,
         )  # fmt: skip
-        r.register(_EngineGauges(table, default_p2p_weight))
+        r.register(_EngineGauges(table, default_p2p_weight, deadline))
         r.register(_GcCollector(gc))
 
     def watch_tokenize_cache(self, stats: Callable[[], Mapping[str, float]]) -> None:

@@ -37,7 +37,10 @@ Owns, for ``kvatlas router``:
   probe (frozen: its sockets stay open, nothing comes) ends, through ``tripwires``,
   every await on it: requests none of whose answer went to the client yet are retried
   on their next choice (also when its breaker opens), its streams end with the error
-  event; the load accounting of a relay ends exactly once however it ends;
+  event; so does an engine whose probe answers but that shows no progress (no byte of
+  an answer, no token counter moving) while requests wait on it, for longer than its
+  first-byte deadline (learned from its waits for a first byte, ``firstbyte``); the
+  load accounting of a relay ends exactly once however it ends;
 - the loops: the coordinator's listing every ``refresh_interval_s`` (each cache server
   advertises its engines' URLs as ``engine_urls``), and a probe of every engine's
   ``/metrics`` every ``health_interval_s`` (health, its count of running requests, and
@@ -74,6 +77,7 @@ from starlette.types import Receive, Scope, Send
 from kvatlas.core.errors import InvalidInput, ServiceError
 from kvatlas.router.config import RouterConfig
 from kvatlas.router.engines import EngineState, EngineTable
+from kvatlas.router.firstbyte import PROGRESS_METRICS, overdue
 from kvatlas.router.metrics import RouterMetrics
 from kvatlas.router.pending import PendingPrefixes
 from kvatlas.router.policy import KV_POLICIES, Candidate, Choice, Chooser, Decision, Policy
@@ -105,7 +109,7 @@ _P2P_METRICS: Final = (
     "kvatlas_engine_peer_fetch_seconds_total",
 )
 """(tokens, seconds) counters of the P2P reads an engine's cache server made for it."""
-_PROBED: Final = frozenset((*_RUNNING_METRICS, *_PREFILL_METRICS, *_P2P_METRICS))
+_PROBED: Final = frozenset((*_RUNNING_METRICS, *_PREFILL_METRICS, *_P2P_METRICS, *PROGRESS_METRICS))
 _JSON: Final = "application/json"
 _BYTES_PER_TOKEN_GUESS: Final = 4
 """Without a tokenize (policies that need no prefix), prompt tokens are guessed from
@@ -248,7 +252,14 @@ class RouterService:
         self.chooser = Chooser(config.policy, config.weights, random.Random(config.seed))
         self.pending = PendingPrefixes(config.chunk_size, config.pending_ttl_s)
         self.gc = GcPauses()
-        self.metrics = RouterMetrics(self.table, config.weights.p2p, self.gc)
+        self.metrics = RouterMetrics(
+            self.table,
+            config.weights.p2p,
+            self.gc,
+            lambda w: w.deadline_s(
+                config.first_byte_floor_s, config.first_byte_factor, config.first_byte_timeout_s
+            ),
+        )
         if tokenizer is not None:
             self.metrics.watch_tokenize_cache(tokenizer.cache_stats)
         self.wires = Tripwires()
@@ -353,6 +364,23 @@ class RouterService:
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(e) for e in list(self.table.engines.values())))
+        self._first_byte_deadlines()
+
+    def _first_byte_deadlines(self) -> None:
+        """Take out the engines that requests wait on and that have shown no progress
+        for longer than their first-byte deadline (``firstbyte``), probe or not."""
+        c, now, wires = self.config, self._clock(), self.wires
+        waits = ((e.url, e.watch, wires.armed(e.url, "first_byte") + wires.armed(e.url, "stream"))
+                 for e in self.table.engines.values())  # fmt: skip
+        deadline = (c.first_byte_floor_s, c.first_byte_factor, c.first_byte_timeout_s)
+        for late in overdue(waits, now, *deadline):
+            e = self.table.engines[late.url]
+            e.stalled(late.silent_s, late.deadline_s, now, c.breaker_open_s)
+            self.metrics.first_byte_deadlines.labels(e.url).inc()
+            self.metrics.breaker_opens.labels(e.url).inc()
+            log.warning("router: engine %s is out for %.1f s: %s", e.url, c.breaker_open_s,
+                        e.last_error)  # fmt: skip
+            self._fail_over(e, "stalled", streams=True)
 
     async def probe(self, e: EngineState) -> None:
         """``GET /metrics``: a 200 is healthy; its count of running requests is load. No
@@ -376,6 +404,7 @@ class RouterService:
             cause = "down" if isinstance(exc, httpx.ConnectError) else ""
         running = next((int(samples[m]) for m in _RUNNING_METRICS if m in samples), 0)
         e.probed(ok, running, reason, self._clock())
+        e.watch.probed(samples, self._clock())
         if cause:
             self._fail_over(e, cause, streams=True)
         for meter, (tokens, seconds) in ((e.prefill, _PREFILL_METRICS), (e.p2p, _P2P_METRICS)):
@@ -696,7 +725,7 @@ class RouterService:
         is counted once, by whoever found it)."""
         client = self._client(e.url)
         rid = headers[REQUEST_ID_HEADER]
-        e.begin(choice.prefill_tokens, self._clock())
+        e.begin(choice.prefill_tokens, sent := self._clock())
         resp: httpx.Response | None = None
         cause = ""
         try:
@@ -726,6 +755,7 @@ class RouterService:
             raise
         else:
             assert resp is not None
+            e.watch.first_byte(self._clock() - sent, self._clock())
             if resp.status_code < 500:
                 e.succeeded()
                 return head
@@ -820,6 +850,7 @@ class RouterService:
                         piece = await anext(rest)
                     except StopAsyncIteration:
                         break
+                e.watch.piece(self._clock())
                 yield piece
         except Tripped as exc:
             self.metrics.stream_failures.labels(e.url, exc.cause).inc()

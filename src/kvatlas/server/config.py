@@ -17,6 +17,7 @@ from typing import Final, Literal
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
 from kvatlas.core.l1pool import MIN_ALIGN_BYTES, POLICIES
+from kvatlas.core.peer_timing import DeadlinePolicy
 from kvatlas.core.types import InstanceId
 from kvatlas.transfer.config import MooncakeConfig
 from kvatlas.transfer.factory import TRANSPORTS
@@ -129,9 +130,23 @@ class P2PConfig:
     """``HOST:PORT`` the control channel binds (``--p2p-listen-url``); defaults to the
     advertise URL (bind 0.0.0.0 while advertising a routable address)."""
     lookup_timeout_s: float = 30.0
-    """Longest wait for a peer's ``lookup_and_lock`` answer (``--p2p-lookup-timeout``)."""
+    """Longest a lookup waits for peers' ``lookup_and_lock`` answers
+    (``--p2p-lookup-timeout``); each lock RPC has its own, much shorter, learned deadline
+    (``core.peer_timing``: the ``lock_deadline_*`` settings)."""
     load_timeout_s: float = 30.0
-    """Longest wait for a load from a peer (``--p2p-load-timeout``)."""
+    """Longest wait for a load from a peer (``--p2p-load-timeout``); a peer whose
+    bandwidth is known gets ``load_deadline_factor`` x bytes / bandwidth."""
+    lock_deadline_floor_s: float = 0.025
+    """The least a lock RPC to a peer waits (``--p2p-lock-deadline-floor``)."""
+    lock_deadline_factor: float = 4.0
+    """A lock RPC waits this many times the peer's observed RPC p99, at least the floor
+    (``--p2p-lock-deadline-factor``)."""
+    lock_deadline_prior_s: float = 0.1
+    """A lock RPC's deadline before any peer answered one (``--p2p-lock-deadline-prior``;
+    why 0.1 s: ``core.peer_timing.DeadlinePolicy.lock_prior_s``)."""
+    load_deadline_factor: float = 4.0
+    """A load waits this many times its bytes / the peer's observed bandwidth
+    (``--p2p-load-deadline-factor``), capped by recompute and the load timeout."""
     transport: str = "tcp"
     """The transport that moves KV bytes: tcp, shm, mooncake or nixl
     (``--p2p-transfer-engine``)."""
@@ -177,6 +192,15 @@ class P2PConfig:
     @property
     def bind_url(self) -> str:
         return self.listen_url or self.advertise_url or ""
+
+    @property
+    def deadline_policy(self) -> DeadlinePolicy:
+        return DeadlinePolicy(
+            lock_floor_s=self.lock_deadline_floor_s,
+            lock_p99_factor=self.lock_deadline_factor,
+            lock_prior_s=self.lock_deadline_prior_s,
+            load_factor=self.load_deadline_factor,
+        )
 
 
 def split_host_port(url: str) -> tuple[str, int] | None:
@@ -376,9 +400,22 @@ def _p2p_problems(c: ServerConfig) -> list[str]:
         ("--p2p-cooloff-seconds", pp.cooloff_s),
         ("--p2p-directory-timeout", pp.directory_timeout_s),
         ("--p2p-default-recompute-s-per-token", pp.default_recompute_s_per_token),
+        ("--p2p-lock-deadline-floor", pp.lock_deadline_floor_s),
+        ("--p2p-lock-deadline-prior", pp.lock_deadline_prior_s),
     ):
         if not value > 0:
             out.append(f"{flag} must be positive, got {value}")
+    for flag, value in (
+        ("--p2p-lock-deadline-factor", pp.lock_deadline_factor),
+        ("--p2p-load-deadline-factor", pp.load_deadline_factor),
+    ):
+        if not value >= 1:
+            out.append(f"{flag} must be >= 1 (a deadline below what the peer takes), got {value}")
+    if pp.lock_deadline_prior_s > pp.lookup_timeout_s:
+        out.append(
+            f"--p2p-lock-deadline-prior ({pp.lock_deadline_prior_s}) must not exceed"
+            f" --p2p-lookup-timeout ({pp.lookup_timeout_s})"
+        )
     if pp.recompute_s_per_token < 0:
         out.append(
             f"--p2p-expected-recompute-s-per-token must be >= 0, got {pp.recompute_s_per_token}"

@@ -17,6 +17,11 @@ prefix. A chunk fetched from a peer that was evicted again in between is simply 
 At most ``p2p_slots`` lookups wait on peers at once (the engine API keeps that many
 workers beside those for local work): a lookup that finds every slot taken answers its
 local prefix at once, with the fallback ``busy``, rather than queue behind peers.
+
+A lookup that goes to peers is bounded by the time recomputing its missing chunks would
+take: the engine's ``recompute_s``, else the prefill rate this engine (else another of
+the model) reported on earlier lookups (``core.recompute_rates``), else 0, for which the
+peer source applies the server's flags.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from kvatlas.core.keys import (
     object_keys,
 )
 from kvatlas.core.l1pool import LeaseId, Reserved
+from kvatlas.core.recompute_rates import RecomputeRates
 from kvatlas.core.types import ChunkHash, EventType, Tier
 from kvatlas.server.storage.guarded import GuardedStore
 from kvatlas.wire.engine_proto import (
@@ -116,6 +122,12 @@ class LookupCounts:
     """Of those, the leading chunks answered as a hit (local or fetched from peers)."""
     peer_chunks: int = 0
     """Of the hits, chunks read from peers for this lookup."""
+    recompute_s_per_token: dict[str, float] = field(default_factory=dict)
+    """Per model, the prefill rate its engines reported (``RecomputeRates``)."""
+    learned_estimates: int = 0
+    """Lookups that went to peers without an estimate, bounded by a learned rate."""
+    flag_estimates: int = 0
+    """Lookups that went to peers with neither an estimate nor a learned rate."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +167,8 @@ class EngineService:
         self.errors = 0
         # Bumped under the lock by each lookup; read as one LookupCounts snapshot.
         self._lookups = self._lookup_chunks = self._hit_chunks = self._peer_chunks = 0
+        self._rates = RecomputeRates()
+        self._learned_estimates = self._flag_estimates = 0
 
     # ------------------------------------------------------------------ helpers
 
@@ -178,7 +192,13 @@ class EngineService:
     def lookup_counts(self) -> LookupCounts:
         with self._lock:
             return LookupCounts(
-                self._lookups, self._lookup_chunks, self._hit_chunks, self._peer_chunks
+                self._lookups,
+                self._lookup_chunks,
+                self._hit_chunks,
+                self._peer_chunks,
+                self._rates.by_model(),
+                self._learned_estimates,
+                self._flag_estimates,
             )
 
     def _count_lookup_locked(self, asked: int, hit: int, peer: int = 0) -> None:
@@ -328,13 +348,17 @@ class EngineService:
         lease_s = self.lease(req.lease_s)
         if req.recompute_s < 0:
             raise InvalidInput(f"recompute_s must be >= 0, got {req.recompute_s}")
+        if req.prefill_s_per_token < 0:
+            raise InvalidInput(f"prefill_s_per_token must be >= 0, got {req.prefill_s_per_token}")
         t0 = time.perf_counter()
         with self._lock:
+            self._learn_rate_locked(req, len(keys))
             hit = self._store.lookup_prefix(keys, self._clock())
             if hit == len(keys) or self._peer_source is None:
                 local = self._answer_locked(keys, req.acquire, lease_s)
                 self._count_lookup_locked(len(keys), local.hit_chunks)
                 return local
+            recompute_s = self._recompute_locked(req, len(keys) - hit)
             busy = not self._p2p_slots.acquire(blocking=False)
             if busy:  # every P2P slot waits on peers: answer what is here now, never queue
                 local = self._answer_locked(keys, req.acquire, lease_s)
@@ -345,7 +369,7 @@ class EngineService:
         local_ms = (time.perf_counter() - t0) * 1000
         # Outside the lock: a peer fetch may take up to the load timeout.
         try:
-            fetch = self._peer_source.fetch_prefix(keys[hit:], req.recompute_s)
+            fetch = self._peer_source.fetch_prefix(keys[hit:], recompute_s)
         finally:
             self._p2p_slots.release()
         with self._lock:
@@ -359,6 +383,30 @@ class EngineService:
             p2p_fallback="" if fetch.fallback is None else fetch.fallback.value,
             p2p_ms={"local_lookup": local_ms, **fetch.timings_ms},
         )
+
+    def _learn_rate_locked(self, req: Lookup, chunks: int) -> None:
+        """The engine's prefill rate: as it reports it, else as its estimate implies (the
+        connector estimates every full chunk it asks for)."""
+        model = req.ns.model_name
+        if req.prefill_s_per_token > 0:
+            self._rates.observe(model, req.engine_id, req.prefill_s_per_token)
+        elif req.recompute_s > 0 and chunks:
+            self._rates.observe(
+                model, req.engine_id, req.recompute_s / (chunks * self.identity.chunk_size)
+            )
+
+    def _recompute_locked(self, req: Lookup, missing_chunks: int) -> float:
+        """Seconds recomputing the missing chunks would take: the engine's estimate, else
+        its (or its model's) learned rate; 0 when neither is known (the peer source then
+        applies its flags)."""
+        if req.recompute_s > 0:
+            return req.recompute_s
+        rate = self._rates.rate(req.ns.model_name, req.engine_id)
+        if rate is None:
+            self._flag_estimates += 1
+            return 0.0
+        self._learned_estimates += 1
+        return rate * missing_chunks * self.identity.chunk_size
 
     def _answer_locked(
         self, keys: Sequence[ObjectKey], acquire: bool, lease_s: float

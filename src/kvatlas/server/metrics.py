@@ -92,6 +92,26 @@ class _StatsCollector(Collector):
         yield self._c("lookup_chunks", "Chunks engines looked up.", lk.chunks)
         yield self._c("lookup_hit_chunks", "Looked-up chunks answered as hits.", lk.hit_chunks)
         yield self._c("lookup_peer_chunks", "Hit chunks read from peers.", lk.peer_chunks)
+        rates = GaugeMetricFamily(
+            "kvatlas_server_engine_recompute_seconds_per_token",
+            "Prefill seconds per token the model's engines reported (or implied by their"
+            " recompute estimates); it bounds the peer wait of lookups without an estimate.",
+            labels=["instance_id", "model"],
+        )
+        for model, rate in lk.recompute_s_per_token.items():
+            rates.add_metric([self._iid, model], rate)
+        yield rates
+        yield self._c(
+            "lookup_learned_estimates",
+            "Lookups without a recompute estimate bounded by a learned engine rate.",
+            lk.learned_estimates,
+        )
+        yield self._c(
+            "lookup_flag_estimates",
+            "Lookups without a recompute estimate and no learned rate: bounded by the"
+            " --p2p-*-recompute-s-per-token flags.",
+            lk.flag_estimates,
+        )
         pub = self._publisher()
         if pub is not None:
             yield self._c("events_sent", "Cache events delivered.", pub.sent_entries)
@@ -170,6 +190,13 @@ class _StatsCollector(Collector):
         )
         yield self._g("p2p_peers_down", "Peers whose breaker is open.", len(pp.cooling_peers))
         yield self._c("p2p_breakers_opened", "Times a peer's breaker opened.", pp.breakers_opened)
+        yield self._c(
+            "p2p_promoting_locks",
+            "Lock RPCs to a peer holding some of the keys in L2 only (they wait the lookup's"
+            " remaining time, not the peer's learned lock deadline).",
+            f.promoting_locks,
+        )
+        yield from _deadline_metrics(self._iid, pp)
         fb = CounterMetricFamily(
             "kvatlas_server_p2p_fallbacks",
             "P2P failures that became a recompute, by cause.",
@@ -178,6 +205,44 @@ class _StatsCollector(Collector):
         for cause, n in sorted(f.fallbacks.items()):
             fb.add_metric([self._iid, cause.value], n)
         yield fb
+
+
+def _deadline_metrics(iid: str, pp: P2PStats) -> Iterator[GaugeMetricFamily]:
+    """Per peer: the lock and load deadlines its answers gave, and what they came from."""
+    lock = GaugeMetricFamily(
+        "kvatlas_server_p2p_lock_deadline_seconds",
+        "What a lookup_and_lock to the peer waits now (its RPC p99 x a factor, at least"
+        " the floor; the prior before it answered), before a lookup's recompute cap.",
+        labels=["instance_id", "peer"],
+    )
+    load = GaugeMetricFamily(
+        "kvatlas_server_p2p_load_deadline_seconds",
+        "The deadline the peer's last load got (bytes / its bandwidth x a factor, capped"
+        " by recompute and --p2p-load-timeout).",
+        labels=["instance_id", "peer"],
+    )
+    p99 = GaugeMetricFamily(
+        "kvatlas_server_p2p_peer_rpc_p99_seconds",
+        "The p99 of the peer's control round trips (lock and unlock RPCs).",
+        labels=["instance_id", "peer"],
+    )
+    bw = GaugeMetricFamily(
+        "kvatlas_server_p2p_peer_bandwidth_bytes_per_second",
+        "The EWMA of the peer's load bandwidth.",
+        labels=["instance_id", "peer"],
+    )
+    for t in pp.timings:
+        lock.add_metric([iid, t.peer], t.lock_deadline_s)
+        if t.last_load_deadline_s is not None:
+            load.add_metric([iid, t.peer], t.last_load_deadline_s)
+        if t.rpc_p99_s is not None:
+            p99.add_metric([iid, t.peer], t.rpc_p99_s)
+        if t.bandwidth_bps is not None:
+            bw.add_metric([iid, t.peer], t.bandwidth_bps)
+    yield lock
+    yield load
+    yield p99
+    yield bw
 
 
 class ServerMetrics:

@@ -20,6 +20,7 @@ from kvatlas.wire.server_status import (
     LeaseStatus,
     LookupStatus,
     P2PStatus,
+    PeerTimingStatus,
     RegistrarStatus,
     ServerStatus,
 )
@@ -83,6 +84,9 @@ def build_status(
             chunks=lookups.chunks,
             hit_chunks=lookups.hit_chunks,
             peer_chunks=lookups.peer_chunks,
+            recompute_s_per_token=dict(lookups.recompute_s_per_token),
+            learned_estimates=lookups.learned_estimates,
+            flag_estimates=lookups.flag_estimates,
         ),
         p2p_enabled=p2p is not None,
         p2p_state=p2p.state.value if p2p else "unregistered",
@@ -157,4 +161,25 @@ def p2p_status(p2p: P2PStats) -> P2PStatus:
         no_holder=f.no_holder,
         breakers_opened=p2p.breakers_opened,
         probes=p2p.probes,
+        lock_deadline_prior_ms=p2p.lock_deadline_prior_s * 1000,
+        promoting_locks=f.promoting_locks,
+        fleet_rpc_p99_ms=_ms(p2p.fleet_rpc_p99_s),
+        peer_timings=[
+            PeerTimingStatus(
+                peer=t.peer,
+                rpc_samples=t.rpc_samples,
+                rpc_p99_ms=_ms(t.rpc_p99_s),
+                bandwidth_mib_s=(
+                    None if t.bandwidth_bps is None else round(t.bandwidth_bps / 2**20, 3)
+                ),
+                lock_deadline_ms=round(t.lock_deadline_s * 1000, 3),
+                last_lock_deadline_ms=_ms(t.last_lock_deadline_s),
+                last_load_deadline_ms=_ms(t.last_load_deadline_s),
+            )
+            for t in p2p.timings
+        ],
     )
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)

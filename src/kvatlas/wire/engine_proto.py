@@ -61,8 +61,14 @@ class Lookup(msgspec.Struct, frozen=True, tag="lookup"):
     recompute_s: float = 0.0
     """The engine's estimate of the time to recompute the chunks it is asking for; P2P
     gives up earlier than its configured timeouts when recomputing is quicker. 0 means
-    unknown: the server's own estimate applies (``--p2p-expected-recompute-s-per-token``,
-    else ``--p2p-default-recompute-s-per-token``)."""
+    unknown: the rate the server learned from this engine (else from other engines of
+    the model) applies, else its flags (``--p2p-expected-recompute-s-per-token``, else
+    ``--p2p-default-recompute-s-per-token``)."""
+    prefill_s_per_token: float = 0.0
+    """The engine's measured prefill seconds per token (0: not measured); the server
+    learns it per engine and per model, for lookups that carry no ``recompute_s``."""
+    engine_id: str = ""
+    """Who asks (``RegisterEngine.engine_id``), so that the learned rate is this engine's."""
 
 
 class Reserve(msgspec.Struct, frozen=True, tag="reserve"):

@@ -11,8 +11,10 @@ them in the same order:
   event type this coordinator does not know decodes into an `UnknownBatch`, as in
   `POST /events` (the rule is in `wire.http_api`'s docstring);
 - a membership record (coordinators): ``MAGIC`` followed by a msgpack-encoded tagged
-  `MembershipRecord` (register, heartbeat, deregister, expire). Neither JSON nor a
-  msgpack map starts with ``MAGIC``'s first byte, so the kinds cannot be confused.
+  `MembershipRecord` (register, heartbeat, deregister, expire, and the contract claim,
+  which is keyed by its model instead, ``core.contract_claims.claim_key``, so that every
+  replica reads one model's claims in one order). Neither JSON nor a msgpack map starts
+  with ``MAGIC``'s first byte, so the kinds cannot be confused.
 
 Owns the topic's defaults that every producer and consumer must agree on (the topic
 name, the partitioner), the encodings and the decode-and-validate of a record; no I/O,
@@ -28,6 +30,7 @@ import msgspec
 from kvatlas.core.credentials import DIGEST_BYTES
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import EventBatch
+from kvatlas.core.keys import HashContract
 from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.types import InstanceId, WireIncarnation
 from kvatlas.wire.http_api import (
@@ -63,6 +66,11 @@ class RegisterRecord(msgspec.Struct, frozen=True, tag="register"):
     info: InstanceInfo
     proof: bytes = b""
     """The digest of the instance secret the request presented (`core.credentials`)."""
+    decided: bool = False
+    """The receiving replica decided the registration's hash contract (its view, then
+    its `ContractClaim` back from the log accepted): every replica applies it without
+    checking the contract against its own view. False (a record of an older
+    coordinator): each replica checks it as it applies it."""
 
 
 class HeartbeatRecord(msgspec.Struct, frozen=True, tag="heartbeat"):
@@ -87,7 +95,20 @@ class ExpireRecord(msgspec.Struct, frozen=True, tag="expire"):
     at: float
 
 
-MembershipRecord = RegisterRecord | HeartbeatRecord | DeregisterRecord | ExpireRecord
+class ContractClaim(msgspec.Struct, frozen=True, tag="claim"):
+    """A receiving replica's claim of ``contract`` for its model, before it publishes the
+    registration: every replica decides it alike (`core.contract_claims`)."""
+
+    request_id: str
+    at: float
+    """The receiving replica's clock (the claim's window is measured in it)."""
+    instance_id: InstanceId
+    contract: HashContract
+
+
+MembershipRecord = (
+    RegisterRecord | HeartbeatRecord | DeregisterRecord | ExpireRecord | ContractClaim
+)
 
 _membership_encoder = msgspec.msgpack.Encoder()
 _membership_decoder = msgspec.msgpack.Decoder(MembershipRecord)

@@ -89,6 +89,31 @@ class LookupStatus(msgspec.Struct, frozen=True):
     """Of those, the leading chunks answered as a hit (local or read from peers)."""
     peer_chunks: int
     """Of the hits, chunks read from peers for the lookup."""
+    recompute_s_per_token: dict[str, float] = {}
+    """Per model, the prefill seconds per token its engines reported (or implied by
+    their recompute estimates): a lookup that carries no estimate is bounded by it."""
+    learned_estimates: int = 0
+    """Lookups without an estimate whose peer wait was bounded by a learned rate."""
+    flag_estimates: int = 0
+    """Lookups without an estimate and no learned rate: the ``--p2p-*-recompute-*``
+    flags bounded their peer wait."""
+
+
+class PeerTimingStatus(msgspec.Struct, frozen=True):
+    """What a server learned of one peer's answer times, and the deadlines they give."""
+
+    peer: str
+    rpc_samples: int
+    """Control round trips (lock and unlock RPCs) kept for the p99."""
+    rpc_p99_ms: float | None
+    bandwidth_mib_s: float | None
+    """The EWMA of its loads' bandwidth (None: not known, a load waits the recompute cap)."""
+    lock_deadline_ms: float
+    """What a lookup_and_lock to it waits now (before a lookup's recompute cap)."""
+    last_lock_deadline_ms: float | None
+    """The lock deadline its last lookup_and_lock got (recompute cap applied)."""
+    last_load_deadline_ms: float | None
+    """The deadline its last load got (bytes / bandwidth x factor, capped)."""
 
 
 class P2PStatus(msgspec.Struct, frozen=True):
@@ -126,6 +151,14 @@ class P2PStatus(msgspec.Struct, frozen=True):
     """Times a peer's breaker opened (it is skipped while in ``cooling_peers``)."""
     probes: int
     """Half-open probes sent to peers whose breaker is open."""
+    lock_deadline_prior_ms: float = 0.0
+    """A lookup_and_lock's deadline before any peer answered one."""
+    fleet_rpc_p99_ms: float | None = None
+    """The p99 of all peers' control round trips: the prior of a peer not yet heard."""
+    peer_timings: list[PeerTimingStatus] = []
+    promoting_locks: int = 0
+    """Lock RPCs to a peer holding some of the keys in L2 only (they wait the lookup's
+    remaining time: the peer reads its disk first)."""
 
 
 class ServerStatus(msgspec.Struct, frozen=True, omit_defaults=True):

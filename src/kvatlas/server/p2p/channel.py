@@ -14,7 +14,10 @@ Owns the sockets and the request/answer matching of ``kvatlas.wire.p2p_proto``:
   reused, so a late answer cannot be mistaken for the next one. Each DEALER has a socket
   monitor: a refused connection, a closed one or a disconnect seen while a call waits
   fails the call at once as ``peer_dead`` (a dead peer costs milliseconds, not the
-  deadline), and an idle socket that saw one is replaced before it is used.
+  deadline), and an idle socket that saw one is replaced before it is used. A call given
+  an ``abandon`` event ends as ``timeout`` within ``ABANDON_CHECK_MS`` of it being set:
+  the controller sets a peer's when its breaker opens, so lookups already waiting on a
+  frozen peer end with the first one that hit its deadline, not each at its own.
 
 Must not: know what the messages mean (the P2P service does) or touch the chunk store.
 """
@@ -45,6 +48,8 @@ POLL_MS: Final = 200
 MAX_IDLE_SOCKETS: Final = 4
 MAX_MESSAGE_BYTES: Final = 16 * 2**20
 """The largest request the owner reads: a `LookupAndLock` of ~490k chunk hashes."""
+ABANDON_CHECK_MS: Final = 5
+"""How often a call with an ``abandon`` event looks at it while waiting."""
 PEER_GONE_EVENTS: Final = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
 """Socket monitor events that mean the peer cannot answer (refused, closed, gone)."""
 
@@ -199,9 +204,15 @@ class ChannelClient:
                 return
         conn.close()
 
-    def call(self, body: p2p_proto.P2PRequestBody, timeout_s: float) -> p2p_proto.P2PResponseBody:
+    def call(
+        self,
+        body: p2p_proto.P2PRequestBody,
+        timeout_s: float,
+        abandon: threading.Event | None = None,
+    ) -> p2p_proto.P2PResponseBody:
         """The peer's answer within ``timeout_s``; ChannelError otherwise (P2PError
-        answers are raised too, as ``refused``)."""
+        answers are raised too, as ``refused``; ``abandon`` set while waiting: as
+        ``timeout``)."""
         if timeout_s <= 0:
             raise ChannelError(f"no time left to ask {self.url}", PeerFallback.TIMEOUT)
         rid = next(self._ids)
@@ -216,7 +227,7 @@ class ChannelClient:
                 ],
                 flags=zmq.NOBLOCK,
             )
-            resp = p2p_proto.decode_response(self._wait(conn, body, timeout_s))
+            resp = p2p_proto.decode_response(self._wait(conn, body, timeout_s, abandon))
         except zmq.ZMQError as exc:
             conn.close()
             raise ChannelError(
@@ -241,15 +252,29 @@ class ChannelClient:
             )
         return resp.body
 
-    def _wait(self, conn: _Conn, body: p2p_proto.P2PRequestBody, timeout_s: float) -> bytes:
-        """The answer's payload, or ChannelError: ``timeout`` when ``timeout_s`` passes,
-        ``peer_dead`` as soon as the monitor sees the connection refused or lost."""
+    def _wait(
+        self,
+        conn: _Conn,
+        body: p2p_proto.P2PRequestBody,
+        timeout_s: float,
+        abandon: threading.Event | None,
+    ) -> bytes:
+        """The answer's payload, or ChannelError: ``timeout`` when ``timeout_s`` passes
+        or ``abandon`` is set, ``peer_dead`` as soon as the monitor sees the connection
+        refused or lost."""
         poller = zmq.Poller()
         poller.register(conn.sock, zmq.POLLIN)
         poller.register(conn.monitor, zmq.POLLIN)
         deadline = time.monotonic() + timeout_s
         while True:
+            if abandon is not None and abandon.is_set():
+                raise ChannelError(
+                    f"{self.url} is down (its breaker opened while {type(body).__name__} waited)",
+                    PeerFallback.TIMEOUT,
+                )
             left_ms = int((deadline - time.monotonic()) * 1000)
+            if abandon is not None:
+                left_ms = min(left_ms, ABANDON_CHECK_MS)
             ready = dict(poller.poll(max(1, left_ms))) if left_ms > 0 else {}
             if conn.sock in ready:
                 return conn.sock.recv_multipart(copy=True)[-1]

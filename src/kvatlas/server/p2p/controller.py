@@ -16,7 +16,15 @@ It also owns each peer's breaker (``core.peers.PeerHealth``): the fetcher report
 failures and successes, and asks which peers are usable; a peer that shows a new
 incarnation or reappears in a listing after being absent gets a closed breaker, and each
 poll probes the open ones whose probe is due with a ``hello`` bounded by
-``PROBE_TIMEOUT_S`` (half-open: an answer closes the breaker).
+``PROBE_TIMEOUT_S`` (half-open: an answer closes the breaker; no answer keeps it open).
+When a breaker opens, the peer's ``abandon`` event is set, which ends the control
+requests other lookups are still waiting on it with (``ChannelClient.call``): a frozen
+peer costs one lock deadline once, for all lookups together.
+
+And each peer's timings (``core.peer_timing.PeerTimings``): the round trips of its
+lock and unlock RPCs (not its probes) and the bandwidth of its loads, which give the
+fetcher its lock and load deadlines; a new adapter (a new endpoint or incarnation) or
+none starts them afresh.
 
 ``p2p_state`` follows the listings: registered (this server is in the last successful
 listing), unregistered (it is not, or never got one), disconnected (the last poll failed
@@ -39,6 +47,7 @@ from typing import Final
 import msgspec
 import zmq
 
+from kvatlas.core.peer_timing import DeadlinePolicy, PeerTimings, PeerTimingView
 from kvatlas.core.peers import ActionKind, PeerEndpoint, PeerHealth, PeerTable
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.runtime.region import L1Region
@@ -98,6 +107,10 @@ class ControllerStats:
     """Peers whose breaker is open."""
     breakers_opened: int
     probes: int
+    timings: tuple[PeerTimingView, ...]
+    """What is known of each peer's answer times, and the deadlines they give."""
+    fleet_rpc_p99_s: float | None
+    """The p99 of every peer's control round trips: the prior of a peer not yet heard."""
 
 
 class P2PController:
@@ -116,6 +129,7 @@ class P2PController:
         region: L1Region,
         ctx: zmq.Context[zmq.Socket[bytes]],
         cooloff_s: float = 10.0,
+        deadlines: DeadlinePolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.instance_id = instance_id
@@ -147,7 +161,9 @@ class P2PController:
         self._thread: threading.Thread | None = None
         self._clock = clock
         self._health = PeerHealth(cooloff_s=cooloff_s)
-        self._health_lock = threading.Lock()
+        self._health_lock = threading.Lock()  # guards _health, _timings and _abandon
+        self._timings = PeerTimings(deadlines)
+        self._abandon: dict[str, threading.Event] = {}
         self._probes = 0
 
     # ------------------------------------------------------------------ breakers
@@ -156,13 +172,29 @@ class P2PController:
         """Those of ``adapters`` whose breaker is closed (or whose cool-off is over)."""
         now = self._clock()
         with self._health_lock:
-            return [a for a in adapters if self._health.available(a.instance_id, now)]
+            out = [a for a in adapters if self._health.available(a.instance_id, now)]
+            for a in out:  # a cool-off that just ran out closed the breaker
+                self._abandon_locked(a.instance_id).clear()
+            return out
+
+    def _abandon_locked(self, instance_id: str) -> threading.Event:
+        ev = self._abandon.get(instance_id)
+        if ev is None:
+            ev = self._abandon[instance_id] = threading.Event()
+        return ev
+
+    def abandon_event(self, instance_id: str) -> threading.Event:
+        """Set while the peer's breaker is open: control requests waiting on it end."""
+        with self._health_lock:
+            return self._abandon_locked(instance_id)
 
     def peer_failed(self, instance_id: str, *, hard: bool) -> bool:
         """Count a failure of a peer; True when its breaker has just opened (at once
         when ``hard``: it is dead or did not answer within its deadline)."""
         with self._health_lock:
             opened = self._health.record_failure(instance_id, self._clock(), hard=hard)
+            if opened:
+                self._abandon_locked(instance_id).set()
         if opened:
             log.warning(
                 "P2P peer %s is down for instance %s: skipped until it answers a probe,"
@@ -176,6 +208,31 @@ class P2PController:
     def peer_ok(self, instance_id: str) -> None:
         with self._health_lock:
             self._health.record_success(instance_id)
+            self._abandon_locked(instance_id).clear()
+
+    # ------------------------------------------------------------------ timings
+
+    def lock_deadline(self, instance_id: str, cap_s: float) -> float:
+        """Seconds a lock RPC to the peer may wait (at most ``cap_s``)."""
+        with self._health_lock:
+            return self._timings.lock_deadline(instance_id, cap_s)
+
+    def load_deadline(self, instance_id: str, nbytes: int, cap_s: float) -> float:
+        """Seconds a load of ``nbytes`` from the peer may take (at most ``cap_s``)."""
+        with self._health_lock:
+            return self._timings.load_deadline(instance_id, nbytes, cap_s)
+
+    def rpc_answered(self, instance_id: str, seconds: float) -> None:
+        with self._health_lock:
+            self._timings.observe_rpc(instance_id, seconds)
+
+    def load_done(self, instance_id: str, nbytes: int, seconds: float) -> None:
+        with self._health_lock:
+            self._timings.observe_load(instance_id, nbytes, seconds)
+
+    def load_timed_out(self, instance_id: str) -> None:
+        with self._health_lock:
+            self._timings.load_timed_out(instance_id)
 
     def down(self) -> list[str]:
         with self._health_lock:
@@ -185,6 +242,7 @@ class P2PController:
         with self._health_lock:
             was_down = instance_id in self._health.cooling(self._clock())
             self._health.forget(instance_id)
+            self._abandon_locked(instance_id).clear()
         if was_down:
             log.info("P2P peer %s is back for instance %s (%s)", instance_id, self.instance_id, why)
 
@@ -204,7 +262,12 @@ class P2PController:
                 )
             except ChannelError as exc:
                 log.debug("probe of P2P peer %s failed: %s", iid, exc)
+                with self._health_lock:
+                    self._health.record_probe_failure(iid, self._clock())
                 continue
+            # no RPC sample: a probe goes to a peer in trouble, and one answered as a
+            # frozen peer wakes measures how long it was away, which would set its lock
+            # deadline to 4x that for the next RPC_SAMPLES round trips
             if isinstance(answer, HelloReply) and (
                 not adapter.peer.incarnation or answer.incarnation == adapter.peer.incarnation
             ):
@@ -219,6 +282,9 @@ class P2PController:
     def stats(self) -> ControllerStats:
         with self._lock:
             peers = tuple(sorted(self._adapters))
+        with self._health_lock:
+            timings = tuple(self._timings.views(list(peers)))
+            fleet_p99 = self._timings.fleet_rpc_p99()
         return ControllerStats(
             state=self._state,
             peers=peers,
@@ -231,6 +297,8 @@ class P2PController:
             down=tuple(self.down()),
             breakers_opened=self._health.opened,
             probes=self._probes,
+            timings=timings,
+            fleet_rpc_p99_s=fleet_p99,
         )
 
     # ------------------------------------------------------------------ polling
@@ -281,8 +349,13 @@ class P2PController:
                 self._peer_back(peer.instance_id, "it reappeared in the listing")
         for action in self._table.reconcile(listing):
             peer = action.peer
-            # a new adapter (a new endpoint or incarnation) or none: its breaker starts afresh
+            # a new adapter (a new endpoint or incarnation) or none: its breaker and
+            # timings start afresh
             self._peer_back(peer.instance_id, f"{action.kind.value} of its adapter")
+            with self._health_lock:
+                self._timings.forget(peer.instance_id)
+                if action.kind is ActionKind.REMOVE:
+                    self._abandon.pop(peer.instance_id, None)
             if action.kind is ActionKind.REMOVE:
                 self._drop(peer.instance_id)
                 self._removed += 1

@@ -1,9 +1,6 @@
 """The P2P read path of the requester: a local miss becomes a read from a peer's L1.
 
-Owns, for one lookup's missing keys: the deadlines (``core.peers.p2p_deadline``: the
-configured lookup and load timeouts at most, and no longer than recomputing the missing
-tokens would take: the engine's estimate, else ``--p2p-expected-recompute-s-per-token``,
-else ``--p2p-default-recompute-s-per-token``), the choice of peers (the coordinator's
+Owns, for one lookup's missing keys: the deadlines, the choice of peers (the coordinator's
 directory names who holds the keys, and when it names nobody no peer is asked; only when
 the directory cannot be asked are up to ``BLIND_PEERS`` live peers asked, within
 ``BLIND_LOOKUP_S``, counted as ``all_peer_fallbacks``; the directory's own wait is
@@ -17,6 +14,17 @@ acknowledged unlock. Every failure is a miss for the rest of the prefix and is c
 by cause (``CAUSES``, the ``PeerFallback`` values: timeout, peer_dead, checksum_mismatch,
 refused, stale_hint, no_space; and busy, a lookup the engine service did not hand over
 because every P2P slot was taken).
+
+Deadlines: the recompute time of the missing tokens (the engine's estimate or its
+learned rate, which the engine service passes; else ``--p2p-expected-recompute-s-per-token``,
+else ``--p2p-default-recompute-s-per-token``) caps everything, with the configured lookup
+and load timeouts (``core.peers.p2p_deadline``). Under that cap each ``lookup_and_lock``
+waits its own short deadline, learned from the peer's RPC round trips, and each load one
+that scales with its bytes and the peer's bandwidth (``core.peer_timing``, kept by the
+controller, which this module feeds with every answer's round trip and every load's
+bytes and seconds). A peer the directory says holds some of the keys in L2 only reads
+them from disk inside its ``lookup_and_lock``: that RPC waits the lookup's remaining time,
+as all did before, and is no sample of the peer's RPC time.
 
 It runs WITHOUT the store lock and takes it only briefly, through
 ``PeerStoreAccess.reserve_for_peer_fetch`` / ``commit_peer_fetch``.
@@ -38,7 +46,7 @@ from typing import Final, cast
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.l1pool import Refusal, Slot
 from kvatlas.core.peers import p2p_deadline
-from kvatlas.core.types import ChunkHash
+from kvatlas.core.types import ChunkHash, Tier
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.server.config import P2PConfig
 from kvatlas.server.engine_service import PeerFetch
@@ -98,6 +106,9 @@ class PeerFetchStats:
     """Lookups for which the directory named no holder, so no peer was asked."""
     locks_requested: int = 0
     fallbacks: dict[PeerFallback, int] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
+    promoting_locks: int = 0
+    """Lock RPCs to a peer the directory says holds some of the keys in L2 only: they
+    wait the lookup's remaining time, not the peer's learned lock deadline."""
 
 
 class PeerFetcher:
@@ -146,6 +157,7 @@ class PeerFetcher:
                 self.stats.no_holder,
                 self.stats.locks_requested,
                 dict(self.stats.fallbacks),
+                self.stats.promoting_locks,
             )
 
     def busy(self) -> None:
@@ -179,6 +191,7 @@ class PeerFetcher:
                 self._active -= 1
 
     def _budgets(self, keys: Sequence[ObjectKey], recompute_s: float) -> tuple[float, float]:
+        """The lookup's and each load's cap: the timeouts, and no longer than recomputing."""
         expected = recompute_s
         if not expected > 0:
             per_token = (
@@ -194,11 +207,17 @@ class PeerFetcher:
         adapters = self._controller.adapters()
         if not adapters:
             return PeerFetch()
+        if not self._controller.usable(adapters):
+            # every peer's breaker is open: whoever the directory names, nobody is asked,
+            # so it is not asked either (a frozen peer costs the next lookups nothing)
+            return PeerFetch(fallback=PeerFallback.COOLING_OFF)
         lookup_budget, load_budget = self._budgets(keys, recompute_s)
         lookup_deadline = time.monotonic() + lookup_budget
         timings: dict[str, float] = {}
         with _timed(timings, "directory"):
-            hints = self._directory(keys, lookup_deadline)
+            found = self._directory(keys, lookup_deadline)
+        hints = None if found is None else found.counts
+        from_l2 = frozenset[str]() if found is None else found.from_l2
         if hints is None:  # the directory cannot be asked: a few peers, briefly
             with self._lock:
                 self.stats.all_peer_fallbacks += 1
@@ -232,7 +251,13 @@ class PeerFetcher:
             # from ``pos`` on, so it is hinted to hold what is left of its run past pos.
             hinted = max(0, (hints or {}).get(adapter.instance_id, 0) - pos)
             got, cause = self._from_peer(
-                adapter, keys[pos:], hinted, remaining, load_budget, timings=timings
+                adapter,
+                keys[pos:],
+                hinted,
+                remaining,
+                load_budget,
+                promotes=adapter.instance_id in from_l2,
+                timings=timings,
             )
             fetched.update(got.fetched)
             pos += got.present
@@ -244,9 +269,10 @@ class PeerFetcher:
             fallback = PeerFallback.NOT_FOUND
         return PeerFetch(frozenset(fetched), fallback, timings)
 
-    def _directory(self, keys: Sequence[ObjectKey], deadline: float) -> dict[str, int] | None:
-        """Per peer, how many leading ``keys`` the directory says it holds; None when
-        the directory cannot be asked (all peers are asked then)."""
+    def _directory(self, keys: Sequence[ObjectKey], deadline: float) -> _Hints | None:
+        """Per peer, how many leading ``keys`` the directory says it holds, and which
+        peers hold some of them in L2 only; None when the directory cannot be asked (all
+        peers are asked then)."""
         if self._dir_failed_at > self._controller.listed_at:
             return None  # down since it last failed: no lookup waits on it again
         timeout = min(self._dir_timeout, deadline - time.monotonic())
@@ -264,15 +290,19 @@ class PeerFetcher:
             log.debug("directory lookup failed on instance %s: %s", self.instance_id, exc)
             return None
         holders: dict[str, int] = {}
+        from_l2: set[str] = set()
         alive: set[str] | None = None
         for result in body.results:
             here = {p.instance_id for p in result.placements if p.instance_id != self.instance_id}
             alive = here if alive is None else alive & here
             if not alive:
                 break
+            in_l1 = {p.instance_id for p in result.placements if p.tier == Tier.L1.value}
             for iid in alive:
                 holders[iid] = holders.get(iid, 0) + 1
-        return holders
+                if iid not in in_l1:
+                    from_l2.add(iid)
+        return _Hints(holders, frozenset(from_l2))
 
     def _from_peer(
         self,
@@ -282,27 +312,44 @@ class PeerFetcher:
         lookup_s: float,
         load_budget: float,
         *,
+        promotes: bool,
         timings: dict[str, float],
     ) -> tuple[_Loaded, PeerFallback | None]:
-        """What this peer brought, and why it could not bring the rest (None: it did)."""
+        """What this peer brought, and why it could not bring the rest (None: it did).
+        ``promotes``: the directory says the peer holds some of ``keys`` in L2 only, so
+        its lock RPC reads them from disk first: it may take the lookup's whole remaining
+        time (``lookup_s``), and its round trip is no sample of the peer's RPC time."""
         peer = adapter.instance_id
         ns = keys[0].namespace
         lease_s = min(self._config.lock_lease_s, lookup_s + load_budget + UNLOCK_TIMEOUT_S + 1.0)
+        lock_s = lookup_s if promotes else self._controller.lock_deadline(peer, lookup_s)
         # ObjectKey keeps its hash as plain bytes (decoding a key then costs no NewType
         # call); these came from the engine service's ChunkHash list, so one cast, not
         # one conversion per key.
         hashes = cast(list[ChunkHash], [k.chunk_hash for k in keys])
         with self._lock:
             self.stats.locks_requested += 1
+            self.stats.promoting_locks += promotes
+        t0 = time.perf_counter()
         try:
             with _timed(timings, "lock"):
                 answer = adapter.control.call(
-                    LookupAndLock(self.instance_id, ns, hashes, lease_s, self._token), lookup_s
+                    LookupAndLock(self.instance_id, ns, hashes, lease_s, self._token),
+                    lock_s,
+                    self._controller.abandon_event(peer),
                 )
         except ChannelError as exc:
-            log.info("lookup_and_lock to peer %s failed (%s): %s", peer, exc.cause, exc)
+            log.info(
+                "lookup_and_lock to peer %s failed (%s, deadline %.0f ms): %s",
+                peer,
+                exc.cause,
+                lock_s * 1000,
+                exc,
+            )
             self._failed(peer, exc.cause)
             return _Loaded(), exc.cause
+        if not promotes:
+            self._controller.rpc_answered(peer, time.perf_counter() - t0)
         if not isinstance(answer, Locked):
             self._failed(peer, PeerFallback.REFUSED)
             return _Loaded(), PeerFallback.REFUSED
@@ -350,10 +397,12 @@ class PeerFetcher:
         timings: dict[str, float],
     ) -> tuple[_Loaded, PeerFallback | None]:
         store = self._store
+        peer = adapter.instance_id
+        load_s = self._controller.load_deadline(peer, sum(c.size for c in chunks), load_budget)
         with _timed(timings, "reserve"):
             grants = store.reserve_for_peer_fetch(
                 [(k, c.size) for k, c in zip(keys, chunks, strict=True)],
-                load_budget + WRITE_GRACE_S,
+                load_s + WRITE_GRACE_S,
             )
         reads: list[ReadOp] = []
         slots: list[Slot] = []
@@ -367,12 +416,25 @@ class PeerFetcher:
                 slots.append(grant)
         outcomes: list[ReadResult] = []
         if reads:
+            t0 = time.perf_counter()
             try:
                 with _timed(timings, "transfer"):
-                    outcomes = adapter.link.read(reads, load_budget)
+                    outcomes = adapter.link.read(reads, load_s)
             except Exception as exc:  # a transport bug must cost a miss, not the lookup
                 log.warning("P2P read from %s failed: %r", adapter.instance_id, exc)
                 outcomes = [ReadResult(op, ReadStatus.PEER_DEAD, repr(exc)) for op in reads]
+            took = time.perf_counter() - t0
+            if any(o.status is ReadStatus.TIMEOUT for o in outcomes):
+                log.info(
+                    "P2P load of %d bytes from peer %s missed its %.0f ms deadline on instance %s",
+                    sum(r.size for r in reads),
+                    peer,
+                    load_s * 1000,
+                    self.instance_id,
+                )
+                self._controller.load_timed_out(peer)
+            elif all(o.ok for o in outcomes):
+                self._controller.load_done(peer, sum(r.size for r in reads), took)
         done: list[tuple[Slot, int]] = []
         failed: list[Slot] = []
         cause: PeerFallback | None = None
@@ -417,12 +479,24 @@ class PeerFetcher:
     def _unlock(self, adapter: PeerAdapter, lease_ids: list[int]) -> None:
         if not lease_ids:
             return
+        t0 = time.perf_counter()
         try:
             adapter.control.call(Unlock(self.instance_id, lease_ids, self._token), UNLOCK_TIMEOUT_S)
+            self._controller.rpc_answered(adapter.instance_id, time.perf_counter() - t0)
         except ChannelError as exc:
             log.info(
                 "unlock at peer %s failed (%s); its leases expire instead", adapter.instance_id, exc
             )
+
+
+@dataclass(frozen=True, slots=True)
+class _Hints:
+    """What the directory said of the missing keys."""
+
+    counts: dict[str, int]
+    """Per peer, how many leading keys it holds."""
+    from_l2: frozenset[str]
+    """Peers holding some of those in L2 only (their lock RPC promotes them first)."""
 
 
 @dataclass(frozen=True, slots=True)

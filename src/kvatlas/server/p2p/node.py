@@ -33,6 +33,7 @@ import zmq
 
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.keys import HASH_BYTES, object_keys
+from kvatlas.core.peer_timing import PeerTimingView
 from kvatlas.runtime.auth import TokenGate
 from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.runtime.region import L1Region
@@ -75,6 +76,10 @@ class P2PStats:
     reappearance in the listing closes it)."""
     breakers_opened: int
     probes: int
+    timings: tuple[PeerTimingView, ...]
+    """Per peer: its RPC p99, bandwidth, and the lock and load deadlines they gave."""
+    fleet_rpc_p99_s: float | None
+    lock_deadline_prior_s: float
     served_locks: int
     served_chunks: int
     served_unlocks: int
@@ -163,6 +168,7 @@ class P2PNode:
             region=region,
             ctx=self._ctx,
             cooloff_s=config.cooloff_s,
+            deadlines=config.deadline_policy,
         )
         self.fetcher = PeerFetcher(
             instance_id=instance_id,
@@ -261,6 +267,9 @@ class P2PNode:
             cooling_peers=c.down,
             breakers_opened=c.breakers_opened,
             probes=c.probes,
+            timings=c.timings,
+            fleet_rpc_p99_s=c.fleet_rpc_p99_s,
+            lock_deadline_prior_s=self.config.lock_deadline_prior_s,
             served_locks=self.served_locks,
             served_chunks=self.served_chunks,
             served_unlocks=self.served_unlocks,
