@@ -20,7 +20,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import msgspec
 
 from kvatlas.coordinator.metrics import CoordinatorMetrics, StateSample
 from kvatlas.coordinator.views import key_view, stats_response
@@ -86,6 +88,11 @@ class CoordinatorService:
         self._not_ready_reason = "starting"
         self._snapshot_failure = ""
         self._unknown_types: set[str] = set()
+        self.observers: list[Callable[[EventBatch], None]] = []
+        """Called under the lock with every batch applied (the quota controller's book)."""
+        self.companion: Callable[[], msgspec.Struct] | None = None
+        """State kept beside the fleet's, captured in the same lock hold by `snapshot_parts`
+        (the L2 usage book)."""
 
     # ---- readiness -------------------------------------------------------------------
 
@@ -381,6 +388,9 @@ class CoordinatorService:
             with self.lock:
                 try:
                     out = self.fleet.ingest(b, now)
+                    if out.verdict is Verdict.APPLY and isinstance(b, EventBatch):
+                        for observe in self.observers:
+                            observe(b)
                 finally:
                     if i == len(batches) - 1:
                         self._advance(position)
@@ -525,27 +535,31 @@ class CoordinatorService:
             # Every stored key has a placement: the page is a slice of the key order.
             with self.lock:
                 rows = d.key_rows(d.key_slice(offset, limit + 1))
+                total = len(d)
         else:
             # A filter is checked key by key in Python: walk a copy of the key order
-            # in steps, so that ingest waits for one step, not for the whole scan.
+            # in steps, so that ingest waits for one step, not for the whole scan (which
+            # goes to the end: ``total`` counts every matching key, as LMCache's does).
             with self.lock:
                 order = d.key_order()
             rows = []
             to_skip = offset
+            total = 0
             for start in range(0, len(order), _SCAN_STEP):
                 with self.lock:
                     got = d.key_rows(order[start : start + _SCAN_STEP], tier, instance_id, backend)
+                total += len(got)
+                if len(rows) > limit:
+                    continue
                 if to_skip >= len(got):
                     to_skip -= len(got)
                     continue
                 rows.extend(got[to_skip:])
                 to_skip = 0
-                if len(rows) > limit:
-                    break
             rows = rows[: limit + 1]
         more = len(rows) > limit
         views = [key_view(ns, prefix, ps) for ns, prefix, ps in rows[:limit]]
-        return KeysPage(offset, limit, views, offset + limit if more else None)
+        return KeysPage(offset, limit, views, offset + limit if more else None, total=total)
 
     def sample(self, now: float) -> StateSample:
         """Scrape-time state for metrics."""
@@ -571,6 +585,20 @@ class CoordinatorService:
                     for c in d.compartments
                 ],
             )
+
+    def snapshot_parts(self) -> tuple[bytes, bytes | None, float]:
+        """`snapshot`, and the `companion` state captured in the same lock hold (a copy;
+        encoded as msgpack after)."""
+        with self.lock:
+            t0 = time.perf_counter()
+            capture = self.fleet.capture(extra=dict(self.positions))
+            extra = self.companion() if self.companion is not None else None
+            locked = time.perf_counter() - t0
+        return (
+            capture.encode(),
+            None if extra is None else msgspec.msgpack.encode(extra),
+            locked,
+        )
 
     def snapshot(self) -> tuple[bytes, float]:
         """The state and the consumer positions that led to it, encoded together, and

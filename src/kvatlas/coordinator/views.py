@@ -19,7 +19,7 @@ from kvatlas.core.capacity import Declaration
 from kvatlas.core.gate import Cursor
 from kvatlas.core.keys import Namespace
 from kvatlas.core.placements import DirectoryStats, KeyColumns, KeyResult, Placement, PrefixResult
-from kvatlas.core.types import InstanceId
+from kvatlas.core.types import InstanceId, Tier
 from kvatlas.wire.coordinator_views import (
     CompartmentView,
     CursorView,
@@ -108,7 +108,22 @@ def stats_response(
             for iid, d in sorted(declarations.items())
         ],
         token_ids=TokenIdsView(stats.token_keys, stats.token_bytes) if keep_tokens else None,
+        num_keys=stats.keys,
+        num_placements=stats.placements,
+        l1_keys_by_instance=_l1_by_instance(stats),
+        l1_count=stats.placements_by_tier.get("l1", 0),
+        l1_size_bytes=stats.bytes_by_tier.get("l1", 0),
+        l2_count=stats.placements_by_tier.get("l2", 0),
+        l2_size_bytes=stats.bytes_by_tier.get("l2", 0),
     )
+
+
+def _l1_by_instance(stats: DirectoryStats) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for o in stats.owners:
+        if o.tier is Tier.L1 and not o.shared:
+            out[o.instance_id] = out.get(o.instance_id, 0) + o.placements
+    return out
 
 
 def _placement_lists() -> Callable[[tuple[Placement, ...]], list[PlacementWire]]:

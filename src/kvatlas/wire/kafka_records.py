@@ -11,7 +11,8 @@ them in the same order:
   event type this coordinator does not know decodes into an `UnknownBatch`, as in
   `POST /events` (the rule is in `wire.http_api`'s docstring);
 - a membership record (coordinators): ``MAGIC`` followed by a msgpack-encoded tagged
-  `MembershipRecord` (register, heartbeat, deregister, expire). Neither JSON nor a
+  `MembershipRecord` (register, heartbeat, deregister, expire, and the operator's quota
+  and pin writes). Neither JSON nor a
   msgpack map starts with ``MAGIC``'s first byte, so the kinds cannot be confused.
 
 Owns the topic's defaults that every producer and consumer must agree on (the topic
@@ -29,6 +30,7 @@ from kvatlas.core.credentials import DIGEST_BYTES
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import EventBatch
 from kvatlas.core.membership import InstanceInfo
+from kvatlas.core.quotas import OperatorOp
 from kvatlas.core.types import InstanceId, WireIncarnation
 from kvatlas.wire.http_api import (
     TOO_DEEP,
@@ -87,7 +89,20 @@ class ExpireRecord(msgspec.Struct, frozen=True, tag="expire"):
     at: float
 
 
-MembershipRecord = RegisterRecord | HeartbeatRecord | DeregisterRecord | ExpireRecord
+class OperatorRecord(msgspec.Struct, frozen=True, tag="operator"):
+    """A quota or pin write accepted by a coordinator's HTTP API, to apply everywhere
+    (keyed `OPERATOR_KEY`, so all of them keep their order in one partition)."""
+
+    request_id: str
+    at: float
+    op: OperatorOp
+
+
+MembershipRecord = (
+    RegisterRecord | HeartbeatRecord | DeregisterRecord | ExpireRecord | OperatorRecord
+)
+OPERATOR_KEY: Final = "kvatlas-operator"
+"""The record key of every `OperatorRecord`."""
 
 _membership_encoder = msgspec.msgpack.Encoder()
 _membership_decoder = msgspec.msgpack.Decoder(MembershipRecord)

@@ -1,0 +1,192 @@
+"""The coordinator's quota controller: operator state and the L2 usage book, behind the
+service's lock.
+
+Owns the `core.quotas.OperatorState` (quotas, the default quota, pins) and the
+`core.salt_usage.SaltUsage` book, both changed only under `CoordinatorService.lock`, so
+a snapshot captures them consistent with the fleet state and its Kafka positions:
+
+- `observe(batch)`: the service calls it, under its lock, for every batch it applied
+  (the L2 half goes into the book);
+- `apply(op, position)`: an operator write, locally or from the Kafka log (with its
+  position, so a replayed op is skipped); every applied op is persisted at once to the
+  operator file (`quota_store`), as LMCache's coordinator saves its metadata document
+  after each write;
+- reads for the routes, the fleet page and metrics; `plan()` for the eviction loop;
+- `capture_usage()` for the snapshot writer (under the same lock as the fleet capture).
+
+Must not do network I/O or know HTTP (`http_quota` answers, `eviction_loop` sends).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvatlas.coordinator import quota_store
+from kvatlas.coordinator.quota_metrics import QuotaMetrics, QuotaSample
+from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.core.events import EventBatch
+from kvatlas.core.keys import ObjectKey
+from kvatlas.core.membership import InstanceInfo
+from kvatlas.core.quotas import OperatorOp, OperatorState, OpResult, PinnedKey
+from kvatlas.core.salt_usage import SaltPlan, SaltUsage, UsageCapture, delete_targets, eviction_plan
+from kvatlas.core.types import InstanceId, Tier
+
+log = logging.getLogger(__name__)
+
+_SCAN_STEP = 4096
+"""Directory keys summed per lock hold when L1 usage per salt is counted."""
+
+
+class EvictionRound:
+    """One sweep's plan: per salt what it loses, and per live server what it is told."""
+
+    def __init__(
+        self,
+        plans: list[SaltPlan],
+        targets: dict[InstanceId, list[ObjectKey]],
+        instances: dict[InstanceId, InstanceInfo],
+        orphans: int,
+    ) -> None:
+        self.plans = plans
+        self.targets = targets
+        self.instances = instances
+        self.orphans = orphans
+
+
+class QuotaController:
+    def __init__(
+        self,
+        service: CoordinatorService,
+        metrics: QuotaMetrics,
+        *,
+        operator_path: Path | None = None,
+        operator: OperatorState | None = None,
+        usage: SaltUsage | None = None,
+        ratio: float = 0.2,
+        watermark: float = 1.0,
+    ) -> None:
+        self._svc = service
+        self._lock = service.lock
+        self.metrics = metrics
+        self._operator_path = operator_path
+        self._write_lock = threading.Lock()
+        self.operator = operator if operator is not None else OperatorState()
+        self.usage = usage if usage is not None else SaltUsage()
+        self.ratio = ratio
+        self.watermark = watermark
+        service.observers.append(self.observe)
+        service.companion = self.capture_usage
+
+    # ---- state changes --------------------------------------------------------------
+
+    def observe(self, batch: EventBatch) -> None:
+        """An applied batch (called under the service lock)."""
+        self.usage.apply(batch)
+
+    def apply(
+        self, op: OperatorOp, position: tuple[str, int] | None = None, transport: str = "http"
+    ) -> OpResult:
+        """Apply one operator write and persist the operator state; a log's ``position``
+        also moves the service's consumer position (the record is consumed)."""
+        with self._lock:
+            result = self.operator.apply(op, position)
+            capture = self.operator.capture() if self._operator_path else None
+            if position is not None:
+                self._svc.positions[position[0]] = position[1]
+        if result.skipped:
+            log.info("Operator op %s at %s already applied; skipped", type(op).__name__, position)
+            return result
+        self.metrics.operator_writes.labels(op.__struct_config__.tag, transport).inc()
+        if capture is not None and self._operator_path is not None:
+            with self._write_lock:
+                quota_store.write_operator(self._operator_path, capture)
+        return result
+
+    # ---- reads ----------------------------------------------------------------------
+
+    def quota_config(self) -> int | None:
+        with self._lock:
+            return self.operator.default_limit_bytes
+
+    def salt_status(self, salt: str, tier: Tier) -> tuple[int | None, int]:
+        """(explicit limit of ``tier`` or None, usage of ``tier``) of one salt."""
+        if tier is Tier.L1:
+            return None, self.l1_bytes_by_salt().get(salt, 0)
+        with self._lock:
+            return self.operator.limits.get(salt), self.usage.salt_bytes(salt)
+
+    def status_rows(self, tier: Tier) -> tuple[int, dict[str, int], dict[str, int]]:
+        """(total bytes, bytes per salt, limits that apply) of ``tier``."""
+        if tier is Tier.L1:
+            by_salt = self.l1_bytes_by_salt()
+            return sum(by_salt.values()), by_salt, {}
+        with self._lock:
+            return (
+                self.usage.total_bytes,
+                self.usage.bytes_by_salt(),
+                dict(self.operator.limits),
+            )
+
+    def l1_bytes_by_salt(self) -> dict[str, int]:
+        """L1 bytes per salt, summed from the directory (which fences dead processes'
+        L1) in steps, so ingest waits for one step, not for the whole walk."""
+        d = self._svc.fleet.directory
+        with self._lock:
+            order = d.key_order()
+        out: dict[str, int] = {}
+        for start in range(0, len(order), _SCAN_STEP):
+            with self._lock:
+                rows = d.key_rows(order[start : start + _SCAN_STEP], Tier.L1)
+            for ns, _, placements in rows:
+                out[ns.cache_salt] = out.get(ns.cache_salt, 0) + sum(
+                    p.size_bytes for p in placements
+                )
+        return out
+
+    def pin_page(
+        self, cache_salt: str, model_name: str, offset: int, limit: int
+    ) -> tuple[int, list[PinnedKey]]:
+        with self._lock:
+            return self.operator.pin_page(cache_salt, model_name, offset, limit)
+
+    def unpinned(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
+        """The keys without a pin (a non-forced `POST /cache/delete` keeps the rest)."""
+        with self._lock:
+            return self.operator.unpinned(keys)
+
+    def sample(self) -> QuotaSample:
+        with self._lock:
+            return QuotaSample(
+                self.usage.bytes_by_salt(),
+                dict(self.operator.limits),
+                self.operator.default_limit_bytes,
+                self.operator.pinned_keys,
+                len(self.usage),
+            )
+
+    def pins_by_salt(self) -> dict[str, int]:
+        with self._lock:
+            return self.operator.pins_by_salt()
+
+    # ---- eviction -------------------------------------------------------------------
+
+    def plan(self) -> EvictionRound:
+        """This sweep's plan and who is told what (one lock hold)."""
+        with self._lock:
+            plans = eviction_plan(self.usage, self.operator, self.ratio, self.watermark)
+            if not plans:
+                return EvictionRound([], {}, {}, 0)
+            infos = {i.instance_id: i for i in self._svc.fleet.instances()}
+            targets, orphans = delete_targets(
+                self.usage, [k for p in plans for k in p.keys], sorted(infos)
+            )
+        return EvictionRound(plans, targets, {i: infos[i] for i in targets}, orphans)
+
+    # ---- durability -----------------------------------------------------------------
+
+    def capture_usage(self) -> UsageCapture:
+        """A copy of the usage book (the snapshot calls it under the service lock)."""
+        return self.usage.capture()

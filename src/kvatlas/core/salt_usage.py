@@ -1,0 +1,229 @@
+"""L2 bytes per ``cache_salt``, each salt's keys in least-recently-used order, and the
+eviction plan that keeps salts under their quotas.
+
+The key directory keeps 8-byte hash prefixes (hints for millions of keys); an eviction
+names full keys to the servers that hold them. So the L2 half of the event stream is
+also kept here, as LMCache 0.5.6's coordinator keeps it (``CacheUsageManager`` beside
+``IsolatedLRUEvictionPolicy``):
+
+- a placement is (key, owner, backend) with its size; ``owner`` is the reporting
+  instance, or "" for a shared pool (one copy, whoever reported it);
+- STORE upserts a placement and moves the key to its salt's most-recent end; ACCESS
+  moves a known key there; DELETE removes a placement, and the key leaves the order
+  only when its last L2 placement is gone (its other copies still count against the
+  quota, so it must stay evictable);
+- L2 bytes outlive their reporter: only DELETE removes them (no fencing).
+
+`eviction_plan` is LMCache's ``compute_eviction_plan`` as a pure function of this
+book, the operator state and the two knobs: for each tracked salt at or over
+``watermark * limit``, ``ratio`` of its keys by count (all for a limit of 0, at least
+one), least recently used first, pinned keys never.
+
+Pure: no I/O, no clock, no locks. The coordinator applies every admitted batch under
+its state lock (`apply`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import msgspec
+
+from kvatlas.core.events import EventBatch
+from kvatlas.core.keys import ObjectKey
+from kvatlas.core.quotas import OperatorState
+from kvatlas.core.types import EventType, InstanceId, Tier
+
+
+class Holder(msgspec.Struct, frozen=True):
+    """Who holds an L2 copy: ``owner`` "" for a shared pool (any live server reaches it)."""
+
+    owner: str
+    backend: str
+
+
+class SaltPlan(msgspec.Struct, frozen=True):
+    """The keys one salt is to lose in one sweep, and why."""
+
+    cache_salt: str
+    keys: list[ObjectKey]
+    evict_bytes: int
+    usage_bytes: int
+    limit_bytes: int
+
+
+class UsageCapture(msgspec.Struct, frozen=True, array_like=True):
+    """The durable form: every placement with its size, salts' keys in LRU order."""
+
+    placements: list[tuple[ObjectKey, str, str, int]]
+    order: list[ObjectKey]
+
+
+class SaltUsage:
+    """L2 placements' bytes per key and per salt, with each salt's LRU order."""
+
+    def __init__(self) -> None:
+        self._holders: dict[ObjectKey, dict[Holder, int]] = {}
+        self._salt_bytes: dict[str, int] = {}
+        self._order: dict[str, dict[ObjectKey, None]] = {}
+        self.total_bytes = 0
+
+    # ---- the one way in -----------------------------------------------------------
+
+    def apply(self, batch: EventBatch) -> int:
+        """Account one admitted batch (other tiers, CONFIG: nothing); returns the
+        number of placements it created or removed."""
+        if batch.tier is not Tier.L2 or batch.event_type is EventType.CONFIG:
+            return 0
+        changed = 0
+        if batch.event_type is EventType.ACCESS:
+            for entry in batch.all_entries():
+                self._touch(entry.key)
+            return 0
+        holder = Holder("" if batch.shared else batch.instance_id, batch.backend)
+        store = batch.event_type is EventType.STORE
+        for entry in batch.all_entries():
+            key = entry.key
+            if store:
+                changed += self._store(key, holder, entry.size_bytes)
+            else:
+                changed += self._delete(key, holder)
+        return changed
+
+    def _store(self, key: ObjectKey, holder: Holder, size: int) -> int:
+        holders = self._holders.get(key)
+        if holders is None:
+            holders = self._holders[key] = {}
+        old = holders.get(holder)
+        holders[holder] = size
+        self._add(key.cache_salt, size - (old or 0))
+        order = self._order.get(key.cache_salt)
+        if order is None:
+            order = self._order[key.cache_salt] = {}
+        order.pop(key, None)
+        order[key] = None
+        return 1 if old is None else 0
+
+    def _delete(self, key: ObjectKey, holder: Holder) -> int:
+        holders = self._holders.get(key)
+        if holders is None or holder not in holders:
+            return 0
+        self._add(key.cache_salt, -holders.pop(holder))
+        if not holders:
+            del self._holders[key]
+            order = self._order[key.cache_salt]
+            del order[key]
+            if not order:
+                del self._order[key.cache_salt]
+        return 1
+
+    def _touch(self, key: ObjectKey) -> None:
+        order = self._order.get(key.cache_salt)
+        if order is not None and key in order:
+            del order[key]
+            order[key] = None
+
+    def _add(self, salt: str, delta: int) -> None:
+        total = self._salt_bytes.get(salt, 0) + delta
+        self.total_bytes += delta
+        if total > 0:
+            self._salt_bytes[salt] = total
+        else:
+            self._salt_bytes.pop(salt, None)
+
+    # ---- reads --------------------------------------------------------------------
+
+    def salt_bytes(self, cache_salt: str) -> int:
+        return self._salt_bytes.get(cache_salt, 0)
+
+    def bytes_by_salt(self) -> dict[str, int]:
+        return dict(self._salt_bytes)
+
+    def key_bytes(self, key: ObjectKey) -> int:
+        return sum(self._holders.get(key, {}).values())
+
+    def holders(self, key: ObjectKey) -> list[Holder]:
+        """Who holds ``key`` in L2 (empty: nobody the book knows of)."""
+        return list(self._holders.get(key, ()))
+
+    def keys_of(self, cache_salt: str) -> list[ObjectKey]:
+        """The salt's keys, least recently used first."""
+        return list(self._order.get(cache_salt, ()))
+
+    def tracked_salts(self) -> list[str]:
+        return list(self._order)
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    # ---- durability ---------------------------------------------------------------
+
+    def capture(self) -> UsageCapture:
+        return UsageCapture(
+            [(k, h.owner, h.backend, n) for k, hs in self._holders.items() for h, n in hs.items()],
+            [k for order in self._order.values() for k in order],
+        )
+
+    @classmethod
+    def restore(cls, capture: UsageCapture) -> SaltUsage:
+        book = cls()
+        for key, owner, backend, size in capture.placements:
+            book._holders.setdefault(key, {})[Holder(owner, backend)] = size
+            book._add(key.cache_salt, size)
+        for key in capture.order:
+            if key in book._holders:
+                book._order.setdefault(key.cache_salt, {})[key] = None
+        for key in book._holders:  # a key the order missed goes to its salt's MRU end
+            book._order.setdefault(key.cache_salt, {}).setdefault(key, None)
+        return book
+
+
+def eviction_plan(
+    usage: SaltUsage, operator: OperatorState, ratio: float, watermark: float
+) -> list[SaltPlan]:
+    """What each salt over its quota loses in this sweep (see the module docstring)."""
+    plans = []
+    for salt in usage.tracked_salts():
+        current = usage.salt_bytes(salt)
+        if current <= 0:
+            continue
+        limit = operator.effective_limit(salt)
+        if limit is None or current < watermark * limit:
+            continue
+        effective = 1.0 if limit == 0 else max(0.0, min(1.0, ratio))
+        pool = usage.keys_of(salt)
+        target = int(len(pool) * effective)
+        if effective > 0 and target == 0:
+            target = 1
+        keys: list[ObjectKey] = []
+        for key in pool:
+            if len(keys) >= target:
+                break
+            if not operator.is_pinned(key):
+                keys.append(key)
+        if keys:
+            plans.append(SaltPlan(salt, keys, sum(map(usage.key_bytes, keys)), current, limit))
+    return plans
+
+
+def delete_targets(
+    usage: SaltUsage, keys: Iterable[ObjectKey], live: list[InstanceId]
+) -> tuple[dict[InstanceId, list[ObjectKey]], int]:
+    """Which live server is told to delete which keys: every owner of a private copy
+    that is live, and for a shared pool the first live server (sorted, so replicas
+    agree); also the number of keys nobody live holds (left for a later sweep)."""
+    alive = set(live)
+    first = min(live) if live else None
+    out: dict[InstanceId, list[ObjectKey]] = {}
+    orphans = 0
+    for key in keys:
+        sent = False
+        for h in usage.holders(key):
+            target = first if h.owner == "" else InstanceId(h.owner)
+            if target is not None and target in alive:
+                bucket = out.setdefault(target, [])
+                if not bucket or bucket[-1] != key:
+                    bucket.append(key)
+                sent = True
+        orphans += not sent
+    return out, orphans
