@@ -28,6 +28,8 @@ from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.fleet_page import FleetPage
 from kvatlas.coordinator.fleet_view import FleetView
 from kvatlas.coordinator.frontend import MembershipFrontend, Unavailable
+from kvatlas.coordinator.http_cache import CacheRoutes
+from kvatlas.coordinator.http_quota import QuotaRoutes, translate_refusal
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.openapi import openapi_document
 from kvatlas.coordinator.service import CoordinatorService
@@ -106,6 +108,9 @@ def _error(status: int, reason: str) -> HttpResponse:
 
 def translate_error(exc: Exception) -> HttpResponse | None:
     """The error tree as status codes with reasons; None for anything else (a bug)."""
+    refusal = translate_refusal(exc)  # the quota routes' answers, in LMCache's words
+    if refusal is not None:
+        return refusal
     if isinstance(exc, HttpError):
         return _error(exc.status, exc.reason)
     if isinstance(exc, Unavailable):
@@ -144,6 +149,8 @@ class CoordinatorApp:
         clock: Callable[[], float] = time.time,
         events_refusal: str = "",
         gc_pauses: GcPauses | None = None,
+        quotas: QuotaRoutes | None = None,
+        cache: CacheRoutes | None = None,
     ) -> None:
         """``events_refusal``: when set, `POST /events` answers 409 with it (with Kafka,
         events travel through the topic only, so that every replica sees them).
@@ -158,6 +165,8 @@ class CoordinatorApp:
         self._events_refusal = events_refusal
         self._openapi = _encoder.encode(openapi_document())
         self._page = FleetPage(FleetView(config, service, metrics, clock=clock))
+        self._quotas = quotas
+        self._cache = cache
         self._operator = OperatorCheck(config.operator_token)
 
     def router(self) -> Router:
@@ -178,6 +187,10 @@ class CoordinatorApp:
         r.add("GET", "/metrics", self.metrics, offload=always)
         r.add("GET", "/openapi.json", self.openapi)
         self._page.add_routes(r)
+        if self._quotas is not None:
+            self._quotas.add_routes(r)
+        if self._cache is not None:
+            self._cache.add_routes(r)
         return r
 
     def server(self) -> HttpServer:
