@@ -5,15 +5,19 @@ LMCache's stats and keys fields, metrics, and a restart from the snapshot."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from kvatlas.coordinator.app import Coordinator
+from kvatlas.core.errors import ConfigError
 from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.keys import ObjectKey, chunk_hashes, pack_kv_rank
 from kvatlas.core.types import EventType, InstanceId, Tier
-from support.coordinator import RunningCoordinator
-from tests.coordinator.events import json_body
+from support.coordinator import BASE, RunningCoordinator
+
+from .events import json_body
 
 GIB = 1024**3
 Start = Callable[..., RunningCoordinator]
@@ -305,12 +309,6 @@ def test_operator_writes_survive_a_crash_without_a_snapshot(
 
 
 def test_corrupt_operator_file_refuses_the_start(tmp_path: Path) -> None:
-    from dataclasses import replace
-
-    from kvatlas.coordinator.app import Coordinator
-    from kvatlas.core.errors import ConfigError
-    from support.coordinator import BASE
-
     (tmp_path / "c.snap.operator").write_bytes(b"KVATSNAP garbage")
     with pytest.raises(ConfigError, match=r"c\.snap\.operator"):
         Coordinator(replace(BASE, snapshot_path=str(tmp_path / "c.snap")))
