@@ -1,0 +1,147 @@
+"""The one list of intended differences between kvatlas' coordinator and LMCache 0.5.6's.
+
+Each entry names a difference the differential suite may meet, the routes it is on, what
+it excuses (field paths whose values may differ or be absent in kvatlas' answer, a
+status class that may differ for the requests ``when`` picks, or a body not compared),
+and why kvatlas answers differently. The comparator (``compare.py``) consults this list
+and nothing else: a difference that is not here fails the suite, and an entry no
+exchange of the coverage test uses fails it too (``test_routes.py``), so the list names
+what happens, no more. docs/deploy.md lists the same entries for users.
+
+A route kvatlas does not serve is never an intended difference.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request as the suite sends it to both coordinators. ``kv_path`` and
+    ``kv_body``, when set, replace path and body for kvatlas alone: for names each
+    coordinator generated itself (a prefetch's request id, a generated instance id)."""
+
+    method: str
+    path: str
+    body: bytes | None = None
+    kind: str = "valid"
+    """What the generator meant: "valid", or the name of the fault it put in."""
+    kv_path: str | None = None
+    kv_body: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Difference:
+    name: str
+    reason: str
+    routes: tuple[str, ...]
+    """Route templates (``routes.ROUTES``), or ``"*"`` for all."""
+    fields: tuple[str, ...] = ()
+    """Paths in LMCache's answer (``a.b``; ``a[]`` for a list's items) whose values may
+    differ, or be absent from kvatlas' answer."""
+    status: bool = False
+    """The status class may differ (for the requests ``when`` picks)."""
+    whole_body: bool = False
+    """The bodies are not compared at all (same status class still required)."""
+    when: Callable[[Call, int], bool] | None = None
+    """Picks the exchanges it applies to, by the request and LMCache's status."""
+
+
+def _failed(_call: Call, lm_status: int) -> bool:
+    return lm_status >= 400
+
+
+def _salted(call: Call) -> bool:
+    """A request in a salted namespace (its own salt, or a key's)."""
+    try:
+        obj = json.loads(call.body or b"{}")
+    except ValueError:
+        return False
+    if not isinstance(obj, dict):
+        return False
+    keys = obj.get("keys")
+    keys = keys if isinstance(keys, list) else []
+    return bool(obj.get("cache_salt")) or any(
+        isinstance(k, dict) and k.get("cache_salt") for k in keys
+    )
+
+
+def _kind(*kinds: str) -> Callable[[Call, int], bool]:
+    return lambda call, _status: call.kind in kinds
+
+
+DIFFERENCES: tuple[Difference, ...] = (
+    Difference(
+        "error-bodies",
+        "A refused request's reason: LMCache's FastAPI answers `detail` (a string, or "
+        "pydantic's list of error objects for 422) or `error`; kvatlas answers every "
+        'refusal as `{"error": reason}` naming the field, and 400 where FastAPI says 422. '
+        "The status class is compared; the words are not.",
+        ("*",),
+        whole_body=True,
+        when=_failed,
+    ),
+    Difference(
+        "metrics-names",
+        "Both serve Prometheus text on /metrics, each with its own metric names "
+        "(kvatlas_coordinator_*; LMCache's OpenTelemetry names).",
+        ("GET /metrics",),
+        whole_body=True,
+    ),
+    Difference(
+        "null-no-p2p",
+        'GET /instances writes "no P2P" as null; LMCache writes "" and 0. LMCache\'s P2P '
+        "controller reads both alike.",
+        ("GET /instances",),
+        fields=("instances[].p2p_advertised_url", "instances[].mq_port"),
+    ),
+    Difference(
+        "re-registered-remembers-ids",
+        "POST /instances' re_registered says whether the id was seen before, live or gone: "
+        "kvatlas remembers every id's highest incarnation to refuse stale processes. "
+        "LMCache's says whether a live registration was replaced; they differ for an id "
+        "registered again after it left. LMCache's server only logs the field.",
+        ("POST /instances",),
+        fields=("re_registered",),
+    ),
+    Difference(
+        "fixed-width-hashes",
+        "kvatlas keys are 32-byte chunk hashes (what LMCache's blake3 token hasher makes); "
+        "a chunk_hash_hex of another length is refused with 400 naming the field. LMCache "
+        "takes any even-length hex and stores a key no token lookup can produce.",
+        ("POST /events", "POST /directory/lookup"),
+        status=True,
+        when=_kind("short-hash"),
+    ),
+    Difference(
+        "blend-lookup-off",
+        "Without --enable-blend-lookup kvatlas answers POST /directory/blend-lookup with "
+        "404 naming the flag; LMCache answers an empty match list, which cannot be told "
+        'from "no fragment matched".',
+        ("POST /directory/blend-lookup",),
+        status=True,
+    ),
+    Difference(
+        "token-ids-per-key",
+        "kvatlas keeps a chunk's token ids with its key (model, salt, rank, hash), so a "
+        "lookup in one tenant's namespace never shows token ids another tenant's store "
+        "reported; LMCache indexes them by chunk hash alone, and a salted lookup of a "
+        "chunk only the unsalted tenant stored shows that tenant's tokens.",
+        ("POST /directory/lookup",),
+        fields=("results[].token_ids",),
+        when=lambda call, _status: _salted(call),
+    ),
+    Difference(
+        "shared-pool-bytes",
+        "A shared pool's used bytes are summed over the instances that report placements "
+        "in it; LMCache counts each key once.",
+        ("GET /instances/usage",),
+        fields=("shared_modules[].used_bytes", "shared_modules[].usage_ratio"),
+    ),
+)
+
+BY_NAME = {d.name: d for d in DIFFERENCES}
+assert len(BY_NAME) == len(DIFFERENCES), "difference names are unique"

@@ -1,0 +1,58 @@
+"""Every one of LMCache 0.5.6's 25 coordinator routes, answered alike by kvatlas or by a
+named, reasoned difference (``differences.py``): one hand-written scenario per route,
+sent to both coordinators, every exchange judged."""
+
+from __future__ import annotations
+
+import pytest
+
+from .differences import DIFFERENCES
+from .harness import Pair, Target, report
+from .ops import Run
+from .routes import ROUTES
+from .scenarios import SCENARIOS, TARGET_SCENARIOS
+
+pytestmark = [pytest.mark.lmcache]
+
+
+def run_scenario(route: str, pair: Pair, request: pytest.FixtureRequest) -> int:
+    since = len(pair.verdicts)
+    run = Run(pair)
+    try:
+        if route in TARGET_SCENARIOS:
+            target: Target = request.getfixturevalue("target")
+            TARGET_SCENARIOS[route](run, target)
+        else:
+            SCENARIOS[route](run)
+    finally:
+        run.close()
+    return since
+
+
+def test_every_route_has_a_scenario() -> None:
+    assert set(SCENARIOS) | set(TARGET_SCENARIOS) == set(ROUTES)
+    assert len(ROUTES) == 25
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_route_answered_alike(route: str, pair: Pair, request: pytest.FixtureRequest) -> None:
+    since = run_scenario(route, pair, request)
+    met = {v.exchange.route for v in pair.verdicts[since:]}
+    assert route in met, f"the scenario never sent {route}"
+    bad = pair.mismatches(since)
+    if bad:
+        pytest.fail(report(bad), pytrace=False)
+
+
+def test_every_listed_difference_is_met(pair: Pair, request: pytest.FixtureRequest) -> None:
+    """The list names what happens: each entry excuses something in the scenarios."""
+    since = len(pair.verdicts)
+    for fn in dict.fromkeys([*SCENARIOS.values()]):
+        run = Run(pair)
+        try:
+            fn(run)
+        finally:
+            run.close()
+    used = pair.used(since)
+    unused = sorted(d.name for d in DIFFERENCES if d.name not in used)
+    assert not unused, f"listed differences no exchange needed: {unused}"
