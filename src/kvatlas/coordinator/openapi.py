@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from kvatlas.coordinator import openapi_cache
 from kvatlas.wire.coordinator_views import KeysPage, ReadyResponse, StatsResponse
 from kvatlas.wire.fleet_view import FleetDocument
 from kvatlas.wire.http_api import (
@@ -113,7 +114,7 @@ _EVENTS_RULES = (
 
 def openapi_document() -> dict[str, Any]:
     """The whole document (paths + component schemas)."""
-    _, components = msgspec.json.schema_components(_TYPES, ref_template=_REF)
+    _, components = msgspec.json.schema_components(_TYPES + openapi_cache.TYPES, ref_template=_REF)
     instance_id = {
         "name": "instance_id",
         "in": "path",
@@ -265,6 +266,7 @@ def openapi_document() -> dict[str, Any]:
                 "responses": {**_ok(FleetDocument), **_errors(401)},
             }
         },
+        **openapi_cache.cache_paths(),
     }
     return {
         "openapi": "3.1.0",
