@@ -131,7 +131,7 @@ def compare(exchange: Exchange) -> Verdict:
     diffs = _applicable(route, exchange)
     lm_class, kv_class = status_class(exchange.lm_status), status_class(exchange.kv_status)
     if lm_class != kv_class:
-        excuse = next((d for d in diffs if d.status), None)
+        excuse = next((d for d in diffs if route in d.status), None)
         if excuse is None:
             verdict.mismatches.append(
                 Mismatch(

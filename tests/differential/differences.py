@@ -42,8 +42,9 @@ class Difference:
     fields: tuple[str, ...] = ()
     """Paths in LMCache's answer (``a.b``; ``a[]`` for a list's items) whose values may
     differ, or be absent from kvatlas' answer."""
-    status: bool = False
-    """The status class may differ (for the requests ``when`` picks)."""
+    status: tuple[str, ...] = ()
+    """Routes (of ``routes``) whose status class may differ (for the requests ``when``
+    picks)."""
     whole_body: bool = False
     """The bodies are not compared at all (same status class still required)."""
     when: Callable[[Call, int], bool] | None = None
@@ -113,16 +114,18 @@ DIFFERENCES: tuple[Difference, ...] = (
         "a chunk_hash_hex of another length is refused with 400 naming the field. LMCache "
         "takes any even-length hex and stores a key no token lookup can produce.",
         ("POST /events", "POST /directory/lookup"),
-        status=True,
+        status=("POST /events", "POST /directory/lookup"),
         when=_kind("short-hash"),
     ),
     Difference(
         "blend-lookup-off",
         "Without --enable-blend-lookup kvatlas answers POST /directory/blend-lookup with "
-        "404 naming the flag; LMCache answers an empty match list, which cannot be told "
-        'from "no fragment matched".',
-        ("POST /directory/blend-lookup",),
-        status=True,
+        "404 naming the flag, and its stats' `blend` is null (there is no index); LMCache "
+        'answers an empty match list, which cannot be told from "no fragment matched", '
+        "and the counts of an empty index.",
+        ("POST /directory/blend-lookup", "GET /directory/stats"),
+        status=("POST /directory/blend-lookup",),
+        fields=("blend",),
     ),
     Difference(
         "token-ids-per-key",
