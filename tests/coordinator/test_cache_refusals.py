@@ -11,9 +11,8 @@ import httpx
 import pytest
 
 from kvatlas.runtime.procs import free_port
+from support.cache_fleet import CHUNK, MODEL, prompt
 from support.coordinator import RunningCoordinator
-
-from .cache_fleet import CHUNK, MODEL, prompt
 
 Start = Callable[..., RunningCoordinator]
 

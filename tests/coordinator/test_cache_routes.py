@@ -13,10 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvatlas.runtime.procs import free_ports
-from support.coordinator import RunningCoordinator
-from support.wait import wait_until
-
-from .cache_fleet import (
+from support.cache_fleet import (
     CHUNK,
     MODEL,
     Node,
@@ -27,6 +24,8 @@ from .cache_fleet import (
     start_node,
     wait_placements,
 )
+from support.coordinator import RunningCoordinator
+from support.wait import wait_until
 
 Start = Callable[..., RunningCoordinator]
 

@@ -188,7 +188,7 @@ class CacheControl:
             try:
                 check_key_fields(wire.model_name, wire.cache_salt, wire.object_group_id)
                 parsed.append(wire.to_core())
-            except InvalidInput as exc:
+            except (InvalidInput, InvalidRequest) as exc:
                 raise InvalidRequest(f"keys[{i}]: {exc}") from None
         on_l1 = tier in ("l1", "all")
         on_l2 = tier in ("l2", "all")
@@ -226,7 +226,7 @@ class CacheControl:
         )
         if error is not None:
             return DeleteObjectsResponse(l1 + l2, skipped, False, error)
-        return DeleteObjectsResponse(l1 + l2, skipped)
+        return DeleteObjectsResponse(l1 + l2, skipped, True)
 
     def _l2_named(self, adapter: str | None) -> None:
         l2 = self._store.l2

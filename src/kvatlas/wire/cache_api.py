@@ -62,7 +62,7 @@ class DeleteObjectsResponse(msgspec.Struct, frozen=True, omit_defaults=True):
 
     deleted: int
     skipped: int
-    ok: bool = True
+    ok: bool
     error: str | None = None
 
 
