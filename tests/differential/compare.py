@@ -204,8 +204,13 @@ def _walk(
             miss("not a list")
             return
         if len(lm) != len(kv):
-            a = [json.dumps(x, sort_keys=True) for x in lm]
-            b = [json.dumps(x, sort_keys=True) for x in kv]
+            order = unordered.get(path)
+            if order is not None:  # name the items by what identifies them
+                a = ["/".join(_sort_key(x, order)) for x in lm]
+                b = ["/".join(_sort_key(x, order)) for x in kv]
+            else:
+                a = [json.dumps(x, sort_keys=True) for x in lm]
+                b = [json.dumps(x, sort_keys=True) for x in kv]
             only_lm = [x for x in a if x not in b][:2]
             only_kv = [x for x in b if x not in a][:2]
             miss(f"length {len(lm)} vs {len(kv)}", only_lm, only_kv)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import struct
+import time
 from collections.abc import Callable
 
 from .differences import Call
@@ -275,12 +276,9 @@ def prefetch_scenario(run: Run, target: Target) -> None:
 def delete_scenario(run: Run, target: Target) -> None:
     target_instance(run, target)
     toks = tokens(run_base(run), 2)
-    stored = target.engine.call("store", toks)
-    assert stored["ok"], stored
-    # each coordinator's delete finds the chunks stored (restored before each side)
+    # each coordinator's delete finds the chunks stored (stored again before each side)
     run.pair.send(
-        run_call("POST", "/cache/delete", run, toks, "l1"),
-        before=lambda: target.engine.call("store", toks),
+        run_call("POST", "/cache/delete", run, toks, "l1"), before=lambda: restore(target, toks)
     )
     run.delete(1, toks, tier="l1")  # gone: nothing affected
     run.delete(1, toks, tier="l1", force=True)
@@ -289,6 +287,18 @@ def delete_scenario(run: Run, target: Target) -> None:
     run.delete(2, toks)  # unreachable
     run.delete(9, toks, kind="unknown-id")
     run.delete(1, toks, tier="l4", kind="invalid")
+
+
+def restore(target: Target, toks: list[int]) -> None:
+    """Store ``toks`` on the server and wait until its lookup hits every chunk (a store
+    is acknowledged before the server's L1 holds it)."""
+    answer = target.engine.call("store", toks)
+    assert answer["ok"], answer
+    want = (len(toks) - 1) // CHUNK
+    deadline = time.monotonic() + 10
+    while target.engine.call("fetch", toks)["hit"] < want:
+        assert time.monotonic() < deadline, "the server never held the chunks it stored"
+        time.sleep(0.02)
 
 
 def run_call(method: str, path: str, run: Run, toks: list[int], tier: str) -> Call:
