@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvatlas.connector.client import CacheClient
 from kvatlas.runtime.procs import free_ports
 from support.cache_fleet import (
     CHUNK,
@@ -237,3 +238,30 @@ def wait_metric(coord: RunningCoordinator, needle: str) -> None:
         what=f"{needle} in /metrics",
         timeout=10,
     )
+
+
+def test_delete_reaches_every_object_group_the_directory_knows(
+    coord: RunningCoordinator, node: Node
+) -> None:
+    """Tokens resolve to object group 0; copies in other groups that the directory lists
+    are deleted too (LMCache's ``get_keys_across_object_groups``)."""
+    tokens = prompt(2, seed=8)
+    g0 = node.client()
+    g1 = CacheClient(node.engine_url, timeout_s=10.0, engine_id="eng-g1")
+    node.clients.append(g1)
+    g1.register(MODEL, "float16", (2, 2, 8), chunk_size=CHUNK, object_group_id=1)
+    assert g0.store_chunks(tokens, data(2, 8)).stored == 2
+    assert g1.store_chunks(tokens, data(2, 9)).stored == 2
+    body = {"token_ids": tokens, "model_name": MODEL, "object_group_id": 1}
+    wait_until(
+        lambda: coord.client.post("/directory/lookup", json=body).json()["results"],
+        lambda rs: all(r["placements"] for r in rs),
+        what="group 1's placements",
+        timeout=20,
+    )
+    r = coord.client.post(
+        "/cache/delete",
+        json={"instance_id": "node-a", "model_name": MODEL, "world_size": 1, "token_ids": tokens},
+    )
+    assert r.json() == {**_shape("deleted", 2), "affected": 4, "skipped": 0}, r.text
+    assert g0.lookup(tokens).hit_chunks == 0 and g1.lookup(tokens).hit_chunks == 0

@@ -196,7 +196,46 @@ class CacheRoutes:
         except InvalidInput as exc:
             raise Refused(400, str(exc)) from exc
         hashes = self._svc.hash_tokens(token_ids)
-        return rank_keys(hashes, model_name, world_size, cache_salt), len(hashes)
+        keys = rank_keys(hashes, model_name, world_size, cache_salt)
+        return self._across_object_groups(keys), len(hashes)
+
+    def _across_object_groups(self, keys: list[ObjectKey]) -> list[ObjectKey]:
+        """Each key followed by its stored copies in other object groups (LMCache's
+        ``get_keys_across_object_groups``: servers started with separate object groups
+        store a chunk once per group), in ascending group order."""
+        if not keys:
+            return keys
+        first = keys[0]
+        ranks = {k.kv_rank for k in keys}
+        d = self._svc.fleet.directory
+        with self._svc.lock:
+            groups = sorted(
+                {
+                    ns.object_group_id
+                    for ns in d.namespaces()
+                    if ns.object_group_id != 0
+                    and ns.model_name == first.model_name
+                    and ns.cache_salt == first.cache_salt
+                    and ns.kv_rank in ranks
+                }
+            )
+        if not groups:
+            return keys
+        held: set[ObjectKey] = set()
+        for g in groups:
+            candidates = [msgspec.structs.replace(k, object_group_id=g) for k in keys]
+            with self._svc.lock:
+                results = d.lookup_keys(candidates)
+            held.update(r.key for r in results if r.placements)
+        out: list[ObjectKey] = []
+        for k in keys:
+            out.append(k)
+            out += [
+                other
+                for g in groups
+                if (other := msgspec.structs.replace(k, object_group_id=g)) in held
+            ]
+        return out
 
     # ---- routes ----------------------------------------------------------------------
 

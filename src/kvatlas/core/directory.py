@@ -633,6 +633,10 @@ class KeyDirectory:
         """Every key with its placements, filtered; the hash is the stored 8-byte prefix."""
         yield from self.key_rows(list(self._map), tier, instance_id, backend)
 
+    def namespaces(self) -> list[Namespace]:
+        """Every namespace that holds a key now."""
+        return [self._namespaces[i] for i in self._ns_ids.values()]
+
     def key_order(self) -> list[int]:
         """Every key's id, in insertion order: a copy (one C-level pass), so a caller
         can walk it in steps while the directory changes in between."""
