@@ -211,3 +211,23 @@ def test_usage_equals_a_simple_model(
         order = sorted((t, kk) for kk, t in recency.items() if kk.cache_salt == salt)
         assert u.keys_of(salt) == [kk for _, kk in order]
     assert u.total_bytes == sum(sizes.values())
+
+
+def test_keys_nobody_live_can_delete_are_passed_over() -> None:
+    u = SaltUsage()
+    u.apply(ev(EventType.STORE, [k(1), k(2)], iid="gone"))
+    u.apply(ev(EventType.STORE, [k(3), k(4)], iid="s1"))
+    ops = OperatorState()
+    ops.apply(SetQuota("a", 0))
+    (plan,) = eviction_plan(u, ops, 0.5, 1.0, lambda key: key in (k(3), k(4)))
+    assert plan.keys == [k(3), k(4)]  # a full sweep (limit 0), without the orphans
+    assert eviction_plan(u, ops, 0.5, 1.0, lambda key: False) == []
+
+
+def test_forget_owner_drops_its_private_copies_only() -> None:
+    u = SaltUsage()
+    u.apply(ev(EventType.STORE, [k(1), k(2)], iid="gone"))
+    u.apply(ev(EventType.STORE, [k(2)], iid="s1"))
+    u.apply(ev(EventType.STORE, [k(5)], iid="gone", shared=True))
+    assert u.forget_owner("gone") == 2
+    assert u.keys_of("a") == [k(2), k(5)] and u.salt_bytes("a") == 200

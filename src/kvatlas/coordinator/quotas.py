@@ -78,6 +78,7 @@ class QuotaController:
         self.ratio = ratio
         self.watermark = watermark
         service.observers.append(self.observe)
+        service.drop_observers.append(self.forget)
         service.companion = self.capture_usage
 
     # ---- state changes --------------------------------------------------------------
@@ -85,6 +86,12 @@ class QuotaController:
     def observe(self, batch: EventBatch) -> None:
         """An applied batch (called under the service lock)."""
         self.usage.apply(batch)
+
+    def forget(self, instance_id: InstanceId) -> None:
+        """An instance lost every placement (called under the service lock)."""
+        n = self.usage.forget_owner(instance_id)
+        if n:
+            log.info("Forgot %d L2 placements of %s (gone for good)", n, instance_id)
 
     def apply(
         self, op: OperatorOp, position: tuple[str, int] | None = None, transport: str = "http"
@@ -176,10 +183,16 @@ class QuotaController:
     def plan(self) -> EvictionRound:
         """This sweep's plan and who is told what (one lock hold)."""
         with self._lock:
-            plans = eviction_plan(self.usage, self.operator, self.ratio, self.watermark)
+            infos = {i.instance_id: i for i in self._svc.fleet.instances()}
+
+            def deletable(key: ObjectKey) -> bool:
+                return any(
+                    h.owner in infos or (h.owner == "" and infos) for h in self.usage.holders(key)
+                )
+
+            plans = eviction_plan(self.usage, self.operator, self.ratio, self.watermark, deletable)
             if not plans:
                 return EvictionRound([], {}, {}, 0)
-            infos = {i.instance_id: i for i in self._svc.fleet.instances()}
             targets, orphans = delete_targets(
                 self.usage, [k for p in plans for k in p.keys], sorted(infos)
             )

@@ -90,6 +90,9 @@ class CoordinatorService:
         self._unknown_types: set[str] = set()
         self.observers: list[Callable[[EventBatch], None]] = []
         """Called under the lock with every batch applied (the quota controller's book)."""
+        self.drop_observers: list[Callable[[InstanceId], None]] = []
+        """Called under the lock with every instance whose placements of every tier were
+        dropped (its L2 retention ran out, or it never registered)."""
         self.companion: Callable[[], msgspec.Struct] | None = None
         """State kept beside the fleet's, captured in the same lock hold by `snapshot_parts`
         (the L2 usage book)."""
@@ -251,6 +254,7 @@ class CoordinatorService:
         """Expire every instance silent for longer than the timeout (single coordinator)."""
         with self.lock:
             fenced = self.fleet.expire(now)
+            self._dropped(fenced)
         for f in fenced:
             self._log_expiry(f)
         return fenced
@@ -260,6 +264,7 @@ class CoordinatorService:
         (replicas: the time of the record they apply)."""
         with self.lock:
             dropped = self.fleet.expire_departed(now)
+            self._dropped(dropped)
         for f in dropped:
             self._log_fence(f)
         return dropped
@@ -292,6 +297,7 @@ class CoordinatorService:
         with this condition, so a heartbeat that overtook the expiry wins everywhere)."""
         with self.lock:
             fenced = self.fleet.expire_instance(instance_id, incarnation, last_seen)
+            self._dropped([] if fenced is None else [fenced])
             self._advance(position)
         if fenced is not None:
             self._log_expiry(fenced)
@@ -310,6 +316,13 @@ class CoordinatorService:
             declarations = fl.capacity.declarations()
             registered = {i.instance_id for i in fl.instances()}
         return fleet_usage(owners, declarations, registered)
+
+    def _dropped(self, fenced: Sequence[Fenced]) -> None:
+        """Tell the drop observers (under the lock) of instances that lost every tier."""
+        for f in fenced:
+            if f.reason in (FenceReason.L2_RETENTION, FenceReason.EXPIRED_UNREGISTERED):
+                for observe in self.drop_observers:
+                    observe(f.instance_id)
 
     def _log_expiry(self, f: Fenced) -> None:
         if f.reason is FenceReason.L2_RETENTION:

@@ -25,7 +25,7 @@ its state lock (`apply`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
@@ -117,6 +117,16 @@ class SaltUsage:
                 del self._order[key.cache_salt]
         return 1
 
+    def forget_owner(self, owner: str) -> int:
+        """Drop every private L2 placement of ``owner`` (an instance gone for good, whose
+        placements the directory dropped too); one pass over the book. Returns how many."""
+        gone = [
+            (key, h) for key, holders in self._holders.items() for h in holders if h.owner == owner
+        ]
+        for key, h in gone:
+            self._delete(key, h)
+        return len(gone)
+
     def _touch(self, key: ObjectKey) -> None:
         order = self._order.get(key.cache_salt)
         if order is not None and key in order:
@@ -179,9 +189,16 @@ class SaltUsage:
 
 
 def eviction_plan(
-    usage: SaltUsage, operator: OperatorState, ratio: float, watermark: float
+    usage: SaltUsage,
+    operator: OperatorState,
+    ratio: float,
+    watermark: float,
+    deletable: Callable[[ObjectKey], bool] | None = None,
 ) -> list[SaltPlan]:
-    """What each salt over its quota loses in this sweep (see the module docstring)."""
+    """What each salt over its quota loses in this sweep (see the module docstring).
+    ``deletable``: whether some live server can delete a key; keys it refuses are passed
+    over like pinned ones (their bytes still count), so copies nobody can reach do not
+    take every sweep's share forever."""
     plans = []
     for salt in usage.tracked_salts():
         current = usage.salt_bytes(salt)
@@ -199,7 +216,7 @@ def eviction_plan(
         for key in pool:
             if len(keys) >= target:
                 break
-            if not operator.is_pinned(key):
+            if not operator.is_pinned(key) and (deletable is None or deletable(key)):
                 keys.append(key)
         if keys:
             plans.append(SaltPlan(salt, keys, sum(map(usage.key_bytes, keys)), current, limit))
