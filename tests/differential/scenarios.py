@@ -63,6 +63,7 @@ def membership(run: Run) -> None:
     run.deregister(2)
     run.deregister(2)  # idempotent
     run.get("/instances")
+    run.register(2)  # the id again, after it left
     for bad in (
         {"instance_id": run.iid(3), "http_port": 1},
         {"instance_id": run.iid(3), "ip": "", "http_port": 1},
@@ -118,6 +119,9 @@ def usage(run: Run) -> None:
     base = run_base(run)
     _store_chain(run, 1, tokens(base, 2))
     _store_chain(run, 1, tokens(base, 1), tier="l2", backend="fs")
+    shared = _store_chain(run, 2, tokens(base + 50_000, 2), tier="l2", backend="s3", shared=True)
+    run.register(3)
+    run.place(3, "store", shared, tier="l2", backend="s3", shared=True)  # one pool, two reporters
     run.get("/instances/usage")
     run.get(f"/instances/{run.iid(1)}/usage")
     run.get(f"/instances/{run.iid(2)}/usage")

@@ -68,7 +68,11 @@ def kafka_pair(
         "--kafka-partitioner", "consistent_random",
     )  # fmt: skip
     producer = Producer(
-        {"bootstrap.servers": kafka_broker.bootstrap, "partitioner": "consistent_random"}
+        {
+            "bootstrap.servers": kafka_broker.bootstrap,
+            "partitioner": "consistent_random",
+            "log_level": 2,  # no reconnect noise once the session's broker has stopped
+        }
     )
     try:
         lm.wait()

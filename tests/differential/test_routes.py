@@ -4,6 +4,8 @@ sent to both coordinators, every exchange judged."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from .differences import DIFFERENCES
@@ -42,6 +44,13 @@ def test_route_answered_alike(route: str, pair: Pair, request: pytest.FixtureReq
     bad = pair.mismatches(since)
     if bad:
         pytest.fail(report(bad), pytrace=False)
+
+
+def test_every_listed_difference_is_documented() -> None:
+    """docs/deploy.md lists the same differences for users."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "deploy.md").read_text()
+    missing = [d.name for d in DIFFERENCES if f"`{d.name}`" not in doc]
+    assert not missing, f"not in docs/deploy.md: {missing}"
 
 
 def test_every_listed_difference_is_met(pair: Pair, request: pytest.FixtureRequest) -> None:
