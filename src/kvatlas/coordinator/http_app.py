@@ -164,7 +164,12 @@ class CoordinatorApp:
         self._clock = clock
         self._events_refusal = events_refusal
         self._openapi = _encoder.encode(openapi_document())
-        self._page = FleetPage(FleetView(config, service, metrics, clock=clock))
+        quota_view = (
+            None
+            if quotas is None
+            else lambda: quotas.controller.fleet_view(config.eviction_check_interval)
+        )
+        self._page = FleetPage(FleetView(config, service, metrics, clock=clock, quotas=quota_view))
         self._quotas = quotas
         self._cache = cache
         self._operator = OperatorCheck(config.operator_token)

@@ -162,6 +162,10 @@ class QuotaRoutes:
         self._log = log
         self._operator = operator
 
+    @property
+    def controller(self) -> QuotaController:
+        return self._ctl
+
     def add_routes(self, r: Router) -> None:
         r.add("PUT", "/quota/config", self.set_config)
         r.add("GET", "/quota/config", self.get_config)

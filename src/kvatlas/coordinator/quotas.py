@@ -33,6 +33,7 @@ from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.quotas import OperatorOp, OperatorState, OpResult, PinnedKey
 from kvatlas.core.salt_usage import SaltPlan, SaltUsage, UsageCapture, delete_targets, eviction_plan
 from kvatlas.core.types import InstanceId, Tier
+from kvatlas.wire.fleet_view import QuotasView, SaltQuotaView
 
 log = logging.getLogger(__name__)
 
@@ -174,9 +175,24 @@ class QuotaController:
                 len(self.usage),
             )
 
-    def pins_by_salt(self) -> dict[str, int]:
+    def fleet_view(self, eviction_interval_s: float) -> QuotasView:
+        """Every salt with usage, a quota or pins: usage against its limit (the page)."""
         with self._lock:
-            return self.operator.pins_by_salt()
+            op = self.operator
+            usage = self.usage.bytes_by_salt()
+            pins = op.pins_by_salt()
+            salts = sorted(set(usage) | set(op.limits) | set(pins))
+            return QuotasView(
+                op.default_limit_bytes,
+                op.pinned_keys,
+                [
+                    SaltQuotaView(
+                        s, usage.get(s, 0), op.limits.get(s), op.effective_limit(s), pins.get(s, 0)
+                    )
+                    for s in salts
+                ],
+                eviction_interval_s,
+            )
 
     # ---- eviction -------------------------------------------------------------------
 
