@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from kvatlas.coordinator import openapi_cache
+from kvatlas.coordinator import openapi_cache, openapi_quota
 from kvatlas.wire.coordinator_views import KeysPage, ReadyResponse, StatsResponse
 from kvatlas.wire.fleet_view import FleetDocument
 from kvatlas.wire.http_api import (
@@ -114,7 +114,9 @@ _EVENTS_RULES = (
 
 def openapi_document() -> dict[str, Any]:
     """The whole document (paths + component schemas)."""
-    _, components = msgspec.json.schema_components(_TYPES + openapi_cache.TYPES, ref_template=_REF)
+    _, components = msgspec.json.schema_components(
+        _TYPES + openapi_cache.TYPES + openapi_quota.TYPES, ref_template=_REF
+    )
     instance_id = {
         "name": "instance_id",
         "in": "path",
@@ -267,6 +269,7 @@ def openapi_document() -> dict[str, Any]:
             }
         },
         **openapi_cache.cache_paths(),
+        **openapi_quota.quota_paths(),
     }
     return {
         "openapi": "3.1.0",
