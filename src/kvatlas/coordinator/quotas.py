@@ -147,11 +147,9 @@ class QuotaController:
         out: dict[str, int] = {}
         for start in range(0, len(order), _SCAN_STEP):
             with self._lock:
-                rows = d.key_rows(order[start : start + _SCAN_STEP], Tier.L1)
-            for ns, _, placements in rows:
-                out[ns.cache_salt] = out.get(ns.cache_salt, 0) + sum(
-                    p.size_bytes for p in placements
-                )
+                by_ns = d.tier_bytes(order[start : start + _SCAN_STEP], Tier.L1)
+            for ns, n in by_ns.items():
+                out[ns.cache_salt] = out.get(ns.cache_salt, 0) + n
         return out
 
     def pin_page(

@@ -675,6 +675,23 @@ class KeyDirectory:
                 rows.append((ns, (ik & HASH_MASK).to_bytes(8, "big"), placements))
         return rows
 
+    def tier_bytes(self, ids: Iterable[int], tier: Tier) -> dict[Namespace, int]:
+        """Bytes of ``tier`` placements per namespace, over the keys of ``ids`` (what
+        the quota routes sum per salt, read from the codes without making placements)."""
+        tier_oids = {oid for oid, o in enumerate(self._owners) if o.tier is tier}
+        out: dict[int, int] = {}
+        for ik in ids:
+            cur = self._map.get(ik)
+            if cur is None:
+                continue
+            if isinstance(cur, int):
+                n = cur & SIZE_MASK if cur >> SIZE_BITS in tier_oids else 0
+            else:
+                n = sum(c & SIZE_MASK for c in cur if c >> SIZE_BITS in tier_oids)
+            if n:
+                out[ik >> HASH_BITS] = out.get(ik >> HASH_BITS, 0) + n
+        return {self._namespaces[ns]: b for ns, b in out.items()}
+
     # ---- stats, digest, snapshot -----------------------------------------------------
 
     def __len__(self) -> int:
