@@ -298,7 +298,7 @@ class CacheRoutes:
         touches_l2 = body.tier in ("l2", "all")
         send = keys
         if touches_l2 and not body.force and self._pins is not None:
-            send = self._pins.unpinned(keys)
+            send = await asyncio.to_thread(self._pins.unpinned, keys)  # under the state lock
         pin_skipped = len(keys) - len(send)
         affected = skipped = 0
         if send:
