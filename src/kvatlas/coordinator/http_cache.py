@@ -256,7 +256,14 @@ class CacheRoutes:
                 route, f"prefetch submit to {body.instance_id!r}", exc
             ) from exc
         self._metrics.requests.labels(route, "noop" if got.status == "noop" else "ok").inc()
-        return _json(PrefetchResponse(body.instance_id, got.status, got.request_id, got.chunks))
+        return _json(
+            PrefetchResponse(
+                instance_id=body.instance_id,
+                request_id=got.request_id,
+                chunks=got.chunks,
+                status=got.status,
+            )
+        )
 
     async def prefetch_status(self, request: HttpRequest) -> HttpResponse:
         route = "prefetch_status"
@@ -294,7 +301,7 @@ class CacheRoutes:
             raise
         if not chunks:
             self._metrics.requests.labels(route, "noop").inc()
-            return _json(DeleteResponse(body.instance_id, "noop"))
+            return _json(DeleteResponse(instance_id=body.instance_id, status="noop"))
         touches_l2 = body.tier in ("l2", "all")
         send = keys
         if touches_l2 and not body.force and self._pins is not None:
@@ -335,5 +342,11 @@ class CacheRoutes:
             (time.perf_counter() - t0) * 1000,
         )
         return _json(
-            DeleteResponse(body.instance_id, "deleted", chunks, affected, skipped + pin_skipped)
+            DeleteResponse(
+                instance_id=body.instance_id,
+                requested=chunks,
+                affected=affected,
+                skipped=skipped + pin_skipped,
+                status="deleted",
+            )
         )

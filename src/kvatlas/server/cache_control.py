@@ -320,7 +320,7 @@ class CacheControl:
         hashes = chunk_hashes(token_ids, self._chunk_size)
         if not hashes:
             self._count_prefetch("noop")
-            return NodePrefetchResponse(0, "noop")
+            return NodePrefetchResponse(chunks=0, status="noop")
         keys = rank_keys(hashes, model_name, world_size, cache_salt)
         request_id = uuid.uuid4().hex
         with self._lock:
@@ -341,7 +341,7 @@ class CacheControl:
             self._jobs[request_id] = job
             self._stats.prefetches["submitted"] = self._stats.prefetches.get("submitted", 0) + 1
         future.add_done_callback(lambda _: self._finished(job))
-        return NodePrefetchResponse(len(hashes), "submitted", request_id)
+        return NodePrefetchResponse(request_id=request_id, chunks=len(hashes), status="submitted")
 
     def prefetch_status(self, request_id: str) -> NodePrefetchStatus:
         with self._lock:

@@ -94,13 +94,13 @@ class NodePrefetchRequest(msgspec.Struct, frozen=True):
     target_tier: CacheTier = "l1"
 
 
-class NodePrefetchResponse(msgspec.Struct, frozen=True, omit_defaults=True):
+class NodePrefetchResponse(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     """``{"request_id", "chunks", "status": "submitted"}`` or ``{"chunks": 0, "status":
     "noop"}`` (a sequence shorter than one chunk)."""
 
+    request_id: str = ""
     chunks: int
     status: str
-    request_id: str = ""
 
 
 class NodePrefetchStatus(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -145,13 +145,14 @@ class PrefetchRequest(msgspec.Struct, frozen=True):
     cache_salt: str = ""
 
 
-class PrefetchResponse(msgspec.Struct, frozen=True):
-    """``request_id`` is the server's job id, empty when ``status`` is ``noop``."""
+class PrefetchResponse(msgspec.Struct, frozen=True, kw_only=True):
+    """``request_id`` is the server's job id, empty when ``status`` is ``noop``. Fields
+    in LMCache's order."""
 
     instance_id: str
-    status: str
     request_id: str = ""
     chunks: int = 0
+    status: str
 
 
 class DeleteRequest(msgspec.Struct, frozen=True):
@@ -167,16 +168,16 @@ class DeleteRequest(msgspec.Struct, frozen=True):
     force: bool = False
 
 
-class DeleteResponse(msgspec.Struct, frozen=True):
+class DeleteResponse(msgspec.Struct, frozen=True, kw_only=True):
     """``requested``: chunks the tokens resolved to; ``affected``: keys the server
     removed; ``skipped``: keys refused (L1 locks the server reported, plus L2 keys held
-    back for a pin)."""
+    back for a pin). Fields in LMCache's order."""
 
     instance_id: str
-    status: str
     requested: U63 = 0
     affected: U63 = 0
     skipped: U63 = 0
+    status: str
 
 
 def keys_wire(keys: list[ObjectKey]) -> list[KeyWire]:
