@@ -424,19 +424,21 @@ class CoordinatorApp:
             raise HttpError(400, f"need 0 <= offset <= {MAX_INT64} and 1 <= limit <= {_MAX_PAGE}")
         tier_name = q.get("tier")
         tier = None
-        if tier_name is not None:
+        if tier_name is not None and tier_name != "all":  # LMCache's "all": no filter
             try:
                 tier = Tier(tier_name)
             except ValueError as exc:
-                raise HttpError(400, f"tier must be l1 or l2, got {tier_name!r}") from exc
-        instance = q.get("instance")
+                raise HttpError(400, f"tier must be l1, l2 or all, got {tier_name!r}") from exc
+        # ``instance_id`` is LMCache's name of the filter; empty filters nothing (and
+        # ``backend`` alike), as in LMCache.
+        instance = q.get("instance") or q.get("instance_id") or None
         return _json(
             self._svc.keys_page(
                 offset,
                 limit,
                 tier,
                 None if instance is None else InstanceId(instance),
-                q.get("backend"),
+                q.get("backend") or None,
             )
         )
 

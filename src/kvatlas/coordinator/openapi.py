@@ -128,8 +128,9 @@ def openapi_document() -> dict[str, Any]:
         for n, s in (
             ("offset", {"type": "integer", "minimum": 0}),
             ("limit", {"type": "integer", "minimum": 1, "maximum": 10000}),
-            ("tier", {"type": "string", "enum": ["l1", "l2"]}),
+            ("tier", {"type": "string", "enum": ["l1", "l2", "all"]}),
             ("instance", {"type": "string"}),
+            ("instance_id", {"type": "string", "description": "LMCache's name of `instance`"}),
             ("backend", {"type": "string"}),
         )
     ]

@@ -517,6 +517,7 @@ class CoordinatorService:
             cursors = dict(fl.cursors)
             live = len(fl.membership)
             provisional = sorted(fl.provisional())
+            active = [i.instance_id for i in fl.instances()] + provisional
             blend = fl.blend_stats()
             declarations = fl.capacity.declarations()
             keep_tokens = fl.directory.keep_tokens
@@ -533,6 +534,7 @@ class CoordinatorService:
             digest=capture.digest() if capture is not None else None,
             positions=positions,
             redact=redact,
+            active=active,
         )
 
     def keys_page(

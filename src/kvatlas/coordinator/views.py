@@ -67,6 +67,7 @@ def stats_response(
     digest: str | None,
     positions: dict[str, int],
     redact: bool = False,
+    active: Sequence[str] = (),
 ) -> StatsResponse:
     """``redact``: each cursor's incarnation and last seq as null (see `CursorView`)."""
     return StatsResponse(
@@ -110,7 +111,7 @@ def stats_response(
         token_ids=TokenIdsView(stats.token_keys, stats.token_bytes) if keep_tokens else None,
         num_keys=stats.keys,
         num_placements=stats.placements,
-        l1_keys_by_instance=_l1_by_instance(stats),
+        l1_keys_by_instance=_l1_by_instance(stats, cursors, active),
         l1_count=stats.placements_by_tier.get("l1", 0),
         l1_size_bytes=stats.bytes_by_tier.get("l1", 0),
         l2_count=stats.placements_by_tier.get("l2", 0),
@@ -118,8 +119,13 @@ def stats_response(
     )
 
 
-def _l1_by_instance(stats: DirectoryStats) -> dict[str, int]:
-    out: dict[str, int] = {}
+def _l1_by_instance(
+    stats: DirectoryStats, cursors: dict[InstanceId, Cursor], active: Sequence[str]
+) -> dict[str, int]:
+    """L1 placements per instance, as LMCache lists them: every instance whose events
+    were applied and that was not fenced since (live or provisional here), 0 when it
+    holds none."""
+    out: dict[str, int] = {iid: 0 for iid in active if iid in cursors}
     for o in stats.owners:
         if o.tier is Tier.L1 and not o.shared:
             out[o.instance_id] = out.get(o.instance_id, 0) + o.placements
