@@ -262,6 +262,14 @@ def test_stats_and_keys_carry_lmcache_fields(rc: RunningCoordinator) -> None:
     assert rc.client.get("/directory/keys", params={"tier": "l2"}).json()["total"] == 1
     filtered = rc.client.get("/directory/keys", params={"instance": "s2", "limit": 1}).json()
     assert filtered["total"] == 2 and len(filtered["keys"]) == 1
+    # LMCache's names: instance_id, tier=all; an empty filter filters nothing.
+    lm = {"instance_id": "s1", "tier": "all", "backend": ""}
+    assert rc.client.get("/directory/keys", params=lm).json()["total"] == 2
+    # An instance whose L1 keys all went is listed with 0 until it is fenced.
+    store(rc, "s1", 2, [salted(1, "a"), salted(2, "a")], tier=Tier.L1, event=EventType.DELETE)
+    assert rc.stats()["l1_keys_by_instance"] == {"s1": 0, "s2": 1}
+    rc.client.delete("/instances/s1")
+    assert rc.stats()["l1_keys_by_instance"] == {"s2": 1}
 
 
 def test_metrics_show_usage_quota_and_pins(rc: RunningCoordinator) -> None:
