@@ -53,19 +53,25 @@ class SaltPlan(msgspec.Struct, frozen=True):
 
 
 class UsageCapture(msgspec.Struct, frozen=True, array_like=True):
-    """The durable form: every placement with its size, salts' keys in LRU order."""
+    """The durable form: every placement with its size, in LRU order within its salt
+    (a key's copies together)."""
 
     placements: list[tuple[ObjectKey, str, str, int]]
-    order: list[ObjectKey]
+    order: list[ObjectKey] = []
+    """Unused (the placements' order is the LRU order); kept so files read alike."""
 
 
 class SaltUsage:
-    """L2 placements' bytes per key and per salt, with each salt's LRU order."""
+    """L2 placements' bytes per key and per salt, with each salt's LRU order.
+
+    One ordered dict per salt maps each key to its holders' sizes: its order is the
+    LRU order (a store or read moves the key to the end), so an upsert costs two
+    lookups of the key, not four."""
 
     def __init__(self) -> None:
-        self._holders: dict[ObjectKey, dict[Holder, int]] = {}
+        self._salts: dict[str, dict[ObjectKey, dict[Holder, int]]] = {}
         self._salt_bytes: dict[str, int] = {}
-        self._order: dict[str, dict[ObjectKey, None]] = {}
+        self._keys = 0
         self.total_bytes = 0
 
     # ---- the one way in -----------------------------------------------------------
@@ -86,64 +92,67 @@ class SaltUsage:
 
     def _store_many(self, pairs: Iterable[tuple[ObjectKey, int]], holder: Holder) -> int:
         """Upsert ``holder``'s copies; one pass, salt totals added once per salt (the
-        hot path of L2 ingest: every dict is looked up once per key)."""
-        holders_of = self._holders
-        orders = self._order
+        hot path of L2 ingest)."""
+        salts = self._salts
         deltas: dict[str, int] = {}
         created = 0
         for key, size in pairs:
-            holders = holders_of.get(key)
+            salt = key.cache_salt
+            order = salts.get(salt)
+            if order is None:
+                order = salts[salt] = {}
+            holders = order.pop(key, None)
             if holders is None:
-                holders_of[key] = {holder: size}
-                old = 0
+                order[key] = {holder: size}
+                self._keys += 1
                 created += 1
+                old = 0
             else:
+                order[key] = holders
                 prev = holders.get(holder)
                 holders[holder] = size
                 if prev is None:
                     created += 1
                 old = prev or 0
-            salt = key.cache_salt
             if size != old:
                 deltas[salt] = deltas.get(salt, 0) + size - old
-            order = orders.get(salt)
-            if order is None:
-                order = orders[salt] = {}
-            else:
-                order.pop(key, None)
-            order[key] = None
         for salt, delta in deltas.items():
             self._add(salt, delta)
         return created
 
     def _delete(self, key: ObjectKey, holder: Holder) -> int:
-        holders = self._holders.get(key)
-        if holders is None or holder not in holders:
+        order = self._salts.get(key.cache_salt)
+        holders = None if order is None else order.get(key)
+        if order is None or holders is None or holder not in holders:
             return 0
         self._add(key.cache_salt, -holders.pop(holder))
         if not holders:
-            del self._holders[key]
-            order = self._order[key.cache_salt]
             del order[key]
+            self._keys -= 1
             if not order:
-                del self._order[key.cache_salt]
+                del self._salts[key.cache_salt]
         return 1
 
     def forget_owner(self, owner: str) -> int:
         """Drop every private L2 placement of ``owner`` (an instance gone for good, whose
         placements the directory dropped too); one pass over the book. Returns how many."""
         gone = [
-            (key, h) for key, holders in self._holders.items() for h in holders if h.owner == owner
+            (key, h)
+            for order in self._salts.values()
+            for key, holders in order.items()
+            for h in holders
+            if h.owner == owner
         ]
         for key, h in gone:
             self._delete(key, h)
         return len(gone)
 
     def _touch(self, key: ObjectKey) -> None:
-        order = self._order.get(key.cache_salt)
-        if order is not None and key in order:
-            del order[key]
-            order[key] = None
+        order = self._salts.get(key.cache_salt)
+        if order is not None:
+            holders = order.pop(key, None)
+            if holders is not None:
+                order[key] = holders
 
     def _add(self, salt: str, delta: int) -> None:
         total = self._salt_bytes.get(salt, 0) + delta
@@ -161,42 +170,51 @@ class SaltUsage:
     def bytes_by_salt(self) -> dict[str, int]:
         return dict(self._salt_bytes)
 
+    def _holders_of(self, key: ObjectKey) -> dict[Holder, int]:
+        return self._salts.get(key.cache_salt, {}).get(key, {})
+
     def key_bytes(self, key: ObjectKey) -> int:
-        return sum(self._holders.get(key, {}).values())
+        return sum(self._holders_of(key).values())
 
     def holders(self, key: ObjectKey) -> list[Holder]:
         """Who holds ``key`` in L2 (empty: nobody the book knows of)."""
-        return list(self._holders.get(key, ()))
+        return list(self._holders_of(key))
 
     def keys_of(self, cache_salt: str) -> list[ObjectKey]:
         """The salt's keys, least recently used first."""
-        return list(self._order.get(cache_salt, ()))
+        return list(self._salts.get(cache_salt, ()))
 
     def tracked_salts(self) -> list[str]:
-        return list(self._order)
+        return list(self._salts)
 
     def __len__(self) -> int:
-        return len(self._holders)
+        return self._keys
 
     # ---- durability ---------------------------------------------------------------
 
     def capture(self) -> UsageCapture:
+        """Placements salt by salt, each salt's keys in LRU order (the order is theirs)."""
         return UsageCapture(
-            [(k, h.owner, h.backend, n) for k, hs in self._holders.items() for h, n in hs.items()],
-            [k for order in self._order.values() for k in order],
+            [
+                (k, h.owner, h.backend, n)
+                for order in self._salts.values()
+                for k, hs in order.items()
+                for h, n in hs.items()
+            ],
+            [],
         )
 
     @classmethod
     def restore(cls, capture: UsageCapture) -> SaltUsage:
         book = cls()
         for key, owner, backend, size in capture.placements:
-            book._holders.setdefault(key, {})[Holder(owner, backend)] = size
+            order = book._salts.setdefault(key.cache_salt, {})
+            holders = order.get(key)
+            if holders is None:
+                holders = order[key] = {}
+                book._keys += 1
+            holders[Holder(owner, backend)] = size
             book._add(key.cache_salt, size)
-        for key in capture.order:
-            if key in book._holders:
-                book._order.setdefault(key.cache_salt, {})[key] = None
-        for key in book._holders:  # a key the order missed goes to its salt's MRU end
-            book._order.setdefault(key.cache_salt, {}).setdefault(key, None)
         return book
 
 
