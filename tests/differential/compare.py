@@ -166,9 +166,11 @@ def _sort_key(item: Any, fields: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _excused(path: str, diffs: list[Difference], verdict: Verdict) -> bool:
+def _excused(
+    path: str, diffs: list[Difference], verdict: Verdict, lm: Any = None, kv: Any = None
+) -> bool:
     for d in diffs:
-        if _covers(d, path):
+        if _covers(d, path) and (d.accept is None or d.accept(lm, kv)):
             verdict.used.add(d.name)
             return True
     return False
@@ -184,7 +186,7 @@ def _walk(
     unordered: dict[str, tuple[str, ...]],
 ) -> None:
     def miss(what: str, a: Any = lm, b: Any = kv) -> None:
-        if not _excused(path, diffs, verdict):
+        if not _excused(path, diffs, verdict, lm, kv):
             verdict.mismatches.append(Mismatch(route, path, what, a, b))
 
     if isinstance(lm, dict):
@@ -194,7 +196,7 @@ def _walk(
         for name, value in lm.items():
             sub = f"{path}.{name}" if path else name
             if name not in kv:
-                if not _excused(sub, diffs, verdict):
+                if not _excused(sub, diffs, verdict, value, None):
                     verdict.mismatches.append(Mismatch(route, sub, "missing", value, None))
                 continue
             _walk(route, sub, value, kv[name], diffs, verdict, unordered)
@@ -204,13 +206,7 @@ def _walk(
             miss("not a list")
             return
         if len(lm) != len(kv):
-            order = unordered.get(path)
-            if order is not None:  # name the items by what identifies them
-                a = ["/".join(_sort_key(x, order)) for x in lm]
-                b = ["/".join(_sort_key(x, order)) for x in kv]
-            else:
-                a = [json.dumps(x, sort_keys=True) for x in lm]
-                b = [json.dumps(x, sort_keys=True) for x in kv]
+            a, b = [_ident(x) for x in lm], [_ident(x) for x in kv]
             only_lm = [x for x in a if x not in b][:2]
             only_kv = [x for x in b if x not in a][:2]
             miss(f"length {len(lm)} vs {len(kv)}", only_lm, only_kv)
@@ -237,6 +233,22 @@ def _walk(
         return
     if not _same(lm, kv):
         miss("value")
+
+
+def _ident(item: Any) -> str:
+    """What names a list item in a report: its key, instance (and tier), salt, or tier."""
+    if not isinstance(item, dict):
+        return json.dumps(item, sort_keys=True)
+    if isinstance(item.get("key"), dict):
+        return f"key {str(item['key'].get('chunk_hash_hex'))[:16]}"
+    if "instance_id" in item:
+        where = f" {item['tier']}/{item.get('backend')}" if "tier" in item else ""
+        return f"{item['instance_id']}{where}"
+    if "cache_salt" in item:
+        return f"salt {item['cache_salt']!r}"
+    if "tier" in item:
+        return f"{item['tier']}/{item.get('backend')}"
+    return json.dumps(item, sort_keys=True)
 
 
 def _number(v: Any) -> bool:

@@ -50,8 +50,8 @@ class Run:
     attempted: set[str] = field(default_factory=set)
     """Every id a registration named, refused or not: undone too (where one coordinator
     took a registration the other refused, both forget it)."""
-    placed: dict[tuple[str, str, str, bool], set[str]] = field(default_factory=dict)
-    """(instance, tier, backend, shared) -> hashes of this run's placements there."""
+    placed: dict[tuple[str, str, str, bool, str], set[str]] = field(default_factory=dict)
+    """(instance, tier, backend, shared, salt) -> hashes of this run's placements there."""
     salts: set[str] = field(default_factory=set)
     unnamed: list[tuple[str, str]] = field(default_factory=list)
     pins: Counter[tuple[tuple[int, ...], str]] = field(default_factory=Counter)
@@ -131,8 +131,7 @@ class Run:
         iid = self.iid(n)
         s = self.streams.setdefault(iid, Stream())
         if seq is None:
-            s.seq += 1
-            seq = s.seq
+            seq = s.seq + 1
         out = {
             "instance_id": iid,
             "incarnation": s.incarnation,
@@ -150,7 +149,15 @@ class Run:
         return out
 
     def events(self, *batches: dict[str, Any], kind: str = "valid") -> Exchange:
-        return self.send("POST", "/events", {"batches": list(batches)}, kind)
+        """One body of batches; where LMCache's gate took it (200), each stream's next
+        seq follows the highest seq it saw of it."""
+        ex = self.send("POST", "/events", {"batches": list(batches)}, kind)
+        if ex.lm_status == 200:
+            for b in batches:
+                s = self.streams.get(str(b.get("instance_id")))
+                if s is not None and isinstance(b.get("seq"), int):
+                    s.seq = max(s.seq, b["seq"])
+        return ex
 
     def config(
         self, n: int, tier: str, backend: str, capacity: int, revision: int, shared: bool = False
@@ -200,7 +207,7 @@ class Run:
         )
         ex = self.events(b)
         if ex.lm_status == 200 and event_type in ("store", "delete"):
-            spot = self.placed.setdefault((self.iid(n), tier, backend, shared), set())
+            spot = self.placed.setdefault((self.iid(n), tier, backend, shared, salt), set())
             if event_type == "store":
                 spot.update(hashes)
             else:
@@ -349,12 +356,12 @@ class Run:
 
     def close(self) -> None:
         """Undo this run at both coordinators (sent raw: not judged)."""
-        for (iid, tier, backend, shared), hashes in self.placed.items():
+        for (iid, tier, backend, shared, salt), hashes in self.placed.items():
             if hashes:
                 s = self.streams[iid]
                 s.seq += 1
                 entries = [
-                    {"key": self.key(h), "size_bytes": 0, "token_ids": [], "token_offset": -1}
+                    {"key": self.key(h, salt), "size_bytes": 0, "token_ids": [], "token_offset": -1}
                     for h in sorted(hashes)
                 ]
                 b = {

@@ -128,6 +128,15 @@ def usage(run: Run) -> None:
     run.get(f"/instances/{run.iid(8)}/usage", kind="unknown-id")
     run.deregister(1)  # L2 bytes outlive the process: still listed, unregistered
     run.get(f"/instances/{run.iid(1)}/usage")
+    # a sender that never registered stores in L2, then leaves
+    kept = _store_chain(run, 6, tokens(base + 80_000, 2), tier="l2", backend="fs")
+    run.send("DELETE", f"/instances/{run.iid(6)}")
+    gone = "after-unregistered-left"
+    run.lookup_keys(kept, kind=gone)
+    run.get(f"/instances/{run.iid(6)}/usage", kind=gone)
+    run.get("/instances/usage", kind=gone)
+    run.get(f"/directory/keys?instance_id={run.iid(6)}", kind=gone)
+    run.place(6, "delete", kept, tier="l2", backend="fs")  # LMCache's go the same way
 
 
 @scenario("POST /directory/lookup")
