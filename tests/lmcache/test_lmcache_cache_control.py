@@ -10,7 +10,8 @@ poll ``GET /cache/prefetches/mp-c/{request_id}`` (a warm load from L2 into L1) a
 ``POST /cache/delete`` per tier; the answers must be the same, and the server's DELETE
 and STORE events must reach both directories alike.
 
-The tests run in file order and share the fleet.
+The tests run in file order and share the fleet. The last one turns it round: LMCache's
+coordinator drives a kvatlas server, as kvatlas' coordinator does.
 """
 
 from __future__ import annotations
@@ -22,11 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
+from kvatlas.connector.client import CacheClient
+from kvatlas.runtime.procs import HOST
+from support.services import start_server_process
 from support.wait import wait_until
 
 from .fleet import (
+    CHUNK,
     MODEL,
     WAIT_S,
     Engine,
@@ -125,16 +131,7 @@ def prefetch(coord: Coord, tokens: list[int] = PROMPT) -> dict[str, Any]:
 
 
 def poll(coord: Coord, request_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        r = coord.http.get(f"/cache/prefetches/mp-c/{request_id}")
-        assert r.status_code == 200, (type(coord).__name__, r.text)
-        body: dict[str, Any] = r.json()
-        if body["status"] == "completed":
-            return body
-        assert body["status"] == "pending", body
-        assert time.monotonic() < deadline, "the prefetch never completed"
-        time.sleep(0.05)
+    return poll_at(coord, "mp-c", request_id)
 
 
 def test_stored_chunks_reach_l2(fleet: Fleet) -> None:
@@ -227,3 +224,72 @@ def test_unknown_instance_is_a_404_at_both(fleet: Fleet) -> None:
             r = coord.http.post(path, json=body)
             assert r.status_code == 404, (path, r.text)
             assert "nobody" in r.json()["detail"]
+
+
+def test_lmcaches_coordinator_drives_a_kvatlas_server_alike(fleet: Fleet, tmp_path: Path) -> None:
+    """The other way round: a kvatlas server, known to LMCache's coordinator by the
+    registration it makes (ip, http_port), serves LMCache's coordinator's prefetch and
+    delete as kvatlas' coordinator's. Chunks of 64 KiB in an L1 of 256 KiB: storing
+    seven demotes the first three to the server's L2."""
+    node = start_server_process(
+        tmp_path, "kv-s",
+        "--chunk-size", str(CHUNK), "--l1-size-gb", str(2**18 / 2**30),
+        "--l2-path", str(tmp_path / "l2"), "--l2-size-gb", "0.01",
+        "--coordinator-url", fleet.kv.url, "--event-flush-interval", "0.05",
+    )  # fmt: skip
+    engine = CacheClient(node.engine_url, timeout_s=10, engine_id="kv-s-engine")
+    try:
+        r = fleet.lm.http.post(
+            "/instances", json={"instance_id": "kv-s", "ip": HOST, "http_port": node.http_port}
+        )
+        assert r.status_code == 200, r.text
+        engine.register(MODEL, "float16", (2, 2, 8), chunk_size=CHUNK)
+        tokens = prompt(70_000, 3)
+        blobs = [np.full(64 * 1024, i, np.uint8) for i in range(7)]
+        assert engine.store_chunks(tokens, blobs[:3]).stored == 3
+        engine.store_chunks(prompt(80_000, 4), blobs[3:])
+        wait_until(
+            lambda: held(fleet.kv, tokens),
+            lambda got: got == [["kv-s/l2"]] * 3,
+            what="the prompt in kv-s's L2",
+            timeout=WAIT_S,
+        )
+        body = {"instance_id": "kv-s", "model_name": MODEL, "world_size": 1, "token_ids": tokens}
+        answers = {}
+        for coord in fleet.coordinators:
+            sub = coord.http.post("/cache/prefetches", json=body)
+            assert sub.status_code == 200, sub.text
+            done = poll_at(coord, "kv-s", sub.json()["request_id"])
+            answers[type(coord).__name__] = (sub.json()["chunks"], done["found_keys"])
+        assert set(answers.values()) == {(3, 3)}, answers
+        assert engine.lookup(tokens, acquire=False).hit_chunks == 3
+        mine = fleet.kv.http.post("/cache/delete", json={**body, "tier": "l1"}).json()
+        theirs = fleet.lm.http.post("/cache/delete", json={**body, "tier": "l1"}).json()
+        assert (mine["affected"], theirs["affected"]) == (3, 0), (mine, theirs)
+        assert {k: v for k, v in mine.items() if k != "affected"} == {
+            k: v for k, v in theirs.items() if k != "affected"
+        }
+        theirs = fleet.lm.http.post("/cache/delete", json={**body, "tier": "all"}).json()
+        assert (theirs["requested"], theirs["affected"], theirs["skipped"]) == (3, 3, 0), theirs
+        wait_until(
+            lambda: held(fleet.kv, tokens),
+            lambda got: got == [[]] * 3,
+            what="kv-s's DELETE events at kvatlas' coordinator",
+            timeout=WAIT_S,
+        )
+    finally:
+        engine.close()
+        fleet.lm.http.delete("/instances/kv-s")
+        assert node.stop() == 0, node.tail()
+
+
+def poll_at(coord: Coord, iid: str, request_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        r = coord.http.get(f"/cache/prefetches/{iid}/{request_id}")
+        assert r.status_code == 200, (type(coord).__name__, r.text)
+        out: dict[str, Any] = r.json()
+        if out["status"] == "completed":
+            return out
+        assert time.monotonic() < deadline, "the prefetch never completed"
+        time.sleep(0.05)
