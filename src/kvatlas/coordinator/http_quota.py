@@ -116,6 +116,10 @@ def _tier(request: HttpRequest) -> Tier | str:
     name = request.query.get("tier", "l2")
     if name not in _TIERS:
         raise Refused(422, f"tier must be one of l1, l2, all; got {name!r}")
+    return _tier_of(name)
+
+
+def _tier_of(name: str) -> Tier | str:
     return "all" if name == "all" else Tier(name)
 
 
@@ -183,17 +187,14 @@ class QuotaRoutes:
             self._ctl.metrics.operator_refusals.labels("auth").inc()
             raise Refused(403, "quota and pin writes need the operator token")
 
-    async def _submit(self, op: OperatorOp) -> OpResult:
-        return await self._log.submit(op)
-
     # ---- quota config -----------------------------------------------------------------
 
     async def set_config(self, request: HttpRequest) -> HttpResponse:
         self._check_operator(request)
         body = _decode(QuotaConfigRequest, request.body)
-        _require_quota_tier(Tier(body.tier) if body.tier != "all" else "all")
+        _require_quota_tier(_tier_of(body.tier))
         limit = None if body.default_limit_gb is None else _limit_bytes(body.default_limit_gb)
-        await self._submit(SetDefaultQuota(limit))
+        await self._log.submit(SetDefaultQuota(limit))
         return _json(QuotaConfigResponse(body.default_limit_gb))
 
     def get_config(self, request: HttpRequest) -> HttpResponse:
@@ -206,9 +207,9 @@ class QuotaRoutes:
     async def set_quota(self, request: HttpRequest) -> HttpResponse:
         self._check_operator(request)
         body = _decode(SetQuotaRequest, request.body)
-        _require_quota_tier(Tier(body.tier) if body.tier != "all" else "all")
+        _require_quota_tier(_tier_of(body.tier))
         salt = salt_from_path(request.path_params["cache_salt"])
-        await self._submit(SetQuota(salt, _limit_bytes(body.limit_gb)))
+        await self._log.submit(SetQuota(salt, _limit_bytes(body.limit_gb)))
         return _json(QuotaResponse(salt, body.limit_gb, "ok"))
 
     async def delete_quota(self, request: HttpRequest) -> HttpResponse:
@@ -220,7 +221,7 @@ class QuotaRoutes:
     async def _delete(self, request: HttpRequest, salt: str) -> HttpResponse:
         self._check_operator(request)
         _require_quota_tier(_tier(request))
-        result = await self._submit(DeleteQuota(salt))
+        result = await self._log.submit(DeleteQuota(salt))
         return _json(QuotaResponse(salt, 0.0, "removed" if result.found else "not_found"))
 
     def get_status(self, request: HttpRequest) -> HttpResponse:
@@ -261,7 +262,7 @@ class QuotaRoutes:
         self._check_operator(request)
         body = _decode(PinRequest, request.body)
         keys, chunks = await asyncio.to_thread(self.resolve, body)
-        await self._submit(Pin(tuple(keys)) if pin else Unpin(tuple(keys)))
+        await self._log.submit(Pin(tuple(keys)) if pin else Unpin(tuple(keys)))
         return _json(PinResponse(chunks, len(keys), "pinned" if pin else "unpinned"))
 
     def resolve(self, body: PinRequest) -> tuple[list[ObjectKey], int]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvatlas.coordinator import quota_store
@@ -41,20 +42,15 @@ _SCAN_STEP = 4096
 """Directory keys summed per lock hold when L1 usage per salt is counted."""
 
 
+@dataclass(frozen=True, slots=True)
 class EvictionRound:
     """One sweep's plan: per salt what it loses, and per live server what it is told."""
 
-    def __init__(
-        self,
-        plans: list[SaltPlan],
-        targets: dict[InstanceId, list[ObjectKey]],
-        instances: dict[InstanceId, InstanceInfo],
-        orphans: int,
-    ) -> None:
-        self.plans = plans
-        self.targets = targets
-        self.instances = instances
-        self.orphans = orphans
+    plans: list[SaltPlan]
+    targets: dict[InstanceId, list[ObjectKey]]
+    instances: dict[InstanceId, InstanceInfo]
+    orphans: int
+    """Planned keys no live server holds (a server left between plan and send)."""
 
 
 class QuotaController:

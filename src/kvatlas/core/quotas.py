@@ -21,7 +21,7 @@ Pure: no I/O, no clock, no locks (the shell holds one).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import msgspec
 
@@ -225,8 +225,3 @@ class OperatorState:
                 state._pins[k] = state._pins.get(k, 0) + pinned.pin_count
         state.positions = dict(capture.positions)
         return state
-
-
-def unique_keys(keys: Sequence[ObjectKey]) -> list[ObjectKey]:
-    """``keys`` without repeats, in order."""
-    return list(dict.fromkeys(keys))
