@@ -7,7 +7,8 @@ directory, one eviction plan, and the quota and pin routes at a large directory.
   the key-block form kvatlas' servers send), with the quota controller's book and
   without it (the controller's observer is the only difference);
 - one `eviction_plan` over ``--keys`` L2 keys in ``--salts`` salts, every salt over its
-  quota (ratio 0.2: a fifth of the keys planned);
+  quota (ratio 0.2: a fifth of the keys planned, all of one salt whose quota is 0):
+  the time the coordinator's state lock is held for it, the worst case of a sweep;
 - the routes over a real coordinator's HTTP (one keep-alive client, sequential):
   ``PUT /quota/{salt}``, ``GET /quota`` (L2, from the book), ``GET /quota?tier=l1``
   (summed from the directory in steps), ``POST /cache/pins`` (4,096 tokens),
@@ -83,7 +84,7 @@ def plan_seconds(bs: list[EventBatch], salts: int) -> tuple[float, int]:
     for i in range(salts):
         ops.apply(SetQuota(f"tenant-{i}", 0 if i == 0 else CHUNK_BYTES))
     t0 = time.perf_counter()
-    plans = eviction_plan(usage, ops, 0.2, 1.0)
+    plans = eviction_plan(usage, ops, 0.2, 1.0, {"s1"})
     return time.perf_counter() - t0, sum(len(p.keys) for p in plans)
 
 
@@ -103,12 +104,15 @@ def timed(n: int, call: Callable[[], httpx.Response]) -> dict[str, float]:
 
 
 def routes(keys: int, salts: int, requests: int) -> dict[str, dict[str, float]]:
-    coord = Coordinator(CoordinatorConfig(host=HOST, port=0, eviction_check_interval=0))
+    # The sender never registers: it stays (provisional) for the instance timeout.
+    config = CoordinatorConfig(host=HOST, port=0, eviction_check_interval=0, instance_timeout=3600)
+    coord = Coordinator(config)
     svc = coord.service
+    now = time.time()
     for b in batches(keys // 2, salts):
-        svc.ingest([b], 0.0)
+        svc.ingest([b], now)
     for b in batches(keys // 2, salts, Tier.L1, seed=4):
-        svc.ingest([msgspec_replace_seq(b, b.seq + 100_000)], 0.0)
+        svc.ingest([msgspec_replace_seq(b, b.seq + keys)], now)
     port = coord.bind()
     t = threading.Thread(target=coord.run, daemon=True)
     t.start()

@@ -219,9 +219,11 @@ def test_keys_nobody_live_can_delete_are_passed_over() -> None:
     u.apply(ev(EventType.STORE, [k(3), k(4)], iid="s1"))
     ops = OperatorState()
     ops.apply(SetQuota("a", 0))
-    (plan,) = eviction_plan(u, ops, 0.5, 1.0, lambda key: key in (k(3), k(4)))
-    assert plan.keys == [k(3), k(4)]  # a full sweep (limit 0), without the orphans
-    assert eviction_plan(u, ops, 0.5, 1.0, lambda key: False) == []
+    u.apply(ev(EventType.STORE, [k(6)], iid="gone", shared=True))  # any live server
+    (plan,) = eviction_plan(u, ops, 0.5, 1.0, {"s1"})
+    assert plan.keys == [k(3), k(4), k(6)]  # a full sweep (limit 0), without the orphans
+    assert plan.evict_bytes == 300
+    assert eviction_plan(u, ops, 0.5, 1.0, set()) == []
 
 
 def test_forget_owner_drops_its_private_copies_only() -> None:

@@ -191,21 +191,28 @@ class QuotaController:
     # ---- eviction -------------------------------------------------------------------
 
     def plan(self) -> EvictionRound:
-        """This sweep's plan and who is told what (one lock hold)."""
+        """This sweep's plan and who is told what: one lock hold per salt (a plan walks
+        the keys it picks: ~1.3 us each, 0.4 s for 300,000), so ingest and lookups wait
+        for one salt's share, not the sweep's."""
         with self._lock:
             infos = {i.instance_id: i for i in self._svc.fleet.instances()}
-
-            def deletable(key: ObjectKey) -> bool:
-                return any(
-                    h.owner in infos or (h.owner == "" and infos) for h in self.usage.holders(key)
+            salts = self.usage.tracked_salts()
+        live = sorted(infos)
+        plans: list[SaltPlan] = []
+        targets: dict[InstanceId, list[ObjectKey]] = {}
+        orphans = 0
+        for salt in salts:
+            with self._lock:
+                got = eviction_plan(
+                    self.usage, self.operator, self.ratio, self.watermark, infos, salts=[salt]
                 )
-
-            plans = eviction_plan(self.usage, self.operator, self.ratio, self.watermark, deletable)
-            if not plans:
-                return EvictionRound([], {}, {}, 0)
-            targets, orphans = delete_targets(
-                self.usage, [k for p in plans for k in p.keys], sorted(infos)
-            )
+                if not got:
+                    continue
+                sent, lost = delete_targets(self.usage, got[0].keys, live)
+            plans += got
+            orphans += lost
+            for iid, keys in sent.items():
+                targets.setdefault(iid, []).extend(keys)
         return EvictionRound(plans, targets, {i: infos[i] for i in targets}, orphans)
 
     # ---- durability -----------------------------------------------------------------

@@ -25,7 +25,7 @@ its state lock (`apply`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 
 import msgspec
 
@@ -184,6 +184,11 @@ class SaltUsage:
         """The salt's keys, least recently used first."""
         return list(self._salts.get(cache_salt, ()))
 
+    def lru(self, cache_salt: str) -> Mapping[ObjectKey, Mapping[Holder, int]]:
+        """The salt's keys with their holders' sizes, least recently used first: a view
+        for the caller to walk under its lock (no copy)."""
+        return self._salts.get(cache_salt, {})
+
     def tracked_salts(self) -> list[str]:
         return list(self._salts)
 
@@ -235,14 +240,19 @@ def eviction_plan(
     operator: OperatorState,
     ratio: float,
     watermark: float,
-    deletable: Callable[[ObjectKey], bool] | None = None,
+    live: Collection[str] | None = None,
+    *,
+    salts: Iterable[str] | None = None,
 ) -> list[SaltPlan]:
     """What each salt over its quota loses in this sweep (see the module docstring).
-    ``deletable``: whether some live server can delete a key; keys it refuses are passed
-    over like pinned ones (their bytes still count), so copies nobody can reach do not
-    take every sweep's share forever."""
+    ``live``: the servers that can be asked (None: any copy can be deleted); a key with
+    no copy they reach is passed over like a pinned one (its bytes still count), so
+    copies nobody can reach do not take every sweep's share forever. Walks each salt's
+    order only as far as it picks (the caller holds its lock for it). ``salts``: plan
+    these only (None: every tracked salt), so a caller can hold its lock per salt."""
     plans = []
-    for salt in usage.tracked_salts():
+    pinned = operator.pinned_keys > 0
+    for salt in usage.tracked_salts() if salts is None else salts:
         current = usage.salt_bytes(salt)
         if current <= 0:
             continue
@@ -250,19 +260,28 @@ def eviction_plan(
         if limit is None or current < watermark * limit:
             continue
         effective = 1.0 if limit == 0 else max(0.0, min(1.0, ratio))
-        pool = usage.keys_of(salt)
-        target = int(len(pool) * effective)
+        order = usage.lru(salt)
+        target = int(len(order) * effective)
         if effective > 0 and target == 0:
             target = 1
         keys: list[ObjectKey] = []
-        for key in pool:
+        freed = 0
+        for key, holders in order.items():
             if len(keys) >= target:
                 break
-            if not operator.is_pinned(key) and (deletable is None or deletable(key)):
-                keys.append(key)
+            if pinned and operator.is_pinned(key):
+                continue
+            if live is not None and not _reachable(holders, live):
+                continue
+            keys.append(key)
+            freed += sum(holders.values())
         if keys:
-            plans.append(SaltPlan(salt, keys, sum(map(usage.key_bytes, keys)), current, limit))
+            plans.append(SaltPlan(salt, keys, freed, current, limit))
     return plans
+
+
+def _reachable(holders: Mapping[Holder, int], live: Collection[str]) -> bool:
+    return any(h.owner in live if h.owner else bool(live) for h in holders)
 
 
 def delete_targets(
