@@ -148,6 +148,13 @@ class Run:
         out.update(fields)
         return out
 
+    def logged(self, n: int, event_type: str, **fields: Any) -> dict[str, Any]:
+        """The next batch of instance ``n``'s stream for a transport that answers nothing
+        (Kafka): its seq is taken at once."""
+        b = self.batch(n, event_type, **fields)
+        self.streams[self.iid(n)].seq = b["seq"]
+        return b
+
     def events(self, *batches: dict[str, Any], kind: str = "valid") -> Exchange:
         """One body of batches; where LMCache's gate took it (200), each stream's next
         seq follows the highest seq it saw of it."""
