@@ -74,7 +74,9 @@ class EvictionLoop:
         self._stop.set()
         loop, wake = self._loop, self._wake
         if loop is not None and wake is not None:
-            loop.call_soon_threadsafe(wake.set)
+            # A loop that already ended (its thread died of an error) has nothing to wake.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(wake.set)
         if self._thread is not None:
             self._thread.join()
 
