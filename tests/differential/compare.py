@@ -36,7 +36,7 @@ UNORDERED: dict[str, dict[str, tuple[str, ...]]] = {
     # route -> list path -> the item fields that order it
     "GET /instances": {"instances": ("instance_id",)},
     "GET /directory/keys": {
-        "keys": ("key.chunk_hash_hex", "key.model_name", "key.kv_rank", "key.cache_salt"),
+        "keys": ("~key",),
         "keys[].placements": ("instance_id", "tier", "backend"),
     },
     "POST /directory/lookup": {"results[].placements": ("instance_id", "tier", "backend")},
@@ -156,9 +156,23 @@ def compare(exchange: Exchange) -> Verdict:
     return verdict
 
 
+def _listed_key(item: Any) -> str:
+    """A listed key's identity: LMCache nests the key (full hash), kvatlas lists its
+    fields with the 8-byte prefix it keeps (`key-prefixes-in-listing`)."""
+    if not isinstance(item, dict):
+        return ""
+    key = item.get("key") if isinstance(item.get("key"), dict) else item
+    prefix = str(key.get("chunk_hash_hex") or key.get("chunk_hash_prefix_hex") or "")[:16]
+    parts = (prefix, key.get("model_name"), key.get("kv_rank"), key.get("cache_salt"))
+    return json.dumps(parts)
+
+
 def _sort_key(item: Any, fields: tuple[str, ...]) -> tuple[str, ...]:
     out = []
     for f in fields:
+        if f == "~key":
+            out.append(_listed_key(item))
+            continue
         v: Any = item
         for part in f.split("."):
             v = v.get(part) if isinstance(v, dict) else None

@@ -154,6 +154,15 @@ DIFFERENCES: tuple[Difference, ...] = (
         when=_kind("after-unregistered-left"),
     ),
     Difference(
+        "key-prefixes-in-listing",
+        "kvatlas' directory keeps 8 bytes of each chunk hash (the memory per key of a "
+        "fleet-wide directory); GET /directory/keys lists a key's fields with that "
+        "prefix (`chunk_hash_prefix_hex`) beside its placements, not LMCache's nested "
+        "`key` with the full hash. Lookups answer the full key the caller asked for.",
+        ("GET /directory/keys",),
+        fields=("keys[].key",),
+    ),
+    Difference(
         "shared-pool-bytes",
         "kvatlas keeps a placement in a shared pool per reporting instance: the pool's used "
         "bytes are summed over them, and a delete one instance reports removes its own "
