@@ -161,7 +161,8 @@ def _listed_key(item: Any) -> str:
     fields with the 8-byte prefix it keeps (`key-prefixes-in-listing`)."""
     if not isinstance(item, dict):
         return ""
-    key = item.get("key") if isinstance(item.get("key"), dict) else item
+    nested = item.get("key")
+    key: dict[str, Any] = nested if isinstance(nested, dict) else item
     prefix = str(key.get("chunk_hash_hex") or key.get("chunk_hash_prefix_hex") or "")[:16]
     parts = (prefix, key.get("model_name"), key.get("kv_rank"), key.get("cache_salt"))
     return json.dumps(parts)
