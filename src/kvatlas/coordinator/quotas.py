@@ -31,7 +31,15 @@ from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.core.events import EventBatch
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.membership import InstanceInfo
-from kvatlas.core.quotas import OperatorOp, OperatorState, OpResult, PinnedKey
+from kvatlas.core.quotas import (
+    DeleteQuota,
+    OperatorOp,
+    OperatorState,
+    OpResult,
+    PinnedKey,
+    SetDefaultQuota,
+    SetQuota,
+)
 from kvatlas.core.salt_usage import SaltPlan, SaltUsage, UsageCapture, delete_targets, eviction_plan
 from kvatlas.core.types import InstanceId, Tier
 from kvatlas.wire.fleet_view import QuotasView, SaltQuotaView
@@ -40,6 +48,17 @@ log = logging.getLogger(__name__)
 
 _SCAN_STEP = 4096
 """Directory keys summed per lock hold when L1 usage per salt is counted."""
+
+
+def _describe(op: OperatorOp) -> str:
+    """An op for the log: what it set, not every key of a pin."""
+    if isinstance(op, SetQuota):
+        return f"quota of cache_salt={op.cache_salt!r}: {op.limit_bytes} bytes"
+    if isinstance(op, DeleteQuota):
+        return f"quota of cache_salt={op.cache_salt!r} removed"
+    if isinstance(op, SetDefaultQuota):
+        return f"default quota: {op.limit_bytes} bytes"
+    return f"{op.__struct_config__.tag} of {len(op.keys)} keys"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,19 +113,24 @@ class QuotaController:
         self, op: OperatorOp, position: tuple[str, int] | None = None, transport: str = "http"
     ) -> OpResult:
         """Apply one operator write and persist the operator state; a log's ``position``
-        also moves the service's consumer position (the record is consumed)."""
-        with self._lock:
-            result = self.operator.apply(op, position)
-            capture = self.operator.capture() if self._operator_path else None
-            if position is not None:
-                self._svc.positions[position[0]] = position[1]
-        if result.skipped:
-            log.info("Operator op %s at %s already applied; skipped", type(op).__name__, position)
-            return result
-        self.metrics.operator_writes.labels(op.__struct_config__.tag, transport).inc()
-        if capture is not None and self._operator_path is not None:
-            with self._write_lock:
+        also moves the service's consumer position (the record is consumed). Writes are
+        serialised from the apply to the file, so the file never goes back to an older
+        state than one already written."""
+        with self._write_lock:
+            with self._lock:
+                result = self.operator.apply(op, position)
+                capture = self.operator.capture() if self._operator_path else None
+                if position is not None:
+                    self._svc.positions[position[0]] = position[1]
+            if result.skipped:
+                log.info(
+                    "Operator op %s at %s already applied; skipped", type(op).__name__, position
+                )
+                return result
+            if capture is not None and self._operator_path is not None:
                 quota_store.write_operator(self._operator_path, capture)
+        self.metrics.operator_writes.labels(op.__struct_config__.tag, transport).inc()
+        log.info("Operator %s applied (%s)", _describe(op), transport)
         return result
 
     # ---- reads ----------------------------------------------------------------------
