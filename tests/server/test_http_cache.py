@@ -80,6 +80,8 @@ def test_delete_by_key_per_tier_and_locks(server: ServerProc, engine: CacheClien
     metrics = server.metrics()
     assert 'kvatlas_server_cache_deleted_keys_total{instance_id="node-s",tier="l1"} 3.0' in metrics
     assert 'kvatlas_server_cache_delete_skipped_locked_total{instance_id="node-s"} 1.0' in metrics
+    status = server.status()["cache_control"]
+    assert (status["deleted_l1"], status["skipped_locked"], status["delete_requests"]) == (3, 1, 3)
 
 
 def test_l2_list_prefetch_and_delete(server: ServerProc, engine: CacheClient) -> None:
@@ -121,6 +123,10 @@ def test_l2_list_prefetch_and_delete(server: ServerProc, engine: CacheClient) ->
     r = call(server, "DELETE", "/cache/objects", json={"keys": keys(engine, tokens), "tier": "all"})
     assert r.json() == {"deleted": 6, "skipped": 0, "ok": True}, r.text
     assert 'source="l2"} 3.0' in server.metrics()
+    status = server.status()["cache_control"]
+    assert status["prefetches"] == {"submitted": 1, "completed": 1}
+    assert status["prefetch_keys"] == {"l1": 0, "l2": 3, "peer": 0, "missing": 0}
+    assert status["prefetch_jobs"] == 0
 
 
 def test_per_salt_usage_and_clear(server: ServerProc, engine: CacheClient) -> None:
@@ -138,6 +144,7 @@ def test_per_salt_usage_and_clear(server: ServerProc, engine: CacheClient) -> No
     r = call(server, "POST", "/cache/clear")
     assert r.status_code == 200 and r.json() == {"status": "ok", "cleared": {"tier": "l1"}}
     assert engine.lookup(tokens).hit_chunks == 0
+    assert server.status()["cache_control"]["deleted_l1"] == 2
     r = call(server, "POST", "/cache/clear", json={"tier": "l2"})
     assert r.status_code == 400 and "only 'l1'" in r.json()["detail"]
 

@@ -403,6 +403,7 @@ class CacheServer:
             uptime_s=time.monotonic() - self.started_at,
             lookups=self.service.lookup_counts(),
             p2p=self.p2p.stats() if self.p2p else None,
+            cache_control=self.cache_control.stats(),
         )
 
     def _render_metrics(self) -> bytes:

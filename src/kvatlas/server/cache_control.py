@@ -278,6 +278,7 @@ class CacheControl:
             self._guarded.drain_locked()
         with self._lock:
             self._stats.clears += 1
+            self._stats.deleted_l1 += n
         log.info("L1 cleared%s: %d chunks deleted", " (forced)" if force else "", n)
         return n
 
