@@ -63,6 +63,7 @@ _T = TypeVar("_T")
 _encoder = msgspec.json.Encoder()
 _prefetch_decoder = msgspec.json.Decoder(PrefetchRequest)
 _delete_decoder = msgspec.json.Decoder(DeleteRequest)
+_INLINE_BODY_BYTES = 512 * 1024
 
 
 class PinGuard(Protocol):
@@ -133,6 +134,13 @@ class CacheMetrics:
 
 def _json(obj: object, status: int = 200) -> HttpResponse:
     return HttpResponse(status, _encoder.encode(obj))
+
+
+async def _decode_body(decoder: msgspec.json.Decoder[_T], body: bytes | bytearray) -> _T:
+    """A big body (a long prompt's token ids) is decoded in the pool, off the loop."""
+    if len(body) > _INLINE_BODY_BYTES:
+        return await asyncio.to_thread(_decode, decoder, body)
+    return _decode(decoder, body)
 
 
 def _decode(decoder: msgspec.json.Decoder[_T], body: bytes | bytearray) -> _T:
@@ -242,7 +250,7 @@ class CacheRoutes:
     async def request_prefetch(self, request: HttpRequest) -> HttpResponse:
         route = "prefetch"
         try:
-            body = _decode(_prefetch_decoder, request.body)
+            body = await _decode_body(_prefetch_decoder, request.body)
         except Refused:
             self._metrics.requests.labels(route, "invalid").inc()
             raise
@@ -286,7 +294,7 @@ class CacheRoutes:
             self._metrics.requests.labels(route, "forbidden").inc()
             raise Refused(403, "deletes need the operator token")
         try:
-            body = _decode(_delete_decoder, request.body)
+            body = await _decode_body(_delete_decoder, request.body)
         except Refused:
             self._metrics.requests.labels(route, "invalid").inc()
             raise
