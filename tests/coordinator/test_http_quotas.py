@@ -259,6 +259,9 @@ def test_stats_and_keys_carry_lmcache_fields(rc: RunningCoordinator) -> None:
     )
     keys = rc.client.get("/directory/keys", params={"limit": 1}).json()
     assert keys["total"] == 3 and len(keys["keys"]) == 1
+    store(rc, "s2", 3, [salted(3, "a")], event=EventType.ACCESS)
+    (row,) = rc.client.get("/directory/keys", params={"tier": "l2"}).json()["keys"]
+    assert (row["access_count"], row["num_tokens"]) == (1, 0)
     assert rc.client.get("/directory/keys", params={"tier": "l2"}).json()["total"] == 1
     filtered = rc.client.get("/directory/keys", params={"instance": "s2", "limit": 1}).json()
     assert filtered["total"] == 2 and len(filtered["keys"]) == 1

@@ -573,7 +573,12 @@ class CoordinatorService:
                 to_skip = 0
             rows = rows[: limit + 1]
         more = len(rows) > limit
-        views = [key_view(ns, prefix, ps) for ns, prefix, ps in rows[:limit]]
+        rows = rows[:limit]
+        with self.lock:
+            facts = [d.key_facts(ns, prefix) for ns, prefix, _ in rows]
+        views = [
+            key_view(ns, prefix, ps, f) for (ns, prefix, ps), f in zip(rows, facts, strict=True)
+        ]
         return KeysPage(offset, limit, views, offset + limit if more else None, total=total)
 
     def sample(self, now: float) -> StateSample:

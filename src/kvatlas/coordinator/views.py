@@ -44,7 +44,13 @@ def placement_wire(p: Placement) -> PlacementWire:
     )
 
 
-def key_view(ns: Namespace, prefix: bytes, placements: tuple[Placement, ...]) -> KeyView:
+def key_view(
+    ns: Namespace,
+    prefix: bytes,
+    placements: tuple[Placement, ...],
+    facts: tuple[int, int] = (0, 0),
+) -> KeyView:
+    """``facts``: (access count, kept token ids) of the key."""
     return KeyView(
         prefix.hex(),
         ns.model_name,
@@ -52,6 +58,8 @@ def key_view(ns: Namespace, prefix: bytes, placements: tuple[Placement, ...]) ->
         ns.object_group_id,
         ns.cache_salt,
         [placement_wire(p) for p in placements],
+        num_tokens=facts[1],
+        access_count=facts[0],
     )
 
 

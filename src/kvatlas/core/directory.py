@@ -675,6 +675,15 @@ class KeyDirectory:
                 rows.append((ns, (ik & HASH_MASK).to_bytes(8, "big"), placements))
         return rows
 
+    def key_facts(self, ns: Namespace, prefix: bytes) -> tuple[int, int]:
+        """(access count, number of kept token ids) of a listed key (0, 0 if gone)."""
+        ns_id = self._find_ns(ns)
+        if ns_id is None:
+            return 0, 0
+        ik = ns_id << HASH_BITS | int.from_bytes(prefix, "big")
+        bound = self._tokens.get(ik)
+        return self._access.get(ik, 0), 0 if bound is None else len(bound[1]) // 4
+
     def tier_bytes(self, ids: Iterable[int], tier: Tier) -> dict[Namespace, int]:
         """Bytes of ``tier`` placements per namespace, over the keys of ``ids`` (what
         the quota routes sum per salt, read from the codes without making placements)."""

@@ -108,6 +108,10 @@ class KeyView(msgspec.Struct, frozen=True):
     object_group_id: int
     cache_salt: str
     placements: list[PlacementWire]
+    num_tokens: int = 0
+    """Token ids kept for the key's chunk (LMCache's field)."""
+    access_count: int = 0
+    """ACCESS events applied to the key (LMCache's field)."""
 
 
 class KeysPage(msgspec.Struct, frozen=True):
