@@ -109,6 +109,11 @@ class EvictionLoop:
     async def sweep(self, deleter: ObjectDeleter) -> EvictionRound:
         """One sweep: plan, then send every server its deletes (concurrently)."""
         m = self._ctl.metrics
+        if not self._ctl.ready:
+            # Not caught up on the Kafka log (or restoring): its book may lag the
+            # fleet's, and a plan from it could take keys read since. The next sweep.
+            m.sweeps.labels("not_ready").inc()
+            return EvictionRound([], {}, {}, 0)
         t0 = time.perf_counter()
         rnd = self._ctl.plan()
         if not rnd.plans:

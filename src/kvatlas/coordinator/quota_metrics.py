@@ -46,7 +46,8 @@ class QuotaMetrics:
         )
         self.sweeps = Counter(
             "kvatlas_coordinator_eviction_sweeps",
-            "Eviction sweeps, by outcome (idle: no salt over quota; planned)",
+            "Eviction sweeps, by outcome (idle: no salt over quota; planned; not_ready: skipped"
+            " while this replica is not caught up)",
             ["outcome"],
             registry=registry,
         )

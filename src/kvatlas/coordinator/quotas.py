@@ -97,6 +97,11 @@ class QuotaController:
         service.drop_observers.append(self.forget)
         service.companion = self.capture_usage
 
+    @property
+    def ready(self) -> bool:
+        """Is the state caught up (the service's readiness: Kafka replicas)?"""
+        return self._svc.ready
+
     # ---- state changes --------------------------------------------------------------
 
     def observe(self, batch: EventBatch) -> None:
