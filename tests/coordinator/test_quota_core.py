@@ -7,7 +7,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvatlas.core.events import Entry, EventBatch
+from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.quotas import (
     DeleteQuota,
@@ -233,3 +233,23 @@ def test_forget_owner_drops_its_private_copies_only() -> None:
     u.apply(ev(EventType.STORE, [k(5)], iid="gone", shared=True))
     assert u.forget_owner("gone") == 2
     assert u.keys_of("a") == [k(2), k(5)] and u.salt_bytes("a") == 200
+
+
+def test_a_key_block_counts_as_its_entries() -> None:
+    """The block form (one namespace, columns) and the entries form agree, re-stores and
+    a second holder included."""
+    keys = [k(i) for i in range(6)]
+    by_entries, by_block = SaltUsage(), SaltUsage()
+    for book, blocky in ((by_entries, False), (by_block, True)):
+        for iid, ks, size, created in (
+            ("s1", keys[:4], 100, 4),
+            ("s1", keys[2:], 150, 2),  # two re-stores, two new
+            ("s2", keys[:2], 70, 2),  # a second holder of two
+        ):
+            b = ev(EventType.STORE, ks, iid=iid, size=size)
+            if blocky:
+                block = KeyBlock.from_entries(b.entries)
+                b = msgspec.structs.replace(b, entries=(), block=block)
+            assert book.apply(b) == created
+    assert by_block.capture() == by_entries.capture()
+    assert by_block.salt_bytes("a") == 2 * 100 + 4 * 150 + 2 * 70 and len(by_block) == 6

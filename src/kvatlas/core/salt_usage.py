@@ -29,7 +29,7 @@ from collections.abc import Collection, Iterable, Iterator, Mapping
 
 import msgspec
 
-from kvatlas.core.events import EventBatch
+from kvatlas.core.events import EventBatch, KeyBlock
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.quotas import OperatorState
 from kvatlas.core.types import EventType, InstanceId, Tier
@@ -87,7 +87,10 @@ class SaltUsage:
             return 0
         holder = Holder("" if batch.shared else batch.instance_id, batch.backend)
         if batch.event_type is EventType.STORE:
-            return self._store_many(_sized(batch), holder)
+            created = self._store_many(((e.key, e.size_bytes) for e in batch.entries), holder)
+            if batch.block is not None:
+                created += self._store_block(batch.block, holder)
+            return created
         return sum(self._delete(key, holder) for key, _ in _sized(batch))
 
     def _store_many(self, pairs: Iterable[tuple[ObjectKey, int]], holder: Holder) -> int:
@@ -119,6 +122,35 @@ class SaltUsage:
         for salt, delta in deltas.items():
             self._add(salt, delta)
         return created
+
+    def _store_block(self, block: KeyBlock, holder: Holder) -> int:
+        """`_store_many` of a key block: one salt, one namespace, so the salt's map is
+        found once and its total added once (the form kvatlas' servers send)."""
+        ns = block.namespace
+        m, r, g, salt = ns.model_name, ns.kv_rank, ns.object_group_id, ns.cache_salt
+        order = self._salts.get(salt)
+        if order is None:
+            order = self._salts[salt] = {}
+        pop = order.pop
+        created = new_keys = delta = 0
+        for h, size in zip(block.hash_list(), block.sizes, strict=True):
+            key = ObjectKey(h, m, r, g, salt)
+            holders = pop(key, None)
+            if holders is None:
+                order[key] = {holder: size}
+                new_keys += 1
+                delta += size
+                continue
+            order[key] = holders
+            prev = holders.get(holder)
+            holders[holder] = size
+            if prev is None:
+                created += 1
+            delta += size - (prev or 0)
+        self._keys += new_keys
+        if delta:
+            self._add(salt, delta)
+        return created + new_keys
 
     def _delete(self, key: ObjectKey, holder: Holder) -> int:
         order = self._salts.get(key.cache_salt)
