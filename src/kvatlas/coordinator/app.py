@@ -127,14 +127,17 @@ class Coordinator:
             self.membership = LocalMembership(self.service, clock)
             self.service.set_ready()
             operator_log = LocalOperatorLog(self.quotas)
+        # The cache-control routes' client of servers: used on the HTTP loop, closed there.
+        cache_metrics = CacheMetrics(self.metrics.registry)
+        # The eviction loop's own (its thread has its own event loop), counted alike.
         self.eviction = EvictionLoop(
             self.quotas,
-            lambda: ServerControl(auth_token=config.auth_token or None),
+            lambda: ServerControl(
+                auth_token=config.auth_token or None, observe=cache_metrics.observe
+            ),
             config.eviction_check_interval,
         )
         self._parts.append(self.eviction)
-        # The cache-control routes' client of servers: used on the HTTP loop, closed there.
-        cache_metrics = CacheMetrics(self.metrics.registry)
         server_control = ServerControl(
             auth_token=config.auth_token or None, observe=cache_metrics.observe
         )
