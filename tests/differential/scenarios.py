@@ -89,7 +89,10 @@ def events(run: Run) -> None:
     run.events(stale, kind="stale")
     run.place(1, "delete", hashes[2:])
     nxt = run.streams[run.iid(1)].seq + 1  # refused bodies use no seq at either
-    short = run.batch(1, "store", seq=nxt, entries=[{"key": run.key("ab" * 16), "size_bytes": 1}])
+    # at the last seq (LMCache drops it as a duplicate): the streams stay as one
+    short = run.batch(
+        1, "store", seq=nxt - 1, entries=[{"key": run.key("ab" * 16), "size_bytes": 1}]
+    )
     run.events(short, kind="short-hash")
     for bad in (
         run.batch(1, "store", seq=nxt, tier="all"),
@@ -128,6 +131,11 @@ def usage(run: Run) -> None:
     run.get(f"/instances/{run.iid(8)}/usage", kind="unknown-id")
     run.deregister(1)  # L2 bytes outlive the process: still listed, unregistered
     run.get(f"/instances/{run.iid(1)}/usage")
+    run.register(7)  # placements of no bytes
+    run.place(7, "store", run.chain(tokens(base + 90_000, 1)), tier="l2", backend="fs", size=0)
+    run.get(f"/instances/{run.iid(7)}/usage")
+    run.deregister(7)
+    run.get(f"/instances/{run.iid(7)}/usage")
     # a sender that never registered stores in L2, then leaves
     kept = _store_chain(run, 6, tokens(base + 80_000, 2), tier="l2", backend="fs")
     run.send("DELETE", f"/instances/{run.iid(6)}")

@@ -84,8 +84,6 @@ def machine(pair: Pair, target: Target) -> type[RuleBasedStateMachine]:
             n=N,
             bad=st.sampled_from(
                 [
-                    {"ip": ""},
-                    {"http_port": 0},
                     {"http_port": "x"},
                     {"metadata": {"a": 1}},
                     {"mq_port": 70000},
@@ -93,6 +91,7 @@ def machine(pair: Pair, target: Target) -> type[RuleBasedStateMachine]:
             ),
         )
         def register_badly(self, n: int, bad: dict[str, Any]) -> None:
+            # an empty ip and port 0 are the membership scenario's (kvatlas takes them)
             obj = {"instance_id": self.run.iid(n), "ip": "127.0.0.1", "http_port": 1, **bad}
             self.step(self.run.send, "POST", "/instances", obj, "invalid")
 
@@ -131,7 +130,7 @@ def machine(pair: Pair, target: Target) -> type[RuleBasedStateMachine]:
             chunks=CHUNKS,
             place=PLACE,
             salt=SALT,
-            size=st.sampled_from([0, 4096, 1 << 20]),
+            size=st.sampled_from([1, 4096, 1 << 20]),
         )
         def store(
             self, n: int, p: int, chunks: int, place: tuple[str, str, bool], salt: str, size: int
@@ -200,7 +199,8 @@ def machine(pair: Pair, target: Target) -> type[RuleBasedStateMachine]:
             elif fault == "stale":
                 b = r.batch(n, "access", seq=nxt, incarnation=s.incarnation - 1)
             elif fault == "short-hash":
-                b = r.batch(n, "store", seq=nxt, entries=[{"key": r.key("ab" * 16)}])
+                # at the last seq: a duplicate LMCache drops, so the streams stay as one
+                b = r.batch(n, "store", seq=max(s.seq, 1), entries=[{"key": r.key("ab" * 16)}])
             elif fault == "invalid-tier":
                 b = r.batch(n, "store", seq=nxt, tier="all")
             elif fault == "negative-size":
