@@ -4,17 +4,20 @@ LMCache 0.5.6's semantics, checked against a simple model under hypothesis."""
 from __future__ import annotations
 
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
-from kvatlas.core.keys import ObjectKey
+from kvatlas.core.keys import ObjectKey, pack_kv_rank
 from kvatlas.core.quotas import (
     DeleteQuota,
     DropPins,
     OperatorCapture,
     OperatorState,
     Pin,
+    PinChunks,
     SetDefaultQuota,
     SetQuota,
     Unpin,
@@ -253,3 +256,21 @@ def test_a_key_block_counts_as_its_entries() -> None:
             assert book.apply(b) == created
     assert by_block.capture() == by_entries.capture()
     assert by_block.salt_bytes("a") == 2 * 100 + 4 * 150 + 2 * 70 and len(by_block) == 6
+
+
+def test_pin_chunks_expand_to_every_rank_and_fit_a_record() -> None:
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    op = PinChunks("m", 2, "a", b"".join(hashes))
+    ranks = [pack_kv_rank(2, r, 2, r) for r in range(2)]
+    assert op.keys() == [ObjectKey(h, "m", r, 0, "a") for h in hashes for r in ranks]
+    s = OperatorState()
+    s.apply(op)
+    s.apply(op)
+    s.apply(PinChunks("m", 2, "a", hashes[0], unpin=True))
+    counts = [p.pin_count for p in s.pin_page("", "", 0, 10)[1]]
+    assert counts == [1, 1, 2, 2, 2, 2]
+    # LMCache's most tokens (3,906 chunks) at world size 8: one small Kafka record.
+    big = PinChunks("m", 8, "a", bytes(32) * 3906)
+    assert len(msgspec.msgpack.encode(big)) < 130_000
+    with pytest.raises(InvalidInput, match="32 bytes each"):
+        PinChunks("m", 1, "a", b"x" * 33).keys()

@@ -30,16 +30,15 @@ from kvatlas.coordinator.auth import OperatorCheck
 from kvatlas.coordinator.quotas import QuotaController
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.core.errors import InvalidInput
-from kvatlas.core.keys import ObjectKey, rank_keys
+from kvatlas.core.keys import HASH_BYTES
 from kvatlas.core.quotas import (
     GIB,
     DeleteQuota,
     OperatorOp,
     OpResult,
-    Pin,
+    PinChunks,
     SetDefaultQuota,
     SetQuota,
-    Unpin,
     check_key_fields,
     salt_from_path,
 )
@@ -261,13 +260,14 @@ class QuotaRoutes:
     async def _pin(self, request: HttpRequest, *, pin: bool) -> HttpResponse:
         self._check_operator(request)
         body = _decode(PinRequest, request.body)
-        keys, chunks = await asyncio.to_thread(self.resolve, body)
-        await self._log.submit(Pin(tuple(keys)) if pin else Unpin(tuple(keys)))
-        return _json(PinResponse(chunks, len(keys), "pinned" if pin else "unpinned"))
+        op = await asyncio.to_thread(self.resolve, body, unpin=not pin)
+        await self._log.submit(op)
+        chunks = len(op.hashes) // HASH_BYTES
+        return _json(PinResponse(chunks, chunks * body.world_size, "pinned" if pin else "unpinned"))
 
-    def resolve(self, body: PinRequest) -> tuple[list[ObjectKey], int]:
-        """The keys of the complete chunks of the body's tokens (every rank, object group
-        0, chunk-major) and the number of chunks: LMCache's ``resolve_object_keys``."""
+    def resolve(self, body: PinRequest, *, unpin: bool = False) -> PinChunks:
+        """The complete chunks of the body's tokens, whose keys (every rank, object group
+        0, chunk-major) the op pins: LMCache's ``resolve_object_keys``."""
         n = len(body.token_ids)
         if n > MAX_TOKEN_IDS:
             raise Refused(
@@ -280,7 +280,7 @@ class QuotaRoutes:
             self._ctl.metrics.operator_refusals.labels("invalid").inc()
             raise Refused(400, str(exc)) from exc
         hashes = self._svc.hash_tokens(body.token_ids)
-        return rank_keys(hashes, body.model_name, body.world_size, body.cache_salt), len(hashes)
+        return PinChunks(body.model_name, body.world_size, body.cache_salt, b"".join(hashes), unpin)
 
     def list_pins(self, request: HttpRequest) -> HttpResponse:
         q = request.query

@@ -29,13 +29,14 @@ from kvatlas.coordinator import quota_store
 from kvatlas.coordinator.quota_metrics import QuotaMetrics, QuotaSample
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.core.events import EventBatch
-from kvatlas.core.keys import ObjectKey
+from kvatlas.core.keys import HASH_BYTES, ObjectKey
 from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.quotas import (
     DeleteQuota,
     OperatorOp,
     OperatorState,
     OpResult,
+    PinChunks,
     PinnedKey,
     SetDefaultQuota,
     SetQuota,
@@ -58,6 +59,9 @@ def _describe(op: OperatorOp) -> str:
         return f"quota of cache_salt={op.cache_salt!r} removed"
     if isinstance(op, SetDefaultQuota):
         return f"default quota: {op.limit_bytes} bytes"
+    if isinstance(op, PinChunks):
+        chunks = len(op.hashes) // HASH_BYTES
+        return f"{'unpin' if op.unpin else 'pin'} of {chunks} chunks x {op.world_size} ranks"
     return f"{op.__struct_config__.tag} of {len(op.keys)} keys"
 
 
@@ -134,7 +138,8 @@ class QuotaController:
                 return result
             if capture is not None and self._operator_path is not None:
                 quota_store.write_operator(self._operator_path, capture)
-        self.metrics.operator_writes.labels(op.__struct_config__.tag, transport).inc()
+        label = ("unpin" if op.unpin else "pin") if isinstance(op, PinChunks) else None
+        self.metrics.operator_writes.labels(label or op.__struct_config__.tag, transport).inc()
         log.info("Operator %s applied (%s)", _describe(op), transport)
         return result
 

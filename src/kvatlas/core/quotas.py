@@ -22,12 +22,13 @@ Pure: no I/O, no clock, no locks (the shell holds one).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Annotated
 
 import msgspec
 
 from kvatlas.core.errors import InvalidInput
-from kvatlas.core.keys import ObjectKey
-from kvatlas.core.types import U63
+from kvatlas.core.keys import HASH_BYTES, ObjectKey, rank_keys
+from kvatlas.core.types import U63, ChunkHash
 
 GIB = 1024**3
 """LMCache's wire unit of quotas and usage (``_GB``)."""
@@ -87,13 +88,35 @@ class Unpin(msgspec.Struct, frozen=True, tag="unpin"):
     keys: tuple[ObjectKey, ...]
 
 
+class PinChunks(msgspec.Struct, frozen=True, tag="pin_chunks"):
+    """`Pin` (or with ``unpin`` `Unpin`) of every rank's key of each chunk, object group
+    0 (what a token-addressed request resolves to), carried as the chunk hashes: 32
+    bytes a chunk instead of a key per rank, so a long prompt's pin fits a Kafka record
+    (LMCache's 1,000,000 tokens: 125 kB whatever the world size)."""
+
+    model_name: str
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=256)]
+    cache_salt: str
+    hashes: bytes
+    unpin: bool = False
+
+    def keys(self) -> list[ObjectKey]:
+        if len(self.hashes) % HASH_BYTES:
+            raise InvalidInput(f"pin hashes must be {HASH_BYTES} bytes each")
+        hs = [
+            ChunkHash(self.hashes[i : i + HASH_BYTES])
+            for i in range(0, len(self.hashes), HASH_BYTES)
+        ]
+        return rank_keys(hs, self.model_name, self.world_size, self.cache_salt)
+
+
 class DropPins(msgspec.Struct, frozen=True, tag="drop_pins"):
     """A forced delete's: the keys leave the pin table whatever their count."""
 
     keys: tuple[ObjectKey, ...]
 
 
-OperatorOp = SetQuota | DeleteQuota | SetDefaultQuota | Pin | Unpin | DropPins
+OperatorOp = SetQuota | DeleteQuota | SetDefaultQuota | Pin | Unpin | PinChunks | DropPins
 
 
 class OpResult(msgspec.Struct, frozen=True):
@@ -147,21 +170,29 @@ class OperatorState:
         elif isinstance(op, SetDefaultQuota):
             self.default_limit_bytes = op.limit_bytes
         elif isinstance(op, Pin):
-            for key in op.keys:
-                k = pin_key(key)
-                self._pins[k] = self._pins.get(k, 0) + 1
+            self._pin(op.keys)
         elif isinstance(op, Unpin):
-            for key in op.keys:
-                k = pin_key(key)
-                count = self._pins.get(k, 0)
-                if count <= 1:
-                    self._pins.pop(k, None)
-                else:
-                    self._pins[k] = count - 1
+            self._unpin(op.keys)
+        elif isinstance(op, PinChunks):
+            (self._unpin if op.unpin else self._pin)(op.keys())
         else:
             for key in op.keys:
                 self._pins.pop(pin_key(key), None)
         return OpResult()
+
+    def _pin(self, keys: Iterable[ObjectKey]) -> None:
+        for key in keys:
+            k = pin_key(key)
+            self._pins[k] = self._pins.get(k, 0) + 1
+
+    def _unpin(self, keys: Iterable[ObjectKey]) -> None:
+        for key in keys:
+            k = pin_key(key)
+            count = self._pins.get(k, 0)
+            if count <= 1:
+                self._pins.pop(k, None)
+            else:
+                self._pins[k] = count - 1
 
     # ---- reads --------------------------------------------------------------------
 
