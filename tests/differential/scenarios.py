@@ -320,6 +320,9 @@ def restore(target: Target, toks: list[int]) -> None:
     while target.engine.call("fetch", toks)["hit"] < want:
         assert time.monotonic() < deadline, "the server never held the chunks it stored"
         time.sleep(0.02)
+    # A lookup hits an object still being committed, which a delete does not remove
+    # yet (seen on a loaded machine): give the commit time to finish.
+    time.sleep(0.5)
 
 
 def run_call(method: str, path: str, run: Run, toks: list[int], tier: str) -> Call:
