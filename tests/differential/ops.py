@@ -157,12 +157,13 @@ class Run:
 
     def events(self, *batches: dict[str, Any], kind: str = "valid") -> Exchange:
         """One body of batches; where LMCache's gate took it (200), each stream's next
-        seq follows the highest seq it saw of it."""
+        seq follows the highest seq of its incarnation it saw."""
         ex = self.send("POST", "/events", {"batches": list(batches)}, kind)
         if ex.lm_status == 200:
             for b in batches:
                 s = self.streams.get(str(b.get("instance_id")))
-                if s is not None and isinstance(b.get("seq"), int):
+                current = s is not None and b.get("incarnation") == s.incarnation
+                if s is not None and current and isinstance(b.get("seq"), int):
                     s.seq = max(s.seq, b["seq"])
         return ex
 

@@ -196,11 +196,16 @@ def machine(pair: Pair, target: Target) -> type[RuleBasedStateMachine]:
             b: dict[str, Any]
             if fault == "duplicate":
                 b = r.batch(n, "access", seq=max(s.seq, 1))
-            elif fault == "stale":
+            elif fault == "stale":  # older than the stream's incarnation (once it has one)
+                if not s.seq:
+                    return
                 b = r.batch(n, "access", seq=nxt, incarnation=s.incarnation - 1)
             elif fault == "short-hash":
                 # at the last seq: a duplicate LMCache drops, so the streams stay as one
-                b = r.batch(n, "store", seq=max(s.seq, 1), entries=[{"key": r.key("ab" * 16)}])
+                # (a stream with no seq yet has nothing to repeat)
+                if not s.seq:
+                    return
+                b = r.batch(n, "store", seq=s.seq, entries=[{"key": r.key("ab" * 16)}])
             elif fault == "invalid-tier":
                 b = r.batch(n, "store", seq=nxt, tier="all")
             elif fault == "negative-size":
