@@ -44,7 +44,7 @@ from kvatlas.core.errors import (
     Unauthenticated,
 )
 from kvatlas.core.keys import Namespace, default_kv_rank
-from kvatlas.core.membership import InstanceInfo, check_registration
+from kvatlas.core.membership import InstanceInfo, check_registration, strip_field
 from kvatlas.core.types import MAX_INT64, Incarnation, InstanceId, Tier
 from kvatlas.runtime.gc_pauses import GcPauses
 from kvatlas.runtime.http_server import HttpRequest, HttpResponse, HttpServer, Router, always
@@ -220,13 +220,14 @@ class CoordinatorApp:
 
     async def register(self, request: HttpRequest) -> HttpResponse:
         req = _decode(_register_decoder, request.body)
-        iid = req.instance_id or InstanceId(f"instance-{uuid.uuid4().hex[:12]}")
+        # LMCache 0.5.6's schema strips these three; an id left empty is generated
+        iid = InstanceId(strip_field(req.instance_id)) or InstanceId(f"mp-{uuid.uuid4().hex}")
         info = InstanceInfo(
             instance_id=iid,
-            ip=req.ip,
+            ip=strip_field(req.ip),
             http_port=req.http_port,
             metadata=dict(req.metadata),
-            p2p_advertised_url=req.p2p_advertised_url or "",
+            p2p_advertised_url=strip_field(req.p2p_advertised_url or ""),
             mq_port=req.mq_port or 0,
             incarnation=req.incarnation or Incarnation(0),
             contract=req.contract.to_core() if req.contract is not None else None,
