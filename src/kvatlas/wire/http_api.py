@@ -346,7 +346,11 @@ class BatchHead(msgspec.Struct, frozen=True):
 
 
 class EventsRequest(msgspec.Struct, frozen=True):
-    batches: list[BatchWire]
+    """`POST /events` as JSON. No ``batches`` is an empty list, as in LMCache 0.5.6
+    (``Field(default_factory=list)``): ``{}`` applies nothing and answers 200. The
+    msgpack form (`CompactEvents`) is kvatlas' own and still requires them."""
+
+    batches: list[BatchWire] = []
 
 
 class CompactEvents(msgspec.Struct, frozen=True):
