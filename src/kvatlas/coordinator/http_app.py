@@ -444,7 +444,7 @@ class CoordinatorApp:
         )
 
     def healthz(self, request: HttpRequest) -> HttpResponse:
-        return _json({"status": "ok"})
+        return _json({"status": "healthy"})  # LMCache 0.5.6's body, byte for byte
 
     def readyz(self, request: HttpRequest) -> HttpResponse:
         ready, reason = self._svc.readiness()
