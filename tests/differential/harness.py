@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import confluent_kafka
 import httpx
 
 from kvatlas.runtime.procs import HOST, free_ports
@@ -32,30 +30,6 @@ from lmcache.fleet import CHUNK, Engine, KvatlasCoordinator, Process, lmcache_en
 
 from .compare import Exchange, Verdict, compare
 from .differences import Call
-
-
-def kafka_extra(venv: Path, log_dir: Path) -> dict[str, str]:
-    """What LMCache's interpreter needs to consume Kafka: its optional ``lmcache[kafka]``
-    extra is confluent-kafka, which .venv-lmcache's recipe leaves out. Where the venv
-    lacks it, a folder holding links to this interpreter's confluent_kafka (the same
-    CPython 3.11, and a self-contained wheel: librdkafka is in confluent_kafka.libs)
-    goes on LMCache's PYTHONPATH; nothing else of this interpreter does."""
-    probe = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", "import confluent_kafka"],
-        capture_output=True,
-        env=lmcache_env(venv),
-        check=False,
-    )
-    if probe.returncode == 0:
-        return {}
-    shim = log_dir / "lmcache-kafka-extra"
-    shim.mkdir(exist_ok=True)
-    site = Path(confluent_kafka.__file__).resolve().parents[1]
-    for name in ("confluent_kafka", "confluent_kafka.libs"):
-        link = shim / name
-        if (site / name).exists() and not link.exists():
-            link.symlink_to(site / name)
-    return {"PYTHONPATH": str(shim)}
 
 
 class LMCacheCoord(Process):
@@ -73,7 +47,7 @@ class LMCacheCoord(Process):
         self.url = f"http://{HOST}:{self.port}"
         argv = [str(venv / "bin" / "lmcache"), "coordinator", "--host", HOST]
         argv += ["--port", str(self.port), *flags]
-        full = {**lmcache_env(venv), **(env or {})}  # after: lmcache_env drops PYTHONPATH
+        full = {**lmcache_env(venv), **(env or {})}
         super().__init__(name, argv, log_dir, full, http_port=self.port)
         self.http = httpx.Client(base_url=self.url, timeout=30)
 

@@ -27,7 +27,7 @@ from lmcache.fleet import KvatlasCoordinator
 from support.wait import wait_until
 
 from .differences import Call
-from .harness import LMCacheCoord, Pair, body, kafka_extra, report
+from .harness import LMCacheCoord, Pair, body, report
 from .ops import CHUNK, Run, tokens
 
 pytestmark = [pytest.mark.lmcache, pytest.mark.kafka]
@@ -57,7 +57,6 @@ def kafka_pair(
         "--event-transport", "kafka",
         "--kafka-bootstrap-servers", kafka_broker.bootstrap,
         "--kafka-topic", topic,
-        env=kafka_extra(lmcache_venv, logs),
         name="lmcache-coord-kafka",
     )  # fmt: skip
     kv = KvatlasCoordinator(
