@@ -208,6 +208,14 @@ def test_prefetch_fetches_from_a_peer(tmp_path: Path, coord: RunningCoordinator)
         tokens = prompt(3, seed=6)
         assert b.client().store_chunks(tokens, data(3, 6)).stored == 3
         wait_placements(coord, tokens, [{"node-b/l1"}] * 3)
+        # A reads from the peers its controller has listed: wait until it lists B, or
+        # the prefetch races the first poll of the fleet and finds nobody to ask
+        wait_until(
+            lambda: a.http("GET", "/status").json(),
+            lambda st: "node-b" in st.get("p2p_peers", []),
+            what="node-a listing node-b as a peer",
+            timeout=20,
+        )
         r = coord.client.post(
             "/cache/prefetches",
             json={
