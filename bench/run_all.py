@@ -9,6 +9,7 @@ import sys
 MODULES = [
     "bench.core_bench",
     "bench.coordinator_bench",
+    "bench.control_routes_bench",
     "bench.http_edge_bench",
     "bench.http_attack_bench",
     "bench.server_bench",

@@ -4,7 +4,8 @@
 # `lmcache coordinator` processes from. The recipe is the one that works on these machines
 # (shared/design/DEPENDENCIES.md): the lmcache wheel with --no-deps (its own requirements
 # pull a CUDA torch of several GB), CPU torch==2.13.0, the packages its server and
-# coordinator import, and NIXL with --no-deps for its P2P (nixl-cu12 holds the library;
+# coordinator import (confluent-kafka: its lmcache[kafka] extra, the coordinator's Kafka
+# event transport), and NIXL with --no-deps for its P2P (nixl-cu12 holds the library;
 # the `nixl` package is the name LMCache imports, `nixl._api`, and forwards to it; either
 # with its dependencies pulls a CUDA torch). Safe to run again: a venv whose stamp
 # matches this recipe is reused at once.
@@ -20,7 +21,7 @@ DEPS=(
     "torch==2.13.0" fastapi uvicorn httptools httpx "numpy<=2.2.6" numba blake3 msgspec
     pyzmq "prometheus_client<=0.24.1" "opentelemetry-api<=1.40.0" opentelemetry-sdk
     "opentelemetry-exporter-prometheus<=0.61b0" psutil pyyaml sortedcontainers cachetools
-    py-cpuinfo aiohttp requests cryptography msgpack
+    py-cpuinfo aiohttp requests cryptography msgpack confluent-kafka
 )
 NO_DEPS=("lmcache==0.5.6" "nixl==1.5.1" "nixl-cu12==1.5.1")
 RECIPE="${NO_DEPS[*]} --no-deps; ${DEPS[*]}"

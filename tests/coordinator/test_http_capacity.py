@@ -127,6 +127,28 @@ def test_config_batches_are_kept_and_served_in_lmcaches_usage_shape(
     assert [(m["tier"], m["used_bytes"]) for m in gone["modules"]] == [("l2", 1000)]
 
 
+def test_zero_byte_placements_list_no_module(coord: RunningCoordinator) -> None:
+    """LMCache's usage book drops a rollup at 0 bytes: an instance held only by 0-byte
+    placements is unknown (404), a registered one lists no module, nor does a pool."""
+    c = coord.client
+    c.post("/instances", json=register_body("mp-2", incarnation=INCARNATION))
+    r = post(
+        coord,
+        store_batch("mp-1", 1, [fake_hash(1), fake_hash(2)], 0),
+        store_batch("mp-2", 1, [fake_hash(3)], 0, tier="l2", backend="fs"),
+        store_batch("mp-2", 2, [fake_hash(4)], 0, tier="l2", backend="s3", shared=True),
+    )
+    assert r.status_code == 200 and r.json()["applied"] == 3, r.text
+    assert c.get("/instances/usage").json() == {
+        "instances": [
+            {"instance_id": "mp-2", "registered": True, "declared_capacity": False, "modules": []}
+        ],
+        "shared_modules": [],
+    }
+    assert c.get("/instances/mp-1/usage").status_code == 404
+    assert c.get("/instances/mp-2/usage").json()["modules"] == []
+
+
 def test_unknown_event_types_are_skipped_counted_and_move_the_gate(
     coord: RunningCoordinator,
 ) -> None:

@@ -122,6 +122,18 @@ def test_malformed_bodies_are_400_with_reason_and_apply_nothing(coord: RunningCo
     assert stats(coord)["cursors"] == []
 
 
+def test_json_body_without_batches_is_an_empty_list(coord: RunningCoordinator) -> None:
+    """LMCache 0.5.6 defaults ``batches`` to []: ``{}`` is 200 and applies nothing. The
+    msgpack form is kvatlas' own and still needs them."""
+    c = coord.client
+    r = c.post("/events", content=b"{}", headers=JSON)
+    assert r.status_code == 200, r.text
+    assert (r.json()["applied"], r.json()["duplicates"], r.json()["stale"]) == (0, 0, 0)
+    r = c.post("/events", content=msgspec.msgpack.encode({}), headers=MSGPACK)
+    assert r.status_code == 400 and "batches" in r.json()["error"]
+    assert stats(coord)["cursors"] == []
+
+
 def test_bad_token_ids_apply_nothing_with_blend(start_coordinator: object) -> None:
     rc: RunningCoordinator = start_coordinator(enable_blend_lookup=True, chunk_size=4)  # type: ignore[operator]
     good = batch("node-a", 1, [fake_hash(1)])

@@ -4,6 +4,7 @@ incarnations, contracts, expiry and the fences they cause."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import pytest
@@ -70,8 +71,34 @@ def test_empty_instance_id_is_generated_and_lmcache_body_accepted(
     )
     assert r.status_code == 200
     iid = r.json()["instance_id"]
-    assert iid.startswith("instance-")
+    assert re.fullmatch(r"mp-[0-9a-f]{32}", iid)  # LMCache 0.5.6's generated ids
     assert r.json()["re_registered"] is False
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("ip", "", "ip must not be empty"),
+        ("ip", " \t", "ip must not be empty"),
+        ("http_port", 0, "http_port must be in [1, 65535]"),
+        ("http_port", 65536, "http_port"),
+    ],
+)
+def test_registration_without_a_reachable_address_is_refused(
+    coord: RunningCoordinator, field: str, value: object, reason: str
+) -> None:
+    body = {"instance_id": "node-a", "ip": "10.0.0.1", "http_port": 8000, field: value}
+    r = coord.client.post("/instances", json=body)
+    assert r.status_code == 400
+    assert reason in r.json()["error"]
+    assert coord.client.get("/instances").json() == {"instances": []}
+
+
+def test_registration_fields_are_stripped_as_lmcache_does(coord: RunningCoordinator) -> None:
+    body = {"instance_id": " node-a\n", "ip": " 10.0.0.1 ", "http_port": 8000}
+    assert coord.client.post("/instances", json=body).json()["instance_id"] == "node-a"
+    (listed,) = coord.client.get("/instances").json()["instances"]
+    assert (listed["instance_id"], listed["ip"]) == ("node-a", "10.0.0.1")
 
 
 def test_re_registration_of_same_incarnation_is_flagged(coord: RunningCoordinator) -> None:

@@ -152,7 +152,8 @@ class LMCacheCoordinator(Process):
 
 class LMCacheServer(Process):
     """`lmcache server` on the CPU: an L1 of ``l1_gb`` GiB, events flushed every 0.2 s,
-    heartbeats (and, with P2P, peer polls) every second. With NIXL P2P the L1's byte
+    heartbeats (and, with P2P, peer polls) every second; with ``l2_gb`` an L2 of that
+    size (LMCache's ``mock`` adapter, in memory). With NIXL P2P the L1's byte
     size must be a multiple of its 4 KiB alignment (LMCache registers it page by page;
     otherwise it fails at startup with NIXL_ERR_NOT_FOUND)."""
 
@@ -165,6 +166,7 @@ class LMCacheServer(Process):
         *,
         l1_gb: float = 0.0625,
         p2p: bool = False,
+        l2_gb: float = 0.0,
     ) -> None:
         self.instance_id = instance_id
         self.port, self.http_port, p2p_port = free_ports(3)
@@ -203,6 +205,9 @@ class LMCacheServer(Process):
         ]
         if p2p:
             argv += ["--p2p-advertise-url", self.p2p_url, "--p2p-transfer-engine", "nixl"]
+        if l2_gb:  # LMCache's in-memory L2 adapter (its "fs" one is not built here)
+            l2 = {"type": "mock", "max_size_gb": l2_gb, "mock_bandwidth_gb": 10.0}
+            argv += ["--l2-adapter", json.dumps(l2)]
         super().__init__(
             f"lmcache-server-{instance_id}",
             argv,

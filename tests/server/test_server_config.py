@@ -2,7 +2,7 @@
 instance's event batches and the coordinators' membership records of it must share a
 topic and a partitioner to stay in one partition, in order. Also the flags that reach
 the config and the ranges it refuses naming the flag (coordinator URLs, the P2P
-directory timeout, the engine API's queue bounds)."""
+directory timeout, the engine API's queue bounds, the advertised ip)."""
 
 from __future__ import annotations
 
@@ -87,3 +87,11 @@ def test_engine_queue_bounds_reach_the_config_and_are_refused_out_of_range() -> 
         args = build_parser().parse_args([*KAFKA, *bad])
         with pytest.raises(ConfigError, match=flag):
             config_from_args(args, {}).validate()
+
+
+def test_an_empty_advertise_ip_is_refused_naming_the_flag() -> None:
+    """The coordinator refuses a registration without an ip (as LMCache's does): the
+    server says so at start, naming its flag, rather than failing every registration."""
+    with pytest.raises(ConfigError, match="--coordinator-advertise-ip must not be empty"):
+        urls_of("--coordinator-url", "http://h:1", "--coordinator-advertise-ip", " ")
+    assert urls_of("--coordinator-advertise-ip", "") == ()  # alone: nothing to register with

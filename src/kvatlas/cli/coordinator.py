@@ -195,6 +195,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes/s a body must arrive at in every --body-timeout-s window; slower gets"
         " 408 (default %(default)s)",
     )
+    a(
+        "--eviction-check-interval",
+        type=float,
+        default=_D.eviction_check_interval,
+        help="seconds between sweeps of the fleet L2 eviction loop that keeps each"
+        " cache_salt under its quota; 0: no loop (default %(default)s)",
+    )
+    a(
+        "--eviction-ratio",
+        type=float,
+        default=_D.eviction_ratio,
+        help="fraction of an over-quota salt's L2 keys one sweep evicts, least recently"
+        " used first (default %(default)s)",
+    )
+    a(
+        "--trigger-watermark",
+        type=float,
+        default=_D.trigger_watermark,
+        help="a salt is over quota at this fraction of its limit (default %(default)s)",
+    )
     a("--log-level", default=_D.log_level, help="logging level (default %(default)s)")
     return p
 
@@ -233,6 +253,9 @@ def config_from_args(argv: list[str] | None, environ: dict[str, str]) -> Coordin
         header_timeout_s=ns.header_timeout_s,
         body_timeout_s=ns.body_timeout_s,
         min_body_rate=ns.min_body_rate,
+        eviction_check_interval=ns.eviction_check_interval,
+        eviction_ratio=ns.eviction_ratio,
+        trigger_watermark=ns.trigger_watermark,
         log_level=ns.log_level.upper(),
     )
 

@@ -1,8 +1,10 @@
 """Composition root of `kvatlas coordinator`: builds and names every part, runs them.
 
 Builds, in order: metrics, the fleet state (restored from the snapshot when there is
-one), the service, the membership frontend (direct, or through Kafka with the consumer
-and the publisher), the HTTP app, the snapshot writer and the expiry loop; then serves
+one), the service, the quota controller (its operator state and L2 usage book restored
+from beside the snapshot), the membership frontend (direct, or through Kafka with the consumer
+and the publisher), the fleet L2 eviction loop, the HTTP app, the snapshot writer and
+the expiry loop; then serves
 HTTP (`kvatlas.runtime.http_server`: uvloop, httptools) on a socket it bound itself (so
 a port of 0 is known before serving) until told to stop (SIGINT/SIGTERM or `stop()`),
 and on a clean shutdown writes a last snapshot (`final_snapshot_failed` says whether
@@ -26,11 +28,18 @@ from pathlib import Path
 from types import FrameType
 from typing import Protocol
 
-from kvatlas.coordinator import snapshot
+from kvatlas.coordinator import quota_store, snapshot
+from kvatlas.coordinator.auth import OperatorCheck
 from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.eviction_loop import EvictionLoop
 from kvatlas.coordinator.frontend import LocalMembership, MembershipFrontend
 from kvatlas.coordinator.http_app import CoordinatorApp
+from kvatlas.coordinator.http_cache import CacheMetrics, CacheRoutes, ControllerPins
+from kvatlas.coordinator.http_quota import LocalOperatorLog, OperatorLog, QuotaRoutes
 from kvatlas.coordinator.metrics import CoordinatorMetrics
+from kvatlas.coordinator.quota_metrics import QuotaMetrics
+from kvatlas.coordinator.quotas import QuotaController
+from kvatlas.coordinator.server_control import ServerControl
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.core.errors import ConfigError, InvalidInput
 from kvatlas.core.fleet import FleetState
@@ -84,6 +93,19 @@ class Coordinator:
             self.metrics.attach_memo(self.memo.stats)
         self.service.positions.update(positions)
         self.metrics.attach_state(lambda: self.service.sample(clock()))
+        operator_state, usage = quota_store.load(config.snapshot_path)
+        quota_metrics = QuotaMetrics(self.metrics.registry)
+        self.quotas = QuotaController(
+            self.service,
+            quota_metrics,
+            operator_path=quota_store.operator_path(config.snapshot_path),
+            operator=operator_state,
+            usage=usage,
+            ratio=config.eviction_ratio,
+            watermark=config.trigger_watermark,
+        )
+        quota_metrics.attach(self.metrics.registry, self.quotas.sample)
+        operator_log: OperatorLog
         self._parts: list[_Part] = []
         self.membership: MembershipFrontend
         events_refusal = ""
@@ -92,8 +114,11 @@ class Coordinator:
             # (`kvatlas[kafka]`); a coordinator on HTTP alone must run without it.
             from kvatlas.coordinator.kafka_wiring import build_kafka  # noqa: PLC0415
 
-            self.membership, parts = build_kafka(config, self.service, self.metrics, clock)
+            self.membership, parts = build_kafka(
+                config, self.service, self.metrics, clock, self.quotas
+            )
             self._parts.extend(parts)
+            operator_log = self.membership
             events_refusal = (
                 f"this coordinator takes events from Kafka topic {config.kafka_topic};"
                 " publish batches there so that every replica sees them"
@@ -101,6 +126,21 @@ class Coordinator:
         else:
             self.membership = LocalMembership(self.service, clock)
             self.service.set_ready()
+            operator_log = LocalOperatorLog(self.quotas)
+        # The cache-control routes' client of servers: used on the HTTP loop, closed there.
+        cache_metrics = CacheMetrics(self.metrics.registry)
+        # The eviction loop's own (its thread has its own event loop), counted alike.
+        self.eviction = EvictionLoop(
+            self.quotas,
+            lambda: ServerControl(
+                auth_token=config.auth_token or None, observe=cache_metrics.observe
+            ),
+            config.eviction_check_interval,
+        )
+        self._parts.append(self.eviction)
+        server_control = ServerControl(
+            auth_token=config.auth_token or None, observe=cache_metrics.observe
+        )
         self.http: HttpServer = CoordinatorApp(
             config,
             self.service,
@@ -109,7 +149,18 @@ class Coordinator:
             clock=clock,
             events_refusal=events_refusal,
             gc_pauses=self.gc_pauses,
+            quotas=QuotaRoutes(
+                self.quotas, self.service, operator_log, OperatorCheck(config.operator_token)
+            ),
+            cache=CacheRoutes(
+                self.service,
+                server_control,
+                cache_metrics,
+                OperatorCheck(config.operator_token),
+                ControllerPins(self.quotas, operator_log),
+            ),
         ).server()
+        self.http.closers.append(server_control.aclose)
         self.metrics.attach_edge(self.http.stats)
         self.snapshots = (
             snapshot.SnapshotWriter(

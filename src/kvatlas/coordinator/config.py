@@ -131,6 +131,15 @@ class CoordinatorConfig:
     min_body_rate: float = 16 * 1024
     """Bytes per second a body must arrive at, per window (`--min-body-rate`); slower:
     408 and the connection closed."""
+    eviction_check_interval: float = 5.0
+    """Seconds between sweeps of the fleet L2 eviction loop, which keeps each
+    ``cache_salt`` under its quota (`--eviction-check-interval`); 0: no loop."""
+    eviction_ratio: float = 0.2
+    """Fraction of an over-quota salt's L2 keys (by count, least recently used first)
+    one sweep evicts (`--eviction-ratio`); a quota of 0 evicts them all."""
+    trigger_watermark: float = 1.0
+    """A salt is over quota when its L2 bytes reach this fraction of its limit
+    (`--trigger-watermark`)."""
     log_level: str = "INFO"
     """Python logging level name (`--log-level`)."""
 
@@ -216,6 +225,18 @@ class CoordinatorConfig:
             )
         if self.auth_token and (self.auth_token != self.auth_token.strip()):
             raise ConfigError("--auth-token must not start or end with whitespace")
+
+        if not self.eviction_check_interval >= 0:
+            raise ConfigError(
+                f"--eviction-check-interval must be >= 0 s (0: no loop),"
+                f" got {self.eviction_check_interval}"
+            )
+        if not 0.0 <= self.eviction_ratio <= 1.0:
+            raise ConfigError(f"--eviction-ratio must be in [0, 1], got {self.eviction_ratio}")
+        if not 0.0 < self.trigger_watermark <= 1.0:
+            raise ConfigError(
+                f"--trigger-watermark must be in (0, 1], got {self.trigger_watermark}"
+            )
 
     def bounds(self) -> Bounds:
         """What every request about an instance is held to (`core.credentials`)."""

@@ -4,7 +4,7 @@ every live member's `/status`.
 Owns the aggregation: the member list, each member's `/status` fetched concurrently with
 one short deadline each (a member that does not answer in time, refuses, or answers
 something unreadable is shown with the reason, never waited for longer), the
-coordinator's counters and directory stats, and one cached document per `cache_s` that
+coordinator's counters, directory stats and quotas, and one cached document per `cache_s` that
 every viewer shares (at most one assembly in flight, however many pages poll). It runs on
 the coordinator's event loop without blocking it: the fetches are asynchronous, and
 what takes the service lock or decodes and encodes (member list, stats, the document) is
@@ -32,6 +32,7 @@ from kvatlas.wire.fleet_view import (
     FleetDocument,
     MemberStatus,
     MemberView,
+    QuotasView,
     status_url,
 )
 from kvatlas.wire.http_api import InstanceWire
@@ -72,7 +73,10 @@ class FleetView:
         clock: Callable[[], float] = time.time,
         cache_s: float = CACHE_S,
         status_timeout_s: float = STATUS_TIMEOUT_S,
+        quotas: Callable[[], QuotasView] | None = None,
     ) -> None:
+        """``quotas``: the quota controller's view (takes the service lock)."""
+        self._quotas = quotas
         self._cfg = config
         self._svc = service
         self._metrics = metrics
@@ -162,6 +166,7 @@ class FleetView:
                 # One document for every viewer: without the operator's cursors.
                 directory=self._svc.stats(redact=bool(self._cfg.operator_token)),
                 members=views,
+                quotas=self._quotas() if self._quotas is not None else None,
             )
         )
 

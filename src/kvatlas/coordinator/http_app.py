@@ -28,6 +28,8 @@ from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.fleet_page import FleetPage
 from kvatlas.coordinator.fleet_view import FleetView
 from kvatlas.coordinator.frontend import MembershipFrontend, Unavailable
+from kvatlas.coordinator.http_cache import CacheRoutes
+from kvatlas.coordinator.http_quota import QuotaRoutes, translate_refusal
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.openapi import openapi_document
 from kvatlas.coordinator.service import CoordinatorService
@@ -42,7 +44,7 @@ from kvatlas.core.errors import (
     Unauthenticated,
 )
 from kvatlas.core.keys import Namespace, default_kv_rank
-from kvatlas.core.membership import InstanceInfo, check_registration
+from kvatlas.core.membership import InstanceInfo, check_registration, strip_field
 from kvatlas.core.types import MAX_INT64, Incarnation, InstanceId, Tier
 from kvatlas.runtime.gc_pauses import GcPauses
 from kvatlas.runtime.http_server import HttpRequest, HttpResponse, HttpServer, Router, always
@@ -106,6 +108,9 @@ def _error(status: int, reason: str) -> HttpResponse:
 
 def translate_error(exc: Exception) -> HttpResponse | None:
     """The error tree as status codes with reasons; None for anything else (a bug)."""
+    refusal = translate_refusal(exc)  # the quota routes' answers, in LMCache's words
+    if refusal is not None:
+        return refusal
     if isinstance(exc, HttpError):
         return _error(exc.status, exc.reason)
     if isinstance(exc, Unavailable):
@@ -144,6 +149,8 @@ class CoordinatorApp:
         clock: Callable[[], float] = time.time,
         events_refusal: str = "",
         gc_pauses: GcPauses | None = None,
+        quotas: QuotaRoutes | None = None,
+        cache: CacheRoutes | None = None,
     ) -> None:
         """``events_refusal``: when set, `POST /events` answers 409 with it (with Kafka,
         events travel through the topic only, so that every replica sees them).
@@ -157,7 +164,14 @@ class CoordinatorApp:
         self._clock = clock
         self._events_refusal = events_refusal
         self._openapi = _encoder.encode(openapi_document())
-        self._page = FleetPage(FleetView(config, service, metrics, clock=clock))
+        quota_view = (
+            None
+            if quotas is None
+            else lambda: quotas.controller.fleet_view(config.eviction_check_interval)
+        )
+        self._page = FleetPage(FleetView(config, service, metrics, clock=clock, quotas=quota_view))
+        self._quotas = quotas
+        self._cache = cache
         self._operator = OperatorCheck(config.operator_token)
 
     def router(self) -> Router:
@@ -178,6 +192,10 @@ class CoordinatorApp:
         r.add("GET", "/metrics", self.metrics, offload=always)
         r.add("GET", "/openapi.json", self.openapi)
         self._page.add_routes(r)
+        if self._quotas is not None:
+            self._quotas.add_routes(r)
+        if self._cache is not None:
+            self._cache.add_routes(r)
         return r
 
     def server(self) -> HttpServer:
@@ -202,13 +220,14 @@ class CoordinatorApp:
 
     async def register(self, request: HttpRequest) -> HttpResponse:
         req = _decode(_register_decoder, request.body)
-        iid = req.instance_id or InstanceId(f"instance-{uuid.uuid4().hex[:12]}")
+        # LMCache 0.5.6's schema strips these three; an id left empty is generated
+        iid = InstanceId(strip_field(req.instance_id)) or InstanceId(f"mp-{uuid.uuid4().hex}")
         info = InstanceInfo(
             instance_id=iid,
-            ip=req.ip,
+            ip=strip_field(req.ip),
             http_port=req.http_port,
             metadata=dict(req.metadata),
-            p2p_advertised_url=req.p2p_advertised_url or "",
+            p2p_advertised_url=strip_field(req.p2p_advertised_url or ""),
             mq_port=req.mq_port or 0,
             incarnation=req.incarnation or Incarnation(0),
             contract=req.contract.to_core() if req.contract is not None else None,
@@ -406,24 +425,26 @@ class CoordinatorApp:
             raise HttpError(400, f"need 0 <= offset <= {MAX_INT64} and 1 <= limit <= {_MAX_PAGE}")
         tier_name = q.get("tier")
         tier = None
-        if tier_name is not None:
+        if tier_name is not None and tier_name != "all":  # LMCache's "all": no filter
             try:
                 tier = Tier(tier_name)
             except ValueError as exc:
-                raise HttpError(400, f"tier must be l1 or l2, got {tier_name!r}") from exc
-        instance = q.get("instance")
+                raise HttpError(400, f"tier must be l1, l2 or all, got {tier_name!r}") from exc
+        # ``instance_id`` is LMCache's name of the filter; empty filters nothing (and
+        # ``backend`` alike), as in LMCache.
+        instance = q.get("instance") or q.get("instance_id") or None
         return _json(
             self._svc.keys_page(
                 offset,
                 limit,
                 tier,
                 None if instance is None else InstanceId(instance),
-                q.get("backend"),
+                q.get("backend") or None,
             )
         )
 
     def healthz(self, request: HttpRequest) -> HttpResponse:
-        return _json({"status": "ok"})
+        return _json({"status": "healthy"})  # LMCache 0.5.6's body, byte for byte
 
     def readyz(self, request: HttpRequest) -> HttpResponse:
         ready, reason = self._svc.readiness()

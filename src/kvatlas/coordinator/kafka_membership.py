@@ -29,6 +29,9 @@ applies membership only from the log, with the time carried in the record.
   caught up on the log, when "unknown" may only mean "not read yet"); when known, a
   heartbeat record is published and not waited for. Event batches do not count as
   heartbeats: only heartbeat records move `last_heartbeat`, on every replica alike.
+- Quota and pin writes: published keyed `OPERATOR_KEY` and answered once applied here,
+  like a registration; every replica applies them from the log (`on_operator`), in
+  one partition's order.
 - Expiry: each replica's sweep looks for instances silent for too long by its own
   clock (only once caught up) and publishes an expire record naming the incarnation
   and the last heartbeat it saw; applying it expires the instance only if nothing was
@@ -57,13 +60,16 @@ from kvatlas.coordinator.service import CoordinatorService, Position
 from kvatlas.core.contract_claims import ContractClaims, claim_key
 from kvatlas.core.errors import ContractMismatch, InvalidInput
 from kvatlas.core.membership import InstanceInfo, RegisterOutcome
+from kvatlas.core.quotas import OperatorOp, OpResult
 from kvatlas.core.types import InstanceId
 from kvatlas.wire.kafka_records import (
+    OPERATOR_KEY,
     ContractClaim,
     DeregisterRecord,
     ExpireRecord,
     HeartbeatRecord,
     MembershipRecord,
+    OperatorRecord,
     RegisterRecord,
     encode_membership,
 )
@@ -84,8 +90,12 @@ class LogMembership:
         config: CoordinatorConfig,
         service: CoordinatorService,
         clock: Callable[[], float] = time.time,
+        on_operator: Callable[[OperatorOp, Position], OpResult] | None = None,
     ) -> None:
+        """``on_operator``: applies a quota or pin write from the log (the quota
+        controller's `apply`); without it such records are only consumed."""
         self._svc = service
+        self._on_operator = on_operator
         self._clock = clock
         self._topic = config.kafka_topic
         self._producer = Producer(
@@ -220,6 +230,15 @@ class LogMembership:
             instance_id, DeregisterRecord(rid, instance_id, self._clock(), proof), rid
         )
 
+    async def submit(self, op: OperatorOp) -> OpResult:
+        """A quota or pin write: publish it, answer once this replica applied it."""
+        rid = uuid.uuid4().hex
+        result = await self._publish_and_wait(
+            OPERATOR_KEY, OperatorRecord(rid, self._clock(), op), rid
+        )
+        assert isinstance(result, OpResult)
+        return result
+
     def sweep(self) -> None:
         if not self._svc.ready:
             return
@@ -279,6 +298,11 @@ class LogMembership:
             except InvalidInput as exc:
                 result = exc
             self._resolve(record.request_id, result)
+        elif isinstance(record, OperatorRecord):
+            if self._on_operator is not None:
+                self._resolve(record.request_id, self._on_operator(record.op, position))
+            else:
+                svc.advance(position)
         else:
             svc.expire_instance(record.instance_id, record.incarnation, record.last_seen, position)
         # By the record's time, so that every replica drops at the same point of the log.

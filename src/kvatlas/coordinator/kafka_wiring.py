@@ -12,7 +12,9 @@ from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.kafka_ingest import KafkaIngest
 from kvatlas.coordinator.kafka_membership import LogMembership
 from kvatlas.coordinator.metrics import CoordinatorMetrics
-from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.coordinator.quotas import QuotaController
+from kvatlas.coordinator.service import CoordinatorService, Position
+from kvatlas.core.quotas import OperatorOp, OpResult
 
 
 def build_kafka(
@@ -20,8 +22,15 @@ def build_kafka(
     service: CoordinatorService,
     metrics: CoordinatorMetrics,
     clock: Callable[[], float],
+    quotas: QuotaController | None = None,
 ) -> tuple[LogMembership, list[LogMembership | KafkaIngest]]:
-    """The membership frontend and the parts to start (in order) and stop (reversed)."""
-    membership = LogMembership(config, service, clock)
+    """The membership frontend (also the quota controller's operator log) and the parts
+    to start (in order) and stop (reversed)."""
+
+    def on_operator(op: OperatorOp, position: Position) -> OpResult:
+        assert quotas is not None
+        return quotas.apply(op, position, transport="kafka")
+
+    membership = LogMembership(config, service, clock, on_operator if quotas is not None else None)
     ingest = KafkaIngest(config, service, metrics, membership.apply, clock)
     return membership, [membership, ingest]

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from kvatlas.coordinator import openapi_cache, openapi_quota
 from kvatlas.wire.coordinator_views import KeysPage, ReadyResponse, StatsResponse
 from kvatlas.wire.fleet_view import FleetDocument
 from kvatlas.wire.http_api import (
@@ -113,7 +114,9 @@ _EVENTS_RULES = (
 
 def openapi_document() -> dict[str, Any]:
     """The whole document (paths + component schemas)."""
-    _, components = msgspec.json.schema_components(_TYPES, ref_template=_REF)
+    _, components = msgspec.json.schema_components(
+        _TYPES + openapi_cache.TYPES + openapi_quota.TYPES, ref_template=_REF
+    )
     instance_id = {
         "name": "instance_id",
         "in": "path",
@@ -125,8 +128,9 @@ def openapi_document() -> dict[str, Any]:
         for n, s in (
             ("offset", {"type": "integer", "minimum": 0}),
             ("limit", {"type": "integer", "minimum": 1, "maximum": 10000}),
-            ("tier", {"type": "string", "enum": ["l1", "l2"]}),
+            ("tier", {"type": "string", "enum": ["l1", "l2", "all"]}),
             ("instance", {"type": "string"}),
+            ("instance_id", {"type": "string", "description": "LMCache's name of `instance`"}),
             ("backend", {"type": "string"}),
         )
     ]
@@ -265,6 +269,8 @@ def openapi_document() -> dict[str, Any]:
                 "responses": {**_ok(FleetDocument), **_errors(401)},
             }
         },
+        **openapi_cache.cache_paths(),
+        **openapi_quota.quota_paths(),
     }
     return {
         "openapi": "3.1.0",

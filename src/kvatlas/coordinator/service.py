@@ -20,7 +20,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import msgspec
 
 from kvatlas.coordinator.metrics import CoordinatorMetrics, StateSample
 from kvatlas.coordinator.views import key_view, stats_response
@@ -92,6 +94,14 @@ class CoordinatorService:
         self._not_ready_reason = "starting"
         self._snapshot_failure = ""
         self._unknown_types: set[str] = set()
+        self.observers: list[Callable[[EventBatch], None]] = []
+        """Called under the lock with every batch applied (the quota controller's book)."""
+        self.drop_observers: list[Callable[[InstanceId], None]] = []
+        """Called under the lock with every instance whose placements of every tier were
+        dropped (its L2 retention ran out, or it never registered)."""
+        self.companion: Callable[[], msgspec.Struct] | None = None
+        """State kept beside the fleet's, captured in the same lock hold by `snapshot_parts`
+        (the L2 usage book)."""
 
     # ---- readiness -------------------------------------------------------------------
 
@@ -279,6 +289,7 @@ class CoordinatorService:
         """Expire every instance silent for longer than the timeout (single coordinator)."""
         with self.lock:
             fenced = self.fleet.expire(now)
+            self._dropped(fenced)
         for f in fenced:
             self._log_expiry(f)
         return fenced
@@ -288,6 +299,7 @@ class CoordinatorService:
         (replicas: the time of the record they apply)."""
         with self.lock:
             dropped = self.fleet.expire_departed(now)
+            self._dropped(dropped)
         for f in dropped:
             self._log_fence(f)
         return dropped
@@ -320,6 +332,7 @@ class CoordinatorService:
         with this condition, so a heartbeat that overtook the expiry wins everywhere)."""
         with self.lock:
             fenced = self.fleet.expire_instance(instance_id, incarnation, last_seen)
+            self._dropped([] if fenced is None else [fenced])
             self._advance(position)
         if fenced is not None:
             self._log_expiry(fenced)
@@ -338,6 +351,13 @@ class CoordinatorService:
             declarations = fl.capacity.declarations()
             registered = {i.instance_id for i in fl.instances()}
         return fleet_usage(owners, declarations, registered)
+
+    def _dropped(self, fenced: Sequence[Fenced]) -> None:
+        """Tell the drop observers (under the lock) of instances that lost every tier."""
+        for f in fenced:
+            if f.reason in (FenceReason.L2_RETENTION, FenceReason.EXPIRED_UNREGISTERED):
+                for observe in self.drop_observers:
+                    observe(f.instance_id)
 
     def _log_expiry(self, f: Fenced) -> None:
         if f.reason is FenceReason.L2_RETENTION:
@@ -416,6 +436,9 @@ class CoordinatorService:
             with self.lock:
                 try:
                     out = self.fleet.ingest(b, now)
+                    if out.verdict is Verdict.APPLY and isinstance(b, EventBatch):
+                        for observe in self.observers:
+                            observe(b)
                 finally:
                     if i == len(batches) - 1:
                         self._advance(position)
@@ -529,6 +552,7 @@ class CoordinatorService:
             cursors = dict(fl.cursors)
             live = len(fl.membership)
             provisional = sorted(fl.provisional())
+            active = [i.instance_id for i in fl.instances()] + provisional
             blend = fl.blend_stats()
             declarations = fl.capacity.declarations()
             keep_tokens = fl.directory.keep_tokens
@@ -545,6 +569,7 @@ class CoordinatorService:
             digest=capture.digest() if capture is not None else None,
             positions=positions,
             redact=redact,
+            active=active,
         )
 
     def keys_page(
@@ -560,27 +585,36 @@ class CoordinatorService:
             # Every stored key has a placement: the page is a slice of the key order.
             with self.lock:
                 rows = d.key_rows(d.key_slice(offset, limit + 1))
+                total = len(d)
         else:
             # A filter is checked key by key in Python: walk a copy of the key order
-            # in steps, so that ingest waits for one step, not for the whole scan.
+            # in steps, so that ingest waits for one step, not for the whole scan (which
+            # goes to the end: ``total`` counts every matching key, as LMCache's does).
             with self.lock:
                 order = d.key_order()
             rows = []
             to_skip = offset
+            total = 0
             for start in range(0, len(order), _SCAN_STEP):
                 with self.lock:
                     got = d.key_rows(order[start : start + _SCAN_STEP], tier, instance_id, backend)
+                total += len(got)
+                if len(rows) > limit:
+                    continue
                 if to_skip >= len(got):
                     to_skip -= len(got)
                     continue
                 rows.extend(got[to_skip:])
                 to_skip = 0
-                if len(rows) > limit:
-                    break
             rows = rows[: limit + 1]
         more = len(rows) > limit
-        views = [key_view(ns, prefix, ps) for ns, prefix, ps in rows[:limit]]
-        return KeysPage(offset, limit, views, offset + limit if more else None)
+        rows = rows[:limit]
+        with self.lock:
+            facts = [d.key_facts(ns, prefix) for ns, prefix, _ in rows]
+        views = [
+            key_view(ns, prefix, ps, f) for (ns, prefix, ps), f in zip(rows, facts, strict=True)
+        ]
+        return KeysPage(offset, limit, views, offset + limit if more else None, total=total)
 
     def sample(self, now: float) -> StateSample:
         """Scrape-time state for metrics."""
@@ -606,6 +640,20 @@ class CoordinatorService:
                     for c in d.compartments
                 ],
             )
+
+    def snapshot_parts(self) -> tuple[bytes, bytes | None, float]:
+        """`snapshot`, and the `companion` state captured in the same lock hold (a copy;
+        encoded as msgpack after)."""
+        with self.lock:
+            t0 = time.perf_counter()
+            capture = self.fleet.capture(extra=dict(self.positions))
+            extra = self.companion() if self.companion is not None else None
+            locked = time.perf_counter() - t0
+        return (
+            capture.encode(),
+            None if extra is None else msgspec.msgpack.encode(extra),
+            locked,
+        )
 
     def snapshot(self) -> tuple[bytes, float]:
         """The state and the consumer positions that led to it, encoded together, and

@@ -45,6 +45,9 @@ MAGIC: Final = b"KVATSNAP"
 FORMAT_VERSION: Final = 1
 _HEADER = struct.Struct("<8sIQ32s")
 PREV_SUFFIX: Final = ".prev"
+USAGE_SUFFIX: Final = ".l2usage"
+"""The service's companion state (`CoordinatorService.companion`: the L2 usage book) is
+written beside the snapshot under this suffix, before the snapshot itself."""
 
 
 def frame(body: bytes) -> bytes:
@@ -198,7 +201,9 @@ class SnapshotWriter:
         """Write one snapshot now; returns its size in bytes."""
         with self._write_lock:
             t0 = time.perf_counter()
-            body, locked = self._svc.snapshot()
+            body, extra, locked = self._svc.snapshot_parts()
+            if extra is not None:
+                write_atomic(self._path.with_name(self._path.name + USAGE_SUFFIX), frame(extra))
             data = frame(body)
             keep_previous(self._path)
             write_atomic(self._path, data)

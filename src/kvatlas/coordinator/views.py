@@ -19,7 +19,7 @@ from kvatlas.core.capacity import Declaration
 from kvatlas.core.gate import Cursor
 from kvatlas.core.keys import Namespace
 from kvatlas.core.placements import DirectoryStats, KeyColumns, KeyResult, Placement, PrefixResult
-from kvatlas.core.types import InstanceId
+from kvatlas.core.types import InstanceId, Tier
 from kvatlas.wire.coordinator_views import (
     CompartmentView,
     CursorView,
@@ -44,7 +44,13 @@ def placement_wire(p: Placement) -> PlacementWire:
     )
 
 
-def key_view(ns: Namespace, prefix: bytes, placements: tuple[Placement, ...]) -> KeyView:
+def key_view(
+    ns: Namespace,
+    prefix: bytes,
+    placements: tuple[Placement, ...],
+    facts: tuple[int, int] = (0, 0),
+) -> KeyView:
+    """``facts``: (access count, kept token ids) of the key."""
     return KeyView(
         prefix.hex(),
         ns.model_name,
@@ -52,6 +58,8 @@ def key_view(ns: Namespace, prefix: bytes, placements: tuple[Placement, ...]) ->
         ns.object_group_id,
         ns.cache_salt,
         [placement_wire(p) for p in placements],
+        num_tokens=facts[1],
+        access_count=facts[0],
     )
 
 
@@ -67,6 +75,7 @@ def stats_response(
     digest: str | None,
     positions: dict[str, int],
     redact: bool = False,
+    active: Sequence[str] = (),
 ) -> StatsResponse:
     """``redact``: each cursor's incarnation and last seq as null (see `CursorView`)."""
     return StatsResponse(
@@ -108,7 +117,27 @@ def stats_response(
             for iid, d in sorted(declarations.items())
         ],
         token_ids=TokenIdsView(stats.token_keys, stats.token_bytes) if keep_tokens else None,
+        num_keys=stats.keys,
+        num_placements=stats.placements,
+        l1_keys_by_instance=_l1_by_instance(stats, cursors, active),
+        l1_count=stats.placements_by_tier.get("l1", 0),
+        l1_size_bytes=stats.bytes_by_tier.get("l1", 0),
+        l2_count=stats.placements_by_tier.get("l2", 0),
+        l2_size_bytes=stats.bytes_by_tier.get("l2", 0),
     )
+
+
+def _l1_by_instance(
+    stats: DirectoryStats, cursors: dict[InstanceId, Cursor], active: Sequence[str]
+) -> dict[str, int]:
+    """L1 placements per instance, as LMCache lists them: every instance whose events
+    were applied and that was not fenced since (live or provisional here), 0 when it
+    holds none."""
+    out: dict[str, int] = {iid: 0 for iid in active if iid in cursors}
+    for o in stats.owners:
+        if o.tier is Tier.L1 and not o.shared:
+            out[o.instance_id] = out.get(o.instance_id, 0) + o.placements
+    return out
 
 
 def _placement_lists() -> Callable[[tuple[Placement, ...]], list[PlacementWire]]:

@@ -633,6 +633,10 @@ class KeyDirectory:
         """Every key with its placements, filtered; the hash is the stored 8-byte prefix."""
         yield from self.key_rows(list(self._map), tier, instance_id, backend)
 
+    def namespaces(self) -> list[Namespace]:
+        """Every namespace that holds a key now."""
+        return [self._namespaces[i] for i in self._ns_ids.values()]
+
     def key_order(self) -> list[int]:
         """Every key's id, in insertion order: a copy (one C-level pass), so a caller
         can walk it in steps while the directory changes in between."""
@@ -670,6 +674,32 @@ class KeyDirectory:
                 ns = self._namespaces[ik >> HASH_BITS]
                 rows.append((ns, (ik & HASH_MASK).to_bytes(8, "big"), placements))
         return rows
+
+    def key_facts(self, ns: Namespace, prefix: bytes) -> tuple[int, int]:
+        """(access count, number of kept token ids) of a listed key (0, 0 if gone)."""
+        ns_id = self._find_ns(ns)
+        if ns_id is None:
+            return 0, 0
+        ik = ns_id << HASH_BITS | int.from_bytes(prefix, "big")
+        bound = self._tokens.get(ik)
+        return self._access.get(ik, 0), 0 if bound is None else len(bound[1]) // 4
+
+    def tier_bytes(self, ids: Iterable[int], tier: Tier) -> dict[Namespace, int]:
+        """Bytes of ``tier`` placements per namespace, over the keys of ``ids`` (what
+        the quota routes sum per salt, read from the codes without making placements)."""
+        tier_oids = {oid for oid, o in enumerate(self._owners) if o.tier is tier}
+        out: dict[int, int] = {}
+        for ik in ids:
+            cur = self._map.get(ik)
+            if cur is None:
+                continue
+            if isinstance(cur, int):
+                n = cur & SIZE_MASK if cur >> SIZE_BITS in tier_oids else 0
+            else:
+                n = sum(c & SIZE_MASK for c in cur if c >> SIZE_BITS in tier_oids)
+            if n:
+                out[ik >> HASH_BITS] = out.get(ik >> HASH_BITS, 0) + n
+        return {self._namespaces[ns]: b for ns, b in out.items()}
 
     # ---- stats, digest, snapshot -----------------------------------------------------
 

@@ -205,6 +205,16 @@ def default_kv_rank(world_size: int = 1) -> int:
     return pack_kv_rank(world_size, 0, world_size, 0)
 
 
+def rank_keys(
+    hashes: Sequence[ChunkHash], model_name: str, world_size: int, cache_salt: str = ""
+) -> list[ObjectKey]:
+    """Every rank's key of each chunk, chunk-major, in object group 0: what LMCache's
+    ``resolve_object_keys`` makes of a token-addressed request (one key per worker of a
+    single-node group of ``world_size``)."""
+    ranks = [pack_kv_rank(world_size, r, world_size, r) for r in range(world_size)]
+    return [ObjectKey(h, model_name, rank, 0, cache_salt) for h in hashes for rank in ranks]
+
+
 class Namespace(msgspec.Struct, frozen=True, gc=False):
     """Everything of an object key but the chunk hash: the scope hashes live in."""
 

@@ -474,13 +474,27 @@ class L1Pool:
         self._policy.touch(key)
         return True
 
-    def delete(self, key: ObjectKey) -> DeleteOutcome:
-        """Remove a committed, unlocked chunk (records DELETE)."""
+    def delete(self, key: ObjectKey, force: bool = False) -> DeleteOutcome:
+        """Remove a committed, unlocked chunk (records DELETE). ``force`` removes a locked
+        one too, ending its leases: a reader's bytes may then be overwritten under it
+        (peers verify checksums; an engine mid-copy may read garbage, which is what an
+        operator's forced delete accepts); a write in progress is dropped unrecorded (it
+        was never stored) and its commit then fails."""
         chunk = self._chunks.get(key)
         if chunk is None:
             return DeleteOutcome.ABSENT
         if chunk.locked or not chunk.committed:
-            return DeleteOutcome.LOCKED
+            if not force:
+                return DeleteOutcome.LOCKED
+            for lease_id in chunk.readers:
+                self._read_leases.pop(lease_id, None)
+            chunk.readers.clear()
+            if chunk.write_lease is not None:
+                self._write_leases.pop(chunk.write_lease, None)
+                chunk.write_lease = None
+            if not chunk.committed:
+                self._drop(chunk)
+                return DeleteOutcome.DELETED
         self._drop(chunk)
         self._events.append(PoolEvent(EventType.DELETE, key, chunk.size, "deleted"))
         return DeleteOutcome.DELETED

@@ -29,6 +29,19 @@ MAX_METADATA_BYTES = 16 * 1024
 carries it for every instance, so one registration must not make every listing huge."""
 MAX_FIELD_CHARS = 1024
 """The instance id, ip and P2P URL of a registration, each."""
+_WHITE_SPACE = (
+    "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006"
+    "\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+)
+"""Unicode's White_Space property: what LMCache's schema (pydantic's
+``strip_whitespace``, Rust's ``str::trim``) strips. Python's ``str.strip()`` would
+also strip U+001C..U+001F, which LMCache keeps."""
+
+
+def strip_field(value: str) -> str:
+    """``value`` without leading and trailing White_Space, as LMCache 0.5.6 stores the
+    ``instance_id``, ``ip`` and ``p2p_advertised_url`` of a registration."""
+    return value.strip(_WHITE_SPACE)
 
 
 class InstanceInfo(msgspec.Struct, frozen=True):
@@ -95,7 +108,7 @@ class Membership:
     ) -> RegisterOutcome:
         """Admit ``info`` as the live process of its instance id.
 
-        Raises InvalidInput for an empty id or an impossible port or incarnation (TooLarge
+        Raises InvalidInput for an empty id or ip, an impossible port or incarnation (TooLarge
         for metadata or fields over their limits),
         StaleIncarnation if a higher incarnation of the id was seen before, and
         ContractMismatch if ``info.contract`` contradicts the contract of another live
@@ -242,8 +255,10 @@ def check_registration(info: InstanceInfo) -> None:
     """Raise InvalidInput (TooLarge for sizes) unless ``info`` is a registration to admit."""
     if not info.instance_id:
         raise InvalidInput("instance id must not be empty")
-    if not 0 <= info.http_port <= _MAX_PORT:
-        raise InvalidInput(f"http_port must be in [0, {_MAX_PORT}], got {info.http_port}")
+    if not info.ip:  # LMCache 0.5.6: min_length 1 once stripped
+        raise InvalidInput("ip must not be empty")
+    if not 1 <= info.http_port <= _MAX_PORT:  # the coordinator calls http://{ip}:{http_port}
+        raise InvalidInput(f"http_port must be in [1, {_MAX_PORT}], got {info.http_port}")
     if not 0 <= info.mq_port <= _MAX_PORT:
         raise InvalidInput(f"mq_port must be in [0, {_MAX_PORT}], got {info.mq_port}")
     if info.incarnation < 0:

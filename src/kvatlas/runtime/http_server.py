@@ -826,6 +826,8 @@ class HttpServer:
         self._stop_asked = threading.Event()
         self.serving = threading.Event()
         """Set once the socket is being served."""
+        self.closers: list[Callable[[], Awaitable[None]]] = []
+        """Awaited on the loop once serving stopped (clients of the handlers' own)."""
 
     def give_back(self, nbytes: int) -> None:
         """A body's reservation ends (on the loop)."""
@@ -877,6 +879,11 @@ class HttpServer:
             server.close()
             sweeper.cancel()
             await self._drain()
+            for close in self.closers:
+                try:
+                    await close()
+                except Exception:
+                    log.exception("Closing %r failed", close)
             self.executor.shutdown(wait=False, cancel_futures=True)
             self._loop = None
 

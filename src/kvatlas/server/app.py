@@ -44,10 +44,13 @@ from kvatlas.core.types import EventType, Tier
 from kvatlas.runtime.asgi_thread import AsgiThread
 from kvatlas.runtime.coordinator_client import CoordinatorClient, Failover
 from kvatlas.runtime.region import L1Region, RegionBusy
+from kvatlas.server.cache_control import CacheControl
+from kvatlas.server.cache_metrics import CacheControlCollector
 from kvatlas.server.config import GIB, P2PConfig, ServerConfig, split_host_port
 from kvatlas.server.engine_api import EngineApi
 from kvatlas.server.engine_service import EngineService, ServiceIdentity
 from kvatlas.server.http_app import build_app
+from kvatlas.server.http_cache import cache_routes
 from kvatlas.server.incarnation import load_secret, next_incarnation, save_secret
 from kvatlas.server.lease_ids import RandomLeaseIds
 from kvatlas.server.lmcache_mp.metrics import LMCacheMPCollector
@@ -178,6 +181,10 @@ class CacheServer:
                 transfer_mode=config.lmcache_transfer_mode,
             )
             self.lmcache_mp = LMCacheMPHandler(self.lmcache, refusal=self._lmcache_refusal())
+            # The /cache/* routes a coordinator drives (delete, warm prefetch, usage).
+            self.cache_control = CacheControl(
+                self.guarded, config.chunk_size, contracts=self.service.contracts
+            )
             self.engine_api = EngineApi(
                 self.service,
                 config.host,
@@ -207,6 +214,7 @@ class CacheServer:
                     raise
                 self.service.set_peer_source(self.p2p.fetcher)
                 self.lmcache.set_peer_source(self.p2p.fetcher)
+                self.cache_control.set_peer_source(self.p2p.fetcher)
             if self.coordinator is not None:
                 self.registrar = Registrar(
                     self.coordinator,
@@ -248,6 +256,9 @@ class CacheServer:
                 p2p=lambda: self.p2p.stats() if self.p2p else None,
                 engine_api=self.engine_api.stats,
                 extra=[LMCacheMPCollector(config.instance_id, self.lmcache_mp)],
+            )
+            self.metrics.registry.register(
+                CacheControlCollector(config.instance_id, self.cache_control.stats)
             )
         except BaseException:
             if self.coordinator is not None:
@@ -299,7 +310,12 @@ class CacheServer:
 
     def start(self) -> None:
         self.http.start(
-            build_app(self.status, self._render_metrics, self.config.coordinator.auth_token),
+            build_app(
+                self.status,
+                self._render_metrics,
+                self.config.coordinator.auth_token,
+                cache_routes(self.cache_control, self.config.coordinator.auth_token),
+            ),
             name="kvatlas-http",
         )
         if self.p2p is not None:
@@ -351,9 +367,11 @@ class CacheServer:
         self.lmcache.close()
         if self._sweeper.is_alive():
             self._sweeper.join(5)
+        self.cache_control.close()
         if self.p2p is not None:
             self.service.set_peer_source(None)
             self.lmcache.set_peer_source(None)
+            self.cache_control.set_peer_source(None)
             self.p2p.stop()
         self.guarded.drain()
         if self.publisher is not None:
@@ -420,6 +438,7 @@ class CacheServer:
             uptime_s=time.monotonic() - self.started_at,
             lookups=self.service.lookup_counts(),
             p2p=self.p2p.stats() if self.p2p else None,
+            cache_control=self.cache_control.stats(),
         )
 
     def _render_metrics(self) -> bytes:

@@ -311,6 +311,8 @@ def _problems(c: ServerConfig) -> list[str]:
     if c.l2.size_bytes < 0:
         out.append(f"--l2-size-gb must be >= 0, got {c.l2.size_bytes} bytes")
     co = c.coordinator
+    if co.urls and not co.advertise_ip.strip():  # the coordinator refuses an empty ip
+        out.append("--coordinator-advertise-ip must not be empty when --coordinator-url is set")
     for url in co.urls:
         if not url.startswith(("http://", "https://")):
             out.append(f"--coordinator-url must start with http:// or https://, got {url!r}")

@@ -1,4 +1,4 @@
-"""The server's HTTP endpoints (/status, /metrics, /healthz).
+"""The server's HTTP endpoints (/status, /metrics, /healthz, and the routes it is given).
 
 Owns the starlette app; ``runtime.asgi_thread.AsgiThread`` serves it (``--http-port`` is
 bound at construction: a taken port raises PortInUse before anything runs). The documents come
@@ -9,7 +9,7 @@ from callables the composition root passes in; the token check is the fleet's on
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 from starlette.applications import Starlette
@@ -28,9 +28,11 @@ def build_app(
     status: Callable[[], ServerStatus],
     metrics: Callable[[], bytes],
     auth_token: str | None = None,
+    extra_routes: Sequence[Route] = (),
 ) -> Starlette:
     """/status and /metrics need ``Authorization: Bearer <auth_token>`` when it is set;
-    /healthz never does (probes carry no secrets)."""
+    /healthz never does (probes carry no secrets). ``extra_routes``: served too (the
+    cache-control routes of ``server.http_cache``, which check the token themselves)."""
     gate = TokenGate(auth_token)
 
     def denied(request: Request) -> Response | None:
@@ -58,5 +60,6 @@ def build_app(
             Route("/status", get_status, methods=["GET"]),
             Route("/metrics", get_metrics, methods=["GET"]),
             Route("/healthz", healthz, methods=["GET"]),
+            *extra_routes,
         ]
     )

@@ -8,12 +8,14 @@ long (it copies snapshots and returns).
 
 from __future__ import annotations
 
+from kvatlas.server.cache_control import CacheControlStats
 from kvatlas.server.engine_service import LookupCounts
 from kvatlas.server.p2p.node import P2PStats
 from kvatlas.server.publisher import PublisherStats
 from kvatlas.server.registrar import RegistrarStats, RegistrationState
 from kvatlas.server.storage.chunkstore import ChunkStoreStats
 from kvatlas.wire.server_status import (
+    CacheControlStatus,
     EventStatus,
     L1Status,
     L2Status,
@@ -43,6 +45,7 @@ def build_status(
     uptime_s: float,
     lookups: LookupCounts,
     p2p: P2PStats | None = None,
+    cache_control: CacheControlStats | None = None,
 ) -> ServerStatus:
     l1 = store.l1
     return ServerStatus(
@@ -94,6 +97,19 @@ def build_status(
         p2p_peers=list(p2p.peers) if p2p else [],
         active_p2p_lookup_jobs=p2p.active_lookup_jobs if p2p else 0,
         p2p=p2p_status(p2p) if p2p else None,
+        cache_control=cache_control_status(cache_control) if cache_control else None,
+    )
+
+
+def cache_control_status(c: CacheControlStats) -> CacheControlStatus:
+    return CacheControlStatus(
+        prefetch_jobs=c.jobs,
+        prefetches=dict(c.prefetches),
+        prefetch_keys=dict(c.prefetch_keys),
+        delete_requests=c.delete_requests,
+        deleted_l1=c.deleted_l1,
+        deleted_l2=c.deleted_l2,
+        skipped_locked=c.skipped_locked,
     )
 
 

@@ -85,6 +85,17 @@ class StatsResponse(msgspec.Struct, frozen=True):
     the placements' bytes)."""
     token_ids: TokenIdsView | None = None
     """Token ids kept for lookups (None with `--drop-token-ids`)."""
+    # LMCache 0.5.6's names of the same counts (its `DirectoryStats`), for its tools.
+    num_keys: int = 0
+    """Keys with at least one placement (``keys``)."""
+    num_placements: int = 0
+    """Placements across every key (``placements``)."""
+    l1_keys_by_instance: dict[str, int] = {}
+    """L1 placements each instance holds (one per key and backend)."""
+    l1_count: int = 0
+    l1_size_bytes: int = 0
+    l2_count: int = 0
+    l2_size_bytes: int = 0
 
 
 class KeyView(msgspec.Struct, frozen=True):
@@ -97,6 +108,10 @@ class KeyView(msgspec.Struct, frozen=True):
     object_group_id: int
     cache_salt: str
     placements: list[PlacementWire]
+    num_tokens: int = 0
+    """Token ids kept for the key's chunk (LMCache's field)."""
+    access_count: int = 0
+    """ACCESS events applied to the key (LMCache's field)."""
 
 
 class KeysPage(msgspec.Struct, frozen=True):
@@ -110,6 +125,8 @@ class KeysPage(msgspec.Struct, frozen=True):
     keys: list[KeyView]
     next_offset: int | None
     note: str = "keys are stored as 8-byte chunk hash prefixes"
+    total: int = 0
+    """Keys matching the filters in the whole directory (LMCache's field)."""
 
 
 class ReadyResponse(msgspec.Struct, frozen=True):

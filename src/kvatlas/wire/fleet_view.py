@@ -144,6 +144,29 @@ class CoordinatorCounters(msgspec.Struct, frozen=True):
     """Records behind the high watermark, by partition (empty without Kafka)."""
 
 
+class SaltQuotaView(msgspec.Struct, frozen=True):
+    """One ``cache_salt``'s L2 usage against its quota."""
+
+    cache_salt: str
+    l2_bytes: int
+    limit_bytes: int | None
+    """The salt's own quota; None: it has none."""
+    effective_limit_bytes: int | None
+    """What the eviction loop holds it to (its quota, else the default; None: exempt)."""
+    pinned_keys: int
+
+
+class QuotasView(msgspec.Struct, frozen=True):
+    """Quotas, usage against them and pins (the fleet L2 eviction loop's state)."""
+
+    default_limit_bytes: int | None
+    """The quota of salts without one; None: they are exempt from eviction."""
+    pinned_keys: int
+    salts: list[SaltQuotaView]
+    eviction_interval_s: float
+    """Seconds between sweeps; 0: no loop."""
+
+
 class FleetDocument(msgspec.Struct, frozen=True):
     """`GET /ui/fleet.json`."""
 
@@ -159,3 +182,4 @@ class FleetDocument(msgspec.Struct, frozen=True):
     directory: StatsResponse
     """What `GET /directory/stats` answers."""
     members: list[MemberView]
+    quotas: QuotasView | None = None

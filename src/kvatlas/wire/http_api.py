@@ -238,10 +238,14 @@ def fleet_usage(
 ) -> FleetUsageResponse:
     """`GET /instances/usage` from the directory's owners, the declarations and the
     registered ids. A shared pool's capacity is the one its declarers agree on (a
-    disagreement reads as undeclared), as in LMCache."""
+    disagreement reads as undeclared), as in LMCache. Placements of 0 bytes count for
+    nothing: LMCache's usage book drops a rollup that falls to 0, so a compartment
+    holding only such placements is not listed, nor is an instance held only by them."""
     private: dict[str, dict[tuple[str, str], int]] = {}
     shared_used: dict[tuple[str, str], int] = {}
     for o in owners:
+        if o.bytes <= 0:
+            continue
         where = (o.tier.value, o.backend)
         if o.shared:
             shared_used[where] = shared_used.get(where, 0) + o.bytes
@@ -346,7 +350,11 @@ class BatchHead(msgspec.Struct, frozen=True):
 
 
 class EventsRequest(msgspec.Struct, frozen=True):
-    batches: list[BatchWire]
+    """`POST /events` as JSON. No ``batches`` is an empty list, as in LMCache 0.5.6
+    (``Field(default_factory=list)``): ``{}`` applies nothing and answers 200. The
+    msgpack form (`CompactEvents`) is kvatlas' own and still requires them."""
+
+    batches: list[BatchWire] = []
 
 
 class CompactEvents(msgspec.Struct, frozen=True):

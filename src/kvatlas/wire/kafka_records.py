@@ -11,10 +11,11 @@ them in the same order:
   event type this coordinator does not know decodes into an `UnknownBatch`, as in
   `POST /events` (the rule is in `wire.http_api`'s docstring);
 - a membership record (coordinators): ``MAGIC`` followed by a msgpack-encoded tagged
-  `MembershipRecord` (register, heartbeat, deregister, expire, and the contract claim,
-  which is keyed by its model instead, ``core.contract_claims.claim_key``, so that every
-  replica reads one model's claims in one order). Neither JSON nor a msgpack map starts
-  with ``MAGIC``'s first byte, so the kinds cannot be confused.
+  `MembershipRecord` (register, heartbeat, deregister, expire, the operator's quota and
+  pin writes, and the contract claim, which is keyed by its model instead,
+  ``core.contract_claims.claim_key``, so that every replica reads one model's claims in
+  one order). Neither JSON nor a msgpack map starts with ``MAGIC``'s first byte, so the
+  kinds cannot be confused.
 
 Owns the topic's defaults that every producer and consumer must agree on (the topic
 name, the partitioner), the encodings and the decode-and-validate of a record; no I/O,
@@ -32,6 +33,7 @@ from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import EventBatch
 from kvatlas.core.keys import HashContract
 from kvatlas.core.membership import InstanceInfo
+from kvatlas.core.quotas import OperatorOp
 from kvatlas.core.types import InstanceId, WireIncarnation
 from kvatlas.wire.http_api import (
     TOO_DEEP,
@@ -106,9 +108,25 @@ class ContractClaim(msgspec.Struct, frozen=True, tag="claim"):
     contract: HashContract
 
 
+class OperatorRecord(msgspec.Struct, frozen=True, tag="operator"):
+    """A quota or pin write accepted by a coordinator's HTTP API, to apply everywhere
+    (keyed `OPERATOR_KEY`, so all of them keep their order in one partition)."""
+
+    request_id: str
+    at: float
+    op: OperatorOp
+
+
 MembershipRecord = (
-    RegisterRecord | HeartbeatRecord | DeregisterRecord | ExpireRecord | ContractClaim
+    RegisterRecord
+    | HeartbeatRecord
+    | DeregisterRecord
+    | ExpireRecord
+    | ContractClaim
+    | OperatorRecord
 )
+OPERATOR_KEY: Final = "kvatlas-operator"
+"""The record key of every `OperatorRecord`."""
 
 _membership_encoder = msgspec.msgpack.Encoder()
 _membership_decoder = msgspec.msgpack.Decoder(MembershipRecord)

@@ -161,6 +161,22 @@ class P2PStatus(msgspec.Struct, frozen=True):
     remaining time: the peer reads its disk first)."""
 
 
+class CacheControlStatus(msgspec.Struct, frozen=True):
+    """``cache_control``: what coordinators asked of this server through ``/cache/*``."""
+
+    prefetch_jobs: int
+    """Warm prefetch jobs running, or done and not yet polled."""
+    prefetches: dict[str, int]
+    """By outcome: submitted, noop, refused_busy, completed, failed, expired."""
+    prefetch_keys: dict[str, int]
+    """Keys of finished prefetches by where they were found: l1, l2, peer, missing."""
+    delete_requests: int
+    deleted_l1: int
+    deleted_l2: int
+    skipped_locked: int
+    """L1 keys a delete kept because a reader or writer held them (not forced)."""
+
+
 class ServerStatus(msgspec.Struct, frozen=True, omit_defaults=True):
     """``GET /status`` of a cache server."""
 
@@ -189,7 +205,9 @@ class ServerStatus(msgspec.Struct, frozen=True, omit_defaults=True):
     """Instance ids of the peers with an adapter, sorted."""
     active_p2p_lookup_jobs: int
     p2p: P2PStatus | None = None
-    """Absent from the document when P2P is off (the one field with a default)."""
+    """Absent from the document when P2P is off."""
+    cache_control: CacheControlStatus | None = None
+    """Absent from a document of a server that has no cache control (older ones)."""
 
 
 _decoder = msgspec.json.Decoder(ServerStatus)

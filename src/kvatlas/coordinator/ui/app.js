@@ -477,6 +477,38 @@
     );
   }
 
+  function renderQuotas(doc) {
+    const q = doc.quotas;
+    if (!q) {
+      fillTable("quotas", []);
+      $("quotas-note").textContent = "No quota controller.";
+      return;
+    }
+    const body = $("quotas").tBodies[0];
+    body.replaceChildren(
+      ...q.salts.map((s) => {
+        const limit = s.effective_limit_bytes;
+        const over = limit !== null && s.l2_bytes >= limit;
+        const used = limit === null
+          ? el("span", null, fmtBytes(s.l2_bytes) + " (exempt)")
+          : meter(s.l2_bytes, limit || 1);
+        const kind = s.limit_bytes !== null ? "own" : limit !== null ? "default" : "none";
+        return el(
+          "tr",
+          { class: over ? "warn" : "" },
+          el("td", { text: s.cache_salt === "" ? "(empty)" : s.cache_salt }),
+          el("td", null, used),
+          el("td", { text: limit === null ? "none" : fmtBytes(limit) + " (" + kind + ")" }),
+          el("td", { class: "num", text: fmtNum(s.pinned_keys) }),
+        );
+      }),
+    );
+    $("quotas-note").textContent =
+      "Default quota: " + (q.default_limit_bytes === null ? "none (salts without a quota are exempt)" : fmtBytes(q.default_limit_bytes)) +
+      ". " + fmtNum(q.pinned_keys) + " keys pinned against eviction. " +
+      (q.eviction_interval_s > 0 ? "Eviction sweeps every " + q.eviction_interval_s + " s." : "Eviction loop off.");
+  }
+
   function render(doc) {
     const badge = $("coordinator-state");
     badge.textContent = (doc.ready ? "ready" : "not ready: " + doc.not_ready_reason) + " · events over " + doc.event_transport;
@@ -487,6 +519,7 @@
     renderCharts();
     renderProblems(doc);
     renderDirectory(doc);
+    renderQuotas(doc);
   }
 
   // ---- controls --------------------------------------------------------------------

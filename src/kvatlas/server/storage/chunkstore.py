@@ -28,6 +28,7 @@ from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import Entry
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.l1pool import (
+    DeleteOutcome,
     ExpiredLease,
     L1Pool,
     LeaseId,
@@ -80,6 +81,18 @@ def batches(events: Sequence[TierEvent]) -> Iterator[tuple[EventType, Tier, tupl
         run.append(event.entry())
     if run and current is not None:
         yield current[0], current[1], tuple(run)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyDeleted:
+    """What ``ChunkStore.delete`` did to one key."""
+
+    l1: bool
+    """Removed from L1."""
+    l1_locked: bool
+    """Kept in L1: locked, and the delete was not forced."""
+    l2: bool
+    """Removed from L2."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +201,47 @@ class ChunkStore:
             for lease_id in pins:
                 self.pool.release(lease_id)
             self._collect()
+
+    def warm(self, keys: Sequence[ObjectKey], now: float) -> list[ObjectKey]:
+        """Bring every one of ``keys`` that L2 holds into L1 (not only a leading run, as
+        ``lookup_prefix`` does); returns those in L1 now. Resident ones are pinned while
+        later ones are promoted, and released on return, as in ``lookup_prefix``."""
+        pins: list[LeaseId] = []
+        resident: list[ObjectKey] = []
+        try:
+            for key in keys:
+                lease = self.pool.acquire_read(key, "warm", now, PIN_LEASE_S)
+                if lease is None and self._promote(key, now):
+                    lease = self.pool.acquire_read(key, "warm", now, PIN_LEASE_S)
+                if lease is not None:
+                    pins.append(lease.lease_id)
+                    resident.append(key)
+            return resident
+        finally:
+            for lease_id in pins:
+                self.pool.release(lease_id)
+            self._collect()
+
+    def delete(self, key: ObjectKey, *, l1: bool, l2: bool, force: bool) -> KeyDeleted:
+        """Delete ``key`` from L1 and/or L2. L1 keeps it when it is locked (a reader's
+        lease, a write in progress) and ``force`` is off; L2 is acted on all the same, as
+        LMCache does. DELETE events are recorded for what went."""
+        l1_out = self.pool.delete(key, force=force) if l1 else DeleteOutcome.ABSENT
+        l2_gone = l2 and self.l2 is not None and self.l2.delete(key)
+        self._collect()
+        return KeyDeleted(
+            l1_out is DeleteOutcome.DELETED, l1_out is DeleteOutcome.LOCKED, bool(l2_gone)
+        )
+
+    def clear_l1(self, force: bool) -> int:
+        """Delete every L1 chunk (locked ones only with ``force``); returns how many."""
+        n = sum(
+            1
+            for info in self.pool.slots()
+            if self.pool.delete(info.key, force=force) is DeleteOutcome.DELETED
+        )
+        self._collect()
+        return n
 
     def acquire_read(
         self, key: ObjectKey, holder: str, now: float, lease_s: float

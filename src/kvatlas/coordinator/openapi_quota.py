@@ -1,0 +1,153 @@
+"""The OpenAPI paths of the coordinator's quota and pin routes (`http_quota`).
+
+Owns their entries (summaries, parameters, shapes, refusals) for
+`openapi.openapi_document`, which merges them with its own; the schemas are the
+`wire.quota_api` Structs. Must not import the HTTP app.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvatlas.wire.quota_api import (
+    DetailResponse,
+    PinList,
+    PinRequest,
+    PinResponse,
+    QuotaConfigRequest,
+    QuotaConfigResponse,
+    QuotaResponse,
+    SaltStatus,
+    SetQuotaRequest,
+    StatusList,
+)
+
+_REF = "#/components/schemas/{name}"
+
+TYPES: tuple[type, ...] = (
+    SetQuotaRequest,
+    QuotaResponse,
+    QuotaConfigRequest,
+    QuotaConfigResponse,
+    SaltStatus,
+    StatusList,
+    PinRequest,
+    PinResponse,
+    PinList,
+    DetailResponse,
+)
+
+_REASONS = {
+    400: "A tier the route does not serve, or a key field or token cap LMCache refuses",
+    401: "Missing or wrong bearer token",
+    403: "A write without the operator token, when one is set (--operator-token-file)",
+    422: "The body or a query parameter is not the shape (the reason is in `detail`)",
+}
+
+
+def _ref(t: type) -> dict[str, str]:
+    return {"$ref": _REF.format(name=t.__name__)}
+
+
+def _answers(ok: type, *codes: int) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "200": {"description": "OK", "content": {"application/json": {"schema": _ref(ok)}}}
+    }
+    for c in codes:
+        out[str(c)] = {
+            "description": _REASONS[c],
+            "content": {"application/json": {"schema": _ref(DetailResponse)}},
+        }
+    return out
+
+
+def _body(t: type) -> dict[str, Any]:
+    return {"required": True, "content": {"application/json": {"schema": _ref(t)}}}
+
+
+def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema}
+
+
+def quota_paths() -> dict[str, Any]:
+    salt = {
+        "name": "cache_salt",
+        "in": "path",
+        "required": True,
+        "description": "The salt; `_default` names the empty one",
+        "schema": {"type": "string"},
+    }
+    tier = _query("tier", {"type": "string", "enum": ["l1", "l2", "all"], "default": "l2"})
+    pin_filters = [
+        _query("cache_salt", {"type": "string"}),
+        _query("model_name", {"type": "string"}),
+        _query("offset", {"type": "integer", "minimum": 0, "default": 0}),
+        _query("limit", {"type": "integer", "minimum": 1, "maximum": 10000, "default": 1000}),
+    ]
+    return {
+        "/quota/config": {
+            "put": {
+                "summary": (
+                    "Set the default L2 quota of salts without one (null: they are exempt"
+                    " from eviction, the start's state)"
+                ),
+                "requestBody": _body(QuotaConfigRequest),
+                "responses": _answers(QuotaConfigResponse, 400, 401, 403, 422),
+            },
+            "get": {
+                "summary": "The default L2 quota",
+                "parameters": [tier],
+                "responses": _answers(QuotaConfigResponse, 400, 401, 422),
+            },
+            "delete": {
+                "summary": "The quota of a salt named `config` (as LMCache's routing does)",
+                "parameters": [tier],
+                "responses": _answers(QuotaResponse, 400, 401, 403, 422),
+            },
+        },
+        "/quota/{cache_salt}": {
+            "put": {
+                "summary": "Create or change a salt's L2 quota",
+                "parameters": [salt],
+                "requestBody": _body(SetQuotaRequest),
+                "responses": _answers(QuotaResponse, 400, 401, 403, 422),
+            },
+            "delete": {
+                "summary": "Remove a salt's quota (status removed or not_found)",
+                "parameters": [salt, tier],
+                "responses": _answers(QuotaResponse, 400, 401, 403, 422),
+            },
+            "get": {
+                "summary": "A salt's quota and usage on one tier (l1 or l2; only L2 has quotas)",
+                "parameters": [salt, tier],
+                "responses": _answers(SaltStatus, 400, 401, 422),
+            },
+        },
+        "/quota": {
+            "get": {
+                "summary": "Every salt's quota and usage on one tier (l1 or l2)",
+                "parameters": [tier],
+                "responses": _answers(StatusList, 400, 401, 422),
+            }
+        },
+        "/cache/pins": {
+            "post": {
+                "summary": (
+                    "Pin the keys of a token sequence's complete chunks (every rank, every"
+                    " object group) against the fleet L2 eviction"
+                ),
+                "requestBody": _body(PinRequest),
+                "responses": _answers(PinResponse, 400, 401, 403, 422),
+            },
+            "delete": {
+                "summary": "Unpin them (one pin less each; at none they can be evicted)",
+                "requestBody": _body(PinRequest),
+                "responses": _answers(PinResponse, 400, 401, 403, 422),
+            },
+            "get": {
+                "summary": "The pinned keys with their pin counts, first pinned first, paged",
+                "parameters": pin_filters,
+                "responses": _answers(PinList, 401, 422),
+            },
+        },
+    }

@@ -1,0 +1,82 @@
+"""Every one of LMCache 0.5.6's 25 coordinator routes, answered alike by kvatlas or by a
+named, reasoned difference (``differences.py``): one hand-written scenario per route,
+sent to both coordinators, every exchange judged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .differences import DIFFERENCES
+from .harness import Pair, Target, report
+from .ops import Run
+from .routes import ROUTES
+from .scenarios import SCENARIOS, TARGET_SCENARIOS
+
+pytestmark = [pytest.mark.lmcache]
+
+
+def run_scenario(route: str, pair: Pair, request: pytest.FixtureRequest) -> int:
+    since = len(pair.verdicts)
+    run = Run(pair)
+    try:
+        if route in TARGET_SCENARIOS:
+            target: Target = request.getfixturevalue("target")
+            TARGET_SCENARIOS[route](run, target)
+        else:
+            SCENARIOS[route](run)
+    finally:
+        run.close()
+    return since
+
+
+def test_every_route_has_a_scenario() -> None:
+    assert set(SCENARIOS) | set(TARGET_SCENARIOS) == set(ROUTES)
+    assert len(ROUTES) == 25
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_route_answered_alike(route: str, pair: Pair, request: pytest.FixtureRequest) -> None:
+    """The route's own exchanges in its scenario (the other routes a scenario sends are
+    judged by their own tests and, all together, by the last test here)."""
+    since = run_scenario(route, pair, request)
+    met = {v.exchange.route for v in pair.verdicts[since:]}
+    assert route in met, f"the scenario never sent {route}"
+    bad = [v for v in pair.mismatches(since) if v.exchange.route == route]
+    if bad:
+        pytest.fail(report(bad), pytrace=False)
+
+
+def test_every_listed_difference_is_documented() -> None:
+    """docs/deploy.md lists the same differences for users."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "deploy.md").read_text()
+    missing = [d.name for d in DIFFERENCES if f"`{d.name}`" not in doc]
+    assert not missing, f"not in docs/deploy.md: {missing}"
+
+
+def test_all_scenarios_alike_and_every_listed_difference_met(
+    pair: Pair, request: pytest.FixtureRequest
+) -> None:
+    """Every scenario in turn, every exchange judged; and the list names what happens:
+    each entry excuses something."""
+    since = len(pair.verdicts)
+    target: Target = request.getfixturevalue("target")
+    for fn in dict.fromkeys([*SCENARIOS.values()]):
+        run = Run(pair)
+        try:
+            fn(run)
+        finally:
+            run.close()
+    for tfn in dict.fromkeys([*TARGET_SCENARIOS.values()]):
+        run = Run(pair)
+        try:
+            tfn(run, target)
+        finally:
+            run.close()
+    bad = pair.mismatches(since)
+    if bad:
+        pytest.fail(report(bad), pytrace=False)
+    used = pair.used(since)
+    unused = sorted(d.name for d in DIFFERENCES if d.name not in used)
+    assert not unused, f"listed differences no exchange needed: {unused}"
