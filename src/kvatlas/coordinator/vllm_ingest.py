@@ -1,0 +1,322 @@
+"""The coordinator's ingest of vLLM KV events: one subscriber thread per engine.
+
+Owns the sockets and threads around the pure `kvatlas.core.device_blocks` machinery: per
+configured engine (`kvatlas.coordinator.vllm_sources`), a ZeroMQ SUB on its PUB socket
+and a DEALER on its replay ROUTER (vLLM's framing: ``[b"", start_seq]`` out,
+``[b"", topic, seq, payload]`` back, then ``[b"", b"", END_SEQ, b""]``). On connect it
+asks for a full replay; a gap asks for the missing range; a live seq that goes backwards
+is a restart (the engine's blocks dropped, the new stream replayed from 0); when an
+engine has been quiet for ``resync_s`` it asks for anything after its last seq (a batch
+lost while the subscriber was joining, or past the PUB socket's high-water mark, has
+nothing after it to reveal the gap). A replay that does not end within
+``replay_timeout_s`` is given up and what it missed counted lost.
+
+Also answers lookups by token ids over the device index (`lookup`), and exports counts
+as Prometheus metrics (``kvatlas_vllm_*``).
+
+Must not: decode msgpack itself (`kvatlas.wire.vllm_events`) or change the directory of
+L1/L2 chunks: the device tier is its own index.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+
+import msgspec
+import zmq
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvatlas.coordinator.vllm_sources import VllmSource
+from kvatlas.core.device_blocks import (
+    DeviceEvent,
+    DeviceIndex,
+    EngineId,
+    EngineStream,
+    Outcome,
+    Removed,
+    Stored,
+    medium_names,
+)
+from kvatlas.core.vllm_hash import BlockHasher
+from kvatlas.wire.vllm_events import (
+    MalformedMessage,
+    decode_message,
+    is_replay_end,
+    replay_request,
+)
+
+log = logging.getLogger(__name__)
+
+COUNTS = (
+    "batches",
+    "replayed_batches",
+    "duplicates",
+    "blocks_stored",
+    "blocks_removed",
+    "cleared",
+    "replays",
+    "replay_timeouts",
+    "restarts",
+    "lost",
+    "overflow",
+    "malformed_messages",
+    "malformed_events",
+    "unknown_types",
+    "unknown_fields",
+)
+
+
+class DeviceHit(msgspec.Struct, frozen=True):
+    """One engine's answer to a lookup by tokens."""
+
+    engine: str
+    tokens: int
+    """Leading tokens of the prompt its caches hold (whole blocks)."""
+    blocks: int
+    block_size: int
+    media: list[str]
+    """Media holding all of those blocks (GPU, CPU, STORAGE)."""
+
+
+class VllmIngest:
+    """Subscribers for every source, the device index they fill, and its lookups."""
+
+    def __init__(
+        self,
+        sources: Sequence[VllmSource],
+        *,
+        replay_timeout_s: float = 5.0,
+        resync_s: float = 2.0,
+    ) -> None:
+        self.sources = tuple(sources)
+        self.index = DeviceIndex()
+        self.lock = threading.Lock()
+        self.counts: dict[EngineId, Counter[str]] = {s.engine: Counter() for s in sources}
+        self.streams: dict[EngineId, EngineStream] = {s.engine: EngineStream() for s in sources}
+        self._hashers = {
+            s.engine: BlockHasher(s.hash_algo, s.seed, s.block_size) for s in self.sources
+        }
+        self._replay_timeout = replay_timeout_s
+        self._resync = resync_s
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for s in self.sources:
+            t = threading.Thread(target=self._run, args=(s,), name=f"vllm-events-{s.engine}")
+            t.daemon = True
+            t.start()
+            self._threads.append(t)
+        if self.sources:
+            log.info("vLLM KV events: subscribed to %d engine(s)", len(self.sources))
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        self._threads.clear()
+        self._ctx.term()
+
+    # -- lookups --------------------------------------------------------------------
+
+    def lookup(
+        self,
+        tokens: Sequence[int],
+        *,
+        lora: tuple[str, str] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[DeviceHit]:
+        """Per engine, how many leading tokens of ``tokens`` its caches hold, best first."""
+        keyed: dict[BlockHasher, list[EngineId]] = {}
+        for engine, hasher in self._hashers.items():
+            keyed.setdefault(hasher, []).append(engine)
+        hits: list[DeviceHit] = []
+        for hasher, engines in keyed.items():
+            keys = hasher.keys(tokens, lora=lora, cache_salt=cache_salt)
+            with self.lock:
+                found = [(e, *self.index.leading(e, keys)) for e in engines]
+            for engine, n, media in found:
+                size = hasher.block_size
+                hits.append(DeviceHit(engine, n * size, n, size, list(medium_names(media))))
+        hits.sort(key=lambda h: (-h.tokens, h.engine))
+        return hits
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per engine: its counts, its blocks and its last seq (-1: none yet)."""
+        with self.lock:
+            return {
+                e: {
+                    **{k: c[k] for k in COUNTS},
+                    "blocks": self.index.count(e),
+                    "last_seq": _last(self.streams[e]),
+                }
+                for e, c in self.counts.items()
+            }
+
+    def collector(self) -> Collector:
+        return _Collector(self)
+
+    def attach(self, registry: CollectorRegistry) -> None:
+        registry.register(self.collector())
+
+    # -- the subscriber thread -------------------------------------------------------
+
+    def _run(self, src: VllmSource) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(src.endpoint)
+        dealer: zmq.Socket[bytes] | None = None
+        if src.replay:
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(src.replay)
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        if dealer is not None:
+            poller.register(dealer, zmq.POLLIN)
+        stream = self.streams[src.engine]
+        log.info("vLLM KV events of %s: SUB %s, replay %s", src.engine, src.endpoint, src.replay)
+        deadline = [0.0]
+        last_heard = time.monotonic()
+
+        def handle(out: Outcome) -> None:
+            self._apply(src.engine, out)
+            if out.replay_from is not None:
+                if dealer is None:
+                    self._apply(src.engine, stream.replay_done())
+                    return
+                self.counts[src.engine]["replays"] += 1
+                log.info("vLLM KV events of %s: replay from seq %d", src.engine, out.replay_from)
+                dealer.send_multipart(replay_request(out.replay_from))
+                deadline[0] = time.monotonic() + self._replay_timeout
+
+        try:
+            with self.lock:
+                first = stream.connect()
+            handle(first)
+            while not self._stop.is_set():
+                ready = dict(poller.poll(50))
+                now = time.monotonic()
+                if dealer is not None and dealer in ready:
+                    while dealer.poll(0):
+                        frames = dealer.recv_multipart()[1:]
+                        with self.lock:
+                            if is_replay_end(frames):
+                                handle(stream.replay_done())
+                            else:
+                                self._take(src.engine, frames, stream.replayed, handle)
+                    last_heard = now
+                if sub in ready:
+                    for _ in range(1000):
+                        try:
+                            frames = sub.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        with self.lock:
+                            self._take(src.engine, frames, stream.live, handle)
+                    last_heard = now
+                with self.lock:
+                    if stream.replaying and now > deadline[0] and deadline[0]:
+                        self.counts[src.engine]["replay_timeouts"] += 1
+                        log.warning(
+                            "vLLM KV events of %s: replay not ended within %.1fs",
+                            src.engine,
+                            self._replay_timeout,
+                        )
+                        deadline[0] = 0.0
+                        handle(stream.replay_done())
+                    elif (
+                        dealer is not None
+                        and not stream.replaying
+                        and now - last_heard > self._resync
+                    ):
+                        last_heard = now
+                        handle(stream.connect())
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            sub.close(linger=0)
+            if dealer is not None:
+                dealer.close(linger=0)
+
+    def _take(
+        self,
+        engine: EngineId,
+        frames: list[bytes],
+        step: Callable[[int, tuple[DeviceEvent, ...]], Outcome],
+        handle: Callable[[Outcome], None],
+    ) -> None:
+        """Decode one message and feed it to ``step`` (live or replayed); lock held."""
+        c = self.counts[engine]
+        try:
+            batch = decode_message(frames)
+        except MalformedMessage as exc:
+            c["malformed_messages"] += 1
+            log.warning("vLLM KV events of %s: malformed message skipped: %s", engine, exc)
+            return
+        c["unknown_types"] += batch.unknown_types
+        c["malformed_events"] += batch.malformed_events
+        c["unknown_fields"] += batch.unknown_fields
+        handle(step(batch.seq, batch.events))
+
+    def _apply(self, engine: EngineId, out: Outcome) -> None:
+        c = self.counts[engine]
+        if out.restarted:
+            dropped = self.index.drop(engine)
+            c["restarts"] += 1
+            log.warning(
+                "vLLM KV events of %s: seq went backwards, publisher restarted; %d blocks"
+                " dropped, replaying",
+                engine,
+                dropped,
+            )
+        if out.lost:
+            c["lost"] += out.lost
+            log.warning("vLLM KV events of %s: %d batches lost for good", engine, out.lost)
+        c["duplicates"] += out.duplicate
+        c["overflow"] += out.overflow
+        for _seq, events in out.apply:
+            c["batches"] += 1
+            for ev in events:
+                if isinstance(ev, Stored):
+                    c["blocks_stored"] += len(ev.keys)
+                elif isinstance(ev, Removed):
+                    c["blocks_removed"] += len(ev.keys)
+                else:
+                    c["cleared"] += 1
+            self.index.apply(engine, events)
+
+
+def _last(stream: EngineStream) -> int:
+    return -1 if stream.last is None else stream.last
+
+
+class _Collector(Collector):
+    def __init__(self, ingest: VllmIngest) -> None:
+        self._ingest = ingest
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._ingest.stats()
+        for name in COUNTS:
+            m = CounterMetricFamily(
+                f"kvatlas_vllm_events_{name}",
+                f"vLLM KV events: {name.replace('_', ' ')}",
+                labels=["engine"],
+            )
+            for engine, s in stats.items():
+                m.add_metric([engine], s[name])
+            yield m
+        g = GaugeMetricFamily(
+            "kvatlas_vllm_device_blocks", "Blocks held in an engine's caches", labels=["engine"]
+        )
+        for engine, s in stats.items():
+            g.add_metric([engine], s["blocks"])
+        yield g
