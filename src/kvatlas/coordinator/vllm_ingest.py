@@ -31,6 +31,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from zmq.utils.monitor import recv_monitor_message
 
 from kvatlas.coordinator.vllm_sources import VllmSource
 from kvatlas.core.device_blocks import (
@@ -55,7 +56,6 @@ log = logging.getLogger(__name__)
 
 COUNTS = (
     "batches",
-    "replayed_batches",
     "duplicates",
     "blocks_stored",
     "blocks_removed",
@@ -180,6 +180,10 @@ class VllmIngest:
             dealer.connect(src.replay)
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
+        # Every (re)connection of the SUB asks for a full replay: it fills what was
+        # published before the subscription took, and reveals a restarted publisher.
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        poller.register(monitor, zmq.POLLIN)
         if dealer is not None:
             poller.register(dealer, zmq.POLLIN)
         stream = self.streams[src.engine]
@@ -187,24 +191,32 @@ class VllmIngest:
         deadline = [0.0]
         last_heard = time.monotonic()
 
-        def handle(out: Outcome) -> None:
+        def handle(out: Outcome, resync: bool = False) -> None:
             self._apply(src.engine, out)
             if out.replay_from is not None:
                 if dealer is None:
                     self._apply(src.engine, stream.replay_done())
                     return
                 self.counts[src.engine]["replays"] += 1
-                log.info("vLLM KV events of %s: replay from seq %d", src.engine, out.replay_from)
+                log.log(
+                    logging.DEBUG if resync else logging.INFO,
+                    "vLLM KV events of %s: replay from seq %d",
+                    src.engine,
+                    out.replay_from,
+                )
                 dealer.send_multipart(replay_request(out.replay_from))
                 deadline[0] = time.monotonic() + self._replay_timeout
 
         try:
-            with self.lock:
-                first = stream.connect()
-            handle(first)
             while not self._stop.is_set():
                 ready = dict(poller.poll(50))
                 now = time.monotonic()
+                if monitor in ready:
+                    while monitor.poll(0):
+                        recv_monitor_message(monitor)
+                        log.info("vLLM KV events of %s: connected to %s", src.engine, src.endpoint)
+                        with self.lock:
+                            handle(stream.reconnected())
                 if dealer is not None and dealer in ready:
                     while dealer.poll(0):
                         frames = dealer.recv_multipart()[1:]
@@ -239,10 +251,12 @@ class VllmIngest:
                         and now - last_heard > self._resync
                     ):
                         last_heard = now
-                        handle(stream.connect())
+                        handle(stream.connect(), resync=True)
         except zmq.ContextTerminated:
             pass
         finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
             if dealer is not None:
                 dealer.close(linger=0)
@@ -251,7 +265,7 @@ class VllmIngest:
         self,
         engine: EngineId,
         frames: list[bytes],
-        step: Callable[[int, tuple[DeviceEvent, ...]], Outcome],
+        step: Callable[[int, tuple[DeviceEvent, ...], int], Outcome],
         handle: Callable[[Outcome], None],
     ) -> None:
         """Decode one message and feed it to ``step`` (live or replayed); lock held."""
@@ -265,7 +279,7 @@ class VllmIngest:
         c["unknown_types"] += batch.unknown_types
         c["malformed_events"] += batch.malformed_events
         c["unknown_fields"] += batch.unknown_fields
-        handle(step(batch.seq, batch.events))
+        handle(step(batch.seq, batch.events, batch.fingerprint))
 
     def _apply(self, engine: EngineId, out: Outcome) -> None:
         c = self.counts[engine]

@@ -9,9 +9,10 @@ Owns, pure and single-threaded (the ingest shell holds the lock):
   disk) holding each one, and the longest leading run of a prompt's keys per engine;
 * `EngineStream`: one engine's sequence numbers. A live batch one past the last applies;
   past that opens a gap (the shell asks the replay socket for the missing range, the
-  batch waits); at or below the last, live, means the publisher restarted (its `count()`
-  starts again at 0): that engine's blocks are dropped, then the new stream replays
-  from 0. Replayed batches at or below the last are duplicates and are skipped.
+  batch waits); a live seq at or below the last live one means the publisher restarted
+  (its `count()` starts again at 0; PUB/SUB never repeats one): that engine's blocks
+  are dropped, then the new stream replays from 0. Batches at or below the last applied
+  (a replay delivered them first, or delivers them again) are duplicates, skipped.
 
 Block keys are vLLM's external block hashes as 64-bit ints: vLLM publishes either the
 raw digest (bytes) or, with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, its low 64 bits
@@ -199,48 +200,77 @@ class Outcome:
 
 
 class EngineStream:
-    """The seq state machine of one engine's publisher (see the module docstring)."""
+    """The seq state machine of one engine's publisher (see the module docstring).
 
-    def __init__(self, max_pending: int = DEFAULT_MAX_PENDING) -> None:
+    Each applied batch's fingerprint (a hash of its payload) is kept for the last
+    ``max_prints`` seqs: a batch at a seq already applied whose fingerprint differs
+    comes from a new publisher (a restart seen through a replay, when no live batch of
+    the new one revealed it first)."""
+
+    def __init__(
+        self, max_pending: int = DEFAULT_MAX_PENDING, max_prints: int = 2 * DEFAULT_MAX_PENDING
+    ) -> None:
         self.last: int | None = None
         """The last seq applied; None before the first."""
+        self.live_last: int | None = None
+        """The last seq seen on the PUB socket (it only goes back on a restart)."""
         self.replaying = False
-        self._pending: dict[int, tuple[DeviceEvent, ...]] = {}
+        self._pending: dict[int, tuple[tuple[DeviceEvent, ...], int]] = {}
+        self._prints: dict[int, int] = {}
         self._max_pending = max_pending
+        self._max_prints = max_prints
 
     def connect(self) -> Outcome:
-        """On (re)connecting: ask for everything the publisher still buffers."""
+        """Ask for what the publisher buffers after the last applied seq (an idle
+        engine's check that nothing was missed)."""
         self.replaying = True
         return Outcome(replay_from=0 if self.last is None else self.last + 1)
 
-    def live(self, seq: int, events: tuple[DeviceEvent, ...]) -> Outcome:
+    def reconnected(self) -> Outcome:
+        """The subscriber (re)connected: ask for everything the publisher buffers, which
+        also reveals a restarted publisher by its fingerprints."""
+        self.replaying = True
+        return Outcome(replay_from=0)
+
+    def live(self, seq: int, events: tuple[DeviceEvent, ...], fingerprint: int = 0) -> Outcome:
         """A batch from the PUB socket."""
-        if self.last is not None and seq <= self.last:
-            # A live seq never repeats: the publisher's counter started again.
-            self.last = None
-            self._pending.clear()
-            self._pending[seq] = events
+        if (self.live_last is not None and seq <= self.live_last) or self._differs(
+            seq, fingerprint
+        ):
+            # PUB/SUB neither repeats nor reorders: the publisher's counter started again.
+            self.live_last = seq
+            self._reset()
+            self._pending[seq] = (events, fingerprint)
             self.replaying = True
             return Outcome(restarted=True, replay_from=0)
+        self.live_last = seq
+        if self.last is not None and seq <= self.last:
+            return Outcome(duplicate=True)  # a replay delivered it first
         if self.replaying:
-            return self._hold(seq, events)
+            return self._hold(seq, events, fingerprint)
         if (self.last is None and seq == 0) or (self.last is not None and seq == self.last + 1):
-            self.last = seq
+            self._applied(seq, fingerprint)
             return Outcome(apply=((seq, events),))
-        out = self._hold(seq, events)
+        out = self._hold(seq, events, fingerprint)
         self.replaying = True
         return Outcome(replay_from=0 if self.last is None else self.last + 1, overflow=out.overflow)
 
-    def replayed(self, seq: int, events: tuple[DeviceEvent, ...]) -> Outcome:
+    def replayed(self, seq: int, events: tuple[DeviceEvent, ...], fingerprint: int = 0) -> Outcome:
         """A batch from the replay socket."""
-        self._pending.pop(seq, None)
+        restarted = False
+        if self._differs(seq, fingerprint):
+            self._reset()
+            restarted = True
+        held = self._pending.pop(seq, None)
+        if held is not None and held[1] != fingerprint:
+            held = None
         if self.last is not None and seq <= self.last:
             return Outcome(duplicate=True)
         lost = 0
         if self.last is not None and seq > self.last + 1:
             lost = seq - self.last - 1
-        self.last = seq
-        return Outcome(apply=((seq, events),), lost=lost)
+        self._applied(seq, fingerprint)
+        return Outcome(apply=((seq, events),), lost=lost, restarted=restarted)
 
     def replay_done(self) -> Outcome:
         """The replay ended (its end marker, or the shell gave up waiting): apply what
@@ -253,15 +283,32 @@ class EngineStream:
                 continue
             if self.last is not None and seq > self.last + 1:
                 lost += seq - self.last - 1
-            self.last = seq
-            out.append((seq, self._pending[seq]))
+            events, fingerprint = self._pending[seq]
+            self._applied(seq, fingerprint)
+            out.append((seq, events))
         self._pending.clear()
         return Outcome(apply=tuple(out), lost=lost)
 
-    def _hold(self, seq: int, events: tuple[DeviceEvent, ...]) -> Outcome:
+    def _differs(self, seq: int, fingerprint: int) -> bool:
+        known = self._prints.get(seq)
+        return known is not None and known != fingerprint
+
+    def _reset(self) -> None:
+        self.last = None
+        self.live_last = None
+        self._pending.clear()
+        self._prints.clear()
+
+    def _applied(self, seq: int, fingerprint: int) -> None:
+        self.last = seq
+        self._prints[seq] = fingerprint
+        if len(self._prints) > self._max_prints:
+            del self._prints[next(iter(self._prints))]
+
+    def _hold(self, seq: int, events: tuple[DeviceEvent, ...], fingerprint: int) -> Outcome:
         overflow = 0
         if len(self._pending) >= self._max_pending:
             self._pending.pop(min(self._pending))
             overflow = 1
-        self._pending[seq] = events
+        self._pending[seq] = (events, fingerprint)
         return Outcome(overflow=overflow)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import xxhash
 
 from kvatlas.core.device_blocks import BlockKey, Cleared, DeviceEvent, Removed, Stored, block_key
 from kvatlas.core.errors import InvalidInput
@@ -71,6 +72,8 @@ class Batch:
 
     seq: int
     events: tuple[DeviceEvent, ...]
+    fingerprint: int = 0
+    """A hash of the payload: the same seq with another one is another publisher."""
     dp_rank: int | None = None
     unknown_types: int = 0
     malformed_events: int = 0
@@ -126,6 +129,7 @@ def decode_message(frames: list[bytes]) -> Batch:
     return Batch(
         seq,
         tuple(events),
+        xxhash.xxh3_64_intdigest(payload),
         dp if isinstance(dp, int) and not isinstance(dp, bool) else None,
         unknown,
         malformed,
