@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 
@@ -259,8 +260,6 @@ def test_all_blocks_cleared_and_offload_medium(
 def test_malformed_frames_and_unknown_events_are_skipped_and_counted(
     ports: tuple[int, int], ingest_for: Callable[[str], VllmIngest]
 ) -> None:
-    import msgspec
-
     ctx = zmq.Context()
     pubsock = ctx.socket(zmq.PUB)
     pubsock.bind(f"tcp://127.0.0.1:{ports[0]}")

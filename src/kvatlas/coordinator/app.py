@@ -32,6 +32,8 @@ from kvatlas.coordinator.frontend import LocalMembership, MembershipFrontend
 from kvatlas.coordinator.http_app import CoordinatorApp
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.coordinator.vllm_ingest import VllmIngest
+from kvatlas.coordinator.vllm_routes import DeviceLookupRoute
 from kvatlas.core.errors import ConfigError, InvalidInput
 from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import DEFAULT_CHAIN_NAME, ChainMemo, chain_memo
@@ -101,6 +103,13 @@ class Coordinator:
         else:
             self.membership = LocalMembership(self.service, clock)
             self.service.set_ready()
+        self.vllm: VllmIngest | None = None
+        extra_routes: list[DeviceLookupRoute] = []
+        if config.vllm_kv_events:
+            self.vllm = VllmIngest(config.vllm_kv_events)
+            self.vllm.attach(self.metrics.registry)
+            self._parts.append(self.vllm)
+            extra_routes.append(DeviceLookupRoute(self.vllm, config.max_lookup_tokens))
         self.http: HttpServer = CoordinatorApp(
             config,
             self.service,
@@ -109,6 +118,7 @@ class Coordinator:
             clock=clock,
             events_refusal=events_refusal,
             gc_pauses=self.gc_pauses,
+            extra_routes=extra_routes,
         ).server()
         self.metrics.attach_edge(self.http.stats)
         self.snapshots = (

@@ -17,9 +17,9 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from operator import attrgetter
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -131,6 +131,12 @@ def _big_body(request: HttpRequest) -> bool:
     return len(request.body) > _INLINE_BODY_BYTES
 
 
+class RouteSet(Protocol):
+    """Routes a composition root adds beside the core ones (the device lookup)."""
+
+    def add_routes(self, router: Router) -> None: ...
+
+
 class CoordinatorApp:
     """Builds the Starlette app over a service and a membership frontend."""
 
@@ -144,12 +150,14 @@ class CoordinatorApp:
         clock: Callable[[], float] = time.time,
         events_refusal: str = "",
         gc_pauses: GcPauses | None = None,
+        extra_routes: Sequence[RouteSet] = (),
     ) -> None:
         """``events_refusal``: when set, `POST /events` answers 409 with it (with Kafka,
         events travel through the topic only, so that every replica sees them).
         ``gc_pauses``: the process's collector pauses, which lookups report as theirs in
         `Server-Timing` (``gc``)."""
         self._gc = gc_pauses
+        self._extra_routes = tuple(extra_routes)
         self._cfg = config
         self._svc = service
         self._members = membership
@@ -178,6 +186,8 @@ class CoordinatorApp:
         r.add("GET", "/metrics", self.metrics, offload=always)
         r.add("GET", "/openapi.json", self.openapi)
         self._page.add_routes(r)
+        for extra in self._extra_routes:
+            extra.add_routes(r)
         return r
 
     def server(self) -> HttpServer:
