@@ -9,7 +9,7 @@ import random
 import pytest
 
 from kvatlas.core.device_blocks import block_key
-from kvatlas.core.errors import ConfigError
+from kvatlas.core.errors import ConfigError, InvalidInput
 from kvatlas.core.vllm_hash import HASH_ALGOS, BlockHasher, cbor_canonical
 
 kcu = pytest.importorskip(
@@ -91,3 +91,17 @@ def test_cbor_matches_cbor2() -> None:
 def test_unknown_algo_names_the_choices() -> None:
     with pytest.raises(ConfigError, match="sha256_cbor"):
         BlockHasher("md5")
+
+
+def test_cbor_items_at_every_width_equal_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
+    edges = [0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1]
+    tokens = (edges * 4)[:32]
+    # vLLM's Request keeps token ids as int32; its hash function takes any.
+    monkeypatch.setenv("PYTHONHASHSEED", "s")
+    fn = get_hash_fn_by_name("sha256_cbor")
+    kcu.init_none_hash(fn)
+    first = kcu.hash_block_tokens(fn, None, tokens[:16], (("cache_salt", "salt"),))
+    expected = [bytes(first), bytes(kcu.hash_block_tokens(fn, first, tokens[16:], None))]
+    assert BlockHasher("sha256_cbor", "s", 16).digests(tokens, cache_salt="salt") == expected
+    with pytest.raises(InvalidInput, match="token ids"):
+        BlockHasher("sha256_cbor", "s", 16).digests([2**32] * 16)
