@@ -77,6 +77,10 @@ def test_repeated_prompt_goes_to_the_engine_holding_it(
     r = rc.client.post("/directory/device-lookup", json={"tokens": [1]})
     assert r.status_code == 400
 
+    doc = rc.client.get("/openapi.json").json()
+    routes = {(r.path, r.method.lower()) for r in rc.coordinator.http.router.routes()}
+    assert routes == {(p, m) for p, ops in doc["paths"].items() for m in ops}
+
 
 @pytest.mark.parametrize(
     ("value", "reason"),

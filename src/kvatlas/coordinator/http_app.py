@@ -136,6 +136,10 @@ class RouteSet(Protocol):
 
     def add_routes(self, router: Router) -> None: ...
 
+    def openapi_paths(self) -> dict[str, Any]:
+        """Their entries of the OpenAPI document's ``paths`` (schemas inline)."""
+        ...
+
 
 class CoordinatorApp:
     """Builds the Starlette app over a service and a membership frontend."""
@@ -164,7 +168,10 @@ class CoordinatorApp:
         self._metrics = metrics
         self._clock = clock
         self._events_refusal = events_refusal
-        self._openapi = _encoder.encode(openapi_document())
+        doc = openapi_document()
+        for extra in self._extra_routes:
+            doc["paths"].update(extra.openapi_paths())
+        self._openapi = _encoder.encode(doc)
         self._page = FleetPage(FleetView(config, service, metrics, clock=clock))
         self._operator = OperatorCheck(config.operator_token)
 

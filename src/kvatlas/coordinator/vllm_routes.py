@@ -13,11 +13,14 @@ null}``, engines holding the most leading tokens first.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from kvatlas.coordinator.vllm_ingest import DeviceHit, VllmIngest
 from kvatlas.core.errors import InvalidInput, TooLarge
 from kvatlas.runtime.http_server import HttpRequest, HttpResponse, Router, always
+from kvatlas.wire.http_api import ErrorResponse
 
 
 class DeviceLookupRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -45,6 +48,29 @@ class DeviceLookupRoute:
 
     def add_routes(self, router: Router) -> None:
         router.add("POST", "/directory/device-lookup", self.lookup, offload=always)
+
+    def openapi_paths(self) -> dict[str, Any]:
+        def content(t: type) -> dict[str, Any]:
+            return {"application/json": {"schema": msgspec.json.schema(t)}}
+
+        error = {"description": "Refused, with a reason", "content": content(ErrorResponse)}
+        return {
+            "/directory/device-lookup": {
+                "post": {
+                    "summary": (
+                        "Per vLLM engine of --vllm-kv-events, how many leading tokens of"
+                        " a prompt its prefix cache holds (its own block hashes), best first"
+                    ),
+                    "requestBody": {"required": True, "content": content(DeviceLookupRequest)},
+                    "responses": {
+                        "200": {"description": "OK", "content": content(DeviceLookupResponse)},
+                        "400": error,
+                        "401": error,
+                        "413": error,
+                    },
+                }
+            }
+        }
 
     def lookup(self, request: HttpRequest) -> HttpResponse:
         body = _decoder.decode(request.body)
