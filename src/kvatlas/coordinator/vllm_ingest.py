@@ -62,6 +62,7 @@ COUNTS = (
     "cleared",
     "replays",
     "replay_timeouts",
+    "replay_unsent",
     "restarts",
     "lost",
     "overflow",
@@ -177,6 +178,9 @@ class VllmIngest:
         if src.replay:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
+            # Requests queue only on a live connection: a send while the engine is down
+            # fails at once (zmq.Again) instead of piling up stale requests.
+            dealer.setsockopt(zmq.IMMEDIATE, 1)
             dealer.connect(src.replay)
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
@@ -189,6 +193,7 @@ class VllmIngest:
         stream = self.streams[src.engine]
         log.info("vLLM KV events of %s: SUB %s, replay %s", src.engine, src.endpoint, src.replay)
         deadline = [0.0]
+        full_owed = [False]  # a full replay a (re)connection asked for, not sent yet
         last_heard = time.monotonic()
 
         def handle(out: Outcome, resync: bool = False) -> None:
@@ -204,7 +209,17 @@ class VllmIngest:
                     src.engine,
                     out.replay_from,
                 )
-                dealer.send_multipart(replay_request(out.replay_from))
+                try:
+                    dealer.send_multipart(replay_request(out.replay_from), zmq.NOBLOCK)
+                except zmq.Again:
+                    # Not connected to the replay socket (yet): what waited applies now,
+                    # and the next quiet spell asks again (in full when that was owed).
+                    self.counts[src.engine]["replay_unsent"] += 1
+                    full_owed[0] = full_owed[0] or out.replay_from == 0
+                    self._apply(src.engine, stream.replay_done())
+                    return
+                if out.replay_from == 0:
+                    full_owed[0] = False
                 deadline[0] = time.monotonic() + self._replay_timeout
 
         try:
@@ -220,11 +235,11 @@ class VllmIngest:
                 if dealer is not None and dealer in ready:
                     while dealer.poll(0):
                         frames = dealer.recv_multipart()[1:]
-                        with self.lock:
-                            if is_replay_end(frames):
+                        if is_replay_end(frames):
+                            with self.lock:
                                 handle(stream.replay_done())
-                            else:
-                                self._take(src.engine, frames, stream.replayed, handle)
+                        else:
+                            self._take(src.engine, frames, stream.replayed, handle)
                     last_heard = now
                 if sub in ready:
                     for _ in range(1000):
@@ -232,8 +247,7 @@ class VllmIngest:
                             frames = sub.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        with self.lock:
-                            self._take(src.engine, frames, stream.live, handle)
+                        self._take(src.engine, frames, stream.live, handle)
                     last_heard = now
                 with self.lock:
                     if stream.replaying and now > deadline[0] and deadline[0]:
@@ -251,7 +265,10 @@ class VllmIngest:
                         and now - last_heard > self._resync
                     ):
                         last_heard = now
-                        handle(stream.connect(), resync=True)
+                        handle(
+                            stream.reconnected() if full_owed[0] else stream.connect(),
+                            resync=True,
+                        )
         except zmq.ContextTerminated:
             pass
         finally:
@@ -268,18 +285,21 @@ class VllmIngest:
         step: Callable[[int, tuple[DeviceEvent, ...], int], Outcome],
         handle: Callable[[Outcome], None],
     ) -> None:
-        """Decode one message and feed it to ``step`` (live or replayed); lock held."""
+        """Decode one message (outside the lock, which lookups share) and feed it to
+        ``step`` (live or replayed) under the lock."""
         c = self.counts[engine]
         try:
             batch = decode_message(frames)
         except MalformedMessage as exc:
-            c["malformed_messages"] += 1
+            with self.lock:
+                c["malformed_messages"] += 1
             log.warning("vLLM KV events of %s: malformed message skipped: %s", engine, exc)
             return
-        c["unknown_types"] += batch.unknown_types
-        c["malformed_events"] += batch.malformed_events
-        c["unknown_fields"] += batch.unknown_fields
-        handle(step(batch.seq, batch.events, batch.fingerprint))
+        with self.lock:
+            c["unknown_types"] += batch.unknown_types
+            c["malformed_events"] += batch.malformed_events
+            c["unknown_fields"] += batch.unknown_fields
+            handle(step(batch.seq, batch.events, batch.fingerprint))
 
     def _apply(self, engine: EngineId, out: Outcome) -> None:
         c = self.counts[engine]
