@@ -138,3 +138,14 @@ def test_stream_applies_every_batch_once_in_order(
             take(s.replayed(seq, (), seq).apply)
         take(s.replay_done().apply)
     assert applied == list(range(n))
+
+
+def test_hybrid_groups_hold_a_block_apart() -> None:
+    """A hybrid model stores one block hash in its full-attention and sliding-window
+    groups; the window's eviction leaves the full group's copy held."""
+    ix = DeviceIndex()
+    ix.apply(E, [Stored(_k(1, 2), "GPU", 16, True, 0), Stored(_k(1, 2), "GPU", 16, True, 1)])
+    ix.apply(E, [Removed(_k(1), "GPU", 1)])
+    assert ix.leading(E, _k(1, 2)) == (2, 0b001)
+    ix.apply(E, [Removed(_k(1), "GPU", 0)])
+    assert ix.leading(E, _k(1, 2)) == (0, 0)

@@ -95,3 +95,17 @@ def test_replay_framing() -> None:
     assert replay_request(5) == [b"", (5).to_bytes(8, "big")]
     assert is_replay_end([b"", END_SEQ, b""])
     assert not is_replay_end([b"t", (3).to_bytes(8, "big"), b"x"])
+
+
+def test_group_idx_is_carried_and_checked() -> None:
+    events = [
+        {"type": "BlockStored", "block_hashes": [1], "group_idx": 2},
+        {"type": "BlockRemoved", "block_hashes": [1], "group_idx": 1},
+        {"type": "BlockRemoved", "block_hashes": [1], "group_idx": -1},
+    ]
+    b = decode_message(_msg(0, [0.0, events]))
+    assert b.events == (
+        Stored((block_key(1),), None, 0, False, 2),
+        Removed((block_key(1),), None, 1),
+    )
+    assert b.malformed_events == 1

@@ -38,6 +38,9 @@ _MASK64 = (1 << 64) - 1
 MEDIA = ("GPU", "CPU", "STORAGE")
 """vLLM's media (``MEDIUM_GPU`` etc.); an unnamed medium is the GPU, as in vLLM."""
 _OTHER_MEDIUM = len(MEDIA)
+_GROUP_BITS = 4
+_GROUP_MASK = (1 << _GROUP_BITS) - 1
+_MAX_GROUP = 15
 DEFAULT_MAX_PENDING = 10_000
 """Live batches held while a replay fills the gap before them."""
 
@@ -57,17 +60,30 @@ def block_key(raw: int | bytes) -> BlockKey:
     raise InvalidInput(f"block hash of type {type(raw).__name__}")
 
 
-def medium_bit(medium: str | None) -> int:
-    """The bit of a medium name; unknown names share one bit (still held, unnamed)."""
+def medium_bit(medium: str | None, group: int = 0) -> int:
+    """The bit of a medium in one KV-cache group; unknown media share one bit (still
+    held, unnamed). Groups past the 16th share the last one."""
     if medium is None:
-        return 1
-    try:
-        return 1 << MEDIA.index(medium.upper())
-    except ValueError:
-        return 1 << _OTHER_MEDIUM
+        index = 0
+    else:
+        try:
+            index = MEDIA.index(medium.upper())
+        except ValueError:
+            index = _OTHER_MEDIUM
+    return 1 << (index + _GROUP_BITS * min(group, _MAX_GROUP))
+
+
+def fold_groups(mask: int) -> int:
+    """A block's media over all of its groups (the low 4 bits' layout)."""
+    out = 0
+    while mask:
+        out |= mask & _GROUP_MASK
+        mask >>= _GROUP_BITS
+    return out
 
 
 def medium_names(mask: int) -> tuple[str, ...]:
+    """The names of a (folded) media mask."""
     names = [m for i, m in enumerate(MEDIA) if mask >> i & 1]
     if mask >> _OTHER_MEDIUM & 1:
         names.append("OTHER")
@@ -81,12 +97,16 @@ class Stored:
     block_size: int
     with_tokens: bool
     """False for CPU-offload tiers that publish no token ids."""
+    group: int = 0
+    """The KV-cache group (hybrid models store one block hash in several groups: a
+    removal from a sliding-window group leaves the full-attention group's copy)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Removed:
     keys: tuple[BlockKey, ...]
     medium: str | None
+    group: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +124,7 @@ class _Engine:
 
 
 class DeviceIndex:
-    """Per engine, block key -> mask of the media holding it."""
+    """Per engine, block key -> mask of the (group, medium) pairs holding it."""
 
     def __init__(self) -> None:
         self._engines: dict[EngineId, _Engine] = {}
@@ -115,14 +135,14 @@ class DeviceIndex:
         changed = 0
         for ev in events:
             if isinstance(ev, Stored):
-                bit = medium_bit(ev.medium)
+                bit = medium_bit(ev.medium, ev.group)
                 if ev.block_size > 0:
                     e.block_size = ev.block_size
                 for k in ev.keys:
                     e.blocks[k] = e.blocks.get(k, 0) | bit
                 changed += len(ev.keys)
             elif isinstance(ev, Removed):
-                bit = medium_bit(ev.medium)
+                bit = medium_bit(ev.medium, ev.group)
                 for k in ev.keys:
                     mask = e.blocks.get(k, 0) & ~bit
                     if mask:
@@ -177,7 +197,7 @@ class DeviceIndex:
             m = held.get(k)
             if m is None:
                 break
-            media &= m
+            media &= fold_groups(m)
             n += 1
         return n, media if n else 0
 

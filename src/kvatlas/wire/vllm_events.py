@@ -147,11 +147,12 @@ def _event(item: Any) -> tuple[DeviceEvent | None, int]:
                 item.get("token_ids"),
                 item.get("block_size"),
                 item.get("medium"),
+                item.get("group_idx"),
             ), sum(1 for k in item if k not in _STORED_FIELDS)
         if tag == "BlockRemoved":
-            return _removed(item.get("block_hashes"), item.get("medium")), sum(
-                1 for k in item if k not in _REMOVED_FIELDS
-            )
+            return _removed(
+                item.get("block_hashes"), item.get("medium"), item.get("group_idx")
+            ), sum(1 for k in item if k not in _REMOVED_FIELDS)
         if tag == "AllBlocksCleared":
             return Cleared(), len(item) - 1
         if isinstance(tag, str):
@@ -186,15 +187,23 @@ def _medium(raw: Any) -> str | None:
     raise InvalidInput("medium is not a string")
 
 
-def _stored(hashes: Any, tokens: Any, block_size: Any, medium: Any) -> Stored:
+def _group(raw: Any) -> int:
+    if raw is None:
+        return 0
+    if not isinstance(raw, int) or isinstance(raw, bool) or raw < 0:
+        raise InvalidInput("group_idx is not a non-negative int")
+    return raw
+
+
+def _stored(hashes: Any, tokens: Any, block_size: Any, medium: Any, group: Any = None) -> Stored:
     if tokens is not None and not isinstance(tokens, list):
         raise InvalidInput("token_ids is not a list")
     if block_size is None:
         block_size = 0
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 0:
         raise InvalidInput("block_size is not a non-negative int")
-    return Stored(_keys(hashes), _medium(medium), block_size, bool(tokens))
+    return Stored(_keys(hashes), _medium(medium), block_size, bool(tokens), _group(group))
 
 
-def _removed(hashes: Any, medium: Any) -> Removed:
-    return Removed(_keys(hashes), _medium(medium))
+def _removed(hashes: Any, medium: Any, group: Any = None) -> Removed:
+    return Removed(_keys(hashes), _medium(medium), _group(group))
