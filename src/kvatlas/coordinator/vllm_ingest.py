@@ -196,6 +196,21 @@ class VllmIngest:
         full_owed = [False]  # a full replay a (re)connection asked for, not sent yet
         last_heard = time.monotonic()
 
+        unsent: list[int | None] = [None]  # a replay request not yet taken by the socket
+
+        def send(start: int) -> None:
+            assert dealer is not None
+            try:
+                dealer.send_multipart(replay_request(start), zmq.NOBLOCK)
+            except zmq.Again:
+                # Not connected to the replay socket (yet): retried every poll until the
+                # replay's deadline; live batches wait meanwhile.
+                unsent[0] = start
+                return
+            unsent[0] = None
+            if start == 0:
+                full_owed[0] = False
+
         def handle(out: Outcome, resync: bool = False) -> None:
             self._apply(src.engine, out)
             if out.replay_from is not None:
@@ -209,18 +224,8 @@ class VllmIngest:
                     src.engine,
                     out.replay_from,
                 )
-                try:
-                    dealer.send_multipart(replay_request(out.replay_from), zmq.NOBLOCK)
-                except zmq.Again:
-                    # Not connected to the replay socket (yet): what waited applies now,
-                    # and the next quiet spell asks again (in full when that was owed).
-                    self.counts[src.engine]["replay_unsent"] += 1
-                    full_owed[0] = full_owed[0] or out.replay_from == 0
-                    self._apply(src.engine, stream.replay_done())
-                    return
-                if out.replay_from == 0:
-                    full_owed[0] = False
                 deadline[0] = time.monotonic() + self._replay_timeout
+                send(out.replay_from)
 
         try:
             while not self._stop.is_set():
@@ -250,8 +255,17 @@ class VllmIngest:
                         self._take(src.engine, frames, stream.live, handle)
                     last_heard = now
                 with self.lock:
+                    if unsent[0] is not None and now <= deadline[0]:
+                        send(unsent[0])
                     if stream.replaying and now > deadline[0] and deadline[0]:
-                        self.counts[src.engine]["replay_timeouts"] += 1
+                        if unsent[0] is not None:
+                            # Never reached the engine: the next quiet spell asks again
+                            # (in full when this was the full replay of a connection).
+                            self.counts[src.engine]["replay_unsent"] += 1
+                            full_owed[0] = full_owed[0] or unsent[0] == 0
+                            unsent[0] = None
+                        else:
+                            self.counts[src.engine]["replay_timeouts"] += 1
                         log.warning(
                             "vLLM KV events of %s: replay not ended within %.1fs",
                             src.engine,
