@@ -46,3 +46,12 @@ fi
 # NIXL's wheel would pull a multi-GB CUDA torch as a dependency; it needs only numpy.
 echo "[kvatlas] installing NIXL (nixl-cu12, --no-deps)" >&2
 "${PIP[@]}" --no-deps nixl-cu12
+if [[ ",$EXTRAS," == *",dev,"* ]]; then
+    # The device-tier tests (tests/vllm_events) run vLLM's own KV-event publisher and
+    # block hashing. vLLM's wheel (~240 MB) pins a CUDA torch and ~60 packages; its
+    # kv_events and kv_cache_utils modules import on our CPU torch with these few,
+    # hence --no-deps (xgrammar's own dependencies would pull triton, ~1 GB, unused).
+    echo "[kvatlas] installing vLLM (--no-deps) and what its KV-event modules import" >&2
+    "${PIP[@]}" --no-deps vllm==0.34.0 xgrammar==0.2.9
+    "${PIP[@]}" pybase64 cachetools cbor2 cloudpickle py-cpuinfo llguidance apache-tvm-ffi
+fi

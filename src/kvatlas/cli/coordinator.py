@@ -21,6 +21,7 @@ from kvatlas.cli.auth_flags import (
 from kvatlas.cli.log_setup import configure_logging
 from kvatlas.coordinator.app import Coordinator
 from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.vllm_sources import parse_sources
 from kvatlas.core.errors import ConfigError
 
 _D = CoordinatorConfig()
@@ -146,6 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
         " up again is not hashed again; 0: none (default %(default)s)",
     )
     a(
+        "--vllm-kv-events",
+        action="append",
+        default=None,
+        metavar="ENGINE=tcp://HOST:PORT[,replay=tcp://HOST:PORT,...]",
+        help="subscribe to a vLLM engine's KV events (its --kv-events-config endpoint) and"
+        " index its prefix cache as the device tier; options: replay=, topic=, dp_size=,"
+        " block_size= (16), hash= (sha256), seed= (vllm-none-hash); repeat per engine",
+    )
+    a(
         "--cpu-latency-us",
         type=int,
         default=None,
@@ -257,6 +267,7 @@ def config_from_args(argv: list[str] | None, environ: dict[str, str]) -> Coordin
         eviction_ratio=ns.eviction_ratio,
         trigger_watermark=ns.trigger_watermark,
         log_level=ns.log_level.upper(),
+        vllm_kv_events=parse_sources(ns.vllm_kv_events),
     )
 
 

@@ -41,6 +41,8 @@ from kvatlas.coordinator.quota_metrics import QuotaMetrics
 from kvatlas.coordinator.quotas import QuotaController
 from kvatlas.coordinator.server_control import ServerControl
 from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.coordinator.vllm_ingest import VllmIngest
+from kvatlas.coordinator.vllm_routes import DeviceLookupRoute
 from kvatlas.core.errors import ConfigError, InvalidInput
 from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import DEFAULT_CHAIN_NAME, ChainMemo, chain_memo
@@ -141,6 +143,13 @@ class Coordinator:
         server_control = ServerControl(
             auth_token=config.auth_token or None, observe=cache_metrics.observe
         )
+        self.vllm: VllmIngest | None = None
+        extra_routes: list[DeviceLookupRoute] = []
+        if config.vllm_kv_events:
+            self.vllm = VllmIngest(config.vllm_kv_events)
+            self.vllm.attach(self.metrics.registry)
+            self._parts.append(self.vllm)
+            extra_routes.append(DeviceLookupRoute(self.vllm, config.max_lookup_tokens))
         self.http: HttpServer = CoordinatorApp(
             config,
             self.service,
@@ -159,6 +168,7 @@ class Coordinator:
                 OperatorCheck(config.operator_token),
                 ControllerPins(self.quotas, operator_log),
             ),
+            extra_routes=extra_routes,
         ).server()
         self.http.closers.append(server_control.aclose)
         self.metrics.attach_edge(self.http.stats)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from kvatlas.coordinator.vllm_sources import VllmSource
 from kvatlas.core.credentials import (
     DEFAULT_MAX_INCARNATION_AHEAD_S,
     DEFAULT_MAX_SEQ_JUMP,
@@ -142,6 +143,9 @@ class CoordinatorConfig:
     (`--trigger-watermark`)."""
     log_level: str = "INFO"
     """Python logging level name (`--log-level`)."""
+    vllm_kv_events: tuple[VllmSource, ...] = ()
+    """vLLM engines whose KV events feed the device tier (`--vllm-kv-events`, parsed and
+    checked by `kvatlas.coordinator.vllm_sources`)."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the flag of the first impossible setting."""

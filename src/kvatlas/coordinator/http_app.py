@@ -17,9 +17,9 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from operator import attrgetter
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -136,6 +136,16 @@ def _big_body(request: HttpRequest) -> bool:
     return len(request.body) > _INLINE_BODY_BYTES
 
 
+class RouteSet(Protocol):
+    """Routes a composition root adds beside the core ones (the device lookup)."""
+
+    def add_routes(self, router: Router) -> None: ...
+
+    def openapi_paths(self) -> dict[str, Any]:
+        """Their entries of the OpenAPI document's ``paths`` (schemas inline)."""
+        ...
+
+
 class CoordinatorApp:
     """Builds the Starlette app over a service and a membership frontend."""
 
@@ -151,19 +161,24 @@ class CoordinatorApp:
         gc_pauses: GcPauses | None = None,
         quotas: QuotaRoutes | None = None,
         cache: CacheRoutes | None = None,
+        extra_routes: Sequence[RouteSet] = (),
     ) -> None:
         """``events_refusal``: when set, `POST /events` answers 409 with it (with Kafka,
         events travel through the topic only, so that every replica sees them).
         ``gc_pauses``: the process's collector pauses, which lookups report as theirs in
         `Server-Timing` (``gc``)."""
         self._gc = gc_pauses
+        self._extra_routes = tuple(extra_routes)
         self._cfg = config
         self._svc = service
         self._members = membership
         self._metrics = metrics
         self._clock = clock
         self._events_refusal = events_refusal
-        self._openapi = _encoder.encode(openapi_document())
+        doc = openapi_document()
+        for extra in self._extra_routes:
+            doc["paths"].update(extra.openapi_paths())
+        self._openapi = _encoder.encode(doc)
         quota_view = (
             None
             if quotas is None
@@ -196,6 +211,8 @@ class CoordinatorApp:
             self._quotas.add_routes(r)
         if self._cache is not None:
             self._cache.add_routes(r)
+        for extra in self._extra_routes:
+            extra.add_routes(r)
         return r
 
     def server(self) -> HttpServer:

@@ -1,0 +1,370 @@
+"""The coordinator's ingest of vLLM KV events: one subscriber thread per engine.
+
+Owns the sockets and threads around the pure `kvatlas.core.device_blocks` machinery: per
+configured engine (`kvatlas.coordinator.vllm_sources`), a ZeroMQ SUB on its PUB socket
+and a DEALER on its replay ROUTER (vLLM's framing: ``[b"", start_seq]`` out,
+``[b"", topic, seq, payload]`` back, then ``[b"", b"", END_SEQ, b""]``). On connect it
+asks for a full replay; a gap asks for the missing range; a live seq that goes backwards
+is a restart (the engine's blocks dropped, the new stream replayed from 0); when an
+engine has been quiet for ``resync_s`` it asks for anything after its last seq (a batch
+lost while the subscriber was joining, or past the PUB socket's high-water mark, has
+nothing after it to reveal the gap). A replay that does not end within
+``replay_timeout_s`` is given up and what it missed counted lost.
+
+Also answers lookups by token ids over the device index (`lookup`), and exports counts
+as Prometheus metrics (``kvatlas_vllm_*``).
+
+Must not: decode msgpack itself (`kvatlas.wire.vllm_events`) or change the directory of
+L1/L2 chunks: the device tier is its own index.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+
+import msgspec
+import zmq
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from zmq.utils.monitor import recv_monitor_message
+
+from kvatlas.coordinator.vllm_sources import VllmSource
+from kvatlas.core.device_blocks import (
+    DeviceEvent,
+    DeviceIndex,
+    EngineId,
+    EngineStream,
+    Outcome,
+    Removed,
+    Stored,
+    medium_names,
+)
+from kvatlas.core.vllm_hash import BlockHasher
+from kvatlas.wire.vllm_events import (
+    MalformedMessage,
+    decode_message,
+    is_replay_end,
+    replay_request,
+)
+
+log = logging.getLogger(__name__)
+
+COUNTS = (
+    "batches",
+    "duplicates",
+    "blocks_stored",
+    "blocks_removed",
+    "cleared",
+    "replays",
+    "replay_timeouts",
+    "replay_unsent",
+    "restarts",
+    "lost",
+    "overflow",
+    "malformed_messages",
+    "malformed_events",
+    "unknown_types",
+    "unknown_fields",
+)
+
+
+class DeviceHit(msgspec.Struct, frozen=True):
+    """One engine's answer to a lookup by tokens."""
+
+    engine: str
+    tokens: int
+    """Leading tokens of the prompt its caches hold (whole blocks)."""
+    blocks: int
+    block_size: int
+    media: list[str]
+    """Media holding all of those blocks (GPU, CPU, STORAGE)."""
+
+
+class VllmIngest:
+    """Subscribers for every source, the device index they fill, and its lookups."""
+
+    def __init__(
+        self,
+        sources: Sequence[VllmSource],
+        *,
+        replay_timeout_s: float = 5.0,
+        resync_s: float = 2.0,
+    ) -> None:
+        self.sources = tuple(sources)
+        self.index = DeviceIndex()
+        self.lock = threading.Lock()
+        self.counts: dict[EngineId, Counter[str]] = {s.engine: Counter() for s in sources}
+        self.streams: dict[EngineId, EngineStream] = {s.engine: EngineStream() for s in sources}
+        self._hashers = {
+            s.engine: BlockHasher(s.hash_algo, s.seed, s.block_size) for s in self.sources
+        }
+        self._replay_timeout = replay_timeout_s
+        self._resync = resync_s
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for s in self.sources:
+            t = threading.Thread(target=self._run, args=(s,), name=f"vllm-events-{s.engine}")
+            t.daemon = True
+            t.start()
+            self._threads.append(t)
+        if self.sources:
+            log.info("vLLM KV events: subscribed to %d engine(s)", len(self.sources))
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        self._threads.clear()
+        self._ctx.term()
+
+    # -- lookups --------------------------------------------------------------------
+
+    def lookup(
+        self,
+        tokens: Sequence[int],
+        *,
+        lora: tuple[str, str] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[DeviceHit]:
+        """Per engine, how many leading tokens of ``tokens`` its caches hold, best first."""
+        keyed: dict[BlockHasher, list[EngineId]] = {}
+        for engine, hasher in self._hashers.items():
+            keyed.setdefault(hasher, []).append(engine)
+        hits: list[DeviceHit] = []
+        for hasher, engines in keyed.items():
+            keys = hasher.keys(tokens, lora=lora, cache_salt=cache_salt)
+            with self.lock:
+                found = [(e, *self.index.leading(e, keys)) for e in engines]
+            for engine, n, media in found:
+                size = hasher.block_size
+                hits.append(DeviceHit(engine, n * size, n, size, list(medium_names(media))))
+        hits.sort(key=lambda h: (-h.tokens, h.engine))
+        return hits
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per engine: its counts, its blocks and its last seq (-1: none yet)."""
+        with self.lock:
+            return {
+                e: {
+                    **{k: c[k] for k in COUNTS},
+                    "blocks": self.index.count(e),
+                    "last_seq": _last(self.streams[e]),
+                }
+                for e, c in self.counts.items()
+            }
+
+    def collector(self) -> Collector:
+        return _Collector(self)
+
+    def attach(self, registry: CollectorRegistry) -> None:
+        registry.register(self.collector())
+
+    # -- the subscriber thread -------------------------------------------------------
+
+    def _run(self, src: VllmSource) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(src.endpoint)
+        dealer: zmq.Socket[bytes] | None = None
+        if src.replay:
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            # Requests queue only on a live connection: a send while the engine is down
+            # fails at once (zmq.Again) instead of piling up stale requests.
+            dealer.setsockopt(zmq.IMMEDIATE, 1)
+            dealer.connect(src.replay)
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        # Every (re)connection of the SUB asks for a full replay: it fills what was
+        # published before the subscription took, and reveals a restarted publisher.
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        poller.register(monitor, zmq.POLLIN)
+        if dealer is not None:
+            poller.register(dealer, zmq.POLLIN)
+        stream = self.streams[src.engine]
+        log.info("vLLM KV events of %s: SUB %s, replay %s", src.engine, src.endpoint, src.replay)
+        deadline = [0.0]
+        full_owed = [False]  # a full replay a (re)connection asked for, not sent yet
+        last_heard = time.monotonic()
+
+        unsent: list[int | None] = [None]  # a replay request not yet taken by the socket
+
+        def send(start: int) -> None:
+            assert dealer is not None
+            try:
+                dealer.send_multipart(replay_request(start), zmq.NOBLOCK)
+            except zmq.Again:
+                # Not connected to the replay socket (yet): retried every poll until the
+                # replay's deadline; live batches wait meanwhile.
+                unsent[0] = start
+                return
+            unsent[0] = None
+            if start == 0:
+                full_owed[0] = False
+
+        def handle(out: Outcome, resync: bool = False) -> None:
+            self._apply(src.engine, out)
+            if out.replay_from is not None:
+                if dealer is None:
+                    self._apply(src.engine, stream.replay_done())
+                    return
+                self.counts[src.engine]["replays"] += 1
+                log.log(
+                    logging.DEBUG if resync else logging.INFO,
+                    "vLLM KV events of %s: replay from seq %d",
+                    src.engine,
+                    out.replay_from,
+                )
+                deadline[0] = time.monotonic() + self._replay_timeout
+                send(out.replay_from)
+
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(50))
+                now = time.monotonic()
+                if monitor in ready:
+                    while monitor.poll(0):
+                        recv_monitor_message(monitor)
+                        log.info("vLLM KV events of %s: connected to %s", src.engine, src.endpoint)
+                        with self.lock:
+                            handle(stream.reconnected())
+                if dealer is not None and dealer in ready:
+                    while dealer.poll(0):
+                        frames = dealer.recv_multipart()[1:]
+                        if is_replay_end(frames):
+                            with self.lock:
+                                handle(stream.replay_done())
+                        else:
+                            self._take(src.engine, frames, stream.replayed, handle)
+                    last_heard = now
+                if sub in ready:
+                    for _ in range(1000):
+                        try:
+                            frames = sub.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._take(src.engine, frames, stream.live, handle)
+                    last_heard = now
+                with self.lock:
+                    if unsent[0] is not None and now <= deadline[0]:
+                        send(unsent[0])
+                    if stream.replaying and now > deadline[0] and deadline[0]:
+                        if unsent[0] is not None:
+                            # Never reached the engine: the next quiet spell asks again
+                            # (in full when this was the full replay of a connection).
+                            self.counts[src.engine]["replay_unsent"] += 1
+                            full_owed[0] = full_owed[0] or unsent[0] == 0
+                            unsent[0] = None
+                        else:
+                            self.counts[src.engine]["replay_timeouts"] += 1
+                        log.warning(
+                            "vLLM KV events of %s: replay not ended within %.1fs",
+                            src.engine,
+                            self._replay_timeout,
+                        )
+                        deadline[0] = 0.0
+                        handle(stream.replay_done())
+                    elif (
+                        dealer is not None
+                        and not stream.replaying
+                        and now - last_heard > self._resync
+                    ):
+                        last_heard = now
+                        handle(
+                            stream.reconnected() if full_owed[0] else stream.connect(),
+                            resync=True,
+                        )
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+            if dealer is not None:
+                dealer.close(linger=0)
+
+    def _take(
+        self,
+        engine: EngineId,
+        frames: list[bytes],
+        step: Callable[[int, tuple[DeviceEvent, ...], int], Outcome],
+        handle: Callable[[Outcome], None],
+    ) -> None:
+        """Decode one message (outside the lock, which lookups share) and feed it to
+        ``step`` (live or replayed) under the lock."""
+        c = self.counts[engine]
+        try:
+            batch = decode_message(frames)
+        except MalformedMessage as exc:
+            with self.lock:
+                c["malformed_messages"] += 1
+            log.warning("vLLM KV events of %s: malformed message skipped: %s", engine, exc)
+            return
+        with self.lock:
+            c["unknown_types"] += batch.unknown_types
+            c["malformed_events"] += batch.malformed_events
+            c["unknown_fields"] += batch.unknown_fields
+            handle(step(batch.seq, batch.events, batch.fingerprint))
+
+    def _apply(self, engine: EngineId, out: Outcome) -> None:
+        c = self.counts[engine]
+        if out.restarted:
+            dropped = self.index.drop(engine)
+            c["restarts"] += 1
+            log.warning(
+                "vLLM KV events of %s: seq went backwards, publisher restarted; %d blocks"
+                " dropped, replaying",
+                engine,
+                dropped,
+            )
+        if out.lost:
+            c["lost"] += out.lost
+            log.warning("vLLM KV events of %s: %d batches lost for good", engine, out.lost)
+        c["duplicates"] += out.duplicate
+        c["overflow"] += out.overflow
+        for _seq, events in out.apply:
+            c["batches"] += 1
+            for ev in events:
+                if isinstance(ev, Stored):
+                    c["blocks_stored"] += len(ev.keys)
+                elif isinstance(ev, Removed):
+                    c["blocks_removed"] += len(ev.keys)
+                else:
+                    c["cleared"] += 1
+            self.index.apply(engine, events)
+
+
+def _last(stream: EngineStream) -> int:
+    return -1 if stream.last is None else stream.last
+
+
+class _Collector(Collector):
+    def __init__(self, ingest: VllmIngest) -> None:
+        self._ingest = ingest
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._ingest.stats()
+        for name in COUNTS:
+            m = CounterMetricFamily(
+                f"kvatlas_vllm_events_{name}",
+                f"vLLM KV events: {name.replace('_', ' ')}",
+                labels=["engine"],
+            )
+            for engine, s in stats.items():
+                m.add_metric([engine], s[name])
+            yield m
+        g = GaugeMetricFamily(
+            "kvatlas_vllm_device_blocks", "Blocks held in an engine's caches", labels=["engine"]
+        )
+        for engine, s in stats.items():
+            g.add_metric([engine], s["blocks"])
+        yield g

@@ -1,0 +1,334 @@
+"""The device tier: which vLLM engine's prefix cache holds which blocks, and the
+per-engine stream state machine that keeps it exact across gaps, replays and restarts.
+
+Owns, pure and single-threaded (the ingest shell holds the lock):
+
+* the device-block events as kvatlas types (`Stored`, `Removed`, `Cleared`), already
+  decoded from vLLM's encodings by `kvatlas.wire.vllm_events`;
+* `DeviceIndex`: per engine, the block keys its caches hold, with the media (GPU, CPU,
+  disk) holding each one, and the longest leading run of a prompt's keys per engine;
+* `EngineStream`: one engine's sequence numbers. A live batch one past the last applies;
+  past that opens a gap (the shell asks the replay socket for the missing range, the
+  batch waits); a live seq at or below the last live one means the publisher restarted
+  (its `count()` starts again at 0; PUB/SUB never repeats one): that engine's blocks
+  are dropped, then the new stream replays from 0. Batches at or below the last applied
+  (a replay delivered them first, or delivers them again) are duplicates, skipped.
+
+Block keys are vLLM's external block hashes as 64-bit ints: vLLM publishes either the
+raw digest (bytes) or, with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, its low 64 bits
+(``int.from_bytes(digest, "big") & (2**64 - 1)``); `block_key` maps both to the same
+int, so one index serves engines publishing either.
+
+Must not: open sockets, read clocks, decode msgpack or log; every state change returns
+an outcome for the shell to count and log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NewType
+
+from kvatlas.core.errors import InvalidInput
+
+BlockKey = NewType("BlockKey", int)
+EngineId = NewType("EngineId", str)
+
+_MASK64 = (1 << 64) - 1
+MEDIA = ("GPU", "CPU", "STORAGE")
+"""vLLM's media (``MEDIUM_GPU`` etc.); an unnamed medium is the GPU, as in vLLM."""
+_OTHER_MEDIUM = len(MEDIA)
+_GROUP_BITS = 4
+_GROUP_MASK = (1 << _GROUP_BITS) - 1
+_MAX_GROUP = 15
+DEFAULT_MAX_PENDING = 10_000
+"""Live batches held while a replay fills the gap before them."""
+
+
+def block_key(raw: int | bytes) -> BlockKey:
+    """A published block hash (64-bit int or raw digest) as the index key."""
+    if isinstance(raw, bool):
+        raise InvalidInput("block hash is a boolean")
+    if isinstance(raw, int):
+        if raw < -(1 << 63) or raw > _MASK64:
+            raise InvalidInput(f"block hash {raw} does not fit 64 bits")
+        return BlockKey(raw & _MASK64)
+    if isinstance(raw, bytes | bytearray | memoryview):
+        if len(raw) == 0:
+            raise InvalidInput("block hash is empty bytes")
+        return BlockKey(int.from_bytes(raw, "big") & _MASK64)
+    raise InvalidInput(f"block hash of type {type(raw).__name__}")
+
+
+def medium_bit(medium: str | None, group: int = 0) -> int:
+    """The bit of a medium in one KV-cache group; unknown media share one bit (still
+    held, unnamed). Groups past the 16th share the last one."""
+    if medium is None:
+        index = 0
+    else:
+        try:
+            index = MEDIA.index(medium.upper())
+        except ValueError:
+            index = _OTHER_MEDIUM
+    return 1 << (index + _GROUP_BITS * min(group, _MAX_GROUP))
+
+
+def fold_groups(mask: int) -> int:
+    """A block's media over all of its groups (the low 4 bits' layout)."""
+    out = 0
+    while mask:
+        out |= mask & _GROUP_MASK
+        mask >>= _GROUP_BITS
+    return out
+
+
+def medium_names(mask: int) -> tuple[str, ...]:
+    """The names of a (folded) media mask."""
+    names = [m for i, m in enumerate(MEDIA) if mask >> i & 1]
+    if mask >> _OTHER_MEDIUM & 1:
+        names.append("OTHER")
+    return tuple(names)
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    keys: tuple[BlockKey, ...]
+    medium: str | None
+    block_size: int
+    with_tokens: bool
+    """False for CPU-offload tiers that publish no token ids."""
+    group: int = 0
+    """The KV-cache group (hybrid models store one block hash in several groups: a
+    removal from a sliding-window group leaves the full-attention group's copy)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    keys: tuple[BlockKey, ...]
+    medium: str | None
+    group: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    """``AllBlocksCleared``: the engine's caches were reset."""
+
+
+DeviceEvent = Stored | Removed | Cleared
+
+
+@dataclass(slots=True)
+class _Engine:
+    blocks: dict[BlockKey, int] = field(default_factory=dict)
+    block_size: int = 0
+
+
+class DeviceIndex:
+    """Per engine, block key -> mask of the (group, medium) pairs holding it."""
+
+    def __init__(self) -> None:
+        self._engines: dict[EngineId, _Engine] = {}
+
+    def apply(self, engine: EngineId, events: Iterable[DeviceEvent]) -> int:
+        """Apply one batch's events in order; returns the number of blocks changed."""
+        e = self._engines.setdefault(engine, _Engine())
+        changed = 0
+        for ev in events:
+            if isinstance(ev, Stored):
+                bit = medium_bit(ev.medium, ev.group)
+                if ev.block_size > 0:
+                    e.block_size = ev.block_size
+                for k in ev.keys:
+                    e.blocks[k] = e.blocks.get(k, 0) | bit
+                changed += len(ev.keys)
+            elif isinstance(ev, Removed):
+                bit = medium_bit(ev.medium, ev.group)
+                for k in ev.keys:
+                    mask = e.blocks.get(k, 0) & ~bit
+                    if mask:
+                        e.blocks[k] = mask
+                    elif e.blocks.pop(k, None) is not None:
+                        changed += 1
+            else:
+                changed += len(e.blocks)
+                e.blocks.clear()
+        return changed
+
+    def drop(self, engine: EngineId) -> int:
+        """Forget an engine's blocks (a restart); returns how many there were."""
+        e = self._engines.get(engine)
+        if e is None:
+            return 0
+        n = len(e.blocks)
+        e.blocks.clear()
+        return n
+
+    def blocks(self, engine: EngineId) -> dict[BlockKey, int]:
+        """A copy of one engine's blocks (tests, snapshots)."""
+        e = self._engines.get(engine)
+        return dict(e.blocks) if e else {}
+
+    def count(self, engine: EngineId) -> int:
+        """How many blocks the engine's caches hold."""
+        e = self._engines.get(engine)
+        return len(e.blocks) if e else 0
+
+    def block_size(self, engine: EngineId) -> int:
+        """The block size the engine's last store named (0: none seen)."""
+        e = self._engines.get(engine)
+        return e.block_size if e else 0
+
+    def engines(self) -> list[EngineId]:
+        return sorted(self._engines)
+
+    def total_blocks(self) -> int:
+        return sum(len(e.blocks) for e in self._engines.values())
+
+    def leading(self, engine: EngineId, keys: Sequence[BlockKey]) -> tuple[int, int]:
+        """How many of ``keys`` the engine holds from the first one on, and the mask of
+        the media holding all of them (0 when none)."""
+        e = self._engines.get(engine)
+        if e is None:
+            return 0, 0
+        held = e.blocks
+        n = 0
+        media = -1
+        for k in keys:
+            m = held.get(k)
+            if m is None:
+                break
+            media &= fold_groups(m)
+            n += 1
+        return n, media if n else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one step of an engine's stream asks of the shell."""
+
+    apply: tuple[tuple[int, tuple[DeviceEvent, ...]], ...] = ()
+    """Batches (seq, events) to apply to the index, in order."""
+    replay_from: int | None = None
+    """Ask the replay socket for every batch from this seq on."""
+    restarted: bool = False
+    """The publisher restarted: drop the engine's blocks before applying."""
+    duplicate: bool = False
+    lost: int = 0
+    """Seqs that neither the stream nor the replay delivered (replay buffer too short)."""
+    overflow: int = 0
+    """Live batches dropped because too many waited for a replay."""
+
+
+class EngineStream:
+    """The seq state machine of one engine's publisher (see the module docstring).
+
+    Each applied batch's fingerprint (a hash of its payload) is kept for the last
+    ``max_prints`` seqs: a batch at a seq already applied whose fingerprint differs
+    comes from a new publisher (a restart seen through a replay, when no live batch of
+    the new one revealed it first)."""
+
+    def __init__(
+        self, max_pending: int = DEFAULT_MAX_PENDING, max_prints: int = 2 * DEFAULT_MAX_PENDING
+    ) -> None:
+        self.last: int | None = None
+        """The last seq applied; None before the first."""
+        self.live_last: int | None = None
+        """The last seq seen on the PUB socket (it only goes back on a restart)."""
+        self.replaying = False
+        self._pending: dict[int, tuple[tuple[DeviceEvent, ...], int]] = {}
+        self._prints: dict[int, int] = {}
+        self._max_pending = max_pending
+        self._max_prints = max_prints
+
+    def connect(self) -> Outcome:
+        """Ask for what the publisher buffers after the last applied seq (an idle
+        engine's check that nothing was missed)."""
+        self.replaying = True
+        return Outcome(replay_from=0 if self.last is None else self.last + 1)
+
+    def reconnected(self) -> Outcome:
+        """The subscriber (re)connected: ask for everything the publisher buffers, which
+        also reveals a restarted publisher by its fingerprints."""
+        self.replaying = True
+        return Outcome(replay_from=0)
+
+    def live(self, seq: int, events: tuple[DeviceEvent, ...], fingerprint: int = 0) -> Outcome:
+        """A batch from the PUB socket."""
+        if (self.live_last is not None and seq <= self.live_last) or self._differs(
+            seq, fingerprint
+        ):
+            # PUB/SUB neither repeats nor reorders: the publisher's counter started again.
+            self.live_last = seq
+            self._reset()
+            self._pending[seq] = (events, fingerprint)
+            self.replaying = True
+            return Outcome(restarted=True, replay_from=0)
+        self.live_last = seq
+        if self.last is not None and seq <= self.last:
+            return Outcome(duplicate=True)  # a replay delivered it first
+        if self.replaying:
+            return self._hold(seq, events, fingerprint)
+        if (self.last is None and seq == 0) or (self.last is not None and seq == self.last + 1):
+            self._applied(seq, fingerprint)
+            return Outcome(apply=((seq, events),))
+        out = self._hold(seq, events, fingerprint)
+        self.replaying = True
+        return Outcome(replay_from=0 if self.last is None else self.last + 1, overflow=out.overflow)
+
+    def replayed(self, seq: int, events: tuple[DeviceEvent, ...], fingerprint: int = 0) -> Outcome:
+        """A batch from the replay socket."""
+        restarted = False
+        if self._differs(seq, fingerprint):
+            self._reset()
+            restarted = True
+        held = self._pending.pop(seq, None)
+        if held is not None and held[1] != fingerprint:
+            held = None
+        if self.last is not None and seq <= self.last:
+            return Outcome(duplicate=True)
+        lost = 0
+        if self.last is not None and seq > self.last + 1:
+            lost = seq - self.last - 1
+        self._applied(seq, fingerprint)
+        return Outcome(apply=((seq, events),), lost=lost, restarted=restarted)
+
+    def replay_done(self) -> Outcome:
+        """The replay ended (its end marker, or the shell gave up waiting): apply what
+        waited, in order; a hole left between them is lost for good."""
+        self.replaying = False
+        out: list[tuple[int, tuple[DeviceEvent, ...]]] = []
+        lost = 0
+        for seq in sorted(self._pending):
+            if self.last is not None and seq <= self.last:
+                continue
+            if self.last is not None and seq > self.last + 1:
+                lost += seq - self.last - 1
+            events, fingerprint = self._pending[seq]
+            self._applied(seq, fingerprint)
+            out.append((seq, events))
+        self._pending.clear()
+        return Outcome(apply=tuple(out), lost=lost)
+
+    def _differs(self, seq: int, fingerprint: int) -> bool:
+        known = self._prints.get(seq)
+        return known is not None and known != fingerprint
+
+    def _reset(self) -> None:
+        self.last = None
+        self.live_last = None
+        self._pending.clear()
+        self._prints.clear()
+
+    def _applied(self, seq: int, fingerprint: int) -> None:
+        self.last = seq
+        self._prints[seq] = fingerprint
+        if len(self._prints) > self._max_prints:
+            del self._prints[next(iter(self._prints))]
+
+    def _hold(self, seq: int, events: tuple[DeviceEvent, ...], fingerprint: int) -> Outcome:
+        overflow = 0
+        if len(self._pending) >= self._max_pending:
+            self._pending.pop(min(self._pending))
+            overflow = 1
+        self._pending[seq] = (events, fingerprint)
+        return Outcome(overflow=overflow)

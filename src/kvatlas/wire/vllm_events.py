@@ -1,0 +1,209 @@
+"""vLLM's KV events (``vllm.distributed.kv_events``) as kvatlas device-block events.
+
+Owns the decoding of one ZeroMQ message of vLLM's ``ZmqEventPublisher``: three frames,
+topic, an 8-byte big-endian sequence number and a msgpack ``KVEventBatch``
+(``[ts, events, data_parallel_rank?]``, an array-like struct). Events come in either
+encoding vLLM has used:
+
+* positional arrays with the tag first (older vLLM, array-like tagged structs):
+  ``["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, ...]``,
+  ``["BlockRemoved", hashes, medium?, ...]``, ``["AllBlocksCleared"]``;
+* maps with a ``"type"`` key (newer vLLM): ``{"type": "BlockStored", "block_hashes":
+  [...], ...}``, fields at their defaults omitted.
+
+Block hashes may be 64-bit ints or raw digest bytes. Unknown event types, fields this
+decoder does not know and malformed events are skipped and counted in the result, never
+raised; only a message that is not a batch at all raises `MalformedMessage`.
+
+Also owns the replay socket's framing (a DEALER sends ``[b"", start_seq]``; replies are
+``[b"", topic, seq, payload]``, ending with ``[b"", b"", END_SEQ, b""]``).
+
+Must not: open sockets or touch the index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import xxhash
+
+from kvatlas.core.device_blocks import BlockKey, Cleared, DeviceEvent, Removed, Stored, block_key
+from kvatlas.core.errors import InvalidInput
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The seq frame ending a replay (vLLM's ``ZmqEventPublisher.END_SEQ``)."""
+
+_STORED_FIELDS = frozenset(
+    {
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+        "locality",
+        "ownership",
+        "session_id",
+        "lookahead_token_ids",
+    }
+)
+_REMOVED_FIELDS = frozenset(
+    {"type", "block_hashes", "medium", "group_idx", "locality", "ownership"}
+)
+
+_decoder = msgspec.msgpack.Decoder()
+
+
+class MalformedMessage(InvalidInput):
+    """A message that is not vLLM's three frames and a batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One decoded message."""
+
+    seq: int
+    events: tuple[DeviceEvent, ...]
+    fingerprint: int = 0
+    """A hash of the payload: the same seq with another one is another publisher."""
+    dp_rank: int | None = None
+    unknown_types: int = 0
+    malformed_events: int = 0
+    unknown_fields: int = 0
+
+
+def replay_request(start_seq: int) -> list[bytes]:
+    """The frames a DEALER sends to ask for every buffered batch from ``start_seq``."""
+    return [b"", start_seq.to_bytes(8, "big")]
+
+
+def is_replay_end(frames: list[bytes]) -> bool:
+    """True for the end marker of a replay (frames after the DEALER's empty frame)."""
+    return len(frames) == 3 and frames[1] == END_SEQ
+
+
+def decode_message(frames: list[bytes]) -> Batch:
+    """Decode ``(topic, seq, payload)``; raises `MalformedMessage`."""
+    if len(frames) != 3:
+        raise MalformedMessage(f"expected 3 frames (topic, seq, payload), got {len(frames)}")
+    _, seq_raw, payload = frames
+    if len(seq_raw) != 8:
+        raise MalformedMessage(f"sequence frame of {len(seq_raw)} bytes, expected 8")
+    seq = int.from_bytes(seq_raw, "big", signed=True)
+    if seq < 0:
+        raise MalformedMessage(f"negative sequence number {seq} outside a replay end")
+    try:
+        raw = _decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise MalformedMessage(f"payload is not msgpack: {exc}") from exc
+    if isinstance(raw, dict):
+        # Not vLLM's array-like batch; accepted from a publisher that encodes it as a map.
+        items, dp = raw.get("events"), raw.get("data_parallel_rank")
+    elif isinstance(raw, list) and len(raw) >= 2:
+        items, dp = raw[1], raw[2] if len(raw) > 2 else None
+    else:
+        raise MalformedMessage("payload is not a KVEventBatch [ts, events, ...]")
+    if not isinstance(items, list):
+        raise MalformedMessage("the batch's events are not a list")
+    events: list[DeviceEvent] = []
+    unknown = malformed = extra = 0
+    for item in items:
+        try:
+            ev, fields = _event(item)
+        except InvalidInput:
+            malformed += 1
+            continue
+        extra += fields
+        if ev is None:
+            unknown += 1
+        else:
+            events.append(ev)
+    return Batch(
+        seq,
+        tuple(events),
+        xxhash.xxh3_64_intdigest(payload),
+        dp if isinstance(dp, int) and not isinstance(dp, bool) else None,
+        unknown,
+        malformed,
+        extra,
+    )
+
+
+def _event(item: Any) -> tuple[DeviceEvent | None, int]:
+    """One event and its count of unknown fields; None for an unknown type."""
+    if isinstance(item, dict):
+        tag = item.get("type")
+        if tag == "BlockStored":
+            return _stored(
+                item.get("block_hashes"),
+                item.get("token_ids"),
+                item.get("block_size"),
+                item.get("medium"),
+                item.get("group_idx"),
+            ), sum(1 for k in item if k not in _STORED_FIELDS)
+        if tag == "BlockRemoved":
+            return _removed(
+                item.get("block_hashes"), item.get("medium"), item.get("group_idx")
+            ), sum(1 for k in item if k not in _REMOVED_FIELDS)
+        if tag == "AllBlocksCleared":
+            return Cleared(), len(item) - 1
+        if isinstance(tag, str):
+            return None, 0
+        raise InvalidInput("event map without a string 'type'")
+    if isinstance(item, list) and item and isinstance(item[0], str):
+        tag = item[0]
+        if tag == "BlockStored":
+            if len(item) < 5:
+                raise InvalidInput("BlockStored array too short")
+            medium = item[6] if len(item) > 6 else None
+            return _stored(item[1], item[3], item[4], medium), 0
+        if tag == "BlockRemoved":
+            if len(item) < 2:
+                raise InvalidInput("BlockRemoved array too short")
+            return _removed(item[1], item[2] if len(item) > 2 else None), 0
+        if tag == "AllBlocksCleared":
+            return Cleared(), 0
+        return None, 0
+    raise InvalidInput("event is neither a tagged array nor a map with 'type'")
+
+
+def _keys(raw: Any) -> tuple[BlockKey, ...]:
+    if not isinstance(raw, list):
+        raise InvalidInput("block_hashes is not a list")
+    return tuple(block_key(h) for h in raw)
+
+
+def _medium(raw: Any) -> str | None:
+    if raw is None or isinstance(raw, str):
+        return raw
+    raise InvalidInput("medium is not a string")
+
+
+def _group(raw: Any) -> int:
+    if raw is None:
+        return 0
+    if not isinstance(raw, int) or isinstance(raw, bool) or raw < 0:
+        raise InvalidInput("group_idx is not a non-negative int")
+    return raw
+
+
+def _stored(hashes: Any, tokens: Any, block_size: Any, medium: Any, group: Any = None) -> Stored:
+    if tokens is not None and not isinstance(tokens, list):
+        raise InvalidInput("token_ids is not a list")
+    if block_size is None:
+        block_size = 0
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 0:
+        raise InvalidInput("block_size is not a non-negative int")
+    return Stored(_keys(hashes), _medium(medium), block_size, bool(tokens), _group(group))
+
+
+def _removed(hashes: Any, medium: Any, group: Any = None) -> Removed:
+    return Removed(_keys(hashes), _medium(medium), _group(group))
