@@ -5,29 +5,17 @@ server with an engine for the calls both coordinators forward to a server."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from lmcache.conftest import lmcache_venv
 from lmcache.fleet import KvatlasCoordinator
 
 from .harness import LMCacheCoord, Pair, Target
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="session")
-def lmcache_venv() -> Path:
-    venv = Path(os.environ.get("KVATLAS_LMCACHE_VENV", ROOT / ".venv-lmcache"))
-    subprocess.run(
-        ["bash", str(ROOT / "scripts" / "lmcache_env.sh")],
-        check=True,
-        env={**os.environ, "KVATLAS_LMCACHE_VENV": str(venv)},
-    )
-    return venv
+__all__ = ["lmcache_venv"]
 
 
 @pytest.fixture(scope="module")

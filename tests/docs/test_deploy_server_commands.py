@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shlex
-import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,15 +33,14 @@ import httpx
 import pytest
 
 from kvatlas.runtime.procs import HOST, free_ports
+from lmcache_mp.driver import Driver
 from support.launch import Proc, launch, python_module
 from support.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY_MD = ROOT / "docs" / "deploy.md"
 SECTION = "## Drop-in for `lmcache server`"
-DRIVER = ROOT / "tests" / "lmcache_mp" / "mp_driver.py"
 CHUNK = 256
-QUIET = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "LMCACHE_DISABLE_BANNER": "1"}
 SERVER_OVERRIDES = ("--l1-size-gb", "0.0625")
 """Appended to each documented server command (argparse keeps the last value): the
 guide's 50 GiB of L1 per server is more than this machine has to spare."""
@@ -139,50 +137,12 @@ def test_the_drop_in_is_the_guides_five_terminals() -> None:
 # ---- run
 
 
-class Engine:
-    """LMCache's vLLM adapters (``mp_driver.py``) in .venv-lmcache, in place of one
-    documented ``vllm serve``; JSON lines over pipes, stopped by its own pid."""
-
-    def __init__(self, venv: Path, url: str, mode: str, log: Path) -> None:
-        env = {**os.environ, **QUIET}
-        env.pop("PYTHONPATH", None)  # kvatlas' sources stay out of LMCache's interpreter
-        self.proc: Proc = launch(
-            [str(venv / "bin" / "python"), str(DRIVER), url, mode],
-            name=log.stem,
-            log=log,
-            env=env,
-            wait=False,
-            pipes=True,
-        )
-        ready = self._read()
-        assert ready.get("ready") and ready.get("chunk") == CHUNK, ready
-
-    def call(self, op: str, tokens: list[int], rid: str, **extra: Any) -> dict[str, Any]:
-        stdin = self.proc.popen.stdin
-        assert stdin is not None
-        stdin.write(json.dumps({"op": op, "tokens": tokens, "rid": rid, **extra}) + "\n")
-        stdin.flush()
-        return self._read()
-
-    def _read(self) -> dict[str, Any]:
-        stdout = self.proc.popen.stdout
-        assert stdout is not None
-        line = stdout.readline()
-        if not line:
-            raise RuntimeError(f"{self.proc.name} exited:\n{self.proc.tail()}")
-        out: dict[str, Any] = json.loads(line)
-        return out
-
-    def close(self) -> None:
-        stdin = self.proc.popen.stdin
-        if self.proc.popen.poll() is None and stdin is not None:
-            try:
-                stdin.write('{"op": "quit"}\n')
-                stdin.close()
-                self.proc.popen.wait(30)
-            except (BrokenPipeError, OSError):
-                pass
-        self.proc.stop(signal.SIGTERM)
+def engine(venv: Path, url: str, mode: str, log: Path) -> Driver:
+    """LMCache's vLLM adapters in .venv-lmcache, in place of one documented ``vllm
+    serve``."""
+    drv = Driver(venv, url, mode, log, name=log.stem)
+    assert drv.ready.get("chunk") == CHUNK, drv.ready
+    return drv
 
 
 def moved_ports(commands: list[Command]) -> dict[str, str]:
@@ -221,7 +181,7 @@ def fleet(lmcache_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     commands = documented_commands()
     ports = moved_ports(commands)
     procs: list[Proc] = []
-    engines: list[Engine] = []
+    engines: list[Driver] = []
     wanted: list[tuple[str, str]] = []
     """(url, transfer mode) of each documented vLLM's connector."""
     try:
@@ -253,7 +213,7 @@ def fleet(lmcache_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             wait_until(lambda h=http: _peers(h), lambda seen, w=want: seen == w,
                        what=f"{name} registered, with its peer", timeout=60)  # fmt: skip
         for i, (url, mode) in enumerate(wanted):
-            engines.append(Engine(lmcache_venv, url, mode, logs / f"engine-{i}.log"))
+            engines.append(engine(lmcache_venv, url, mode, logs / f"engine-{i}.log"))
         yield servers, engines
     finally:
         for e in reversed(engines):

@@ -4,12 +4,10 @@ connected client, and requests the server must refuse at once (raw ZeroMQ, here)
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import msgspec
@@ -18,60 +16,14 @@ import zmq
 
 from kvatlas.connector.client import CacheClient
 from kvatlas.runtime.procs import HOST, free_ports
+from lmcache_mp.driver import QUIET, Driver
 from p2p.cluster import cluster, wait_peers
-from support.launch import Proc, launch
+from support.launch import launch
 from support.services import ServerProc, start_server_process
 
 pytestmark = pytest.mark.lmcache
 
-DRIVER = Path(__file__).with_name("mp_driver.py")
 CHUNK = 256
-QUIET = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "LMCACHE_DISABLE_BANNER": "1"}
-
-
-class Driver:
-    """``mp_driver.py`` speaking JSON lines over pipes; stopped by its own pid."""
-
-    def __init__(self, venv: Path, url: str, mode: str, log: Path) -> None:
-        env = {**os.environ, **QUIET}
-        env.pop("PYTHONPATH", None)  # kvatlas' sources stay out of LMCache's interpreter
-        self.proc: Proc = launch(
-            [str(venv / "bin" / "python"), str(DRIVER), url, mode],
-            name=f"driver-{mode}",
-            log=log,
-            env=env,
-            wait=False,
-            pipes=True,
-        )
-        ready = self._read()
-        assert ready.get("ready"), ready
-
-    def call(self, op: str, tokens: list[int], rid: str, **extra: Any) -> dict[str, Any]:
-        stdin = self.proc.popen.stdin
-        assert stdin is not None
-        stdin.write(json.dumps({"op": op, "tokens": tokens, "rid": rid, **extra}) + "\n")
-        stdin.flush()
-        return self._read()
-
-    def _read(self) -> dict[str, Any]:
-        stdout = self.proc.popen.stdout
-        assert stdout is not None
-        line = stdout.readline()
-        if not line:
-            raise RuntimeError(f"driver exited:\n{self.proc.text()[-4000:]}")
-        out: dict[str, Any] = json.loads(line)
-        return out
-
-    def close(self) -> None:
-        stdin = self.proc.popen.stdin
-        if self.proc.popen.poll() is None and stdin is not None:
-            try:
-                stdin.write('{"op": "quit"}\n')
-                stdin.close()
-                self.proc.popen.wait(30)
-            except (BrokenPipeError, OSError):
-                pass
-        self.proc.stop(signal.SIGTERM)
 
 
 def prompt(seed: int, chunks: int = 2, chunk: int = CHUNK) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvatlas.coordinator.openapi_parts import answers, json_body
 from kvatlas.wire.cache_api import (
     DeleteRequest,
     DeleteResponse,
@@ -17,8 +18,6 @@ from kvatlas.wire.cache_api import (
     PrefetchResponse,
 )
 from kvatlas.wire.quota_api import DetailResponse
-
-_REF = "#/components/schemas/{name}"
 
 TYPES: tuple[type, ...] = (
     PrefetchRequest,
@@ -39,24 +38,8 @@ _REASONS = {
 }
 
 
-def _ref(t: type) -> dict[str, str]:
-    return {"$ref": _REF.format(name=t.__name__)}
-
-
-def _answers(ok: type, *codes: int) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "200": {"description": "OK", "content": {"application/json": {"schema": _ref(ok)}}}
-    }
-    for c in codes:
-        out[str(c)] = {
-            "description": _REASONS[c],
-            "content": {"application/json": {"schema": _ref(DetailResponse)}},
-        }
-    return out
-
-
-def _body(t: type) -> dict[str, Any]:
-    return {"required": True, "content": {"application/json": {"schema": _ref(t)}}}
+def _route_answers(ok: type, *codes: int) -> dict[str, Any]:
+    return answers(ok, _REASONS, *codes)
 
 
 def cache_paths() -> dict[str, Any]:
@@ -71,8 +54,8 @@ def cache_paths() -> dict[str, Any]:
                     "Warm one server's L1 with the complete chunks of a token sequence"
                     " (from its L2; a kvatlas server also from peers); returns its job id"
                 ),
-                "requestBody": _body(PrefetchRequest),
-                "responses": _answers(PrefetchResponse, 401, 404, 422, 502),
+                "requestBody": json_body(PrefetchRequest),
+                "responses": _route_answers(PrefetchResponse, 401, 404, 422, 502),
             }
         },
         "/cache/prefetches/{instance_id}/{request_id}": {
@@ -82,7 +65,7 @@ def cache_paths() -> dict[str, Any]:
                     " completed (once; a later poll is 404)"
                 ),
                 "parameters": param,
-                "responses": _answers(NodePrefetchStatus, 401, 404, 502),
+                "responses": _route_answers(NodePrefetchStatus, 401, 404, 502),
             }
         },
         "/cache/delete": {
@@ -92,8 +75,8 @@ def cache_paths() -> dict[str, Any]:
                     " pinned keys are held back from a delete touching L2 unless forced,"
                     " which also drops their pins"
                 ),
-                "requestBody": _body(DeleteRequest),
-                "responses": _answers(DeleteResponse, 400, 401, 403, 404, 422, 502),
+                "requestBody": json_body(DeleteRequest),
+                "responses": _route_answers(DeleteResponse, 400, 401, 403, 404, 422, 502),
             }
         },
     }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvatlas.coordinator.openapi_parts import answers, json_body
 from kvatlas.wire.quota_api import (
     DetailResponse,
     PinList,
@@ -21,8 +22,6 @@ from kvatlas.wire.quota_api import (
     SetQuotaRequest,
     StatusList,
 )
-
-_REF = "#/components/schemas/{name}"
 
 TYPES: tuple[type, ...] = (
     SetQuotaRequest,
@@ -45,24 +44,8 @@ _REASONS = {
 }
 
 
-def _ref(t: type) -> dict[str, str]:
-    return {"$ref": _REF.format(name=t.__name__)}
-
-
-def _answers(ok: type, *codes: int) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "200": {"description": "OK", "content": {"application/json": {"schema": _ref(ok)}}}
-    }
-    for c in codes:
-        out[str(c)] = {
-            "description": _REASONS[c],
-            "content": {"application/json": {"schema": _ref(DetailResponse)}},
-        }
-    return out
-
-
-def _body(t: type) -> dict[str, Any]:
-    return {"required": True, "content": {"application/json": {"schema": _ref(t)}}}
+def _route_answers(ok: type, *codes: int) -> dict[str, Any]:
+    return answers(ok, _REASONS, *codes)
 
 
 def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
@@ -91,43 +74,43 @@ def quota_paths() -> dict[str, Any]:
                     "Set the default L2 quota of salts without one (null: they are exempt"
                     " from eviction, the start's state)"
                 ),
-                "requestBody": _body(QuotaConfigRequest),
-                "responses": _answers(QuotaConfigResponse, 400, 401, 403, 422),
+                "requestBody": json_body(QuotaConfigRequest),
+                "responses": _route_answers(QuotaConfigResponse, 400, 401, 403, 422),
             },
             "get": {
                 "summary": "The default L2 quota",
                 "parameters": [tier],
-                "responses": _answers(QuotaConfigResponse, 400, 401, 422),
+                "responses": _route_answers(QuotaConfigResponse, 400, 401, 422),
             },
             "delete": {
                 "summary": "The quota of a salt named `config` (as LMCache's routing does)",
                 "parameters": [tier],
-                "responses": _answers(QuotaResponse, 400, 401, 403, 422),
+                "responses": _route_answers(QuotaResponse, 400, 401, 403, 422),
             },
         },
         "/quota/{cache_salt}": {
             "put": {
                 "summary": "Create or change a salt's L2 quota",
                 "parameters": [salt],
-                "requestBody": _body(SetQuotaRequest),
-                "responses": _answers(QuotaResponse, 400, 401, 403, 422),
+                "requestBody": json_body(SetQuotaRequest),
+                "responses": _route_answers(QuotaResponse, 400, 401, 403, 422),
             },
             "delete": {
                 "summary": "Remove a salt's quota (status removed or not_found)",
                 "parameters": [salt, tier],
-                "responses": _answers(QuotaResponse, 400, 401, 403, 422),
+                "responses": _route_answers(QuotaResponse, 400, 401, 403, 422),
             },
             "get": {
                 "summary": "A salt's quota and usage on one tier (l1 or l2; only L2 has quotas)",
                 "parameters": [salt, tier],
-                "responses": _answers(SaltStatus, 400, 401, 422),
+                "responses": _route_answers(SaltStatus, 400, 401, 422),
             },
         },
         "/quota": {
             "get": {
                 "summary": "Every salt's quota and usage on one tier (l1 or l2)",
                 "parameters": [tier],
-                "responses": _answers(StatusList, 400, 401, 422),
+                "responses": _route_answers(StatusList, 400, 401, 422),
             }
         },
         "/cache/pins": {
@@ -136,18 +119,18 @@ def quota_paths() -> dict[str, Any]:
                     "Pin the keys of a token sequence's complete chunks (every rank, every"
                     " object group) against the fleet L2 eviction"
                 ),
-                "requestBody": _body(PinRequest),
-                "responses": _answers(PinResponse, 400, 401, 403, 422),
+                "requestBody": json_body(PinRequest),
+                "responses": _route_answers(PinResponse, 400, 401, 403, 422),
             },
             "delete": {
                 "summary": "Unpin them (one pin less each; at none they can be evicted)",
-                "requestBody": _body(PinRequest),
-                "responses": _answers(PinResponse, 400, 401, 403, 422),
+                "requestBody": json_body(PinRequest),
+                "responses": _route_answers(PinResponse, 400, 401, 403, 422),
             },
             "get": {
                 "summary": "The pinned keys with their pin counts, first pinned first, paged",
                 "parameters": pin_filters,
-                "responses": _answers(PinList, 401, 422),
+                "responses": _route_answers(PinList, 401, 422),
             },
         },
     }
