@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvatlas.coordinator import quota_store
+from kvatlas.coordinator.directory_walk import walk
 from kvatlas.coordinator.quota_metrics import QuotaMetrics, QuotaSample
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.core.events import EventBatch
@@ -172,12 +173,8 @@ class QuotaController:
         """L1 bytes per salt, summed from the directory (which fences dead processes'
         L1) in steps, so ingest waits for one step, not for the whole walk."""
         d = self._svc.fleet.directory
-        with self._lock:
-            order = d.key_order()
         out: dict[str, int] = {}
-        for start in range(0, len(order), _SCAN_STEP):
-            with self._lock:
-                by_ns = d.tier_bytes(order[start : start + _SCAN_STEP], Tier.L1)
+        for by_ns in walk(self._lock, d, lambda ids: d.tier_bytes(ids, Tier.L1), _SCAN_STEP):
             for ns, n in by_ns.items():
                 out[ns.cache_salt] = out.get(ns.cache_salt, 0) + n
         return out

@@ -24,8 +24,9 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
+from kvatlas.coordinator.directory_walk import keys_page
 from kvatlas.coordinator.metrics import CoordinatorMetrics, StateSample
-from kvatlas.coordinator.views import key_view, stats_response
+from kvatlas.coordinator.views import stats_response
 from kvatlas.core.blend import BlendMatch
 from kvatlas.core.credentials import Bounds
 from kvatlas.core.errors import (
@@ -52,9 +53,6 @@ from kvatlas.wire.http_api import (
 )
 
 log = logging.getLogger(__name__)
-
-_SCAN_STEP = 2048
-"""Keys checked per lock hold when a filtered key listing walks the directory."""
 
 _REFUSAL_REASON: dict[type[InvalidInput], str] = {
     Unauthenticated: "unauthenticated",
@@ -580,41 +578,15 @@ class CoordinatorService:
         instance_id: InstanceId | None,
         backend: str | None,
     ) -> KeysPage:
-        d = self.fleet.directory
-        if tier is None and instance_id is None and backend is None:
-            # Every stored key has a placement: the page is a slice of the key order.
-            with self.lock:
-                rows = d.key_rows(d.key_slice(offset, limit + 1))
-                total = len(d)
-        else:
-            # A filter is checked key by key in Python: walk a copy of the key order
-            # in steps, so that ingest waits for one step, not for the whole scan (which
-            # goes to the end: ``total`` counts every matching key, as LMCache's does).
-            with self.lock:
-                order = d.key_order()
-            rows = []
-            to_skip = offset
-            total = 0
-            for start in range(0, len(order), _SCAN_STEP):
-                with self.lock:
-                    got = d.key_rows(order[start : start + _SCAN_STEP], tier, instance_id, backend)
-                total += len(got)
-                if len(rows) > limit:
-                    continue
-                if to_skip >= len(got):
-                    to_skip -= len(got)
-                    continue
-                rows.extend(got[to_skip:])
-                to_skip = 0
-            rows = rows[: limit + 1]
-        more = len(rows) > limit
-        rows = rows[:limit]
-        with self.lock:
-            facts = [d.key_facts(ns, prefix) for ns, prefix, _ in rows]
-        views = [
-            key_view(ns, prefix, ps, f) for (ns, prefix, ps), f in zip(rows, facts, strict=True)
-        ]
-        return KeysPage(offset, limit, views, offset + limit if more else None, total=total)
+        return keys_page(
+            self.lock,
+            self.fleet.directory,
+            offset,
+            limit,
+            tier=tier,
+            instance_id=instance_id,
+            backend=backend,
+        )
 
     def sample(self, now: float) -> StateSample:
         """Scrape-time state for metrics."""
@@ -657,10 +629,6 @@ class CoordinatorService:
 
     def snapshot(self) -> tuple[bytes, float]:
         """The state and the consumer positions that led to it, encoded together, and
-        the seconds the state was locked for it: only the copy (`FleetState.capture`),
-        which is what ingest and lookups wait for, not the encoding."""
-        with self.lock:
-            t0 = time.perf_counter()
-            capture = self.fleet.capture(extra=dict(self.positions))
-            locked = time.perf_counter() - t0
-        return capture.encode(), locked
+        the seconds the state was locked for it (the copy only, not the encoding)."""
+        body, _, locked = self.snapshot_parts()
+        return body, locked
