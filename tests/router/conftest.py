@@ -10,6 +10,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 
+import re
+import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -25,7 +27,7 @@ from kvatlas.router.app import RouterApp
 from kvatlas.router.config import RouterConfig
 from kvatlas.router.service import ROUTE_HEADER, LocalTokenizer
 from kvatlas.runtime.procs import HOST, free_port
-from support.launch import Proc
+from support.launch import Proc, launch, python_module
 from support.services import ServerProc, start_coordinator_process, start_server_process
 
 MAX_MODEL_LEN = 2048
@@ -78,6 +80,45 @@ def engine_config(**kw: object) -> EngineConfig:
         model="tiny-random", port=0, cache=None, max_model_len=MAX_MODEL_LEN, default_max_tokens=4
     )
     return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def metric_value(url: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples at ``url``/metrics whose labels include ``labels``."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for m in re.finditer(rf"^{name}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+@contextmanager
+def engine_process(log: Path, *extra: str) -> Iterator[Proc]:
+    """A tiny-random reference engine in a process of its own, to freeze with SIGSTOP;
+    always resumed before it is stopped."""
+    port = free_port()
+    argv = python_module(
+        "kvatlas.cli.engine", "--model", "tiny-random", "--port", str(port), "--no-cache",
+        "--num-threads", "1", *extra,
+    )  # fmt: skip
+    # a generous start: torch's import alone takes a minute on a loaded 2-core machine
+    with launch(argv, name=log.stem, log=log, http_port=port, timeout=300) as p:
+        try:
+            yield p
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+
+
+@contextmanager
+def engine_in_process(model: LoadedModel, **config: object) -> Iterator[EngineApp]:
+    """A reference engine on ``model`` in this process (`engine_config` with ``config``)."""
+    app = EngineApp(engine_config(**config), model=model)
+    app.start()
+    try:
+        yield app
+    finally:
+        app.stop()
 
 
 @dataclass

@@ -29,12 +29,19 @@ from kvatlas.engine.model import LoadedModel
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import StaticEngine
 from kvatlas.router.tripwires import COORDINATOR
-from kvatlas.runtime.procs import HOST, free_port
-from support.launch import Proc, launch, python_module
+from kvatlas.runtime.procs import HOST
+from support.launch import Proc
 from support.services import start_coordinator_process
 from support.wait import wait_until
 
-from .conftest import StartRouter, engine_config, retried, route
+from .conftest import (
+    StartRouter,
+    engine_in_process,
+    engine_process,
+    metric_value,
+    retried,
+    route,
+)
 from .test_router import available, chat
 
 HEALTH_S = 0.2
@@ -54,29 +61,15 @@ BLOCKER_LEN = len(LONG_PROMPT) + BLOCKER_TOKENS + 64
 
 @pytest.fixture(scope="module")
 def frozen_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    """A reference engine in a process of its own, to freeze; always resumed at the end."""
-    port = free_port()
-    argv = python_module(
-        "kvatlas.cli.engine", "--model", "tiny-random", "--port", str(port), "--no-cache",
-        "--max-model-len", str(BLOCKER_LEN), "--num-threads", "1",
-    )  # fmt: skip
     log = tmp_path_factory.mktemp("failover") / "frozen.log"
-    # a generous start: torch's import alone takes a minute on a loaded 2-core machine
-    with launch(argv, name="frozen", log=log, http_port=port, timeout=300) as p:
-        try:
-            yield p
-        finally:
-            os.kill(p.pid, signal.SIGCONT)
+    with engine_process(log, "--max-model-len", str(BLOCKER_LEN)) as p:
+        yield p
 
 
 @pytest.fixture(scope="module")
 def steady(tiny: LoadedModel) -> Iterator[EngineApp]:
-    app = EngineApp(engine_config(max_model_len=BLOCKER_LEN), model=tiny)
-    app.start()
-    try:
+    with engine_in_process(tiny, max_model_len=BLOCKER_LEN) as app:
         yield app
-    finally:
-        app.stop()
 
 
 def _router(start_router: StartRouter, frozen: Proc, steady: EngineApp) -> RouterApp:
@@ -108,16 +101,6 @@ def _stream(
     with httpx.stream("POST", f"{router.url}/v1/{path}", json=body, timeout=120) as s:
         assert s.status_code == 200, s.read()
         return s.headers, [line for line in s.iter_lines() if line]
-
-
-def _metric(router: RouterApp, name: str, **labels: str) -> float:
-    text = httpx.get(f"{router.url}/metrics", timeout=10).text
-    total = 0.0
-    for m in re.finditer(rf"^{name}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
 
 
 def _engine(router: RouterApp, url: str) -> Any:
@@ -156,8 +139,8 @@ def test_a_busy_engine_is_not_failed_over(
         assert route(s)["engine"] == busy
         lines = [line for line in s.iter_lines() if line]
     assert lines[-1] == "data: [DONE]" and not any("error" in line for line in lines)
-    assert _metric(router, "kvatlas_router_retries_total", engine=busy) == 0
-    assert _metric(router, "kvatlas_router_stream_failures_total", engine=busy) == 0
+    assert metric_value(router.url, "kvatlas_router_retries_total", engine=busy) == 0
+    assert metric_value(router.url, "kvatlas_router_stream_failures_total", engine=busy) == 0
 
 
 def test_a_frozen_engine_costs_no_request_and_comes_back(
@@ -194,9 +177,14 @@ def test_a_frozen_engine_costs_no_request_and_comes_back(
         assert all(r["engine"] == steady.url for r in routes), routes
         assert sum(retried(a) for a in answers) == 2, routes
         assert any("stopped answering (frozen)" in line for line in rest), rest[-3:]
-        assert _metric(router, "kvatlas_router_retries_total", engine=frozen, cause="frozen") == 2
         assert (
-            _metric(router, "kvatlas_router_stream_failures_total", engine=frozen, cause="frozen")
+            metric_value(router.url, "kvatlas_router_retries_total", engine=frozen, cause="frozen")
+            == 2
+        )
+        assert (
+            metric_value(
+                router.url, "kvatlas_router_stream_failures_total", engine=frozen, cause="frozen"
+            )
             == 1
         )
         out = _engine(router, frozen)
@@ -254,8 +242,10 @@ def test_a_stream_whose_engine_freezes_before_its_first_event_is_retried(
     for h in (headers, blocked.headers):
         assert route(h)["engine"] == steady.url and retried(h), route(h)
     assert lines[-1] == "data: [DONE]" and not any("error" in line for line in lines), lines
-    assert _metric(router, "kvatlas_router_retries_total", engine=frozen, cause="frozen") == 2
-    assert _metric(router, "kvatlas_router_stream_failures_total", engine=frozen) == 0
+    assert (
+        metric_value(router.url, "kvatlas_router_retries_total", engine=frozen, cause="frozen") == 2
+    )
+    assert metric_value(router.url, "kvatlas_router_stream_failures_total", engine=frozen) == 0
     wait_until(lambda: frozen in available(router), what="the resumed engine back", timeout=60)
 
 
@@ -358,8 +348,11 @@ def test_an_answer_cut_short_is_retried_with_one_clear_line(
     for h, lines in streams:
         assert route(h)["engine"] == steady.url, route(h)
         assert lines[-1] == "data: [DONE]" and not any("error" in x for x in lines), lines
-    assert _metric(router, "kvatlas_router_retries_total", engine=cutter.url, cause="broken") == 3
-    assert _metric(router, "kvatlas_router_stream_failures_total", engine=cutter.url) == 0
+    assert (
+        metric_value(router.url, "kvatlas_router_retries_total", engine=cutter.url, cause="broken")
+        == 3
+    )
+    assert metric_value(router.url, "kvatlas_router_stream_failures_total", engine=cutter.url) == 0
 
 
 @pytest.fixture(scope="module")
@@ -409,7 +402,7 @@ def test_a_frozen_coordinator_routes_by_load_without_waiting_and_comes_back(
         return _post(router, body, "completions")
 
     assert route(ask(0))["reason"] == "kv: load"  # the coordinator answers: no holder
-    assert _metric(router, "kvatlas_router_coordinator_available") == 1
+    assert metric_value(router.url, "kvatlas_router_coordinator_available") == 1
     os.kill(coordinator.pid, signal.SIGSTOP)
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -426,7 +419,7 @@ def test_a_frozen_coordinator_routes_by_load_without_waiting_and_comes_back(
         # the first waited its whole timeout; the second, half of one, was ended with it
         assert _overhead_s(a) >= LOOKUP_S * 0.9, route(a)
         assert _overhead_s(b) < LOOKUP_S * 0.75, route(b)
-        assert _metric(router, "kvatlas_router_coordinator_available") == 0
+        assert metric_value(router.url, "kvatlas_router_coordinator_available") == 0
         # out: for ten backoffs' time, no request waits on it (the trials are not theirs)
         since = time.monotonic()
         later: list[httpx.Response] = []
@@ -444,7 +437,7 @@ def test_a_frozen_coordinator_routes_by_load_without_waiting_and_comes_back(
         what="routing by the directory again",
         timeout=30,
     )
-    assert _metric(router, "kvatlas_router_coordinator_available") == 1
+    assert metric_value(router.url, "kvatlas_router_coordinator_available") == 1
 
 
 def test_an_answer_past_the_held_size_is_relayed_as_it_comes(
@@ -484,5 +477,5 @@ def test_an_answer_past_the_held_size_is_relayed_as_it_comes(
     lines = [r.getMessage() for r in caplog.records if "cut-late" in r.getMessage()]
     assert len(lines) == 1 and "closes before the answer's length" in lines[0], lines
     assert not [r for r in caplog.records if r.exc_info or "Exception in ASGI" in r.getMessage()]
-    assert _metric(router, "kvatlas_router_stream_failures_total", engine=cutter.url) == 1
-    assert _metric(router, "kvatlas_router_retries_total", engine=cutter.url) == 0
+    assert metric_value(router.url, "kvatlas_router_stream_failures_total", engine=cutter.url) == 1
+    assert metric_value(router.url, "kvatlas_router_retries_total", engine=cutter.url) == 0

@@ -22,11 +22,16 @@ from kvatlas.engine.engine_app import EngineApp
 from kvatlas.engine.model import LoadedModel
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import StaticEngine
-from kvatlas.runtime.procs import free_port
-from support.launch import Proc, launch, python_module
+from support.launch import Proc
 from support.wait import wait_until
 
-from .conftest import StartRouter, engine_config, retried, route
+from .conftest import (
+    StartRouter,
+    engine_in_process,
+    engine_process,
+    retried,
+    route,
+)
 from .test_router import available, chat
 
 CLIENTS = 4
@@ -39,28 +44,14 @@ the 600 s timeout one that waited on the frozen engine to the end would take."""
 
 @pytest.fixture(scope="module")
 def frozen_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    """A reference engine in a process of its own, to freeze; always resumed at the end."""
-    port = free_port()
-    argv = python_module(
-        "kvatlas.cli.engine", "--model", "tiny-random", "--port", str(port), "--no-cache",
-        "--num-threads", "1",
-    )  # fmt: skip
-    log = tmp_path_factory.mktemp("frozen-load") / "frozen.log"
-    with launch(argv, name="frozen", log=log, http_port=port, timeout=300) as p:
-        try:
-            yield p
-        finally:
-            os.kill(p.pid, signal.SIGCONT)
+    with engine_process(tmp_path_factory.mktemp("frozen-load") / "frozen.log") as p:
+        yield p
 
 
 @pytest.fixture(scope="module")
 def steady(tiny: LoadedModel) -> Iterator[EngineApp]:
-    app = EngineApp(engine_config(), model=tiny)
-    app.start()
-    try:
+    with engine_in_process(tiny) as app:
         yield app
-    finally:
-        app.stop()
 
 
 def _one(router: RouterApp, client: int, i: int) -> dict[str, Any]:

@@ -26,7 +26,13 @@ from kvatlas.router.config import StaticEngine
 from kvatlas.runtime.procs import HOST
 from support.wait import wait_until
 
-from .conftest import StartRouter, engine_config, retried, route
+from .conftest import (
+    StartRouter,
+    engine_in_process,
+    metric_value,
+    retried,
+    route,
+)
 from .test_router import available, chat
 
 FLOOR_S = 1.0
@@ -115,22 +121,8 @@ def stuck() -> Iterator[StuckEngine]:
 
 @pytest.fixture(scope="module")
 def steady(tiny: LoadedModel) -> Iterator[EngineApp]:
-    app = EngineApp(engine_config(), model=tiny)
-    app.start()
-    try:
+    with engine_in_process(tiny) as app:
         yield app
-    finally:
-        app.stop()
-
-
-def _metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    total = 0.0
-    for m in re.finditer(rf"^{name}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
 
 
 def test_requests_waiting_on_a_stuck_engine_go_to_their_next_choice(
@@ -143,7 +135,7 @@ def test_requests_waiting_on_a_stuck_engine_go_to_their_next_choice(
         breaker_open_s=60.0,
     )
     wait_until(lambda: len(available(router)), lambda n: n == 2, what="both engines")
-    assert _metric(router.url, "kvatlas_router_engine_first_byte_deadline_seconds",
+    assert metric_value(router.url, "kvatlas_router_engine_first_byte_deadline_seconds",
                    engine=stuck.url) == FLOOR_S  # fmt: skip
     t0 = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
@@ -162,9 +154,11 @@ def test_requests_waiting_on_a_stuck_engine_go_to_their_next_choice(
     assert moved == stuck.held >= 1, (moved, stuck.held)
     # round-robin sends it work only until it is out: once out, it stays out (60 s)
     assert took < BOUND_S, took
-    assert _metric(router.url, "kvatlas_router_first_byte_deadlines_total", engine=stuck.url) == 1
     assert (
-        _metric(router.url, "kvatlas_router_retries_total", engine=stuck.url, cause="stalled")
+        metric_value(router.url, "kvatlas_router_first_byte_deadlines_total", engine=stuck.url) == 1
+    )
+    assert (
+        metric_value(router.url, "kvatlas_router_retries_total", engine=stuck.url, cause="stalled")
         == moved
     )
     out = next(e for e in router.status().engines if e.url == stuck.url)
@@ -188,6 +182,6 @@ def test_a_stream_begun_on_a_stuck_engine_ends_with_an_error_naming_the_cause(
     assert '"upstream_error"' in lines[1], lines
     assert FLOOR_S <= took < BOUND_S, took
     assert (
-        _metric(router.url, "kvatlas_router_stream_failures_total", engine=stuck.url,
+        metric_value(router.url, "kvatlas_router_stream_failures_total", engine=stuck.url,
                 cause="stalled") == 1
     )  # fmt: skip
