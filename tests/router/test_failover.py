@@ -254,7 +254,9 @@ class _CuttingEngine:
     event stream's head and a closed connection, before any event; a request whose body
     says ``"whole"`` gets a 1000-byte answer, one that says ``"cut"`` the same answer's
     first 600 bytes and a closed connection; any other request gets a head that promises
-    1000 bytes, 20 of them, and a closed connection."""
+    1000 bytes, 20 of them, and a closed connection. Every answer says ``connection:
+    close``, as it closes each connection after one answer: a client that reused one
+    would see a failure this engine did not mean to send."""
 
     def __init__(self) -> None:
         self._sock = socket.create_server((HOST, 0))
@@ -283,23 +285,25 @@ class _CuttingEngine:
                         break
                     body += more
                 if head.split(b" ")[1:2] == [b"/metrics"]:
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 0\r\n\r\n"
+                    )
                 elif b'"whole"' in body or b'"cut"' in body:
                     answer = b'{"choices": [{"text": "' + b"x" * 973 + b'"}]}'
                     assert len(answer) == 1000
                     conn.sendall(
-                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                        b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-type: application/json\r\n"
                         b"content-length: 1000\r\n\r\n"
                         + (answer if b'"whole"' in body else answer[:600])
                     )
                 elif b'"stream":true' in body.replace(b" ", b""):
                     conn.sendall(
-                        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                        b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-type: text/event-stream\r\n"
                         b"transfer-encoding: chunked\r\n\r\n"
                     )
                 else:
                     conn.sendall(
-                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                        b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-type: application/json\r\n"
                         b'content-length: 1000\r\n\r\n{"choices": [{"text": '
                     )
 

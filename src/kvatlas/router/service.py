@@ -88,6 +88,10 @@ from kvatlas.wire.fleet_view import ENGINE_URLS_KEY
 
 log = logging.getLogger(__name__)
 
+KEEPALIVE_EXPIRY_S = 2.0
+"""How long an idle connection to an engine stays pooled: below the engines' own
+keep-alive timeout, so the engine never closes one the router is about to reuse."""
+
 ROUTE_HEADER: Final = "x-kvatlas-route"
 """The answer's header naming the engine, the cached tokens expected, the reason, and
 the router's own time for this request (tokenize + lookup + pick)."""
@@ -320,12 +324,15 @@ class RouterService:
                 log.exception("router loop step %s failed", getattr(step, "__name__", step))
 
     def _client(self, url: str) -> httpx.AsyncClient:
-        """One keep-alive pool per engine."""
+        """One keep-alive pool per engine. Its idle connections expire before an
+        engine's own keep-alive timeout (uvicorn's and vLLM's: 5 s) would close them, so
+        a request is not sent on a connection the engine is closing."""
         client = self._clients.get(url)
         if client is None:
             c = self.config
             timeout = httpx.Timeout(c.first_byte_timeout_s, connect=c.connect_timeout_s)
-            client = httpx.AsyncClient(base_url=url, timeout=timeout)
+            limits = httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)
+            client = httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits)
             self._clients[url] = client
         return client
 
