@@ -292,18 +292,21 @@ class _CuttingEngine:
                     answer = b'{"choices": [{"text": "' + b"x" * 973 + b'"}]}'
                     assert len(answer) == 1000
                     conn.sendall(
-                        b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-type: application/json\r\n"
+                        b"HTTP/1.1 200 OK\r\nconnection: close\r\n"
+                        b"content-type: application/json\r\n"
                         b"content-length: 1000\r\n\r\n"
                         + (answer if b'"whole"' in body else answer[:600])
                     )
                 elif b'"stream":true' in body.replace(b" ", b""):
                     conn.sendall(
-                        b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-type: text/event-stream\r\n"
+                        b"HTTP/1.1 200 OK\r\nconnection: close\r\n"
+                        b"content-type: text/event-stream\r\n"
                         b"transfer-encoding: chunked\r\n\r\n"
                     )
                 else:
                     conn.sendall(
-                        b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-type: application/json\r\n"
+                        b"HTTP/1.1 200 OK\r\nconnection: close\r\n"
+                        b"content-type: application/json\r\n"
                         b'content-length: 1000\r\n\r\n{"choices": [{"text": '
                     )
 
