@@ -10,7 +10,7 @@ import sys
 
 CHURN = """
 import resource, sys, numpy as np
-from kvatlas.runtime.allocator import keep_freed_heap
+from kvatlas.coordinator.host.allocator import keep_freed_heap
 def churn():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(200):

@@ -18,17 +18,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvatlas.runtime.http_server import (
+from kvatlas.coordinator.edge.connection import LINGER_S
+from kvatlas.coordinator.edge.messages import HttpRequest, HttpResponse
+from kvatlas.coordinator.edge.protocol import (
     DIRECT_BODY_BYTES,
     HEAD_READ_BYTES,
-    LINGER_S,
     UNRESERVED_BODY_BYTES,
-    HttpRequest,
-    HttpResponse,
-    HttpServer,
-    Router,
-    always,
 )
+from kvatlas.coordinator.edge.routing import Router, always
+from kvatlas.coordinator.edge.server import HttpServer
 from support.wait import wait_until
 
 
