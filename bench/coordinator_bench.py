@@ -37,6 +37,8 @@ from typing import IO, Any, Protocol
 import httpx
 import numpy as np
 
+from kvatlas.coordinator.host.allocator import keep_freed_heap
+from kvatlas.coordinator.host.cpu_latency import CpuLatencyHold, why_not_held
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import (
     Namespace,
@@ -49,9 +51,7 @@ from kvatlas.core.keys import (
 from kvatlas.core.types import EventType, Tier
 from kvatlas.evaluation.broker import Broker, broker_binary
 from kvatlas.evaluation.cpu_account import machine_times
-from kvatlas.runtime.allocator import keep_freed_heap
 from kvatlas.runtime.coordinator_client import CoordinatorClient
-from kvatlas.runtime.cpu_latency import CpuLatencyHold, why_not_held
 from kvatlas.runtime.procs import free_port, wait_http
 from kvatlas.wire.http_api import (
     LookupRequest,

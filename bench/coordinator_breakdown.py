@@ -7,7 +7,7 @@ The same steps the HTTP handler runs for `POST /directory/lookup`, timed one by 
 msgspec's Python ints) for a 32,768-token prompt (JSON `token_ids`, `tokens_b64`, msgpack) and
 for 128 keys, with 100 of the 128 chunks held by one instance. The HTTP round trip itself
 is what `bench.coordinator_bench` adds on top. The process sets glibc's malloc
-thresholds as the coordinator's does (`runtime.allocator`; ``--glibc-defaults`` leaves
+thresholds as the coordinator's does (`coordinator.host.allocator`; ``--glibc-defaults`` leaves
 them, for comparison). Then the pause of one full garbage
 collection with ``--gc-keys`` keys stored, as the coordinator process runs (its startup
 objects frozen before the keys arrive) and without the freeze (CPU time, 7 runs).
@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from kvatlas.coordinator.host.allocator import keep_freed_heap
 from kvatlas.coordinator.views import holders_wire, lookup_json, prefix_response
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.fleet import FleetState
@@ -40,7 +41,6 @@ from kvatlas.core.keys import (
     default_kv_rank,
 )
 from kvatlas.core.types import EventType, Tier
-from kvatlas.runtime.allocator import keep_freed_heap
 from kvatlas.wire.http_api import (
     LookupRequest,
     decode_lookup,

@@ -2,13 +2,13 @@
 
 Run: `python -m bench.http_edge_bench [--seconds 0.75] [--repeats 3] [--conns 4]`.
 
-Why it exists: the coordinator serves HTTP with `kvatlas.runtime.http_server` (uvloop and
+Why it exists: the coordinator serves HTTP with `kvatlas.coordinator.edge` (uvloop and
 httptools, no ASGI) instead of uvicorn and Starlette, which the cache server and the
 engine use, on the ground that the ASGI cycle costs more per request than the handlers
 of the coordinator's hot routes do. This measures that, so that anyone can re-check it.
 
 Servers, each its own process on 127.0.0.1, one worker, uvloop and httptools everywhere:
-- `runtime`: `kvatlas.runtime.http_server.HttpServer` with a `Router` of plain handlers
+- `runtime`: `kvatlas.coordinator.edge.server.HttpServer` with a `Router` of plain handlers
   (as the coordinator's routes are);
 - `uvicorn+starlette`: uvicorn serving a Starlette app (as the cache server does);
 - `uvicorn (raw ASGI)`: uvicorn serving a bare ASGI callable, to tell uvicorn's part from
@@ -112,12 +112,9 @@ def requests() -> dict[str, bytes]:
 
 def serve_runtime(port: int) -> None:
     # Each server process imports only its own stack (here and in the serve_* below).
-    from kvatlas.runtime.http_server import (  # noqa: PLC0415
-        HttpRequest,
-        HttpResponse,
-        HttpServer,
-        Router,
-    )
+    from kvatlas.coordinator.edge.messages import HttpRequest, HttpResponse  # noqa: PLC0415
+    from kvatlas.coordinator.edge.routing import Router  # noqa: PLC0415
+    from kvatlas.coordinator.edge.server import HttpServer  # noqa: PLC0415
 
     def healthz(request: HttpRequest) -> HttpResponse:
         return HttpResponse(200, HEALTHZ)

@@ -8,8 +8,9 @@ Retry-After beyond the budget), their memory is returned, the connection cap ans
 503, and normal clients are answered all along.
 
 The same rules on the HTTP server alone (deadlines, windows, the budget's accounting):
-``tests/runtime/test_http_server.py``; normal clients' latency during such an attack:
-``python -m bench.http_attack_bench`` (docs/benchmarks.md).
+``tests/coordinator/test_edge_protocol.py`` (on a fake clock) and ``test_edge_server.py``;
+normal clients' latency during such an attack: ``python -m bench.http_attack_bench``
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -13,11 +13,11 @@ import pytest
 from kvatlas.cli.coordinator import config_from_args, main
 from kvatlas.coordinator.app import Coordinator
 from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.host import cpu_latency
+from kvatlas.coordinator.host.cpu_latency import current_limit_us, why_not_held
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import CHAINS
-from kvatlas.runtime import cpu_latency
-from kvatlas.runtime.cpu_latency import current_limit_us, why_not_held
 from kvatlas.runtime.procs import free_port, wait_http
 
 

@@ -5,12 +5,12 @@ one), the service, the quota controller (its operator state and L2 usage book re
 from beside the snapshot), the membership frontend (direct, or through Kafka with the consumer
 and the publisher), the fleet L2 eviction loop, the HTTP app, the snapshot writer and
 the expiry loop; then serves
-HTTP (`kvatlas.runtime.http_server`: uvloop, httptools) on a socket it bound itself (so
+HTTP (`coordinator.edge`: uvloop, httptools) on a socket it bound itself (so
 a port of 0 is known before serving) until told to stop (SIGINT/SIGTERM or `stop()`),
 and on a clean shutdown writes a last snapshot (`final_snapshot_failed` says whether
 that failed, for the exit status). Run in the main thread it owns the process: it takes
 the signals, freezes what startup built out of the garbage collector's sight and sets
-glibc's malloc thresholds (`runtime.allocator`). Must not contain logic of its own
+glibc's malloc thresholds (`host.allocator`). Must not contain logic of its own
 beyond wiring.
 """
 
@@ -31,8 +31,11 @@ from typing import Protocol
 from kvatlas.coordinator import quota_store, snapshot
 from kvatlas.coordinator.auth import OperatorCheck
 from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.edge.server import HttpServer
 from kvatlas.coordinator.eviction_loop import EvictionLoop
 from kvatlas.coordinator.frontend import LocalMembership, MembershipFrontend
+from kvatlas.coordinator.host.allocator import keep_freed_heap
+from kvatlas.coordinator.host.cpu_latency import CpuLatencyError, CpuLatencyHold
 from kvatlas.coordinator.http_app import CoordinatorApp
 from kvatlas.coordinator.http_cache import CacheMetrics, CacheRoutes, ControllerPins
 from kvatlas.coordinator.http_quota import LocalOperatorLog, OperatorLog, QuotaRoutes
@@ -46,10 +49,7 @@ from kvatlas.coordinator.vllm_routes import DeviceLookupRoute
 from kvatlas.core.errors import ConfigError, InvalidInput
 from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import DEFAULT_CHAIN_NAME, ChainMemo, chain_memo
-from kvatlas.runtime.allocator import keep_freed_heap
-from kvatlas.runtime.cpu_latency import CpuLatencyError, CpuLatencyHold
 from kvatlas.runtime.gc_pauses import GcPauses
-from kvatlas.runtime.http_server import HttpServer
 from kvatlas.runtime.net import bind
 from kvatlas.wire.json_tokens import DEFAULT_PARSER_READER
 

@@ -9,9 +9,9 @@ token or the header it was offered.
 
 from __future__ import annotations
 
+from kvatlas.coordinator.edge.messages import HttpRequest, HttpResponse
 from kvatlas.coordinator.fleet_page import ASSET_PATHS
 from kvatlas.runtime.auth import TokenGate
-from kvatlas.runtime.http_server import HttpRequest, HttpResponse
 
 OPEN_PATHS = frozenset({"/healthz"}) | ASSET_PATHS
 _BODY = b'{"error":"missing or wrong bearer token (Authorization: Bearer <token>)"}'

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from kvatlas.coordinator.host.cpu_latency import NO_LIMIT_US
 from kvatlas.coordinator.vllm_sources import VllmSource
 from kvatlas.core.credentials import (
     DEFAULT_MAX_INCARNATION_AHEAD_S,
@@ -18,7 +19,6 @@ from kvatlas.core.credentials import (
 )
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.fleet import DEFAULT_L2_RETENTION
-from kvatlas.runtime.cpu_latency import NO_LIMIT_US
 from kvatlas.wire.kafka_records import DEFAULT_PARTITIONER, DEFAULT_TOPIC
 
 EventTransport = Literal["http", "kafka"]

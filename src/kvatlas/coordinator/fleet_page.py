@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from importlib.resources import files
 
+from kvatlas.coordinator.edge.messages import HttpRequest, HttpResponse
+from kvatlas.coordinator.edge.routing import Router, SyncHandler
 from kvatlas.coordinator.fleet_view import FleetView
-from kvatlas.runtime.http_server import HttpRequest, HttpResponse, Router, SyncHandler
 
 _ASSETS = {
     "/ui": ("index.html", "text/html; charset=utf-8"),

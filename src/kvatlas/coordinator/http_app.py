@@ -7,7 +7,7 @@ runs: small requests on the event loop, large ones (big bodies, scans) in the th
 pool, so one heavy request never stalls the loop. Must not hold state beyond its
 collaborators, nor touch the fleet state except through the service and the
 membership frontend. Connections, limits on the request itself and dispatch are
-`kvatlas.runtime.http_server`'s; the fleet page's routes (`/ui`, `/ui/fleet.json`) are
+`coordinator.edge`'s; the fleet page's routes (`/ui`, `/ui/fleet.json`) are
 `fleet_page`'s.
 """
 
@@ -25,6 +25,9 @@ import msgspec
 
 from kvatlas.coordinator.auth import BearerAuth, OperatorCheck
 from kvatlas.coordinator.config import CoordinatorConfig
+from kvatlas.coordinator.edge.messages import HttpRequest, HttpResponse
+from kvatlas.coordinator.edge.routing import Router, always
+from kvatlas.coordinator.edge.server import HttpServer
 from kvatlas.coordinator.fleet_page import FleetPage
 from kvatlas.coordinator.fleet_view import FleetView
 from kvatlas.coordinator.frontend import MembershipFrontend, Unavailable
@@ -47,7 +50,6 @@ from kvatlas.core.keys import Namespace, default_kv_rank
 from kvatlas.core.membership import InstanceInfo, check_registration, strip_field
 from kvatlas.core.types import MAX_INT64, Incarnation, InstanceId, Tier
 from kvatlas.runtime.gc_pauses import GcPauses
-from kvatlas.runtime.http_server import HttpRequest, HttpResponse, HttpServer, Router, always
 from kvatlas.wire.coordinator_views import ReadyResponse
 from kvatlas.wire.http_api import (
     INSTANCE_SECRET_HEADER,

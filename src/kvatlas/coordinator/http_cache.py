@@ -34,6 +34,8 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvatlas.coordinator.auth import OperatorCheck
+from kvatlas.coordinator.edge.messages import HttpRequest, HttpResponse
+from kvatlas.coordinator.edge.routing import Router
 from kvatlas.coordinator.http_quota import OperatorLog, Refused
 from kvatlas.coordinator.quotas import QuotaController
 from kvatlas.coordinator.server_control import (
@@ -47,7 +49,6 @@ from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import ObjectKey, rank_keys
 from kvatlas.core.quotas import DropPins, check_key_fields
 from kvatlas.core.types import InstanceId
-from kvatlas.runtime.http_server import HttpRequest, HttpResponse, Router
 from kvatlas.wire.cache_api import (
     MAX_TOKEN_IDS,
     DeleteRequest,

@@ -27,6 +27,8 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 
 from kvatlas.coordinator.auth import OperatorCheck
+from kvatlas.coordinator.edge.messages import HttpRequest, HttpResponse
+from kvatlas.coordinator.edge.routing import Router, always
 from kvatlas.coordinator.quotas import QuotaController
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.core.errors import InvalidInput
@@ -43,7 +45,6 @@ from kvatlas.core.quotas import (
     salt_from_path,
 )
 from kvatlas.core.types import MAX_INT64, Tier
-from kvatlas.runtime.http_server import HttpRequest, HttpResponse, Router, always
 from kvatlas.wire.cache_api import MAX_TOKEN_IDS
 from kvatlas.wire.http_api import KeyWire
 from kvatlas.wire.quota_api import (

@@ -19,10 +19,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvatlas.coordinator.edge.server import EdgeStats
 from kvatlas.core.keys import DEFAULT_CHAIN_NAME
 from kvatlas.core.types import InstanceId
 from kvatlas.runtime.gc_pauses import GcPauses
-from kvatlas.runtime.http_server import EdgeStats
 from kvatlas.wire.fleet_view import CoordinatorCounters
 from kvatlas.wire.json_tokens import DEFAULT_PARSER_NAME
 

@@ -17,9 +17,10 @@ from typing import Any
 
 import msgspec
 
+from kvatlas.coordinator.edge.messages import HttpRequest, HttpResponse
+from kvatlas.coordinator.edge.routing import Router, always
 from kvatlas.coordinator.vllm_ingest import DeviceHit, VllmIngest
 from kvatlas.core.errors import InvalidInput, TooLarge
-from kvatlas.runtime.http_server import HttpRequest, HttpResponse, Router, always
 from kvatlas.wire.http_api import ErrorResponse
 
 

@@ -4,9 +4,9 @@ Owns one open file of the kernel's CPU latency QoS device (``/dev/cpu_dma_latenc
 while it is open, the kernel keeps every idle CPU in a state it leaves within the held
 number of microseconds. At 0 an idle CPU polls instead of halting, so that a process
 woken by a socket runs at once. On a virtual machine this matters most: a halted vCPU
-runs again only when the hypervisor schedules it, which took milliseconds now and then
-on this project's VMs (`docs/benchmarks.md`, eleventh session) while the lookup itself
-took 0.3 ms. The price is that idle CPUs spin: the host sees them busy.
+runs again only when the hypervisor schedules it, which can take far longer than a
+lookup itself (`docs/benchmarks.md` has the figures). The price is that idle CPUs spin:
+the host sees them busy.
 
 Must not: change anything that outlives the process. The kernel drops the request when
 the file is closed, by `close` or by the process ending, however it ends.

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvatlas.runtime import cpu_latency
-from kvatlas.runtime.cpu_latency import (
+from kvatlas.coordinator.host import cpu_latency
+from kvatlas.coordinator.host.cpu_latency import (
     NO_LIMIT_US,
     CpuLatencyError,
     CpuLatencyHold,
