@@ -53,12 +53,8 @@ from kvatlas.runtime.allocator import keep_freed_heap
 from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.runtime.cpu_latency import CpuLatencyHold, why_not_held
 from kvatlas.runtime.procs import free_port, wait_http
-from kvatlas.wire.http_api import (
-    LookupRequest,
-    encode_events_json,
-    encode_events_msgpack,
-    encode_lookup_msgpack,
-)
+from kvatlas.wire.directory_api import LookupRequest, encode_lookup_msgpack
+from kvatlas.wire.events_api import encode_events_json, encode_events_msgpack
 from kvatlas.wire.kafka_records import encode_batch_msgpack
 
 _token_digits: ModuleType | None
