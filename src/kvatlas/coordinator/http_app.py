@@ -49,6 +49,7 @@ from kvatlas.core.types import MAX_INT64, Incarnation, InstanceId, Tier
 from kvatlas.runtime.gc_pauses import GcPauses
 from kvatlas.runtime.http_server import HttpRequest, HttpResponse, HttpServer, Router, always
 from kvatlas.wire.coordinator_views import ReadyResponse
+from kvatlas.wire.decoding import TOO_DEEP
 from kvatlas.wire.directory_api import (
     BlendLookupRequest,
     BlendLookupResponse,
@@ -56,7 +57,7 @@ from kvatlas.wire.directory_api import (
     decode_lookup,
 )
 from kvatlas.wire.events_api import decode_events
-from kvatlas.wire.http_api import TOO_DEEP, ErrorResponse, KeyWire, shared_namespace
+from kvatlas.wire.http_api import ErrorResponse, KeyWire, shared_namespace
 from kvatlas.wire.instances_api import (
     INSTANCE_SECRET_HEADER,
     HeartbeatResponse,

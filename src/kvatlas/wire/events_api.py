@@ -38,7 +38,8 @@ from kvatlas.core.types import (
     TokenOffset,
     WireIncarnation,
 )
-from kvatlas.wire.http_api import TOO_DEEP, KeyWire, body_error, is_msgpack
+from kvatlas.wire.decoding import TOO_DEEP
+from kvatlas.wire.http_api import KeyWire, body_error, is_msgpack
 
 EventFormat = Literal["msgpack", "json"]
 """Body of `POST /events`: kvatlas' compact msgpack or LMCache's JSON."""

@@ -16,18 +16,15 @@ Owns encoding and validation of shapes only; no I/O and no state.
 from __future__ import annotations
 
 from operator import attrgetter
-from typing import Final
 
 import msgspec
 
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import Namespace, ObjectKey
 from kvatlas.core.types import I64
+from kvatlas.wire.decoding import TOO_DEEP
 
 MSGPACK_CONTENT_TYPE = "application/msgpack"
-TOO_DEEP: Final = "nested deeper than the decoder's recursion limit"
-"""The reason given for a body whose nesting (say 100k ``[``) overflows msgspec's
-recursion: a malformed body like any other, not a server error."""
 
 
 def is_msgpack(content_type: str) -> bool:

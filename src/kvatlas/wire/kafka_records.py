@@ -35,8 +35,8 @@ from kvatlas.core.keys import HashContract
 from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.quotas import OperatorOp
 from kvatlas.core.types import InstanceId, WireIncarnation
+from kvatlas.wire.decoding import TOO_DEEP
 from kvatlas.wire.events_api import AnyBatch, check_batch, decode_any_batch, decode_events
-from kvatlas.wire.http_api import TOO_DEEP
 
 DEFAULT_TOPIC: Final = "kvatlas-cache-events"
 """The topic of event batches and membership records (``--kafka-topic`` of the
