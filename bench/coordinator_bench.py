@@ -53,12 +53,8 @@ from kvatlas.evaluation.broker import Broker, broker_binary
 from kvatlas.evaluation.cpu_account import machine_times
 from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.runtime.procs import free_port, wait_http
-from kvatlas.wire.http_api import (
-    LookupRequest,
-    encode_events_json,
-    encode_events_msgpack,
-    encode_lookup_msgpack,
-)
+from kvatlas.wire.directory_api import LookupRequest, encode_lookup_msgpack
+from kvatlas.wire.events_api import encode_events_json, encode_events_msgpack
 from kvatlas.wire.kafka_records import encode_batch_msgpack
 
 _token_digits: ModuleType | None

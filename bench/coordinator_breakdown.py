@@ -41,12 +41,8 @@ from kvatlas.core.keys import (
     default_kv_rank,
 )
 from kvatlas.core.types import EventType, Tier
-from kvatlas.wire.http_api import (
-    LookupRequest,
-    decode_lookup,
-    encode_lookup_msgpack,
-    shared_namespace,
-)
+from kvatlas.wire.directory_api import LookupRequest, decode_lookup, encode_lookup_msgpack
+from kvatlas.wire.http_api import shared_namespace
 from kvatlas.wire.json_tokens import PARSERS, token_ids_array
 
 MODEL = "m"

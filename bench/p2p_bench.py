@@ -70,7 +70,7 @@ from kvatlas.core.keys import HashContract, Namespace
 from kvatlas.evaluation.fleet import Fleet, FleetConfig
 from kvatlas.server.p2p.channel import ChannelClient
 from kvatlas.transfer.factory import TRANSPORTS, make_transport
-from kvatlas.wire.http_api import LookupRequest
+from kvatlas.wire.directory_api import LookupRequest
 from kvatlas.wire.p2p_proto import Locked, LookupAndLock, Unlock
 
 RESULTS = Path(__file__).resolve().parent / "results" / "p2p.json"

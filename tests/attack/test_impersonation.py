@@ -34,7 +34,7 @@ from kvatlas.evaluation.broker import Broker
 from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.server.publisher import EventPublisher
 from kvatlas.server.sinks import HttpSink
-from kvatlas.wire.http_api import RegisterRequest
+from kvatlas.wire.instances_api import RegisterRequest
 from kvatlas.wire.kafka_records import PROOF_HEADER, encode_batch_msgpack
 from support.coordinator import RunningCoordinator
 from support.launch import Proc
@@ -44,7 +44,7 @@ from support.wait import wait_until
 from .conftest import BEARER, CHUNK, TOKEN, client, start_server
 
 MODEL = "tiny"
-SECRET_HEADER = "kvatlas-instance-secret"  # wire.http_api.INSTANCE_SECRET_HEADER: the contract
+SECRET_HEADER = "kvatlas-instance-secret"  # wire.instances_api.INSTANCE_SECRET_HEADER: the contract
 MAX_INT64 = 2**63 - 1
 
 

@@ -7,7 +7,7 @@ import msgspec
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes, default_kv_rank
 from kvatlas.core.types import EventType, Tier
-from kvatlas.wire.http_api import encode_events_json, encode_events_msgpack
+from kvatlas.wire.events_api import encode_events_json, encode_events_msgpack
 
 MODEL = "llama"
 RANK = default_kv_rank(1)

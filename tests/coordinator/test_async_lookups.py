@@ -22,7 +22,8 @@ from kvatlas.runtime.coordinator_client import (
     CoordinatorUnreachable,
 )
 from kvatlas.runtime.procs import free_port
-from kvatlas.wire.http_api import HolderWire, LookupRequest, RegisterRequest
+from kvatlas.wire.directory_api import HolderWire, LookupRequest
+from kvatlas.wire.instances_api import RegisterRequest
 from support.coordinator import RunningCoordinator
 
 from .events import MODEL, batch, prompt_hashes

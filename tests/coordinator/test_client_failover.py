@@ -24,7 +24,8 @@ from kvatlas.runtime.coordinator_client import (
     UnknownInstance,
 )
 from kvatlas.runtime.procs import free_port
-from kvatlas.wire.http_api import LookupRequest, RegisterRequest
+from kvatlas.wire.directory_api import LookupRequest
+from kvatlas.wire.instances_api import RegisterRequest
 from support.coordinator import RunningCoordinator
 
 from .events import batch, fake_hash

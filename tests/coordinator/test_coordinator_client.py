@@ -25,14 +25,10 @@ from kvatlas.runtime.coordinator_client import (
 )
 from kvatlas.runtime.procs import free_port
 from kvatlas.wire.coordinator_views import ReadyResponse
-from kvatlas.wire.http_api import (
-    ContractWire,
-    EventsResponse,
-    KeyWire,
-    LookupRequest,
-    RegisterRequest,
-    RegisterResponse,
-)
+from kvatlas.wire.directory_api import LookupRequest
+from kvatlas.wire.events_api import EventsResponse
+from kvatlas.wire.http_api import KeyWire
+from kvatlas.wire.instances_api import ContractWire, RegisterRequest, RegisterResponse
 from support.coordinator import RunningCoordinator
 
 from .events import MODEL, RANK, batch, fake_hash, key, prompt_hashes

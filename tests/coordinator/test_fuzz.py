@@ -14,12 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvatlas.wire.http_api import (
-    BlendLookupRequest,
-    EventsRequest,
-    LookupRequest,
-    RegisterRequest,
-)
+from kvatlas.wire.directory_api import BlendLookupRequest, LookupRequest
+from kvatlas.wire.events_api import EventsRequest
+from kvatlas.wire.instances_api import RegisterRequest
 from support.coordinator import RunningCoordinator
 
 

@@ -15,7 +15,7 @@ import pytest
 from kvatlas.core.events import Entry
 from kvatlas.core.keys import CHAINS, DEFAULT_CHAIN_NAME, pack_kv_rank
 from kvatlas.core.types import Tier
-from kvatlas.wire.http_api import LookupRequest, encode_lookup_msgpack
+from kvatlas.wire.directory_api import LookupRequest, encode_lookup_msgpack
 from kvatlas.wire.json_tokens import DEFAULT_PARSER_NAME, PARSERS
 from support.coordinator import RunningCoordinator
 

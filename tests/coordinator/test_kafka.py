@@ -19,7 +19,7 @@ from kvatlas.coordinator.snapshot import unframe
 from kvatlas.core.events import EventBatch
 from kvatlas.core.fleet import FleetState
 from kvatlas.core.types import EventType, Tier
-from kvatlas.wire.http_api import batch_from_core, compact_batch
+from kvatlas.wire.events_api import batch_from_core, compact_batch
 from kvatlas.wire.kafka_records import encode_batch_msgpack
 from support.coordinator import RunningCoordinator
 from support.services import start_coordinator_process

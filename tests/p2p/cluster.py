@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from kvatlas.connector.client import CacheClient
 from kvatlas.runtime.procs import free_port, free_ports
-from kvatlas.wire.http_api import LookupRequest, LookupResponse
+from kvatlas.wire.directory_api import LookupRequest, LookupResponse
 from support.launch import Proc
 from support.services import ServerProc, start_coordinator_process, start_server_process
 from support.wait import wait_until

@@ -24,7 +24,7 @@ import pytest
 
 from kvatlas.connector.client import CacheClient
 from kvatlas.evaluation.broker import Broker
-from kvatlas.wire.http_api import LookupRequest, LookupResponse
+from kvatlas.wire.directory_api import LookupRequest, LookupResponse
 from support.launch import Proc
 from support.services import ServerProc, start_coordinator_process, start_server_process
 from support.wait import wait_until

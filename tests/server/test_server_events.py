@@ -28,7 +28,7 @@ from kvatlas.server.incarnation import next_incarnation
 from kvatlas.server.publisher import EventPublisher
 from kvatlas.server.registrar import Identity, Registrar, RegistrationState
 from kvatlas.server.sinks import HttpSink
-from kvatlas.wire.http_api import decode_events
+from kvatlas.wire.events_api import decode_events
 from support.coordinator import RunningCoordinator
 from support.launch import launch
 from support.tap import HttpTap

@@ -31,13 +31,13 @@ from kvatlas.connector.client import (
 from kvatlas.core.checksum import checksum
 from kvatlas.core.keys import Namespace
 from kvatlas.runtime.procs import free_port
+from kvatlas.wire.directory_api import LookupRequest, LookupResponse
 from kvatlas.wire.engine_proto import (
     CommitItem,
     ErrorReply,
     Lookup,
     decode_response,
 )
-from kvatlas.wire.http_api import LookupRequest, LookupResponse
 from support.launch import Proc
 from support.services import ServerProc, start_coordinator_process, start_server_process
 from support.wait import wait_until

@@ -38,7 +38,7 @@ from kvatlas.runtime.procs import free_port
 from kvatlas.server.errors import SinkError
 from kvatlas.server.publisher import EventPublisher
 from kvatlas.server.sinks import EventSink, HttpSink, KafkaSink
-from kvatlas.wire.http_api import EventFormat, decode_events
+from kvatlas.wire.events_api import EventFormat, decode_events
 from kvatlas.wire.kafka_records import decode_record
 from support.coordinator import RunningCoordinator
 from support.tap import HttpTap

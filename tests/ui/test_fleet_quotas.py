@@ -13,8 +13,8 @@ import pytest
 from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.keys import ObjectKey, pack_kv_rank
 from kvatlas.core.types import EventType, InstanceId, Tier
+from kvatlas.wire.events_api import encode_events_json
 from kvatlas.wire.fleet_view import FleetDocument, QuotasView, SaltQuotaView
-from kvatlas.wire.http_api import encode_events_json
 from support.coordinator import RunningCoordinator
 
 from .browser import chromium_page

@@ -13,7 +13,8 @@ import pytest
 from kvatlas.core.errors import InvalidInput
 from kvatlas.engine.openai_proto import BadRequest, decode_chat, decode_completion
 from kvatlas.wire import engine_proto, p2p_proto
-from kvatlas.wire.http_api import decode_events, decode_lookup
+from kvatlas.wire.directory_api import decode_lookup
+from kvatlas.wire.events_api import decode_events
 from kvatlas.wire.kafka_records import decode_record
 
 DEPTH = 100_000

@@ -10,14 +10,14 @@ from kvatlas.core.errors import InvalidInput, TooLarge
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import Namespace, chunk_hashes, default_kv_rank, object_keys
 from kvatlas.core.types import EventType, Tier
-from kvatlas.wire.http_api import (
-    MSGPACK_CONTENT_TYPE,
+from kvatlas.wire.events_api import (
     check_batch,
     compact_batch,
     decode_events,
     encode_events_json,
     encode_events_msgpack,
 )
+from kvatlas.wire.http_api import MSGPACK_CONTENT_TYPE
 from kvatlas.wire.kafka_records import decode_record, encode_batch_msgpack
 
 NS = Namespace("m", default_kv_rank())

@@ -18,7 +18,8 @@ from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import Entry, EventBatch, UnknownBatch
 from kvatlas.core.keys import ObjectKey, default_kv_rank
 from kvatlas.core.types import EventType, Tier
-from kvatlas.wire.http_api import MSGPACK_CONTENT_TYPE, decode_events, encode_events_msgpack
+from kvatlas.wire.events_api import decode_events, encode_events_msgpack
+from kvatlas.wire.http_api import MSGPACK_CONTENT_TYPE
 from kvatlas.wire.kafka_records import decode_record
 
 JSON = "application/json"

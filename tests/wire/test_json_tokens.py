@@ -28,7 +28,7 @@ from setuptools import Extension
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import MAX_TOKEN_ID, as_token_array
 from kvatlas.wire import json_tokens
-from kvatlas.wire.http_api import LookupRequest, decode_lookup
+from kvatlas.wire.directory_api import LookupRequest, decode_lookup
 from kvatlas.wire.json_tokens import PARSERS, DigitParser, compiled_parser, token_ids_array
 from support.extensions import build_extension
 

@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 from kvatlas.cli.auth_flags import add_token_flags, read_token
-from kvatlas.cli.log_setup import configure_logging
+from kvatlas.cli.service_run import run_service
 from kvatlas.connector.kv_connector import ContractRejected
-from kvatlas.core.errors import ConfigError, KvatlasError
+from kvatlas.core.errors import ConfigError
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
 from kvatlas.engine.config import (
     LOAD_FAILURE_POLICIES,
@@ -128,22 +128,14 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not configure_logging("kvatlas engine", args.log_level):
-        return 2
-    try:
-        config = config_from_args(args)
-    except (EngineConfigError, ConfigError) as exc:
-        print(f"kvatlas engine: {exc}", file=sys.stderr)
-        return 2
-    try:
-        EngineApp(config).run()
-    except ContractRejected as exc:
-        print(f"kvatlas engine: {exc}", file=sys.stderr)
-        return 2
-    except KvatlasError as exc:
-        print(f"kvatlas engine: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_service(
+        "kvatlas engine",
+        args.log_level,
+        lambda: config_from_args(args),
+        lambda config: EngineApp(config).run(),
+        config_errors=(EngineConfigError, ConfigError),
+        start_refusals=(ContractRejected,),
+    )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from typing import Final
 
 from kvatlas.cli.auth_flags import add_token_flags, read_token
 from kvatlas.cli.coordinator_flags import add_coordinator_url_flag, coordinator_urls
-from kvatlas.cli.log_setup import configure_logging
+from kvatlas.cli.service_run import run_service
 from kvatlas.core.errors import ConfigError, KvatlasError
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import RouterConfig, parse_engine
@@ -252,46 +252,37 @@ def load_tokenizer(
     return load(model, threads, cache_bytes, fast)
 
 
+def tokenizer_from_args(args: argparse.Namespace) -> LocalTokenizer | None:
+    """``--tokenizer`` loaded with its threads and cache, or None without the flag;
+    ConfigError naming the flag when a value is out of range or it does not load."""
+    if not 1 <= args.tokenizer_threads <= 64:
+        raise ConfigError(f"--tokenizer-threads must be in [1, 64], got {args.tokenizer_threads}")
+    if not 0 <= args.tokenizer_cache_mb <= 1 << 20:
+        raise ConfigError(
+            f"--tokenizer-cache-mb must be in [0, 1048576], got {args.tokenizer_cache_mb:g}"
+        )
+    if args.tokenizer is None:
+        return None
+    try:
+        return load_tokenizer(
+            args.tokenizer,
+            args.tokenizer_threads,
+            int(args.tokenizer_cache_mb * (1 << 20)),
+            args.tokenizer_encoder == "fastokens",
+        )
+    except KvatlasError as exc:
+        raise ConfigError(f"--tokenizer {args.tokenizer}: {exc}") from exc
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not configure_logging("kvatlas router", args.log_level):
-        return 2
-    try:
-        config = config_from_args(args)
-    except ConfigError as exc:
-        print(f"kvatlas router: {exc}", file=sys.stderr)
-        return 2
-    tokenizer: LocalTokenizer | None = None
-    if not 1 <= args.tokenizer_threads <= 64:
-        print(
-            f"kvatlas router: --tokenizer-threads must be in [1, 64], got {args.tokenizer_threads}",
-            file=sys.stderr,
-        )
-        return 2
-    if not 0 <= args.tokenizer_cache_mb <= 1 << 20:
-        print(
-            "kvatlas router: --tokenizer-cache-mb must be in [0, 1048576], got"
-            f" {args.tokenizer_cache_mb:g}",
-            file=sys.stderr,
-        )
-        return 2
-    if args.tokenizer is not None:
-        try:
-            tokenizer = load_tokenizer(
-                args.tokenizer,
-                args.tokenizer_threads,
-                int(args.tokenizer_cache_mb * (1 << 20)),
-                args.tokenizer_encoder == "fastokens",
-            )
-        except KvatlasError as exc:
-            print(f"kvatlas router: --tokenizer {args.tokenizer}: {exc}", file=sys.stderr)
-            return 2
-    try:
-        RouterApp(config, tokenizer=tokenizer).run()
-    except KvatlasError as exc:
-        print(f"kvatlas router: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_service(
+        "kvatlas router",
+        args.log_level,
+        lambda: (config_from_args(args), tokenizer_from_args(args)),
+        lambda ct: RouterApp(ct[0], tokenizer=ct[1]).run(),
+        start_refusals=(),
+    )
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from kvatlas.cli.auth_flags import add_token_flags, read_token
 from kvatlas.cli.coordinator_flags import add_coordinator_url_flag, coordinator_urls
-from kvatlas.cli.log_setup import configure_logging
-from kvatlas.core.errors import ConfigError, KvatlasError
+from kvatlas.cli.service_run import run_service
+from kvatlas.core.errors import ConfigError
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
 from kvatlas.core.types import InstanceId
 from kvatlas.server.app import CacheServer
@@ -316,22 +316,12 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not configure_logging("kvatlas server", args.log_level):
-        return 2
-    try:
-        config = config_from_args(args, dict(os.environ))
-    except ConfigError as exc:
-        print(f"kvatlas server: {exc}", file=sys.stderr)
-        return 2
-    try:
-        CacheServer(config).run()
-    except ConfigError as exc:
-        print(f"kvatlas server: {exc}", file=sys.stderr)
-        return 2
-    except KvatlasError as exc:
-        print(f"kvatlas server: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_service(
+        "kvatlas server",
+        args.log_level,
+        lambda: config_from_args(args, dict(os.environ)),
+        lambda config: CacheServer(config).run(),
+    )
 
 
 if __name__ == "__main__":

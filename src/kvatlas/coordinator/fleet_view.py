@@ -35,7 +35,7 @@ from kvatlas.wire.fleet_view import (
     QuotasView,
     status_url,
 )
-from kvatlas.wire.http_api import InstanceWire
+from kvatlas.wire.instances_api import InstanceWire
 
 log = logging.getLogger(__name__)
 

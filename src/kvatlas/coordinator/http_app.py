@@ -51,21 +51,21 @@ from kvatlas.core.membership import InstanceInfo, check_registration, strip_fiel
 from kvatlas.core.types import MAX_INT64, Incarnation, InstanceId, Tier
 from kvatlas.runtime.gc_pauses import GcPauses
 from kvatlas.wire.coordinator_views import ReadyResponse
-from kvatlas.wire.http_api import (
-    INSTANCE_SECRET_HEADER,
-    TOO_DEEP,
+from kvatlas.wire.decoding import TOO_DEEP
+from kvatlas.wire.directory_api import (
     BlendLookupRequest,
     BlendLookupResponse,
     BlendMatchWire,
-    ErrorResponse,
+    decode_lookup,
+)
+from kvatlas.wire.events_api import decode_events
+from kvatlas.wire.http_api import ErrorResponse, KeyWire, shared_namespace
+from kvatlas.wire.instances_api import (
+    INSTANCE_SECRET_HEADER,
     HeartbeatResponse,
     InstancesResponse,
-    KeyWire,
     RegisterRequest,
     RegisterResponse,
-    decode_events,
-    decode_lookup,
-    shared_namespace,
 )
 
 log = logging.getLogger(__name__)

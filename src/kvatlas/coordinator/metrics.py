@@ -67,8 +67,9 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         s = self._sample()
-        keys = GaugeMetricFamily("kvatlas_coordinator_directory_keys", "Keys in the directory")
-        keys.add_metric([], s.keys)
+        keys = GaugeMetricFamily(
+            "kvatlas_coordinator_directory_keys", "Keys in the directory", value=s.keys
+        )
         placements = GaugeMetricFamily(
             "kvatlas_coordinator_directory_placements", "Placements by tier", labels=["tier"]
         )
@@ -79,19 +80,22 @@ class _StateCollector(Collector):
         )
         for tier, n in sorted(s.bytes_by_tier.items()):
             nbytes.add_metric([tier], n)
-        live = GaugeMetricFamily("kvatlas_coordinator_live_instances", "Registered live instances")
-        live.add_metric([], s.live_instances)
+        live = GaugeMetricFamily(
+            "kvatlas_coordinator_live_instances",
+            "Registered live instances",
+            value=s.live_instances,
+        )
         prov = GaugeMetricFamily(
             "kvatlas_coordinator_provisional_instances",
             "Instances known only from their events (not registered)",
+            value=s.provisional_instances,
         )
-        prov.add_metric([], s.provisional_instances)
         departed = GaugeMetricFamily(
             "kvatlas_coordinator_departed_instances",
             "Instances gone (deregistered or expired) whose L2 placements wait out"
             " --l2-retention-s",
+            value=s.departed_instances,
         )
-        departed.add_metric([], s.departed_instances)
         age = GaugeMetricFamily(
             "kvatlas_coordinator_heartbeat_age_seconds",
             "Seconds since each live instance's last heartbeat",
@@ -112,13 +116,14 @@ class _StateCollector(Collector):
         for iid, n in s.gaps.items():
             gaps.add_metric([iid], n)
             missing.add_metric([iid], s.missing.get(iid, 0))
-        blend = GaugeMetricFamily("kvatlas_coordinator_blend_chunks", "Chunks in the blend index")
-        blend.add_metric([], s.blend_chunks)
+        blend = GaugeMetricFamily(
+            "kvatlas_coordinator_blend_chunks", "Chunks in the blend index", value=s.blend_chunks
+        )
         tokens = GaugeMetricFamily(
             "kvatlas_coordinator_directory_token_bytes",
             "Bytes of the chunk token ids kept for lookups (4 per token)",
+            value=s.token_bytes,
         )
-        tokens.add_metric([], s.token_bytes)
         capacity = GaugeMetricFamily(
             "kvatlas_coordinator_declared_capacity_bytes",
             "Capacity each instance declared per tier and backend (config batches)",
@@ -139,19 +144,20 @@ class _EdgeCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         s = self._sample()
         conns = GaugeMetricFamily(
-            "kvatlas_coordinator_http_connections", "Open HTTP connections being served"
+            "kvatlas_coordinator_http_connections",
+            "Open HTTP connections being served",
+            value=s.connections,
         )
-        conns.add_metric([], s.connections)
         buffered = GaugeMetricFamily(
             "kvatlas_coordinator_http_buffered_bytes",
             "Request body bytes reserved from the buffered-bytes budget now",
+            value=s.buffered_bytes,
         )
-        buffered.add_metric([], s.buffered_bytes)
         budget = GaugeMetricFamily(
             "kvatlas_coordinator_http_max_buffered_bytes",
             "The buffered-bytes budget (--max-buffered-bytes)",
+            value=s.max_buffered_bytes,
         )
-        budget.add_metric([], s.max_buffered_bytes)
         refused = CounterMetricFamily(
             "kvatlas_coordinator_http_refused",
             "Requests and connections the HTTP server refused on its own, by cause"
@@ -182,13 +188,13 @@ class _MemoCollector(Collector):
         busy = CounterMetricFamily(
             "kvatlas_coordinator_token_hash_memo_busy",
             "Lookups that found the memo in use by another thread and hashed without it",
+            value=s["busy"],
         )
-        busy.add_metric([], s["busy"])
         size = GaugeMetricFamily(
             "kvatlas_coordinator_token_hash_memo_bytes",
             "Memory the memo may fill (its pages are mapped as it fills)",
+            value=s["bytes"],
         )
-        size.add_metric([], s["bytes"])
         return [links, busy, size]
 
 
@@ -220,8 +226,8 @@ class _GcCollector(Collector):
         frozen = GaugeMetricFamily(
             "kvatlas_coordinator_gc_frozen_objects",
             "Objects moved out of the collector's sight at startup (gc.freeze)",
+            value=gc.get_freeze_count(),
         )
-        frozen.add_metric([], gc.get_freeze_count())
         return [runs, paused, longest, frozen]
 
 
@@ -256,7 +262,7 @@ class CoordinatorMetrics:
             ["event_type", "transport"],
             registry=r,
         )
-        # A build without a C compiler reads JSON token arrays ~3x slower: say which.
+        # A build without a C compiler reads JSON token arrays slower: say which.
         Gauge(
             "kvatlas_coordinator_json_token_parser",
             "The parser of JSON token_ids arrays in lookups: 1 for the one in use"
@@ -264,7 +270,7 @@ class CoordinatorMetrics:
             ["parser"],
             registry=r,
         ).labels(DEFAULT_PARSER_NAME).set(1)
-        # A build without the BLAKE3 C sources hashes token chunks ~25% slower: say which.
+        # A build without the BLAKE3 C sources hashes token chunks slower: say which.
         Gauge(
             "kvatlas_coordinator_token_chain",
             "The blake3 prefix chain of lookups by tokens: 1 for the one in use"

@@ -13,19 +13,20 @@ import msgspec
 
 from kvatlas.coordinator import openapi_cache, openapi_quota
 from kvatlas.wire.coordinator_views import KeysPage, ReadyResponse, StatsResponse
-from kvatlas.wire.fleet_view import FleetDocument
-from kvatlas.wire.http_api import (
+from kvatlas.wire.directory_api import (
     BlendLookupRequest,
     BlendLookupResponse,
-    ErrorResponse,
-    EventsRequest,
-    EventsResponse,
+    LookupRequest,
+    LookupResponse,
+)
+from kvatlas.wire.events_api import EventsRequest, EventsResponse
+from kvatlas.wire.fleet_view import FleetDocument
+from kvatlas.wire.http_api import ErrorResponse
+from kvatlas.wire.instances_api import (
     FleetUsageResponse,
     HeartbeatResponse,
     InstancesResponse,
     InstanceUsageWire,
-    LookupRequest,
-    LookupResponse,
     RegisterRequest,
     RegisterResponse,
 )

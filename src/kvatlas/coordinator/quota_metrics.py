@@ -99,15 +99,16 @@ class _QuotaCollector(Collector):
         default = GaugeMetricFamily(
             "kvatlas_coordinator_quota_default_bytes",
             "The default L2 quota of salts without one (-1: none, they are exempt)",
+            value=-1 if s.default_limit_bytes is None else s.default_limit_bytes,
         )
-        default.add_metric([], -1 if s.default_limit_bytes is None else s.default_limit_bytes)
         pins = GaugeMetricFamily(
-            "kvatlas_coordinator_pinned_keys", "Keys pinned against L2 eviction"
+            "kvatlas_coordinator_pinned_keys",
+            "Keys pinned against L2 eviction",
+            value=s.pinned_keys,
         )
-        pins.add_metric([], s.pinned_keys)
         tracked = GaugeMetricFamily(
             "kvatlas_coordinator_l2_tracked_keys",
             "L2 keys the eviction loop tracks (full keys, with their holders)",
+            value=s.tracked_keys,
         )
-        tracked.add_metric([], s.tracked_keys)
         return [usage, limits, default, pins, tracked]

@@ -44,13 +44,8 @@ from kvatlas.core.membership import InstanceInfo, RegisterOutcome
 from kvatlas.core.placements import KeyColumns, KeyResult, PrefixResult
 from kvatlas.core.types import ChunkHash, EventType, Incarnation, InstanceId, Tier
 from kvatlas.wire.coordinator_views import KeysPage, StatsResponse
-from kvatlas.wire.http_api import (
-    AnyBatch,
-    EventsResponse,
-    FleetUsageResponse,
-    InstanceWire,
-    fleet_usage,
-)
+from kvatlas.wire.events_api import AnyBatch, EventsResponse
+from kvatlas.wire.instances_api import FleetUsageResponse, InstanceWire, fleet_usage
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Owns the builders of `wire` Structs from core results (`stats_response`, `key_view`,
 `prefix_response`, `keys_response`, `holders_wire`) and the direct JSON encoding of a
 lookup answer (`lookup_json`, checked byte for byte against msgspec); no I/O, no state.
-The shapes themselves are in `wire.http_api` and `wire.coordinator_views`, where the
+The shapes themselves are in `wire.directory_api` and `wire.coordinator_views`, where the
 coordinator client decodes them too.
 """
 
@@ -29,13 +29,8 @@ from kvatlas.wire.coordinator_views import (
     StatsResponse,
     TokenIdsView,
 )
-from kvatlas.wire.http_api import (
-    HolderWire,
-    KeyWire,
-    LookupResponse,
-    PlacementWire,
-    ResultWire,
-)
+from kvatlas.wire.directory_api import HolderWire, LookupResponse, PlacementWire, ResultWire
+from kvatlas.wire.http_api import KeyWire
 
 
 def placement_wire(p: Placement) -> PlacementWire:

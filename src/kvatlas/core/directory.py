@@ -1,77 +1,37 @@
 """The key directory: which chunk of KV lives where, as hints for millions of keys.
 
-Owns the map object key -> placements (instance, incarnation, tier, backend, size,
-shared), the reverse index that lets a dead instance's L1 slice be fenced in time
-proportional to its own keys, access counts, optional chunk <-> token bindings, stats,
-snapshot and restore. It does not gate events (see `gate`), know who is alive (see
+Owns ``KeyDirectory``, the map object key -> placements (instance, incarnation, tier,
+backend, size, shared) and its one way in: ``apply`` (STORE upserts, ACCESS counts,
+DELETE removes), fencing a dead instance's L1 slice in time proportional to its own keys
+(the reverse index), dropping an instance gone for good, and ``restore`` as a replay of
+a snapshot's stores. It does not gate events (see `gate`), know who is alive (see
 `membership`) or do any I/O.
 
-Memory layout, designed for millions of keys (the directory holds hints; the owner
-verifies the full key before any byte moves):
-
-- A key is one Python int: ``ns_id << 64 | first 8 bytes of the chunk hash``. The
-  namespace (model, kv rank, object group, salt) is interned to a small ``ns_id``.
-- A placement is one int: ``owner_id << 40 | size_bytes``, where an owner (instance,
-  incarnation, tier, backend, shared) is interned to ``owner_id``. Placement ints are
-  interned too, so the millions of equal-sized chunks of one owner share one object.
-- ``_map`` holds the placement int of a key with one placement, a tuple when several.
-- The reverse index is an append-only log of keys per L1 owner (`_KeyLog`), compacted
-  when it holds twice as many keys as the owner really has; fencing walks only that
-  log. It keeps its keys in tuples of up to `_LOG_BLOCK`: the garbage collector stops
-  tracking a tuple of ints, while it visits every element of a list at every full
-  collection (a list of a million keys made each one ~10 ms longer).
-
-A 64-bit prefix collision between two keys of one namespace merges their placements:
-the answer is a hint, and the owner's full-key check turns it into a miss.
-
-The result types and the int layout live in ``placements``; the snapshot format and the
-capture a shell encodes outside its lock live in ``directory_snapshot``.
+The class is layered over three modules that share one state: ``directory_tables``
+(the memory layout and interning, described there), ``directory_reads`` (lookups,
+listing, stats, the snapshot capture) and this one (every change). The result types and
+the int layout live in ``placements``; the snapshot format in ``directory_snapshot``.
 """
 
 from __future__ import annotations
 
 import array
-from collections.abc import Iterable, Iterator, Sequence
-from itertools import chain, islice
+from collections.abc import Sequence
 from operator import attrgetter
 
-import numpy as np
-
-from kvatlas.core.directory_snapshot import DirectoryCapture, decode_snapshot
+from kvatlas.core.directory_reads import DirectoryReads
+from kvatlas.core.directory_snapshot import decode_snapshot
+from kvatlas.core.directory_tables import KeyLog
 from kvatlas.core.errors import InvalidInput
-from kvatlas.core.events import EventBatch, KeyBlock
-from kvatlas.core.keys import HASH_BYTES, MAX_TOKEN_ID, Namespace, ObjectKey, same_namespace
-from kvatlas.core.placements import (
-    HASH_BITS,
-    HASH_MASK,
-    SIZE_BITS,
-    SIZE_MASK,
-    Applied,
-    DirectoryStats,
-    KeyColumns,
-    KeyResult,
-    MapValue,
-    Owner,
-    OwnerStats,
-    Placement,
-    PrefixResult,
-    decode_placements,
-    prefix_holders,
-)
-from kvatlas.core.types import ChunkHash, EventType, Incarnation, InstanceId, Tier
+from kvatlas.core.events import EventBatch
+from kvatlas.core.keys import MAX_TOKEN_ID
+from kvatlas.core.placements import HASH_BITS, SIZE_BITS, SIZE_MASK, Applied, Owner
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 
 _COMPACT_SLACK = 1024
-_FREED_NS = Namespace("", -1, -1, "")
-"""What a dropped namespace's slot holds until its id is reused (no key int names it)."""
-_FREED = Owner(InstanceId(""), Incarnation(-1), Tier.L1, "", False)
-"""What a dropped owner's slot holds until its id is reused (no map value names it)."""
-_CACHE_LIMIT = 65536
-_LOG_BLOCK = 4096
-"""Keys a `_KeyLog` gathers in a list before it moves them into a tuple."""
 
 _get_key = attrgetter("key")
 _get_size = attrgetter("size_bytes")
-_get_hash = attrgetter("chunk_hash")
 
 
 def _check_sizes(sizes: Sequence[int]) -> bool:
@@ -90,183 +50,8 @@ def _check_sizes(sizes: Sequence[int]) -> bool:
     return uniform
 
 
-class _KeyLog:
-    """The keys stored for one L1 owner, in order, repeats and stale ones included."""
-
-    __slots__ = ("_blocks", "_size", "_tail")
-
-    def __init__(self, keys: Iterable[int] = ()) -> None:
-        self._blocks: list[tuple[int, ...]] = []
-        self._tail: list[int] = []
-        self._size = 0
-        self.extend(keys)
-
-    def extend(self, keys: Iterable[int]) -> None:
-        tail = self._tail
-        before = len(tail)
-        tail.extend(keys)
-        self._size += len(tail) - before
-        if len(tail) >= _LOG_BLOCK:
-            self._blocks.append(tuple(tail))
-            self._tail = []
-
-    def append(self, key: int) -> None:
-        self._tail.append(key)
-        self._size += 1
-        if len(self._tail) >= _LOG_BLOCK:
-            self._blocks.append(tuple(self._tail))
-            self._tail = []
-
-    def __len__(self) -> int:
-        return self._size
-
-    def __iter__(self) -> Iterator[int]:
-        return chain(chain.from_iterable(self._blocks), self._tail)
-
-
-class KeyDirectory:
+class KeyDirectory(DirectoryReads):
     """Object key -> placements, with a reverse index per L1 owner. Single-threaded."""
-
-    def __init__(self, keep_tokens: bool = False) -> None:
-        """``keep_tokens``: bind the token ids that STORE entries carry to their keys
-        (lookups answer them); the memory is spent only on entries that carry tokens."""
-        self.keep_tokens = keep_tokens
-        self._ns_ids: dict[tuple[str, int, int, str], int] = {}
-        self._namespaces: list[Namespace] = []
-        self._ns_keys: list[int] = []
-        """Keys of each namespace in the map; a namespace left with none is dropped."""
-        self._free_ns: list[int] = []
-        self._owner_ids: dict[Owner, int] = {}
-        self._owners: list[Owner] = []
-        self._owners_by_instance: dict[InstanceId, set[int]] = {}
-        self._free_oids: list[int] = []
-        """Owner ids whose owner holds nothing any more, to reuse (`_drop_owner`)."""
-        self._codes: dict[int, int] = {}
-        self._map: dict[int, MapValue] = {}
-        self._rev: dict[int, _KeyLog] = {}
-        self._count: list[int] = []
-        self._bytes: list[int] = []
-        self._access: dict[int, int] = {}
-        self._tokens: dict[int, tuple[int, bytes]] = {}
-        self._token_bytes = 0
-        """Bytes of the kept token arrays (4 per token), for stats."""
-        self._pl_cache: dict[MapValue | None, tuple[Placement, ...]] = {None: ()}
-
-    # ---- interning -------------------------------------------------------------------
-
-    def _ns_id(self, key: ObjectKey | Namespace) -> int:
-        t = (key.model_name, key.kv_rank, key.object_group_id, key.cache_salt)
-        ns = self._ns_ids.get(t)
-        if ns is None:
-            if self._free_ns:
-                ns = self._free_ns.pop()
-                self._namespaces[ns] = Namespace(*t)
-            else:
-                ns = len(self._namespaces)
-                self._namespaces.append(Namespace(*t))
-                self._ns_keys.append(0)
-            self._ns_ids[t] = ns
-        return ns
-
-    def _drop_ns(self, ns: int) -> None:
-        """Forget namespace ``ns``, which has no key in the map any more, and free its id
-        (no live key int carries it): namespaces stored then deleted (20k of them used
-        to keep ~4 MB) must not pile up."""
-        n = self._namespaces[ns]
-        del self._ns_ids[(n.model_name, n.kv_rank, n.object_group_id, n.cache_salt)]
-        self._namespaces[ns] = _FREED_NS
-        self._free_ns.append(ns)
-
-    def _find_ns(self, ns: Namespace) -> int | None:
-        return self._ns_ids.get((ns.model_name, ns.kv_rank, ns.object_group_id, ns.cache_salt))
-
-    def _key_int(self, key: ObjectKey) -> int:
-        if len(key.chunk_hash) < 8:
-            raise InvalidInput("chunk hash must have at least 8 bytes")
-        return self._ns_id(key) << HASH_BITS | int.from_bytes(key.chunk_hash[:8], "big")
-
-    def _key_ints(self, keys: Sequence[ObjectKey]) -> tuple[list[int], int | None]:
-        """Key ints of many keys, and their namespace when they share one (C-speed
-        when they do and have full hashes); None when they do not (or there are none)."""
-        if not keys:
-            return [], None
-        blob = b"".join(map(_get_hash, keys))
-        if len(blob) != HASH_BYTES * len(keys) or not same_namespace(keys):
-            return [self._key_int(k) for k in keys], None
-        ns = self._ns_id(keys[0])
-        return self._blob_ints(ns, blob), ns
-
-    @staticmethod
-    def _blob_ints(ns_id: int, blob: bytes) -> list[int]:
-        """Key ints of a blob of full hashes of namespace ``ns_id``."""
-        prefixes: list[int] = np.frombuffer(blob, dtype=">u8")[:: HASH_BYTES // 8].tolist()
-        if ns_id == 0:
-            return prefixes
-        base = ns_id << HASH_BITS
-        return [base | h for h in prefixes]
-
-    def _block_ints(self, block: KeyBlock) -> list[int]:
-        """Key ints of a (shape-checked) block; interns its namespace."""
-        return self._blob_ints(self._ns_id(block.namespace), block.hashes)
-
-    def _find_ints(self, batch: EventBatch) -> list[int | None]:
-        """Key ints of every object of a batch without interning (None: never seen)."""
-        out: list[int | None] = [self._find_key(e.key) for e in batch.entries]
-        block = batch.block
-        if block is not None:
-            ns_id = self._find_ns(block.namespace)
-            if ns_id is None:
-                out.extend([None] * block.count)
-            else:
-                out.extend(self._blob_ints(ns_id, block.hashes))
-        return out
-
-    def _find_key(self, key: ObjectKey) -> int | None:
-        ns = self._ns_ids.get((key.model_name, key.kv_rank, key.object_group_id, key.cache_salt))
-        if ns is None or len(key.chunk_hash) < 8:
-            return None
-        return ns << HASH_BITS | int.from_bytes(key.chunk_hash[:8], "big")
-
-    def _owner_id(self, owner: Owner) -> int:
-        oid = self._owner_ids.get(owner)
-        if oid is None:
-            if self._free_oids:
-                oid = self._free_oids.pop()
-                self._owners[oid] = owner
-            else:
-                oid = len(self._owners)
-                self._owners.append(owner)
-                self._count.append(0)
-                self._bytes.append(0)
-            self._owner_ids[owner] = oid
-            self._owners_by_instance.setdefault(owner.instance_id, set()).add(oid)
-            if owner.tier is Tier.L1:
-                self._rev[oid] = _KeyLog()
-        return oid
-
-    def _drop_owner(self, oid: int) -> None:
-        """Forget owner ``oid``, which holds no placement any more, and free its id for
-        reuse: instances and incarnations come and go, and their owners must not pile up
-        (stored then deleted, 20k of them used to keep ~8 MB)."""
-        owner = self._owners[oid]
-        del self._owner_ids[owner]
-        ids = self._owners_by_instance[owner.instance_id]
-        ids.discard(oid)
-        if not ids:
-            del self._owners_by_instance[owner.instance_id]
-        self._rev.pop(oid, None)
-        self._codes = {c: c for c in self._codes if c >> SIZE_BITS != oid}
-        # Cached placements decode codes by owner id, which the next owner reuses.
-        self._pl_cache = {None: ()}
-        self._owners[oid] = _FREED
-        self._count[oid] = self._bytes[oid] = 0
-        self._free_oids.append(oid)
-
-    def _code(self, oid: int, size: int) -> int:
-        if not 0 <= size <= SIZE_MASK:
-            raise InvalidInput(f"size_bytes must be in [0, {SIZE_MASK}], got {size}")
-        code = oid << SIZE_BITS | size
-        return self._codes.setdefault(code, code)
 
     # ---- events ----------------------------------------------------------------------
 
@@ -453,7 +238,7 @@ class KeyDirectory:
         rev = self._rev.get(oid)
         if rev is None or len(rev) <= 2 * self._count[oid] + _COMPACT_SLACK:
             return
-        self._rev[oid] = _KeyLog(ik for ik in dict.fromkeys(rev) if self._holds(ik, oid))
+        self._rev[oid] = KeyLog(ik for ik in dict.fromkeys(rev) if self._holds(ik, oid))
 
     def _holds(self, ik: int, oid: int) -> bool:
         cur = self._map.get(ik)
@@ -486,8 +271,8 @@ class KeyDirectory:
                 continue
             if incarnation is not None and owner.incarnation != incarnation:
                 continue
-            rev = self._rev.get(oid, _KeyLog())
-            self._rev[oid] = _KeyLog()
+            rev = self._rev.get(oid, KeyLog())
+            self._rev[oid] = KeyLog()
             for ik in rev:
                 if self._remove(ik, oid, compact=False):
                     removed += 1
@@ -531,232 +316,6 @@ class KeyDirectory:
         ):
             removed += self.fence(instance_id, inc)
         return removed
-
-    # ---- lookups ---------------------------------------------------------------------
-
-    def _placements_of(self, cur: MapValue | None) -> tuple[Placement, ...]:
-        if cur is None:
-            return ()
-        cached = self._pl_cache.get(cur)
-        if cached is not None:
-            return cached
-        out = decode_placements(self._owners, cur)
-        if len(self._pl_cache) >= _CACHE_LIMIT:
-            self._pl_cache.clear()
-            self._pl_cache[None] = ()
-        self._pl_cache[cur] = placements = tuple(out)
-        return placements
-
-    def _placements(self, ik: int) -> tuple[Placement, ...]:
-        return self._placements_of(self._map.get(ik))
-
-    def _result(self, key: ObjectKey, ik: int | None) -> KeyResult:
-        if ik is None:
-            return KeyResult(key, ())
-        cur = self._map.get(ik)
-        if cur is None:
-            return KeyResult(key, ())
-        token_ids = None
-        if self._tokens:
-            tokens = self._tokens.get(ik)
-            if tokens is not None:
-                token_ids = tuple(array.array("I", tokens[1]))
-        access = self._access.get(ik, 0) if self._access else 0
-        return KeyResult(key, self._placements_of(cur), access, token_ids)
-
-    def lookup_keys(self, keys: Iterable[ObjectKey]) -> list[KeyResult]:
-        """Placements of each key, in the order given (empty placements: unknown)."""
-        keys = list(keys)
-        if not keys:
-            return []
-        blob = b"".join(map(_get_hash, keys))
-        if len(blob) != HASH_BYTES * len(keys) or not same_namespace(keys):
-            return [self._result(k, self._find_key(k)) for k in keys]
-        # One namespace and full hashes, the common case: the blob lookup's C-level maps.
-        cols = self.lookup_blob(blob, keys[0].namespace)
-        tokens = cols.token_ids or (None,) * len(keys)
-        return list(map(KeyResult, keys, cols.placements, cols.access_counts, tokens))
-
-    def lookup_prefix(self, hashes: Sequence[ChunkHash], ns: Namespace) -> PrefixResult:
-        """Per chunk of a prefix chain who holds it, and per (instance, tier) how many
-        leading chunks it holds."""
-        hashes = tuple(hashes)
-        blob = b"".join(hashes)
-        if len(blob) == HASH_BYTES * len(hashes):
-            cols = self.lookup_blob(blob, ns)
-        else:  # short hashes: the directory keys on the first 8 bytes
-            cols = self._columns([int.from_bytes(h[:8], "big") for h in hashes], ns)
-        return PrefixResult(
-            ns,
-            hashes,
-            cols.placements,
-            cols.access_counts,
-            cols.token_ids,
-            prefix_holders(cols.placements),
-        )
-
-    def lookup_blob(self, blob: bytes, ns: Namespace) -> KeyColumns:
-        """Placements of each hash of ``blob`` (full hashes, concatenated) in ``ns``, in
-        order: the keys form of a lookup, with no prefix to summarise."""
-        if len(blob) % HASH_BYTES:
-            raise InvalidInput(f"a hash blob must be a multiple of {HASH_BYTES} bytes")
-        prefixes: list[int] = np.frombuffer(blob, dtype=">u8")[:: HASH_BYTES // 8].tolist()
-        return self._columns(prefixes, ns)
-
-    def _columns(self, prefixes: list[int], ns: Namespace) -> KeyColumns:
-        n = len(prefixes)
-        ns_id = self._find_ns(ns)
-        if ns_id is None or n == 0:
-            return KeyColumns(((),) * n, (0,) * n, None)
-        base = ns_id << HASH_BITS
-        iks = [base | h for h in prefixes] if base else prefixes
-        vals = list(map(self._map.get, iks))
-        cached = list(map(self._pl_cache.get, vals))
-        # A None means a placement set not seen since the cache was last cleared.
-        placements: tuple[tuple[Placement, ...], ...] = (
-            tuple(map(self._placements_of, vals)) if None in cached else tuple(cached)  # type: ignore[arg-type]
-        )
-        access = tuple(self._access.get(ik, 0) for ik in iks) if self._access else (0,) * n
-        token_ids = None
-        if self._tokens:
-            token_ids = tuple(
-                tuple(array.array("I", t[1])) if (t := self._tokens.get(ik)) else None for ik in iks
-            )
-        return KeyColumns(placements, access, token_ids)
-
-    def iter_keys(
-        self,
-        tier: Tier | None = None,
-        instance_id: InstanceId | None = None,
-        backend: str | None = None,
-    ) -> Iterator[tuple[Namespace, bytes, tuple[Placement, ...]]]:
-        """Every key with its placements, filtered; the hash is the stored 8-byte prefix."""
-        yield from self.key_rows(list(self._map), tier, instance_id, backend)
-
-    def namespaces(self) -> list[Namespace]:
-        """Every namespace that holds a key now."""
-        return [self._namespaces[i] for i in self._ns_ids.values()]
-
-    def key_order(self) -> list[int]:
-        """Every key's id, in insertion order: a copy (one C-level pass), so a caller
-        can walk it in steps while the directory changes in between."""
-        return list(self._map)
-
-    def key_slice(self, start: int, count: int) -> list[int]:
-        """The ids of ``count`` keys from position ``start`` in insertion order; the
-        skip runs in C (none past the end: islice takes no stop beyond sys.maxsize)."""
-        if start >= len(self._map):
-            return []
-        return list(islice(self._map, start, start + count))
-
-    def key_rows(
-        self,
-        ids: Iterable[int],
-        tier: Tier | None = None,
-        instance_id: InstanceId | None = None,
-        backend: str | None = None,
-    ) -> list[tuple[Namespace, bytes, tuple[Placement, ...]]]:
-        """The keys of ``ids`` that still have a placement matching the filters, with
-        those placements, in order."""
-        rows = []
-        unfiltered = tier is None and instance_id is None and backend is None
-        for ik in ids:
-            placements = self._placements(ik)
-            if not unfiltered:
-                placements = tuple(
-                    p
-                    for p in placements
-                    if (tier is None or p.tier is tier)
-                    and (instance_id is None or p.instance_id == instance_id)
-                    and (backend is None or p.backend == backend)
-                )
-            if placements:
-                ns = self._namespaces[ik >> HASH_BITS]
-                rows.append((ns, (ik & HASH_MASK).to_bytes(8, "big"), placements))
-        return rows
-
-    def key_facts(self, ns: Namespace, prefix: bytes) -> tuple[int, int]:
-        """(access count, number of kept token ids) of a listed key (0, 0 if gone)."""
-        ns_id = self._find_ns(ns)
-        if ns_id is None:
-            return 0, 0
-        ik = ns_id << HASH_BITS | int.from_bytes(prefix, "big")
-        bound = self._tokens.get(ik)
-        return self._access.get(ik, 0), 0 if bound is None else len(bound[1]) // 4
-
-    def tier_bytes(self, ids: Iterable[int], tier: Tier) -> dict[Namespace, int]:
-        """Bytes of ``tier`` placements per namespace, over the keys of ``ids`` (what
-        the quota routes sum per salt, read from the codes without making placements)."""
-        tier_oids = {oid for oid, o in enumerate(self._owners) if o.tier is tier}
-        out: dict[int, int] = {}
-        for ik in ids:
-            cur = self._map.get(ik)
-            if cur is None:
-                continue
-            if isinstance(cur, int):
-                n = cur & SIZE_MASK if cur >> SIZE_BITS in tier_oids else 0
-            else:
-                n = sum(c & SIZE_MASK for c in cur if c >> SIZE_BITS in tier_oids)
-            if n:
-                out[ik >> HASH_BITS] = out.get(ik >> HASH_BITS, 0) + n
-        return {self._namespaces[ns]: b for ns, b in out.items()}
-
-    # ---- stats, digest, snapshot -----------------------------------------------------
-
-    def __len__(self) -> int:
-        return len(self._map)
-
-    def stats(self) -> DirectoryStats:
-        by_tier_n = {t.value: 0 for t in Tier}
-        by_tier_b = {t.value: 0 for t in Tier}
-        owners = []
-        for oid, o in enumerate(self._owners):
-            n, b = self._count[oid], self._bytes[oid]
-            if n == 0:
-                continue
-            by_tier_n[o.tier.value] += n
-            by_tier_b[o.tier.value] += b
-            owners.append(
-                OwnerStats(o.instance_id, o.incarnation, o.tier, o.backend, n, b, o.shared)
-            )
-        return DirectoryStats(
-            keys=len(self._map),
-            placements=sum(by_tier_n.values()),
-            bytes=sum(by_tier_b.values()),
-            placements_by_tier=by_tier_n,
-            bytes_by_tier=by_tier_b,
-            owners=tuple(owners),
-            namespaces=len(self._ns_ids),
-            token_keys=len(self._tokens),
-            token_bytes=self._token_bytes,
-        )
-
-    def canonical(self) -> list[tuple[Namespace, bytes, tuple[Placement, ...]]]:
-        """The directory's content independent of interning order, for tests and digests."""
-        return self.capture().canonical()
-
-    def digest(self) -> str:
-        """blake3 hex digest of the canonical content (placements and access counts)."""
-        return self.capture().digest()
-
-    def snapshot(self) -> bytes:
-        """Encode the directory; `restore` replays it through the same store path."""
-        return self.capture().encode()
-
-    def capture(self) -> DirectoryCapture:
-        """The directory at this instant, for `DirectoryCapture.encode` to turn into
-        snapshot bytes later: shallow copies of the maps, whose values are immutable.
-
-        A shell that guards the directory with a lock holds it only for this (~35 ms
-        at 1M keys here), not for the encoding (~250 ms).
-        """
-        return DirectoryCapture(
-            self._map.copy(),
-            tuple(self._owners),
-            tuple(self._namespaces),
-            self._access.copy(),
-            self._tokens.copy(),
-        )
 
     @classmethod
     def restore(cls, data: bytes, keep_tokens: bool = False) -> KeyDirectory:

@@ -28,7 +28,7 @@ from kvatlas.evaluation.fleet import Fleet, FleetConfig
 from kvatlas.router.service import ROUTE_HEADER
 from kvatlas.runtime.procs import ProcessError
 from kvatlas.wire.coordinator_views import StatsResponse
-from kvatlas.wire.http_api import InstanceWire
+from kvatlas.wire.instances_api import InstanceWire
 
 Say = Callable[[str], None]
 CHARS_PER_TOKEN = 4

@@ -29,7 +29,7 @@ from kvatlas.connector.client import CacheClient, EngineClientError
 from kvatlas.core.types import ChunkHash
 from kvatlas.evaluation.fleet import Fleet
 from kvatlas.evaluation.workload import Request, expected_kv
-from kvatlas.wire.http_api import LookupRequest
+from kvatlas.wire.directory_api import LookupRequest
 
 log = logging.getLogger(__name__)
 

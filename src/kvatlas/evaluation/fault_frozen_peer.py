@@ -37,7 +37,7 @@ from kvatlas.evaluation.driver import KV_DTYPE, KV_LAYOUT, MODEL
 from kvatlas.evaluation.fleet import Fleet, FleetConfig
 from kvatlas.evaluation.metrics import percentiles
 from kvatlas.evaluation.workload import VOCAB_SIZE, expected_kv
-from kvatlas.wire.http_api import LookupRequest
+from kvatlas.wire.directory_api import LookupRequest
 
 Say = Callable[[str], None]
 FROZEN_PEER: Final = "frozen_peer_no_estimate"

@@ -70,7 +70,7 @@ from kvatlas.evaluation.metrics import percentiles
 from kvatlas.evaluation.observe import cursors
 from kvatlas.evaluation.workload import VOCAB_SIZE, Request, WorkloadConfig, generate
 from kvatlas.runtime.coordinator_client import CoordinatorError
-from kvatlas.wire.http_api import LookupRequest
+from kvatlas.wire.directory_api import LookupRequest
 
 Say = Callable[[str], None]
 BITE_CHUNKS: Final = 4

@@ -46,7 +46,8 @@ from kvatlas.runtime.procs import (
     free_ports,
 )
 from kvatlas.wire.coordinator_views import StatsResponse
-from kvatlas.wire.http_api import InstanceWire, LookupRequest, LookupResponse
+from kvatlas.wire.directory_api import LookupRequest, LookupResponse
+from kvatlas.wire.instances_api import InstanceWire
 from kvatlas.wire.kafka_records import DEFAULT_TOPIC
 from kvatlas.wire.server_status import ServerStatus, decode_status
 

@@ -76,22 +76,21 @@ from kvatlas.core.credentials import credential_digest
 from kvatlas.core.errors import ServiceError
 from kvatlas.core.events import EventBatch
 from kvatlas.wire.coordinator_views import ReadyResponse, StatsResponse
-from kvatlas.wire.http_api import (
-    INSTANCE_SECRET_HEADER,
-    MSGPACK_CONTENT_TYPE,
-    ErrorResponse,
+from kvatlas.wire.directory_api import HolderWire, LookupRequest, LookupResponse
+from kvatlas.wire.events_api import (
     EventFormat,
     EventsResponse,
-    HolderWire,
-    InstancesResponse,
-    InstanceWire,
-    LookupRequest,
-    LookupResponse,
-    RegisterRequest,
-    RegisterResponse,
     compact_batch,
     encode_events_json,
     encode_events_msgpack,
+)
+from kvatlas.wire.http_api import MSGPACK_CONTENT_TYPE, ErrorResponse
+from kvatlas.wire.instances_api import (
+    INSTANCE_SECRET_HEADER,
+    InstancesResponse,
+    InstanceWire,
+    RegisterRequest,
+    RegisterResponse,
 )
 
 log = logging.getLogger(__name__)

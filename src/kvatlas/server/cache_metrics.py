@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvatlas.server.cache_control import CacheControlStats
+from kvatlas.server.metrics import instance_counter, instance_gauge
 
 
 class CacheControlCollector(Collector):
@@ -24,13 +25,9 @@ class CacheControlCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         s = self._stats()
         iid = self._iid
-        requests = CounterMetricFamily(
-            "kvatlas_server_cache_delete_requests",
-            "DELETE /cache/objects requests served",
-            labels=["instance_id"],
+        yield instance_counter(
+            iid, "cache_delete_requests", "DELETE /cache/objects requests served", s.delete_requests
         )
-        requests.add_metric([iid], s.delete_requests)
-        yield requests
         deleted = CounterMetricFamily(
             "kvatlas_server_cache_deleted_keys",
             "Keys removed by cache-control deletes and clears, by tier",
@@ -39,25 +36,19 @@ class CacheControlCollector(Collector):
         deleted.add_metric([iid, "l1"], s.deleted_l1)
         deleted.add_metric([iid, "l2"], s.deleted_l2)
         yield deleted
-        skipped = CounterMetricFamily(
-            "kvatlas_server_cache_delete_skipped_locked",
+        yield instance_counter(
+            iid,
+            "cache_delete_skipped_locked",
             "L1 keys a non-forced delete kept because a reader or writer held them",
-            labels=["instance_id"],
+            s.skipped_locked,
         )
-        skipped.add_metric([iid], s.skipped_locked)
-        yield skipped
-        errors = CounterMetricFamily(
-            "kvatlas_server_cache_delete_l2_errors",
+        yield instance_counter(
+            iid,
+            "cache_delete_l2_errors",
             "Deletes whose L2 part failed (answered ok: false)",
-            labels=["instance_id"],
+            s.l2_delete_errors,
         )
-        errors.add_metric([iid], s.l2_delete_errors)
-        yield errors
-        clears = CounterMetricFamily(
-            "kvatlas_server_cache_clears", "POST /cache/clear served", labels=["instance_id"]
-        )
-        clears.add_metric([iid], s.clears)
-        yield clears
+        yield instance_counter(iid, "cache_clears", "POST /cache/clear served", s.clears)
         prefetches = CounterMetricFamily(
             "kvatlas_server_cache_prefetches",
             "Warm prefetches by outcome (submitted, noop, refused_busy, completed, failed,"
@@ -75,10 +66,9 @@ class CacheControlCollector(Collector):
         for source, n in sorted(s.prefetch_keys.items()):
             keys.add_metric([iid, source], n)
         yield keys
-        jobs = GaugeMetricFamily(
-            "kvatlas_server_cache_prefetch_jobs",
+        yield instance_gauge(
+            iid,
+            "cache_prefetch_jobs",
             "Warm prefetch jobs in the table (running, or done and not yet polled)",
-            labels=["instance_id"],
+            s.jobs,
         )
-        jobs.add_metric([iid], s.jobs)
-        yield jobs

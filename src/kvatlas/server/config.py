@@ -21,7 +21,7 @@ from kvatlas.core.peer_timing import DeadlinePolicy
 from kvatlas.core.types import InstanceId
 from kvatlas.transfer.config import MooncakeConfig
 from kvatlas.transfer.factory import TRANSPORTS
-from kvatlas.wire.http_api import EventFormat
+from kvatlas.wire.events_api import EventFormat
 from kvatlas.wire.kafka_records import DEFAULT_PARTITIONER, DEFAULT_TOPIC
 
 GIB: Final = 1 << 30

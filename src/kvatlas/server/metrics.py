@@ -24,7 +24,24 @@ from kvatlas.server.storage.chunkstore import ChunkStoreStats
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-class _StatsCollector(Collector):
+def instance_gauge(iid: str, name: str, doc: str, value: float) -> GaugeMetricFamily:
+    """``kvatlas_server_<name>``: one value of the server ``iid``."""
+    g = GaugeMetricFamily(f"kvatlas_server_{name}", doc, labels=["instance_id"])
+    g.add_metric([iid], value)
+    return g
+
+
+def instance_counter(iid: str, name: str, doc: str, value: float) -> CounterMetricFamily:
+    """``kvatlas_server_<name>``: one count of the server ``iid``."""
+    c = CounterMetricFamily(f"kvatlas_server_{name}", doc, labels=["instance_id"])
+    c.add_metric([iid], value)
+    return c
+
+
+class ServerMetrics(Collector):
+    """A fresh registry with the server's collector: this object, which reads the parts'
+    stats when scraped."""
+
     def __init__(
         self,
         instance_id: str,
@@ -37,7 +54,9 @@ class _StatsCollector(Collector):
         p2p: Callable[[], P2PStats | None] = lambda: None,
         coordinator: Callable[[], ClientStats | None] = lambda: None,
         engine_api: Callable[[], EngineApiStats | None] = lambda: None,
+        extra: Sequence[Collector] = (),
     ) -> None:
+        """``extra``: the collectors of parts that own their metric names (LMCache MP)."""
         self._iid = instance_id
         self._engine_api = engine_api
         self._coordinator = coordinator
@@ -47,16 +66,19 @@ class _StatsCollector(Collector):
         self._publisher = publisher
         self._registrar = registrar
         self._requests = requests
+        self.registry = CollectorRegistry(auto_describe=False)
+        for collector in extra:
+            self.registry.register(collector)
+        self.registry.register(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
     def _g(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        g = GaugeMetricFamily(f"kvatlas_server_{name}", doc, labels=["instance_id"])
-        g.add_metric([self._iid], value)
-        return g
+        return instance_gauge(self._iid, name, doc, value)
 
     def _c(self, name: str, doc: str, value: float) -> CounterMetricFamily:
-        c = CounterMetricFamily(f"kvatlas_server_{name}", doc, labels=["instance_id"])
-        c.add_metric([self._iid], value)
-        return c
+        return instance_counter(self._iid, name, doc, value)
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self._store()
@@ -243,42 +265,3 @@ def _deadline_metrics(iid: str, pp: P2PStats) -> Iterator[GaugeMetricFamily]:
     yield load
     yield p99
     yield bw
-
-
-class ServerMetrics:
-    """A fresh registry with the server's collector."""
-
-    def __init__(
-        self,
-        instance_id: str,
-        store: Callable[[], ChunkStoreStats],
-        publisher: Callable[[], PublisherStats | None],
-        registrar: Callable[[], RegistrarStats | None],
-        requests: Callable[[], tuple[int, int]],
-        *,
-        lookups: Callable[[], LookupCounts],
-        p2p: Callable[[], P2PStats | None] = lambda: None,
-        coordinator: Callable[[], ClientStats | None] = lambda: None,
-        engine_api: Callable[[], EngineApiStats | None] = lambda: None,
-        extra: Sequence[Collector] = (),
-    ) -> None:
-        """``extra``: the collectors of parts that own their metric names (LMCache MP)."""
-        self.registry = CollectorRegistry(auto_describe=False)
-        for collector in extra:
-            self.registry.register(collector)
-        self.registry.register(
-            _StatsCollector(
-                instance_id,
-                store,
-                publisher,
-                registrar,
-                requests,
-                lookups=lookups,
-                p2p=p2p,
-                coordinator=coordinator,
-                engine_api=engine_api,
-            )
-        )
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

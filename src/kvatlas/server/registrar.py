@@ -46,7 +46,7 @@ from kvatlas.runtime.coordinator_client import (
 )
 from kvatlas.server.errors import ServerError
 from kvatlas.wire.fleet_view import ENGINE_URLS_KEY
-from kvatlas.wire.http_api import ContractWire, RegisterRequest
+from kvatlas.wire.instances_api import ContractWire, RegisterRequest
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from kvatlas.core.events import EventBatch
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.server.errors import SinkError
-from kvatlas.wire.http_api import EventFormat, compact_batch
+from kvatlas.wire.events_api import EventFormat, compact_batch
 from kvatlas.wire.kafka_records import DEFAULT_PARTITIONER, PROOF_HEADER, encode_batch_msgpack
 
 log = logging.getLogger(__name__)

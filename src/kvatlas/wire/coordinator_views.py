@@ -2,10 +2,10 @@
 `GET /directory/keys` and `GET /readyz`.
 
 The coordinator encodes these Structs and `runtime.coordinator_client` decodes its
-answers into the same ones, so both sides share one definition (the rest of the API's
-shapes are in `wire.http_api`; the blend index's size is `core.blend.BlendStats` as it
-is). Owns the shapes only: no I/O, no state, no mapping from core snapshots (the
-coordinator's `views` builds them).
+answers into the same ones, so both sides share one definition (the rest of the
+API's shapes are in `wire.http_api` and the modules it names; the blend index's size
+is `core.blend.BlendStats` as it is). Owns the shapes only: no I/O, no state, no
+mapping from core snapshots (the coordinator's `views` builds them).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import msgspec
 
 from kvatlas.core.blend import BlendStats
-from kvatlas.wire.http_api import PlacementWire
+from kvatlas.wire.directory_api import PlacementWire
 
 
 class OwnerView(msgspec.Struct, frozen=True):

@@ -23,6 +23,7 @@ import msgspec
 
 from kvatlas.core.keys import HASH_ALGORITHM, Namespace
 from kvatlas.core.types import U63, ChunkHash
+from kvatlas.wire.decoding import RpcCodec
 
 PROTOCOL_VERSION: Final = 1
 
@@ -280,32 +281,8 @@ class Response(msgspec.Struct, frozen=True):
     body: ResponseBody
 
 
-_request_decoder = msgspec.msgpack.Decoder(Request)
-_response_decoder = msgspec.msgpack.Decoder(Response)
-_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
-_encoder = msgspec.msgpack.Encoder()
-
-
-def encode(msg: Request | Response) -> bytes:
-    return _encoder.encode(msg)
-
-
-def decode_request(data: bytes | memoryview) -> Request:
-    """Raise msgspec.DecodeError / ValidationError on a malformed request (also one
-    nested too deeply for the decoder's recursion)."""
-    try:
-        return _request_decoder.decode(data)
-    except RecursionError as exc:
-        raise msgspec.DecodeError("nested deeper than the decoder's recursion limit") from exc
-
-
-def decode_response(data: bytes | memoryview) -> Response:
-    return _response_decoder.decode(data)
-
-
-def decode_envelope(data: bytes | memoryview) -> Envelope:
-    """Best effort header of a message that did not decode (zeros when unreadable)."""
-    try:
-        return _envelope_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-        return Envelope()
+_codec = RpcCodec(Request, Response, Envelope)
+encode = _codec.encode
+decode_request = _codec.decode_request
+decode_response = _codec.decode_response
+decode_envelope = _codec.decode_envelope

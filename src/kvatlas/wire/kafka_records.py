@@ -5,11 +5,11 @@ membership records and its event batches land in one partition and every replica
 them in the same order:
 
 - event batches (the servers' event sinks): one batch per record, either JSON (one
-  `wire.http_api.BatchWire` object, or LMCache's sinks' ``{"batches": [batch]}``, the
+  `wire.events_api.BatchWire` object, or LMCache's sinks' ``{"batches": [batch]}``, the
   body of `POST /events`) or msgpack (one core `EventBatch`, with or without a
-  `KeyBlock`: kvatlas' sinks send `wire.http_api.compact_batch`'s form). A batch of an
+  `KeyBlock`: kvatlas' sinks send `wire.events_api.compact_batch`'s form). A batch of an
   event type this coordinator does not know decodes into an `UnknownBatch`, as in
-  `POST /events` (the rule is in `wire.http_api`'s docstring);
+  `POST /events` (the rule is in `wire.events_api`'s docstring);
 - a membership record (coordinators): ``MAGIC`` followed by a msgpack-encoded tagged
   `MembershipRecord` (register, heartbeat, deregister, expire, the operator's quota and
   pin writes, and the contract claim, which is keyed by its model instead,
@@ -35,13 +35,8 @@ from kvatlas.core.keys import HashContract
 from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.quotas import OperatorOp
 from kvatlas.core.types import InstanceId, WireIncarnation
-from kvatlas.wire.http_api import (
-    TOO_DEEP,
-    AnyBatch,
-    check_batch,
-    decode_any_batch,
-    decode_events,
-)
+from kvatlas.wire.decoding import TOO_DEEP
+from kvatlas.wire.events_api import AnyBatch, check_batch, decode_any_batch, decode_events
 
 DEFAULT_TOPIC: Final = "kvatlas-cache-events"
 """The topic of event batches and membership records (``--kafka-topic`` of the

@@ -22,6 +22,7 @@ import msgspec
 
 from kvatlas.core.keys import Namespace
 from kvatlas.core.types import U63, ChunkHash
+from kvatlas.wire.decoding import RpcCodec
 
 P2P_PROTOCOL_VERSION: Final = 1
 
@@ -117,31 +118,8 @@ class P2PEnvelope(msgspec.Struct):
     id: int = 0
 
 
-_request_decoder = msgspec.msgpack.Decoder(P2PRequest)
-_response_decoder = msgspec.msgpack.Decoder(P2PResponse)
-_envelope_decoder = msgspec.msgpack.Decoder(P2PEnvelope)
-_encoder = msgspec.msgpack.Encoder()
-
-
-def encode(msg: P2PRequest | P2PResponse) -> bytes:
-    return _encoder.encode(msg)
-
-
-def decode_request(data: bytes | memoryview) -> P2PRequest:
-    """Raise msgspec.DecodeError / ValidationError on a malformed request (also one
-    nested too deeply for the decoder's recursion)."""
-    try:
-        return _request_decoder.decode(data)
-    except RecursionError as exc:
-        raise msgspec.DecodeError("nested deeper than the decoder's recursion limit") from exc
-
-
-def decode_response(data: bytes | memoryview) -> P2PResponse:
-    return _response_decoder.decode(data)
-
-
-def decode_envelope(data: bytes | memoryview) -> P2PEnvelope:
-    try:
-        return _envelope_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-        return P2PEnvelope()
+_codec = RpcCodec(P2PRequest, P2PResponse, P2PEnvelope)
+encode = _codec.encode
+decode_request = _codec.decode_request
+decode_response = _codec.decode_response
+decode_envelope = _codec.decode_envelope

@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvatlas.server.lmcache_mp.transport import LMCacheMPHandler
+from kvatlas.server.metrics import instance_counter, instance_gauge
 
 
 class LMCacheMPCollector(Collector):
@@ -40,21 +41,19 @@ class LMCacheMPCollector(Collector):
         for reason, n in sorted((self._handler.errors + svc.refused).items()):
             errors.add_metric([self._iid, reason], n)
         yield errors
-        sessions = GaugeMetricFamily(
-            "kvatlas_server_lmcache_sessions",
+        yield instance_gauge(
+            self._iid,
+            "lmcache_sessions",
             "LMCache request sessions open (a lookup not yet ended).",
-            labels=["instance_id"],
+            len(svc.sessions),
         )
-        sessions.add_metric([self._iid], len(svc.sessions))
-        yield sessions
-        dropped = CounterMetricFamily(
-            "kvatlas_server_lmcache_sessions_dropped",
+        yield instance_counter(
+            self._iid,
+            "lmcache_sessions_dropped",
             "LMCache sessions dropped, oldest first, beyond the session limit (their read"
             " leases were released: a client that never sends end_session).",
-            labels=["instance_id"],
+            svc.sessions.dropped,
         )
-        dropped.add_metric([self._iid], svc.sessions.dropped)
-        yield dropped
         workers = GaugeMetricFamily(
             "kvatlas_server_lmcache_workers",
             "LMCache workers with a registered KV cache, by transfer mode.",

@@ -54,8 +54,9 @@ from kvatlas.server.p2p.channel import ChannelError
 from kvatlas.server.p2p.controller import P2PController, PeerAdapter
 from kvatlas.server.p2p.store_access import PeerStoreAccess
 from kvatlas.transfer.base import ReadOp, ReadResult, ReadStatus
+from kvatlas.wire.directory_api import LookupRequest
 from kvatlas.wire.engine_proto import PeerFallback
-from kvatlas.wire.http_api import KeyWire, LookupRequest
+from kvatlas.wire.http_api import KeyWire
 from kvatlas.wire.p2p_proto import Locked, LockedChunk, LookupAndLock, Unlock
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,57 @@
+"""What every decoder of the wire shares: how a message nested too deep is refused, and
+the codec of a msgpack request/response protocol.
+
+msgspec raises ``RecursionError`` on a message nested past its recursion limit (say 100k
+``[``); every decoder here turns that into a malformed message with the reason
+``TOO_DEEP``, never a server error. ``RpcCodec`` is the codec the engine API
+(`wire.engine_proto`) and the P2P channel (`wire.p2p_proto`) both use: a request type, a
+response type, and an envelope (the header alone) to answer a request that does not
+decode. Owns decoding rules only; no I/O and no state.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Generic, TypeVar
+
+import msgspec
+
+TOO_DEEP: Final = "nested deeper than the decoder's recursion limit"
+"""The reason given for a message whose nesting overflows msgspec's recursion: a
+malformed message like any other, not a server error."""
+
+_Q = TypeVar("_Q")
+_R = TypeVar("_R")
+_E = TypeVar("_E")
+
+
+class RpcCodec(Generic[_Q, _R, _E]):
+    """The msgpack codec of one protocol: requests ``_Q``, responses ``_R``, and the
+    envelope ``_E`` (all fields defaulted) read from a message that does not decode."""
+
+    def __init__(self, request: type[_Q], response: type[_R], envelope: type[_E]) -> None:
+        self._request = msgspec.msgpack.Decoder(request)
+        self._response = msgspec.msgpack.Decoder(response)
+        self._envelope = msgspec.msgpack.Decoder(envelope)
+        self._empty = envelope
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def encode(self, msg: _Q | _R) -> bytes:
+        return self._encoder.encode(msg)
+
+    def decode_request(self, data: bytes | memoryview) -> _Q:
+        """Raise msgspec.DecodeError / ValidationError on a malformed request (also one
+        nested too deeply for the decoder's recursion)."""
+        try:
+            return self._request.decode(data)
+        except RecursionError as exc:
+            raise msgspec.DecodeError(TOO_DEEP) from exc
+
+    def decode_response(self, data: bytes | memoryview) -> _R:
+        return self._response.decode(data)
+
+    def decode_envelope(self, data: bytes | memoryview) -> _E:
+        """Best effort header of a message that did not decode (defaults when unreadable)."""
+        try:
+            return self._envelope.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            return self._empty()
