@@ -1,0 +1,252 @@
+"""Every command in the docs' code blocks: parsed against the real parsers, and run
+where it can run here (see ``doc_commands`` for the convention and the checks).
+
+Run for real: the single-machine coordinator and node A's cache server of
+docs/deploy.md, started from their documented command lines (ports moved to free
+loopback ports, L1 cut to 0.05 GiB, a private state dir); every ``curl`` of a block
+without ``# needs:`` against them, answered 2xx (and JSON where the doc pipes it to
+``json.tool``); every ``kvatlas ... --help``. The tests at the end show that the checks
+catch a wrong flag, a wrong value, an unknown command, a wrong route and an untagged
+block.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from docs.doc_commands import (
+    DOCS,
+    NEEDS,
+    OTHER_LANGS,
+    ROOT,
+    Block,
+    Command,
+    all_blocks,
+    blocks,
+    check_static,
+)
+from kvatlas.cli.server import build_parser as server_parser
+from kvatlas.runtime.procs import free_ports
+from support.launch import Proc, launch, python_module
+
+BLOCKS = all_blocks()
+COMMANDS = [c for b in BLOCKS for c in b.commands]
+DEPLOY_MD = ROOT / "docs" / "deploy.md"
+SINGLE_MACHINE = "## Single-machine test"
+RUNNING = {"9300": "coordinator", "7555": "node A's server (HTTP)"}
+"""The documented ports the fixture serves, and what serves them."""
+
+
+def _id(cmd: Command) -> str:
+    return f"{cmd.doc}:{cmd.line}:{cmd.words[0]}"
+
+
+def test_the_docs_have_commands() -> None:
+    docs = {c.doc for c in COMMANDS}
+    assert {"README.md", "docs/deploy.md", "docs/migrating-from-lmcache.md"} <= docs, docs
+    assert sum(c.runnable and c.words[0] == "curl" for c in COMMANDS) >= 5
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b.doc}:{b.line}")
+def test_every_block_is_tagged(block: Block) -> None:
+    """An untagged fence could hide a command from this test."""
+    assert block.lang == "bash" or block.lang in OTHER_LANGS, (
+        f"{block.doc}:{block.line}: tag the block (bash, or one of {sorted(OTHER_LANGS)})"
+    )
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=_id)
+def test_command_is_well_formed(cmd: Command) -> None:
+    try:
+        check_static(cmd)
+    except AssertionError as exc:
+        pytest.fail(f"{cmd.where()}\n{exc}", pytrace=False)
+
+
+# ---- run
+
+
+def _single_machine() -> list[tuple[str, list[str]]]:
+    """The coordinator and node A's server of deploy.md's single-machine block."""
+    section = DEPLOY_MD.read_text().split(SINGLE_MACHINE, 1)[1]
+    block = next(b for b in blocks(DEPLOY_MD, section) if b.lang == "bash")
+    out = []
+    for c in block.commands:
+        if c.words[:2] == ("kvatlas", "coordinator"):
+            out.append(("coordinator", list(c.words[2:])))
+        elif c.words[:2] == ("kvatlas", "server") and "node-a" in c.words:
+            out.append(("server", list(c.words[2:])))
+    assert [k for k, _ in out] == ["coordinator", "server"], out
+    return out
+
+
+def _moved(word: str, ports: dict[str, str]) -> str:
+    return re.sub(r"\b\d{4,5}\b", lambda m: ports.get(m.group(0), m.group(0)), word)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """The documented coordinator and node A's server, running; documented port -> the
+    loopback port it moved to."""
+    logs = tmp_path_factory.mktemp("doc-commands")
+    documented = ("9300", "6555", "7555", "8555")
+    ports = dict(zip(documented, map(str, free_ports(len(documented))), strict=True))
+    procs: list[Proc] = []
+    try:
+        for kind, args in _single_machine():
+            argv = [_moved(a, ports) for a in args]
+            if kind == "coordinator":
+                http = int(ports["9300"])
+            else:
+                argv += ["--l1-size-gb", "0.05", "--state-dir", str(logs / "state")]
+                http = int(ports["7555"])
+            procs.append(launch(python_module(f"kvatlas.cli.{kind}", *argv), name=kind,
+                                log=logs / f"{kind}.log", http_port=http, timeout=60))  # fmt: skip
+        yield ports
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def run_curl(cmd: Command, ports: dict[str, str]) -> tuple[int, str]:
+    """Run a documented curl against the fleet; answers its status and body."""
+    words = list(cmd.words)
+    targets = {
+        m.group(1) for w in words for m in re.finditer(r"(?:127\.0\.0\.1|localhost):(\d+)", w)
+    }
+    strange = targets - set(RUNNING)
+    assert not strange, (
+        f"a curl to port(s) {sorted(strange)}, which the docs' test does not run "
+        f"({RUNNING}): mark the block `{NEEDS} ...`"
+    )
+    argv = [_moved(w, ports) for w in words]
+    done = subprocess.run(
+        [*argv, "--max-time", "10", "-w", "\n%{http_code}"], capture_output=True, text=True,
+        timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, f"curl failed ({done.returncode}): {done.stderr}"
+    body, _, code = done.stdout.rpartition("\n")
+    return int(code), body
+
+
+RUNNABLE_CURLS = [c for c in COMMANDS if c.runnable and c.words[0] == "curl"]
+
+
+@pytest.mark.parametrize("cmd", RUNNABLE_CURLS, ids=_id)
+def test_curl_answers(cmd: Command, fleet: dict[str, str]) -> None:
+    code, body = run_curl(cmd, fleet)
+    assert 200 <= code < 300, f"{cmd.where()}\n-> {code} {body[:500]}"
+    if any(stage[-1:] == ("json.tool",) for stage in cmd.pipes):
+        json.loads(body)
+
+
+HELPS = [c for c in COMMANDS if c.words[0] == "kvatlas" and "--help" in c.words]
+
+
+@pytest.mark.parametrize("cmd", HELPS, ids=_id)
+def test_help_runs(cmd: Command) -> None:
+    done = subprocess.run(
+        python_module("kvatlas.cli.main", *cmd.words[1:]), capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, f"{cmd.where()}\n{done.stderr[-2000:]}"
+    assert "usage:" in done.stdout
+
+
+def test_the_migration_guides_flags_are_the_servers() -> None:
+    """The `lmcache server` flags the guide says kvatlas takes are the server's flags,
+    and the ones it says kvatlas refuses are not."""
+    flags = set(server_parser()._option_string_actions)
+    text = (ROOT / "docs" / "migrating-from-lmcache.md").read_text()
+    same = text.split("these flags\n  of `lmcache server`:", 1)[1].split(";", 1)[0]
+    taken = re.findall(r"`(--[a-z0-9-]+)`", same)
+    assert len(taken) >= 15, taken
+    assert not [f for f in taken if f not in flags], "flags the guide names but kvatlas lacks"
+    refused = text.split("other `lmcache server` flags are refused", 1)[1].split("\n- ", 1)[0]
+    lmcache_only = ("--http-host", "--l2-adapter", "--shm-name", "--l1-use-lazy",
+                    "--hash-algorithm", "--transport")  # fmt: skip
+    for flag in lmcache_only:
+        assert f"`{flag}`" in refused, flag
+        assert flag not in flags, f"the guide says kvatlas refuses {flag}"
+        with pytest.raises(AssertionError, match=re.escape(flag)):
+            check_static(_cmd(f"kvatlas server {flag} x"))
+
+
+# ---- the checks can fail
+
+
+def _cmd(line: str, runnable: bool = True) -> Command:
+    return Command("test", 1, tuple(shlex.split(line)), {}, runnable=runnable)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "kvatlas coordinator --port 9300 --no-such-flag",
+        "kvatlas router --policy fastest",
+        "kvatlas server --l1-size-gb",
+        "kvatlas server --l1-align-byte 65536",
+        "kvatlas nosuch --port 1",
+        "python -m bench.router_freeze_bench --no-such-flag 1",
+        "python -m bench.no_such_bench",
+        "make no-such-target",
+        "bash scripts/no_such.sh",
+        "vllm serve Qwen/Qwen3-14B",
+    ],
+)
+def test_a_wrong_command_fails(line: str) -> None:
+    with pytest.raises(AssertionError):
+        check_static(_cmd(line))
+
+
+def test_a_wrong_flag_in_the_deploy_doc_fails(tmp_path: Path) -> None:
+    """The same check over deploy.md with one flag misspelt finds that flag."""
+    doc = tmp_path / "deploy.md"
+    text = DEPLOY_MD.read_text().replace("--p2p-advertise-url", "--p2p-advertised-url", 1)
+    failures = []
+    for block in blocks(doc, text):
+        for cmd in block.commands:
+            try:
+                check_static(cmd)
+            except AssertionError as exc:
+                failures.append(str(exc))
+    assert len(failures) == 1 and "--p2p-advertised-url" in failures[0], failures
+
+
+def test_a_command_of_a_needs_block_is_not_run_but_still_parsed() -> None:
+    check_static(_cmd("vllm serve Qwen/Qwen3-14B", runnable=False))
+    with pytest.raises(AssertionError, match="does not parse"):
+        check_static(_cmd("kvatlas server --no-such-flag", runnable=False))
+
+
+def test_a_wrong_route_fails(fleet: dict[str, str]) -> None:
+    code, _ = run_curl(_cmd("curl -s http://127.0.0.1:9300/no-such-route"), fleet)
+    assert code == 404
+    with pytest.raises(AssertionError, match="mark the block"):
+        run_curl(_cmd("curl -s http://127.0.0.1:8080/status"), fleet)
+
+
+def test_an_untagged_block_and_its_needs_line_are_read(tmp_path: Path) -> None:
+    doc = tmp_path / "x.md"
+    text = (
+        "```\nkvatlas coordinator\n```\n\n"
+        "```bash\n# needs: a GPU\nFOO=1\nvllm serve m --port $FOO \\\n  --x 'a\nb'\n```\n"
+    )
+    untagged, gpu = blocks(doc, text)
+    assert untagged.lang == "" and not untagged.commands
+    assert gpu.needs == "a GPU"
+    (cmd,) = gpu.commands
+    assert cmd.words == ("vllm", "serve", "m", "--port", "1", "--x", "a\nb")
+    assert not cmd.runnable
+
+
+def test_every_doc_is_read() -> None:
+    names = {p.name for p in DOCS}
+    assert {"README.md", "deploy.md", "operations.md", "benchmarks.md"} <= names
