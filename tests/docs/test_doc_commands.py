@@ -16,7 +16,6 @@ import json
 import re
 import shlex
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,16 +31,12 @@ from docs.doc_commands import (
     blocks,
     check_static,
 )
+from docs.doc_fleet import DEPLOY_MD, RUNNING, moved
 from kvatlas.cli.server import build_parser as server_parser
-from kvatlas.runtime.procs import free_ports
-from support.launch import Proc, launch, python_module
+from support.launch import python_module
 
 BLOCKS = all_blocks()
 COMMANDS = [c for b in BLOCKS for c in b.commands]
-DEPLOY_MD = ROOT / "docs" / "deploy.md"
-SINGLE_MACHINE = "## Single-machine test"
-RUNNING = {"9300": "coordinator", "7555": "node A's server (HTTP)"}
-"""The documented ports the fixture serves, and what serves them."""
 
 
 def _id(cmd: Command) -> str:
@@ -73,48 +68,6 @@ def test_command_is_well_formed(cmd: Command) -> None:
 # ---- run
 
 
-def _single_machine() -> list[tuple[str, list[str]]]:
-    """The coordinator and node A's server of deploy.md's single-machine block."""
-    section = DEPLOY_MD.read_text().split(SINGLE_MACHINE, 1)[1]
-    block = next(b for b in blocks(DEPLOY_MD, section) if b.lang == "bash")
-    out = []
-    for c in block.commands:
-        if c.words[:2] == ("kvatlas", "coordinator"):
-            out.append(("coordinator", list(c.words[2:])))
-        elif c.words[:2] == ("kvatlas", "server") and "node-a" in c.words:
-            out.append(("server", list(c.words[2:])))
-    assert [k for k, _ in out] == ["coordinator", "server"], out
-    return out
-
-
-def _moved(word: str, ports: dict[str, str]) -> str:
-    return re.sub(r"\b\d{4,5}\b", lambda m: ports.get(m.group(0), m.group(0)), word)
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """The documented coordinator and node A's server, running; documented port -> the
-    loopback port it moved to."""
-    logs = tmp_path_factory.mktemp("doc-commands")
-    documented = ("9300", "6555", "7555", "8555")
-    ports = dict(zip(documented, map(str, free_ports(len(documented))), strict=True))
-    procs: list[Proc] = []
-    try:
-        for kind, args in _single_machine():
-            argv = [_moved(a, ports) for a in args]
-            if kind == "coordinator":
-                http = int(ports["9300"])
-            else:
-                argv += ["--l1-size-gb", "0.05", "--state-dir", str(logs / "state")]
-                http = int(ports["7555"])
-            procs.append(launch(python_module(f"kvatlas.cli.{kind}", *argv), name=kind,
-                                log=logs / f"{kind}.log", http_port=http, timeout=60))  # fmt: skip
-        yield ports
-    finally:
-        for p in reversed(procs):
-            p.stop()
-
-
 def run_curl(cmd: Command, ports: dict[str, str]) -> tuple[int, str]:
     """Run a documented curl against the fleet; answers its status and body."""
     words = list(cmd.words)
@@ -126,7 +79,7 @@ def run_curl(cmd: Command, ports: dict[str, str]) -> tuple[int, str]:
         f"a curl to port(s) {sorted(strange)}, which the docs' test does not run "
         f"({RUNNING}): mark the block `{NEEDS} ...`"
     )
-    argv = [_moved(w, ports) for w in words]
+    argv = [moved(w, ports) for w in words]
     done = subprocess.run(
         [*argv, "--max-time", "10", "-w", "\n%{http_code}"], capture_output=True, text=True,
         timeout=30, check=False,
@@ -140,8 +93,8 @@ RUNNABLE_CURLS = [c for c in COMMANDS if c.runnable and c.words[0] == "curl"]
 
 
 @pytest.mark.parametrize("cmd", RUNNABLE_CURLS, ids=_id)
-def test_curl_answers(cmd: Command, fleet: dict[str, str]) -> None:
-    code, body = run_curl(cmd, fleet)
+def test_curl_answers(cmd: Command, doc_fleet: dict[str, str]) -> None:
+    code, body = run_curl(cmd, doc_fleet)
     assert 200 <= code < 300, f"{cmd.where()}\n-> {code} {body[:500]}"
     if any(stage[-1:] == ("json.tool",) for stage in cmd.pipes):
         json.loads(body)
@@ -226,11 +179,11 @@ def test_a_command_of_a_needs_block_is_not_run_but_still_parsed() -> None:
         check_static(_cmd("kvatlas server --no-such-flag", runnable=False))
 
 
-def test_a_wrong_route_fails(fleet: dict[str, str]) -> None:
-    code, _ = run_curl(_cmd("curl -s http://127.0.0.1:9300/no-such-route"), fleet)
+def test_a_wrong_route_fails(doc_fleet: dict[str, str]) -> None:
+    code, _ = run_curl(_cmd("curl -s http://127.0.0.1:9300/no-such-route"), doc_fleet)
     assert code == 404
     with pytest.raises(AssertionError, match="mark the block"):
-        run_curl(_cmd("curl -s http://127.0.0.1:8080/status"), fleet)
+        run_curl(_cmd("curl -s http://127.0.0.1:8080/status"), doc_fleet)
 
 
 def test_an_untagged_block_and_its_needs_line_are_read(tmp_path: Path) -> None:
