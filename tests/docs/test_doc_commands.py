@@ -12,6 +12,8 @@ block.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
 import re
 import shlex
@@ -22,6 +24,7 @@ import pytest
 
 from docs.doc_commands import (
     DOCS,
+    KVATLAS_PARSERS,
     NEEDS,
     OTHER_LANGS,
     ROOT,
@@ -30,6 +33,7 @@ from docs.doc_commands import (
     all_blocks,
     blocks,
     check_static,
+    help_flags,
 )
 from docs.doc_fleet import DEPLOY_MD, RUNNING, moved
 from kvatlas.cli.server import build_parser as server_parser
@@ -132,7 +136,55 @@ def test_the_migration_guides_flags_are_the_servers() -> None:
             check_static(_cmd(f"kvatlas server {flag} x"))
 
 
+FOREIGN_FLAGS = {
+    "--api-key": "vllm serve",
+    "--block-size": "vllm serve",
+    "--kv-events-config": "vllm serve",
+    "--prefix-caching-hash-algo": "vllm serve",
+    "--no-deps": "pip install",
+    "--strict": "mypy",
+    "--lookups-only": "python -m bench.coordinator_bench",
+}
+"""Flags the docs' prose names that are not kvatlas' own, and whose they are."""
+PROSE_DOCS = ("README.md", "docs/deploy.md", "docs/operations.md", "docs/architecture.md",
+              "docs/fleet-evaluation.md")  # fmt: skip
+"""The docs whose every ``--flag`` must be a kvatlas flag (the migration guide names
+LMCache's too)."""
+
+
+@functools.cache
+def kvatlas_flags() -> frozenset[str]:
+    flags: set[str] = set()
+    for module, builder in KVATLAS_PARSERS.values():
+        parser = getattr(importlib.import_module(module), builder)()
+        flags |= set(parser._option_string_actions)
+    return frozenset(flags)
+
+
+def unknown_flags(text: str) -> list[str]:
+    """The ``--flags`` of a text that no kvatlas command takes and that are not listed
+    as another program's (a ``--p2p-*-...`` pattern names no flag)."""
+    named = set(re.findall(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*[a-z0-9])(?![\w*-])", text))
+    return sorted(named - kvatlas_flags() - set(FOREIGN_FLAGS))
+
+
+@pytest.mark.parametrize("doc", PROSE_DOCS)
+def test_every_flag_the_prose_names_exists(doc: str) -> None:
+    assert not unknown_flags((ROOT / doc).read_text()), f"{doc} names flags nothing takes"
+
+
+def test_the_foreign_flags_are_theirs() -> None:
+    for flag, owner in FOREIGN_FLAGS.items():
+        if owner.startswith("python -m bench."):
+            assert flag in help_flags(("-m", owner.split()[-1])), (flag, owner)
+
+
 # ---- the checks can fail
+
+
+def test_a_wrong_flag_in_prose_is_found() -> None:
+    assert unknown_flags("set `--l1-size-gb` and `--l1-sise-gb`") == ["--l1-sise-gb"]
+    assert unknown_flags("the `--p2p-*-recompute-s-per-token` flags") == []
 
 
 def _cmd(line: str, runnable: bool = True) -> Command:
