@@ -7,15 +7,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from docs.doc_fleet import documented_fleet
+from docs.doc_fleet import DocFleet, documented_fleet
 from lmcache.conftest import lmcache_venv
 
 __all__ = ["doc_fleet", "lmcache_venv"]
 
 
 @pytest.fixture(scope="package")
-def doc_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """deploy.md's coordinator and node A's server running; documented port -> the
-    loopback port it moved to."""
-    with documented_fleet(tmp_path_factory.mktemp("doc-fleet")) as ports:
-        yield ports
+def doc_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocFleet]:
+    """deploy.md's coordinator and node A's server, running."""
+    with documented_fleet(tmp_path_factory.mktemp("doc-fleet")) as fleet:
+        yield fleet

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from docs.doc_commands import ROOT, blocks
@@ -42,9 +43,17 @@ def moved(word: str, ports: dict[str, str]) -> str:
     return re.sub(r"\b\d{4,5}\b", lambda m: ports.get(m.group(0), m.group(0)), word)
 
 
+@dataclass(frozen=True)
+class DocFleet:
+    ports: dict[str, str]
+    """Documented port -> the loopback port it moved to."""
+    logs: Path
+    """``coordinator.log`` and ``server.log`` are there."""
+
+
 @contextmanager
-def documented_fleet(logs: Path) -> Iterator[dict[str, str]]:
-    """The fleet running; yields documented port -> the loopback port it moved to."""
+def documented_fleet(logs: Path) -> Iterator[DocFleet]:
+    """The fleet running, until the context ends."""
     ports = dict(zip(DOCUMENTED_PORTS, map(str, free_ports(len(DOCUMENTED_PORTS))), strict=True))
     procs: list[Proc] = []
     try:
@@ -57,7 +66,7 @@ def documented_fleet(logs: Path) -> Iterator[dict[str, str]]:
                 http = int(ports["7555"])
             procs.append(launch(python_module(f"kvatlas.cli.{kind}", *argv), name=kind,
                                 log=logs / f"{kind}.log", http_port=http, timeout=60))  # fmt: skip
-        yield ports
+        yield DocFleet(ports, logs)
     finally:
         for p in reversed(procs):
             p.stop()

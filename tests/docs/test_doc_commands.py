@@ -35,7 +35,7 @@ from docs.doc_commands import (
     check_static,
     help_flags,
 )
-from docs.doc_fleet import DEPLOY_MD, RUNNING, moved
+from docs.doc_fleet import DEPLOY_MD, RUNNING, DocFleet, moved
 from kvatlas.cli.server import build_parser as server_parser
 from support.launch import python_module
 
@@ -97,8 +97,8 @@ RUNNABLE_CURLS = [c for c in COMMANDS if c.runnable and c.words[0] == "curl"]
 
 
 @pytest.mark.parametrize("cmd", RUNNABLE_CURLS, ids=_id)
-def test_curl_answers(cmd: Command, doc_fleet: dict[str, str]) -> None:
-    code, body = run_curl(cmd, doc_fleet)
+def test_curl_answers(cmd: Command, doc_fleet: DocFleet) -> None:
+    code, body = run_curl(cmd, doc_fleet.ports)
     assert 200 <= code < 300, f"{cmd.where()}\n-> {code} {body[:500]}"
     if any(stage[-1:] == ("json.tool",) for stage in cmd.pipes):
         json.loads(body)
@@ -115,6 +115,17 @@ def test_help_runs(cmd: Command) -> None:
     )  # fmt: skip
     assert done.returncode == 0, f"{cmd.where()}\n{done.stderr[-2000:]}"
     assert "usage:" in done.stdout
+
+
+def test_the_expected_log_lines_are_logged(doc_fleet: DocFleet) -> None:
+    """deploy.md's "Expected logs" of a registration, in the fleet's logs (ports moved)."""
+    text = DEPLOY_MD.read_text().split("Expected logs:", 1)[1].split("\n\n", 1)[0]
+    said = re.findall(r"logs `([^`]+)`", text.replace("\n", " "))
+    assert len(said) >= 2, said
+    logs = {k: (doc_fleet.logs / f"{k}.log").read_text() for k in ("coordinator", "server")}
+    for line in said[:2]:
+        expected = moved(line, doc_fleet.ports)
+        assert any(expected in log for log in logs.values()), f"never logged: {expected!r}"
 
 
 def test_the_migration_guides_flags_are_the_servers() -> None:
@@ -231,11 +242,11 @@ def test_a_command_of_a_needs_block_is_not_run_but_still_parsed() -> None:
         check_static(_cmd("kvatlas server --no-such-flag", runnable=False))
 
 
-def test_a_wrong_route_fails(doc_fleet: dict[str, str]) -> None:
-    code, _ = run_curl(_cmd("curl -s http://127.0.0.1:9300/no-such-route"), doc_fleet)
+def test_a_wrong_route_fails(doc_fleet: DocFleet) -> None:
+    code, _ = run_curl(_cmd("curl -s http://127.0.0.1:9300/no-such-route"), doc_fleet.ports)
     assert code == 404
     with pytest.raises(AssertionError, match="mark the block"):
-        run_curl(_cmd("curl -s http://127.0.0.1:8080/status"), doc_fleet)
+        run_curl(_cmd("curl -s http://127.0.0.1:8080/status"), doc_fleet.ports)
 
 
 def test_an_untagged_block_and_its_needs_line_are_read(tmp_path: Path) -> None:

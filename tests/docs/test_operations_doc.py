@@ -14,6 +14,7 @@ import re
 import httpx
 
 from docs.doc_commands import ROOT
+from docs.doc_fleet import DocFleet
 from kvatlas.connector.kv_connector import Fallback
 from kvatlas.coordinator.vllm_ingest import COUNTS
 from kvatlas.core.fleet import FenceReason
@@ -57,9 +58,9 @@ def _families(url: str) -> set[str]:
     return {n for n in names if not n.endswith("_created")}
 
 
-def test_every_exported_metric_is_documented(doc_fleet: dict[str, str]) -> None:
-    coordinator = _families(f"http://127.0.0.1:{doc_fleet['9300']}/metrics")
-    server = _families(f"http://127.0.0.1:{doc_fleet['7555']}/metrics")
+def test_every_exported_metric_is_documented(doc_fleet: DocFleet) -> None:
+    coordinator = _families(f"http://127.0.0.1:{doc_fleet.ports['9300']}/metrics")
+    server = _families(f"http://127.0.0.1:{doc_fleet.ports['7555']}/metrics")
     assert len(coordinator) > 40 and len(server) > 40, (len(coordinator), len(server))
     assert not undocumented(coordinator | server), "not in docs/operations.md"
 
