@@ -17,6 +17,7 @@ import importlib
 import json
 import re
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -96,6 +97,7 @@ def run_curl(cmd: Command, ports: dict[str, str]) -> tuple[int, str]:
 RUNNABLE_CURLS = [c for c in COMMANDS if c.runnable and c.words[0] == "curl"]
 
 
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 @pytest.mark.parametrize("cmd", RUNNABLE_CURLS, ids=_id)
 def test_curl_answers(cmd: Command, doc_fleet: DocFleet) -> None:
     code, body = run_curl(cmd, doc_fleet.ports)
@@ -242,6 +244,7 @@ def test_a_command_of_a_needs_block_is_not_run_but_still_parsed() -> None:
         check_static(_cmd("kvatlas server --no-such-flag", runnable=False))
 
 
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_a_wrong_route_fails(doc_fleet: DocFleet) -> None:
     code, _ = run_curl(_cmd("curl -s http://127.0.0.1:9300/no-such-route"), doc_fleet.ports)
     assert code == 404
