@@ -6,7 +6,7 @@ status class that may differ for the requests ``when`` picks, or a body not comp
 and why kvatlas answers differently. The comparator (``compare.py``) consults this list
 and nothing else: a difference that is not here fails the suite, and an entry no
 exchange of the coverage test uses fails it too (``test_routes.py``), so the list names
-what happens, no more. docs/deploy.md lists the same entries for users.
+what happens, no more. docs/migrating-from-lmcache.md lists the same entries for users.
 
 A route kvatlas does not serve is never an intended difference.
 """

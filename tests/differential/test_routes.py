@@ -49,10 +49,10 @@ def test_route_answered_alike(route: str, pair: Pair, request: pytest.FixtureReq
 
 
 def test_every_listed_difference_is_documented() -> None:
-    """docs/deploy.md lists the same differences for users."""
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "deploy.md").read_text()
+    """docs/migrating-from-lmcache.md lists the same differences for users."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "migrating-from-lmcache.md").read_text()
     missing = [d.name for d in DIFFERENCES if f"`{d.name}`" not in doc]
-    assert not missing, f"not in docs/deploy.md: {missing}"
+    assert not missing, f"not in docs/migrating-from-lmcache.md: {missing}"
 
 
 def test_all_scenarios_alike_and_every_listed_difference_met(

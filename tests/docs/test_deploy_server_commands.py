@@ -1,4 +1,4 @@
-"""docs/deploy.md's drop-in for `lmcache server` (issue #28), run from the document.
+"""docs/migrating-from-lmcache.md's drop-in for `lmcache server`, run from the document.
 
 The section's first shell block is LMCache's P2P guide's five terminals with `kvatlas
 coordinator` and `kvatlas server` in place of LMCache's. Its commands are read from the
@@ -38,7 +38,7 @@ from support.launch import Proc, launch, python_module
 from support.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-DEPLOY_MD = ROOT / "docs" / "deploy.md"
+DEPLOY_MD = ROOT / "docs" / "migrating-from-lmcache.md"
 SECTION = "## Drop-in for `lmcache server`"
 CHUNK = 256
 SERVER_OVERRIDES = ("--l1-size-gb", "0.0625")

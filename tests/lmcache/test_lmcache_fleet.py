@@ -9,8 +9,8 @@ So both coordinators receive the very same calls: registration without an incarn
 heartbeats, `POST /events` with config, store, access and delete batches, heartbeat
 expiry and re-registration, and `DELETE /instances/mp-a`. The tests compare the two
 answers to every call, and to the same lookups; where they differ by design the test
-names the difference (docs/deploy.md, "kvatlas as the coordinator of an LMCache fleet",
-says why).
+names the difference (docs/migrating-from-lmcache.md, "kvatlas as the coordinator of an
+LMCache fleet", says why).
 
 The tests run in file order and share the fleet: registration, capacity, stores,
 accesses, deletions, evictions, expiry, deregistration.
