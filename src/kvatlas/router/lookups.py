@@ -25,7 +25,8 @@ from kvatlas.core.breaker import Breaker, BreakerPolicy, BreakerState
 from kvatlas.router.config import RouterConfig
 from kvatlas.router.metrics import RouterMetrics
 from kvatlas.router.tripwires import COORDINATOR, Tripped, Tripwires
-from kvatlas.runtime.coordinator_client import AsyncLookups, CoordinatorError
+from kvatlas.runtime.coordinator_client import CoordinatorError
+from kvatlas.runtime.coordinator_lookups import AsyncLookups
 
 log = logging.getLogger(__name__)
 
