@@ -126,7 +126,9 @@ class PeerHealth:
     def record_failure(self, peer: str, now: float, *, hard: bool = False) -> bool:
         """Count a failure; True when the breaker has just opened (at once when
         ``hard``: the peer is dead or frozen, asking it again costs a deadline)."""
-        breaker = self._breakers.setdefault(peer, Breaker(self._policy))
+        breaker = self._breakers.get(peer)
+        if breaker is None:
+            breaker = self._breakers[peer] = Breaker(self._policy)
         if breaker.state(now) is not BreakerState.CLOSED:
             return False
         if not breaker.record_failure(now, hard=hard):
