@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvatlas.router.engines import RATE_SMOOTHING, EngineState, EngineTable, RateMeter
-from kvatlas.router.service import _samples
+from kvatlas.router.health import samples_of as _samples
 
 
 def test_a_probe_taken_during_the_routers_own_request_does_not_outlive_it() -> None:

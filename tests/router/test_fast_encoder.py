@@ -139,9 +139,11 @@ def test_the_router_tokenizes_inline_only_when_cheap_and_its_thread_is_idle(
         service = RouterService(RouterConfig(), None, tokenizer=tok)
         await service.start()  # readies the fast encoder on the loop's and the pool's thread
         try:
-            first = await service._tokenize([], small)
+            first = await service.tokens.encode([], small)
             # while the thread works on the big body, a small one queues behind it
-            both = await asyncio.gather(service._tokenize([], big), service._tokenize([], small))
+            both = await asyncio.gather(
+                service.tokens.encode([], big), service.tokens.encode([], small)
+            )
             return [first, *both], service.metrics.render().decode()
         finally:
             await service.close()
@@ -172,11 +174,11 @@ async def _tokenize_and_wait_for_checks(
     """Tokenize ``bodies`` one after the other, each after the previous one's check
     ended; the router's metrics once ``checks`` checks are counted (10 s at most)."""
     for body in bodies:
-        blob = await service._tokenize([], body)
+        blob = await service.tokens.encode([], body)
         assert blob is not None and service.tokenizer is not None
-        service._maybe_verify(service.tokenizer, body, blob)  # as plan() does after choosing
+        service.checks.maybe_check(body, blob)  # as plan() does after choosing
         for _ in range(1000):
-            if not service._verifying:
+            if not service.checks.running:
                 break
             await asyncio.sleep(0.01)
     text = service.metrics.render().decode()
@@ -297,14 +299,14 @@ def test_the_prompts_after_a_tokenize_past_its_deadline_never_run_beside_it() ->
     async def run() -> tuple[list[bytes | None], str]:
         service = RouterService(RouterConfig(lookup_timeout_s=0.2), None, tokenizer=slow)
         try:
-            held = await service._tokenize([], slow.hold)  # past its deadline
-            behind = await service._tokenize([], small)  # queued behind it: past too
+            held = await service.tokens.encode([], slow.hold)  # past its deadline
+            behind = await service.tokens.encode([], small)  # queued behind it: past too
             slow.release.set()
             for _ in range(500):
-                if not service._tokenize_busy:
+                if not service.tokens.busy:
                     break
                 await asyncio.sleep(0.01)
-            after = await service._tokenize([], small)
+            after = await service.tokens.encode([], small)
             return [held, behind, after], service.metrics.render().decode()
         finally:
             slow.release.set()

@@ -7,13 +7,13 @@ acts on:
   peer adapters to add, rebuild (endpoint changed) or remove (absent from 3 consecutive
   successful listings). An unreachable coordinator is not a listing, so it never costs
   a peer: peers keep serving each other through a coordinator outage.
-- `PeerHealth`: a circuit breaker per peer. A hard failure (the peer is dead: refused,
-  disconnected, a transport error, or it did not answer within its deadline) opens the
-  breaker at once; softer ones (refusals, corrupt bytes) open it after ``threshold`` in
-  a row. An open peer is skipped until it shows a new incarnation or reappears in a
-  listing (the controller calls ``forget``), or answers a cheap probe: probes are due
-  ``probe_after_s`` after opening, then at doubling intervals up to ``cooloff_s``
-  (half-open). A probe that goes unanswered keeps the breaker open another
+- `PeerHealth`: a circuit breaker per peer (`core.breaker`). A hard failure (the peer
+  is dead: refused, disconnected, a transport error, or it did not answer within its
+  deadline) opens the breaker at once; softer ones (refusals, corrupt bytes) open it
+  after ``threshold`` in a row. An open peer is skipped until it shows a new incarnation
+  or reappears in a listing (the controller calls ``forget``), or answers a cheap probe:
+  probes are due ``probe_after_s`` after opening, then at doubling intervals up to
+  ``cooloff_s`` (half-open). A probe that goes unanswered keeps the breaker open another
   ``cooloff_s`` (``record_probe_failure``), so a frozen peer costs requests one deadline
   once, not one per cool-off; past ``cooloff_s`` without any probe (the poll thread was
   held up), one request may try it again.
@@ -28,6 +28,8 @@ from __future__ import annotations
 import enum
 
 import msgspec
+
+from kvatlas.core.breaker import Breaker, BreakerPolicy, BreakerState
 
 MAX_MISSES = 3
 """Consecutive successful listings without a peer before its adapter is removed."""
@@ -104,7 +106,8 @@ class PeerTable:
 
 
 class PeerHealth:
-    """One breaker per peer: closed (used), open (skipped; probed when due)."""
+    """One breaker per peer (`core.breaker`): closed (used), open (skipped; probed when
+    due)."""
 
     def __init__(
         self, threshold: int = 3, cooloff_s: float = 10.0, probe_after_s: float = 0.25
@@ -112,8 +115,9 @@ class PeerHealth:
         self.threshold = threshold
         self.cooloff_s = cooloff_s
         self.probe_after_s = min(probe_after_s, cooloff_s)
-        self._failures: dict[str, int] = {}
-        self._skip_until: dict[str, float] = {}
+        self._policy = BreakerPolicy(threshold=threshold, cooloff_s=cooloff_s)
+        self._breakers: dict[str, Breaker] = {}
+        """Peers that failed since their last success or reappearance."""
         self._probe_at: dict[str, float] = {}
         self._probe_gap: dict[str, float] = {}
         self.opened = 0
@@ -122,37 +126,37 @@ class PeerHealth:
     def record_failure(self, peer: str, now: float, *, hard: bool = False) -> bool:
         """Count a failure; True when the breaker has just opened (at once when
         ``hard``: the peer is dead or frozen, asking it again costs a deadline)."""
-        if peer in self._skip_until:
+        breaker = self._breakers.get(peer)
+        if breaker is None:
+            breaker = self._breakers[peer] = Breaker(self._policy)
+        if breaker.state(now) is not BreakerState.CLOSED:
             return False
-        n = self._failures.get(peer, 0) + 1
-        self._failures[peer] = n
-        if hard or n >= self.threshold:
-            self._failures[peer] = 0
-            self._skip_until[peer] = now + self.cooloff_s
-            self._probe_at[peer] = now + self.probe_after_s
-            self._probe_gap[peer] = self.probe_after_s
-            self.opened += 1
-            return True
-        return False
+        if not breaker.record_failure(now, hard=hard):
+            return False
+        self._probe_at[peer] = now + self.probe_after_s
+        self._probe_gap[peer] = self.probe_after_s
+        self.opened += 1
+        return True
 
     def record_probe_failure(self, peer: str, now: float) -> None:
         """A probe of an open peer went unanswered: requests keep skipping it for
         another ``cooloff_s`` (probes go on at their own, doubling, interval)."""
-        if peer in self._skip_until:
-            self._skip_until[peer] = max(self._skip_until[peer], now + self.cooloff_s)
+        breaker = self._breakers.get(peer)
+        if breaker is not None:
+            breaker.hold(now)
 
     def record_success(self, peer: str) -> None:
         """The peer answered (a request or a probe): close its breaker."""
         self.forget(peer)
 
     def available(self, peer: str, now: float) -> bool:
-        until = self._skip_until.get(peer)
-        if until is None:
+        breaker = self._breakers.get(peer)
+        if breaker is None:
             return True
-        if now >= until:  # no probe got through in cooloff_s: let one request try
-            self.forget(peer)
-            return True
-        return False
+        state = breaker.state(now)
+        if state is BreakerState.HALF_OPEN:  # no probe got through in cooloff_s: let one
+            self.forget(peer)  # request try
+        return state is not BreakerState.OPEN
 
     def due_probes(self, now: float) -> list[str]:
         """Open peers whose probe is due; each is not due again before its next,
@@ -165,13 +169,12 @@ class PeerHealth:
         return due
 
     def cooling(self, now: float) -> list[str]:
-        return sorted(p for p, t in self._skip_until.items() if t > now)
+        return sorted(p for p, b in self._breakers.items() if not b.allows(now))
 
     def forget(self, peer: str) -> None:
         """Close the breaker and clear the count (a new incarnation, a reappearance in
         the listing, an answered probe, or the peer's adapter removed)."""
-        self._failures.pop(peer, None)
-        self._skip_until.pop(peer, None)
+        self._breakers.pop(peer, None)
         self._probe_at.pop(peer, None)
         self._probe_gap.pop(peer, None)
 

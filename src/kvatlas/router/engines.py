@@ -2,15 +2,15 @@
 
 Owns, per engine URL: the cache instance it belongs to (its node's cache server, whose
 holdings the coordinator reports), the model name that instance hashes under, health
-(the last probe), a breaker (``breaker_failures`` failures in a row open it for
-``breaker_open_s``; a successful probe after that closes it), and the router's own
-load accounting (requests in flight, their prefill tokens, plus the requests the
-engine's last probe ran beyond the router's own: other clients' work), its last sign of
-progress and first-byte deadline (``firstbyte``), and the rates its
-metrics measure: its prefill (seconds per computed token) and the P2P reads its cache
-server made for it (seconds per token read from peers). Engines come
-from the coordinator's listing and from ``--engine``; one that leaves the listing is
-dropped once nothing is in flight to it.
+(the last probe), a breaker (`core.breaker`: ``breaker_failures`` failures in a row open
+it for ``breaker_open_s``; a successful probe or answer after that closes it), and the
+router's own load accounting (requests in flight, their prefill tokens, plus the
+requests the engine's last probe ran beyond the router's own: other clients' work), its
+last sign of progress and first-byte deadline (``firstbyte``), and the rates its metrics
+measure: its prefill (seconds per computed token) and the P2P reads its cache server
+made for it (seconds per token read from peers). Engines come from the coordinator's
+listing and from ``--engine``; one that leaves the listing is dropped once nothing is in
+flight to it.
 
 Single-threaded: the router's event loop owns it. Time is a parameter. Must not: do
 I/O (the router's loops probe and list, and report here).
@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
+from kvatlas.core.breaker import Breaker, BreakerPolicy
 from kvatlas.router.firstbyte import FirstByteWatch
 
 RATE_SMOOTHING: Final = 0.3
@@ -63,8 +64,9 @@ class EngineState:
     listed: bool = True
     healthy: bool = False
     """Set by probes: an engine is not sent work before its first good probe."""
-    failures: int = 0
-    open_until: float = 0.0
+    breaker: Breaker = field(default_factory=Breaker)
+    """Its breaker: failures in a row take it out for a cool-off (``EngineTable``'s
+    policy)."""
     in_flight: int = 0
     queued_tokens: int = 0
     reported_running: int = 0
@@ -75,7 +77,6 @@ class EngineState:
     them ran does not keep the engine looking busy after it ends."""
     requests: int = 0
     errors: int = 0
-    breaker_opens: int = 0
     last_error: str = ""
     busy_s: float = 0.0
     """Seconds with at least one request in flight (for load balance reports)."""
@@ -88,7 +89,7 @@ class EngineState:
     _busy_since: float = field(default=0.0, repr=False)
 
     def available(self, now: float) -> bool:
-        return self.healthy and now >= self.open_until
+        return self.healthy and self.breaker.allows(now)
 
     @property
     def load(self) -> int:
@@ -108,28 +109,23 @@ class EngineState:
         if self.in_flight == 0:
             self.busy_s += now - self._busy_since
 
-    def succeeded(self) -> None:
-        self.failures = 0
+    def succeeded(self, now: float) -> None:
+        self.breaker.record_success(now)
 
-    def failed(self, reason: str, now: float, threshold: int, open_s: float) -> bool:
-        """Count a failure; True when it opened the breaker."""
+    def failed(self, reason: str, now: float, *, open_s: float | None = None) -> bool:
+        """Count a failure; True when it opened the breaker (for ``open_s`` when given,
+        else the policy's cool-off)."""
         self.errors += 1
-        self.failures += 1
         self.last_error = reason
-        if self.failures >= threshold and now >= self.open_until:
-            self.open_until = now + open_s
-            self.breaker_opens += 1
-            return True
-        return False
+        return self.breaker.record_failure(now, cooloff_s=open_s)
 
-    def stalled(self, silent_s: float, deadline_s: float, now: float, open_s: float) -> None:
+    def stalled(self, silent_s: float, deadline_s: float, now: float) -> None:
         """It showed no progress for ``silent_s`` while requests waited on it, past its
-        first-byte deadline: its breaker opens for ``open_s``, and its next deadline
+        first-byte deadline: its breaker opens for its cool-off, and its next deadline
         runs from now."""
         self.watch.trips += 1
         self.watch.last_progress = now
-        self.open_until = now + open_s
-        self.breaker_opens += 1
+        self.breaker.trip(now)
         self.last_error = (
             f"no progress in {silent_s:.1f} s while requests waited on it (its first-byte"
             f" deadline: {deadline_s:.1f} s)"
@@ -140,8 +136,8 @@ class EngineState:
         if ok:
             self.reported_running = running
             self.others_running = max(0, running - self.in_flight)
-            if now >= self.open_until:
-                self.failures = 0
+            if self.breaker.allows(now):
+                self.breaker.record_success(now)
             self.healthy = True
         else:
             self.healthy = False
@@ -151,11 +147,15 @@ class EngineState:
 class EngineTable:
     """The engines known from the listing and the flags (see the module doc)."""
 
-    def __init__(self) -> None:
+    def __init__(self, breaker: BreakerPolicy | None = None) -> None:
         self.engines: dict[str, EngineState] = {}
+        self.breaker = breaker if breaker is not None else BreakerPolicy()
+        """Every engine's breaker policy."""
 
     def add_static(self, url: str, instance_id: str) -> None:
-        self.engines[url] = EngineState(url, instance_id, static=True)
+        self.engines[url] = EngineState(
+            url, instance_id, static=True, breaker=Breaker(self.breaker)
+        )
 
     def update_listing(
         self, listing: Iterable[tuple[str, str, str]], models: dict[str, str]
@@ -169,7 +169,9 @@ class EngineTable:
             seen.add(url)
             e = self.engines.get(url)
             if e is None:
-                self.engines[url] = EngineState(url, instance_id, model)
+                self.engines[url] = EngineState(
+                    url, instance_id, model, breaker=Breaker(self.breaker)
+                )
                 added.append(url)
             else:
                 e.instance_id, e.listed = instance_id, True

@@ -110,7 +110,9 @@ class _EngineGauges(Collector):
         for e in list(table.engines.values()):
             fams["in_flight"].add_metric([e.url], e.in_flight)
             fams["queued"].add_metric([e.url], e.queued_tokens)
-            fams["healthy"].add_metric([e.url], 1.0 if e.healthy and e.failures == 0 else 0.0)
+            fams["healthy"].add_metric(
+                [e.url], 1.0 if e.healthy and e.breaker.failures == 0 else 0.0
+            )
             fams["busy"].add_metric([e.url], e.busy_s)
             prefill = e.prefill.s_per_token
             fams["prefill"].add_metric([e.url], 1.0 / prefill if prefill else 0.0)
