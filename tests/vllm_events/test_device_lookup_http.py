@@ -92,6 +92,7 @@ def test_repeated_prompt_goes_to_the_engine_holding_it(
         ("e1=tcp://127.0.0.1:5557,dp_size=0", "dp_size"),
         ("e1=tcp://127.0.0.1:5557,colour=red", "unknown option"),
         ("e1=tcp://127.0.0.1:5557,block_size", "KEY=VALUE"),
+        ("e1=tcp://127.0.0.1:5557,url=ftp://h", "url="),
     ],
 )
 def test_bad_flag_values_name_the_flag(value: str, reason: str) -> None:

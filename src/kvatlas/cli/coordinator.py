@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ENGINE=tcp://HOST:PORT[,replay=tcp://HOST:PORT,...]",
         help="subscribe to a vLLM engine's KV events (its --kv-events-config endpoint) and"
         " index its prefix cache as the device tier; options: replay=, topic=, dp_size=,"
-        " block_size= (16), hash= (sha256), seed= (vllm-none-hash); repeat per engine",
+        " block_size= (16), hash= (sha256), seed= (vllm-none-hash), url= (its OpenAI URL,"
+        " for routers); repeat per engine",
     )
     a(
         "--cpu-latency-us",

@@ -73,7 +73,7 @@ COUNTS = (
 )
 
 
-class DeviceHit(msgspec.Struct, frozen=True):
+class DeviceHit(msgspec.Struct, frozen=True, omit_defaults=True):
     """One engine's answer to a lookup by tokens."""
 
     engine: str
@@ -83,6 +83,8 @@ class DeviceHit(msgspec.Struct, frozen=True):
     block_size: int
     media: list[str]
     """Media holding all of those blocks (GPU, CPU, STORAGE)."""
+    url: str | None = None
+    """The engine's OpenAI URL, when its source names one (``url=``)."""
 
 
 class VllmIngest:
@@ -103,6 +105,7 @@ class VllmIngest:
         self._hashers = {
             s.engine: BlockHasher(s.hash_algo, s.seed, s.block_size) for s in self.sources
         }
+        self._urls = {s.engine: s.url for s in self.sources}
         self._replay_timeout = replay_timeout_s
         self._resync = resync_s
         self._stop = threading.Event()
@@ -145,7 +148,8 @@ class VllmIngest:
                 found = [(e, *self.index.leading(e, keys)) for e in engines]
             for engine, n, media in found:
                 size = hasher.block_size
-                hits.append(DeviceHit(engine, n * size, n, size, list(medium_names(media))))
+                names = list(medium_names(media))
+                hits.append(DeviceHit(engine, n * size, n, size, names, self._urls[engine]))
         hits.sort(key=lambda h: (-h.tokens, h.engine))
         return hits
 
