@@ -76,11 +76,13 @@ from starlette.types import Receive, Scope, Send
 
 from kvatlas.core.errors import InvalidInput, ServiceError
 from kvatlas.router.config import RouterConfig
+from kvatlas.router.device_lookup import DeviceLookups  # tiers: device lookup
 from kvatlas.router.engines import EngineState, EngineTable
 from kvatlas.router.firstbyte import PROGRESS_METRICS, overdue
 from kvatlas.router.metrics import RouterMetrics
 from kvatlas.router.pending import PendingPrefixes
 from kvatlas.router.policy import KV_POLICIES, Candidate, Choice, Chooser, Decision, Policy
+from kvatlas.router.tiers import DeviceHit, Tier, TierView  # tiers: scoring by tier
 from kvatlas.router.tripwires import COORDINATOR, Kind, Tripped, Tripwires
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.runtime.gc_pauses import GcPauses
@@ -202,6 +204,7 @@ class Plan:
     overhead_s: float
     blob: bytes = b""
     """The prompt's token ids as LE uint32 (empty when not tokenized)."""
+    tiers: Mapping[str, Tier] | None = None  # tiers: engine URL -> the tier it wins by
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +271,11 @@ class RouterService:
             self.metrics.watch_tokenize_cache(tokenizer.cache_stats)
         self.wires = Tripwires()
         self.metrics.coordinator_available.set(1 if coordinator is not None else 0)
+        self.device = DeviceLookups(  # tiers: device lookup
+            coordinator.urls if coordinator is not None else (), auth_token=config.auth_token,
+            timeout_s=config.lookup_timeout_s, registry=self.metrics.registry,
+            backoff_s=config.coordinator_backoff_s,
+        )  # fmt: skip
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._coordinator_down_until = 0.0
         """0 while the coordinator answers; else when to try it again (its breaker)."""
@@ -310,6 +318,7 @@ class RouterService:
         self._clients.clear()
         if self._lookups is not None:
             await self._lookups.aclose()
+        await self.device.aclose()  # tiers: device lookup
         self.gc.remove()
         for pool in (self._tokenize_pool, self._verify_pool):
             if pool is not None:
@@ -448,9 +457,9 @@ class RouterService:
         policy: Policy = self.config.policy
         tokenized_here = False
         prompt = 0
-        fleet = 0
-        local: dict[str, int] = {}
         pending: dict[str, int] = {}
+        holders: list[tuple[str, str, int]] | None = None  # tiers: chunk lookup's holders
+        hits: list[DeviceHit] = []  # tiers: device lookup's hits
         blob: bytes | None = None
         if policy in KV_POLICIES:
             t_hash = time.perf_counter()
@@ -462,16 +471,18 @@ class RouterService:
             if blob is not None:
                 pending = self.pending.leading(blob, self._clock())
                 self.metrics.observe("hash", time.perf_counter() - t_hash)
-            holders = None if blob is None else await self._lookup(blob)
+            holders, hits = (  # tiers: the device lookup runs beside the chunk lookup
+                (None, []) if blob is None
+                else await self.device.beside(self._lookup(blob), blob)
+            )  # fmt: skip
             if holders is None:
                 policy = "least-loaded"
             else:
                 assert blob is not None
                 prompt = len(blob) // 4
-                for instance, tokens in holders:
-                    local[instance] = max(local.get(instance, 0), tokens)
-                    fleet = max(fleet, tokens)
                 self.metrics.prompt_tokens.inc(prompt)
+        view = TierView(holders or (), hits, pending)  # tiers: scoring by tier
+        fleet = view.fleet
         if not prompt:
             prompt = len(body) // _BYTES_PER_TOKEN_GUESS
         t_pick = time.perf_counter()
@@ -480,7 +491,7 @@ class RouterService:
                 e.url,
                 e.load,
                 e.queued_tokens,
-                max(local.get(e.instance_id, 0), pending.get(e.url, 0)),
+                view.local(e.url, e.instance_id),  # tiers: scoring by tier
                 self.table.p2p_weight(e),
             )
             for e in engines
@@ -494,7 +505,11 @@ class RouterService:
         if tokenized_here and self.tokenizer is not None and blob is not None:
             # after the choice: the check's CPU does not delay this request's lookup
             self._maybe_verify(self.tokenizer, body, blob)
-        return Plan(decision, policy, prompt, end - t0, blob or b"")
+        tiers = view.tiers(  # tiers: the tier each ranked engine wins by
+            (c.name, self.table.engines[c.name].instance_id, c.cached_tokens)
+            for c in decision.ranked
+        )
+        return Plan(decision, policy, prompt, end - t0, blob or b"", tiers)
 
     async def _tokenize(self, engines: list[EngineState], body: bytes) -> bytes | None:
         """The prompt's ids as uint32 bytes, here (``--tokenizer``, on the tokenizer's
@@ -595,8 +610,8 @@ class RouterService:
         self.metrics.observe("tokenize", time.perf_counter() - t0)
         return ids
 
-    async def _lookup(self, blob: bytes) -> list[tuple[str, int]] | None:
-        """(instance, leading tokens held) for every holder of the prompt's prefix; None
+    async def _lookup(self, blob: bytes) -> list[tuple[str, str, int]] | None:
+        """(instance, tier, leading tokens held) for every holder of the prompt's prefix; None
         without a coordinator, a model name, or an answer in time, and while the
         coordinator is out (see the module doc)."""
         model = self.config.model_name or self.table.model_name()
@@ -619,7 +634,7 @@ class RouterService:
         self.metrics.observe("lookup", time.perf_counter() - t0)
         if answer.server_s is not None:
             self.metrics.observe("lookup_server", answer.server_s)
-        return [(h.instance_id, h.tokens) for h in answer.holders]
+        return [(h.instance_id, h.tier, h.tokens) for h in answer.holders]  # tiers: with tier
 
     def _coordinator_in(self, blob: bytes, model: str) -> bool:
         """Whether a request may ask the coordinator now: yes while it answers; while it
@@ -802,14 +817,16 @@ class RouterService:
     ) -> Response:
         resp = head.resp
         reason = plan.decision.reason if attempt == 1 else f"{plan.decision.reason}; retry"
+        tier = (plan.tiers or {}).get(e.url, "none")  # tiers: named in the header
         route = (
-            f"engine={e.url}; cached={choice.cached_tokens}; reason={reason};"
+            f"engine={e.url}; cached={choice.cached_tokens}; tier={tier}; reason={reason};"
             f" overhead_ms={plan.overhead_s * 1000:.3f}"
         )
         if endpoint != "/v1/models":
             self.routed += 1
             self.metrics.decisions.labels(plan.policy, reason, e.url).inc()
             self.metrics.expected_cached.inc(choice.cached_tokens)
+            self.device.count_tier(tier)  # tiers: decisions by tier
             log.debug(
                 "router: request %s -> %s (prompt %d tokens, %d expected cached, %s,"
                 " overhead %.2f ms)",
