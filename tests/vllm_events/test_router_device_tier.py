@@ -12,6 +12,7 @@ import json
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,6 +24,7 @@ from kvatlas.router.config import RouterConfig, StaticEngine
 from kvatlas.router.service import ROUTE_HEADER
 from kvatlas.runtime.procs import HOST
 from support.coordinator import RunningCoordinator
+from support.services import start_server_process
 
 from .test_vllm_ingest import BLOCK, _batch, _port, _prompt, _publisher, _stored, _wait
 
@@ -184,3 +186,56 @@ def test_without_a_device_tier_the_router_stops_asking(
         assert 'kvatlas_router_device_lookups_total{outcome="skipped"} 2.0' in metrics
     finally:
         router.stop()
+
+
+def test_a_member_advertises_its_engines_events_and_the_router_follows(
+    tmp_path: Path,
+    fakes: dict[str, FakeEngine],
+    start_coordinator: Callable[..., RunningCoordinator],
+) -> None:
+    """A cache server advertises its node's engine (``--engine-url``) and that engine's
+    KV events (``--engine-kv-events``, the engine id left to its instance id); the
+    coordinator (``--vllm-kv-events-from-members``) subscribes, the router maps the
+    engine by its instance, and the source is dropped when the server leaves."""
+    pub_port, replay_port = _port(), _port()
+    pub = _publisher(pub_port, replay_port)
+    router: RouterApp | None = None
+    rc = start_coordinator(vllm_kv_events_from_members=True)
+    node = start_server_process(
+        tmp_path, "node-x",
+        "--coordinator-url", rc.url, "--coordinator-heartbeat-interval", "0.5",
+        "--engine-url", fakes["a"].url,
+        "--engine-kv-events", f"tcp://127.0.0.1:{pub_port},replay=tcp://127.0.0.1:{replay_port},"
+        f"topic=kv-events,block_size={BLOCK},hash=sha256_cbor",
+        "--engine-kv-events", "bad=tcp://127.0.0.1:1,colour=red",
+    )  # fmt: skip
+    try:
+        ingest = rc.coordinator.vllm
+        assert ingest is not None
+        _wait(lambda: "node-x" in ingest.from_members, "the member's source")
+        router = RouterApp(
+            RouterConfig(
+                port=0, coordinator_urls=(rc.url,), policy="kv", model_name="m",
+                health_interval_s=0.2, refresh_interval_s=0.2, lookup_timeout_s=2.0,
+                engines=(StaticEngine(fakes["b"].url, "node-b"),),
+            )
+        )  # fmt: skip
+        router.start()
+        app = router
+        _wait(lambda: sum(e.available for e in app.status().engines) == 2, "both engines")
+        pub.publish(_batch(_stored(_prompt(7))))
+        _wait(lambda: bool(ingest.lookup(_prompt(7))[0].tokens), "node-x's blocks")
+        r = httpx.post(f"{app.url}/v1/completions", json={"prompt": _prompt(7)}, timeout=30)
+        got = _route(r)
+        assert got["engine"] == fakes["a"].url and got["tier"] == "device", got
+        metrics = rc.client.get("/metrics").text
+        assert "kvatlas_vllm_member_sources 1.0" in metrics
+        assert "kvatlas_vllm_member_sources_refused_total 1.0" in metrics
+        assert node.stop() == 0, node.tail()
+        _wait(lambda: not ingest.from_members, "the source dropped with its member")
+        assert ingest.lookup(_prompt(7)) == []
+    finally:
+        if router is not None:
+            router.stop()
+        node.stop()
+        pub.shutdown()

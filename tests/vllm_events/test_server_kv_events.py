@@ -153,8 +153,13 @@ def test_server_tiers_reach_the_coordinator_and_vllm_decodes_them(
         _wait(lambda: blocks() == dict.fromkeys(keys, CPU), "the first chunks in L1")
         # L1 holds 16 chunks: 16 more demote the first three to L2
         engine.store_chunks(prompt(16, seed=2), data(16, 2))
-        _wait(lambda: all(blocks().get(k) == STORAGE for k in keys), "demotion to L2")
-        assert sum(m == CPU for m in blocks().values()) == 16
+        _wait(
+            lambda: (
+                all(blocks().get(k) == STORAGE for k in keys)
+                and sum(m == CPU for m in blocks().values()) == 16
+            ),
+            "demotion to L2",
+        )
         r = httpx.request(
             "DELETE", server.url + "/cache/objects", json={"keys": _wire_keys(hashes)}, timeout=10
         )

@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         " for routers); repeat per engine",
     )
     a(
+        "--vllm-kv-events-from-members",
+        action="store_true",
+        help="also subscribe to the vLLM KV event sources registered servers advertise"
+        " (their --engine-kv-events), dropping them when the server leaves",
+    )
+    a(
         "--cpu-latency-us",
         type=int,
         default=None,
@@ -269,6 +275,7 @@ def config_from_args(argv: list[str] | None, environ: dict[str, str]) -> Coordin
         trigger_watermark=ns.trigger_watermark,
         log_level=ns.log_level.upper(),
         vllm_kv_events=parse_sources(ns.vllm_kv_events),
+        vllm_kv_events_from_members=ns.vllm_kv_events_from_members,
     )
 
 

@@ -127,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="OpenAI URL of an engine on this node, advertised to routers through the"
         " coordinator (repeatable; the reference engine advertises its own)",
     )
+    ap.add_argument(
+        "--engine-kv-events", action="append", default=[],
+        metavar="[ENGINE=]tcp://HOST:PORT[,replay=tcp://HOST:PORT,...]",
+        help="a vLLM engine on this node publishes KV events there (its --kv-events-config"
+        " endpoint; options as the coordinator's --vllm-kv-events, ENGINE defaulting to this"
+        " server's --instance-id): advertised to a coordinator started with"
+        " --vllm-kv-events-from-members, which subscribes (repeatable)",
+    )  # fmt: skip
     add_token_flags(
         ap,
         "the fleet's shared token (sent to the coordinator, asked of engines, peers and /status)",
@@ -296,6 +304,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
             request_timeout_s=args.coordinator_timeout,
             auth_token=token,
             engine_urls=tuple(u.rstrip("/") for u in args.engine_url),
+            engine_kv_events=tuple(args.engine_kv_events),
         ),
         events=EventConfig(
             transport=args.event_transport,

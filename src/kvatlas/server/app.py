@@ -72,6 +72,7 @@ from kvatlas.transfer.config import NixlConfig, ShmConfig, TcpConfig
 from kvatlas.transfer.factory import TransportConfig, make_transport
 from kvatlas.wire.fleet_view import HEARTBEAT_INTERVAL_KEY, STATUS_URL_KEY, status_url
 from kvatlas.wire.server_status import ServerStatus
+from kvatlas.wire.vllm_events import MEMBER_KEY
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +240,12 @@ class CacheServer:
                             STATUS_URL_KEY: status_url(co.advertise_ip, self.http.port),
                             HEARTBEAT_INTERVAL_KEY: str(co.heartbeat_interval_s),
                             **(self.p2p.registration_metadata() if self.p2p else {}),
+                            # the node's vLLM engines' KV events (--engine-kv-events)
+                            **(
+                                {MEMBER_KEY: ";".join(co.engine_kv_events)}
+                                if co.engine_kv_events
+                                else {}
+                            ),
                         },
                     ),
                     heartbeat_interval_s=co.heartbeat_interval_s,

@@ -82,6 +82,9 @@ class CoordinatorLink:
     auth_token: str | None = field(default=None, repr=False)
     """Sent as ``Authorization: Bearer`` (``--auth-token`` / ``KVATLAS_AUTH_TOKEN``)."""
     engine_urls: tuple[str, ...] = ()
+    engine_kv_events: tuple[str, ...] = ()
+    """KV event sources of this node's vLLM engines (``--engine-kv-events``), advertised
+    in the registration for a coordinator to subscribe to."""
     """OpenAI URLs of this node's engines, advertised in the registration for routers
     (``--engine-url``, repeatable); engines that register may add their own."""
 
@@ -367,6 +370,12 @@ def _problems(c: ServerConfig) -> list[str]:
     for url in co.engine_urls:
         if not url.startswith(("http://", "https://")) or "," in url:
             out.append(f"--engine-url must be an http(s) URL without commas, got {url!r}")
+    for spec in co.engine_kv_events:
+        if ";" in spec or "tcp://" not in spec:
+            out.append(
+                f"--engine-kv-events takes [ENGINE=]tcp://HOST:PORT[,replay=...] without ';',"
+                f" got {spec!r}"
+            )
     ev = c.events
     if ev.transport not in ("http", "kafka"):
         out.append(f"--event-transport must be http or kafka, got {ev.transport!r}")

@@ -34,6 +34,11 @@ import xxhash
 from kvatlas.core.device_blocks import BlockKey, Cleared, DeviceEvent, Removed, Stored, block_key
 from kvatlas.core.errors import InvalidInput
 
+MEMBER_KEY = "vllm_kv_events"
+"""Registration metadata: the KV event sources of a node's vLLM engines, ``;``-separated,
+each in ``--vllm-kv-events``' grammar (``ENGINE=`` may be left out: the instance id).
+A coordinator with ``--vllm-kv-events-from-members`` subscribes to them."""
+
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The seq frame ending a replay (vLLM's ``ZmqEventPublisher.END_SEQ``)."""
 
