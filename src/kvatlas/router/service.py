@@ -95,8 +95,9 @@ KEEPALIVE_EXPIRY_S = 2.0
 keep-alive timeout, so the engine never closes one the router is about to reuse."""
 
 ROUTE_HEADER: Final = "x-kvatlas-route"
-"""The answer's header naming the engine, the cached tokens expected, the reason, and
-the router's own time for this request (tokenize + lookup + pick)."""
+"""The answer's header naming the engine, the cached tokens expected, the tier they come
+from (``tiers``), the reason, and the router's own time for this request (tokenize +
+lookup + pick)."""
 REQUEST_ID_HEADER: Final = "x-request-id"
 _HOP_BY_HOP: Final = frozenset(
     {
