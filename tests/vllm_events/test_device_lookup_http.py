@@ -76,6 +76,8 @@ def test_repeated_prompt_goes_to_the_engine_holding_it(
     assert r.status_code == 413 and "--max-lookup-tokens" in r.text
     r = rc.client.post("/directory/device-lookup", json={"tokens": [1]})
     assert r.status_code == 400
+    r = rc.client.post("/directory/device-lookup", json={"token_ids": [2**63] * BLOCK})
+    assert r.status_code == 400 and "2**32" in r.text, r.text
 
     doc = rc.client.get("/openapi.json").json()
     routes = {(r.path, r.method.lower()) for r in rc.coordinator.http.router.routes()}

@@ -52,7 +52,7 @@ from kvatlas.core.device_blocks import (
     medium_names,
 )
 from kvatlas.core.errors import ConfigError
-from kvatlas.core.vllm_hash import BlockHasher
+from kvatlas.core.vllm_hash import BlockHasher, DigestMemo
 from kvatlas.wire.vllm_events import (
     MEMBER_KEY,
     MalformedMessage,
@@ -111,6 +111,8 @@ class VllmIngest:
         self.sources = tuple(sources)
         """The configured sources (``--vllm-kv-events``)."""
         self.index = DeviceIndex()
+        self.memo = DigestMemo()
+        """Recent blocks' digests: a prompt sharing a prefix hashes only its new blocks."""
         self.lock = threading.Lock()
         self.counts: dict[EngineId, Counter[str]] = {}
         self.streams: dict[EngineId, EngineStream] = {}
@@ -238,7 +240,7 @@ class VllmIngest:
             keyed.setdefault(hasher, []).append(engine)
         hits: list[DeviceHit] = []
         for hasher, engines in keyed.items():
-            keys = hasher.keys(tokens, lora=lora, cache_salt=cache_salt)
+            keys = hasher.keys(tokens, lora=lora, cache_salt=cache_salt, memo=self.memo)
             with self.lock:
                 found = [(e, *self.index.leading(e, keys)) for e in engines]
             for engine, n, media in found:
@@ -475,6 +477,13 @@ class _Collector(Collector):
             "Engines subscribed because a member advertised them (--vllm-kv-events-from-members)",
             value=members,
         )
+        DOC = {"hit": "held", "miss": "did not hold (computed)"}
+        for outcome, n in (("hit", ing.memo.hits), ("miss", ing.memo.misses)):
+            yield CounterMetricFamily(
+                f"kvatlas_vllm_hash_memo_{outcome}s",
+                f"Looked-up blocks whose vLLM hash the memo {DOC[outcome]}",
+                value=n,
+            )
         yield CounterMetricFamily(
             "kvatlas_vllm_member_sources_refused",
             "Sources members advertised that were refused (unparsable, or an engine taken)",
