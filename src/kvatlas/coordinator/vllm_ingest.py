@@ -477,11 +477,11 @@ class _Collector(Collector):
             "Engines subscribed because a member advertised them (--vllm-kv-events-from-members)",
             value=members,
         )
-        DOC = {"hit": "held", "miss": "did not hold (computed)"}
+        doc = {"hit": "held", "miss": "did not hold (computed)"}
         for outcome, n in (("hit", ing.memo.hits), ("miss", ing.memo.misses)):
             yield CounterMetricFamily(
                 f"kvatlas_vllm_hash_memo_{outcome}s",
-                f"Looked-up blocks whose vLLM hash the memo {DOC[outcome]}",
+                f"Looked-up blocks whose vLLM hash the memo {doc[outcome]}",
                 value=n,
             )
         yield CounterMetricFamily(

@@ -220,6 +220,7 @@ class BlockHasher:
         out: list[bytes] = []
         digest = _digest_function(self.algo)
         cbor: tuple[bytes, list[int]] | None = None
+        base = 0  # the first token the CBOR items cover
         tokens_head = bytearray()
         _head(4, size, tokens_head)
         for start in range(0, full, size):
@@ -237,16 +238,18 @@ class BlockHasher:
                     continue
             if digest is not None:
                 # CBOR of (parent, tokens, extra) built from pieces: the token items
-                # come from one pass over the prompt (made at the first block hashed).
-                # Equal to cbor_canonical of the tuple.
+                # come from one pass over the rest of the prompt (made at the first block
+                # the memo did not hold). Equal to cbor_canonical of the tuple.
                 if cbor is None:
-                    cbor = cbor_uint_items(tokens[:full])
+                    base = start
+                    cbor = cbor_uint_items(tokens[start:full])
                 items, offs = cbor
                 head = bytearray(b"\x83")
                 _cbor(parent, head)
                 head += tokens_head
                 tail = cbor_canonical(extra)
-                parent = digest(bytes(head) + items[offs[start] : offs[start + size]] + tail)
+                at = start - base
+                parent = digest(bytes(head) + items[offs[at] : offs[at + size]] + tail)
             else:
                 parent = fn((parent, tuple(tokens[start : start + size]), extra))
             if key is not None and memo is not None:
