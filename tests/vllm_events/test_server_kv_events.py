@@ -3,7 +3,8 @@ vLLM KV events. A real coordinator's ``--vllm-kv-events`` ingest (joining late: 
 connect replay fills what it missed) holds exactly the server's chunks per medium
 across stores, demotion to L2, deletes, clears and a restart; vLLM's own msgspec
 decoder (``KVEventBatch``) reads every published and replayed payload; a full queue
-drops changes without blocking the store, counts them, clears and resyncs."""
+drops changes without blocking the store, counts them, clears and resyncs; a batch lost
+on the wire is repaired from the replay socket."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ import pytest
 import zmq
 
 from kvatlas.connector.client import CacheClient
+from kvatlas.coordinator.vllm_ingest import VllmIngest
 from kvatlas.coordinator.vllm_sources import parse_sources
-from kvatlas.core.device_blocks import MEDIA, BlockKey, block_key, medium_bit
+from kvatlas.core.device_blocks import MEDIA, BlockKey, EngineId, block_key, medium_bit
 from kvatlas.core.events import Entry
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.types import EventType, Tier
@@ -31,7 +33,7 @@ from support.cache_fleet import CHUNK, L1_GB, MODEL, data, prompt
 from support.coordinator import RunningCoordinator
 from support.services import ServerProc, start_server_process
 
-from .test_vllm_ingest import _port, _wait
+from .test_vllm_ingest import DroppingPub, _port, _wait
 
 kv_events = pytest.importorskip(
     "vllm.distributed.kv_events", reason="vLLM not installed (scripts/bootstrap.sh)"
@@ -255,3 +257,39 @@ def test_bad_flags_name_the_flag() -> None:
     ):
         with pytest.raises(Exception, match=reason):
             ServerConfig(instance_id="x", kv_events=cfg).validate()  # type: ignore[arg-type]
+
+
+def test_a_batch_lost_on_the_wire_is_replayed(ports: tuple[int, int]) -> None:
+    """Our publisher's replay socket repairs a gap for our own subscriber: seq 2 never
+    reaches the SUB socket (it stays in the replay buffer), nothing is lost."""
+    pub = KvEventsPublisher(
+        KvEventsConfig(
+            endpoint=f"tcp://127.0.0.1:{ports[0]}", replay_endpoint=f"tcp://127.0.0.1:{ports[1]}"
+        ),
+        CHUNK,
+    )
+    pub.start()
+    spec = f"srv=tcp://127.0.0.1:{ports[0]},replay=tcp://127.0.0.1:{ports[1]}"
+    ingest = VllmIngest(parse_sources([spec]), replay_timeout_s=2.0, resync_s=0.3)
+    ingest.start()
+    try:
+        _wait(lambda: ingest.stats()["srv"]["last_seq"] == 0, "the stream's first batch")
+        assert pub._pub is not None
+        pub._pub = DroppingPub(pub._pub, {2})  # type: ignore[assignment]
+        keys = [ObjectKey(bytes([i + 1]) * 32, MODEL, 0) for i in range(4)]
+        for k in keys:
+            pub.publish(EventType.STORE, Tier.L1, [Entry(k, 1)])
+            time.sleep(0.15)  # one batch each
+        pub.publish(EventType.DELETE, Tier.L1, [Entry(keys[0], 1)])
+        want = {block_key(k.chunk_hash): CPU for k in keys[1:]}
+
+        def held() -> dict[BlockKey, int]:
+            with ingest.lock:
+                return ingest.index.blocks(EngineId("srv"))
+
+        _wait(lambda: held() == want, "every change, the gap repaired")
+        s = ingest.stats()["srv"]
+        assert s["lost"] == 0 and s["replays"] >= 2 and s["last_seq"] == pub.stats().last_seq
+    finally:
+        ingest.stop()
+        pub.stop()

@@ -69,6 +69,7 @@ class DeviceLookups:
         self._recheck = absent_recheck_s
         self._clock = clock
         self._off_until = 0.0
+        self._failing = False
         self._client: httpx.AsyncClient | None = None
         self.lookups = Counter(
             "kvatlas_router_device_lookups",
@@ -144,14 +145,19 @@ class DeviceLookups:
                 error = f"{url} answered a body that is not a device lookup: {exc}"
                 continue
             self.lookups.labels("ok").inc()
+            if self._failing:
+                self._failing = False
+                log.info("router: device lookups answer again (%s)", url)
             return [DeviceHit(h.engine, h.tokens, tuple(h.media), h.url) for h in answer.engines]
         self.lookups.labels("failed").inc()
         self._off_until = self._clock() + self._backoff
-        log.warning(
-            "router: device lookup failed (not asked for %.1f s): %s",
+        (log.debug if self._failing else log.warning)(
+            "router: device lookup failed (not asked for %.1f s; requests go on without"
+            " device hits): %s",
             self._backoff,
             error or "no time left",
         )
+        self._failing = True
         return []
 
     def count_tier(self, tier: str) -> None:
