@@ -196,7 +196,9 @@ def test_a_member_advertises_its_engines_events_and_the_router_follows(
     """A cache server advertises its node's engine (``--engine-url``) and that engine's
     KV events (``--engine-kv-events``, the engine id left to its instance id); the
     coordinator (``--vllm-kv-events-from-members``) subscribes, the router maps the
-    engine by its instance, and the source is dropped when the server leaves."""
+    engine by its instance, and the source is dropped when the server leaves. No model
+    name anywhere (a plain vLLM fleet's router has none to look chunks up by): the
+    device tier alone routes."""
     pub_port, replay_port = _port(), _port()
     pub = _publisher(pub_port, replay_port)
     router: RouterApp | None = None
@@ -215,7 +217,7 @@ def test_a_member_advertises_its_engines_events_and_the_router_follows(
         _wait(lambda: "node-x" in ingest.from_members, "the member's source")
         router = RouterApp(
             RouterConfig(
-                port=0, coordinator_urls=(rc.url,), policy="kv", model_name="m",
+                port=0, coordinator_urls=(rc.url,), policy="kv",
                 health_interval_s=0.2, refresh_interval_s=0.2, lookup_timeout_s=2.0,
                 engines=(StaticEngine(fakes["b"].url, "node-b"),),
             )
@@ -228,6 +230,7 @@ def test_a_member_advertises_its_engines_events_and_the_router_follows(
         r = httpx.post(f"{app.url}/v1/completions", json={"prompt": _prompt(7)}, timeout=30)
         got = _route(r)
         assert got["engine"] == fakes["a"].url and got["tier"] == "device", got
+        assert got["reason"] == "kv: prefix", got
         metrics = rc.client.get("/metrics").text
         assert "kvatlas_vllm_member_sources 1.0" in metrics
         assert "kvatlas_vllm_member_sources_refused_total 1.0" in metrics

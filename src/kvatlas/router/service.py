@@ -476,7 +476,7 @@ class RouterService:
                 (None, []) if blob is None
                 else await self.device.beside(self._lookup(blob), blob)
             )  # fmt: skip
-            if holders is None:
+            if holders is None and not hits:  # tiers: the device tier alone can route
                 policy = "least-loaded"
             else:
                 assert blob is not None
