@@ -1,4 +1,4 @@
-"""The device tier's ingest and lookups (issue #31): vLLM KV events per second and
+"""The device tier's ingest and lookups: vLLM KV events per second and
 lookup latency with 1M blocks indexed.
 
     python -m bench.vllm_events_bench [--blocks 1000000] [--batches 2000]

@@ -76,6 +76,8 @@ def test_repeated_prompt_goes_to_the_engine_holding_it(
     assert r.status_code == 413 and "--max-lookup-tokens" in r.text
     r = rc.client.post("/directory/device-lookup", json={"tokens": [1]})
     assert r.status_code == 400
+    r = rc.client.post("/directory/device-lookup", json={"token_ids": [2**63] * BLOCK})
+    assert r.status_code == 400 and "2**32" in r.text, r.text
 
     doc = rc.client.get("/openapi.json").json()
     routes = {(r.path, r.method.lower()) for r in rc.coordinator.http.router.routes()}
@@ -92,6 +94,7 @@ def test_repeated_prompt_goes_to_the_engine_holding_it(
         ("e1=tcp://127.0.0.1:5557,dp_size=0", "dp_size"),
         ("e1=tcp://127.0.0.1:5557,colour=red", "unknown option"),
         ("e1=tcp://127.0.0.1:5557,block_size", "KEY=VALUE"),
+        ("e1=tcp://127.0.0.1:5557,url=ftp://h", "url="),
     ],
 )
 def test_bad_flag_values_name_the_flag(value: str, reason: str) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from kvatlas.core.device_blocks import block_key
 from kvatlas.core.errors import ConfigError, InvalidInput
-from kvatlas.core.vllm_hash import HASH_ALGOS, BlockHasher, cbor_canonical
+from kvatlas.core.vllm_hash import HASH_ALGOS, BlockHasher, DigestMemo, cbor_canonical
 
 kcu = pytest.importorskip(
     "vllm.v1.core.kv_cache_utils", reason="vLLM not installed (scripts/bootstrap.sh)"
@@ -105,3 +105,30 @@ def test_cbor_items_at_every_width_equal_vllms(monkeypatch: pytest.MonkeyPatch) 
     assert BlockHasher("sha256_cbor", "s", 16).digests(tokens, cache_salt="salt") == expected
     with pytest.raises(InvalidInput, match="token ids"):
         BlockHasher("sha256_cbor", "s", 16).digests([2**32] * 16)
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_the_memo_gives_the_same_keys_and_hashes_only_new_blocks(algo: str) -> None:
+    hasher = BlockHasher(algo, "shared-seed", 16)
+    memo = DigestMemo()
+    rng = random.Random(algo)
+    shared = [rng.randrange(150_000) for _ in range(16 * 6)]
+    first = [*shared, *(rng.randrange(150_000) for _ in range(40))]
+    second = [*shared, *(rng.randrange(150_000) for _ in range(40))]
+    assert hasher.digests(first, memo=memo) == hasher.digests(first)
+    assert (memo.hits, memo.misses) == (0, 8)
+    assert hasher.digests(second, memo=memo, cache_salt="t") == hasher.digests(
+        second, cache_salt="t"
+    )
+    assert (memo.hits, memo.misses) == (0, 16)  # a salt changes the first block's inputs
+    assert hasher.keys(second, memo=memo) == hasher.keys(second)
+    assert (memo.hits, memo.misses) == (6, 18)  # the shared prefix came from the memo
+    small = DigestMemo(max_entries=4)
+    assert hasher.digests(first, memo=small) == hasher.digests(first)
+    assert len(small) <= 4
+    big = [2**70] * 16  # past int64: hashed without the memo
+    if algo.endswith("_cbor"):
+        with pytest.raises(InvalidInput):
+            hasher.digests(big, memo=memo)
+    else:
+        assert hasher.digests(big, memo=memo) == hasher.digests(big)

@@ -153,7 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ENGINE=tcp://HOST:PORT[,replay=tcp://HOST:PORT,...]",
         help="subscribe to a vLLM engine's KV events (its --kv-events-config endpoint) and"
         " index its prefix cache as the device tier; options: replay=, topic=, dp_size=,"
-        " block_size= (16), hash= (sha256), seed= (vllm-none-hash); repeat per engine",
+        " block_size= (16), hash= (sha256), seed= (vllm-none-hash), url= (its OpenAI URL,"
+        " for routers); repeat per engine",
+    )
+    a(
+        "--vllm-kv-events-from-members",
+        action="store_true",
+        help="also subscribe to the vLLM KV event sources registered servers advertise"
+        " (their --engine-kv-events), dropping them when the server leaves",
     )
     a(
         "--cpu-latency-us",
@@ -268,6 +275,7 @@ def config_from_args(argv: list[str] | None, environ: dict[str, str]) -> Coordin
         trigger_watermark=ns.trigger_watermark,
         log_level=ns.log_level.upper(),
         vllm_kv_events=parse_sources(ns.vllm_kv_events),
+        vllm_kv_events_from_members=ns.vllm_kv_events_from_members,
     )
 
 

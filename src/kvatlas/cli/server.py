@@ -28,6 +28,7 @@ from kvatlas.server.config import (
     CoordinatorLink,
     EventConfig,
     KafkaConfig,
+    KvEventsConfig,
     L1Config,
     L2Config,
     P2PConfig,
@@ -126,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="OpenAI URL of an engine on this node, advertised to routers through the"
         " coordinator (repeatable; the reference engine advertises its own)",
     )
+    ap.add_argument(
+        "--engine-kv-events", action="append", default=[],
+        metavar="[ENGINE=]tcp://HOST:PORT[,replay=tcp://HOST:PORT,...]",
+        help="a vLLM engine on this node publishes KV events there (its --kv-events-config"
+        " endpoint; options as the coordinator's --vllm-kv-events, ENGINE defaulting to this"
+        " server's --instance-id): advertised to a coordinator started with"
+        " --vllm-kv-events-from-members, which subscribes (repeatable)",
+    )  # fmt: skip
     add_token_flags(
         ap,
         "the fleet's shared token (sent to the coordinator, asked of engines, peers and /status)",
@@ -135,6 +144,27 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--event-flush-interval", type=float, default=1.0, help="seconds")
     ap.add_argument("--event-buffer-batches", type=int, default=4096)
     ap.add_argument("--event-max-batch-entries", type=int, default=512)
+    d_kv = KvEventsConfig()
+    ap.add_argument(
+        "--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
+        help="publish this server's L1/L2 as vLLM KV events (BlockStored/BlockRemoved,"
+        " medium CPU for L1, STORAGE for L2) on a ZeroMQ PUB socket bound here, for"
+        " routers that read vLLM's events; default off",
+    )  # fmt: skip
+    ap.add_argument(
+        "--kv-events-replay-endpoint", default=None, metavar="tcp://HOST:PORT",
+        help="with --kv-events-endpoint: the replay ROUTER socket (vLLM's replay_endpoint)",
+    )  # fmt: skip
+    ap.add_argument("--kv-events-topic", default=d_kv.topic, help="topic (default empty)")
+    ap.add_argument(
+        "--kv-events-buffer-steps", type=int, default=d_kv.buffer_steps,
+        help="batches kept for replay (default %(default)s)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--kv-events-max-queue", type=int, default=d_kv.max_queue,
+        help="store changes queued for the publisher before more are dropped, counted and"
+        " followed by a resync; the store never waits (default %(default)s)",
+    )  # fmt: skip
     ap.add_argument("--kafka-bootstrap-servers", default="")
     ap.add_argument("--kafka-topic", default=DEFAULT_TOPIC, help="(default %(default)s)")
     ap.add_argument(
@@ -274,6 +304,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
             request_timeout_s=args.coordinator_timeout,
             auth_token=token,
             engine_urls=tuple(u.rstrip("/") for u in args.engine_url),
+            engine_kv_events=tuple(args.engine_kv_events),
         ),
         events=EventConfig(
             transport=args.event_transport,
@@ -308,6 +339,13 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
             cooloff_s=args.p2p_cooloff_seconds,
             fault_corrupt_read=args.p2p_fault_corrupt_read,
             fault_read_delay_s=args.p2p_fault_read_delay,
+        ),
+        kv_events=KvEventsConfig(
+            endpoint=args.kv_events_endpoint,
+            replay_endpoint=args.kv_events_replay_endpoint,
+            topic=args.kv_events_topic,
+            buffer_steps=args.kv_events_buffer_steps,
+            max_queue=args.kv_events_max_queue,
         ),
     )
     config.validate()

@@ -145,8 +145,15 @@ class Coordinator:
         )
         self.vllm: VllmIngest | None = None
         extra_routes: list[DeviceLookupRoute] = []
-        if config.vllm_kv_events:
-            self.vllm = VllmIngest(config.vllm_kv_events)
+        if config.vllm_kv_events or config.vllm_kv_events_from_members:
+            self.vllm = VllmIngest(
+                config.vllm_kv_events,
+                members=(
+                    (lambda: [(i.instance_id, i.metadata) for i in self.service.instances(clock())])
+                    if config.vllm_kv_events_from_members
+                    else None
+                ),
+            )
             self.vllm.attach(self.metrics.registry)
             self._parts.append(self.vllm)
             extra_routes.append(DeviceLookupRoute(self.vllm, config.max_lookup_tokens))

@@ -144,6 +144,9 @@ class CoordinatorConfig:
     log_level: str = "INFO"
     """Python logging level name (`--log-level`)."""
     vllm_kv_events: tuple[VllmSource, ...] = ()
+    vllm_kv_events_from_members: bool = False
+    """Also subscribe to the vLLM KV event sources registered instances advertise
+    (``--vllm-kv-events-from-members``; a server's ``--engine-kv-events``)."""
     """vLLM engines whose KV events feed the device tier (`--vllm-kv-events`, parsed and
     checked by `kvatlas.coordinator.vllm_sources`)."""
 

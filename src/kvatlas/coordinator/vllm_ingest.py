@@ -11,6 +11,13 @@ lost while the subscriber was joining, or past the PUB socket's high-water mark,
 nothing after it to reveal the gap). A replay that does not end within
 ``replay_timeout_s`` is given up and what it missed counted lost.
 
+With ``members`` (``--vllm-kv-events-from-members``), also subscribes to the sources
+that registered instances advertise (registration metadata ``vllm_kv_events``, in the
+flag's grammar, ``;``-separated, the engine id defaulting to the instance id), checked
+every ``members_interval_s``: an engine that appears is subscribed (a full replay), one
+whose instance leaves or whose source changes is dropped with its blocks. A source that
+does not parse, or that names an engine already taken, is refused, logged and counted.
+
 Also answers lookups by token ids over the device index (`lookup`), and exports counts
 as Prometheus metrics (``kvatlas_vllm_*``).
 
@@ -24,7 +31,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import msgspec
 import zmq
@@ -33,7 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from zmq.utils.monitor import recv_monitor_message
 
-from kvatlas.coordinator.vllm_sources import VllmSource
+from kvatlas.coordinator.vllm_sources import VllmSource, parse_source
 from kvatlas.core.device_blocks import (
     DeviceEvent,
     DeviceIndex,
@@ -44,8 +51,10 @@ from kvatlas.core.device_blocks import (
     Stored,
     medium_names,
 )
-from kvatlas.core.vllm_hash import BlockHasher
+from kvatlas.core.errors import ConfigError
+from kvatlas.core.vllm_hash import BlockHasher, DigestMemo
 from kvatlas.wire.vllm_events import (
+    MEMBER_KEY,
     MalformedMessage,
     decode_message,
     is_replay_end,
@@ -73,7 +82,7 @@ COUNTS = (
 )
 
 
-class DeviceHit(msgspec.Struct, frozen=True):
+class DeviceHit(msgspec.Struct, frozen=True, omit_defaults=True):
     """One engine's answer to a lookup by tokens."""
 
     engine: str
@@ -83,6 +92,8 @@ class DeviceHit(msgspec.Struct, frozen=True):
     block_size: int
     media: list[str]
     """Media holding all of those blocks (GPU, CPU, STORAGE)."""
+    url: str | None = None
+    """The engine's OpenAI URL, when its source names one (``url=``)."""
 
 
 class VllmIngest:
@@ -94,36 +105,122 @@ class VllmIngest:
         *,
         replay_timeout_s: float = 5.0,
         resync_s: float = 2.0,
+        members: Callable[[], Iterable[tuple[str, Mapping[str, str]]]] | None = None,
+        members_interval_s: float = 1.0,
     ) -> None:
         self.sources = tuple(sources)
+        """The configured sources (``--vllm-kv-events``)."""
         self.index = DeviceIndex()
+        self.memo = DigestMemo()
+        """Recent blocks' digests: a prompt sharing a prefix hashes only its new blocks."""
         self.lock = threading.Lock()
-        self.counts: dict[EngineId, Counter[str]] = {s.engine: Counter() for s in sources}
-        self.streams: dict[EngineId, EngineStream] = {s.engine: EngineStream() for s in sources}
-        self._hashers = {
-            s.engine: BlockHasher(s.hash_algo, s.seed, s.block_size) for s in self.sources
-        }
+        self.counts: dict[EngineId, Counter[str]] = {}
+        self.streams: dict[EngineId, EngineStream] = {}
+        self._hashers: dict[EngineId, BlockHasher] = {}
+        self._urls: dict[EngineId, str | None] = {}
+        for s in self.sources:
+            self._register(s)
         self._replay_timeout = replay_timeout_s
         self._resync = resync_s
+        self._members = members
+        self._members_interval = members_interval_s
+        self.from_members: dict[EngineId, VllmSource] = {}
+        """Sources subscribed because a member advertised them."""
+        self.refused_member_sources = 0
+        self._refused_seen: set[str] = set()
         self._stop = threading.Event()
         self._ctx = zmq.Context()
-        self._threads: list[threading.Thread] = []
+        self._threads: dict[EngineId, tuple[threading.Thread, threading.Event]] = {}
+        self._sync_thread: threading.Thread | None = None
+
+    def _register(self, s: VllmSource) -> None:
+        self.counts[s.engine] = Counter()
+        self.streams[s.engine] = EngineStream()
+        self._hashers[s.engine] = BlockHasher(s.hash_algo, s.seed, s.block_size)
+        self._urls[s.engine] = s.url
+
+    def _launch(self, s: VllmSource) -> None:
+        done = threading.Event()
+        t = threading.Thread(target=self._run, args=(s, done), name=f"vllm-events-{s.engine}")
+        t.daemon = True
+        t.start()
+        self._threads[s.engine] = (t, done)
 
     def start(self) -> None:
         for s in self.sources:
-            t = threading.Thread(target=self._run, args=(s,), name=f"vllm-events-{s.engine}")
-            t.daemon = True
-            t.start()
-            self._threads.append(t)
+            self._launch(s)
         if self.sources:
             log.info("vLLM KV events: subscribed to %d engine(s)", len(self.sources))
+        if self._members is not None:
+            self._sync_thread = threading.Thread(
+                target=self._sync_loop, name="vllm-events-members", daemon=True
+            )
+            self._sync_thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        for t in self._threads:
+        if self._sync_thread is not None:
+            self._sync_thread.join(timeout=5)
+        for t, _ in self._threads.values():
             t.join(timeout=5)
         self._threads.clear()
         self._ctx.term()
+
+    # -- sources from membership ----------------------------------------------------
+
+    def _sync_loop(self) -> None:
+        while not self._stop.wait(self._members_interval):
+            try:
+                self.sync_members()
+            except Exception:  # the next pass tries again
+                log.exception("vLLM KV events: reading the members' sources failed")
+
+    def sync_members(self) -> None:
+        """Subscribe to the sources members advertise now; drop those gone or changed."""
+        assert self._members is not None
+        wanted: dict[EngineId, VllmSource] = {}
+        for instance, metadata in self._members():
+            for spec in filter(None, (p.strip() for p in metadata.get(MEMBER_KEY, "").split(";"))):
+                full = f"{instance}={spec}" if spec.startswith("tcp://") else spec
+                try:
+                    found = parse_source(full)
+                except ConfigError as exc:
+                    self._refuse(f"{instance}: {spec}", str(exc))
+                    continue
+                for src in found:
+                    if src.engine in wanted or any(s.engine == src.engine for s in self.sources):
+                        self._refuse(f"{instance}: {spec}", f"engine {src.engine!r} taken")
+                    else:
+                        wanted[src.engine] = src
+        for engine, src in list(self.from_members.items()):
+            if wanted.get(engine) != src:
+                self._retire(engine)
+                log.info("vLLM KV events of %s: its member no longer advertises it", engine)
+        for engine, src in wanted.items():
+            if engine not in self.from_members:
+                with self.lock:
+                    self._register(src)
+                    self.from_members[engine] = src
+                self._launch(src)
+                log.info("vLLM KV events of %s: advertised by a member, subscribing", engine)
+
+    def _refuse(self, what: str, why: str) -> None:
+        if what not in self._refused_seen:
+            self._refused_seen.add(what)
+            with self.lock:
+                self.refused_member_sources += 1
+            log.warning("vLLM KV events: member source %s refused: %s", what, why)
+
+    def _retire(self, engine: EngineId) -> None:
+        t, done = self._threads.pop(engine)
+        done.set()
+        t.join(timeout=5)
+        with self.lock:
+            del self.from_members[engine]
+            dropped = self.index.drop(engine)
+            del self.counts[engine], self.streams[engine]
+            del self._hashers[engine], self._urls[engine]
+        log.info("vLLM KV events of %s: unsubscribed, %d blocks dropped", engine, dropped)
 
     # -- lookups --------------------------------------------------------------------
 
@@ -136,16 +233,20 @@ class VllmIngest:
     ) -> list[DeviceHit]:
         """Per engine, how many leading tokens of ``tokens`` its caches hold, best first."""
         keyed: dict[BlockHasher, list[EngineId]] = {}
-        for engine, hasher in self._hashers.items():
+        with self.lock:
+            hashers = list(self._hashers.items())
+            urls = dict(self._urls)
+        for engine, hasher in hashers:
             keyed.setdefault(hasher, []).append(engine)
         hits: list[DeviceHit] = []
         for hasher, engines in keyed.items():
-            keys = hasher.keys(tokens, lora=lora, cache_salt=cache_salt)
+            keys = hasher.keys(tokens, lora=lora, cache_salt=cache_salt, memo=self.memo)
             with self.lock:
                 found = [(e, *self.index.leading(e, keys)) for e in engines]
             for engine, n, media in found:
                 size = hasher.block_size
-                hits.append(DeviceHit(engine, n * size, n, size, list(medium_names(media))))
+                names = list(medium_names(media))
+                hits.append(DeviceHit(engine, n * size, n, size, names, urls.get(engine)))
         hits.sort(key=lambda h: (-h.tokens, h.engine))
         return hits
 
@@ -169,7 +270,7 @@ class VllmIngest:
 
     # -- the subscriber thread -------------------------------------------------------
 
-    def _run(self, src: VllmSource) -> None:
+    def _run(self, src: VllmSource, done: threading.Event) -> None:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
         sub.setsockopt(zmq.LINGER, 0)
@@ -228,7 +329,7 @@ class VllmIngest:
                 send(out.replay_from)
 
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and not done.is_set():
                 ready = dict(poller.poll(50))
                 now = time.monotonic()
                 if monitor in ready:
@@ -368,3 +469,23 @@ class _Collector(Collector):
         for engine, s in stats.items():
             g.add_metric([engine], s["blocks"])
         yield g
+        ing = self._ingest
+        with ing.lock:
+            members, refused = len(ing.from_members), ing.refused_member_sources
+        yield GaugeMetricFamily(
+            "kvatlas_vllm_member_sources",
+            "Engines subscribed because a member advertised them (--vllm-kv-events-from-members)",
+            value=members,
+        )
+        doc = {"hit": "held", "miss": "did not hold (computed)"}
+        for outcome, n in (("hit", ing.memo.hits), ("miss", ing.memo.misses)):
+            yield CounterMetricFamily(
+                f"kvatlas_vllm_hash_memo_{outcome}s",
+                f"Looked-up blocks whose vLLM hash the memo {doc[outcome]}",
+                value=n,
+            )
+        yield CounterMetricFamily(
+            "kvatlas_vllm_member_sources_refused",
+            "Sources members advertised that were refused (unparsable, or an engine taken)",
+            value=refused,
+        )

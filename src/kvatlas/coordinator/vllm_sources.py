@@ -3,13 +3,15 @@
 Owns the flag value's grammar and its validation, each message naming the flag::
 
     ENGINE_ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,topic=T][,dp_size=N]
-              [,block_size=16][,hash=sha256][,seed=vllm-none-hash]
+              [,block_size=16][,hash=sha256][,seed=vllm-none-hash][,url=http://HOST:PORT]
 
 ``dp_size`` N > 1 stands for N data-parallel ranks whose ports are offset by the rank
 (as vLLM's ``ZmqEventPublisher.offset_endpoint_port`` binds them), each its own engine
 ``ENGINE_ID/dpR``. ``block_size``, ``hash`` and ``seed`` are the engine's
 ``--block-size``, ``--prefix-caching-hash-algo`` and ``PYTHONHASHSEED``: lookups by
-token ids hash with them.
+token ids hash with them. ``url`` is the engine's OpenAI URL, as ``kvatlas router``
+knows it: lookups name it, so a router maps the engine to its own (without it, a router
+maps the engine by its cache instance id, ``--engine URL=ENGINE_ID``).
 
 Must not: open sockets (that is `kvatlas.coordinator.vllm_ingest`).
 """
@@ -17,12 +19,14 @@ Must not: open sockets (that is `kvatlas.coordinator.vllm_ingest`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from kvatlas.core.device_blocks import EngineId
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.vllm_hash import DEFAULT_SEED, HASH_ALGOS
 
 FLAG = "--vllm-kv-events"
+_OPTIONS = ("replay", "topic", "dp_size", "block_size", "hash", "seed", "url")
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,8 @@ class VllmSource:
     block_size: int = 16
     hash_algo: str = "sha256"
     seed: str = DEFAULT_SEED
+    url: str | None = None
+    """The engine's OpenAI URL (``url=``), named in lookups for routers."""
 
 
 def _offset(endpoint: str, rank: int, what: str) -> str:
@@ -68,10 +74,8 @@ def parse_source(text: str) -> tuple[VllmSource, ...]:
         key, eq, value = part.partition("=")
         if not eq:
             raise ConfigError(f"{FLAG}: option {part!r} must be KEY=VALUE")
-        if key not in {"replay", "topic", "dp_size", "block_size", "hash", "seed"}:
-            raise ConfigError(
-                f"{FLAG}: unknown option {key!r} (replay, topic, dp_size, block_size, hash, seed)"
-            )
+        if key not in _OPTIONS:
+            raise ConfigError(f"{FLAG}: unknown option {key!r} ({', '.join(_OPTIONS)})")
         opts[key] = value
     ints: dict[str, int] = {}
     for key, default in (("dp_size", 1), ("block_size", 16)):
@@ -84,6 +88,12 @@ def parse_source(text: str) -> tuple[VllmSource, ...]:
         raise ConfigError(f"{FLAG}: hash={algo!r} must be one of {', '.join(HASH_ALGOS)}")
     pub = _endpoint(endpoint.strip(), "endpoint")
     replay = _endpoint(opts["replay"], "replay") if "replay" in opts else None
+    url = opts.get("url")
+    if url is not None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"{FLAG}: url={url!r} must be http(s)://HOST:PORT")
+        url = url.rstrip("/")
     dp = ints["dp_size"]
     return tuple(
         VllmSource(
@@ -94,6 +104,7 @@ def parse_source(text: str) -> tuple[VllmSource, ...]:
             ints["block_size"],
             algo,
             opts.get("seed", DEFAULT_SEED),
+            url,
         )
         for rank in range(dp)
     )

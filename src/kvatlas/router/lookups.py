@@ -51,8 +51,8 @@ class CoordinatorLookups:
         self._trial: asyncio.Task[None] | None = None
         metrics.coordinator_available.set(1 if lookups is not None else 0)
 
-    async def holders(self, blob: bytes, model: str) -> list[tuple[str, int]] | None:
-        """(instance, leading tokens held) for every holder of the prompt's prefix; None
+    async def holders(self, blob: bytes, model: str) -> list[tuple[str, str, int]] | None:
+        """(instance, tier, leading tokens held) for every holder of the prompt's prefix; None
         without a coordinator, a model name, or an answer in time, and while the
         coordinator is out (see the module doc)."""
         if self._lookups is None or not model or not self._may_ask(blob, model):
@@ -74,7 +74,7 @@ class CoordinatorLookups:
         self._metrics.observe("lookup", time.perf_counter() - t0)
         if answer.server_s is not None:
             self._metrics.observe("lookup_server", answer.server_s)
-        return [(h.instance_id, h.tokens) for h in answer.holders]
+        return [(h.instance_id, h.tier, h.tokens) for h in answer.holders]
 
     def _may_ask(self, blob: bytes, model: str) -> bool:
         """Whether a request may ask the coordinator now: yes while it answers; while it

@@ -21,7 +21,7 @@ stream), or choose an engine.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -36,13 +36,15 @@ from kvatlas.router.engines import EngineState
 from kvatlas.router.health import fail_over
 from kvatlas.router.metrics import RouterMetrics
 from kvatlas.router.policy import Choice, Decision, Policy
+from kvatlas.router.tiers import Tier
 from kvatlas.router.tripwires import Tripped, Tripwires
 
 log = logging.getLogger(__name__)
 
 ROUTE_HEADER: Final = "x-kvatlas-route"
-"""The answer's header naming the engine, the cached tokens expected, the reason, and
-the router's own time for this request (tokenize + lookup + pick)."""
+"""The answer's header naming the engine, the cached tokens expected, the tier they come
+from (``tiers``), the reason, and the router's own time for this request (tokenize +
+lookup + pick)."""
 REQUEST_ID_HEADER: Final = "x-request-id"
 HOP_BY_HOP: Final = frozenset(
     {
@@ -66,6 +68,8 @@ class Plan:
     overhead_s: float
     blob: bytes = b""
     """The prompt's token ids as LE uint32 (empty when not tokenized)."""
+    tiers: Mapping[str, Tier] | None = None
+    """Engine URL -> the tier its cached tokens come from."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +96,12 @@ class Relay:
         wires: Tripwires,
         metrics: RouterMetrics,
         clock: Callable[[], float],
+        *,
+        count_tier: Callable[[Tier], None],
     ) -> None:
         self._config = config
+        self._count_tier = count_tier
+        """Counts each routing decision by the tier it was won by."""
         self._clients = clients
         self._wires = wires
         self._metrics = metrics
@@ -188,14 +196,16 @@ class Relay:
         """The client's answer: the engine's, as it comes (see the module doc)."""
         resp = head.resp
         reason = plan.decision.reason if attempt == 1 else f"{plan.decision.reason}; retry"
+        tier = (plan.tiers or {}).get(e.url, "none")
         route = (
-            f"engine={e.url}; cached={choice.cached_tokens}; reason={reason};"
+            f"engine={e.url}; cached={choice.cached_tokens}; tier={tier}; reason={reason};"
             f" overhead_ms={plan.overhead_s * 1000:.3f}"
         )
         if endpoint != "/v1/models":
             self.routed += 1
             self._metrics.decisions.labels(plan.policy, reason, e.url).inc()
             self._metrics.expected_cached.inc(choice.cached_tokens)
+            self._count_tier(tier)
             log.debug(
                 "router: request %s -> %s (prompt %d tokens, %d expected cached, %s,"
                 " overhead %.2f ms)",

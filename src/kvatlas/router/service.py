@@ -40,6 +40,7 @@ from kvatlas.core.errors import ServiceError
 from kvatlas.router.checks import EncoderChecks
 from kvatlas.router.clients import EngineClients
 from kvatlas.router.config import RouterConfig
+from kvatlas.router.device_lookup import DeviceLookups
 from kvatlas.router.engines import EngineTable
 from kvatlas.router.health import EngineHealth
 from kvatlas.router.lookups import CoordinatorLookups
@@ -48,6 +49,7 @@ from kvatlas.router.pending import PendingPrefixes
 from kvatlas.router.policy import KV_POLICIES, Candidate, Chooser, Decision, Policy
 from kvatlas.router.relay import HOP_BY_HOP, REQUEST_ID_HEADER, ROUTE_HEADER, Plan, Relay
 from kvatlas.router.relay import error_body as _error_body
+from kvatlas.router.tiers import DeviceHit, TierView
 from kvatlas.router.tokens import JSON, LocalTokenizer, PromptTokens, prompt_blob
 from kvatlas.router.tripwires import Tripwires
 from kvatlas.runtime.coordinator_client import CoordinatorClient
@@ -114,7 +116,16 @@ class RouterService:
             metrics=self.metrics,
             clock=clock,
         )
-        self.relay = Relay(config, self.clients, self.wires, self.metrics, clock)
+        self.device = DeviceLookups(
+            coordinator.urls if coordinator is not None else (),
+            auth_token=config.auth_token,
+            timeout_s=config.lookup_timeout_s,
+            registry=self.metrics.registry,
+            backoff_s=config.coordinator_backoff_s,
+        )
+        self.relay = Relay(
+            config, self.clients, self.wires, self.metrics, clock, count_tier=self.device.count_tier
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self.failed = 0
         """Requests no engine answered (a 502)."""
@@ -146,6 +157,7 @@ class RouterService:
         self._tasks = []
         await self.clients.aclose()
         await self.lookups.aclose()
+        await self.device.aclose()
         self.gc.remove()
         self.tokens.close()
         self.checks.close()
@@ -170,9 +182,9 @@ class RouterService:
         policy: Policy = self.config.policy
         tokenized_here = False
         prompt = 0
-        fleet = 0
-        local: dict[str, int] = {}
         pending: dict[str, int] = {}
+        holders: list[tuple[str, str, int]] | None = None
+        hits: list[DeviceHit] = []
         blob: bytes | None = None
         if policy in KV_POLICIES:
             t_hash = time.perf_counter()
@@ -184,19 +196,18 @@ class RouterService:
             if blob is not None:
                 pending = self.pending.leading(blob, self._clock())
                 self.metrics.observe("hash", time.perf_counter() - t_hash)
-            holders = None
             if blob is not None:
+                # the device tier's lookup runs beside the chunk lookup
                 model = self.config.model_name or self.table.model_name()
-                holders = await self.lookups.holders(blob, model)
-            if holders is None:
+                holders, hits = await self.device.beside(self.lookups.holders(blob, model), blob)
+            if holders is None and not hits:  # the device tier alone can route
                 policy = "least-loaded"
             else:
                 assert blob is not None
                 prompt = len(blob) // 4
-                for instance, tokens in holders:
-                    local[instance] = max(local.get(instance, 0), tokens)
-                    fleet = max(fleet, tokens)
                 self.metrics.prompt_tokens.inc(prompt)
+        view = TierView(holders or (), hits, pending)
+        fleet = view.fleet
         if not prompt:
             prompt = len(body) // _BYTES_PER_TOKEN_GUESS
         t_pick = time.perf_counter()
@@ -205,7 +216,7 @@ class RouterService:
                 e.url,
                 e.load,
                 e.queued_tokens,
-                max(local.get(e.instance_id, 0), pending.get(e.url, 0)),
+                view.local(e.url, e.instance_id),
                 self.table.p2p_weight(e),
             )
             for e in engines
@@ -219,7 +230,11 @@ class RouterService:
         if tokenized_here and blob is not None:
             # after the choice: the check's CPU does not delay this request's lookup
             self.checks.maybe_check(body, blob)
-        return Plan(decision, policy, prompt, end - t0, blob or b"")
+        tiers = view.tiers(
+            (c.name, self.table.engines[c.name].instance_id, c.cached_tokens)
+            for c in decision.ranked
+        )
+        return Plan(decision, policy, prompt, end - t0, blob or b"", tiers)
 
     # ------------------------------------------------------------------ proxying
 

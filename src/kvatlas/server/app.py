@@ -52,6 +52,7 @@ from kvatlas.server.engine_service import EngineService, ServiceIdentity
 from kvatlas.server.http_app import build_app
 from kvatlas.server.http_cache import cache_routes
 from kvatlas.server.incarnation import load_secret, next_incarnation, save_secret
+from kvatlas.server.kv_events import Fanout, KvEventsCollector, KvEventsPublisher
 from kvatlas.server.lease_ids import RandomLeaseIds
 from kvatlas.server.lmcache_mp.metrics import LMCacheMPCollector
 from kvatlas.server.lmcache_mp.service import LMCacheMPService, MpIdentity
@@ -71,6 +72,7 @@ from kvatlas.transfer.config import NixlConfig, ShmConfig, TcpConfig
 from kvatlas.transfer.factory import TransportConfig, make_transport
 from kvatlas.wire.fleet_view import HEARTBEAT_INTERVAL_KEY, STATUS_URL_KEY, status_url
 from kvatlas.wire.server_status import ServerStatus
+from kvatlas.wire.vllm_events import MEMBER_KEY
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +167,14 @@ class CacheServer:
                     max_batch_entries=config.events.max_batch_entries,
                     on_loss_recovered=self._resync,
                 )
-            self.guarded = GuardedStore(self.store, publisher=self.publisher)
+            self.kv_events = (  # vLLM-format KV events of L1/L2 (--kv-events-endpoint)
+                KvEventsPublisher(config.kv_events, config.chunk_size, on_loss=self._resync)
+                if config.kv_events.endpoint
+                else None
+            )
+            self.guarded = GuardedStore(
+                self.store, publisher=Fanout.of(self.publisher, self.kv_events)
+            )
             self.service = EngineService(
                 self.guarded,
                 ServiceIdentity(
@@ -231,6 +240,12 @@ class CacheServer:
                             STATUS_URL_KEY: status_url(co.advertise_ip, self.http.port),
                             HEARTBEAT_INTERVAL_KEY: str(co.heartbeat_interval_s),
                             **(self.p2p.registration_metadata() if self.p2p else {}),
+                            # the node's vLLM engines' KV events (--engine-kv-events)
+                            **(
+                                {MEMBER_KEY: ";".join(co.engine_kv_events)}
+                                if co.engine_kv_events
+                                else {}
+                            ),
                         },
                     ),
                     heartbeat_interval_s=co.heartbeat_interval_s,
@@ -260,6 +275,10 @@ class CacheServer:
             self.metrics.registry.register(
                 CacheControlCollector(config.instance_id, self.cache_control.stats)
             )
+            if self.kv_events is not None:
+                self.metrics.registry.register(
+                    KvEventsCollector(config.instance_id, self.kv_events.stats)
+                )
         except BaseException:
             if self.coordinator is not None:
                 self.coordinator.close()
@@ -309,6 +328,8 @@ class CacheServer:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.start()  # binds first: ConfigError before anything runs
         self.http.start(
             build_app(
                 self.status,
@@ -320,12 +341,13 @@ class CacheServer:
         )
         if self.p2p is not None:
             self.p2p.start()
-        if self.publisher is not None:
+        if self.guarded.publisher is not None:  # the coordinator's, KV events' or both
             l2_items = self.store.startup_l2_events()
             if l2_items:
-                self.publisher.publish(
+                self.guarded.publisher.publish(
                     EventType.STORE, Tier.L2, [Entry(e.key, e.size) for e in l2_items]
                 )
+        if self.publisher is not None:
             self.publisher.start()
         if self.registrar is not None:
             self.registrar.start()
@@ -376,6 +398,8 @@ class CacheServer:
         self.guarded.drain()
         if self.publisher is not None:
             self.publisher.stop(final_flush=True)
+        if self.kv_events is not None:
+            self.kv_events.stop()
         if self.registrar is not None:
             self.registrar.stop(deregister=True)
         if self.coordinator is not None:

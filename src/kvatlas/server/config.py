@@ -82,6 +82,9 @@ class CoordinatorLink:
     auth_token: str | None = field(default=None, repr=False)
     """Sent as ``Authorization: Bearer`` (``--auth-token`` / ``KVATLAS_AUTH_TOKEN``)."""
     engine_urls: tuple[str, ...] = ()
+    engine_kv_events: tuple[str, ...] = ()
+    """KV event sources of this node's vLLM engines (``--engine-kv-events``), advertised
+    in the registration for a coordinator to subscribe to."""
     """OpenAI URLs of this node's engines, advertised in the registration for routers
     (``--engine-url``, repeatable); engines that register may add their own."""
 
@@ -116,6 +119,43 @@ class EventConfig:
     max_batch_entries: int = 512
     """Entries per batch at most (``--event-max-batch-entries``)."""
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventsConfig:
+    """This server's L1/L2 as vLLM KV events (``--kv-events-*``; off by default)."""
+
+    endpoint: str | None = None
+    """ZeroMQ PUB socket it binds (``--kv-events-endpoint``, e.g. ``tcp://*:5557``)."""
+    replay_endpoint: str | None = None
+    """ROUTER socket it binds for replays (``--kv-events-replay-endpoint``)."""
+    topic: str = ""
+    """Topic of every message (``--kv-events-topic``; vLLM's default is empty)."""
+    buffer_steps: int = 10_000
+    """Batches kept for replay (``--kv-events-buffer-steps``, as vLLM's)."""
+    max_queue: int = 10_000
+    """Store changes queued for the publisher's thread before more are dropped and
+    counted (``--kv-events-max-queue``): the store never waits on it."""
+
+    def problems(self) -> list[str]:
+        out: list[str] = []
+        for flag, ep in (
+            ("--kv-events-endpoint", self.endpoint),
+            ("--kv-events-replay-endpoint", self.replay_endpoint),
+        ):
+            if ep is not None and (
+                not ep.startswith("tcp://") or split_host_port(ep[len("tcp://") :]) is None
+            ):
+                out.append(f"{flag} must be tcp://HOST:PORT, got {ep!r}")
+        if self.replay_endpoint and not self.endpoint:
+            out.append("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        if self.endpoint and self.endpoint == self.replay_endpoint:
+            out.append("--kv-events-endpoint and --kv-events-replay-endpoint must differ")
+        if self.buffer_steps < 1:
+            out.append(f"--kv-events-buffer-steps must be >= 1, got {self.buffer_steps}")
+        if self.max_queue < 1:
+            out.append(f"--kv-events-max-queue must be >= 1, got {self.max_queue}")
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +294,7 @@ class ServerConfig:
     coordinator: CoordinatorLink = field(default_factory=CoordinatorLink)
     events: EventConfig = field(default_factory=EventConfig)
     p2p: P2PConfig = field(default_factory=P2PConfig)
+    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
 
     def validate(self) -> None:
         """Raise ConfigError naming the flags of the first inconsistency found."""
@@ -329,6 +370,12 @@ def _problems(c: ServerConfig) -> list[str]:
     for url in co.engine_urls:
         if not url.startswith(("http://", "https://")) or "," in url:
             out.append(f"--engine-url must be an http(s) URL without commas, got {url!r}")
+    for spec in co.engine_kv_events:
+        if ";" in spec or "tcp://" not in spec:
+            out.append(
+                f"--engine-kv-events takes [ENGINE=]tcp://HOST:PORT[,replay=...] without ';',"
+                f" got {spec!r}"
+            )
     ev = c.events
     if ev.transport not in ("http", "kafka"):
         out.append(f"--event-transport must be http or kafka, got {ev.transport!r}")
@@ -347,6 +394,7 @@ def _problems(c: ServerConfig) -> list[str]:
     if ev.max_batch_entries < 1:
         out.append(f"--event-max-batch-entries must be >= 1, got {ev.max_batch_entries}")
     out.extend(_p2p_problems(c))
+    out.extend(c.kv_events.problems())
     return out
 
 

@@ -16,7 +16,9 @@ decoder does not know and malformed events are skipped and counted in the result
 raised; only a message that is not a batch at all raises `MalformedMessage`.
 
 Also owns the replay socket's framing (a DEALER sends ``[b"", start_seq]``; replies are
-``[b"", topic, seq, payload]``, ending with ``[b"", b"", END_SEQ, b""]``).
+``[b"", topic, seq, payload]``, ending with ``[b"", b"", END_SEQ, b""]``), and the
+encoding of batches a kvatlas server publishes in vLLM's format (`encode_batch`): the
+newer encoding, maps with a ``"type"`` key, as vLLM's own ``KVEventBatch`` encodes.
 
 Must not: open sockets or touch the index.
 """
@@ -31,6 +33,11 @@ import xxhash
 
 from kvatlas.core.device_blocks import BlockKey, Cleared, DeviceEvent, Removed, Stored, block_key
 from kvatlas.core.errors import InvalidInput
+
+MEMBER_KEY = "vllm_kv_events"
+"""Registration metadata: the KV event sources of a node's vLLM engines, ``;``-separated,
+each in ``--vllm-kv-events``' grammar (``ENGINE=`` may be left out: the instance id).
+A coordinator with ``--vllm-kv-events-from-members`` subscribes to them."""
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The seq frame ending a replay (vLLM's ``ZmqEventPublisher.END_SEQ``)."""
@@ -60,6 +67,63 @@ _REMOVED_FIELDS = frozenset(
 )
 
 _decoder = msgspec.msgpack.Decoder()
+
+
+class _Out(msgspec.Struct, omit_defaults=True, tag=True):
+    """vLLM's ``KVCacheEvent``: a map tagged by ``"type"``, defaults omitted."""
+
+
+class StoredOut(_Out, tag="BlockStored"):
+    """vLLM's ``BlockStored`` (its fields without defaults, always sent)."""
+
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class RemovedOut(_Out, tag="BlockRemoved"):
+    block_hashes: list[bytes]
+    medium: str | None
+
+
+class ClearedOut(_Out, tag="AllBlocksCleared"):
+    pass
+
+
+EventOut = StoredOut | RemovedOut | ClearedOut
+
+
+class _BatchOut(msgspec.Struct, array_like=True, omit_defaults=True):
+    """vLLM's ``KVEventBatch``: ``[ts, events, data_parallel_rank?]``."""
+
+    ts: float
+    events: list[EventOut]
+    data_parallel_rank: int | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_batch(ts: float, events: list[EventOut]) -> bytes:
+    """One ``KVEventBatch`` payload as vLLM's publisher packs it."""
+    return _encoder.encode(_BatchOut(ts, events))
+
+
+def message(topic: bytes, seq: int, payload: bytes) -> tuple[bytes, bytes, bytes]:
+    """The three frames of one published batch."""
+    return topic, seq.to_bytes(8, "big"), payload
+
+
+def replay_seq(frames: list[bytes]) -> int | None:
+    """A ROUTER's replay request ``[identity, b"", start_seq]`` -> its start seq; None
+    when it is not one (vLLM's publisher logs and skips those too)."""
+    if len(frames) != 3 or len(frames[2]) != 8:
+        return None
+    return int.from_bytes(frames[2], "big")
 
 
 class MalformedMessage(InvalidInput):
