@@ -26,6 +26,7 @@ from kvatlas.runtime.coordinator_client import (
 from kvatlas.runtime.procs import free_port
 from kvatlas.wire.http_api import LookupRequest, RegisterRequest
 from support.coordinator import RunningCoordinator
+from support.wait import wait_until
 
 from .events import batch, fake_hash
 
@@ -176,7 +177,10 @@ def test_a_replica_that_comes_back_is_tried_again(start_coordinator: Start) -> N
         assert client.url == second.url
         back = start_coordinator(port=port)
         second.stop()
-        time.sleep(0.3)  # the first replica's skip is over: half-open
+        wait_until(
+            lambda: client.stats().replicas[0].skipped_for_s, lambda left: left == 0,
+            what="the first replica's skip over (half-open)",
+        )  # fmt: skip
         client.register(register_request("node-a"))
         st = client.stats()
         assert st.url == first and st.failovers == 2
