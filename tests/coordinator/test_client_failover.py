@@ -117,12 +117,11 @@ def test_a_frozen_replica_costs_one_deadline(start_coordinator: Start, frozen: s
     with CoordinatorClient([frozen, live.url], timeout_s=0.5) as client:
         t0 = time.monotonic()
         client.register(register_request("node-a"))
-        first = time.monotonic() - t0
-        assert 0.5 <= first < 3.0
-        t0 = time.monotonic()
+        assert time.monotonic() - t0 >= 0.5  # it waited out the frozen one's deadline
+        assert client.stats().replicas[0].failures == 1  # once
         for _ in range(5):
             client.heartbeat("node-a")
-        assert time.monotonic() - t0 < 2.0  # the frozen replica is not asked again
+        # the frozen replica is not asked again: one more ask would be one more failure
         assert client.stats().replicas[0].failures == 1
 
 
@@ -133,7 +132,8 @@ def test_the_calls_own_deadline_bounds_every_replica_together(frozen: str) -> No
             t0 = time.monotonic()
             with pytest.raises(CoordinatorUnreachable) as info:
                 client.lookup(LookupRequest(keys=[]), timeout_s=0.4)
-            assert time.monotonic() - t0 < 3.0
+            # not a replica's own 30 s deadline, let alone two of them
+            assert time.monotonic() - t0 < 15.0
             assert isinstance(info.value.__cause__, httpx.TimeoutException)
 
 
