@@ -13,12 +13,12 @@ PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
 # network namespace set up with iproute2's `ip`; the fleet page's browser tests drive
 # Debian's headless chromium (Playwright uses it through executable_path: never
 # `playwright install`, which downloads a browser); gcc builds the coordinator's JSON
-# token parser (an optional C extension: without it a slower numpy parse serves), and
-# with librust-blake3-dev (the official BLAKE3 C sources, nothing else of Rust is used)
-# the blake3 prefix chain of lookups by tokens (optional too: without it the `blake3`
-# package's loop serves). Installed only when missing.
+# token parser (an optional C extension: without it a slower numpy parse serves) and,
+# from the BLAKE3 C library vendored in third_party/blake3, the blake3 prefix chain of
+# lookups by tokens (optional too: without it the `blake3` package's loop serves).
+# Installed only when missing.
 missing=()
-for pkg in libibverbs1 iproute2 chromium gcc librust-blake3-dev; do
+for pkg in libibverbs1 iproute2 chromium gcc; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
 if ((${#missing[@]})); then

@@ -27,6 +27,7 @@ from kvatlas.runtime.procs import free_port
 from kvatlas.wire.directory_api import LookupRequest
 from kvatlas.wire.instances_api import RegisterRequest
 from support.coordinator import RunningCoordinator
+from support.wait import wait_until
 
 from .events import batch, fake_hash
 
@@ -117,12 +118,11 @@ def test_a_frozen_replica_costs_one_deadline(start_coordinator: Start, frozen: s
     with CoordinatorClient([frozen, live.url], timeout_s=0.5) as client:
         t0 = time.monotonic()
         client.register(register_request("node-a"))
-        first = time.monotonic() - t0
-        assert 0.5 <= first < 3.0
-        t0 = time.monotonic()
+        assert time.monotonic() - t0 >= 0.5  # it waited out the frozen one's deadline
+        assert client.stats().replicas[0].failures == 1  # once
         for _ in range(5):
             client.heartbeat("node-a")
-        assert time.monotonic() - t0 < 2.0  # the frozen replica is not asked again
+        # the frozen replica is not asked again: one more ask would be one more failure
         assert client.stats().replicas[0].failures == 1
 
 
@@ -133,7 +133,8 @@ def test_the_calls_own_deadline_bounds_every_replica_together(frozen: str) -> No
             t0 = time.monotonic()
             with pytest.raises(CoordinatorUnreachable) as info:
                 client.lookup(LookupRequest(keys=[]), timeout_s=0.4)
-            assert time.monotonic() - t0 < 3.0
+            # not a replica's own 30 s deadline, let alone two of them
+            assert time.monotonic() - t0 < 15.0
             assert isinstance(info.value.__cause__, httpx.TimeoutException)
 
 
@@ -177,7 +178,10 @@ def test_a_replica_that_comes_back_is_tried_again(start_coordinator: Start) -> N
         assert client.url == second.url
         back = start_coordinator(port=port)
         second.stop()
-        time.sleep(0.3)  # the first replica's skip is over: half-open
+        wait_until(
+            lambda: client.stats().replicas[0].skipped_for_s, lambda left: left == 0,
+            what="the first replica's skip over (half-open)",
+        )  # fmt: skip
         client.register(register_request("node-a"))
         st = client.stats()
         assert st.url == first and st.failovers == 2

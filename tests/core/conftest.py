@@ -4,8 +4,6 @@ and a build of it whose memo tags collide."""
 from __future__ import annotations
 
 import importlib
-import platform
-from glob import glob
 from pathlib import Path
 from types import ModuleType
 
@@ -13,17 +11,15 @@ import pytest
 from setuptools import Extension
 
 from kvatlas.core import keys
-from support.extensions import build_extension
+from support.extensions import blake3_build, build_extension
 
 C_SOURCE = Path(keys.__file__).with_name("_chain.c")
-BLAKE3_GLOB = "/usr/share/cargo/registry/blake3-*/c"
-X86_ISAS = ("sse2", "sse41", "avx2", "avx512")
 
 
 @pytest.fixture(scope="session")
 def compiled_module(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
-    """`kvatlas.core._chain` as installed, or built here from Debian's BLAKE3 C sources
-    (librust-blake3-dev; scripts/bootstrap.sh installs it, so CI always has one)."""
+    """`kvatlas.core._chain` as installed, or built here from the BLAKE3 C library as
+    setup.py builds it (the vendored one, or ``KVATLAS_BLAKE3_C``'s)."""
     if "compiled" in keys.CHAINS:
         return importlib.import_module("kvatlas.core._chain")
     return _build_chain(tmp_path_factory.mktemp("chain"))
@@ -37,18 +33,10 @@ def colliding_module(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
 
 
 def _build_chain(out: Path, extra: list[tuple[str, str | None]] | None = None) -> ModuleType:
-    found = sorted(glob(BLAKE3_GLOB))
-    if not found:
-        pytest.skip("no BLAKE3 C sources to build the compiled chain from")
-    c_dir = Path(found[-1])
-    sources = [str(C_SOURCE)] + [
-        str(c_dir / f) for f in ("blake3.c", "blake3_dispatch.c", "blake3_portable.c")
-    ]
-    macros: list[tuple[str, str | None]] = list(extra or [])
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        sources += [str(c_dir / f"blake3_{isa}_x86-64_unix.S") for isa in X86_ISAS]
-    else:
-        macros += [(f"BLAKE3_NO_{isa.upper()}", "1") for isa in X86_ISAS]
-        macros.append(("BLAKE3_USE_NEON", "0"))
+    b3 = blake3_build()
+    c_dir = b3.library_dir()
+    assert not b3.missing(c_dir), f"the BLAKE3 C library is incomplete: {b3.missing(c_dir)}"
+    sources = [str(C_SOURCE), *(str(f) for f in b3.library_sources(c_dir))]
+    macros = [*(extra or []), *b3.macros()]
     ext = Extension("_chain", sources, include_dirs=[str(c_dir)], define_macros=macros)
     return build_extension(ext, out)

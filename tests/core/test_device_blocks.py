@@ -15,6 +15,7 @@ from kvatlas.core.device_blocks import (
     DeviceIndex,
     EngineId,
     EngineStream,
+    Outcome,
     Removed,
     Stored,
     block_key,
@@ -115,13 +116,21 @@ def test_stream_applies_every_batch_once_in_order(
     def take(out_apply: tuple[tuple[int, tuple[DeviceEvent, ...]], ...]) -> None:
         applied.extend(seq for seq, _ in out_apply)
 
+    def ask(start: int | None) -> None:
+        if start is not None:
+            s.replay_sent()
+            requests.append(start)
+
     published = 0
     while published < n or requests:
         if requests and (published == n or data.draw(st.booleans())):
-            start = requests.pop(0)
+            start = requests.pop(0)  # one DEALER: answered in the order asked
             for seq in range(start, published):
                 take(s.replayed(seq, (), seq).apply)
-            take(s.replay_done().apply)
+            take(s.replay_end().apply)
+            continue
+        if published and data.draw(st.integers(0, 4)) == 0:
+            ask(s.connect().replay_from)  # an idle check, maybe while a replay runs
             continue
         seq = published
         published += 1
@@ -129,15 +138,76 @@ def test_stream_applies_every_batch_once_in_order(
             continue
         out = s.live(seq, (), seq)
         take(out.apply)
-        if out.replay_from is not None:
-            requests.append(out.replay_from)
+        ask(out.replay_from)
     if s.last != n - 1:
         start = s.connect().replay_from
         assert start is not None
+        s.replay_sent()
         for seq in range(start, n):
             take(s.replayed(seq, (), seq).apply)
-        take(s.replay_done().apply)
+        take(s.replay_end().apply)
     assert applied == list(range(n))
+    assert not s.replaying
+
+
+def test_an_earlier_requests_end_does_not_end_a_later_replay() -> None:
+    """The interleaving that lost a restarted publisher's first batch: an idle check's
+    request reached the new publisher, the subscriber reconnected (a full replay asked)
+    and saw the new seq 1 live (seq 0 went out before its subscription took); the idle
+    check's answer, only an end marker, ended the replay, so seq 1 applied at once and
+    the full replay's seq 0 then came as a "duplicate" of it."""
+    s = EngineStream()
+    for seq in range(6):
+        s.live(seq, (), 100 + seq)  # the first publisher
+    assert s.connect().replay_from == 5
+    s.replay_sent()
+    assert s.reconnected().replay_from == 0
+    s.replay_sent()
+    out = s.live(1, (), 201)  # the new publisher's seq 1: seqs began again
+    assert out.restarted and out.replay_from == 0
+    s.replay_sent()
+    assert s.replay_end() == Outcome()  # the idle check's answer: nothing at or after 5
+    assert s.replaying and s.last is None
+    assert s.replayed(0, (), 200).apply == ((0, ()),)
+    assert s.replayed(1, (), 201).apply == ((1, ()),)
+    assert s.replay_end() == Outcome()  # the reconnection's; the restart's still comes
+    assert s.replayed(0, (), 200).duplicate and s.replayed(1, (), 201).duplicate
+    assert s.replay_end() == Outcome(apply=())
+    assert not s.replaying and s.last == 1
+
+
+def test_an_end_no_request_awaits_changes_nothing() -> None:
+    s = EngineStream()
+    s.live(0, ())
+    assert s.live(2, ()).replay_from == 1  # not sent yet (the replay socket is down)
+    assert s.replay_end() == Outcome()  # a late answer to a request given up on
+    assert s.replaying and s.last == 0
+    assert s.replay_done().apply == ((2, ()),)  # the shell gives up: what waited applies
+
+
+def test_idle_check_sees_its_seq_again_or_a_restart_behind_it() -> None:
+    s = EngineStream()
+    for seq in range(4):
+        s.live(seq, (), 10 + seq)
+    assert s.connect().replay_from == 3
+    s.replay_sent()
+    assert s.replayed(3, (), 13) == Outcome()  # the same publisher: not a duplicate
+    assert s.replay_end() == Outcome(apply=())
+    # The publisher restarts with two batches the subscriber missed: its answer to the
+    # next check has nothing at or after seq 3.
+    assert s.connect().replay_from == 3
+    s.replay_sent()
+    out = s.replay_end()
+    assert out.restarted and out.replay_from == 0 and s.last is None
+    s.replay_sent()
+    assert s.replayed(0, (), 20).apply == ((0, ()),)
+    assert s.replayed(1, (), 21).apply == ((1, ()),)
+    assert s.replay_end() == Outcome(apply=())
+    assert not s.replaying and s.last == 1
+    # A check the publisher answers past its seq (its buffer rolled on): the gap is lost.
+    assert s.connect().replay_from == 1
+    s.replay_sent()
+    assert s.replayed(5, (), 25) == Outcome(apply=((5, ()),), lost=3)
 
 
 def test_hybrid_groups_hold_a_block_apart() -> None:

@@ -1,10 +1,11 @@
 """The fault campaign's ``frozen_peer_no_estimate`` case, on real processes (issue #30,
 item 5): a frozen peer costs the first lookups one short lock deadline and the next ones
 nothing, without an estimate from the engine; the peer is read again after SIGCONT,
-byte for byte; the report lists each phase's timeline. Bounds are widened for a loaded
-2-core machine (the targets, 250 ms and 10 ms, are the campaign's: ``kvatlas bench
-faults --faults frozen_peer_no_estimate``); without the learned lock deadline the first
-lookup waits 10.24 s."""
+byte for byte; the report lists each phase's timeline. The targets, 250 ms and 10 ms,
+are the campaign's to measure (``kvatlas bench faults --faults
+frozen_peer_no_estimate``); here the next lookups' cost is read from their fallback (no
+peer asked), and the one wall-clock bound tells the first lookups' short deadline from
+the bug's (without the learned lock deadline they wait 10.24 s) at half of it."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ from kvatlas.evaluation.faults_report import write_faults_report
 
 pytestmark = pytest.mark.slow
 
+BUG_MS = 10_240
+"""What the first lookups waited without the learned lock deadline (2,048 tokens at the
+default 5 ms a token)."""
+
 
 def test_frozen_peer_case_runs_and_is_reported(tmp_path: Path) -> None:
     assert FROZEN_PEER in FAULT_NAMES
@@ -39,8 +44,7 @@ def test_frozen_peer_case_runs_and_is_reported(tmp_path: Path) -> None:
         t = ph["targets"]
         assert t["one_breaker_opening"] and t["served_after_thaw"] and t["no_wrong_bytes"], ph
         assert ph["first_ms"]["n"] == BURST and ph["next_ms"]["n"] == NEXT, ph
-        assert ph["first_ms"]["max"] < 1500, ph
-        assert ph["next_ms"]["max"] < 500, ph
+        assert ph["first_ms"]["max"] < BUG_MS / 2, ph
         assert 1 <= ph["after_thaw_tries"] <= AFTER_TRIES, ph
         assert {p["fallback"] for p in ph["timeline"] if p["phase"] == "next"} == {"cooling_off"}
         assert ph["breaker_closed_after_thaw_s"] is not None

@@ -2,8 +2,11 @@
 processes: the directory's "nobody holds it" asks no peer, a dead peer fails at once and
 its breaker opens, a frozen one costs one bounded deadline (the server's own recompute
 estimate, not the 30 s timeout) and is probed back after SIGCONT, and local work never
-queues behind lookups that wait on peers. Bounds are loose (a loaded 2-core machine);
-the bugs they guard against cost 30 s."""
+queues behind lookups that wait on peers. What each case proves is read from the
+servers' state (who was asked, why a lookup fell back, what was still in flight when
+local work ended), not from how fast it ran; the one wall-clock bound tells the frozen
+peer's deadline from the 30 s timeout, at half of it. The speed of these paths is the
+benchmarks'."""
 
 from __future__ import annotations
 
@@ -25,6 +28,11 @@ from .test_single_machine import fetch
 
 T = TypeVar("T")
 N = 4  # chunks of 16 tokens: the default 5 ms/token recompute bounds a wait at 0.32 s
+LOOKUP_TIMEOUT_S = 30.0
+"""The servers' --p2p-lookup-timeout (its default), which a bounded deadline must beat."""
+COORDINATOR_TIMEOUT_S = 20.0
+"""Node B's --coordinator-timeout in the frozen coordinator case: what a lookup asking
+the directory would wait without --p2p-directory-timeout (75 ms)."""
 
 
 def timed(f: Callable[[], T]) -> tuple[T, float]:
@@ -55,31 +63,30 @@ def test_dead_peer_costs_no_lookup_its_time(tmp_path: Path) -> None:
         a.popen.wait(10)
         before = p2p(b)
         # a prompt nobody holds: the directory says so, and no peer is asked
-        res, took = timed(lambda: cb.lookup(prompt(N, seed=13)))
-        assert res.hit_chunks == 0 and took < 1.0, took
+        res = cb.lookup(prompt(N, seed=13))
+        assert res.hit_chunks == 0
         after = p2p(b)
         assert after["lock_requests"] == before["lock_requests"]
         assert after["no_holder"] == before["no_holder"] + 1  # type: ignore[operator]
         # the dead holder: refused at once (socket monitor), then skipped (breaker open)
-        (res, _), took = timed(lambda: fetch(cb, held))
-        assert res.hit_chunks == 0 and res.p2p_fallback == "peer_dead" and took < 1.0, took
+        res, _ = fetch(cb, held)
+        assert res.hit_chunks == 0 and res.p2p_fallback == "peer_dead", res
         assert p2p(b)["cooling_peers"] == ["node-a"]
         # lookups that need A, in flight together, and a local hit meanwhile
-        outs: list[tuple[str, float]] = []
+        outs: list[str] = []
 
         def need_a() -> None:
-            r, t = timed(lambda: cb.lookup(held))
-            outs.append((r.p2p_fallback, t))
+            outs.append(cb.lookup(held).p2p_fallback)
 
         threads = [threading.Thread(target=need_a) for _ in range(6)]
         for t in threads:
             t.start()
-        res, took = timed(lambda: cb.lookup(local))
+        res = cb.lookup(local)
         for t in threads:
             t.join(10)
-        assert res.hit_chunks == N and took < 0.5, took
-        assert len(outs) == 6 and all(t < 1.0 for _, t in outs), outs
-        assert {f for f, _ in outs} <= {"cooling_off", "busy"}, outs
+        assert res.hit_chunks == N
+        # none asked the dead peer (the lock requests below): each fell back at once
+        assert len(outs) == 6 and set(outs) <= {"cooling_off", "busy"}, outs
         assert p2p(b)["lock_requests"] == after["lock_requests"] + 1  # type: ignore[operator]
 
 
@@ -93,23 +100,21 @@ def test_frozen_peer_costs_one_bounded_deadline_then_is_probed_back(tmp_path: Pa
             (res, _), took = timed(lambda: fetch(cb, held))
             # one deadline: 64 tokens x 5 ms = 0.32 s, not --p2p-lookup-timeout's 30 s
             assert res.hit_chunks == 0 and res.p2p_fallback == "timeout", res
-            assert took < 2.0, took
+            assert took < LOOKUP_TIMEOUT_S / 2, took
             locks = p2p(b)["lock_requests"]
             for _ in range(3):
-                (res, _), took = timed(lambda: fetch(cb, held))
-                assert res.p2p_fallback == "cooling_off" and took < 0.5, (res, took)
+                res, _ = fetch(cb, held)
+                assert res.p2p_fallback == "cooling_off", res
             st = p2p(b)
             assert st["lock_requests"] == locks and st["cooling_peers"] == ["node-a"]
             assert st["breakers_opened"] == 1
         finally:
             a.popen.send_signal(signal.SIGCONT)
-        # a probe answered: A is used again, long before the 10 s cool-off
-        thawed = time.monotonic()
+        # a probe answered: A is used again, well before the 10 s cool-off (half of it)
         wait_until(
             lambda: p2p(b)["cooling_peers"] == [], timeout=5, what="breaker closed by a probe"
         )
-        assert time.monotonic() - thawed < 5.0
-        (res, got), _ = timed(lambda: fetch(cb, held))
+        res, got = fetch(cb, held)
         assert (res.hit_chunks, res.peer_chunks, res.p2p_fallback) == (N, N, "")
         want = chunk_data(N, 2000, seed=21)
         assert all(np.array_equal(x, y) for x, y in zip(got, want, strict=True))
@@ -155,18 +160,18 @@ def test_local_work_never_waits_behind_peer_fetches(tmp_path: Path) -> None:
             lambda: b.status()["active_p2p_lookup_jobs"] == 2, timeout=10, what="both in flight"
         )
         try:
-            # every P2P slot is busy: local hits, stores, reserves and releases at once
-            res, took = timed(lambda: cb.lookup(local, acquire=True))
-            assert res.hit_chunks == N and took < 0.5, took
-            n_released, took = timed(lambda: cb.release([c.lease_id for c in res.chunks]))
-            assert n_released == N and took < 0.5, took
+            # every P2P slot is busy (each job ~3 s on A's slow reads): local hits,
+            # stores, reserves and releases all end while both are still in flight
+            res = cb.lookup(local, acquire=True)
+            assert res.hit_chunks == N
+            assert cb.release([c.lease_id for c in res.chunks]) == N
             more = prompt(2, seed=33)
-            stored, took = timed(lambda: cb.store_chunks(more, chunk_data(2, 2000, seed=33)))
-            assert stored.stored == 2 and took < 0.5, took
+            assert cb.store_chunks(more, chunk_data(2, 2000, seed=33)).stored == 2
             # and a third lookup that would need A answers its local prefix, not waits
-            res, took = timed(lambda: cb.lookup(slows[2]))
-            assert (res.hit_chunks, res.p2p_fallback) == (0, "busy") and took < 0.5, took
-            assert b.status()["active_p2p_lookup_jobs"] == 2
+            res = cb.lookup(slows[2])
+            assert (res.hit_chunks, res.p2p_fallback) == (0, "busy")
+            assert b.status()["active_p2p_lookup_jobs"] == 2, "local work waited on them"
+            assert not results, "a job that waits on A ended before the local work"
         finally:
             for t in threads:
                 t.join(30)
@@ -175,7 +180,8 @@ def test_local_work_never_waits_behind_peer_fetches(tmp_path: Path) -> None:
 
 
 def test_frozen_coordinator_costs_a_local_miss_one_short_wait(tmp_path: Path) -> None:
-    with cluster(tmp_path, "node-a", "node-b") as (coord, (a, b)):
+    slow = {"node-b": ["--coordinator-timeout", str(COORDINATOR_TIMEOUT_S)]}
+    with cluster(tmp_path, "node-a", "node-b", extra=slow) as (coord, (a, b)):
         wait_peers([a, b])
         cb = b.client()
         before = p2p(b)
@@ -187,7 +193,7 @@ def test_frozen_coordinator_costs_a_local_miss_one_short_wait(tmp_path: Path) ->
             mid = p2p(b)
             assert mid["directory_failures"] == before["directory_failures"] + 1, mid
             assert mid["directory_lookups"] == before["directory_lookups"] + 1, mid
-            assert all(t < 1.0 for t in took) and sum(took) < 2.0, took
+            assert max(took) < COORDINATOR_TIMEOUT_S / 2, took
         finally:
             coord.popen.send_signal(signal.SIGCONT)
         # the next peer listing that succeeds puts the directory back in use

@@ -1,10 +1,10 @@
 """A frozen peer costs one short lock deadline, once, for all lookups together (issue
 #30, item 1), and a slow but answering one is still read from; the server learns an
 engine's prefill rate for lookups that carry no estimate (item 4). Real processes: a
-coordinator and two servers with tcp P2P; the peer is frozen with SIGSTOP. Bounds are
-generous (a loaded 2-core machine); the bug they guard against cost 10 s (2,048 tokens x
-the 5 ms default recompute rate). The 250 ms / 10 ms targets are measured by
-``kvatlas bench faults --faults frozen_peer_no_estimate``."""
+coordinator and two servers with tcp P2P; the peer is frozen with SIGSTOP. The one
+wall-clock bound tells the short deadline from the bug's (10 s: 2,048 tokens x the 5 ms
+default recompute rate) at half of it; the rest is read from the server's state. The
+speed targets are measured by ``kvatlas bench faults --faults frozen_peer_no_estimate``."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ from .test_single_machine import fetch
 
 BIG = 2048 // CHUNK
 """Chunks of a 2,048-token prefix."""
+BUG_S = 2048 * 0.005
+"""What a lookup of it waited on a frozen peer before the short lock deadline: the
+prefix's recompute estimate at the default 5 ms a token."""
 
 
 def test_frozen_peer_without_estimate_costs_one_short_lock_deadline(tmp_path: Path) -> None:
@@ -52,16 +55,16 @@ def test_frozen_peer_without_estimate_costs_one_short_lock_deadline(tmp_path: Pa
                 t.join(15)
             # one lock deadline (the 0.1 s prior: B never heard from A), not 10 s
             assert res.hit_chunks == 0 and res.p2p_fallback == "timeout", res
-            assert first < 1.5, first
+            assert first < BUG_S / 2, first
             # the lookups in flight together ended with it, none waited a deadline more
-            assert len(outs) == 3 and all(t < 1.5 for _, t in outs), outs
+            assert len(outs) == 3 and all(t < BUG_S / 2 for _, t in outs), outs
             assert {f for f, _ in outs} <= {"timeout", "cooling_off"}, outs
             st = p2p(b)
             assert st["cooling_peers"] == ["node-a"] and st["breakers_opened"] == 1, st
             locks, dirs = st["lock_requests"], st["directory_lookups"]
             for _ in range(5):
-                (res, _), took = timed(lambda: fetch(cb, held))
-                assert res.p2p_fallback == "cooling_off" and took < 0.5, (res, took)
+                res, _ = fetch(cb, held)
+                assert res.p2p_fallback == "cooling_off", res
             st = p2p(b)
             # its only peer is down: neither the peer nor the directory is asked
             assert (st["lock_requests"], st["directory_lookups"]) == (locks, dirs), st

@@ -212,12 +212,12 @@ def test_a_stream_whose_engine_freezes_before_its_first_event_is_retried(
 ) -> None:
     """Nothing of it reached the client: it goes to the next choice, and the client sees
     a whole stream from there (the route header says ``; retry``), not an error. (The
-    reference engine sends a stream's head with its first event; a head sent before it
-    is the next test's.)"""
+    reference engine sends a stream's head with its first event, once its worker has
+    tokenized the request; a head sent before the first event is the next test's.)"""
     router = _router(start_router, frozen_one, steady)  # the next request goes to it
     frozen = frozen_one.url
     # a long answer it works on, and the stream queued behind it (round-robin: one to
-    # the other engine between them): the stream has its head, not its first event
+    # the other engine between them): the stream has neither its head nor its first event
     blocker = {
         "prompt": LONG_PROMPT, "max_tokens": BLOCKER_TOKENS, "temperature": 0, "ignore_eos": True,
     }  # fmt: skip
@@ -228,12 +228,14 @@ def test_a_stream_whose_engine_freezes_before_its_first_event_is_retried(
             wait_until(lambda: _engine(router, frozen).in_flight, what="the blocker is sent")
             assert route(_post(router, chat("turn")))["engine"] == steady.url
             streamed = pool.submit(_stream, router, body)
+            # sent, or on its way: the engine tokenizes it on its worker, behind the
+            # blocker, and frozen answers nothing of it either way (nor does the kernel
+            # that holds a request it has not read)
             wait_until(
                 lambda: router.service.wires.armed(frozen, "first_byte"),
                 lambda n: n == 2,
                 what="the stream queued behind it",
             )
-            time.sleep(0.5)  # the engine sends the stream's head as the request comes
             os.kill(frozen_one.pid, signal.SIGSTOP)
             headers, lines = streamed.result()
             blocked = first.result()

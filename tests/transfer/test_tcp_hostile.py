@@ -9,7 +9,6 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-import time
 from collections.abc import Iterator
 
 import msgspec
@@ -20,6 +19,7 @@ from kvatlas.core.checksum import checksum
 from kvatlas.transfer.base import ArrayMemory, Endpoint, ReadOp, ReadStatus
 from kvatlas.transfer.config import TcpConfig
 from kvatlas.transfer.tcp import TcpClient, TcpServer
+from support.wait import wait_until
 
 TOKEN = "s3cret"
 SIZE = 1 << 16
@@ -46,6 +46,16 @@ def _closed_within(sock: socket.socket, seconds: float) -> bool:
         return True
 
 
+def _closed_now(sock: socket.socket) -> bool:
+    """True when the other end has closed ``sock`` (its end of stream is readable)."""
+    try:
+        return sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def _tcp_threads() -> int:
     return sum(1 for t in threading.enumerate() if t.name == "kvatlas-tcp-conn")
 
@@ -55,10 +65,15 @@ def test_silent_connections_get_no_thread_and_are_closed(
 ) -> None:
     _, port, _ = owner
     socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(12)]
+    threads: list[int] = []
+
+    def closed() -> int:
+        threads.append(_tcp_threads())  # sampled all along, until the last one closes
+        return sum(_closed_now(s) for s in socks)
+
     try:
-        time.sleep(0.2)
-        assert _tcp_threads() == 0
-        assert all(_closed_within(s, 3) for s in socks)
+        wait_until(closed, lambda n: n == len(socks), what="the owner to close all 12")
+        assert max(threads) == 0, threads
     finally:
         for s in socks:
             s.close()
@@ -101,7 +116,8 @@ def test_reads_work_and_survive_the_idle_timeout(
     peer = client.connect(endpoint)
     op = ReadOp(0, 4096, 0, "lease", checksum(data[:4096].data))
     assert [r.status for r in peer.read([op], 5)] == [ReadStatus.OK]
-    time.sleep(1.0)  # the pooled connection is closed by the owner meanwhile
+    # the owner closes the pooled connection once it is idle: its thread ends
+    wait_until(_tcp_threads, lambda n: n == 0, what="the owner to close the idle connection")
     assert [r.status for r in peer.read([op, op], 5)] == [ReadStatus.OK, ReadStatus.OK]
     assert np.array_equal(local[:4096], data[:4096])
     client.close()

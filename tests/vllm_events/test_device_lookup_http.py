@@ -13,8 +13,9 @@ from kvatlas.cli.coordinator import config_from_args
 from kvatlas.coordinator.vllm_sources import parse_sources
 from kvatlas.core.errors import ConfigError
 from support.coordinator import RunningCoordinator
+from support.wait import wait_until
 
-from .test_vllm_ingest import BLOCK, _batch, _port, _prompt, _publisher, _stored, _wait
+from .test_vllm_ingest import BLOCK, _batch, _port, _prompt, _publisher, _stored
 
 pytest.importorskip(
     "vllm.distributed.kv_events", reason="vLLM not installed (scripts/bootstrap.sh)"
@@ -53,8 +54,8 @@ def test_repeated_prompt_goes_to_the_engine_holding_it(
         body: dict[str, Any] = r.json()
         return body
 
-    _wait(lambda: answer(_prompt(1))["best"] == "a", "engine a's blocks")
-    _wait(lambda: answer(_prompt(2))["best"] == "b", "engine b's blocks")
+    wait_until(lambda: answer(_prompt(1))["best"] == "a", what="engine a's blocks")
+    wait_until(lambda: answer(_prompt(2))["best"] == "b", what="engine b's blocks")
     got = answer([*_prompt(1), 7, 8, 9])
     assert got["engines"][0] == {
         "engine": "a",

@@ -6,9 +6,10 @@ and a DEALER on its replay ROUTER (vLLM's framing: ``[b"", start_seq]`` out,
 ``[b"", topic, seq, payload]`` back, then ``[b"", b"", END_SEQ, b""]``). On connect it
 asks for a full replay; a gap asks for the missing range; a live seq that goes backwards
 is a restart (the engine's blocks dropped, the new stream replayed from 0); when an
-engine has been quiet for ``resync_s`` it asks for anything after its last seq (a batch
-lost while the subscriber was joining, or past the PUB socket's high-water mark, has
-nothing after it to reveal the gap). A replay that does not end within
+engine has been quiet for ``resync_s`` it asks for its last seq and anything after it (a
+batch lost while the subscriber was joining, or past the PUB socket's high-water mark,
+has nothing after it to reveal the gap; a restarted engine that has not yet published
+as many batches answers with nothing). A replay that does not end within
 ``replay_timeout_s`` is given up and what it missed counted lost.
 
 With ``members`` (``--vllm-kv-events-from-members``), also subscribes to the sources
@@ -309,6 +310,7 @@ class VllmIngest:
                 unsent[0] = start
                 return
             unsent[0] = None
+            stream.replay_sent()
             if start == 0:
                 full_owed[0] = False
 
@@ -343,7 +345,7 @@ class VllmIngest:
                         frames = dealer.recv_multipart()[1:]
                         if is_replay_end(frames):
                             with self.lock:
-                                handle(stream.replay_done())
+                                handle(stream.replay_end())
                         else:
                             self._take(src.engine, frames, stream.replayed, handle)
                     last_heard = now
@@ -422,8 +424,8 @@ class VllmIngest:
             dropped = self.index.drop(engine)
             c["restarts"] += 1
             log.warning(
-                "vLLM KV events of %s: seq went backwards, publisher restarted; %d blocks"
-                " dropped, replaying",
+                "vLLM KV events of %s: publisher restarted (its seqs began again); %d"
+                " blocks dropped, replaying",
                 engine,
                 dropped,
             )

@@ -13,6 +13,13 @@ Owns, pure and single-threaded (the ingest shell holds the lock):
   (its `count()` starts again at 0; PUB/SUB never repeats one): that engine's blocks
   are dropped, then the new stream replays from 0. Batches at or below the last applied
   (a replay delivered them first, or delivers them again) are duplicates, skipped.
+  Several replay requests can be on their way at once (a resync's, a reconnection's, a
+  restart's): only the end marker of the last one sent ends the replay, so an earlier
+  request's end does not release batches held for a later one before it delivered the
+  seqs they wait on. An idle check asks from the last applied seq itself: a publisher
+  that answers with nothing at or after it has restarted with fewer batches (the
+  restart a subscriber that missed the new publisher's first batches cannot otherwise
+  see).
 
 Block keys are vLLM's external block hashes as 64-bit ints: vLLM publishes either the
 raw digest (bytes) or, with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, its low 64 bits
@@ -235,16 +242,22 @@ class EngineStream:
         self.live_last: int | None = None
         """The last seq seen on the PUB socket (it only goes back on a restart)."""
         self.replaying = False
+        self._awaiting = 0
+        """Replay requests sent (`replay_sent`) whose end marker has not come."""
+        self._verify: int | None = None
+        """The seq an idle check asked to see again (`connect`); None once seen."""
         self._pending: dict[int, tuple[tuple[DeviceEvent, ...], int]] = {}
         self._prints: dict[int, int] = {}
         self._max_pending = max_pending
         self._max_prints = max_prints
 
     def connect(self) -> Outcome:
-        """Ask for what the publisher buffers after the last applied seq (an idle
-        engine's check that nothing was missed)."""
+        """Ask for what the publisher buffers from the last applied seq on (an idle
+        engine's check that nothing was missed): the last one comes back as a check of
+        its fingerprint, and a publisher with nothing at or after it has restarted."""
         self.replaying = True
-        return Outcome(replay_from=0 if self.last is None else self.last + 1)
+        self._verify = self.last
+        return Outcome(replay_from=0 if self.last is None else self.last)
 
     def reconnected(self) -> Outcome:
         """The subscriber (re)connected: ask for everything the publisher buffers, which
@@ -284,6 +297,11 @@ class EngineStream:
         held = self._pending.pop(seq, None)
         if held is not None and held[1] != fingerprint:
             held = None
+        if self._verify is not None and seq >= self._verify:
+            checked = seq == self._verify
+            self._verify = None
+            if checked:
+                return Outcome()  # the idle check's own seq: seen again, unchanged
         if self.last is not None and seq <= self.last:
             return Outcome(duplicate=True)
         lost = 0
@@ -292,10 +310,32 @@ class EngineStream:
         self._applied(seq, fingerprint)
         return Outcome(apply=((seq, events),), lost=lost, restarted=restarted)
 
+    def replay_sent(self) -> None:
+        """The shell's replay request went out (its end marker will come)."""
+        self._awaiting += 1
+
+    def replay_end(self) -> Outcome:
+        """A replay's end marker. An earlier request's end (a later one is still on its
+        way) or one no request awaits (the shell gave up on it) changes nothing; the
+        last request's end ends the replay (`replay_done`), or reveals a restart when
+        an idle check's seq did not come back."""
+        if self._awaiting == 0:
+            return Outcome()
+        self._awaiting -= 1
+        if self._awaiting:
+            return Outcome()
+        if self._verify is not None:
+            # Nothing at or after the last applied seq: a new publisher, behind it.
+            self._reset()
+            return Outcome(restarted=True, replay_from=0)
+        return self.replay_done()
+
     def replay_done(self) -> Outcome:
-        """The replay ended (its end marker, or the shell gave up waiting): apply what
-        waited, in order; a hole left between them is lost for good."""
+        """The replay ended (the last request's end marker, or the shell gave up
+        waiting): apply what waited, in order; a hole left between them is lost."""
         self.replaying = False
+        self._awaiting = 0
+        self._verify = None
         out: list[tuple[int, tuple[DeviceEvent, ...]]] = []
         lost = 0
         for seq in sorted(self._pending):
@@ -316,6 +356,7 @@ class EngineStream:
     def _reset(self) -> None:
         self.last = None
         self.live_last = None
+        self._verify = None
         self._pending.clear()
         self._prints.clear()
 
