@@ -15,13 +15,13 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from kvatlas.evaluation.launch import free_port
 from kvatlas.runtime.coordinator_client import (
     AsyncLookups,
     CoordinatorClient,
     CoordinatorRefused,
     CoordinatorUnreachable,
 )
-from kvatlas.runtime.procs import free_port
 from kvatlas.wire.http_api import HolderWire, LookupRequest, RegisterRequest
 from support.coordinator import RunningCoordinator
 
