@@ -22,30 +22,24 @@ bench/results/control_routes.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from bench import machine
-from bench.coordinator_bench import (
-    RESULTS,
-    ROOT,
-    BlockingConn,
-    LMCacheCoordinator,
-    Server,
-    _log_file,
-    _pct,
-)
-from kvatlas.runtime.procs import free_port, wait_http
+from bench.coordinator_bench import RESULTS
+from bench.coordinator_load import pct
+from bench.coordinator_procs import LMCacheCoordinator, Server
+from bench.http_conns import BlockingConn
+from bench.lmcache_side import LMCACHE_VENV, ROOT, lmcache_env
+from kvatlas.evaluation.launch import HOST, ProcessError, free_port, launch
 
 CHUNK = 256
 MODEL = "test-model"
@@ -55,85 +49,53 @@ TARGET = "bench-target"
 PIN_CHUNKS = 4
 
 
-def _env(venv: Path) -> dict[str, str]:
-    env = {
-        **os.environ,
-        "LMCACHE_TRACK_USAGE": "false",
-        "DO_NOT_TRACK": "1",
-        "LMCACHE_DISABLE_BANNER": "1",
-    }
-    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
-    env.pop("PYTHONPATH", None)  # kvatlas' sources stay out of LMCache's interpreter
-    return env
-
-
 class MPServer:
-    """`lmcache server` and the engine that registers its layout; stopped by handle."""
+    """`lmcache server` and the engine that registers its layout; stopped by pid."""
 
-    def __init__(self, venv: Path) -> None:
+    def __init__(self) -> None:
         rpc_port, self.http_port = free_port(), free_port()
-        self.log, self.log_path = _log_file("lmcache-server")
         argv = [
-            str(venv / "bin" / "lmcache"),
-            "server",
-            "--instance-id",
-            TARGET,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(rpc_port),
-            "--http-host",
-            "127.0.0.1",
-            "--http-port",
-            str(self.http_port),
-            "--chunk-size",
-            str(CHUNK),
-            "--l1-size-gb",
-            "0.0625",
-            "--no-l1-use-lazy",
-            "--eviction-policy",
-            "LRU",
-        ]
-        self.proc = subprocess.Popen(
-            argv, env=_env(venv), stdout=self.log, stderr=subprocess.STDOUT
+            str(LMCACHE_VENV / "bin" / "lmcache"), "server", "--instance-id", TARGET,
+            "--host", HOST, "--port", str(rpc_port), "--http-host", HOST,
+            "--http-port", str(self.http_port), "--chunk-size", str(CHUNK),
+            "--l1-size-gb", "0.0625", "--no-l1-use-lazy", "--eviction-policy", "LRU",
+        ]  # fmt: skip
+        self.proc = launch(
+            argv,
+            name="lmcache-server",
+            env=lmcache_env(),
+            http_port=self.http_port,
+            http_path="/healthcheck",
+            timeout=120,
         )
-        wait_http(
-            f"http://127.0.0.1:{self.http_port}/healthcheck", self.proc, self.log_path, timeout=120
-        )
-        self.engine = subprocess.Popen(
+        self.engine = launch(
             [
-                str(venv / "bin" / "python"),
+                str(LMCACHE_VENV / "bin" / "python"),
                 str(DRIVER),
-                f"tcp://127.0.0.1:{rpc_port}",
-                f"http://127.0.0.1:{self.http_port}",
+                f"tcp://{HOST}:{rpc_port}",
+                f"http://{HOST}:{self.http_port}",
             ],
-            env=_env(venv),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
+            name="lmcache-engine",
+            log=self.proc.log,
+            env=lmcache_env(),
+            pipes=True,
         )
-        assert self.engine.stdout is not None
-        ready = self.engine.stdout.readline()  # once its KV layout is registered
-        if not ready:
-            raise RuntimeError(f"the stand-in engine exited; see {self.log_path}")
+        stdout = self.engine.popen.stdout
+        assert stdout is not None
+        if not stdout.readline():  # once its KV layout is registered
+            self.stop()
+            raise RuntimeError(f"the stand-in engine exited; see {self.proc.log}")
 
     def stop(self) -> None:
-        if self.engine.poll() is None and self.engine.stdin is not None:
-            self.engine.stdin.write('{"op": "quit"}\n')
-            self.engine.stdin.close()
-            try:
-                self.engine.wait(20)
-            except subprocess.TimeoutExpired:
-                self.engine.kill()
-        self.proc.send_signal(signal.SIGINT)  # LMCache's server stops cleanly on SIGINT
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.log.close()
-        self.log_path.unlink(missing_ok=True)
+        stdin = self.engine.popen.stdin
+        if self.engine.alive() and stdin is not None:
+            stdin.write('{"op": "quit"}\n')
+            stdin.close()
+            with contextlib.suppress(ProcessError):
+                self.engine.wait_exit(20)
+        self.engine.stop()
+        self.proc.stop(signal.SIGINT, grace_s=30.0)  # LMCache's server stops cleanly on SIGINT
+        self.proc.log.unlink(missing_ok=True)
 
 
 def request(method: str, path: str, obj: Any = None) -> bytes:
@@ -180,8 +142,8 @@ def _timed(
         check(status, data)
     return {
         "n": len(lat),
-        "p50_ms": _pct(lat, 50),
-        "p99_ms": _pct(lat, 99),
+        "p50_ms": pct(lat, 50),
+        "p99_ms": pct(lat, 99),
         "per_s": len(lat) / sum(lat),
     }
 
@@ -214,8 +176,8 @@ def _prefetch(conn: BlockingConn, submit: bytes, n: int, seconds: float) -> dict
     for name, lat in (("prefetch submit", sub), ("prefetch poll", poll)):
         out[name] = {
             "n": len(lat),
-            "p50_ms": _pct(lat, 50),
-            "p99_ms": _pct(lat, 99),
+            "p50_ms": pct(lat, 50),
+            "p99_ms": pct(lat, 99),
             "per_s": len(lat) / sum(lat),
         }
     return out
@@ -278,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     if not LMCacheCoordinator.available():
         print("skipped: no .venv-lmcache (scripts/lmcache_env.sh builds it)")
         return 0
-    target = MPServer(LMCacheCoordinator.VENV)
+    target = MPServer()
     kv = Server("--log-level", "WARNING")
     lm = LMCacheCoordinator()
     ports = {"kvatlas": kv.port, "lmcache": lm.port}

@@ -40,12 +40,14 @@ from kvatlas.core.keys import (
     chunk_hashes,
     default_kv_rank,
 )
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 from kvatlas.wire.directory_api import LookupRequest, decode_lookup, encode_lookup_msgpack
 from kvatlas.wire.http_api import shared_namespace
 from kvatlas.wire.json_tokens import PARSERS, token_ids_array
 
 MODEL = "m"
+A = InstanceId("a")
+"""The one instance the in-process fleet hears from."""
 JSON, MSGPACK = "application/json", "application/msgpack"
 _ints = msgspec.json.Decoder(LookupRequest)
 
@@ -79,7 +81,9 @@ def _gc_pauses(keys: int) -> list[tuple[str, float, float]]:
         ids = np.arange(start, min(keys, start + per), dtype=">u8").view(np.uint8)
         hashes = [bytes(h) * 4 for h in ids.reshape(-1, 8)]
         block = KeyBlock.of(Namespace(MODEL, rank), hashes, 4096)
-        fleet.ingest(EventBatch("a", 1, seq, EventType.STORE, Tier.L1, (), block=block), 0.0)
+        fleet.ingest(
+            EventBatch(A, Incarnation(1), seq, EventType.STORE, Tier.L1, (), block=block), 0.0
+        )
     frozen = _full_collection_ms()
     gc.unfreeze()
     return [
@@ -102,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = list(range(7, 7 + 32768))
     hashes = chunk_hashes(tokens)
     held = tuple(Entry(ObjectKey(h, MODEL, rank), 1 << 20) for h in hashes[:100])
-    fleet.ingest(EventBatch("a", 1, 1, EventType.STORE, Tier.L1, held), 0.0)
+    fleet.ingest(EventBatch(A, Incarnation(1), 1, EventType.STORE, Tier.L1, held), 0.0)
     ns = Namespace(MODEL, rank)
     raw = np.asarray(tokens, dtype="<u4").tobytes()
     json_body = json.dumps({"token_ids": tokens, "model_name": MODEL}).encode()

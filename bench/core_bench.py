@@ -29,7 +29,7 @@ from kvatlas.core.directory import KeyDirectory
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import ObjectKey, chunk_hashes, default_kv_rank
 from kvatlas.core.placements import Placement
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 
 BATCH = 256
 
@@ -58,7 +58,11 @@ def make_batches(n: int, seed: int = 1) -> tuple[list[EventBatch], list[bytes]]:
         entries = tuple(
             Entry(ObjectKey(h, "smollm2", kv), 1 << 21) for h in hashes[start : start + BATCH]
         )
-        batches.append(EventBatch("node-a", 1, b + 1, EventType.STORE, Tier.L1, entries))
+        batches.append(
+            EventBatch(
+                InstanceId("node-a"), Incarnation(1), b + 1, EventType.STORE, Tier.L1, entries
+            )
+        )
     return batches, hashes
 
 

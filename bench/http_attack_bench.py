@@ -1,4 +1,4 @@
-"""Normal clients of the coordinator during a slow-client attack (issue #14, item 5).
+"""Normal clients of the coordinator during a slow-client attack.
 
 Run: `python -m bench.http_attack_bench [--seconds 25] [--slow 300] [--bodies 8]`.
 
@@ -25,12 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import select
-import signal
 import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,7 +36,7 @@ from typing import Any
 import msgspec
 
 from bench.machine import describe
-from kvatlas.runtime.procs import HOST, free_port, wait_http
+from kvatlas.evaluation.launch import HOST, Proc, free_port, launch, python_module
 
 RESULTS = Path(__file__).resolve().parent / "results" / "http_attack.json"
 MIB = 1 << 20
@@ -204,38 +201,31 @@ def _rss_mib(pid: int) -> float:
 
 def run(seconds: float, slow: int, bodies: int) -> dict[str, Any]:
     port = free_port()
-    log = Path(tempfile.mkdtemp(prefix="http-attack-")) / "coordinator.log"
-    with log.open("wb") as out:
-        coord = subprocess.Popen(
-            [sys.executable, "-m", "kvatlas.cli.coordinator", "--host", HOST, "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    attacker: subprocess.Popen[str] | None = None
+    argv = python_module("kvatlas.cli.coordinator", "--host", HOST, "--port", str(port))
+    coord = launch(argv, name="coordinator", http_port=port)
+    attacker: Proc | None = None
     try:
-        wait_http(f"http://{HOST}:{port}/healthz", coord, log, 30)
         rss = {"start": _rss_mib(coord.pid)}
         quiet = normal_client(port, seconds)
-        attacker = subprocess.Popen(
-            [
-                sys.executable, "-m", "bench.http_attack_bench", "--attack", str(port),
-                "--slow", str(slow), "--bodies", str(bodies), "--seconds", str(seconds + 5),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
+        attacker = launch(
+            python_module(
+                "bench.http_attack_bench", "--attack", str(port), "--slow", str(slow),
+                "--bodies", str(bodies), "--seconds", str(seconds + 5),
+            ),
+            name="attacker",
+            pipes=True,
         )  # fmt: skip
         time.sleep(3)  # the attack's connections open and its bodies arrive
         attacked = normal_client(port, seconds)
         rss["attack"] = _rss_mib(coord.pid)
-        out_text, _ = attacker.communicate(timeout=seconds + 60)
+        out_text, _ = attacker.popen.communicate(timeout=seconds + 60)
         answers = json.loads(out_text)
         time.sleep(2)  # one sweep after the attacker's connections closed
         rss["after"] = _rss_mib(coord.pid)
     finally:
-        if attacker is not None and attacker.poll() is None:
+        if attacker is not None:
             attacker.kill()
-        coord.send_signal(signal.SIGTERM)
-        coord.wait(30)
+        coord.stop(grace_s=30.0)
     return {"quiet": quiet, "attack": attacked, "attacker_answers": answers, "rss_mib": rss}
 
 

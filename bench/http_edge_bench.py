@@ -40,7 +40,6 @@ import selectors
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +50,7 @@ from typing import Any
 import msgspec
 
 from bench.machine import describe
-from kvatlas.runtime.procs import HOST, free_ports, wait_http
+from kvatlas.evaluation.launch import HOST, free_ports, launch, python_module
 
 RESULTS = Path(__file__).resolve().parent / "results" / "http_edge.json"
 SERVERS = ["runtime", "uvicorn+starlette", "uvicorn-asgi", "bare"]
@@ -120,7 +119,7 @@ def serve_runtime(port: int) -> None:
         return HttpResponse(200, HEALTHZ)
 
     def post(request: HttpRequest) -> HttpResponse:
-        return HttpResponse(200, ingest(request.body))
+        return HttpResponse(200, ingest(bytes(request.body)))
 
     router = Router()
     router.add("GET", "/healthz", healthz)
@@ -256,23 +255,16 @@ class Served:
     """One server process, started and stopped by pid; its output goes to ``log``."""
 
     def __init__(self, name: str, port: int, log: Path) -> None:
-        self.name, self.port, self.log = name, port, log
-        cmd = [sys.executable, "-m", "bench.http_edge_bench", "--serve", name, "--port", str(port)]
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        self.name, self.port = name, port
+        argv = python_module("bench.http_edge_bench", "--serve", name, "--port", str(port))
+        self.proc = launch(argv, name=name, log=log, http_port=port, wait=False)
 
     def wait(self) -> None:
         # The bare protocol answers any request, so the readiness probe works on all four.
-        wait_http(f"http://{HOST}:{self.port}/healthz", self.proc, self.log, timeout=30)
+        self.proc.wait_http(timeout=30)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        self.proc.stop(grace_s=10.0)
 
 
 # ---- the client ------------------------------------------------------------------------

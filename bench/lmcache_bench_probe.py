@@ -104,14 +104,19 @@ class Watch:
 
     def report(self) -> dict[str, Any]:
         r = self.result
+        checks = (
+            {}
+            if r is None
+            else {
+                name: {"passed": r.passed_count(name), "failed": r.failed_count(name)}
+                for name in r.checks
+            }
+        )
         return {
             "completed": r is not None and not r.interrupted,
             "completed_runs": r.completed_runs if r else 0,
             "latencies_ms": r.latencies_ms if r else {},
-            "checks": {
-                name: {"passed": r.passed_count(name), "failed": r.failed_count(name)}
-                for name in (r.checks if r else {})
-            },
+            "checks": checks,
             "op_cpu_ms": self.op_cpu_ms,
             "op_wall_ms": self.op_wall_ms,
             "op_tokens": self.op_tokens,
@@ -128,7 +133,7 @@ def main() -> int:
     args = ap.parse_args()
     argv = [a for a in args.lmcache_argv if a != "--"]
     watch = Watch(args.server_pid)
-    BaselineBenchCase.run = watch.wrap_run(BaselineBenchCase.run)  # type: ignore[method-assign]
+    BaselineBenchCase.run = watch.wrap_run(BaselineBenchCase.run)
     for op in ("lookup", "store", "retrieve"):
         setattr(ServerBenchClient, op, watch.wrap_op(op, getattr(ServerBenchClient, op)))
     code, error = 0, ""

@@ -196,7 +196,7 @@ def bench_single_node(
 
 def brief(row: dict[str, Any]) -> str:
     if "error" in row:
-        return "ERROR " + row["error"][:300].replace("\n", " | ")
+        return "ERROR " + str(row["error"])[:300].replace("\n", " | ")
     keys = [k for k in row if k.endswith("Bps") and row[k]]
     return ", ".join(f"{k} {row[k] / 1e9:.2f} GB/s" for k in keys)
 
@@ -273,7 +273,7 @@ def p2p_probe(
     nbytes = 4 * 256 * BYTES_PER_TOKEN
 
     def m(key: str) -> float:
-        return statistics.median(r.get(key, 0.0) for r in good)
+        return float(statistics.median(r.get(key, 0.0) for r in good))
 
     return {
         "repeats": len(rows),

@@ -3,10 +3,11 @@
 their P2P fleets (`lmcache coordinator` for LMCache, as in LMCache's P2P guide;
 `kvatlas coordinator` for kvatlas).
 
-Owns their argv, ports (free ports on 127.0.0.1), log files, waiting until they answer,
-and stopping them by pid (SIGINT, LMCache's clean stop, then SIGKILL after 20 s), and
-removing the engine-driven SHM pool a stopped server left behind (only the pool names this
-process chose). Must not: signal a process it did not start, bind anything but 127.0.0.1.
+Owns their argv, ports (free ports on 127.0.0.1), log files, what answers once they are
+up, how they are stopped (SIGINT, LMCache's clean stop, then SIGKILL after 20 s: by pid,
+through the one launcher, ``kvatlas.evaluation.launch``), and removing the engine-driven
+SHM pool a stopped server left behind (only the pool names this process chose). Must
+not: signal a process it did not start, bind anything but 127.0.0.1.
 
 A server that exits while starting, or does not answer in time, is a `Refused` with the
 tail of its log: the benchmark reports it for that target and carries on.
@@ -17,15 +18,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from kvatlas.runtime.procs import HOST, die_with_parent, free_ports
+from kvatlas.evaluation import launch
+from kvatlas.evaluation.launch import HOST, free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 LMCACHE_VENV = Path(os.environ.get("KVATLAS_LMCACHE_VENV", ROOT / ".venv-lmcache"))
@@ -71,68 +71,49 @@ def tree_cpu_s(pid: int) -> float:
     return total
 
 
-@dataclass
-class Proc:
-    """One child process, its log, and how it is stopped."""
+@dataclass(eq=False, kw_only=True)
+class Proc(launch.Proc):
+    """One child process of the benchmark (the one launcher's), with how it is stopped and
+    what it answers when it is up."""
 
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    log: Path
     health_urls: tuple[str, ...]
+    """Up once any of these answers 200."""
     stop_signal: int = signal.SIGINT
     shm_pools: tuple[str, ...] = ()
-    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
-    def start(self) -> None:
-        with self.log.open("wb") as out:
-            self.popen = subprocess.Popen(
-                self.argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=self.env,
-                cwd=ROOT,
-                preexec_fn=die_with_parent,  # noqa: PLW1509 (no threads start in the child)
-            )
-
-    @property
-    def pid(self) -> int:
-        assert self.popen is not None
-        return self.popen.pid
-
-    def tail(self, lines: int = 4) -> str:
+    def last_lines(self, lines: int = 4) -> str:
         """The last ``lines`` non-empty lines of its log (where a CLI says why it quit)."""
-        try:
-            text = self.log.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join([ln for ln in text.splitlines() if ln.strip()][-lines:])
+        return "\n".join([ln for ln in self.text().splitlines() if ln.strip()][-lines:])
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
-        assert self.popen is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise Refused(f"{self.name} exited with {self.popen.returncode}:\n{self.tail()}")
-            for url in self.health_urls:
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url, timeout=1.0).status_code == 200:
-                        return
-            time.sleep(0.2)
-        raise Refused(f"{self.name} did not answer {self.health_urls} in {timeout:.0f} s")
+        """Until one of ``health_urls`` answers 200; `Refused` when it exits first or
+        does not answer in ``timeout`` seconds."""
 
-    def stop(self) -> None:
-        if self.popen is not None and self.popen.poll() is None:
-            self.popen.send_signal(self.stop_signal)
-            try:
-                self.popen.wait(20)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(10)
-        for pool in self.shm_pools:  # names this process chose, left by a killed server
+        def up() -> bool:
+            return any(_answers(url) for url in self.health_urls)
+
+        try:
+            self.wait_until(up, f"answering {self.health_urls}", timeout)
+        except launch.ProcessError:
+            raise Refused(
+                f"{self.name} exited with {self.returncode} or did not answer"
+                f" {self.health_urls} in {timeout:.0f} s:\n{self.last_lines()}"
+            ) from None
+
+    def stop(self, sig: int | None = None, grace_s: float = 20.0) -> int | None:
+        """``stop_signal`` (unless ``sig``), SIGKILL after ``grace_s``; then the SHM pools
+        this process named, which a killed server leaves behind."""
+        code = super().stop(self.stop_signal if sig is None else sig, grace_s)
+        for pool in self.shm_pools:
             with contextlib.suppress(OSError):
                 Path("/dev/shm", pool).unlink()
+        return code
+
+
+def _answers(url: str) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(url, timeout=1.0).status_code == 200
+    return False
 
 
 @dataclass(frozen=True)
@@ -203,6 +184,7 @@ def start_server(target: str, spec: ServerSpec, log_dir: Path) -> Server:
         name=f"{target}-server-{spec.instance_id}",
         argv=argv,
         env=env,
+        cwd=ROOT,
         log=log_dir / f"{target}-server-{spec.instance_id}.log",
         health_urls=(f"{http_url}/healthcheck", f"{http_url}/healthz"),
         stop_signal=stop_sig,
@@ -218,14 +200,15 @@ def start_coordinator(target: str, log_dir: Path) -> tuple[Proc, str]:
     if target == "lmcache":
         argv = [str(LMCACHE_VENV / "bin" / "lmcache"), "coordinator", "--host", HOST,
                 "--port", str(port), "--disable-metrics"]  # fmt: skip
-        proc = Proc(f"{target}-coordinator", argv, lmcache_env(),
-                    log_dir / f"{target}-coordinator.log", (f"{url}/instances",))  # fmt: skip
+        proc = Proc(name=f"{target}-coordinator", argv=argv, env=lmcache_env(), cwd=ROOT,
+                    log=log_dir / f"{target}-coordinator.log",
+                    health_urls=(f"{url}/instances",))  # fmt: skip
     else:
         argv = [sys.executable, "-m", "kvatlas.cli.coordinator", "--host", HOST,
                 "--port", str(port), "--snapshot-interval", "0"]  # fmt: skip
-        proc = Proc(f"{target}-coordinator", argv, kvatlas_env(),
-                    log_dir / f"{target}-coordinator.log", (f"{url}/healthz",),
-                    stop_signal=signal.SIGTERM)  # fmt: skip
+        proc = Proc(name=f"{target}-coordinator", argv=argv, env=kvatlas_env(), cwd=ROOT,
+                    log=log_dir / f"{target}-coordinator.log",
+                    health_urls=(f"{url}/healthz",), stop_signal=signal.SIGTERM)  # fmt: skip
     proc.start()
     return proc, url
 
@@ -240,7 +223,8 @@ def p2p_peer_counts(servers: list[Server]) -> list[int]:
         except (httpx.HTTPError, ValueError):
             counts.append(0)
             continue
-        counts.append(int(_find(status, "p2p_peer_count", -1)))
+        found = _find(status, "p2p_peer_count", -1)
+        counts.append(found if isinstance(found, int) else -1)
     return counts
 
 

@@ -373,7 +373,7 @@ def bench_lock_rtt(iterations: int) -> dict[str, Any]:
         tokens = list(range(8 * CHUNK_TOKENS))
         data = [np.full(4096, i, dtype=np.uint8) for i in range(8)]
         assert ca.store_chunks(tokens, data).stored == 8
-        hashes = [bytes(h) for h in ca.hashes(tokens)]
+        hashes = ca.hashes(tokens)
         ns = ca.ns or Namespace(MODEL, 16777472)
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         chan = ChannelClient(ctx, f"tcp://127.0.0.1:{fleet.servers[0].p2p_port}")

@@ -43,8 +43,8 @@ from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import Namespace, default_kv_rank
 from kvatlas.core.quotas import OperatorState, SetQuota
 from kvatlas.core.salt_usage import SaltUsage, eviction_plan
-from kvatlas.core.types import EventType, InstanceId, Tier
-from kvatlas.runtime.procs import HOST
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
+from kvatlas.evaluation.launch import HOST
 
 from .coordinator_bench import RESULTS
 
@@ -60,7 +60,16 @@ def batches(n: int, salts: int, tier: Tier = Tier.L2, seed: int = 3) -> list[Eve
         ns = Namespace("smollm2", default_kv_rank(), 0, f"tenant-{seq % salts}")
         block = KeyBlock(ns, raw[32 * start : 32 * (start + count)], (CHUNK_BYTES,) * count)
         out.append(
-            EventBatch(InstanceId("s1"), 1, seq, EventType.STORE, tier, (), "disk", block=block)
+            EventBatch(
+                InstanceId("s1"),
+                Incarnation(1),
+                seq,
+                EventType.STORE,
+                tier,
+                (),
+                "disk",
+                block=block,
+            )
         )
     return out
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -34,9 +32,9 @@ from typing import Any
 import httpx
 
 from bench.machine import describe
+from kvatlas.evaluation.launch import HOST, free_ports, launch, python_module
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import RouterConfig, StaticEngine
-from kvatlas.runtime.procs import HOST, free_ports, wait_http
 
 
 class _Engine(BaseHTTPRequestHandler):
@@ -61,18 +59,11 @@ class _Engine(BaseHTTPRequestHandler):
 @contextmanager
 def _coordinator(*flags: str) -> Iterator[str]:
     port = free_ports(1)[0]
-    argv = [sys.executable, "-m", "kvatlas.cli.coordinator", "--host", HOST, "--port", str(port)]
+    argv = python_module("kvatlas.cli.coordinator", "--host", HOST, "--port", str(port), *flags)
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "coordinator.log"
-        with log.open("wb") as out:
-            proc = subprocess.Popen([*argv, *flags], stdout=out, stderr=subprocess.STDOUT)
-        try:
-            url = f"http://{HOST}:{port}"
-            wait_http(url + "/healthz", proc, log, 60)
-            yield url
-        finally:
-            proc.terminate()
-            proc.wait(30)
+        with launch(argv, name="coordinator", log=log, http_port=port, timeout=60):
+            yield f"http://{HOST}:{port}"
 
 
 def _run(coordinator: str, engine: str, prompts: list[list[int]]) -> dict[str, float]:

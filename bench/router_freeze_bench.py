@@ -1,4 +1,4 @@
-"""Freeze to failover: how long a request waits on an engine that froze (#16 item 4).
+"""Freeze to failover: how long a request waits on an engine that froze.
 
     python -m bench.router_freeze_bench [--rounds 5] [--settings 1.0:2.0,0.2:1.0]
         [--engine-threads 1]
@@ -25,9 +25,7 @@ import argparse
 import concurrent.futures
 import logging
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -37,12 +35,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx
 
 from bench.machine import describe
+from kvatlas.evaluation.launch import Proc, free_port, launch
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import RouterConfig, StaticEngine
-from kvatlas.runtime.procs import free_port
 
 
-def _engine(threads: int) -> tuple[subprocess.Popen[bytes], str]:
+def _engine(threads: int) -> Proc:
+    """A reference engine on a free port, started (not yet awaited: it loads a model)."""
     port = free_port()
     argv = [
         sys.executable, "-m", "kvatlas.cli.engine", "--model", "tiny-random", "--port",
@@ -50,7 +49,7 @@ def _engine(threads: int) -> tuple[subprocess.Popen[bytes], str]:
     ]  # fmt: skip
     if threads:
         argv += ["--num-threads", str(threads)]
-    return subprocess.Popen(argv), f"http://127.0.0.1:{port}"
+    return launch(argv, name=f"engine-{port}", http_port=port, wait=False)
 
 
 def _wait(what: str, ok: Any, timeout: float = 300.0) -> float:
@@ -60,13 +59,6 @@ def _wait(what: str, ok: Any, timeout: float = 300.0) -> float:
             raise SystemExit(f"timed out waiting for {what}")
         time.sleep(0.02)
     return time.monotonic() - t0
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/healthz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _chat(content: str, max_tokens: int, stream: bool = False) -> dict[str, Any]:
@@ -86,9 +78,9 @@ def _drain(lines: Any) -> tuple[list[str], float]:
 
 
 def one_setting(
-    a: tuple[subprocess.Popen[bytes], str], b: str, health: float, probe: float, rounds: int
+    a: Proc, b: str, health: float, probe: float, rounds: int
 ) -> dict[str, list[float]]:
-    proc, url_a = a
+    url_a = a.url
     router = RouterApp(
         RouterConfig(
             port=0,
@@ -120,7 +112,7 @@ def one_setting(
                     waiting = pool.submit(httpx.post, api, json=_chat("q", 2), timeout=700)
                     _wait("a request waiting on A", lambda: state(url_a).in_flight == 2)
                     cut = pool.submit(_drain, lines)
-                    os.kill(proc.pid, signal.SIGSTOP)
+                    a.freeze()
                     frozen_at = time.monotonic()
                     try:
                         answer = waiting.result()
@@ -130,7 +122,7 @@ def one_setting(
                         out["stream_cut_s"].append(cut_at - frozen_at)
                         assert any("stopped answering" in line for line in rest), rest[-2:]
                     finally:
-                        os.kill(proc.pid, signal.SIGCONT)
+                        a.thaw()
                 resumed_at = time.monotonic()
                 _wait("A back", lambda: state(url_a).available)
                 out["back_s"].append(time.monotonic() - resumed_at)
@@ -173,11 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     print(describe())
     a, b = _engine(args.engine_threads), _engine(args.engine_threads)
     try:
-        for _, url in (a, b):
-            _wait(f"engine {url}", lambda u=url: _healthy(u))
+        for engine in (a, b):
+            engine.wait_http(timeout=300)
         print("| engine | probes | /metrics p50 | p99 | max |\n|---|---|---|---|---|")
         for busy in (False, True):
-            lat = probe_latency(a[1], busy)
+            lat = probe_latency(a.url, busy)
             p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))]
             print(
                 f"| {'busy (long prefill + decode)' if busy else 'idle'} | {len(lat)}"
@@ -190,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
               " | freeze -> stream cut | SIGCONT -> back in rotation |")  # fmt: skip
         print("|---|---|---|---|---|")
         for health, probe in settings:
-            r = one_setting(a, b[1], health, probe, args.rounds)
+            r = one_setting(a, b.url, health, probe, args.rounds)
 
             def fmt(xs: list[float]) -> str:
                 return f"{min(xs):.2f} / {statistics.median(xs):.2f} / {max(xs):.2f} s"
@@ -201,10 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     finally:
-        for p, _ in (a, b):
-            os.kill(p.pid, signal.SIGCONT)
-            p.terminate()
-            p.wait(30)
+        for engine in (a, b):
+            engine.stop(grace_s=30.0)
     return 0
 
 

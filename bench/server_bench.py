@@ -19,9 +19,7 @@ import argparse
 import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +30,7 @@ import httpx
 import numpy as np
 
 from kvatlas.connector.client import CacheClient
-from kvatlas.runtime.procs import free_port, free_ports, wait_http
+from kvatlas.evaluation.launch import HOST, Proc, free_port, free_ports, launch, python_module
 from kvatlas.wire.server_status import decode_status
 
 MIB = 1 << 20
@@ -40,29 +38,17 @@ CHUNK_TOKENS = 256
 RESULTS = Path(__file__).parent / "results"
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-
-def start_server(state: Path, l1_gb: float, coordinator: str | None) -> tuple[Any, int, int]:
+def start_server(state: Path, l1_gb: float, coordinator: str | None) -> tuple[Proc, int, int]:
     port, http_port = free_ports(2)
     args = [
-        sys.executable, "-m", "kvatlas.cli.server", "--host", "127.0.0.1",
+        sys.executable, "-m", "kvatlas.cli.server", "--host", HOST,
         "--port", str(port), "--http-port", str(http_port), "--instance-id", f"bench-{port}",
         "--l1-size-gb", str(l1_gb), "--state-dir", str(state), "--log-level", "WARNING",
         "--event-flush-interval", "0.2",
     ]  # fmt: skip
     if coordinator:
         args += ["--coordinator-url", coordinator, "--coordinator-heartbeat-interval", "1"]
-    proc = subprocess.Popen(args)
-    wait_http(f"http://127.0.0.1:{http_port}/healthz", proc)
-    return proc, port, http_port
+    return launch(args, name="server", http_port=http_port), port, http_port
 
 
 def tokens_for(n_chunks: int, seed: int) -> np.ndarray:
@@ -133,13 +119,11 @@ def bench_rtt(c: CacheClient, iters: int) -> dict[str, float]:
 
 def bench_events(tmp: Path, seconds: float) -> dict[str, float]:
     cport = free_port()
-    coord = subprocess.Popen(
-        [sys.executable, "-m", "kvatlas.cli.coordinator", "--host", "127.0.0.1",
-         "--port", str(cport), "--log-level", "WARNING"],
-    )  # fmt: skip
-    try:
-        wait_http(f"http://127.0.0.1:{cport}/healthz", coord)
-        proc, port, http_port = start_server(tmp / "state-ev", 0.25, f"http://127.0.0.1:{cport}")
+    argv = python_module(
+        "kvatlas.cli.coordinator", "--host", HOST, "--port", str(cport), "--log-level", "WARNING"
+    )
+    with launch(argv, name="coordinator", http_port=cport) as coord:
+        proc, port, http_port = start_server(tmp / "state-ev", 0.25, coord.url)
         try:
             status = f"http://127.0.0.1:{http_port}/status"
             with CacheClient(f"tcp://127.0.0.1:{port}", timeout_s=10) as c:
@@ -169,9 +153,7 @@ def bench_events(tmp: Path, seconds: float) -> dict[str, float]:
                 "events_dropped": float(ev.dropped_events),
             }
         finally:
-            stop(proc)
-    finally:
-        stop(coord)
+            proc.stop(grace_s=30.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.update(bench_store_retrieve(c, chunks, rounds))
                 results.update(bench_rtt(c, rtt_iters))
         finally:
-            stop(proc)
+            proc.stop(grace_s=30.0)
         results.update(bench_events(tmp, ev_s))
     copy = results["np_copyto_Bps"]
     rows = [

@@ -19,6 +19,7 @@ over repeats. Prints a markdown table and writes bench/results/transfer.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -36,6 +37,7 @@ import numpy.typing as npt
 
 from bench.machine import describe
 from kvatlas.core.checksum import checksum
+from kvatlas.evaluation.launch import ProcessError, launch, python_module
 from kvatlas.runtime.region import L1Region
 from kvatlas.transfer.base import Endpoint, ReadOp
 from kvatlas.transfer.factory import TRANSPORTS, make_transport
@@ -98,36 +100,31 @@ def _raw_owner(region: L1Region) -> int:
 
 class Owner:
     def __init__(self, transport: str, size: int) -> None:
-        args = [sys.executable, "-m", "bench.transfer_bench", "--owner", transport]
-        self.proc = subprocess.Popen(
-            [*args, "--region-mib", str(size // MiB)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
+        argv = python_module(
+            "bench.transfer_bench", "--owner", transport, "--region-mib", str(size // MiB)
         )
-        assert self.proc.stdout is not None
+        self.proc = launch(argv, name=f"{transport}-owner", pipes=True)
+        stdout = self.proc.popen.stdout
+        assert stdout is not None
         self.line = ""
-        for line in self.proc.stdout:
+        for line in stdout:
             if line.startswith(("ENDPOINT ", "RAW ")):
                 self.line = line
                 break
         if not self.line:
             self.proc.kill()
-            raise RuntimeError(f"{transport} owner did not start")
+            raise RuntimeError(f"{transport} owner did not start:\n{self.proc.tail()}")
 
     def endpoint(self) -> Endpoint:
         return Endpoint.from_builtins(json.loads(self.line.split(" ", 1)[1]))
 
     def stop(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        stdin = self.proc.popen.stdin
+        assert stdin is not None
+        stdin.close()  # the owner's signal to leave
+        with contextlib.suppress(ProcessError):
+            self.proc.wait_exit(10)
+        self.proc.kill()
 
 
 # ----------------------------------------------------------------------- measurements
@@ -212,7 +209,7 @@ def bench_transport(
             peer = client.connect(owner.endpoint())
             plans = {
                 chunk: [
-                    ReadOp(o, chunk, o, LEASE, checksum(expected[o : o + chunk]))
+                    ReadOp(o, chunk, o, LEASE, checksum(expected[o : o + chunk].data))
                     for o in range(0, size - chunk + 1, chunk)
                 ]
                 for chunk in CHUNKS

@@ -99,8 +99,8 @@ def bench_zmq(frames: list[list[bytes]]) -> dict[str, float]:
                 raise RuntimeError(f"stalled at {ingest.stats()['e']}")
             time.sleep(0.001)
         dt = time.perf_counter() - t0
-        s = ingest.stats()["e"]
-        assert s["lost"] == 0, s
+        got = ingest.stats()["e"]
+        assert got["lost"] == 0, got
     finally:
         ingest.stop()
         pub.close(linger=0)
@@ -127,9 +127,9 @@ def bench_lookup(total_blocks: int, rng: random.Random, rounds: int) -> dict[str
     hash_us, walk_us, both_us = [], [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
-        keys = hasher.keys(prompt)
+        prompt_keys = hasher.keys(prompt)
         t1 = time.perf_counter()
-        best = max(engines, key=lambda e: index.leading(e, keys)[0])
+        best = max(engines, key=lambda e: index.leading(e, prompt_keys)[0])
         t2 = time.perf_counter()
         assert best == engines[3]
         hash_us.append((t1 - t0) * 1e6)

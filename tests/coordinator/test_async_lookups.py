@@ -15,13 +15,13 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from kvatlas.evaluation.launch import free_port
 from kvatlas.runtime.coordinator_client import (
     AsyncLookups,
     CoordinatorClient,
     CoordinatorRefused,
     CoordinatorUnreachable,
 )
-from kvatlas.runtime.procs import free_port
 from kvatlas.wire.directory_api import HolderWire, LookupRequest
 from kvatlas.wire.instances_api import RegisterRequest
 from support.coordinator import RunningCoordinator

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,8 @@ from kvatlas.coordinator.host.cpu_latency import current_limit_us, why_not_held
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import CHAINS
-from kvatlas.runtime.procs import free_port, wait_http
+from kvatlas.evaluation.launch import free_port
+from support.launch import Proc, launch, python_module
 
 
 def test_defaults_and_env_token() -> None:
@@ -161,39 +161,27 @@ def test_a_frozen_coordinator_keeps_the_hold_and_a_killed_one_drops_it(tmp_path:
     exists), SIGKILL drops it with no shutdown code run, and the next coordinator holds
     its own."""
 
-    def start(us: int) -> subprocess.Popen[bytes]:
+    def start(us: int) -> Proc:
         port = free_port()
-        log = tmp_path / f"coordinator-{us}.log"
-        with log.open("wb") as out:
-            argv = [sys.executable, "-m", "kvatlas.cli.coordinator", "--host", "127.0.0.1"]
-            argv += ["--port", str(port), "--cpu-latency-us", str(us)]
-            proc = subprocess.Popen(
-                argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        wait_http(f"http://127.0.0.1:{port}/healthz", proc, log)
-        return proc
+        argv = python_module("kvatlas.cli.coordinator", "--host", "127.0.0.1", "--port", str(port))
+        argv += ["--cpu-latency-us", str(us)]
+        return launch(argv, name=f"coordinator-{us}", log=tmp_path / f"c-{us}.log", http_port=port)
 
     before = current_limit_us()
     assert before is not None
     proc = start(13)
     try:
         assert current_limit_us() == min(before, 13)
-        proc.send_signal(signal.SIGSTOP)
+        proc.freeze()
         time.sleep(0.2)
         assert current_limit_us() == min(before, 13)  # frozen: still held
         proc.kill()  # delivered to a stopped process too
-        proc.wait(10)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        proc.kill()
     assert current_limit_us() == before
     proc = start(17)
     try:
         assert current_limit_us() == min(before, 17)
     finally:
-        proc.terminate()
-        assert proc.wait(10) == 0
+        assert proc.stop() == 0
     assert current_limit_us() == before

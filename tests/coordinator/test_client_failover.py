@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
+from kvatlas.evaluation.launch import free_port
 from kvatlas.runtime.coordinator_client import (
     CoordinatorClient,
     CoordinatorRefused,
@@ -23,7 +24,6 @@ from kvatlas.runtime.coordinator_client import (
     Failover,
     UnknownInstance,
 )
-from kvatlas.runtime.procs import free_port
 from kvatlas.wire.directory_api import LookupRequest
 from kvatlas.wire.instances_api import RegisterRequest
 from support.coordinator import RunningCoordinator

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from kvatlas.core.types import Tier
+from kvatlas.evaluation.launch import free_port
 from kvatlas.runtime.coordinator_client import (
     BadAnswer,
     CoordinatorClient,
@@ -23,7 +24,6 @@ from kvatlas.runtime.coordinator_client import (
     CoordinatorUnreachable,
     UnknownInstance,
 )
-from kvatlas.runtime.procs import free_port
 from kvatlas.wire.coordinator_views import ReadyResponse
 from kvatlas.wire.directory_api import LookupRequest
 from kvatlas.wire.events_api import EventsResponse

@@ -5,13 +5,13 @@ is gone reads as None (the report then leaves it out)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 
 import pytest
 
 from kvatlas.evaluation.cpu_account import MachineTimes, machine_times, process_cpu_s
+from support.launch import launch
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux /proc")
 
@@ -27,12 +27,11 @@ def test_a_processs_cpu_seconds_grow_with_its_work() -> None:
 
 
 def test_a_running_child_is_read_and_a_reaped_one_is_none() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    child = launch([sys.executable, "-c", "import time; time.sleep(30)"], name="sleeper")
     try:
         assert process_cpu_s(child.pid) is not None
     finally:
-        child.kill()
-        child.wait()
+        child.kill()  # and reaped
     assert process_cpu_s(child.pid) is None
     assert process_cpu_s(None) is None
 

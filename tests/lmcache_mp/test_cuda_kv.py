@@ -4,7 +4,6 @@ the same bytes), and, where a GPU is present, its CUDA IPC opening and events.""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from multiprocessing import shared_memory
 
@@ -15,6 +14,7 @@ import torch
 from kvatlas.server.lmcache_mp.cpu_kv import CpuPagedKV
 from kvatlas.server.lmcache_mp.cuda_kv import CudaPagedKV, TorchPagedKV
 from kvatlas.server.lmcache_mp.wire import IpcDescriptor, TensorMetadata
+from support.launch import launch
 
 NB, BS, NH, HS, CHUNK = 8, 4, 2, 3, 8
 
@@ -65,12 +65,10 @@ sys.stdin.readline()
     reason="no CUDA device here: the CUDA IPC path is exercised on a machine with a GPU",
 )
 def test_cuda_ipc_handles_open_and_gather() -> None:
-    child = subprocess.Popen(
-        [sys.executable, "-c", _EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
+    child = launch([sys.executable, "-c", _EXPORTER], name="cuda-exporter", pipes=True)
     try:
-        assert child.stdout is not None
-        out = json.loads(child.stdout.readline())
+        assert child.popen.stdout is not None
+        out = json.loads(child.popen.stdout.readline())
         handle = [bytes.fromhex(h) if isinstance(h, str) else h for h in out["handle"]]
         meta = TensorMetadata("float32", [2, 8, 4, 2, 3], [192, 24, 6, 3, 1], 0, out["uuid"])
         desc = IpcDescriptor("cuda", 1, meta, raw={"type": "cuda", "handle": handle})
@@ -84,6 +82,7 @@ def test_cuda_ipc_handles_open_and_gather() -> None:
         assert bytes(buf) == chunk.numpy().tobytes()
         kv.close()
     finally:
-        if child.stdin is not None:
-            child.stdin.close()
-        child.wait(30)
+        if child.popen.stdin is not None:
+            child.popen.stdin.close()  # the exporter's signal to leave
+        child.wait_exit(30)
+        child.stop()

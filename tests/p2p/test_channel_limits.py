@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from kvatlas.runtime.procs import free_port
+from kvatlas.evaluation.launch import free_port
 from kvatlas.server.p2p.channel import MAX_MESSAGE_BYTES, ChannelClient, ChannelServer
 from kvatlas.wire import p2p_proto
 

@@ -23,10 +23,10 @@ import pytest
 from kvatlas.engine.config import CacheLinkConfig, EngineConfig
 from kvatlas.engine.engine_app import EngineApp
 from kvatlas.engine.model import LoadedModel, load_model
+from kvatlas.evaluation.launch import HOST, free_port
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import RouterConfig
 from kvatlas.router.service import ROUTE_HEADER, LocalTokenizer
-from kvatlas.runtime.procs import HOST, free_port
 from support.launch import Proc, launch, python_module
 from support.services import ServerProc, start_coordinator_process, start_server_process
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from kvatlas.evaluation.launch import free_port
 from kvatlas.router.config import StaticEngine
-from kvatlas.runtime.procs import free_port
 from support.launch import launch, python_module
 from support.tap import HttpTap
 from support.wait import wait_until

@@ -26,10 +26,10 @@ import pytest
 
 from kvatlas.engine.engine_app import EngineApp
 from kvatlas.engine.model import LoadedModel
+from kvatlas.evaluation.launch import HOST
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import StaticEngine
 from kvatlas.router.tripwires import COORDINATOR
-from kvatlas.runtime.procs import HOST
 from support.launch import Proc
 from support.services import start_coordinator_process
 from support.wait import wait_until

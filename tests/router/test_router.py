@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 from kvatlas.cli.router import build_parser, config_from_args, main
+from kvatlas.evaluation.launch import free_port
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import StaticEngine
-from kvatlas.runtime.procs import free_port
 from support.launch import launch, python_module
 from support.services import start_server_process
 from support.tap import HttpTap

@@ -22,8 +22,8 @@ import pytest
 
 from kvatlas.engine.engine_app import EngineApp
 from kvatlas.engine.model import LoadedModel
+from kvatlas.evaluation.launch import HOST
 from kvatlas.router.config import StaticEngine
-from kvatlas.runtime.procs import HOST
 from support.wait import wait_until
 
 from .conftest import (

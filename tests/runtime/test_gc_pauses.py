@@ -8,8 +8,8 @@ import gc
 
 import httpx
 
+from kvatlas.evaluation.launch import free_port
 from kvatlas.runtime.gc_pauses import GcPauses
-from kvatlas.runtime.procs import free_port
 from support.coordinator import RunningCoordinator
 from support.launch import launch, python_module
 

@@ -33,8 +33,8 @@ from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.keys import Namespace, chunk_hashes, object_keys
 from kvatlas.core.types import EventType, Tier
 from kvatlas.evaluation.broker import Broker
+from kvatlas.evaluation.launch import free_port
 from kvatlas.runtime.coordinator_client import CoordinatorClient
-from kvatlas.runtime.procs import free_port
 from kvatlas.server.errors import SinkError
 from kvatlas.server.publisher import EventPublisher
 from kvatlas.server.sinks import EventSink, HttpSink, KafkaSink

@@ -18,7 +18,7 @@ import httpx
 
 from kvatlas.coordinator.app import Coordinator
 from kvatlas.coordinator.config import CoordinatorConfig
-from kvatlas.runtime.procs import HOST
+from kvatlas.evaluation.launch import HOST
 from support.wait import wait_until
 
 BASE = CoordinatorConfig(host=HOST, port=0, snapshot_interval=0)

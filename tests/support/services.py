@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from kvatlas.runtime.procs import HOST, free_port, free_ports
+from kvatlas.evaluation.launch import HOST, free_port, free_ports
 from support.launch import P, Proc, launch, python_module
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import h11
 
-from kvatlas.runtime.procs import HOST
+from kvatlas.evaluation.launch import HOST
 
 
 @dataclass(frozen=True)

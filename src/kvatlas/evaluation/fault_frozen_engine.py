@@ -28,7 +28,8 @@ from typing import Any, Final
 
 import httpx
 
-from kvatlas.evaluation.fleet import Fleet, FleetConfig, Proc
+from kvatlas.evaluation.fleet import Fleet, FleetConfig
+from kvatlas.evaluation.launch import Proc
 from kvatlas.evaluation.metrics import percentiles
 from kvatlas.router.service import ROUTE_HEADER
 

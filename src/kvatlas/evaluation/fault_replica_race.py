@@ -82,7 +82,7 @@ def run_replica_race(cfg: ReplicaRaceConfig, say: Say, *, required: bool) -> dic
         )  # fmt: skip
         with Fleet(fcfg) as fleet:
             fleet.start(lambda m: say(f"  {m}"))
-            urls = [c.base_url for c in fleet.coordinators]
+            urls = [c.url for c in fleet.coordinators]
             with httpx.Client(timeout=30) as http:
                 t0 = time.monotonic()
                 points = [_race(http, urls, run, t0) for run in range(cfg.runs)]

@@ -7,25 +7,23 @@ back at the same address), their log files and temporary directories, and the re
 probes of their state, typed: each server's ``/status`` as a `ServerStatus`, and the
 coordinator's instances, directory stats and lookups through one `CoordinatorClient`.
 
-Safety: only 127.0.0.1 is used; processes are stopped by pid (SIGTERM, then SIGKILL after
-a grace period); ``close`` stops every process this object started and removes its
-temporary directory, and it runs on errors and Ctrl-C through the context manager. On
-Linux the children also get SIGKILL if this process dies without cleaning up
-(``PR_SET_PDEATHSIG``). Must not: signal any process it did not start.
+Safety: only 127.0.0.1 is used; every process is started, awaited and stopped by the one
+launcher (``kvatlas.evaluation.launch``: by pid, SIGTERM, then SIGKILL after a grace
+period; on Linux the children get SIGKILL if this process dies without cleaning up);
+``close`` stops every process this object started and removes its temporary directory,
+and it runs on errors and Ctrl-C through the context manager. Must not: signal any
+process it did not start.
 
-Exceptions: ``kvatlas.runtime.procs.ProcessError`` when a process did not come up, or
+Exceptions: ``kvatlas.evaluation.launch.ProcessError`` when a process did not come up, or
 exited early (its log tail attached).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import platform
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,20 +36,13 @@ from typing import Final, Self
 import httpx
 import msgspec
 
+from kvatlas.evaluation.launch import HOST, Proc, ProcessError, free_ports
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
-from kvatlas.runtime.procs import (
-    HOST,
-    ProcessError,
-    die_with_parent,
-    free_ports,
-)
 from kvatlas.wire.coordinator_views import StatsResponse
 from kvatlas.wire.directory_api import LookupRequest, LookupResponse
 from kvatlas.wire.instances_api import InstanceWire
 from kvatlas.wire.kafka_records import DEFAULT_TOPIC
 from kvatlas.wire.server_status import ServerStatus, decode_status
-
-log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 3.0
 """Bound of each probe of a process's state."""
@@ -108,41 +99,10 @@ class FleetConfig:
     a benchmark's fault injection on one node, say."""
 
 
-@dataclass(slots=True)
-class Proc:
-    """One process of the fleet and where it lives."""
-
-    name: str
-    args: list[str]
-    http_port: int
-    log_path: Path
-    popen: subprocess.Popen[bytes] | None = None
-    starts: int = 0
-    nice: int = 0
-    """Added to the process's niceness at its start (``os.nice``): 0 runs it at the
-    harness's own priority."""
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{HOST}:{self.http_port}"
-
-    @property
-    def pid(self) -> int | None:
-        return self.popen.pid if self.popen is not None else None
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-n:])
-
-
-@dataclass(slots=True)
+@dataclass(eq=False)
 class ServerProc(Proc):
+    """A cache server of the fleet: its instance id and its other two ports."""
+
     instance_id: str = ""
     engine_port: int = 0
     p2p_port: int = 0
@@ -174,12 +134,12 @@ class Fleet:
         """The replicas, in the servers' order of preference."""
         self.coordinator = self.coordinators[0]
         self.coordinator_client = CoordinatorClient(
-            [c.base_url for c in self.coordinators], timeout_s=PROBE_TIMEOUT_S
+            [c.url for c in self.coordinators], timeout_s=PROBE_TIMEOUT_S
         )
         """The coordinators' API (any replica that answers); it reconnects to a restarted
         coordinator by itself."""
         self.replica_clients = [
-            CoordinatorClient(c.base_url, timeout_s=PROBE_TIMEOUT_S) for c in self.coordinators
+            CoordinatorClient(c.url, timeout_s=PROBE_TIMEOUT_S) for c in self.coordinators
         ]
         """One client per replica, for what each replica says by itself."""
         self.servers = [self._server_proc(i) for i in range(cfg.nodes)]
@@ -189,7 +149,7 @@ class Fleet:
     @property
     def coordinator_url(self) -> str:
         """Every replica's URL, comma-separated, as ``--coordinator-url`` takes them."""
-        return ",".join(c.base_url for c in self.coordinators)
+        return ",".join(c.url for c in self.coordinators)
 
     def _kafka_args(self) -> list[str]:
         c = self.cfg
@@ -216,7 +176,7 @@ class Fleet:
             "--chunk-size", str(cfg.chunk_size), "--log-level", cfg.log_level, *snapshot,
             *self._kafka_args(),
         ]  # fmt: skip
-        return Proc(name, args, port, self.workdir / f"{name}.log")
+        return Proc(name, [sys.executable, *args], self.workdir / f"{name}.log", port)
 
     def _free_ports(self, count: int) -> list[int]:
         """``count`` free ports that this fleet has not handed out before. A picked port
@@ -261,9 +221,9 @@ class Fleet:
             args += c.server_args[i]
         return ServerProc(
             iid,
-            args,
-            http_port,
+            [sys.executable, *args],
             self.workdir / f"{iid}.log",
+            http_port,
             instance_id=iid,
             engine_port=engine_port,
             p2p_port=p2p_port if self.p2p else 0,
@@ -271,37 +231,9 @@ class Fleet:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _spawn(self, proc: Proc) -> None:
-        proc.starts += 1
-        with proc.log_path.open("ab") as f:
-            f.write(f"--- start {proc.starts} ---\n".encode())
-            f.flush()
-            proc.popen = subprocess.Popen(
-                [sys.executable, *proc.args],
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=_child_setup(proc.nice),  # noqa: PLW1509
-            )
-
     def _wait_healthy(self, proc: Proc) -> None:
-        """Until ``proc`` answers /healthz."""
-
-        def healthy() -> bool:
-            return self._http.get(proc.base_url + "/healthz", timeout=0.5).status_code == 200
-
-        self._wait_up(proc, healthy, "/healthz")
-
-    def _wait_up(self, proc: Proc, up: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + self.cfg.start_timeout_s
-        while time.monotonic() < deadline:
-            if not proc.alive():
-                raise ProcessError(f"{proc.name} exited during startup:\n{proc.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError, CoordinatorError):
-                if up():
-                    return
-            time.sleep(0.05)
-        raise ProcessError(f"{proc.name} did not answer {what} in time:\n{proc.log_tail()}")
+        """Until ``proc`` answers /healthz (`ProcessError` at once if it exits)."""
+        proc.wait_http("/healthz", self.cfg.start_timeout_s)
 
     def start(self, on_progress: Callable[[str], None] | None = None) -> None:
         """Start the coordinator, then every server; wait until all are registered."""
@@ -310,7 +242,7 @@ class Fleet:
             self.start_coordinator(i)
         say(f"coordinator up at {self.coordinator_url}")
         for s in self.servers:
-            self._spawn(s)
+            s.start()
         for s in self.servers:
             self._wait_healthy(s)
         self.wait_registered([s.instance_id for s in self.servers])
@@ -319,8 +251,13 @@ class Fleet:
     def start_coordinator(self, i: int = 0) -> None:
         """(Re)start replica ``i`` at its address; wait until it says it is ready."""
         proc, client = self.coordinators[i], self.replica_clients[i]
-        self._spawn(proc)
-        self._wait_up(proc, lambda: client.ready(timeout_s=0.5).ready, "/readyz")
+        proc.start()
+        proc.wait_until(
+            lambda: client.ready(timeout_s=0.5).ready,
+            "/readyz",
+            self.cfg.start_timeout_s,
+            ignore=(CoordinatorError,),
+        )
 
     def start_server(
         self, i: int, *, new_ports: bool = True, extra_args: tuple[str, ...] = ()
@@ -341,17 +278,19 @@ class Fleet:
         if new_ports:
             fresh = self._server_proc(i)
             fresh.starts = s.starts
-            fresh.args += list(extra_args)
+            fresh.argv += list(extra_args)
             self.servers[i] = s = fresh
-        self._spawn(s)
+        s.start()
         self._wait_healthy(s)
 
     def start_extra(self, name: str, args: list[str], http_port: int, nice: int = 0) -> Proc:
         """Start another process (``python`` + ``args``) that answers /healthz on its port,
         ``nice`` steps below the harness's priority."""
-        proc = Proc(name, args, http_port, self.workdir / f"{name}.log", nice=nice)
+        proc = Proc(
+            name, [sys.executable, *args], self.workdir / f"{name}.log", http_port, nice=nice
+        )
         self.extras.append(proc)
-        self._spawn(proc)
+        proc.start()
         self._wait_healthy(proc)
         return proc
 
@@ -424,35 +363,19 @@ class Fleet:
 
     def kill(self, proc: Proc) -> None:
         """SIGKILL (no clean shutdown: no deregistration, no snapshot)."""
-        if proc.popen is not None and proc.popen.poll() is None:
-            proc.popen.kill()
-            proc.popen.wait(10)
+        proc.kill()
 
     def freeze(self, proc: Proc) -> None:
         """SIGSTOP: the process keeps its sockets open but answers nothing."""
-        if proc.popen is not None and proc.popen.poll() is None:
-            proc.popen.send_signal(signal.SIGSTOP)
+        proc.freeze()
 
     def thaw(self, proc: Proc) -> None:
         """SIGCONT after ``freeze``."""
-        if proc.popen is not None and proc.popen.poll() is None:
-            proc.popen.send_signal(signal.SIGCONT)
+        proc.thaw()
 
     def stop(self, proc: Proc, grace_s: float = 15.0) -> int | None:
         """SIGTERM, then SIGKILL after ``grace_s``; the exit status (None if never run)."""
-        p = proc.popen
-        if p is None:
-            return None
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            p.send_signal(signal.SIGCONT)  # a frozen process handles SIGTERM only then
-            try:
-                p.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                log.warning("%s (pid %d) ignored SIGTERM; killing it", proc.name, p.pid)
-                p.kill()
-                p.wait(10)
-        return p.returncode
+        return proc.stop(grace_s=grace_s)
 
     def close(self) -> dict[str, int | None]:
         """Stop every process (servers first); remove the work dir if this object made it."""
@@ -487,7 +410,7 @@ class Fleet:
         if not s.alive():
             return None
         try:
-            r = self._http.get(s.base_url + "/status", timeout=PROBE_TIMEOUT_S)
+            r = self._http.get(s.url + "/status", timeout=PROBE_TIMEOUT_S)
         except httpx.HTTPError:
             return None
         if r.status_code != 200:
@@ -551,18 +474,3 @@ def describe_machine() -> dict[str, str]:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
     }
-
-
-def _child_setup(nice: int) -> Callable[[], None] | None:
-    """What a child runs before it executes: it dies with the harness (Linux), and
-    lowers its priority by ``nice``."""
-    if sys.platform != "linux" and not nice:
-        return None
-
-    def setup() -> None:  # pragma: no cover - runs in the child
-        if sys.platform == "linux":
-            die_with_parent()
-        if nice:
-            os.nice(nice)
-
-    return setup

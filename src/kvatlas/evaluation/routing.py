@@ -38,11 +38,11 @@ import numpy as np
 
 from kvatlas.evaluation.cpu_account import machine_times, process_cpu_s
 from kvatlas.evaluation.fleet import ENGINE_MODEL as MODEL
-from kvatlas.evaluation.fleet import Fleet, FleetConfig, Proc
+from kvatlas.evaluation.fleet import Fleet, FleetConfig
+from kvatlas.evaluation.launch import Proc, ProcessError
 from kvatlas.evaluation.metrics import percentiles
 from kvatlas.evaluation.workload import VOCAB_SIZE
 from kvatlas.router.service import ROUTE_HEADER
-from kvatlas.runtime.procs import ProcessError
 
 Say = Callable[[str], None]
 
@@ -466,10 +466,10 @@ def _roles(fleet: Fleet, engine_urls: Sequence[str], router_url: str) -> dict[st
     engines and the router known by the URLs their starts returned)."""
     extras = fleet.extras
     return {
-        "engines": [p for p in extras if p.base_url in engine_urls],
+        "engines": [p for p in extras if p.url in engine_urls],
         "servers": list(fleet.servers),
         "coordinator": list(fleet.coordinators),
-        "router": [p for p in extras if p.base_url == router_url],
+        "router": [p for p in extras if p.url == router_url],
     }
 
 
