@@ -25,8 +25,9 @@ from kvatlas.router.config import RouterConfig, StaticEngine
 from kvatlas.router.service import ROUTE_HEADER
 from support.coordinator import RunningCoordinator
 from support.services import start_server_process
+from support.wait import wait_until
 
-from .test_vllm_ingest import BLOCK, _batch, _port, _prompt, _publisher, _stored, _wait
+from .test_vllm_ingest import BLOCK, _batch, _port, _prompt, _publisher, _stored
 
 pytest.importorskip(
     "vllm.distributed.kv_events", reason="vLLM not installed (scripts/bootstrap.sh)"
@@ -114,9 +115,10 @@ def test_repeated_prompt_goes_to_the_engine_whose_device_cache_holds_it(
         router.start()
         assert router is not None
         url = router.url
-        _wait(
-            lambda: sum(e.available for e in router.status().engines) == 2,  # type: ignore[union-attr]
-            "both engines",
+        wait_until(
+            lambda: sum(e.available for e in router.status().engines) == 2,
+            # type: ignore[union-attr]
+            what="both engines",
         )
 
         def post(prompt: list[int]) -> dict[str, str]:
@@ -134,7 +136,9 @@ def test_repeated_prompt_goes_to_the_engine_whose_device_cache_holds_it(
             r = rc.client.post("/directory/device-lookup", json={"token_ids": tokens})
             return r.json()["best"]
 
-        _wait(lambda: best(_prompt(1)) == "a" and best(_prompt(2)) == "gpu-b", "both engines")
+        wait_until(
+            lambda: best(_prompt(1)) == "a" and best(_prompt(2)) == "gpu-b", what="both engines"
+        )
         for _ in range(3):
             got = post(_prompt(1))
             assert got["engine"] == fakes["a"].url, got
@@ -145,7 +149,7 @@ def test_repeated_prompt_goes_to_the_engine_whose_device_cache_holds_it(
         assert got["cached"] == str(2 * BLOCK)
         # blocks held only in vLLM's CPU offload tier count as L1
         pubs["b"].publish(_batch(_stored(_prompt(3), medium="CPU")))
-        _wait(lambda: best(_prompt(3)) == "gpu-b", "b's offloaded blocks")
+        wait_until(lambda: best(_prompt(3)) == "gpu-b", what="b's offloaded blocks")
         got = post(_prompt(3))
         assert got["engine"] == fakes["b"].url and got["tier"] == "l1", got
 
@@ -177,7 +181,7 @@ def test_without_a_device_tier_the_router_stops_asking(
     )
     router.start()
     try:
-        _wait(lambda: any(e.available for e in router.status().engines), "the engine")
+        wait_until(lambda: any(e.available for e in router.status().engines), what="the engine")
         for _ in range(3):
             r = httpx.post(f"{router.url}/v1/completions", json={"prompt": [1, 2, 3]}, timeout=30)
             assert r.status_code == 200 and _route(r)["tier"] == "none"
@@ -214,7 +218,7 @@ def test_a_member_advertises_its_engines_events_and_the_router_follows(
     try:
         ingest = rc.coordinator.vllm
         assert ingest is not None
-        _wait(lambda: "node-x" in ingest.from_members, "the member's source")
+        wait_until(lambda: "node-x" in ingest.from_members, what="the member's source")
         router = RouterApp(
             RouterConfig(
                 port=0, coordinator_urls=(rc.url,), policy="kv",
@@ -224,9 +228,9 @@ def test_a_member_advertises_its_engines_events_and_the_router_follows(
         )  # fmt: skip
         router.start()
         app = router
-        _wait(lambda: sum(e.available for e in app.status().engines) == 2, "both engines")
+        wait_until(lambda: sum(e.available for e in app.status().engines) == 2, what="both engines")
         pub.publish(_batch(_stored(_prompt(7))))
-        _wait(lambda: bool(ingest.lookup(_prompt(7))[0].tokens), "node-x's blocks")
+        wait_until(lambda: bool(ingest.lookup(_prompt(7))[0].tokens), what="node-x's blocks")
         r = httpx.post(f"{app.url}/v1/completions", json={"prompt": _prompt(7)}, timeout=30)
         got = _route(r)
         assert got["engine"] == fakes["a"].url and got["tier"] == "device", got
@@ -235,7 +239,7 @@ def test_a_member_advertises_its_engines_events_and_the_router_follows(
         assert "kvatlas_vllm_member_sources 1.0" in metrics
         assert "kvatlas_vllm_member_sources_refused_total 1.0" in metrics
         assert node.stop() == 0, node.tail()
-        _wait(lambda: not ingest.from_members, "the source dropped with its member")
+        wait_until(lambda: not ingest.from_members, what="the source dropped with its member")
         assert ingest.lookup(_prompt(7)) == []
     finally:
         if router is not None:

@@ -32,8 +32,9 @@ from kvatlas.wire.vllm_events import END_SEQ, replay_request
 from support.cache_fleet import CHUNK, L1_GB, MODEL, data, prompt
 from support.coordinator import RunningCoordinator
 from support.services import ServerProc, start_server_process
+from support.wait import wait_until
 
-from .test_vllm_ingest import DroppingPub, _port, _wait
+from .test_vllm_ingest import DroppingPub, _port
 
 kv_events = pytest.importorskip(
     "vllm.distributed.kv_events", reason="vLLM not installed (scripts/bootstrap.sh)"
@@ -152,27 +153,27 @@ def test_server_tiers_reach_the_coordinator_and_vllm_decodes_them(
                 return ingest.index.blocks(ingest.sources[0].engine)
 
         # stored before the coordinator subscribed: the connect replay brings them
-        _wait(lambda: blocks() == dict.fromkeys(keys, CPU), "the first chunks in L1")
+        wait_until(lambda: blocks() == dict.fromkeys(keys, CPU), what="the first chunks in L1")
         # L1 holds 16 chunks: 16 more demote the first three to L2
         engine.store_chunks(prompt(16, seed=2), data(16, 2))
-        _wait(
+        wait_until(
             lambda: (
                 all(blocks().get(k) == STORAGE for k in keys)
                 and sum(m == CPU for m in blocks().values()) == 16
             ),
-            "demotion to L2",
+            what="demotion to L2",
         )
         r = httpx.request(
             "DELETE", server.url + "/cache/objects", json={"keys": _wire_keys(hashes)}, timeout=10
         )
         assert r.status_code == 200 and r.json()["deleted"] == 3, r.text
-        _wait(lambda: not any(k in blocks() for k in keys), "the deleted chunks gone")
+        wait_until(lambda: not any(k in blocks() for k in keys), what="the deleted chunks gone")
         assert httpx.post(server.url + "/cache/clear", timeout=10).status_code == 200
-        _wait(lambda: blocks() == {}, "L1 cleared")
+        wait_until(lambda: blocks() == {}, what="L1 cleared")
 
         # vLLM's decoder: the stream opens with AllBlocksCleared, media are vLLM's names,
         # block hashes are the chunk hashes' bytes, token ids are whole blocks
-        _wait(lambda: len(reader.events()) >= 4, "the reader's batches")
+        wait_until(lambda: len(reader.events()) >= 4, what="the reader's batches")
         live = reader.events()
         stored = [e for e in live if isinstance(e, kv_events.BlockStored)]
         assert stored[0].block_hashes == hashes and stored[0].medium == "CPU"
@@ -190,9 +191,9 @@ def test_server_tiers_reach_the_coordinator_and_vllm_decodes_them(
         assert server.stop() == 0, server.tail()
         restarted = _start(tmp_path, *ports)
         try:
-            _wait(
+            wait_until(
                 lambda: ingest.stats()["node-s"]["restarts"] >= 1 and set(blocks()) == held_l2,
-                "the restarted server's L2 only",
+                what="the restarted server's L2 only",
                 timeout=60,
             )
             assert all(m == STORAGE for m in blocks().values())
@@ -228,7 +229,7 @@ def test_a_full_queue_drops_counts_clears_and_resyncs(ports: tuple[int, int]) ->
     assert pub.stats().dropped_changes == 3 and pub.stats().queued == 2
     pub.start()
     try:
-        _wait(lambda: bool(resyncs) and pub.stats().queued == 0, "the resync")
+        wait_until(lambda: bool(resyncs) and pub.stats().queued == 0, what="the resync")
         s = pub.stats()
         assert s.cleared == 2  # the stream's start, and after the drop
         assert s.blocks == 2 and s.blocks_stored == 2
@@ -243,7 +244,7 @@ def test_a_full_queue_drops_counts_clears_and_resyncs(ports: tuple[int, int]) ->
         time.sleep(0.3)
         assert pub.stats().blocks_removed == 0
         pub.publish(EventType.DELETE, Tier.L1, [Entry(twin, 1)])
-        _wait(lambda: pub.stats().blocks_removed == 1, "the block removed")
+        wait_until(lambda: pub.stats().blocks_removed == 1, what="the block removed")
     finally:
         pub.stop()
 
@@ -273,7 +274,7 @@ def test_a_batch_lost_on_the_wire_is_replayed(ports: tuple[int, int]) -> None:
     ingest = VllmIngest(parse_sources([spec]), replay_timeout_s=2.0, resync_s=0.3)
     ingest.start()
     try:
-        _wait(lambda: ingest.stats()["srv"]["last_seq"] == 0, "the stream's first batch")
+        wait_until(lambda: ingest.stats()["srv"]["last_seq"] == 0, what="the stream's first batch")
         assert pub._pub is not None
         pub._pub = DroppingPub(pub._pub, {2})  # type: ignore[assignment]
         keys = [ObjectKey(bytes([i + 1]) * 32, MODEL, 0) for i in range(4)]
@@ -287,7 +288,7 @@ def test_a_batch_lost_on_the_wire_is_replayed(ports: tuple[int, int]) -> None:
             with ingest.lock:
                 return ingest.index.blocks(EngineId("srv"))
 
-        _wait(lambda: held() == want, "every change, the gap repaired")
+        wait_until(lambda: held() == want, what="every change, the gap repaired")
         s = ingest.stats()["srv"]
         assert s["lost"] == 0 and s["replays"] >= 2 and s["last_seq"] == pub.stats().last_seq
     finally:
