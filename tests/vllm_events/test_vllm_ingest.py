@@ -20,6 +20,7 @@ import zmq
 from kvatlas.coordinator.vllm_ingest import VllmIngest
 from kvatlas.coordinator.vllm_sources import parse_source
 from kvatlas.core.vllm_hash import BlockHasher
+from kvatlas.evaluation.launch import free_port
 from support.wait import wait_until
 
 kv_events = pytest.importorskip(
@@ -311,8 +312,17 @@ def test_malformed_frames_and_unknown_events_are_skipped_and_counted(
         ctx.term()
 
 
+def _two_free_ports() -> int:
+    """A port free with the next one (rank 1's offset), below the ephemeral range so no
+    outgoing connection takes either meanwhile."""
+    return wait_until(free_port, lambda p: _free(p + 1), what="two free ports")
+
+
 def test_data_parallel_ranks_offset_ports(ingest_for: Callable[[str], VllmIngest]) -> None:
-    base_pub, base_replay = _port(), _port()
+    base_pub = _two_free_ports()
+    base_replay = wait_until(
+        _two_free_ports, lambda p: abs(p - base_pub) > 1, what="a second pair of ports"
+    )
     sources = parse_source(
         f"e=tcp://127.0.0.1:{base_pub},replay=tcp://127.0.0.1:{base_replay},dp_size=2,"
         f"topic=kv-events,block_size={BLOCK},hash=sha256_cbor"
