@@ -1,4 +1,4 @@
-"""Router-added latency (tokenize + lookup + pick) for 4,096-token prompts (#16 item 5).
+"""Router-added latency (tokenize + lookup + pick) for 4,096-token prompts.
 
     python -m bench.router_bench [--requests 100] [--prompt-tokens 4096] [--time-limit 300]
 

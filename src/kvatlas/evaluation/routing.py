@@ -1,6 +1,6 @@
 """The routing phase: one seeded workload through ``kvatlas router``, once per policy.
 
-Owns the measurement of issue 16: a fleet of cache servers, each with a reference engine
+Owns the measurement of cache-aware routing: a fleet of cache servers, each with a reference engine
 (SmolLM2-135M on the CPU, one torch thread), a router in front, and the same request
 sequence (multi-turn chat sessions, questions about a few hot shared documents, unique
 prompts) sent at a fixed arrival rate that loads the engines, once per run: ``kv``, ``kv-p2p``,
@@ -557,7 +557,7 @@ def run_routing_phase(fcfg: FleetConfig, cfg: RoutingConfig, say: Say) -> dict[s
 
 
 def targets(runs: dict[str, Any], limit: float) -> dict[str, Any]:
-    """Issue 16's targets, each with the measured values it compares."""
+    """The routing targets, each with the measured values it compares."""
     rr_off = runs.get("round-robin, P2P off", {})
     rr_on = runs.get("round-robin, P2P on", {})
     kvp = runs.get("kv-p2p", {})
