@@ -86,12 +86,12 @@ class RoutingConfig:
     """The arrival rate as the fleet's utilisation if every prompt token were recomputed
     (``arrival_rate``: the engines' prefill rate measured with all of them busy). No
     policy recomputes every token (round-robin without P2P recomputes about half of
-    them, kv-p2p about a quarter), so what a run meets is below this: at 1.6 on the
-    2-core development VM, round-robin without P2P kept the engines 97% busy and fell
-    behind (the fleet people run today cannot keep up at this rate), round-robin with
-    P2P 74%, and the prefix-aware policies 45-60%. At 0.9 (the earlier default) no
-    engine was more than 43% busy, so nothing queued and placement showed only in
-    cache hits; a routing policy matters where engines are loaded."""
+    them, kv-p2p about a quarter), so what a run meets is below this. At 1.6, round-robin
+    without P2P keeps the engines nearly saturated and falls behind (the fleet people
+    run today cannot keep up at this rate), while the prefix-aware policies leave them
+    well below that; at a load near 1 no engine is busy enough for requests to queue,
+    so placement shows only in cache hits. A routing policy matters where engines are
+    loaded."""
     rate_per_s: float | None = None
     """Fixed arrival rate, requests per second (``--routing-rate``); None: derived from
     ``load`` and the engines' measured prefill rate."""
@@ -128,7 +128,7 @@ class RoutingConfig:
     here four CPU-bound engines share the machine's cores with them, so at the same
     priority the router's added latency would mostly measure its wait for a CPU behind
     the engines' prefill. At 10 the engines still get every cycle the others leave
-    (those used 4-5% of the CPU in the quiet runs); 0 runs everything alike."""
+    (those use little of the CPU when quiet); 0 runs everything alike."""
     runs: tuple[str, ...] = ()
     """The runs to make, by their ``RUN_NAMES`` (``--routing-runs``); empty: all of
     ``RUNS``. The targets are evaluated only when the runs they compare were made."""
