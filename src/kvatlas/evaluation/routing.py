@@ -80,8 +80,8 @@ class RoutingConfig:
     requests: int = 100
     """Requests per run (the same sequence in every run): enough that the engines'
     queues reach a steady state after the first few requests fill the caches, few
-    enough that the six runs (about two minutes of arrivals each at load 0.9 on two
-    cores, plus a fleet start) take about 20 minutes."""
+    enough that the six runs (each a fleet start plus its arrivals) stay practical on a
+    small CPU-only machine."""
     load: float = 1.6
     """The arrival rate as the fleet's utilisation if every prompt token were recomputed
     (``arrival_rate``: the engines' prefill rate measured with all of them busy). No
