@@ -1,4 +1,4 @@
-"""In-process benchmarks of the pure core (issue #2), side by side with a naive baseline.
+"""In-process benchmarks of the pure core, side by side with a naive baseline.
 
     python -m bench.core_bench [--keys 1000000]
 

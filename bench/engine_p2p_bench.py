@@ -1,4 +1,4 @@
-"""TTFT cold vs warm through P2P on SmolLM2 (issue #6), measured side by side in one run.
+"""TTFT cold vs warm through P2P on SmolLM2, measured side by side in one run.
 
     python -m bench.engine_p2p_bench [--lengths 1024 2048 4096] [--repeats 3]
 

@@ -14,7 +14,7 @@ requests one at a time, alternating `GET /instances` and a `POST /directory/look
 1,024 token ids (~5 KB of JSON). The attacker is a second process: `--slow` connections
 that send their headers a byte per second (each is cut at 10 s and opened again), and
 `--bodies` connections that declare 64 MiB bodies, send 60 MiB at once and stall (the
-issue's case; opened again once cut or refused, at most once a second each). Phases in one
+slow-body attack; opened again once cut or refused, at most once a second each). Phases in one
 run: `quiet` (no attacker) then `attack` (the attacker running), `--seconds` each; the
 figures are the normal requests' p50 / p99 latency and the share that failed. Prints a
 markdown table; writes JSON to bench/results/http_attack.json.

@@ -1,5 +1,5 @@
 """LMCache's own server benchmark against `lmcache server` and against `kvatlas server`,
-side by side in one run (issue #28).
+side by side in one run.
 
 Both servers are started with the same flags, LMCache's P2P guide's (LMCache's also get
 ``--supported-transfer-mode auto --shm-name ... --no-l1-use-lazy``, which it needs for

@@ -1,7 +1,7 @@
 """P2P benchmark through real processes on 127.0.0.1 (a coordinator and two cache servers
 started with their CLIs by ``kvatlas.evaluation.fleet.Fleet``, CacheClients as engines).
 
-The prefix scenario (issue #15), per transport (tcp, shm, mooncake, nixl): node B gets a
+The prefix scenario, per transport (tcp, shm, mooncake, nixl): node B gets a
 64-chunk prefix of SmolLM2's shape (30 layers x 3 KV heads x 64, fp32, 256-token chunks:
 11.25 MiB a chunk, 720 MiB in all) that only node A holds. A fresh prompt (fresh random
 bytes) per repeat, medians of the repeats:
@@ -10,7 +10,7 @@ bytes) per repeat, medians of the repeats:
   reserve, transfer with the checksum verified as the bytes land, commit, unlock);
 - end to end: fetch + the engine holding the verified bytes, through the engine's own load
   path (``KVConnector.fetch_prefix``, as the reference engine calls it): the leased
-  chunks as views over its mapping of B's L1, zero-copy (issue #15, item 3). The server
+  chunks as views over its mapping of B's L1, zero-copy. The server
   verified every byte as it landed from A (the trust boundary), so the engine hashes
   them again only with ``--engine-verify`` (the connector's ``verify_checksums``);
 - the one copy into a model's cache, timed on its own after that: the reference engine
@@ -193,7 +193,7 @@ class Baselines:
 
 
 def bench_prefix(transport: str, chunks: int, repeats: int, verify: bool) -> dict[str, Any]:
-    """The issue's scenario for one transport; raises when it cannot run."""
+    """The prefix scenario for one transport; raises when it cannot run."""
     nbytes = chunks * CHUNK_BYTES
     l1_mb = nbytes / MIB + 48
     rng = np.random.default_rng(15)

@@ -1,10 +1,10 @@
-"""Router-added latency (tokenize + lookup + pick) for 4,096-token prompts (#16 item 5).
+"""Router-added latency (tokenize + lookup + pick) for 4,096-token prompts.
 
     python -m bench.router_bench [--requests 100] [--prompt-tokens 4096] [--time-limit 300]
 
 Starts a real loopback fleet (a coordinator, 2 cache servers with P2P, 2 reference engines
 on the tiny random model: byte tokens, so a prefill of 4k tokens costs milliseconds, not
-the ~18 s SmolLM2 takes on a CPU) and ``kvatlas router --policy kv-p2p`` in front, once per
+the seconds SmolLM2 takes on a CPU) and ``kvatlas router --policy kv-p2p`` in front, once per
 tokenizing mode:
 
 - ``router``: ``--tokenizer tiny-random`` (the engines' own tokenizer, in the router);
@@ -16,8 +16,8 @@ tokenizing mode:
 - ``router-bpe-nocache``: the same with ``--tokenizer-cache-mb 0``: every prompt encoded
   whole, as a prompt that shares nothing with recent ones is;
 - ``router-bpe-tokenizers``: ``router-bpe`` with ``--tokenizer-encoder tokenizers``:
-  Hugging Face tokenizers' own encoder instead of fastokens (the router's default since
-  the ninth session), side by side.
+  Hugging Face tokenizers' own encoder instead of fastokens (the router's default), side
+  by side.
 
 What "``--prompt-tokens`` tokens" means: tokens as the router's tokenizer counts them,
 which is the model's own. For ``router`` and ``engine`` that is the tiny engines' byte
@@ -25,7 +25,7 @@ tokens, checked against each answer's ``usage.prompt_tokens``. For the ``router-
 modes the prompt text is built word by word so that SmolLM2's tokenizer yields exactly
 that many tokens (checked here on the whole text, and against the router's own count,
 ``kvatlas_router_prompt_tokens_total``); the tiny engines behind count the same text in
-bytes (~1.8 per token: the "engine prompt tokens" column), which is not what is measured.
+bytes (more than one per token: the "engine prompt tokens" column), which is not what is measured.
 
 Each mode sends the same kind of mix, one request at a time through one keep-alive
 client: ``/v1/completions`` with ``max_tokens=1``, prompts of a few shared prefixes (3/4 of

@@ -1,7 +1,7 @@
-"""Issue #14, item 6: the P2P data path under clients without the token. The tcp
+"""The P2P data path under clients without the token. The tcp
 transport's data port gave each of 1,000 idle unauthenticated connections a thread that
-stayed (+76 MB), and the P2P control channel read three unauthenticated 48 MB messages
-whole (30 s to answer anyone else). Replayed against a real ``kvatlas server`` with P2P
+stayed, and the P2P control channel read three unauthenticated 48 MB messages
+whole, answering no one else meanwhile. Replayed against a real ``kvatlas server`` with P2P
 over tcp: idle connections get no thread, those over the cap are closed at once and the
 rest within the first-request deadline; huge channel messages are dropped from their
 size header and honest requests are answered meanwhile.

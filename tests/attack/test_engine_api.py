@@ -1,11 +1,12 @@
-"""Issue #14, item 1: four engine-API requests whose token is not ASCII killed a server's
+"""Four engine-API requests whose token is not ASCII killed a server's
 engine-API workers (``TypeError`` in the comparison), and the same header made `/status`
 and `/metrics` answer 500. Replayed against a real ``kvatlas server``: every such request
-is refused, and the server keeps serving the right token afterwards. Also the engine
-API's share of item 5: a message over its size limit is refused before it is read, and an
-engine that sends requests faster than they are served (without reading the answers)
-gets the excess answered ``overloaded`` at once, holds a bounded share of the queue and of
-the server's memory, and leaves other engines' local hits answered.
+is refused, and the server keeps serving the right token afterwards. Also oversized
+and flooding clients on the engine API: a message over its size limit is refused
+before it is read, and an engine that sends requests faster than they are served
+(without reading the answers) gets the excess answered ``overloaded`` at once, holds a
+bounded share of the queue and of the server's memory, and leaves other engines'
+local hits answered.
 
 The gate itself, on every input (hypothesis): ``tests/runtime/test_auth.py``.
 """

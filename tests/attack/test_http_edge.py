@@ -1,7 +1,7 @@
-"""Issue #14, item 5: slow clients held the coordinator. Any received byte counted as
+"""Slow clients held the coordinator. Any received byte counted as
 activity, so clients trickling headers and bodies stayed connected past the idle timeout,
 enough of them exhausted the descriptors, and 8 connections sending 60 MiB of declared
-64 MiB bodies and then stalling took the process from 483 to 960 MB of resident memory
+64 MiB bodies and then stalling grew the process's resident memory by hundreds of MB
 that it never gave back. Replayed against a real ``kvatlas coordinator``: trickled
 headers and stalled bodies are cut with 408, bodies held at once are capped (503 with
 Retry-After beyond the budget), their memory is returned, the connection cap answers

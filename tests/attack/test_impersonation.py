@@ -1,4 +1,4 @@
-"""Issue #14, item 2: any token holder could act as any instance. A forged STORE put
+"""Any token holder could act as any instance. A forged STORE put
 placements on a victim, ``seq = 2**63`` made its next batches vanish, ``incarnation =
 2**62`` fenced it for good, and a third party could deregister it or re-register it at
 its own URL. Replayed against a real ``kvatlas server`` (the victim, which registers with

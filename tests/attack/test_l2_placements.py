@@ -1,4 +1,4 @@
-"""Issue #14, item 7: immortal L2 placements. An L2 STORE from an instance that never
+"""Immortal L2 placements. An L2 STORE from an instance that never
 registered (1 TiB claimed) stayed in the directory and its stats after its emitter's
 timeout, and L2 placements of an instance gone for good stayed for ever. Replayed against
 a real ``kvatlas coordinator``: the never-registered emitter's placements go when it

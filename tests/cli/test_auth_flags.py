@@ -1,6 +1,5 @@
 """The shared token comes from a file, the environment or a flag, the same way for the
-coordinator, the server and the engine; the help prefers what does not show in `ps`
-(issue #14, item 9)."""
+coordinator, the server and the engine; the help prefers what does not show in `ps`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Fuzz the OpenAPI surface of a real coordinator with hypothesis-generated bodies: any
 answer but a 5xx is acceptable (schemathesis is not installed here). Query integers
-beyond 64 bits and bodies nested past the decoder's recursion are a 400 (issue #14,
-item 8: `?offset=2**63` and a 100k-deep unknown field were 500s)."""
+beyond 64 bits and bodies nested past the decoder's recursion are a 400
+(`?offset=2**63` and a 100k-deep unknown field, say, not a 500)."""
 
 from __future__ import annotations
 

@@ -251,7 +251,8 @@ def test_lmcache_registration_without_incarnation_takes_the_events_one(
 
 
 def test_registration_metadata_and_fields_are_capped(coord: RunningCoordinator) -> None:
-    """Issue #14, item 9: a 10 MB metadata made every `GET /instances` 10 MB."""
+    """Registration metadata is capped: without a cap, one huge metadata made every
+    `GET /instances` as large."""
     c = coord.client
     big = {"k": "x" * (10 * 2**20)}
     r = c.post("/instances", json=register_body("node-a", metadata=big))

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.kafka]
 
 Start = Callable[..., RunningCoordinator]
 RUNS = 50
-"""Races in a row (the issue's bar: 50 in a row, one broker, a new model each)."""
+"""Races in a row (the bar: 50 in a row, one broker, a new model each)."""
 
 
 def _replicas(kafka_broker: Any, start_coordinator: Start) -> tuple[RunningCoordinator, ...]:

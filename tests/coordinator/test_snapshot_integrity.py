@@ -1,7 +1,7 @@
 """Snapshot files carry a format version and a checksum: a corrupt file is refused at
 startup naming the file and the previous good one, and a file of the format before the
-header still restores (issue #14, item 4: 8 of 9 bit flips used to restore a different
-directory without an error)."""
+header still restores (without the checksum, most single bit flips restored a
+different directory without an error)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Integers on the wire are refused outside what the coordinator's encoders can hold, and
 a snapshot failure of any kind is logged, counted, retried and fails `/readyz`
-(issue #14, item 3: `seq = 2**64` used to be a 200 that killed the snapshot thread)."""
+(`seq = 2**64` must not be accepted and then kill the snapshot thread)."""
 
 from __future__ import annotations
 

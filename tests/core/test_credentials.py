@@ -1,5 +1,5 @@
 """Instance credentials and cursor bounds in the fleet state (`core.credentials`): who
-may speak for an instance, and how far one request may move it (issue #14, item 2)."""
+may speak for an instance, and how far one request may move it."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from kvatlas.core.keys import (
     unpack_kv_rank,
 )
 
-# Computed by an independent implementation of the same scheme (issue #2).
+# Computed by an independent implementation of the same scheme.
 GOLDEN_TWO_CHUNKS = [
     "084547b6c40ed5b05ba8cd0305db5bf74d5617673948d9ed193ab7d6cbc484d4",
     "e5ffee45c2b9db326814c9692dc594369887ba3b0df5761817820b60f864c8e0",

@@ -1,4 +1,4 @@
-"""L2 placements do not outlive their instance for ever (issue #14, item 7): an instance
+"""L2 placements do not outlive their instance for ever: an instance
 that never registered loses every placement when it expires, and one that is gone
 (deregistered or expired) keeps its L2 placements for the retention only, unless it comes
 back. Snapshots keep the retention clocks."""

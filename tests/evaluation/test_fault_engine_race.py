@@ -1,5 +1,5 @@
-"""The fault campaign's ``frozen_engine`` and ``replica_race`` cases, on real processes
-(issue #30, item 5): an engine frozen behind the router under load loses no request and
+"""The fault campaign's ``frozen_engine`` and ``replica_race`` cases, on real processes:
+an engine frozen behind the router under load loses no request and
 comes back after the thaw; conflicting registrations racing through two replicas end
 alike everywhere; the report lists each timeline (``kvatlas bench faults --faults
 frozen_engine,replica_race``)."""

@@ -1,5 +1,5 @@
-"""The fault campaign's ``frozen_peer_no_estimate`` case, on real processes (issue #30,
-item 5): a frozen peer costs the first lookups one short lock deadline and the next ones
+"""The fault campaign's ``frozen_peer_no_estimate`` case, on real processes:
+a frozen peer costs the first lookups one short lock deadline and the next ones
 nothing, without an estimate from the engine; the peer is read again after SIGCONT,
 byte for byte; the report lists each phase's timeline. The targets, 250 ms and 10 ms,
 are the campaign's to measure (``kvatlas bench faults --faults

@@ -1,5 +1,5 @@
 """The fault campaign, small, against real processes: every fault of ``kvatlas bench
-faults`` injected in turn into one loopback fleet under a steady load (issue #13 item 7).
+faults`` injected in turn into one loopback fleet under a steady load.
 
 Per fault: no request failed and no chunk's bytes differed from what was stored (exact);
 no event lost (the directory lists exactly what each server holds, no publisher drop);

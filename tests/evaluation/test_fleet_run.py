@@ -27,7 +27,7 @@ from kvatlas.evaluation.workload import WorkloadConfig, generate
 CHUNK = 64
 CHUNK_BYTES = 16 * 1024
 LENGTH_CAP_S = 300.0
-"""A run's cap on its length: only a hang may reach it (a run takes ~10-30 s here), so a
+"""A run's cap on its length: only a hang may reach it (a run takes a small part of it), so a
 stalled shared machine slows a run down instead of cutting it short and failing it."""
 
 
@@ -74,8 +74,8 @@ def test_small_fleet_run_keeps_the_invariants(tmp_path: Path) -> None:
         chunk_bytes=CHUNK_BYTES,
         deadline=time.monotonic() + LENGTH_CAP_S,
         say=lambda _m: None,
-        # Back to back the 60 requests take ~0.2 s here, one event flush interval: the
-        # directory could name nothing before the stream ended. Paced, they span ~10.
+        # Back to back the 60 requests end within about one event flush interval: the
+        # directory could name nothing before the stream ended. Paced, they span several.
         rate_per_s=30.0,
     )
     s = res.summary

@@ -205,7 +205,7 @@ def test_registration_without_incarnation_and_heartbeats(fleet: Fleet) -> None:
 
 def test_capacity_declarations_read_the_same(fleet: Fleet) -> None:
     """The server opens its event stream with a config batch; kvatlas refused the whole
-    body with 400 before (issue #12). Both coordinators now answer every `POST /events`
+    body with 400 before. Both coordinators now answer every `POST /events`
     alike and `GET /instances/usage` identically."""
     for coord in fleet.coordinators:
         wait_until(

@@ -1,6 +1,6 @@
 """A control request waiting on a peer ends as soon as its abandon event is set (the
 controller sets it when the peer's breaker opens), not at its own deadline: lookups in
-flight to a frozen peer end with the first one that met its deadline (issue #30)."""
+flight to a frozen peer end with the first one that met its deadline."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The P2P control channel refuses a huge message from its size header, before reading
-it or checking its token (issue #14, item 6: three unauthenticated 48 MB messages took
-30 s to answer), and keeps answering honest requests meanwhile."""
+it or checking its token (reading three unauthenticated 48 MB messages whole stalled
+everyone else), and keeps answering honest requests meanwhile."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""No lookup waits on a dead, frozen or busy peer (issue #13, items 1-4), on real
+"""No lookup waits on a dead, frozen or busy peer, on real
 processes: the directory's "nobody holds it" asks no peer, a dead peer fails at once and
 its breaker opens, a frozen one costs one bounded deadline (the server's own recompute
 estimate, not the 30 s timeout) and is probed back after SIGCONT, and local work never

@@ -1,6 +1,6 @@
-"""A frozen peer costs one short lock deadline, once, for all lookups together (issue
-#30, item 1), and a slow but answering one is still read from; the server learns an
-engine's prefill rate for lookups that carry no estimate (item 4). Real processes: a
+"""A frozen peer costs one short lock deadline, once, for all lookups together,
+and a slow but answering one is still read from; the server learns an
+engine's prefill rate for lookups that carry no estimate. Real processes: a
 coordinator and two servers with tcp P2P; the peer is frozen with SIGSTOP. The one
 wall-clock bound tells the short deadline from the bug's (10 s: 2,048 tokens x the 5 ms
 default recompute rate) at half of it; the rest is read from the server's state. The

@@ -65,7 +65,7 @@ def tiny() -> LoadedModel:
 @pytest.fixture(scope="session")
 def smol(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     """SmolLM2, converted from its GGUF once into pytest's cache folder (the folder the
-    engine suite's fixture uses: either suite's first run pays the ~20 s GGUF parse)."""
+    engine suite's fixture uses: either suite's first run pays the slow GGUF parse)."""
     cache = getattr(request.config, "cache", None)
     folder = (
         Path(cache.mkdir("kvatlas-models"))

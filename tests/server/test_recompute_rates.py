@@ -1,5 +1,5 @@
-"""A cache server process learns its engines' prefill rates from their lookups (issue
-#30, item 4): as reported (``prefill_s_per_token``), or as implied by a recompute
+"""A cache server process learns its engines' prefill rates from their lookups: as
+reported (``prefill_s_per_token``), or as implied by a recompute
 estimate; per engine first, then per model; implausible ones are refused with a reason.
 The P2P use of the rate (a lookup without an estimate bounded by it) is in
 tests/p2p/test_frozen_peer.py."""

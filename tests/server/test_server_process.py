@@ -194,8 +194,8 @@ def test_concurrent_engines(server: ServerProc) -> None:
 
 
 def test_an_engine_cannot_end_another_engines_read_leases(server: ServerProc) -> None:
-    """Issue #14, item 9: lease ids were 1, 2, 3...; a Release of guessed ids ended the
-    leases of every other engine. They are random 63-bit now."""
+    """Lease ids are random 63-bit numbers, not 1, 2, 3...: a Release of guessed ids must
+    not end the leases of every other engine."""
     tokens = list(range(CHUNK * 4))
     with client_for(server) as a, client_for(server) as b:
         a.store_chunks(tokens, chunks(4, 4096))

@@ -1,4 +1,4 @@
-"""The tcp transport's data port under hostile clients (issue #14, item 6): idle
+"""The tcp transport's data port under hostile clients: idle
 connections without a token got a thread each and kept it; now a connection gets a thread
 only after a first request that carries the token, connections are capped, and idle
 ones are closed. Reads of honest requesters still succeed, also after their pooled

@@ -1,5 +1,5 @@
 """Every decoder of what a client or peer sends refuses a body nested past msgspec's
-recursion as malformed (issue #14, item 8), instead of raising RecursionError into a
+recursion as malformed, instead of raising RecursionError into a
 worker loop or a route."""
 
 from __future__ import annotations

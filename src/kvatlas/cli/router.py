@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--tokenizer-encoder", default="fastokens", choices=("fastokens", "tokenizers"),
         help="with --tokenizer: what encodes text. fastokens (default): the same"
-        " tokenizer.json in fastokens, 10-20x faster, used only where it is installed and"
+        " tokenizer.json in fastokens, many times faster, used only where it is installed and"
         " gives the tokenizer's own ids on a self-test corpus at start-up (else, and with"
         " tokenizers: Hugging Face tokenizers' own encoder)",
     )  # fmt: skip

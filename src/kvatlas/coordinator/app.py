@@ -224,8 +224,8 @@ class Coordinator:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, self._on_signal)
             # The process is ours: move what startup built (modules, the restored state)
-            # out of the collector's sight. A full collection visited them all, 11-18 ms
-            # of every request's time here at each one (bench: docs/benchmarks.md).
+            # out of the collector's sight. A full collection visited them all, adding
+            # its pause to the requests in flight at each one (docs/benchmarks.md).
             gc.collect()
             gc.freeze()
             # And keeps freed heap for the next request's big temporaries (see there).

@@ -100,8 +100,8 @@ class CoordinatorConfig:
     (`--token-hash-memo-bytes`): a lookup by tokens whose chunks were looked up before
     (the same prompt asked again while its request waits, a chat's next turn, a shared
     system prompt) takes their hashes from it, compared byte for byte, instead of
-    hashing them again (13-28 us instead of 170-220 us for 32,768 tokens in
-    `bench.coordinator_bench`). A link is remembered from its second lookup on; one
+    hashing them again, several times faster (`bench.coordinator_bench` measures it;
+    docs/benchmarks.md holds the figures). A link is remembered from its second lookup on; one
     takes 64 + 4 * `--chunk-size` bytes (at most this many bytes in all, allocated as it
     fills). 0: no memo. Only where the
     compiled chain was built."""
@@ -111,9 +111,9 @@ class CoordinatorConfig:
     """While serving, hold this machine's CPUs to waking within this many microseconds
     (`--cpu-latency-us`, the kernel's PM QoS device; needs root). 0 keeps idle CPUs
     polling instead of halting: on VMs whose halted vCPUs now and then wake
-    milliseconds late, the 32k-token lookup's client p99 in one-second rounds of
-    `bench.coordinator_bench` stayed at or under 1.3 ms with it, beside rounds of up to
-    3.7 ms without, at the price of idle CPUs spinning. None: no hold."""
+    milliseconds late, that keeps the lookup's tail latency from following those late
+    wake-ups (`bench.coordinator_bench` compares both), at the price of idle CPUs
+    spinning. None: no hold."""
     max_connections: int = 0
     """Most open HTTP connections served at once (`--max-connections`); more are
     answered 503 with Retry-After. 0: 4096, or fewer when the open-file limit

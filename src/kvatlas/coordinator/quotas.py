@@ -223,7 +223,7 @@ class QuotaController:
 
     def plan(self) -> EvictionRound:
         """This sweep's plan and who is told what: one lock hold per salt (a plan walks
-        the keys it picks: ~1.3 us each, 0.4 s for 300,000), so ingest and lookups wait
+        the keys it picks, a while for hundreds of thousands of them), so ingest and lookups wait
         for one salt's share, not the sweep's."""
         with self._lock:
             infos = {i.instance_id: i for i in self._svc.fleet.instances()}

@@ -3,7 +3,7 @@
 Owns the one checksum every tier and every peer agrees on (L1 commit, L2 files, P2P
 reads, engine copies), in its three forms: one-shot (`checksum`), streaming
 (`checksum_stream`, for bytes that arrive in pieces) and fused with a copy
-(`copy_and_checksum`). xxh3 is a pure computation (~10+ GB/s), so it lives in the core;
+(`copy_and_checksum`). xxh3 is a pure computation (no I/O), so it lives in the core;
 this module must not read files or buffers it was not handed.
 """
 

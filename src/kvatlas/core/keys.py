@@ -11,15 +11,16 @@ that both compute the same hashes for the same tokens:
 Only full chunks have keys; a trailing partial chunk is always recomputed.
 
 Two implementations of the chain answer alike (a hypothesis test holds them to each
-other): the compiled `kvatlas.core._chain` (the official BLAKE3 C library, ~185 us for
-32,768 tokens), built by ``pip install`` where the BLAKE3 C sources and a C compiler are
-found, and `_python_chain`, a loop over the `blake3` package (~240 us at best, more in a
-busy process), which serves where it was not built.
+other): the compiled `kvatlas.core._chain` (the official BLAKE3 C library), built by
+``pip install`` where the BLAKE3 C sources and a C compiler are found, and
+`_python_chain`, a loop over the `blake3` package (slower, more so in a busy process),
+which serves where it was not built.
 
 The compiled chain can be given a `ChainMemo` (`chain_memo`): recent links as (parent
 hash, chunk tokens) -> hash, compared byte for byte, so that a prompt looked up again (a
 request the scheduler asks about while it waits, a chat's next turn, a shared system
-prompt) is hashed in 13-28 us instead of 170-220 us. Its owner makes it and keeps it.
+prompt) is not hashed again (several times faster; docs/benchmarks.md holds the figures).
+Its owner makes it and keeps it.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ def _python_chain(tokens: bytes | TokenArray, chunk_size: int, prefix: bytes) ->
     step = chunk_size * 4
     out: list[bytes] = []
     prev = prefix
-    hasher = blake3()  # reset and reused: building a hasher costs ~0.4 us per chunk
+    hasher = blake3()  # reset and reused: building a hasher per chunk costs more
     for start in range(0, n_full * step, step):
         hasher.reset()
         hasher.update(prev)

@@ -3,8 +3,8 @@
 A P2P fetch makes two different requests of a peer, and each gets a deadline of its own:
 
 - the lock RPC (``lookup_and_lock``: a few hundred bytes each way) waits
-  ``max(floor, p99_factor x the peer's RPC p99)``. A healthy peer answers in 1-3 ms, so
-  a frozen one costs this short deadline once (the controller then opens its breaker for
+  ``max(floor, p99_factor x the peer's RPC p99)``. A healthy peer answers in a few milliseconds,
+  so a frozen one costs this short deadline once (the controller then opens its breaker for
   every lookup), instead of the whole recompute time of the prefix;
 - the load (the KV bytes) waits ``max(LOAD_FLOOR_S, load_factor x bytes / the peer's
   bandwidth)``: it scales with the bytes, so a merely slow but answering peer is still
@@ -54,9 +54,9 @@ class DeadlinePolicy:
     (``--p2p-lock-deadline-factor``)."""
     lock_prior_s: float = 0.1
     """Lock deadline before any peer answered (``--p2p-lock-deadline-prior``). Why 0.1 s:
-    a healthy peer answers in 1-3 ms, but the first request to it also opens the
-    connection (TCP and the ZeroMQ handshake), which on a busy 2-core machine has been
-    seen to take tens of ms; 0.1 s leaves that 30x room, and a frozen peer met first
+    a healthy peer answers in a few milliseconds, but the first request to it also opens
+    the connection (TCP and the ZeroMQ handshake), which on a busy machine can take tens
+    of ms; 0.1 s leaves that ample room, and a frozen peer met first
     still costs, with the directory's 75 ms, less than 250 ms once."""
     load_factor: float = 4.0
     """Load deadline = this x bytes / the peer's bandwidth (``--p2p-load-deadline-factor``)."""

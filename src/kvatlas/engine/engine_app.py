@@ -358,7 +358,7 @@ class EngineCore:
 
 
 def load_with_progress(config: EngineConfig) -> LoadedModel:
-    """``load_model`` with log lines while it runs (a first SmolLM2 load takes ~20 s)."""
+    """``load_model`` with log lines while it runs (a first SmolLM2 load is slow)."""
     log.info("loading model %s (%s)", config.model, config.dtype)
     done = threading.Event()
     t0 = time.monotonic()

@@ -9,8 +9,8 @@ an ``ArenaLayer`` is a transformers ``DynamicLayer`` whose keys and values are t
   loaded from chunks is copied again by the suffix prefill and by every decode step; an
   ``ArenaLayer`` writes the new states in place;
 - each concatenation allocates fresh memory, and fresh pages cost a minor fault per 4 KiB
-  on first write (46k faults for the 180 MiB of a 4k-token SmolLM2 prefix, which made
-  its copy ~3x slower here, and varied with what the allocator had kept). The arena's
+  on first write (tens of thousands for a 4k-token SmolLM2 prefix, which made its
+  copy several times slower, and varied with what the allocator had kept). The arena's
   storage is allocated once, grows to the longest request seen and is reused, so its
   pages stay mapped.
 

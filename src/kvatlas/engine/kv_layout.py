@@ -351,7 +351,7 @@ def _fill_layer(
     """Put the concatenated ``keys``/``values`` into an empty cache layer.
 
     ``DynamicLayer.update`` concatenates onto an empty tensor, which copies the whole
-    prefix a second time (~3x the cost of building it here). An update with zero tokens
+    prefix a second time, costing more than building it. An update with zero tokens
     lets transformers initialise the layer; a plain DynamicLayer then takes one
     concatenated tensor as it is; any other layer type gets the ordinary, copying update.
     """

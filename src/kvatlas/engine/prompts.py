@@ -13,7 +13,7 @@ runs; and for a byte-level BPE it keeps the ids of recent text pieces (``PieceCa
 cut only where the ids provably cannot change), so the system prompt, document or
 earlier turns a prompt shares with recent ones are not encoded again. Where fastokens
 is installed and gives the Rust tokenizer's ids on a self-test corpus, it encodes
-instead, 10-20x faster (``fast_encoder``; ``inline_ok`` says when a call is cheap
+instead, many times faster (``fast_encoder``; ``inline_ok`` says when a call is cheap
 enough for an event loop). Must not: run a
 model, do I/O beyond loading the tokenizer's files, or decide what to do with a bad
 request (``BadRequest`` says what is wrong; callers answer).
@@ -45,9 +45,8 @@ _SAMPLE_CHAT: Final = [
 ]
 """A chat whose template text joins the fast encoder's self-test (``fast_path``)."""
 INLINE_MAX_BYTES: Final = 256 << 10
-"""Bodies up to this size (up to ~64k tokens) a fast encoder tokenizes in ~3 ms at most
-here (~0.05 us a token; a 4k-token prompt ~0.2 ms): cheap enough for a caller's event
-loop (``inline_ok``)."""
+"""Bodies up to this size (up to ~64k tokens) a fast encoder tokenizes quickly enough
+for a caller's event loop (``inline_ok``; ``bench.router_bench`` measures it)."""
 _PIECE_CHARS: Final = 2048
 """A text is cut into pieces encoded in parallel from about this many characters each."""
 _CUT: Final = re.compile(r"(?<=[!-~]) ")
@@ -128,7 +127,7 @@ class RustTokenizer:
     the chat template, for ``apply_chat_template`` (the whole pipeline: added tokens,
     normalizer, pre-tokenizer, model; no special tokens added, the template writes its
     own), so the ids are the same. Three things make the engine's path slow for a router
-    (~12 ms for a 4k-token prompt, where this takes ~3): transformers' Python around the
+    (several times slower than this): transformers' Python around the
     call (its ``BatchEncoding``, attention masks), the character offsets it has Rust
     compute, and, through a plain ``encode``, holding the GIL for the whole call, which
     stops the router's event loop. ``encode_batch_fast`` computes no offsets and lets

@@ -1,6 +1,6 @@
 """The routing phase: one seeded workload through ``kvatlas router``, once per policy.
 
-Owns the measurement of issue 16: a fleet of cache servers, each with a reference engine
+Owns the measurement of cache-aware routing: a fleet of cache servers, each with a reference engine
 (SmolLM2-135M on the CPU, one torch thread), a router in front, and the same request
 sequence (multi-turn chat sessions, questions about a few hot shared documents, unique
 prompts) sent at a fixed arrival rate that loads the engines, once per run: ``kv``, ``kv-p2p``,
@@ -80,18 +80,18 @@ class RoutingConfig:
     requests: int = 100
     """Requests per run (the same sequence in every run): enough that the engines'
     queues reach a steady state after the first few requests fill the caches, few
-    enough that the six runs (about two minutes of arrivals each at load 0.9 on two
-    cores, plus a fleet start) take about 20 minutes."""
+    enough that the six runs (each a fleet start plus its arrivals) stay practical on a
+    small CPU-only machine."""
     load: float = 1.6
     """The arrival rate as the fleet's utilisation if every prompt token were recomputed
     (``arrival_rate``: the engines' prefill rate measured with all of them busy). No
     policy recomputes every token (round-robin without P2P recomputes about half of
-    them, kv-p2p about a quarter), so what a run meets is below this: at 1.6 on the
-    2-core development VM, round-robin without P2P kept the engines 97% busy and fell
-    behind (the fleet people run today cannot keep up at this rate), round-robin with
-    P2P 74%, and the prefix-aware policies 45-60%. At 0.9 (the earlier default) no
-    engine was more than 43% busy, so nothing queued and placement showed only in
-    cache hits; a routing policy matters where engines are loaded."""
+    them, kv-p2p about a quarter), so what a run meets is below this. At 1.6, round-robin
+    without P2P keeps the engines nearly saturated and falls behind (the fleet people
+    run today cannot keep up at this rate), while the prefix-aware policies leave them
+    well below that; at a load near 1 no engine is busy enough for requests to queue,
+    so placement shows only in cache hits. A routing policy matters where engines are
+    loaded."""
     rate_per_s: float | None = None
     """Fixed arrival rate, requests per second (``--routing-rate``); None: derived from
     ``load`` and the engines' measured prefill rate."""
@@ -128,7 +128,7 @@ class RoutingConfig:
     here four CPU-bound engines share the machine's cores with them, so at the same
     priority the router's added latency would mostly measure its wait for a CPU behind
     the engines' prefill. At 10 the engines still get every cycle the others leave
-    (those used 4-5% of the CPU in the quiet runs); 0 runs everything alike."""
+    (those use little of the CPU when quiet); 0 runs everything alike."""
     runs: tuple[str, ...] = ()
     """The runs to make, by their ``RUN_NAMES`` (``--routing-runs``); empty: all of
     ``RUNS``. The targets are evaluated only when the runs they compare were made."""
@@ -557,7 +557,7 @@ def run_routing_phase(fcfg: FleetConfig, cfg: RoutingConfig, say: Say) -> dict[s
 
 
 def targets(runs: dict[str, Any], limit: float) -> dict[str, Any]:
-    """Issue 16's targets, each with the measured values it compares."""
+    """The routing targets, each with the measured values it compares."""
     rr_off = runs.get("round-robin, P2P off", {})
     rr_on = runs.get("round-robin, P2P on", {})
     kvp = runs.get("kv-p2p", {})

@@ -169,10 +169,10 @@ class L1Region:
     def prefault(self, page_bytes: int = 4096) -> None:
         """Touch every page now, so that no store or peer read pays the page faults.
 
-        A fresh shared-memory page costs a fault plus zeroing on first write (~2-4 us per
-        4 KiB page here): ~200 ms on a 180 MiB peer read into untouched slots, more than
-        the copy itself. Writing one byte per page allocates them all up front, which is
-        what an operator asking for ``--l1-size-gb`` expects to be reserved.
+        A fresh shared-memory page costs a fault plus zeroing on first write: on a large
+        peer read into untouched slots, more than the copy itself. Writing one byte per page
+        allocates them all up front, which is what an operator asking for
+        ``--l1-size-gb`` expects to be reserved.
         """
         if self._readonly:
             raise RegionError(f"cannot prefault the read-only mapping of {self._name!r}")
@@ -262,8 +262,8 @@ def _populate(mapping: mmap.mmap, readonly: bool) -> None:
     """Fill this process's page tables for the whole mapping now (Linux >= 5.14).
 
     The owner touched every page, but each process that maps the region still takes a
-    minor fault per 4 KiB page on first access: measured here, an engine's first stores
-    into a freshly attached region ran at 1.6 GB/s instead of 7.7. Older kernels refuse
+    minor fault per 4 KiB page on first access, which makes an engine's first stores into
+    a freshly attached region several times slower than later ones. Older kernels refuse
     the advice (EINVAL); the mapping then fills lazily as before.
     """
     advice = _MADV_POPULATE_READ if readonly else _MADV_POPULATE_WRITE

@@ -4,8 +4,8 @@ Owns where the pool's lease ids come from: unpredictable (a client cannot end a 
 was not given), in [0, 2**63) (the pool skips 0 and ids still in use), and one
 ``os.urandom`` call per ``BATCH`` ids instead of one per id: a 64-chunk lookup takes 64
 read leases and a 64-chunk peer fetch ~200 over the two servers, each of them inside a
-hold of the store lock, where a system call per id cost ~2.5 us quiet and several times
-that on a loaded host.
+hold of the store lock, where a system call per id adds up, more so on a loaded
+host.
 
 Must not: hand out an id twice from one batch, or be read by anything but the pool.
 """

@@ -87,7 +87,7 @@ class NixlConfig:
     """UCX_NET_DEVICES when the environment does not set it (keeps sockets on loopback)."""
     progress_interval_s: float = 0.01
     """How often the owner drives its agent's progress (connection setup from new peers).
-    NIXL's own progress thread spins a core when idle; this costs ~0.5-1% of one."""
+    NIXL's own progress thread spins a core when idle; this costs a small fraction of one."""
     poll_max_sleep_s: float = 0.001
     """Longest sleep between two status polls of an in-flight read (backoff from 20 us)."""
 

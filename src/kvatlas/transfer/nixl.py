@@ -10,11 +10,11 @@ UCX settings: ``UCX_TLS=tcp,cma,self`` and ``UCX_NET_DEVICES=lo`` unless the env
 already sets them (on one host UCX then reads with CMA, ``process_vm_readv``).
 
 Progress without spinning: NIXL's progress thread polls with no delay and keeps a core
-~99% busy in an idle process, so no agent here runs one. The requester drives progress by
+busy in an idle process, so no agent here runs one. The requester drives progress by
 polling the transfer's state, sleeping between polls (20 us doubling to
 ``poll_max_sleep_s``); the owner, whose transport must answer connection setup from new
-peers, drives it from one thread every ``progress_interval_s`` (~0.5-1% of a core idle).
-Reads themselves need no owner CPU.
+peers, drives it from one thread every ``progress_interval_s`` (a small fraction of a
+core when idle). Reads themselves need no owner CPU.
 
 One-sided: the owner's agent rejects ranges outside registered memory (prepping such a
 descriptor fails, reported as refused) but cannot check leases or a token (see

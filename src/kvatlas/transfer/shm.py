@@ -13,9 +13,8 @@ mode 0600) are what keeps other users out; the token plays no part.
 The mapping is ``kvatlas.runtime.region.L1Region.attach`` read-only (an mmap of
 /dev/shm, never ``SharedMemory``, whose resource tracker would unlink the owner's region
 when this process exits), with the page tables of the whole region populated once at
-connect: otherwise every first read of a range pays a fault per 4 KiB page (measured: a
-720 MiB prefix read in 172 ms into a fresh mapping, 130 ms into a populated one), and
-the tables cost ~0.2% of the region.
+connect: otherwise every first read of a range pays a fault per 4 KiB page, which slows a
+large prefix read noticeably; the tables cost a small fraction of the region.
 
 A read of several ops copies them on ``COPY_THREADS`` threads (one op each at a time:
 copy and xxh3 fused in cache-sized blocks, both releasing the GIL), so that one core's

@@ -2,13 +2,13 @@
 
 LMCache's clients ask `POST /directory/lookup` with the prompt as a JSON integer array:
 32,768 tokens are ~200 KB of digits, and msgspec's exact decode into a ``list[int]``
-builds 32,768 Python ints (~0.9 ms here) that hashing then packs back into a uint32
+builds 32,768 Python ints that hashing then packs back into a uint32
 array. `token_ids_array` reads the array straight into that uint32 array. Two parsers
 of the digits answer alike (a hypothesis test holds them to msgspec): the compiled
-`kvatlas.wire._token_digits` (~0.05-0.09 ms for 32,768 tokens where the CPU has
-AVX-512, ~0.16-0.23 ms with SSE2), built by ``pip install`` where a C compiler is found,
+`kvatlas.wire._token_digits` (with an AVX-512 path where the CPU has it, SSE2
+else), built by ``pip install`` where a C compiler is found,
 and `_parse_digits`, a fixed number of numpy passes with no per-token Python work
-(~0.7 ms; each number is the 8 bytes before its comma read as one little-endian word,
+(each number is the 8 bytes before its comma read as one little-endian word,
 converted by SWAR arithmetic), which serves where it was not built.
 `token_ids_array` answers only for a body it can prove msgspec would read as the same
 request with the same tokens, and None for anything else (escapes anywhere, the key
