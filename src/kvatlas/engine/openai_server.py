@@ -29,7 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Final, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Final, Generic, Protocol, TypeVar
 
 import msgspec
 from starlette.applications import Starlette
@@ -445,18 +445,22 @@ class _Chunks(ABC, Generic[_Choice]):
     """The chunks of one streamed answer: a piece per text, then the finish reason with the
     cached-token stats (and the usage, in a chunk of its own, when the client asked)."""
 
+    _struct: ClassVar[Callable[..., msgspec.Struct]]
+    _object: ClassVar[str]
+    """The chunk's type and its ``object`` field."""
+
     def __init__(
         self, rid: str, created: int, model: str, req: ChatCompletionRequest | CompletionRequest
     ) -> None:
         self.rid, self.created, self.model, self.req = rid, created, model, req
 
-    @abstractmethod
     def _chunk(
         self,
         choices: list[_Choice],
         usage: Usage | None = None,
         stats: CachedTokenStats | None = None,
-    ) -> msgspec.Struct: ...
+    ) -> msgspec.Struct:
+        return self._struct(self.rid, self._object, self.created, self.model, choices, usage, stats)
 
     @abstractmethod
     def _choice(self, text: str | None, finish_reason: FinishReason | None) -> _Choice:
@@ -479,15 +483,8 @@ class _Chunks(ABC, Generic[_Choice]):
 class _ChatChunks(_Chunks[ChatChunkChoice]):
     """``chat.completion.chunk`` objects of one streamed chat answer."""
 
-    def _chunk(
-        self,
-        choices: list[ChatChunkChoice],
-        usage: Usage | None = None,
-        stats: CachedTokenStats | None = None,
-    ) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            self.rid, "chat.completion.chunk", self.created, self.model, choices, usage, stats
-        )
+    _struct = ChatCompletionChunk
+    _object = "chat.completion.chunk"
 
     def _choice(self, text: str | None, finish_reason: FinishReason | None) -> ChatChunkChoice:
         return ChatChunkChoice(0, Delta() if text is None else Delta(content=text), finish_reason)
@@ -499,15 +496,8 @@ class _ChatChunks(_Chunks[ChatChunkChoice]):
 class _CompletionChunks(_Chunks[CompletionChoice]):
     """``text_completion`` chunks of one streamed completion."""
 
-    def _chunk(
-        self,
-        choices: list[CompletionChoice],
-        usage: Usage | None = None,
-        stats: CachedTokenStats | None = None,
-    ) -> Completion:
-        return Completion(
-            self.rid, "text_completion", self.created, self.model, choices, usage, stats
-        )
+    _struct = Completion
+    _object = "text_completion"
 
     def _choice(self, text: str | None, finish_reason: FinishReason | None) -> CompletionChoice:
         return CompletionChoice(0, "" if text is None else text, finish_reason)
