@@ -211,6 +211,11 @@ class _Api:
         body = ErrorResponse(ErrorBody(message, kind, param, err_code))
         return Response(encode(body), status_code=code, media_type=JSON)
 
+    def _not_found(self, endpoint: str, exc: _ModelNotFound) -> Response:
+        return self._error(
+            endpoint, 404, str(exc), "not_found_error", param="model", err_code="model_not_found"
+        )
+
     def _bad(self, endpoint: str, exc: InvalidInput) -> Response:
         param = exc.param if isinstance(exc, BadRequest) else None
         return self._error(endpoint, 400, str(exc), "invalid_request_error", param=param)
@@ -274,9 +279,7 @@ class _Api:
             max_tokens = req.max_completion_tokens or req.max_tokens
             gen = self._gen_request(req, ids, max_tokens, arrival)
         except _ModelNotFound as exc:
-            return self._error(
-                CHAT, 404, str(exc), "not_found_error", param="model", err_code="model_not_found"
-            )
+            return self._not_found(CHAT, exc)
         except InvalidInput as exc:
             return self._bad(CHAT, exc)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -310,14 +313,7 @@ class _Api:
             ids = await self._on_worker(lambda: prompt_ids(tok, req.prompt, vocab))
             gen = self._gen_request(req, ids, req.max_tokens, arrival)
         except _ModelNotFound as exc:
-            return self._error(
-                COMPLETIONS,
-                404,
-                str(exc),
-                "not_found_error",
-                param="model",
-                err_code="model_not_found",
-            )
+            return self._not_found(COMPLETIONS, exc)
         except InvalidInput as exc:
             return self._bad(COMPLETIONS, exc)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -351,14 +347,7 @@ class _Api:
                 self.worker.tokenize(lambda tok: tokenize_ids(tok, req, vocab))
             )
         except _ModelNotFound as exc:
-            return self._error(
-                TOKENIZE,
-                404,
-                str(exc),
-                "not_found_error",
-                param="model",
-                err_code="model_not_found",
-            )
+            return self._not_found(TOKENIZE, exc)
         except InvalidInput as exc:
             return self._bad(TOKENIZE, exc)
         self.worker.count_request(TOKENIZE, 200)
