@@ -140,6 +140,11 @@ def _timed(
         status, data = conn.send(req)
         lat.append(time.perf_counter() - t0)
         check(status, data)
+    return _summary(lat)
+
+
+def _summary(lat: list[float]) -> dict[str, float]:
+    """Count, median and p99 latency (ms) and the rate of one route's timed calls."""
     return {
         "n": len(lat),
         "p50_ms": pct(lat, 50),
@@ -172,15 +177,7 @@ def _prefetch(conn: BlockingConn, submit: bytes, n: int, seconds: float) -> dict
             _ok(status, data)
             if json.loads(data)["status"] == "completed":
                 break
-    out: dict[str, Any] = {}
-    for name, lat in (("prefetch submit", sub), ("prefetch poll", poll)):
-        out[name] = {
-            "n": len(lat),
-            "p50_ms": pct(lat, 50),
-            "p99_ms": pct(lat, 99),
-            "per_s": len(lat) / sum(lat),
-        }
-    return out
+    return {"prefetch submit": _summary(sub), "prefetch poll": _summary(poll)}
 
 
 def _round(port: int, n: int, seconds: float) -> dict[str, dict[str, float]]:

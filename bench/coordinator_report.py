@@ -14,18 +14,6 @@ from typing import Any
 from bench.coordinator_load import CLIENT_STEPS, CPU_STEPS
 
 
-def _server_p50_p99(r: dict[str, Any]) -> str:
-    text = f"{r['server_p50_ms']:.3f} / {r['server_p99_ms']:.3f} ms"
-    rounds = r.get("rounds", [])
-    if len(rounds) > 1:
-        p99s = [x["server_p99_ms"] for x in rounds]
-        text += f" (p99 of {len(rounds)} rounds: {min(p99s):.3f}-{max(p99s):.3f}"
-        if "server_pooled_p99_ms" in r:
-            text += f"; all rounds pooled: {r['server_pooled_p99_ms']:.3f}"
-        text += ")"
-    return text
-
-
 def _steps(r: dict[str, Any]) -> str:
     """Each Server-Timing step's p50 / p99, the median over the rounds."""
     rounds = r["rounds"]
@@ -74,7 +62,7 @@ def _json_lookup_rows(res: dict[str, Any], name: str, title: str) -> list[Row]:
         (f"{title} ({memo}): p50 / p99", lambda: _p50_p99(res[name]), CLIENT_TARGET),
         (
             "the same, server-side (the coordinator's Server-Timing): p50 / p99",
-            lambda: _server_p50_p99(res[name]),
+            lambda: _p50_p99(res[name], "server_"),
             "p99 <= 1 ms",
         ),
         (
@@ -132,14 +120,16 @@ def _memo(r: dict[str, Any]) -> str:
     return "no memo" if ratio is None else f"{ratio:.0%} of links found in the hash memo"
 
 
-def _p50_p99(r: dict[str, Any]) -> str:
-    text = f"{r['p50_ms']:.3f} / {r['p99_ms']:.3f} ms"
+def _p50_p99(r: dict[str, Any], side: str = "") -> str:
+    """p50 / p99 as the client (``side`` "") or the server (``side`` "server_") timed it,
+    with the spread of the rounds' p99 and their pooled p99 when there were rounds."""
+    text = f"{r[f'{side}p50_ms']:.3f} / {r[f'{side}p99_ms']:.3f} ms"
     rounds = r.get("rounds", [])
     if len(rounds) > 1:
-        p99s = [x["p99_ms"] for x in rounds]
+        p99s = [x[f"{side}p99_ms"] for x in rounds]
         text += f" (p99 of {len(rounds)} rounds: {min(p99s):.3f}-{max(p99s):.3f}"
-        if "pooled_p99_ms" in r:
-            text += f"; all rounds pooled: {r['pooled_p99_ms']:.3f}"
+        if f"{side}pooled_p99_ms" in r:
+            text += f"; all rounds pooled: {r[f'{side}pooled_p99_ms']:.3f}"
         text += ")"
     return text
 

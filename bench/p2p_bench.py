@@ -472,25 +472,35 @@ def prefix_table(rows: Sequence[dict[str, Any]]) -> str:
     if ok:
         keys = [*STEPS, "engine_rpc", "engine_access", "model_copy", "release"]
         extra = sorted({k for r in ok for k in r["steps_ms"]} - set(keys))
-        lines += ["", "Per-step breakdown (medians, ms):", ""]
-        lines.append("| step | " + " | ".join(r["transport"] for r in ok) + " |")
-        lines.append("|---|" + "---|" * len(ok))
-        for k in [*keys, *extra]:
-            cells = " | ".join(f"{r['steps_ms'].get(k, 0.0):.1f}" for r in ok)
-            lines.append(f"| {k} | {cells} |")
-        lines += ["", "Baselines over the same bytes, same run (medians, ms):", ""]
-        lines.append("| baseline | " + " | ".join(r["transport"] for r in ok) + " |")
-        lines.append("|---|" + "---|" * len(ok))
-        for k in ("stream", "memcpy", "xxh3", "copy_xxh3"):
-            cells = " | ".join(f"{r['baselines_ms'].get(k, 0.0):.0f}" for r in ok)
-            lines.append(f"| {k} | {cells} |")
-        lines += ["", "The processes during the fetch (medians; the copy: the engine's):", ""]
-        lines.append("| counter | " + " | ".join(r["transport"] for r in ok) + " |")
-        lines.append("|---|" + "---|" * len(ok))
-        for k in ("a_cpu_ms", "b_cpu_ms", "b_faults", "engine_copy_faults"):
-            cells = " | ".join(f"{r['procs'][k]:.0f}" for r in ok)
-            lines.append(f"| {k} | {cells} |")
+        lines += _by_transport(
+            "Per-step breakdown (medians, ms):", "step", ok, [*keys, *extra],
+            lambda r, k: f"{r['steps_ms'].get(k, 0.0):.1f}",
+        )  # fmt: skip
+        lines += _by_transport(
+            "Baselines over the same bytes, same run (medians, ms):", "baseline", ok,
+            ["stream", "memcpy", "xxh3", "copy_xxh3"],
+            lambda r, k: f"{r['baselines_ms'].get(k, 0.0):.0f}",
+        )  # fmt: skip
+        lines += _by_transport(
+            "The processes during the fetch (medians; the copy: the engine's):", "counter", ok,
+            ["a_cpu_ms", "b_cpu_ms", "b_faults", "engine_copy_faults"],
+            lambda r, k: f"{r['procs'][k]:.0f}",
+        )  # fmt: skip
     return "\n".join(lines)
+
+
+def _by_transport(
+    title: str,
+    what: str,
+    rows: Sequence[dict[str, Any]],
+    keys: Sequence[str],
+    cell: Callable[[dict[str, Any], str], str],
+) -> list[str]:
+    """A titled markdown table: a line per key, a column per transport's row."""
+    lines = ["", title, "", f"| {what} | " + " | ".join(r["transport"] for r in rows) + " |"]
+    lines.append("|---|" + "---|" * len(rows))
+    lines += [f"| {k} | " + " | ".join(cell(r, k) for r in rows) + " |" for k in keys]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.lmcache_shapes import lmcache_batch
+
 from .compare import Exchange, compare
 from .differences import Call
 from .harness import Pair, Target, body
@@ -132,20 +134,8 @@ class Run:
         s = self.streams.setdefault(iid, Stream())
         if seq is None:
             seq = s.seq + 1
-        out = {
-            "instance_id": iid,
-            "incarnation": s.incarnation,
-            "seq": seq,
-            "event_type": event_type,
-            "tier": "l1",
-            "backend": "dram",
-            "entries": [],
-            "shared": False,
-            "ts": 1760000001.5,
-            "capacity_bytes": 0,
-            "capacity_revision": 0,
-        }
-        out.update(fields)
+        out = lmcache_batch(iid, seq, event_type, s.incarnation)
+        out.update(fields)  # a scenario may override any field, incarnation and seq too
         return out
 
     def logged(self, n: int, event_type: str, **fields: Any) -> dict[str, Any]:

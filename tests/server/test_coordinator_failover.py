@@ -94,6 +94,19 @@ def start_server(tmp: Path, replicas: list[Proc], *flags: str) -> ServerProc:
     )  # fmt: skip
 
 
+def start_stored(tmp: Path, replicas: list[Proc], *flags: str) -> ServerProc:
+    """A server registered at ``replicas[0]`` that has stored BEFORE; stopped if either
+    fails."""
+    s = start_server(tmp, replicas, *flags)
+    try:
+        wait_in_use(s, replicas[0], 0, 10)
+        store(s, BEFORE, 4, seed=1)
+    except BaseException:
+        s.stop()
+        raise
+    return s
+
+
 def store(s: ServerProc, tokens: list[int], n: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     with CacheClient(s.engine_url, timeout_s=5.0, engine_id="test-engine") as c:
@@ -176,10 +189,8 @@ def test_killed_replica_fails_over_without_fence_or_lost_event(
     kafka_replicas: tuple[list[Proc], list[str]], tmp_path: Path
 ) -> None:
     (a, b), flags = kafka_replicas
-    s = start_server(tmp_path, [a, b], "--event-transport", "kafka", *flags)
+    s = start_stored(tmp_path, [a, b], "--event-transport", "kafka", *flags)
     try:
-        wait_in_use(s, a, 0, 10)
-        store(s, BEFORE, 4, seed=1)
         wait_until(lambda: held(b, BEFORE), lambda n: n == 4, what="B learns from the log")
         killed = time.monotonic()
         a.kill()
@@ -209,10 +220,8 @@ def test_frozen_replica_costs_a_bounded_delay_then_fails_over(
     kafka_replicas: tuple[list[Proc], list[str]], tmp_path: Path
 ) -> None:
     (a, b), flags = kafka_replicas
-    s = start_server(tmp_path, [a, b], "--event-transport", "kafka", *flags)
+    s = start_stored(tmp_path, [a, b], "--event-transport", "kafka", *flags)
     try:
-        wait_in_use(s, a, 0, 10)
-        store(s, BEFORE, 4, seed=1)
         frozen = time.monotonic()
         os.kill(a.pid, signal.SIGSTOP)
         assert wait_in_use(s, b, 1, FAILOVER_BOUND_S) < FAILOVER_BOUND_S
@@ -237,9 +246,7 @@ def test_server_dying_behind_a_dead_replica_is_expired_by_the_survivor(
     kafka_replicas: tuple[list[Proc], list[str]], tmp_path: Path
 ) -> None:
     (a, b), flags = kafka_replicas
-    s = start_server(tmp_path, [a, b], "--event-transport", "kafka", *flags)
-    wait_in_use(s, a, 0, 10)
-    store(s, BEFORE, 4, seed=1)
+    s = start_stored(tmp_path, [a, b], "--event-transport", "kafka", *flags)
     wait_until(lambda: held(b, BEFORE), lambda n: n == 4, what="B learns from the log")
     a.kill()
     s.kill()
@@ -256,10 +263,8 @@ def test_independent_replica_is_registered_and_resynced_without_fence(
     http_replicas: list[Proc], tmp_path: Path
 ) -> None:
     a, b = http_replicas
-    s = start_server(tmp_path, [a, b])
+    s = start_stored(tmp_path, [a, b])
     try:
-        wait_in_use(s, a, 0, 10)
-        store(s, BEFORE, 4, seed=1)
         wait_until(lambda: held(a, BEFORE), lambda n: n == 4, what="A holds the chunks")
         assert held(b, BEFORE) == 0 and listed(b) == []  # B shares nothing with A
         a.kill()

@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import copy
 import logging
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from types import FrameType
 from typing import Final, TypeVar
 
 import torch
@@ -44,7 +42,7 @@ from kvatlas.engine.generate import Decoder, Detokenizer, Sampler, prefill
 from kvatlas.engine.kv_cache import KVArena
 from kvatlas.engine.model import LoadedModel, Tokenizer, load_model
 from kvatlas.engine.openai_server import GenOutcome, GenRequest, TextCallback, build_app
-from kvatlas.runtime.asgi_thread import AsgiThread, ServeError
+from kvatlas.runtime.asgi_thread import AsgiThread, serve_until_signal
 
 log = logging.getLogger(__name__)
 
@@ -489,17 +487,4 @@ class EngineApp:
 
     def run(self) -> None:
         """Start, serve until SIGTERM or SIGINT, stop."""
-
-        def on_signal(signum: int, _frame: FrameType | None) -> None:
-            log.info("signal %d: stopping", signum)
-            self._stop.set()
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        try:
-            self.start()
-            while not self._stop.wait(0.5):
-                if not self.http.alive:
-                    raise ServeError("the HTTP server stopped unexpectedly")
-        finally:
-            self.stop()
+        serve_until_signal(self.http, self._stop, self.start, self.stop)

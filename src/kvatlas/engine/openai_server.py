@@ -25,10 +25,11 @@ import logging
 import threading
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Final, Protocol, TypeVar
+from typing import Any, ClassVar, Final, Generic, Protocol, TypeVar
 
 import msgspec
 from starlette.applications import Starlette
@@ -55,6 +56,7 @@ from kvatlas.engine.openai_proto import (
     Delta,
     ErrorBody,
     ErrorResponse,
+    FinishReason,
     ModelCard,
     ModelList,
     PromptTokensDetails,
@@ -209,6 +211,11 @@ class _Api:
         body = ErrorResponse(ErrorBody(message, kind, param, err_code))
         return Response(encode(body), status_code=code, media_type=JSON)
 
+    def _not_found(self, endpoint: str, exc: _ModelNotFound) -> Response:
+        return self._error(
+            endpoint, 404, str(exc), "not_found_error", param="model", err_code="model_not_found"
+        )
+
     def _bad(self, endpoint: str, exc: InvalidInput) -> Response:
         param = exc.param if isinstance(exc, BadRequest) else None
         return self._error(endpoint, 400, str(exc), "invalid_request_error", param=param)
@@ -272,9 +279,7 @@ class _Api:
             max_tokens = req.max_completion_tokens or req.max_tokens
             gen = self._gen_request(req, ids, max_tokens, arrival)
         except _ModelNotFound as exc:
-            return self._error(
-                CHAT, 404, str(exc), "not_found_error", param="model", err_code="model_not_found"
-            )
+            return self._not_found(CHAT, exc)
         except InvalidInput as exc:
             return self._bad(CHAT, exc)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -308,14 +313,7 @@ class _Api:
             ids = await self._on_worker(lambda: prompt_ids(tok, req.prompt, vocab))
             gen = self._gen_request(req, ids, req.max_tokens, arrival)
         except _ModelNotFound as exc:
-            return self._error(
-                COMPLETIONS,
-                404,
-                str(exc),
-                "not_found_error",
-                param="model",
-                err_code="model_not_found",
-            )
+            return self._not_found(COMPLETIONS, exc)
         except InvalidInput as exc:
             return self._bad(COMPLETIONS, exc)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -349,14 +347,7 @@ class _Api:
                 self.worker.tokenize(lambda tok: tokenize_ids(tok, req, vocab))
             )
         except _ModelNotFound as exc:
-            return self._error(
-                TOKENIZE,
-                404,
-                str(exc),
-                "not_found_error",
-                param="model",
-                err_code="model_not_found",
-            )
+            return self._not_found(TOKENIZE, exc)
         except InvalidInput as exc:
             return self._bad(TOKENIZE, exc)
         self.worker.count_request(TOKENIZE, 200)
@@ -374,12 +365,12 @@ class _Api:
             log.exception("request to %s failed", endpoint)
             return self._error(endpoint, 500, "internal error; see the engine log", "server_error")
 
-    def _stream(self, endpoint: str, gen: GenRequest, shape: _ChunkShape) -> Response:
+    def _stream(self, endpoint: str, gen: GenRequest, shape: _Chunks[Any]) -> Response:
         self.worker.count_request(endpoint, 200)
         return StreamingResponse(self._events(endpoint, gen, shape), media_type="text/event-stream")
 
     async def _events(
-        self, endpoint: str, gen: GenRequest, shape: _ChunkShape
+        self, endpoint: str, gen: GenRequest, shape: _Chunks[Any]
     ) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[str | None] = asyncio.Queue()
@@ -436,69 +427,66 @@ class _ModelNotFound(Exception):
     """A request naming a model this engine does not serve (404)."""
 
 
-class _ChunkShape(Protocol):
-    def first(self) -> Sequence[msgspec.Struct]: ...
-
-    def piece(self, text: str) -> msgspec.Struct: ...
-
-    def final(self, out: GenOutcome) -> Sequence[msgspec.Struct]: ...
+_Choice = TypeVar("_Choice", ChatChunkChoice, CompletionChoice)
 
 
-class _ChatChunks:
-    """``chat.completion.chunk`` objects of one streamed chat answer."""
+class _Chunks(ABC, Generic[_Choice]):
+    """The chunks of one streamed answer: a piece per text, then the finish reason with the
+    cached-token stats (and the usage, in a chunk of its own, when the client asked)."""
 
-    def __init__(self, rid: str, created: int, model: str, req: ChatCompletionRequest) -> None:
+    _struct: ClassVar[Callable[..., msgspec.Struct]]
+    _object: ClassVar[str]
+    """The chunk's type and its ``object`` field."""
+
+    def __init__(
+        self, rid: str, created: int, model: str, req: ChatCompletionRequest | CompletionRequest
+    ) -> None:
         self.rid, self.created, self.model, self.req = rid, created, model, req
 
     def _chunk(
         self,
-        choices: list[ChatChunkChoice],
+        choices: list[_Choice],
         usage: Usage | None = None,
         stats: CachedTokenStats | None = None,
-    ) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            self.rid, "chat.completion.chunk", self.created, self.model, choices, usage, stats
-        )
+    ) -> msgspec.Struct:
+        return self._struct(self.rid, self._object, self.created, self.model, choices, usage, stats)
 
-    def first(self) -> Sequence[msgspec.Struct]:
-        return [self._chunk([ChatChunkChoice(0, Delta(role="assistant", content=""), None)])]
-
-    def piece(self, text: str) -> msgspec.Struct:
-        return self._chunk([ChatChunkChoice(0, Delta(content=text), None)])
-
-    def final(self, out: GenOutcome) -> Sequence[msgspec.Struct]:
-        stats = _stats(out) if self.req.wants_cache_stats else None
-        done = ChatChunkChoice(0, Delta(), out.finish_reason)
-        if not self.req.include_usage:
-            return [self._chunk([done], stats=stats)]
-        return [self._chunk([done]), self._chunk([], _usage(out), stats)]
-
-
-class _CompletionChunks:
-    """``text_completion`` chunks of one streamed completion."""
-
-    def __init__(self, rid: str, created: int, model: str, req: CompletionRequest) -> None:
-        self.rid, self.created, self.model, self.req = rid, created, model, req
-
-    def _chunk(
-        self,
-        choices: list[CompletionChoice],
-        usage: Usage | None = None,
-        stats: CachedTokenStats | None = None,
-    ) -> Completion:
-        return Completion(
-            self.rid, "text_completion", self.created, self.model, choices, usage, stats
-        )
+    @abstractmethod
+    def _choice(self, text: str | None, finish_reason: FinishReason | None) -> _Choice:
+        """The choice carrying ``text`` (None: the last one, carrying no text)."""
 
     def first(self) -> Sequence[msgspec.Struct]:
         return []
 
     def piece(self, text: str) -> msgspec.Struct:
-        return self._chunk([CompletionChoice(0, text, None)])
+        return self._chunk([self._choice(text, None)])
 
     def final(self, out: GenOutcome) -> Sequence[msgspec.Struct]:
         stats = _stats(out) if self.req.wants_cache_stats else None
-        done = CompletionChoice(0, "", out.finish_reason)
+        done = self._choice(None, out.finish_reason)
         if not self.req.include_usage:
             return [self._chunk([done], stats=stats)]
         return [self._chunk([done]), self._chunk([], _usage(out), stats)]
+
+
+class _ChatChunks(_Chunks[ChatChunkChoice]):
+    """``chat.completion.chunk`` objects of one streamed chat answer."""
+
+    _struct = ChatCompletionChunk
+    _object = "chat.completion.chunk"
+
+    def _choice(self, text: str | None, finish_reason: FinishReason | None) -> ChatChunkChoice:
+        return ChatChunkChoice(0, Delta() if text is None else Delta(content=text), finish_reason)
+
+    def first(self) -> Sequence[msgspec.Struct]:
+        return [self._chunk([ChatChunkChoice(0, Delta(role="assistant", content=""), None)])]
+
+
+class _CompletionChunks(_Chunks[CompletionChoice]):
+    """``text_completion`` chunks of one streamed completion."""
+
+    _struct = Completion
+    _object = "text_completion"
+
+    def _choice(self, text: str | None, finish_reason: FinishReason | None) -> CompletionChoice:
+        return CompletionChoice(0, "" if text is None else text, finish_reason)

@@ -53,7 +53,7 @@ def write_plots(result: Mapping[str, Any], out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
         ax.set_title("Hit rate over time")
-        paths.append(_save(fig, out / "hit_rate.png"))
+        paths.append(save_figure(fig, out / "hit_rate.png"))
     churn = result.get("churn")
     if churn:
         fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
@@ -77,7 +77,7 @@ def write_plots(result: Mapping[str, Any], out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(loc="upper right", fontsize=8)
         ax.set_title("Stale directory hints through the churn")
-        paths.append(_save(fig, out / "stale_hints_churn.png"))
+        paths.append(save_figure(fig, out / "stale_hints_churn.png"))
     engines = result.get("engines") or {}
     runs = engines.get("runs") if isinstance(engines, Mapping) else None
     if runs:
@@ -88,7 +88,7 @@ def write_plots(result: Mapping[str, Any], out: Path) -> list[Path]:
         ax.set_ylabel("TTFT (ms)")
         ax.grid(alpha=0.3, axis="y")
         ax.set_title("Time to first token, multi-turn sessions across two engines")
-        paths.append(_save(fig, out / "ttft.png"))
+        paths.append(save_figure(fig, out / "ttft.png"))
     hb = [(name, s["heartbeat"]) for name, s in _runs(result)]
     if hb:
         fig, ax = plt.subplots(figsize=(8, 4), dpi=110)
@@ -98,11 +98,12 @@ def write_plots(result: Mapping[str, Any], out: Path) -> list[Path]:
         ax.set_ylabel("heartbeat age (s)")
         ax.legend()
         ax.set_title("Heartbeat age seen by the coordinator")
-        paths.append(_save(fig, out / "heartbeat_age.png"))
+        paths.append(save_figure(fig, out / "heartbeat_age.png"))
     return paths
 
 
-def _save(fig: Any, path: Path) -> Path:
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lay out, write and close ``fig``; returns ``path``."""
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -18,6 +18,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from kvatlas.evaluation.report import save_figure
+
 
 def write_routing(result: Mapping[str, Any], out: Path) -> list[Path]:
     """result.json, the plots and report.md of a routing run, in ``out``."""
@@ -38,7 +40,7 @@ def write_routing(result: Mapping[str, Any], out: Path) -> list[Path]:
         ax.set_title("TTFT per routing policy (same request sequence)")
         ax.tick_params(axis="x", labelrotation=20)
         ax.grid(alpha=0.3, axis="y")
-        plots.append(_save(fig, out / "routing_ttft.png"))
+        plots.append(save_figure(fig, out / "routing_ttft.png"))
         fig, ax = plt.subplots(figsize=(9, 4.8), dpi=110)
         width = 0.8 / max(1, len(runs))
         for i, (label, r) in enumerate(runs.items()):
@@ -48,7 +50,7 @@ def write_routing(result: Mapping[str, Any], out: Path) -> list[Path]:
         ax.set_ylabel("busy seconds (a request in flight)")
         ax.set_title("Load per engine")
         ax.legend(fontsize=8)
-        plots.append(_save(fig, out / "routing_busy.png"))
+        plots.append(save_figure(fig, out / "routing_busy.png"))
         fig, ax = plt.subplots(figsize=(9, 4.8), dpi=110)
         ax.bar(list(runs), [r["cached_share"] for r in runs.values()])
         limit = result["routing"]["one_cache_limit"]
@@ -57,19 +59,12 @@ def write_routing(result: Mapping[str, Any], out: Path) -> list[Path]:
         ax.tick_params(axis="x", labelrotation=20)
         ax.legend()
         ax.set_title("Cached tokens against the one-logical-cache limit")
-        plots.append(_save(fig, out / "routing_cached.png"))
+        plots.append(save_figure(fig, out / "routing_cached.png"))
     written += plots
     md = out / "report.md"
     md.write_text(markdown(result, [p.name for p in plots]))
     written.append(md)
     return written
-
-
-def _save(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 def markdown(result: Mapping[str, Any], plots: list[str]) -> str:

@@ -15,11 +15,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import signal
 import threading
 import time
 from collections.abc import AsyncIterator
-from types import FrameType
 
 import msgspec
 from starlette.applications import Starlette
@@ -31,7 +29,7 @@ from starlette.routing import Route
 from kvatlas.router.auth import RouterGate
 from kvatlas.router.config import RouterConfig
 from kvatlas.router.service import LocalTokenizer, RouterService
-from kvatlas.runtime.asgi_thread import AsgiThread, ServeError
+from kvatlas.runtime.asgi_thread import AsgiThread, serve_until_signal
 from kvatlas.runtime.coordinator_client import CoordinatorClient
 
 log = logging.getLogger(__name__)
@@ -218,26 +216,13 @@ class RouterApp:
 
     def run(self) -> None:
         """Start, serve until SIGTERM or SIGINT, stop."""
-
-        def on_signal(signum: int, _frame: FrameType | None) -> None:
-            log.info("signal %d: stopping", signum)
-            self._stop.set()
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
         # The process is ours: move what startup built (the modules, and with
         # --tokenizer transformers and torch, some million objects) out of the
         # collector's sight, or each full collection walks them all inside some
         # request's routing time (kvatlas_router_gc_pause_seconds says how long).
         gc.collect()
         gc.freeze()
-        try:
-            self.start()
-            while not self._stop.wait(0.5):
-                if not self.http.alive:
-                    raise ServeError("the router's HTTP server stopped unexpectedly")
-        finally:
-            self.stop()
+        serve_until_signal(self.http, self._stop, self.start, self.stop)
 
 
 def _per_s(s_per_token: float | None) -> float | None:

@@ -163,20 +163,14 @@ class _TokenizeCacheCollector(Collector):
         if "hits" not in s:
             return
         ns = "kvatlas_router_tokenize_cache"
-        pieces = CounterMetricFamily(
+        yield _by_result(
             f"{ns}_pieces", "Text pieces the router's tokenizer looked up in its cache, by"
-            " result (hit: ids reused; miss: encoded)", labels=["result"],
+            " result (hit: ids reused; miss: encoded)", s["hits"], s["misses"],
         )  # fmt: skip
-        pieces.add_metric(["hit"], s["hits"])
-        pieces.add_metric(["miss"], s["misses"])
-        tokens = CounterMetricFamily(
+        yield _by_result(
             f"{ns}_tokens", "Prompt tokens from the tokenizer's cache (hit) or encoded and"
-            " then kept (miss)", labels=["result"],
+            " then kept (miss)", s["hit_tokens"], s["miss_tokens"],
         )  # fmt: skip
-        tokens.add_metric(["hit"], s["hit_tokens"])
-        tokens.add_metric(["miss"], s["miss_tokens"])
-        yield pieces
-        yield tokens
         yield CounterMetricFamily(
             f"{ns}_evictions",
             "Pieces dropped to keep the cache in its size",
@@ -192,6 +186,14 @@ class _TokenizeCacheCollector(Collector):
             "The cache's bound (--tokenizer-cache-mb)",
             value=s["max_bytes"],
         )
+
+
+def _by_result(name: str, doc: str, hit: float, miss: float) -> CounterMetricFamily:
+    """A counter family with a ``result`` label of ``hit`` and ``miss``."""
+    family = CounterMetricFamily(name, doc, labels=["result"])
+    family.add_metric(["hit"], hit)
+    family.add_metric(["miss"], miss)
+    return family
 
 
 class RouterMetrics:

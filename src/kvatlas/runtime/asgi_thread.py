@@ -3,19 +3,26 @@
 The cache server's status endpoints, the reference engine's OpenAI server and the router
 all serve a Starlette app this way: bind first (a port in use raises ``PortInUse`` naming
 the flag before anything slow starts), serve in a daemon thread, wait until uvicorn says
-it started, stop by asking it to exit. Must not: know what the app serves.
+it started, stop by asking it to exit. ``serve_until_signal`` is their process' run loop.
+Must not: know what the app serves.
 """
 
 from __future__ import annotations
 
+import logging
+import signal
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
 from typing import Any, Literal
 
 import uvicorn
 
 from kvatlas.core.errors import KvatlasError
 from kvatlas.runtime.net import bind
+
+log = logging.getLogger(__name__)
 
 
 class ServeError(KvatlasError):
@@ -76,3 +83,28 @@ class AsgiThread:
             self._thread.join(timeout_s)
             self._thread = None
         self._sock.close()
+
+
+def serve_until_signal(
+    http: AsgiThread,
+    stop: threading.Event,
+    start: Callable[[], None],
+    shutdown: Callable[[], None],
+) -> None:
+    """A process' run loop: on SIGTERM or SIGINT set ``stop``; call ``start``, wait until
+    ``stop`` is set (a ``ServeError`` if ``http``'s thread ends first), always ``shutdown``.
+    Must be called from the main thread (signal handlers are installed there)."""
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("signal %d: stopping", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        start()
+        while not stop.wait(0.5):
+            if not http.alive:
+                raise ServeError(f"{http._what} stopped unexpectedly")
+    finally:
+        shutdown()

@@ -34,7 +34,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, TypeVar
 
 import msgspec
 import numpy as np
@@ -289,6 +289,9 @@ class PeerConnection(ABC):
         """Release the connection (idempotent)."""
 
 
+_Peer = TypeVar("_Peer", bound=PeerConnection)
+
+
 class TransferClient(ABC):
     """The requester's side: the local region is registered once, at construction. Build
     with ``(local, peer_id, *, token=None, faults=None)`` plus the transport's config."""
@@ -309,14 +312,30 @@ class TransferClient(ABC):
         self.faults = FaultCounter(faults)
         self.stats = ReadStats()
         self._stats_lock = threading.Lock()
+        self._peers: list[PeerConnection] = []
 
     @abstractmethod
     def connect(self, endpoint: Endpoint) -> PeerConnection:
-        """A connection to the peer that advertised ``endpoint``."""
+        """A connection to the peer that advertised ``endpoint`` (closed with the client:
+        a transport returns it through ``_track``)."""
 
-    @abstractmethod
     def close(self) -> None:
-        """Unregister the local region and release the transport (idempotent)."""
+        """Close every connection, then unregister the local region and release the
+        transport (idempotent)."""
+        peers, self._peers = self._peers, []
+        for peer in peers:
+            peer.close()
+        self._release(peers)
+
+    def _release(self, peers: list[PeerConnection]) -> None:
+        """The transport's own part of ``close``, after ``peers`` (every connection it
+        made) are closed: unregister the local region, stop its threads."""
+        return None
+
+    def _track(self, peer: _Peer) -> _Peer:
+        """Remember ``peer`` so that ``close`` closes it; returns it."""
+        self._peers.append(peer)
+        return peer
 
     def __enter__(self) -> TransferClient:
         return self

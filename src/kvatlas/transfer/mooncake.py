@@ -125,7 +125,6 @@ class MooncakeClient(TransferClient):
         self.config = config or MooncakeConfig()
         self.mc: Any
         self.mc, self.address = _start_te(self.config, local)
-        self._peers: list[MooncakePeer] = []
 
     def connect(self, endpoint: Endpoint) -> MooncakePeer:
         endpoint.expect(TRANSPORT)
@@ -137,18 +136,13 @@ class MooncakeClient(TransferClient):
         base = endpoint.extra.get("base_address", "")
         if not base.isdigit() or not endpoint.extra.get("session_id"):
             raise EndpointMismatch(f"mooncake endpoint {endpoint.url!r} lacks its session")
-        peer = MooncakePeer(self, endpoint, endpoint.extra["session_id"], int(base))
-        self._peers.append(peer)
-        return peer
+        return self._track(MooncakePeer(self, endpoint, endpoint.extra["session_id"], int(base)))
 
-    def close(self) -> None:
-        for peer in self._peers:
-            peer.close()
+    def _release(self, peers: list[PeerConnection]) -> None:
         # Unregistering under a transfer still writing would be unsafe: wait for them.
-        drained = all(peer.drain(self.config.transfer_timeout_s + 5) for peer in self._peers)
+        drained = all(peer.drain(self.config.transfer_timeout_s + 5) for peer in peers)
         if drained and self.mc is not None:
             self.mc.unregister_memory(self.address)
-        self._peers.clear()
         self.mc = None
 
 

@@ -169,7 +169,6 @@ class NixlClient(TransferClient):
         self._descs, self.address = _register(self.agent, local)
         self.lock = threading.Lock()
         """The agent runs without NIXL's own locking: every call on it holds this."""
-        self._peers: list[NixlPeer] = []
 
     def connect(self, endpoint: Endpoint) -> NixlPeer:
         endpoint.expect(TRANSPORT)
@@ -182,14 +181,9 @@ class NixlClient(TransferClient):
                 name = self.agent.add_remote_agent(metadata)
         except Exception as exc:
             raise EndpointMismatch(f"bad nixl agent metadata in {endpoint.url!r}: {exc}") from exc
-        peer = NixlPeer(self, endpoint, name, int(extra["base_address"]))
-        self._peers.append(peer)
-        return peer
+        return self._track(NixlPeer(self, endpoint, name, int(extra["base_address"])))
 
-    def close(self) -> None:
-        for peer in self._peers:
-            peer.close()
-        self._peers.clear()
+    def _release(self, peers: list[PeerConnection]) -> None:
         with self.lock:
             if self.agent is not None:
                 self.agent.deregister_memory(self._descs)

@@ -116,7 +116,6 @@ class ShmClient(TransferClient):
         self._local_array: npt.NDArray[np.uint8] | None = np.frombuffer(
             local.buffer, dtype=np.uint8
         )
-        self._peers: list[ShmPeer] = []
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
@@ -137,14 +136,9 @@ class ShmClient(TransferClient):
         endpoint.expect(TRANSPORT)
         if endpoint.extra.get("boot_id") != boot_id():
             raise EndpointMismatch(f"shm endpoint {endpoint.url!r} is on another host")
-        peer = ShmPeer(self, endpoint)
-        self._peers.append(peer)
-        return peer
+        return self._track(ShmPeer(self, endpoint))
 
-    def close(self) -> None:
-        for peer in self._peers:
-            peer.close()
-        self._peers.clear()
+    def _release(self, peers: list[PeerConnection]) -> None:
         with self._pool_lock:
             pool, self._pool = self._pool, None
         if pool is not None:

@@ -370,21 +370,13 @@ class TcpClient(TransferClient):
     ) -> None:
         super().__init__(local, peer_id, token=token, faults=faults)
         self.config = config or TcpConfig()
-        self._peers: list[TcpPeer] = []
 
     def connect(self, endpoint: Endpoint) -> TcpPeer:
         endpoint.expect(TRANSPORT)
         host, _, port = endpoint.url.removeprefix("tcp://").rpartition(":")
         if not host or not port.isdigit():
             raise EndpointMismatch(f"bad tcp endpoint url {endpoint.url!r}")
-        peer = TcpPeer(self, endpoint, host.strip("[]"), int(port))
-        self._peers.append(peer)
-        return peer
-
-    def close(self) -> None:
-        for peer in self._peers:
-            peer.close()
-        self._peers.clear()
+        return self._track(TcpPeer(self, endpoint, host.strip("[]"), int(port)))
 
 
 class TcpPeer(PeerConnection):
