@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
@@ -29,6 +30,24 @@ CHUNK = 256
 def prompt(seed: int, chunks: int = 2, chunk: int = CHUNK) -> list[int]:
     """``chunks`` full chunks and a partial one (never stored)."""
     return [seed * 100_000 + i for i in range(chunks * chunk + chunk // 2)]
+
+
+def settled_fetch(
+    drv: Driver, tokens: list[int], rid: str, hits: int, retries: int
+) -> dict[str, Any]:
+    """A fetch, repeated (``retries`` times at most) while it finds fewer than ``hits``.
+
+    ``lmcache server`` reports a store finished before it commits the chunks (the commit
+    is a callback queued behind the copy), so on a busy machine its next lookup can miss
+    the last chunk stored. kvatlas commits before it answers, so it never needs a retry;
+    the comparison is of the settled answers."""
+    got = drv.call("fetch", tokens, rid)
+    for attempt in range(retries):
+        if got["hit"] >= hits:
+            break
+        time.sleep(0.05 * (attempt + 1))
+        got = drv.call("fetch", tokens, f"{rid}-again{attempt}")
+    return got
 
 
 def server(tmp_path: Path, name: str = "mp-a") -> ServerProc:
@@ -236,6 +255,7 @@ def test_same_answers_as_lmcache_server(tmp_path: Path, lmcache_venv: Path) -> N
         for name, url in (("lmcache", f"tcp://{HOST}:{port}"), ("kvatlas", srv.engine_url)):
             for mode in ("engine_driven", "lmcache_driven"):
                 drv = Driver(lmcache_venv, url, mode, tmp_path / f"{name}-{mode}.log")
+                retries = 5 if name == "lmcache" else 0  # kvatlas must be right at once
                 try:
                     seed = 20 if mode == "engine_driven" else 30
                     a, b = prompt(seed, 3), prompt(seed, 3)[: 2 * CHUNK] + [1] * 300
@@ -243,8 +263,8 @@ def test_same_answers_as_lmcache_server(tmp_path: Path, lmcache_venv: Path) -> N
                         drv.call("fetch", a, "f0"),
                         drv.call("store", b, "s0", seed=seed),  # 3 chunks
                         drv.call("store", a, "s1", seed=seed),  # 1 more (2 shared with b)
-                        drv.call("fetch", a, "f1"),
-                        drv.call("fetch", b, "f2"),
+                        settled_fetch(drv, a, "f1", hits=3, retries=retries),
+                        settled_fetch(drv, b, "f2", hits=3, retries=retries),
                     ]
                 finally:
                     drv.close()
