@@ -17,6 +17,9 @@ stdout (LMCache's own prints go to stderr):
         zeroes other blocks, looks up, retrieves the hit chunks into them
         -> {"ok": true, "hit": 2, "digests": [...]}  (digests of what landed)
     {"op": "reset"}  scheduler.reset_cache() (vLLM's prefix-cache reset) -> {"ok": true}
+    {"op": "checksums", "first": 0, "blocks": 48}
+        LMCache's bench's own client-side digests of those blocks (what a server's
+        ``/cache/checksums`` must answer) -> {"ok": true, "instance_id": ..., "client": [...]}
     {"op": "quit"}
 
 Not part of the kvatlas package: it imports lmcache, which only .venv-lmcache has.
@@ -33,6 +36,7 @@ from typing import Any
 
 import torch
 import zmq
+from lmcache.cli.commands.bench.server_bench.helpers import _compute_client_checksums
 from lmcache.integration.vllm.vllm_multi_process_adapter import (
     LMCacheMPSchedulerAdapter,
     LMCacheMPWorkerAdapter,
@@ -84,6 +88,13 @@ def main() -> None:
                 break
             if cmd["op"] == "reset":  # vLLM's /reset_prefix_cache
                 answers.write(json.dumps({"ok": scheduler.reset_cache()}) + "\n")
+                continue
+            if cmd["op"] == "checksums":
+                client = _compute_client_checksums(
+                    list(kv.values()), cmd["first"], cmd["blocks"], BLOCK, CHUNK
+                )
+                answer = {"ok": True, "instance_id": worker.instance_id, "client": client}
+                answers.write(json.dumps(answer) + "\n")
                 continue
             try:
                 answer = run(scheduler, worker, kv, cmd)

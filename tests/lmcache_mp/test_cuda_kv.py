@@ -40,6 +40,14 @@ def test_torch_and_numpy_paths_write_the_same_chunk_bytes(layout: str) -> None:
         assert back == b
         t_kv.gather([6, 5], 0, memoryview(back))  # block 6 was skipped: unchanged
         assert back != b
+        for layerwise in (False, True):  # LMCache's /cache/checksums digests, both paths
+            ids = [7, 0, 2, 6, 4]  # not block 1, which the scatter above rewrote
+            assert t_kv.checksums(ids, 2, layerwise) == np_kv.checksums(ids, 2, layerwise)
+        t_bf = TorchPagedKV([torch.from_numpy(arr.copy()).to(torch.bfloat16)], CHUNK, layout)
+        widened = TorchPagedKV(
+            [torch.from_numpy(arr.copy()).to(torch.bfloat16).float()], CHUNK, layout
+        )
+        assert t_bf.checksums([1, 2, 3], 2, False) == widened.checksums([1, 2, 3], 2, False)
         np_kv.close()
         del arr
     finally:

@@ -25,6 +25,8 @@ from support.services import ServerProc, start_server_process
 pytestmark = pytest.mark.lmcache
 
 CHUNK = 256
+BLOCK = 16
+"""The driver's (vLLM's) tokens per KV block."""
 
 
 def prompt(seed: int, chunks: int = 2, chunk: int = CHUNK) -> list[int]:
@@ -252,6 +254,8 @@ def test_same_answers_as_lmcache_server(tmp_path: Path, lmcache_venv: Path) -> N
     try:
         ref.wait_http("/healthcheck", timeout=90)
         answers: dict[str, list[tuple[bool, int, list[str]]]] = {}
+        sums: dict[tuple[str, ...], tuple[int, Any]] = {}
+        http = {"lmcache": f"http://{HOST}:{http_port}", "kvatlas": srv.url}
         for name, url in (("lmcache", f"tcp://{HOST}:{port}"), ("kvatlas", srv.engine_url)):
             for mode in ("engine_driven", "lmcache_driven"):
                 drv = Driver(lmcache_venv, url, mode, tmp_path / f"{name}-{mode}.log")
@@ -266,12 +270,38 @@ def test_same_answers_as_lmcache_server(tmp_path: Path, lmcache_venv: Path) -> N
                         settled_fetch(drv, a, "f1", hits=3, retries=retries),
                         settled_fetch(drv, b, "f2", hits=3, retries=retries),
                     ]
+                    # LMCache's /cache/checksums over the stored blocks, as its bench asks
+                    # three full chunks and a short one, from the store's first block
+                    n_blocks = 3 * CHUNK // BLOCK + 5
+                    mine = drv.call("checksums", [], "", first=0, blocks=n_blocks)
+                    asked = {
+                        "block_ids": list(range(n_blocks)),
+                        "chunk_size": CHUNK // BLOCK,
+                        "instance_id": mine["instance_id"],
+                        "layerwise": False,
+                    }
+                    r = httpx.post(f"{http[name]}/cache/checksums", json=asked, timeout=30)
+                    sums[(name, mode)] = (r.status_code, r.json() if r.is_success else None)
+                    if r.is_success:  # the bench's client-side digests of the full chunks
+                        assert r.json()["chunk_checksums"][:3] == mine["client"], mode
+                    layered = httpx.post(
+                        f"{http[name]}/cache/checksums", json={**asked, "layerwise": True}
+                    )
+                    sums[(name, mode, "layerwise")] = (
+                        layered.status_code,
+                        layered.json() if layered.is_success else None,
+                    )
                 finally:
                     drv.close()
                 answers.setdefault(name, []).extend(
                     (r["ok"], r["hit"], r["digests"] if r["hit"] else []) for r in seq
                 )
         assert answers["kvatlas"] == answers["lmcache"], answers
+        for mode in ("engine_driven", "lmcache_driven"):
+            for extra in ((), ("layerwise",)):
+                ours, theirs = sums[("kvatlas", mode, *extra)], sums[("lmcache", mode, *extra)]
+                assert ours == theirs, (mode, extra, ours, theirs)
+        assert sums[("kvatlas", "lmcache_driven")][0] == 200
         assert [hit for _, hit, _ in answers["kvatlas"][:5]] == [0, 0, 2, 3, 3]
     finally:
         srv.stop()

@@ -187,6 +187,21 @@ def test_delete_refusals(server: ServerProc) -> None:
     assert r.status_code == 422
 
 
+def test_checksum_refusals(server: ServerProc) -> None:
+    """LMCache's ``/cache/checksums`` refusals (the digests themselves are compared with
+    ``lmcache server``'s in tests/lmcache_mp)."""
+    base = {"block_ids": [0, 1], "chunk_size": 2, "instance_id": 7}
+    for over, status, needle in (
+        ({"block_ids": []}, 400, "block_ids is required"),
+        ({"chunk_size": 0}, 400, "chunk_size must be positive"),
+        ({}, 404, "worker instance 7 registered no KV cache"),
+        ({"block_ids": "x"}, 422, "block_ids"),
+        ({"layerwise": 3}, 422, "layerwise"),
+    ):
+        r = call(server, "POST", "/cache/checksums", json={**base, **over})
+        assert r.status_code == status and needle in r.json()["detail"], (over, r.text)
+
+
 def test_without_l2_the_l2_routes_are_503(tmp_path: Path) -> None:
     s = start_server_process(tmp_path, "node-n", "--l1-size-gb", L1_GB, "--chunk-size", str(CHUNK))
     try:
@@ -212,6 +227,7 @@ def test_the_token_guards_every_route(tmp_path: Path) -> None:
             ("POST", "/cache/prefetches"),
             ("GET", "/cache/prefetches/x"),
             ("POST", "/cache/clear"),
+            ("POST", "/cache/checksums"),
             ("GET", "/quota"),
             ("GET", "/quota/_default"),
         ):

@@ -335,7 +335,11 @@ class CacheServer:
                 self.status,
                 self._render_metrics,
                 self.config.coordinator.auth_token,
-                cache_routes(self.cache_control, self.config.coordinator.auth_token),
+                cache_routes(
+                    self.cache_control,
+                    self.config.coordinator.auth_token,
+                    self.lmcache.kv_checksums if self.config.lmcache_mp != "off" else None,
+                ),
             ),
             name="kvatlas-http",
         )

@@ -3,7 +3,9 @@
 Owns the routes a coordinator drives (kvatlas' ``coordinator.server_control`` and
 LMCache's own coordinator alike): ``GET``/``DELETE /cache/objects``,
 ``POST /cache/prefetches`` (202), ``GET /cache/prefetches/{request_id}``,
-``POST /cache/clear``, and the read side of the ``/quota`` family (per-salt usage:
+``POST /cache/clear``, ``POST /cache/checksums`` (MD5 digests of a registered LMCache
+worker's KV blocks, which LMCache's bench reads), and the read side of the ``/quota``
+family (per-salt usage:
 ``GET /quota``, ``GET /quota/{cache_salt}``, ``_default`` naming the empty salt, as
 LMCache's). Quotas themselves are the coordinator's, fleet-wide: ``PUT``/``DELETE
 /quota/{cache_salt}`` here answer 501 saying so.
@@ -18,6 +20,7 @@ Must not: touch the store except through ``CacheControl``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar
 
 import msgspec
@@ -26,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kvatlas.core.errors import InvalidInput
 from kvatlas.runtime.auth import TokenGate
 from kvatlas.server.cache_control import (
     CacheControl,
@@ -34,7 +38,10 @@ from kvatlas.server.cache_control import (
     NotFound,
     Unavailable,
 )
+from kvatlas.server.lmcache_mp.core import MpError
+from kvatlas.server.lmcache_mp.kv_checksums import Digests, compress_ranges
 from kvatlas.wire.cache_api import (
+    ChecksumRequest,
     ClearedWire,
     ClearRequest,
     ClearResponse,
@@ -56,6 +63,10 @@ _encoder = msgspec.json.Encoder()
 _delete_decoder = msgspec.json.Decoder(DeleteObjectsRequest)
 _prefetch_decoder = msgspec.json.Decoder(NodePrefetchRequest)
 _clear_decoder = msgspec.json.Decoder(ClearRequest)
+_checksum_decoder = msgspec.json.Decoder(ChecksumRequest)
+
+KvChecksums = Callable[[int, Sequence[int], int, bool], Digests]
+"""(instance id, block ids, blocks a chunk, layerwise) -> digests; raises MpError."""
 
 
 class _Refusal(Exception):
@@ -107,9 +118,11 @@ def _int_query(request: Request, name: str, default: int, low: int, high: int) -
     return value
 
 
-def cache_routes(control: CacheControl, auth_token: str | None = None) -> list[Route]:
-    """The routes over ``control``; each needs ``Authorization: Bearer <auth_token>``
-    when a token is set."""
+def cache_routes(
+    control: CacheControl, auth_token: str | None = None, kv_checksums: KvChecksums | None = None
+) -> list[Route]:
+    """The routes over ``control`` (and ``kv_checksums``, the LMCache MP service's);
+    each needs ``Authorization: Bearer <auth_token>`` when a token is set."""
     gate = TokenGate(auth_token)
 
     def guarded(handler: Any) -> Any:
@@ -159,6 +172,33 @@ def cache_routes(control: CacheControl, auth_token: str | None = None) -> list[R
         await run_in_threadpool(control.clear, req.tier, req.force)
         return _json(ClearResponse("ok", ClearedWire(req.tier)))
 
+    async def checksums(request: Request) -> Response:
+        req = _decode(_checksum_decoder, await _body(request))
+        if kv_checksums is None:
+            raise _Refusal(501, "this server takes no LMCache workers (--lmcache-mp off)")
+        if not req.block_ids:
+            raise _Refusal(400, "block_ids is required")
+        if req.chunk_size <= 0:
+            raise _Refusal(400, "chunk_size must be positive")
+        try:
+            digests = await run_in_threadpool(
+                kv_checksums, req.instance_id, req.block_ids, req.chunk_size, req.layerwise
+            )
+        except MpError as exc:
+            raise _Refusal(404 if exc.reason == "not_registered" else 400, str(exc)) from exc
+        except InvalidInput as exc:
+            raise _Refusal(400, str(exc)) from exc
+        return _json(
+            {
+                "status": "success",
+                "chunk_size": req.chunk_size,
+                "num_chunks": -(-len(req.block_ids) // req.chunk_size),
+                "chunk_checksums": digests,
+                "layerwise": req.layerwise,
+                "block_id_ranges": compress_ranges(req.block_ids),
+            }
+        )
+
     async def list_usage(request: Request) -> Response:
         usage = await run_in_threadpool(control.usage_by_salt)
         salts = sorted(set(usage["l1"]) | set(usage["l2"]))
@@ -182,6 +222,7 @@ def cache_routes(control: CacheControl, auth_token: str | None = None) -> list[R
         Route("/cache/prefetches", guarded(submit_prefetch), methods=["POST"]),
         Route("/cache/prefetches/{request_id}", guarded(prefetch_status), methods=["GET"]),
         Route("/cache/clear", guarded(clear), methods=["POST"]),
+        Route("/cache/checksums", guarded(checksums), methods=["POST"]),
         Route("/quota", guarded(list_usage), methods=["GET"]),
         Route("/quota/{cache_salt}", guarded(salt_usage), methods=["GET"]),
         Route("/quota/{cache_salt}", guarded(quota_is_fleet_wide), methods=["PUT", "DELETE"]),

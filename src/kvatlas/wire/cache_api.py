@@ -122,6 +122,16 @@ class ClearRequest(msgspec.Struct, frozen=True):
     force: bool = False
 
 
+class ChecksumRequest(msgspec.Struct, frozen=True):
+    """Body of ``POST /cache/checksums``: MD5 digests of a registered worker's KV
+    blocks, ``chunk_size`` blocks a chunk (LMCache's diagnostic; its bench reads it)."""
+
+    block_ids: list[int] = msgspec.field(default_factory=list)
+    chunk_size: int = 0
+    instance_id: int = 0
+    layerwise: bool = False
+
+
 class ClearedWire(msgspec.Struct, frozen=True):
     tier: str
 

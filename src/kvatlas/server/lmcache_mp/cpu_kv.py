@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.core.errors import InvalidInput
+from kvatlas.server.lmcache_mp.kv_checksums import Digests, block_checksums
 from kvatlas.server.lmcache_mp.wire import IpcDescriptor
 
 ITEMSIZES: Final = {
@@ -77,6 +78,13 @@ class ChunkGeometry:
         return self.planes * self.layers * self.tokens * self.hidden * ITEMSIZES[self.dtype]
 
 
+def check_block_ids(block_ids: Sequence[int], num_blocks: int) -> None:
+    """InvalidInput naming the first id outside ``[0, num_blocks)``."""
+    bad = next((b for b in block_ids if not 0 <= b < num_blocks), None)
+    if bad is not None:
+        raise InvalidInput(f"block id {bad} is outside the worker's {num_blocks} KV blocks")
+
+
 class PagedKV(Protocol):
     """A registered worker's paged KV, as ``service`` copies chunks in and out of it:
     ``CpuPagedKV`` here, ``cuda_kv.CudaPagedKV`` for CUDA IPC handles."""
@@ -90,6 +98,10 @@ class PagedKV(Protocol):
     def scatter(
         self, block_ids: Sequence[int], index: int, src: memoryview, skip_blocks: int = 0
     ) -> None: ...
+
+    def checksums(self, block_ids: Sequence[int], chunk_blocks: int, layerwise: bool) -> Digests:
+        """LMCache's ``/cache/checksums`` digests of ``block_ids`` (``kv_checksums``)."""
+        ...
 
     def begin(self, event_handle: bytes) -> None:
         """Order the copies after the worker's event."""
@@ -222,6 +234,19 @@ class CpuPagedKV:
                     a[:, blocks[j]] = kv
                 else:
                     a[blocks[j]] = kv
+
+    def checksums(self, block_ids: Sequence[int], chunk_blocks: int, layerwise: bool) -> Digests:
+        """LMCache's ``/cache/checksums`` digests of ``block_ids`` (``kv_checksums``)."""
+        check_block_ids(block_ids, self.num_blocks)
+        axis = 1 if self._kv_first else 0
+        return block_checksums(
+            self._layers,
+            axis,
+            self.geometry.dtype,
+            block_ids,
+            chunk_blocks=chunk_blocks,
+            layerwise=layerwise,
+        )
 
     def begin(self, event_handle: bytes) -> None:
         """CPU copies are synchronous: a worker's CPU event is recorded already."""

@@ -27,10 +27,13 @@ from typing import Any
 import torch
 
 from kvatlas.core.errors import InvalidInput
-from kvatlas.server.lmcache_mp.cpu_kv import ITEMSIZES, ChunkGeometry
+from kvatlas.server.lmcache_mp.cpu_kv import ITEMSIZES, ChunkGeometry, check_block_ids
+from kvatlas.server.lmcache_mp.kv_checksums import Digests, block_checksums
 from kvatlas.server.lmcache_mp.wire import IpcDescriptor
 
 _DTYPES = {name: getattr(torch, name) for name in ITEMSIZES}
+_UINTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+"""Same-width integer views: numpy has no bfloat16 or float8."""
 
 
 class TorchPagedKV:
@@ -111,6 +114,24 @@ class TorchPagedKV:
             nhd = self._nhd(layer)
             for j in range(skip_blocks, len(blocks)):
                 nhd[:, blocks[j]] = data[:, layer, j]
+
+    def checksums(self, block_ids: Sequence[int], chunk_blocks: int, layerwise: bool) -> Digests:
+        """LMCache's ``/cache/checksums`` digests of ``block_ids``: the selected blocks
+        are copied to the host, then hashed as the CPU path hashes them."""
+        check_block_ids(block_ids, self.num_blocks)
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        axis = 1 if self._kv_first else 0
+        width = _UINTS[ITEMSIZES[self.geometry.dtype]]
+        host = [t.index_select(axis, idx).cpu().view(width).numpy() for t in self._layers]
+        # the host copies hold the selected blocks only: select them all, in order
+        return block_checksums(
+            host,
+            axis,
+            self.geometry.dtype,
+            range(len(block_ids)),
+            chunk_blocks=chunk_blocks,
+            layerwise=layerwise,
+        )
 
     def close(self) -> None:
         self._layers = []

@@ -13,7 +13,7 @@ chunk lives in the ``GuardedStore`` the kvatlas engine API shares.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvatlas.core.keys import HashContract, ObjectKey
@@ -25,6 +25,7 @@ from kvatlas.server.lmcache_mp.core import (
     MpIdentity,
     PrefixFetcher,
 )
+from kvatlas.server.lmcache_mp.kv_checksums import Digests
 from kvatlas.server.lmcache_mp.transfers import Transfers
 from kvatlas.server.lmcache_mp.wire import BlockAllocation, IPCKey
 
@@ -41,6 +42,22 @@ class LMCacheMPService(Transfers):
         with self._lock:
             kv = sum(1 for w in self._workers.values() if w.kv is not None)
             return {"lmcache_driven": kv, "engine_driven": len(self._workers) - kv}
+
+    def kv_checksums(
+        self, instance_id: int, block_ids: Sequence[int], chunk_blocks: int, layerwise: bool
+    ) -> Digests:
+        """LMCache's ``POST /cache/checksums``: digests of a registered lmcache-driven
+        worker's KV blocks. MpError ``not_registered`` for an unknown worker or one that
+        registered engine-driven (the server holds no view of its KV), ``invalid`` for
+        block ids outside its KV."""
+        w = self._worker(instance_id)
+        if w.kv is None:
+            raise MpError(
+                "not_registered",
+                f"worker instance {instance_id} registered engine-driven: this server holds"
+                " no view of its KV (the worker's own KV is where to hash it)",
+            )
+        return w.kv.checksums(block_ids, chunk_blocks, layerwise)
 
     def set_peer_source(self, peers: PrefixFetcher | None) -> None:
         self._peers = peers
