@@ -51,10 +51,9 @@ STALL = re.compile(r"no progress in ([\d.]+) s .*first-byte deadline: ([\d.]+) s
 
 
 def _stall(router: RouterApp, url: str) -> tuple[float, float]:
-    """The stall the router reports for the engine at ``url`` (it is out): how long it
-    was silent when the deadline took it out, and that deadline."""
+    """The stall the router reports for the engine at ``url``: how long it was silent
+    when the deadline took it out, and that deadline."""
     out = next(e for e in router.status().engines if e.url == url)
-    assert not out.available, out
     m = STALL.search(out.last_error)
     assert m, out.last_error
     return float(m.group(1)), float(m.group(2))
@@ -184,7 +183,7 @@ def test_requests_waiting_on_a_stuck_engine_go_to_their_next_choice(
     silent_s, deadline_s = _stall(router, stuck.url)
     assert deadline_s == FLOOR_S <= silent_s < SILENT_BOUND_S, (silent_s, deadline_s)
     out = next(e for e in router.status().engines if e.url == stuck.url)
-    assert out.in_flight == 0
+    assert not out.available and out.in_flight == 0, out
 
 
 def test_a_stream_begun_on_a_stuck_engine_ends_with_an_error_naming_the_cause(
