@@ -46,6 +46,10 @@ from .test_router import available, chat
 
 HEALTH_S = 0.2
 PROBE_TIMEOUT_S = 1.0
+BUSY_PROBE_TIMEOUT_S = 15.0
+"""The busy test's probe timeout: what it proves is that a probe that answers keeps a
+busy engine in, so a probe that answers late on a loaded machine (its engine and the
+router share two cores with a prefill) must still count as an answer there."""
 BOUND_S = 30.0
 """Freeze to answer, generously (a loaded 2-core machine): far below the 600 s timeout."""
 LONG_PROMPT = [5 + i % 200 for i in range(1800)]
@@ -72,12 +76,17 @@ def steady(tiny: LoadedModel) -> Iterator[EngineApp]:
         yield app
 
 
-def _router(start_router: StartRouter, frozen: Proc, steady: EngineApp) -> RouterApp:
+def _router(
+    start_router: StartRouter,
+    frozen: Proc,
+    steady: EngineApp,
+    probe_timeout_s: float = PROBE_TIMEOUT_S,
+) -> RouterApp:
     router = start_router(
         engines=(StaticEngine(frozen.url, "x"), StaticEngine(steady.url, "y")),
         policy="round-robin",
         health_interval_s=HEALTH_S,
-        probe_timeout_s=PROBE_TIMEOUT_S,
+        probe_timeout_s=probe_timeout_s,
     )
     wait_until(lambda: len(available(router)), lambda n: n == 2, what="both engines", timeout=60)
     # round-robin: after an answer from the steady engine, the next request goes to the other
@@ -111,11 +120,14 @@ def test_a_busy_engine_is_not_failed_over(
     frozen_one: Proc, steady: EngineApp, start_router: StartRouter
 ) -> None:
     """A long prefill, a request queued behind it and a slow stream on one engine: its
-    probe answers while it works, so all three are its own to the end."""
-    router = _router(start_router, frozen_one, steady)
+    probe answers while it works, so all three are its own to the end. The evidence is
+    the router's own: which engine answered, no retry, no stream cut, no probe failure
+    and no first-byte deadline counted against it (a probe that timed out would say
+    ``no answer`` in its last error and retry its requests as ``frozen``)."""
+    router = _router(start_router, frozen_one, steady, probe_timeout_s=BUSY_PROBE_TIMEOUT_S)
     busy = frozen_one.url
     long = {"prompt": LONG_PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
-    seen: list[tuple[bool, int]] = []
+    seen: list[tuple[bool, int, str]] = []
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         first = pool.submit(_post, router, long, "completions")
         wait_until(lambda: _engine(router, busy).in_flight, what="the long prefill is sent")
@@ -124,13 +136,13 @@ def test_a_busy_engine_is_not_failed_over(
         wait_until(lambda: _engine(router, busy).in_flight == 2, what="one queued behind it")
         while not (first.done() and queued.done()):
             e = _engine(router, busy)
-            seen.append((e.available, e.reported_running))
+            seen.append((e.available, e.reported_running, e.last_error))
             time.sleep(HEALTH_S / 2)
         answers = [first.result(), queued.result()]
-    assert [route(a)["engine"] for a in answers] == [busy, busy]
+    assert [route(a)["engine"] for a in answers] == [busy, busy], [route(a) for a in answers]
     assert not any(retried(a) for a in answers)
-    assert all(ok for ok, _ in seen), "the busy engine was taken out"
-    assert any(running >= 1 for _, running in seen), "no probe answered while it worked"
+    assert all(ok for ok, _, _ in seen), ("the busy engine was taken out", seen[-3:])
+    assert any(running >= 1 for _, running, _ in seen), "no probe answered while it worked"
     # a stream that is slow, not stuck, runs to its end
     body = chat("a slow story", max_tokens=24, stream=True)
     while route(_post(router, chat("turn"))).get("engine") != steady.url:
@@ -141,6 +153,9 @@ def test_a_busy_engine_is_not_failed_over(
     assert lines[-1] == "data: [DONE]" and not any("error" in line for line in lines)
     assert metric_value(router.url, "kvatlas_router_retries_total", engine=busy) == 0
     assert metric_value(router.url, "kvatlas_router_stream_failures_total", engine=busy) == 0
+    assert metric_value(router.url, "kvatlas_router_first_byte_deadlines_total", engine=busy) == 0
+    assert metric_value(router.url, "kvatlas_router_breaker_opens_total", engine=busy) == 0
+    assert _engine(router, busy).last_error == "", _engine(router, busy).last_error
 
 
 def test_a_frozen_engine_costs_no_request_and_comes_back(

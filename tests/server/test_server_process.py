@@ -163,9 +163,11 @@ def test_engine_errors_are_clear(server: ServerProc) -> None:
 def test_client_times_out_without_a_server() -> None:
     with CacheClient(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.3) as c:
         t0 = time.monotonic()
-        with pytest.raises(ServerUnavailable, match="did not answer"):
+        # its own 0.3 s timeout is what ended the call (the error names it); 5 s only
+        # guards against a hang on a loaded machine
+        with pytest.raises(ServerUnavailable, match=r"did not answer \w+ within 0\.3s"):
             c.register(MODEL, "float16", (2, 2, 8), chunk_size=CHUNK)
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 5
 
 
 def test_concurrent_engines(server: ServerProc) -> None:

@@ -42,6 +42,14 @@ ALL = (PEER, LEASE, 0, REGION)
 EXPECTED = pattern(REGION)
 
 
+def hang_guard(deadline_s: float) -> float:
+    """How long a read with ``deadline_s`` may take before the scenario calls it hung.
+    Which deadline fired is the statuses' to show (``timeout``, ``peer_dead``); a read
+    that ignored its deadline waits on a dead or stopped peer forever, so the guard can
+    be generous: a loaded 2-core machine may add seconds to a deadline."""
+    return 5 * deadline_s + 2.0
+
+
 def op(remote: int, size: int, local: int, lease: str = LEASE) -> ReadOp:
     return ReadOp(remote, size, local, lease, checksum(EXPECTED[remote : remote + size]))
 
@@ -145,7 +153,8 @@ def corrupted(transport: str) -> None:
 
 
 def peer_killed(transport: str) -> None:
-    """The owner is SIGKILLed mid-read: failures come within deadline + 1 s."""
+    """The owner is SIGKILLed mid-read: the read ends in failures (its death seen, or
+    its deadline), not a hang; so does a read after its death."""
     deadline_s = 5.0
     with OwnerProcess(transport, REGION, leases=[ALL]) as owner, requester(transport) as (local, c):
         peer = c.connect(owner.endpoint)
@@ -163,21 +172,22 @@ def peer_killed(transport: str) -> None:
             every=0.002,
         )
         owner.kill()
-        reader.join(deadline_s + 1.0)
+        reader.join(hang_guard(deadline_s))
         elapsed = time.monotonic() - started
-        assert not reader.is_alive() and elapsed < deadline_s + 1.0, elapsed
+        assert not reader.is_alive() and elapsed < hang_guard(deadline_s), elapsed
         got = statuses(out[0])
         assert set(got) <= {"ok", "peer_dead", "timeout"}
         assert got.count("ok") < len(ops), "the whole 4 GiB read finished before the kill"
         # And a read after the death fails fast as well.
         started = time.monotonic()
         after = statuses(peer.read(ops[:4], 2.0))
-        assert time.monotonic() - started < 3.0 and set(after) <= {"peer_dead", "timeout"}, after
+        assert set(after) <= {"peer_dead", "timeout"}, after
+        assert time.monotonic() - started < hang_guard(2.0)
         assert peer.drain(10.0)
 
 
 def owner_stopped(transport: str) -> None:
-    """The owner hangs (SIGSTOP): the read returns within deadline + 1 s; ops either
+    """The owner hangs (SIGSTOP): the read returns, its deadline fired: ops either
     landed (one-sided transports need no owner CPU) or timed out."""
     deadline_s = 1.0
     with OwnerProcess(transport, REGION, leases=[ALL]) as owner, requester(transport) as (local, c):
@@ -188,7 +198,7 @@ def owner_stopped(transport: str) -> None:
             ops = [op(i * MiB, MiB, i * MiB) for i in range(16)]
             started = time.monotonic()
             results = peer.read(ops, deadline_s)
-            assert time.monotonic() - started < deadline_s + 1.0
+            assert time.monotonic() - started < hang_guard(deadline_s)
             assert set(statuses(results)) <= {"ok", "timeout"}, results
             assert all(landed(local, r.op) for r in results if r.ok)
         finally:
@@ -197,7 +207,7 @@ def owner_stopped(transport: str) -> None:
 
 
 def silent_peer(transport: str) -> None:
-    """tcp: a peer that accepts but never answers gives timeouts within the deadline."""
+    """tcp: a peer that accepts but never answers gives timeouts: the deadline fired."""
     listener = socket.create_server(("127.0.0.1", 0))
     accepted: list[socket.socket] = []
     threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
@@ -209,7 +219,8 @@ def silent_peer(transport: str) -> None:
             started = time.monotonic()
             results = peer.read([op(0, 64 * KiB, 0), op(MiB, 64 * KiB, MiB)], 0.5)
             elapsed = time.monotonic() - started
-            assert statuses(results) == ["timeout", "timeout"] and elapsed < 1.5, elapsed
+            assert statuses(results) == ["timeout", "timeout"], results
+            assert elapsed < hang_guard(0.5), elapsed
     finally:
         listener.close()
         for s in accepted:

@@ -21,6 +21,8 @@ from support.wait import wait_until
 from .fleet import Fleet, fleet, store_and_share
 
 SVG_NAMESPACE = "http://www.w3.org/2000/svg"  # a name, never fetched
+HANG_S = 8.0
+"""A document with a silent member takes its 1 s status deadline; 8 s is a hang."""
 
 
 def test_page_is_open_and_data_needs_the_token(tmp_path: Path) -> None:
@@ -123,19 +125,24 @@ def test_a_silent_member_costs_one_deadline_and_is_named(two_nodes: Fleet) -> No
             timed,
             lambda seen: "silent" in {m["instance_id"] for m in seen[1]["members"]},
             what="a document that lists the silent member",
-            timeout=5,
+            timeout=30,
             every=0.1,
         )
         by_id = {m["instance_id"]: m for m in doc["members"]}
         assert by_id["silent"]["status"] is None
+        # its 1 s status deadline fired, and the coordinator's own measure says it
+        # waited that long for it, not longer than the document took
         assert by_id["silent"]["error"] == "no answer in 1 s"
+        assert 990 <= by_id["silent"]["fetch_ms"] <= took * 1000, (by_id["silent"], took)
         assert by_id["gone"]["status"] is None
         assert by_id["gone"]["error"].startswith("ConnectError"), by_id["gone"]["error"]
         assert by_id["gone"]["status_url"] == "http://127.0.0.1:1/status"
         assert by_id["node-a"]["status"] is not None and by_id["node-b"]["status"] is not None
-        assert took < 3.0, took
+        # a hang guard: a member waited for without its deadline would hold the document
+        # until the client's own 10 s timeout
+        assert took < HANG_S, took
         # While a document is assembled the coordinator answers other requests.
-        assert httpx.get(fl.url + "/healthz", timeout=1).status_code == 200
+        assert httpx.get(fl.url + "/healthz", timeout=10).status_code == 200
     finally:
         for member in ("silent", "gone"):
             httpx.delete(f"{fl.url}/instances/{member}", timeout=5)
