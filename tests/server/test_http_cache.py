@@ -202,6 +202,19 @@ def test_checksum_refusals(server: ServerProc) -> None:
         assert r.status_code == status and needle in r.json()["detail"], (over, r.text)
 
 
+def test_checksums_need_the_lmcache_protocol(tmp_path: Path) -> None:
+    s = start_server_process(
+        tmp_path, "node-m", "--l1-size-gb", L1_GB, "--chunk-size", str(CHUNK),
+        "--lmcache-mp", "off",
+    )  # fmt: skip
+    try:
+        body = {"block_ids": [0], "chunk_size": 1, "instance_id": 1}
+        r = call(s, "POST", "/cache/checksums", json=body)
+        assert r.status_code == 501 and "--lmcache-mp off" in r.json()["detail"], r.text
+    finally:
+        assert s.stop() == 0, s.tail()
+
+
 def test_without_l2_the_l2_routes_are_503(tmp_path: Path) -> None:
     s = start_server_process(tmp_path, "node-n", "--l1-size-gb", L1_GB, "--chunk-size", str(CHUNK))
     try:

@@ -240,8 +240,8 @@ class CpuPagedKV:
         check_block_ids(block_ids, self.num_blocks)
         axis = 1 if self._kv_first else 0
         return block_checksums(
-            self._layers,
-            axis,
+            lambda layer, ids: np.take(self._layers[layer], ids, axis=axis),
+            len(self._layers),
             self.geometry.dtype,
             block_ids,
             chunk_blocks=chunk_blocks,

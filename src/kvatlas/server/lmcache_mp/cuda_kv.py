@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvatlas.core.errors import InvalidInput
@@ -116,19 +118,21 @@ class TorchPagedKV:
                 nhd[:, blocks[j]] = data[:, layer, j]
 
     def checksums(self, block_ids: Sequence[int], chunk_blocks: int, layerwise: bool) -> Digests:
-        """LMCache's ``/cache/checksums`` digests of ``block_ids``: the selected blocks
-        are copied to the host, then hashed as the CPU path hashes them."""
+        """LMCache's ``/cache/checksums`` digests of ``block_ids``: each chunk's blocks
+        of each layer are copied to the host, then hashed as the CPU path hashes them."""
         check_block_ids(block_ids, self.num_blocks)
-        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
         axis = 1 if self._kv_first else 0
         width = _UINTS[ITEMSIZES[self.geometry.dtype]]
-        host = [t.index_select(axis, idx).cpu().view(width).numpy() for t in self._layers]
-        # the host copies hold the selected blocks only: select them all, in order
+
+        def pick(layer: int, ids: npt.NDArray[np.intp]) -> npt.NDArray[np.generic]:
+            idx = torch.from_numpy(ids).to(self.device)
+            return self._layers[layer].index_select(axis, idx).cpu().view(width).numpy()
+
         return block_checksums(
-            host,
-            axis,
+            pick,
+            len(self._layers),
             self.geometry.dtype,
-            range(len(block_ids)),
+            block_ids,
             chunk_blocks=chunk_blocks,
             layerwise=layerwise,
         )

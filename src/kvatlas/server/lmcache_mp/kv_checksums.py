@@ -9,14 +9,15 @@ covers every layer's bytes of the chunk in layer order (``layerwise``: one MD5 p
 and chunk). Bytes are the selected sub-tensor's in C order; bfloat16 is widened to
 float32 first, as LMCache's server does. The last chunk may be short.
 
-Pure numpy over arrays a ``PagedKV`` hands in (``cpu_kv`` maps them, ``cuda_kv`` copies
-them to the host). Must not: map, open or keep KV memory.
+Pure numpy over the blocks a ``PagedKV`` picks (``cpu_kv`` from its mapping, ``cuda_kv``
+copied to the host), one chunk of one layer at a time. Must not: map, open or keep KV
+memory.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +43,11 @@ def compress_ranges(ids: Sequence[int]) -> list[int | list[int]]:
     return out
 
 
+Pick = Callable[[int, npt.NDArray[np.intp]], npt.NDArray[np.generic]]
+"""(layer, block ids) -> that layer's blocks at those ids, on its block axis, as a new
+C-order host array (bfloat16 carried as uint16)."""
+
+
 def _widened(blocks: npt.NDArray[np.generic], dtype: str) -> npt.NDArray[np.generic]:
     """bfloat16 (carried as uint16) as float32's bits; any other dtype as it is."""
     if dtype != "bfloat16":
@@ -50,37 +56,35 @@ def _widened(blocks: npt.NDArray[np.generic], dtype: str) -> npt.NDArray[np.gene
 
 
 def block_checksums(
-    layers: Sequence[npt.NDArray[np.generic]],
-    block_axis: int,
+    pick: Pick,
+    layers: int,
     dtype: str,
     block_ids: Sequence[int],
     *,
     chunk_blocks: int,
     layerwise: bool,
 ) -> Digests:
-    """The digests of ``block_ids`` of ``layers`` (each layer's blocks on ``block_axis``),
-    ``chunk_blocks`` blocks a chunk; ids must be valid (the caller checks)."""
+    """The digests of ``block_ids`` over ``layers`` layers, ``chunk_blocks`` blocks a
+    chunk; ids must be valid (the caller checks). One chunk of one layer is in memory at
+    a time, whatever the number of ids asked for."""
     idx = np.asarray(block_ids, dtype=np.intp)
-    n = len(idx)
-    starts = range(0, n, chunk_blocks)
-    selected = [_widened(np.take(a, idx, axis=block_axis), dtype) for a in layers]
+    chunks = [idx[s : s + chunk_blocks] for s in range(0, len(idx), chunk_blocks)]
 
-    def chunk_bytes(blocks: npt.NDArray[np.generic], start: int) -> bytes:
-        sl = [slice(None)] * blocks.ndim
-        sl[block_axis] = slice(start, min(start + chunk_blocks, n))
-        return np.ascontiguousarray(blocks[tuple(sl)]).tobytes()
+    def chunk_bytes(layer: int, ids: npt.NDArray[np.intp]) -> bytes:
+        return _widened(pick(layer, ids), dtype).tobytes()
 
     if layerwise:
         return {
             f"layer_{li}": [
-                hashlib.md5(chunk_bytes(b, s), usedforsecurity=False).hexdigest() for s in starts
+                hashlib.md5(chunk_bytes(li, ids), usedforsecurity=False).hexdigest()
+                for ids in chunks
             ]
-            for li, b in enumerate(selected)
+            for li in range(layers)
         }
     out: list[str] = []
-    for s in starts:
+    for ids in chunks:
         md5 = hashlib.md5(usedforsecurity=False)
-        for b in selected:
-            md5.update(chunk_bytes(b, s))
+        for li in range(layers):
+            md5.update(chunk_bytes(li, ids))
         out.append(md5.hexdigest())
     return out
