@@ -17,6 +17,7 @@ Must not: parse frames (``wire``), import torch, or keep chunk bytes of its own.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Container, Sequence
@@ -24,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvatlas.core.checksum import checksum
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import (
     HASH_ALGORITHM,
@@ -46,6 +48,9 @@ WAIT_CAP_S = 1.0
 
 HOLDER = "lmcache-mp"
 """The lease holder of every lease this protocol takes."""
+
+HASH_THREADS = min(4, os.cpu_count() or 1)
+"""Threads hashing an engine-driven store's chunks at commit (xxh3 releases the GIL)."""
 
 
 class _Fetched(Protocol):
@@ -117,6 +122,7 @@ class MpCore:
         self._told_unknown: set[int] = set()
         self.sessions = Sessions()
         self._prefetch = ThreadPoolExecutor(prefetch_workers, "kvatlas-lmcache-prefetch")
+        self._hashers = ThreadPoolExecutor(HASH_THREADS, "kvatlas-lmcache-hash")
         self.counts: Counter[str] = Counter()
         """Requests served, by operation."""
         self.refused: Counter[str] = Counter()
@@ -204,6 +210,12 @@ class MpCore:
             self.identity.instance_id,
             self.identity.incarnation,
         )
+
+    def digests(self, views: Sequence[memoryview]) -> list[int]:
+        """The checksum of each view, several at once when there are several."""
+        if len(views) < 2:
+            return [checksum(v) for v in views]
+        return list(self._hashers.map(checksum, views))
 
     def _release(self, leases: Sequence[LeaseId]) -> None:
         if not leases:

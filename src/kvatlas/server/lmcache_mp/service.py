@@ -67,6 +67,7 @@ class LMCacheMPService(Transfers):
 
     def close(self) -> None:
         self._prefetch.shutdown(wait=False, cancel_futures=True)
+        self._hashers.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             workers, self._workers = list(self._workers.values()), {}
         for w in workers:

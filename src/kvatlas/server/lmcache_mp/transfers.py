@@ -171,14 +171,22 @@ class Transfers(MpCore):
         if reserved is None:
             return False
         ok = True
+        written: list[tuple[ObjectKey, LeaseId, memoryview]] = []
         with self._guarded.lock:
-            now = self._guarded.clock()
             for k, lid in reserved:
                 info = self._store.pool.get(k)
                 if info is None or info.committed:
                     ok = False
                     continue
-                digest = checksum(self._store.region.view(info.offset, info.size))
+                written.append((k, lid, self._store.region.view(info.offset, info.size)))
+        # Hashed outside the store's lock, a chunk per thread: the slots are this write's
+        # (write-leased, unreadable until commit), and a peer's lookup_and_lock or another
+        # worker's request need not wait on tens of MiB of xxh3. A slot whose lease lapsed
+        # meanwhile fails its commit below (the lease id no longer matches).
+        digests = self.digests([view for _, _, view in written])
+        with self._guarded.lock:
+            now = self._guarded.clock()
+            for (k, lid, _), digest in zip(written, digests, strict=True):
                 ok = self._store.commit(k, now, digest, lid) is not None and ok
             self._guarded.drain_locked()
         return ok
