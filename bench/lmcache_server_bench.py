@@ -14,13 +14,16 @@ unmodified LMCache 0.5.6 client code from .venv-lmcache:
   which calls the CLI's own entry point and also records each call's tokens and the
   client's CPU time. Store / retrieve throughput = KV bytes moved / the call's latency as
   LMCache's bench measures it; a run's figure is the median over its requests.
-- **P2P**: two servers and a coordinator per target (LMCache: `lmcache coordinator`, NIXL,
-  its default transport, UCX on loopback; kvatlas: `kvatlas coordinator`, tcp, its
-  default). `bench/lmcache_p2p_probe.py` (LMCache's MP client) stores a 4-chunk prefix
-  through node A and retrieves it through node B: B's LOOKUP fetches it from A, RETRIEVE
-  hands it to B's engine, bytes compared with A's. Only one fleet runs at a time (LMCache's
-  NIXL servers keep a core busy each even when idle, which would slow whatever runs
-  beside them); each fleet's idle CPU is measured before its load.
+- **P2P**: two servers and a coordinator per target (LMCache: `lmcache coordinator` and
+  NIXL, its default transport, UCX on loopback; kvatlas: `kvatlas coordinator`), once per
+  link (``lmcache_side.LINKS``): ``wire``, what crosses hosts (UCX on TCP only; kvatlas'
+  ``tcp``, its default), and ``same_host``, each one's shortcut for peers on one host (UCX
+  picks cross-memory attach; kvatlas' ``shm``). `bench/lmcache_p2p_probe.py` (LMCache's MP
+  client) stores a 4-chunk prefix through node A and retrieves it through node B: B's
+  LOOKUP fetches it from A, RETRIEVE hands it to B's engine, bytes compared with A's. Only
+  one fleet runs at a time (LMCache's NIXL servers keep a core busy each even when idle,
+  which would slow whatever runs beside them); each fleet's idle CPU is measured before
+  its load.
 
 Rounds alternate which target goes first; every figure is the median over rounds, and
 each ratio (kvatlas / LMCache) is the median of the per-round ratios, so that a noisy
@@ -28,6 +31,7 @@ moment of the shared 2-core machine hits one round of both rather than one targe
 
     python -m bench.lmcache_server_bench [--quick] [--rounds 5] [--requests 10]
         [--targets lmcache,kvatlas] [--modes engine_driven,lmcache_driven] [--no-p2p]
+        [--links wire,same_host] [--no-single]
 
 Prints markdown tables and writes bench/results/lmcache_server.json. A target that does
 not start, or refuses the bench, is reported with the reason; the other still runs.
@@ -46,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.lmcache_side import (
+    LINKS,
     LMCACHE_VENV,
     TARGETS,
     Proc,
@@ -202,10 +207,10 @@ def brief(row: dict[str, Any]) -> str:
 
 
 def p2p_fleet_run(
-    target: str, modes: list[str], repeats: int, log_dir: Path, tag: str
+    target: str, link: str, modes: list[str], repeats: int, log_dir: Path, tag: str
 ) -> dict[str, Any]:
-    """One fleet (coordinator + A + B) of ``target``: its idle CPU, then the P2P probe
-    once per mode."""
+    """One fleet (coordinator + A + B) of ``target`` whose peers read over ``link``: its
+    idle CPU, then the P2P probe once per mode."""
     procs: list[Proc] = []
     out: dict[str, Any] = {}
     try:
@@ -214,7 +219,9 @@ def p2p_fleet_run(
         coord.wait_ready()
         servers = []
         for name in ("a", "b"):
-            spec = ServerSpec(f"node-{name}-{tag}", l1_gb=L1_GB, coordinator_url=url, p2p=True)
+            spec = ServerSpec(
+                f"node-{name}-{tag}", l1_gb=L1_GB, coordinator_url=url, p2p=True, link=link
+            )
             s = start_server(target, spec, log_dir)
             procs.append(s.proc)
             servers.append(s)
@@ -298,21 +305,29 @@ def p2p_probe(
 
 
 def bench_p2p(
-    targets: list[str], modes: list[str], rounds: int, repeats: int, log_dir: Path
+    targets: list[str],
+    links: list[str],
+    modes: list[str],
+    rounds: int,
+    repeats: int,
+    log_dir: Path,
 ) -> dict[str, Any]:
-    runs: dict[str, list[dict[str, Any]]] = {t: [] for t in targets}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        link: {t: [] for t in targets} for link in links
+    }
     for r in range(rounds):
-        for t in targets if r % 2 == 0 else targets[::-1]:
-            row = p2p_fleet_run(t, modes, repeats, log_dir, f"r{r}")
-            row["round"] = r
-            row["load_avg_1m"] = os.getloadavg()[0]
-            runs[t].append(row)
-            summary = row.get("error") or "; ".join(
-                f"{m}: " + (brief(row[m]) if "error" not in row[m] else row[m]["error"][:200])
-                for m in modes
-            )
-            idle = row.get("idle_cpu_pct")
-            print(f"  p2p round {r} {t}: {summary} (idle CPU {idle})", flush=True)
+        for link in links:
+            for t in targets if r % 2 == 0 else targets[::-1]:
+                row = p2p_fleet_run(t, link, modes, repeats, log_dir, f"r{r}{link}")
+                row["round"] = r
+                row["load_avg_1m"] = os.getloadavg()[0]
+                runs[link][t].append(row)
+                summary = row.get("error") or "; ".join(
+                    f"{m}: " + (brief(row[m]) if "error" not in row[m] else row[m]["error"][:200])
+                    for m in modes
+                )
+                idle = row.get("idle_cpu_pct")
+                print(f"  p2p round {r} {link} {t}: {summary} (idle CPU {idle})", flush=True)
     return {"runs": runs}
 
 
@@ -341,7 +356,9 @@ def ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
 
-def summarize(results: dict[str, Any], targets: list[str], modes: list[str]) -> dict[str, Any]:
+def summarize(
+    results: dict[str, Any], targets: list[str], modes: list[str], links: list[str]
+) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     single = results.get("single_node")
     if single:
@@ -371,33 +388,32 @@ def summarize(results: dict[str, Any], targets: list[str], modes: list[str]) -> 
                     for k in ("store_Bps", "retrieve_Bps")
                 }
             summary[f"single_node.{mode}"] = s
-    p2p = results.get("p2p")
-    if p2p:
-        for mode in modes:
-            s = {}
-            flat: dict[str, list[dict[str, Any]]] = {}
-            for t in targets:
-                flat[t] = [
-                    {**r[mode], "round": r["round"]} if mode in r else {"error": r.get("error", "")}
-                    for r in p2p["runs"][t]
-                ]
-                s[t] = {
-                    k: across_rounds(flat[t], k)
-                    for k in ("p2p_Bps", "p2p_fetch_Bps", "p2p_lookup_ms", "p2p_retrieve_ms",
-                              "local_Bps", "client_cpu_p2p_ms")
-                }  # fmt: skip
-                s[t]["bytes_match"] = sum(r.get("bytes_match", 0) for r in flat[t])
-                s[t]["local_bytes_match"] = sum(r.get("local_bytes_match", 0) for r in flat[t])
-                s[t]["repeats"] = sum(r.get("repeats", 0) for r in flat[t])
-                idle = [c for r in p2p["runs"][t] for c in r.get("idle_cpu_pct", [])]
-                s[t]["idle_cpu_pct_per_server"] = med(idle)
-                s[t]["errors"] = [r["error"][:500] for r in flat[t] if r.get("error")][:2]
-            if "lmcache" in targets and "kvatlas" in targets:
-                s["ratio_kvatlas_over_lmcache"] = {
-                    k: ratio_by_round(flat["lmcache"], flat["kvatlas"], k)
-                    for k in ("p2p_Bps", "p2p_fetch_Bps")
-                }
-            summary[f"p2p.{mode}"] = s
+    p2p = results.get("p2p") or {}
+    for link, mode in [(link, mode) for link in links for mode in modes if p2p]:
+        s = {}
+        flat: dict[str, list[dict[str, Any]]] = {}
+        for t in targets:
+            flat[t] = [
+                {**r[mode], "round": r["round"]} if mode in r else {"error": r.get("error", "")}
+                for r in p2p["runs"][link][t]
+            ]
+            s[t] = {
+                k: across_rounds(flat[t], k)
+                for k in ("p2p_Bps", "p2p_fetch_Bps", "p2p_lookup_ms", "p2p_retrieve_ms",
+                          "local_Bps", "client_cpu_p2p_ms")
+            }  # fmt: skip
+            s[t]["bytes_match"] = sum(r.get("bytes_match", 0) for r in flat[t])
+            s[t]["local_bytes_match"] = sum(r.get("local_bytes_match", 0) for r in flat[t])
+            s[t]["repeats"] = sum(r.get("repeats", 0) for r in flat[t])
+            idle = [c for r in p2p["runs"][link][t] for c in r.get("idle_cpu_pct", [])]
+            s[t]["idle_cpu_pct_per_server"] = med(idle)
+            s[t]["errors"] = [r["error"][:500] for r in flat[t] if r.get("error")][:2]
+        if "lmcache" in targets and "kvatlas" in targets:
+            s["ratio_kvatlas_over_lmcache"] = {
+                k: ratio_by_round(flat["lmcache"], flat["kvatlas"], k)
+                for k in ("p2p_Bps", "p2p_fetch_Bps")
+            }
+        summary[f"p2p.{link}.{mode}"] = s
     return summary
 
 
@@ -477,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--p2p-repeats", type=int, default=4, help="P2P fetches per fleet")
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--links", default=",".join(LINKS), help="P2P transports (see lmcache_side)")
     ap.add_argument("--no-p2p", action="store_true")
     ap.add_argument("--no-single", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -485,7 +502,12 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.requests, args.p2p_rounds, args.p2p_repeats = 1, 4, 1, 2
     targets = [t for t in args.targets.split(",") if t]
     modes = [m for m in args.modes.split(",") if m]
-    for name, got, known in (("--targets", targets, TARGETS), ("--modes", modes, MODES)):
+    links = [x for x in args.links.split(",") if x]
+    for name, got, known in (
+        ("--targets", targets, TARGETS),
+        ("--modes", modes, MODES),
+        ("--links", links, LINKS),
+    ):
         if not got or any(x not in known for x in got):
             ap.error(f"{name} takes a comma-separated subset of {','.join(known)}")
     if not (LMCACHE_VENV / "bin" / "lmcache").exists():
@@ -497,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             "shape": SHAPE, "bytes_per_token": BYTES_PER_TOKEN, "num_tokens": NUM_TOKENS,
             "rounds": args.rounds, "requests": args.requests, "p2p_rounds": args.p2p_rounds,
             "p2p_repeats": args.p2p_repeats, "p2p_bytes": 4 * 256 * BYTES_PER_TOKEN,
-            "targets": targets, "modes": modes,
+            "targets": targets, "modes": modes, "links": links,
         },
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="kvatlas-lmcache-bench-") as tmp:
@@ -509,8 +531,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         if not args.no_p2p:
             print("P2P: store through A, retrieve through B", flush=True)
-            results["p2p"] = bench_p2p(targets, modes, args.p2p_rounds, args.p2p_repeats, log_dir)
-    results["summary"] = summarize(results, targets, modes)
+            results["p2p"] = bench_p2p(
+                targets, links, modes, args.p2p_rounds, args.p2p_repeats, log_dir
+            )
+    results["summary"] = summarize(results, targets, modes, links)
     loads = [
         r["load_avg_1m"]
         for phase in ("single_node", "p2p")

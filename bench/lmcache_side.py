@@ -30,8 +30,23 @@ from kvatlas.evaluation.launch import HOST, free_ports
 ROOT = Path(__file__).resolve().parents[1]
 LMCACHE_VENV = Path(os.environ.get("KVATLAS_LMCACHE_VENV", ROOT / ".venv-lmcache"))
 QUIET = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "LMCACHE_DISABLE_BANNER": "1"}
-NIXL_ON_LOOPBACK = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,cma,self"}
-"""LMCache's NIXL P2P on one host: UCX on loopback TCP and cross-memory attach only."""
+LINKS = ("wire", "same_host")
+"""How the P2P fleets' peers read each other's KV, each target with its own transport:
+
+- ``wire``: what crosses hosts. LMCache's NIXL with UCX on TCP only (``UCX_TLS=tcp``,
+  on loopback), kvatlas' ``tcp``.
+- ``same_host``: the shortcut for peers on one host. LMCache's NIXL with UCX free to
+  pick cross-memory attach as well (``tcp,cma``: UCX takes CMA, one ``process_vm_readv``
+  copy by the reader), kvatlas' ``shm`` (the reader maps the owner's region read-only
+  and copies).
+"""
+NIXL_UCX = {
+    "wire": {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,self"},
+    "same_host": {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,cma,self"},
+}
+"""LMCache's NIXL P2P environment per link: UCX on the loopback device."""
+KVATLAS_TRANSPORT = {"wire": "tcp", "same_host": "shm"}
+"""kvatlas' ``--p2p-transfer-engine`` per link."""
 TARGETS = ("lmcache", "kvatlas")
 START_TIMEOUT_S = 120.0
 
@@ -125,6 +140,8 @@ class ServerSpec:
     l1_gb: float
     coordinator_url: str = ""
     p2p: bool = False
+    link: str = "wire"
+    """With ``p2p``: the transport kind (``LINKS``), which each target spells its own way."""
 
     def flags(self, port: int, http_port: int, p2p_port: int) -> list[str]:
         """LMCache's P2P guide's `lmcache server` flags, which `kvatlas server` takes as
@@ -174,10 +191,12 @@ def start_server(target: str, spec: ServerSpec, log_dir: Path) -> Server:
     if target == "lmcache":
         argv = [str(LMCACHE_VENV / "bin" / "lmcache"), "server", *flags]
         argv += lmcache_cpu_flags(shm_name)
-        env = lmcache_env(NIXL_ON_LOOPBACK if spec.p2p else None)
+        env = lmcache_env(NIXL_UCX[spec.link] if spec.p2p else None)
         stop_sig = signal.SIGINT  # SIGINT: LMCache's clean stop (it deregisters)
     else:
         argv = [sys.executable, "-m", "kvatlas.cli.server", *flags]
+        if spec.p2p:
+            argv += ["--p2p-transfer-engine", KVATLAS_TRANSPORT[spec.link]]
         env = kvatlas_env()
         stop_sig = signal.SIGTERM
     proc = Proc(
