@@ -10,6 +10,10 @@ with the same argv: the same parser, the same `run_server_bench`, the same
 - per LOOKUP / STORE / RETRIEVE call: its wall time, the tokens it moved (a lookup: the
   tokens it found; a failed transfer: 0), and the client's own cost, the CPU time (all
   threads of this process) spent inside the call and the minor page faults it took;
+- engine-driven, the wall time of each of the transfer context's calls to the server
+  (``prepare_store`` / ``commit_store``, ``prepare_retrieve`` / ``commit_retrieve``, each
+  a round trip), so that a store's or retrieve's latency splits into the server's part and
+  the worker's own gather or scatter in between;
 - the load phase's wall time and the CPU time this process and the server's process tree
   (``--server-pid`` and its descendants, from /proc) used during it; the one-time startup
   (torch import, KV allocation, registration) is outside that window.
@@ -38,6 +42,7 @@ from lmcache.cli.commands.bench.server_bench.cases.base import BenchResult
 from lmcache.cli.commands.bench.server_bench.cases.baseline import BaselineBenchCase
 from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
 from lmcache.cli.main import main as lmcache_main
+from lmcache.v1.multiprocess.transfer_context.shm import EngineDrivenContextShm
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -66,6 +71,7 @@ class Watch:
         self.op_wall_ms: dict[str, list[float]] = {}
         self.op_tokens: dict[str, list[int]] = {}
         self.op_minor_faults: dict[str, list[int]] = {}
+        self.call_wall_ms: dict[str, list[float]] = {}
         self.load: dict[str, float] = {}
         self.result: BenchResult | None = None
 
@@ -88,6 +94,16 @@ class Watch:
                 )
                 self.op_tokens.setdefault(key, []).append(tokens if ok else 0)
             return out
+
+        return wrapped
+
+    def wrap_call(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kw: Any) -> Any:
+            w0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.call_wall_ms.setdefault(name, []).append((time.perf_counter() - w0) * 1e3)
 
         return wrapped
 
@@ -121,6 +137,7 @@ class Watch:
             "op_wall_ms": self.op_wall_ms,
             "op_tokens": self.op_tokens,
             "op_minor_faults": self.op_minor_faults,
+            "call_wall_ms": self.call_wall_ms,
             "load": self.load,
         }
 
@@ -136,6 +153,9 @@ def main() -> int:
     BaselineBenchCase.run = watch.wrap_run(BaselineBenchCase.run)
     for op in ("lookup", "store", "retrieve"):
         setattr(ServerBenchClient, op, watch.wrap_op(op, getattr(ServerBenchClient, op)))
+    for call in ("prepare_store", "commit_store", "prepare_retrieve", "commit_retrieve"):
+        fn = getattr(EngineDrivenContextShm, call)
+        setattr(EngineDrivenContextShm, call, watch.wrap_call(call, fn))
     code, error = 0, ""
     try:
         lmcache_main(argv)

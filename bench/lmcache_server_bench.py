@@ -124,6 +124,13 @@ def single_node_run(
         return {"error": f"exit {rep['exit_code']}: {why}"}
     text = log.read_text(errors="replace")
     lat, tok, cpu = rep["latencies_ms"], rep["op_tokens"], rep["op_cpu_ms"]
+    calls = rep.get("call_wall_ms", {})
+
+    def server_calls(*names: str) -> float | None:
+        """Engine-driven: the medians of the server calls a transfer makes, summed."""
+        meds = [med(calls.get(n, [])) for n in names]
+        return None if None in meds else sum(m for m in meds if m is not None)
+
     n = rep["completed_runs"]
     checks = rep["checks"]
     return {
@@ -140,6 +147,8 @@ def single_node_run(
         "checksum_unavailable": checks.get("checksum_available", {}).get("failed", 0),
         "client_cpu_store_ms": med(cpu.get("cold.store", [])),
         "client_cpu_retrieve_ms": med(cpu.get("warm.retrieve", [])),
+        "server_calls_store_ms": server_calls("prepare_store", "commit_store"),
+        "server_calls_retrieve_ms": server_calls("prepare_retrieve", "commit_retrieve"),
         "client_cpu_s_per_request": rep["load"]["client_cpu_s"] / n,
         "server_cpu_s_per_request": rep["load"]["server_cpu_s"] / n,
         "wall_s_per_request": rep["load"]["wall_s"] / n,
@@ -371,6 +380,7 @@ def summarize(
                     k: across_rounds(rows, k)
                     for k in ("store_Bps", "retrieve_Bps", "store_p50_ms", "retrieve_p50_ms",
                               "lookup_p50_ms", "client_cpu_store_ms", "client_cpu_retrieve_ms",
+                              "server_calls_store_ms", "server_calls_retrieve_ms",
                               "client_cpu_s_per_request", "server_cpu_s_per_request")
                 }  # fmt: skip
                 s[t]["rounds_ok"] = sum("error" not in r for r in rows)
@@ -433,13 +443,14 @@ def print_tables(summary: dict[str, Any], targets: list[str]) -> None:
             print(
                 "| target | store | retrieve | store p50 | retrieve p50 | warm full hits "
                 "| checksums ok/bad/none | client CPU in store / retrieve "
-                "| client CPU / request | server CPU / request |"
+                "| client CPU / request | server CPU / request "
+                "| server's calls in store / retrieve |"
             )
-            print("|---|---|---|---|---|---|---|---|---|---|")
+            print("|---|---|---|---|---|---|---|---|---|---|---|")
             for t in targets:
                 v = s[t]
                 if not v["rounds_ok"]:
-                    print(f"| {t} | failed: {oneline(v['errors'])} |||||||||")
+                    print(f"| {t} | failed: {oneline(v['errors'])} ||||||||||")
                     continue
                 print(f"| {t} | {gbps(v['store_Bps'])} | {gbps(v['retrieve_Bps'])} "
                       f"| {num(v['store_p50_ms'])} ms | {num(v['retrieve_p50_ms'])} ms "
@@ -448,7 +459,9 @@ def print_tables(summary: dict[str, Any], targets: list[str]) -> None:
                       f"{v['checksum_unavailable']} "
                       f"| {num(v['client_cpu_store_ms'])} / {num(v['client_cpu_retrieve_ms'])} ms "
                       f"| {ms(v['client_cpu_s_per_request'])} "
-                      f"| {ms(v['server_cpu_s_per_request'])} |")  # fmt: skip
+                      f"| {ms(v['server_cpu_s_per_request'])} "
+                      f"| {num(v['server_calls_store_ms'])} / "
+                      f"{num(v['server_calls_retrieve_ms'])} ms |")  # fmt: skip
         else:
             print(
                 "| target | P2P: B's engine has A's prefix | fetch into B's L1 (lookup) "
