@@ -4,6 +4,7 @@ the replies of requests that cannot be served (transport)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import msgspec
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from kvatlas.core.checksum import checksum
 from kvatlas.core.l1pool import L1Pool
 from kvatlas.runtime.region import L1Region
 from kvatlas.server.lmcache_mp.metrics import LMCacheMPCollector
@@ -89,6 +91,27 @@ def test_engine_driven_store_lookup_retrieve(svc: LMCacheMPService) -> None:
     svc.handle("clear", (False,))
     svc.handle("lookup", (key(tokens, 0, 32, "c", None), 1))
     assert svc.handle("query_prefetch_status", ("c",)) == 0
+
+
+def test_a_stores_checksums_are_settled_after_its_commit(svc: LMCacheMPService) -> None:
+    """commit_store answers before hashing; the hash threads then record each chunk's
+    checksum, the one a peer or the disk tier verifies against."""
+    register(svc)
+    tokens = list(range(48))  # 3 full chunks
+    prep = svc.handle("prepare_store", (key(tokens, 0, 48, "h"), 1))
+    region = svc._store.region.array
+    written = []
+    for i, s in enumerate(prep["context"]["slots"]):
+        d = np.random.default_rng(10 + i).integers(0, 256, s["length"], dtype=np.uint8)
+        region[s["offset"] : s["offset"] + s["length"]] = d
+        written.append((s["offset"], checksum(d.tobytes())))
+    assert svc.handle("commit_store", (key(tokens, 0, 48, "h"), 1, b"")) is True
+    deadline = time.monotonic() + 30
+    while svc._store.unhashed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert svc._store.unhashed == 0
+    by_offset = {info.offset: info.checksum for info in svc._store.pool.slots()}
+    assert [by_offset[off] for off, _ in written] == [digest for _, digest in written]
 
 
 def test_pickled_stores_are_refused_and_reservations_undone(svc: LMCacheMPService) -> None:

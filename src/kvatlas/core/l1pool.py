@@ -410,6 +410,15 @@ class L1Pool:
         self._events.append(PoolEvent(EventType.STORE, key, chunk.size, "stored"))
         return chunk.info()
 
+    def set_checksum(self, key: ObjectKey, checksum: int) -> bool:
+        """Record the checksum of a committed chunk committed before it was known (see
+        ``ChunkStore.commit_unhashed``); False when ``key`` is not committed."""
+        chunk = self._chunks.get(key)
+        if chunk is None or not chunk.committed:
+            return False
+        chunk.checksum = checksum
+        return True
+
     def abort(self, key: ObjectKey) -> bool:
         """Give up a write in progress and free its slot; False when none was in progress."""
         chunk = self._chunks.get(key)

@@ -431,8 +431,8 @@ class EngineService:
                 )
                 accessed.append((key, lease.size))
             else:
-                info = self._store.pool.get(key)
-                if info is None or not info.committed:
+                info = self._store.committed_info(key)
+                if info is None:
                     break
                 locs.append(ChunkLoc(key.chunk_hash, info.offset, info.size, info.checksum))
         self._drain_locked(accessed)

@@ -16,6 +16,7 @@ Must not: parse frames (``wire``), import torch, or keep chunk bytes of its own.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -49,8 +50,16 @@ WAIT_CAP_S = 1.0
 HOLDER = "lmcache-mp"
 """The lease holder of every lease this protocol takes."""
 
-HASH_THREADS = min(4, os.cpu_count() or 1)
-"""Threads hashing an engine-driven store's chunks at commit (xxh3 releases the GIL)."""
+HASH_THREADS = min(2, os.cpu_count() or 1)
+"""Threads computing the checksums of committed chunks (``_commit_unhashed``)."""
+HASH_NICE = 19
+"""Their scheduling priority: they use the CPU the workers and requests leave idle."""
+
+
+def _lower_priority() -> None:
+    """Run this (hash) thread at ``HASH_NICE`` (Linux sets a nice value per thread)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HASH_NICE)
 
 
 class _Fetched(Protocol):
@@ -122,7 +131,9 @@ class MpCore:
         self._told_unknown: set[int] = set()
         self.sessions = Sessions()
         self._prefetch = ThreadPoolExecutor(prefetch_workers, "kvatlas-lmcache-prefetch")
-        self._hashers = ThreadPoolExecutor(HASH_THREADS, "kvatlas-lmcache-hash")
+        self._hashers = ThreadPoolExecutor(
+            HASH_THREADS, "kvatlas-lmcache-hash", initializer=_lower_priority
+        )
         self.counts: Counter[str] = Counter()
         """Requests served, by operation."""
         self.refused: Counter[str] = Counter()
@@ -211,11 +222,28 @@ class MpCore:
             self.identity.incarnation,
         )
 
-    def digests(self, views: Sequence[memoryview]) -> list[int]:
-        """The checksum of each view, several at once when there are several."""
-        if len(views) < 2:
-            return [checksum(v) for v in views]
-        return list(self._hashers.map(checksum, views))
+    def _commit_unhashed(self, writes: Sequence[tuple[ObjectKey, LeaseId]], now: float) -> bool:
+        """Commit written slots before their checksums, which the hash threads compute
+        next (store lock held); False when any write was lost (its lease lapsed)."""
+        ok = True
+        for k, lid in writes:
+            info = self._store.commit_unhashed(k, now, lid)
+            if info is None:
+                ok = False
+                continue
+            with contextlib.suppress(RuntimeError):  # shut down: readers compute it
+                self._hashers.submit(self._settle, k, lid, info.offset, info.size)
+        return ok
+
+    def _settle(self, key: ObjectKey, lease_id: LeaseId, offset: int, size: int) -> None:
+        """Hash a committed slot without the lock; the store keeps the digest only if the
+        slot still holds that commit (else it was evicted or read, and is dropped)."""
+        try:
+            digest = checksum(self._store.region.view(offset, size))
+            with self._guarded.lock:
+                self._store.settle_checksum(key, lease_id, offset, digest)
+        except Exception:  # a closed region at shutdown; a reader computes it otherwise
+            log.debug("checksum of %s not settled", key.chunk_hash_hex, exc_info=True)
 
     def _release(self, leases: Sequence[LeaseId]) -> None:
         if not leases:
@@ -246,7 +274,9 @@ class MpCore:
                 lid = taken.pop(k, None)
                 lease = self._store.pool.read_lease(lid) if lid is not None else None
                 if lease is None:
-                    lease = self._store.acquire_read(k, HOLDER, now, self.identity.lease_s)
+                    lease = self._store.acquire_read(
+                        k, HOLDER, now, self.identity.lease_s, checksum=False
+                    )
                 if lease is None:
                     for lid_ in [o[1] for o in out] + list(taken.values()):
                         self._store.release(lid_, HOLDER)

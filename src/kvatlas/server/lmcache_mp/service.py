@@ -185,7 +185,9 @@ class LMCacheMPService(Transfers):
                 for rank_keys in keys:
                     k = rank_keys[i]
                     for _ in range(readers):
-                        lease = self._store.acquire_read(k, HOLDER, now, self.identity.lease_s)
+                        lease = self._store.acquire_read(
+                            k, HOLDER, now, self.identity.lease_s, checksum=False
+                        )
                         if lease is None:
                             ok = False
                             break

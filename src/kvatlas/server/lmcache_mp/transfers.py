@@ -4,7 +4,7 @@ Engine-driven mode (the worker copies; no CUDA needed in the server, works for a
 worker too): the shared-memory pool LMCache advertises on registration is kvatlas' L1
 region itself. ``prepare_store`` write-locks L1 slots and hands their offsets (with the
 chunk's tensor shape) to the worker, which maps the region by name and gathers its KV
-straight into them; ``commit_store`` checksums and commits the slots. ``prepare_retrieve``
+straight into them; ``commit_store`` commits the slots. ``prepare_retrieve``
 read-locks the chunks (taking over the lookup's leases) and hands their offsets;
 ``commit_retrieve`` releases them. No copy in the server, no pickle: a worker that falls
 back to LMCache's pickle transport is refused (``commit_store`` answers False, counted),
@@ -15,6 +15,12 @@ POSIX SHM, ``cuda_kv`` for CUDA IPC handles, loaded only then), which gathers ch
 into L1 slots on ``store`` and scatters them back on ``retrieve``. Both modes write the
 same chunk bytes (``[2, layers, tokens, hidden]``), so either retrieves the other's.
 
+Both modes commit a chunk before its checksum (``MpCore._commit_unhashed``): the worker
+gives none, and hashing tens of MiB would sit in the store's latency. The checksum is
+computed right after, off the lock, by low-priority threads; a reader that needs it
+first (a peer's ``lookup_and_lock``, a demotion to L2, a kvatlas engine) computes it
+then (``ChunkStore``). A local retrieve needs none.
+
 Must not: parse frames (``wire``) or import torch at module level.
 """
 
@@ -23,7 +29,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvatlas.core.checksum import checksum
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.l1pool import LeaseId, Refusal, Reserved
 from kvatlas.server.lmcache_mp.core import HOLDER, MpCore, MpError, Worker
@@ -170,24 +175,9 @@ class Transfers(MpCore):
             return False
         if reserved is None:
             return False
-        ok = True
-        written: list[tuple[ObjectKey, LeaseId, memoryview]] = []
-        with self._guarded.lock:
-            for k, lid in reserved:
-                info = self._store.pool.get(k)
-                if info is None or info.committed:
-                    ok = False
-                    continue
-                written.append((k, lid, self._store.region.view(info.offset, info.size)))
-        # Hashed outside the store's lock, a chunk per thread: the slots are this write's
-        # (write-leased, unreadable until commit), and a peer's lookup_and_lock or another
-        # worker's request need not wait on tens of MiB of xxh3. A slot whose lease lapsed
-        # meanwhile fails its commit below (the lease id no longer matches).
-        digests = self.digests([view for _, _, view in written])
         with self._guarded.lock:
             now = self._guarded.clock()
-            for (k, lid, _), digest in zip(written, digests, strict=True):
-                ok = self._store.commit(k, now, digest, lid) is not None and ok
+            ok = self._commit_unhashed(reserved, now)
             self._guarded.drain_locked()
         return ok
 
@@ -248,17 +238,15 @@ class Transfers(MpCore):
             if not isinstance(res, Reserved):
                 ok = ok and res.reason is not Refusal.NO_SPACE
                 continue
-            view = self._store.slot_view(res.slot)
             try:
-                kv.gather(block_ids[0], i, view)
-                digest = checksum(view)
+                kv.gather(block_ids[0], i, self._store.slot_view(res.slot))
             except BaseException:
                 self._abort([k])
                 raise
             with self._guarded.lock:
-                done = self._store.commit(k, self._guarded.clock(), digest, res.slot.lease_id)
+                done = self._commit_unhashed([(k, res.slot.lease_id)], self._guarded.clock())
                 self._guarded.drain_locked()
-            ok = ok and done is not None
+            ok = ok and done
         return kv.end(), ok
 
     def op_retrieve(

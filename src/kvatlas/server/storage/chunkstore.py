@@ -14,6 +14,13 @@ look at L2: ``lookup_prefix`` is the one place that promotes.
 
 Event order: a demotion reports the L2 STORE before the L1 DELETE, so the fleet never
 sees a window where the chunk is nowhere.
+
+Unhashed commits: a writer that cannot give the checksum (an LMCache worker) may commit
+first (``commit_unhashed``) and have the digest computed off the lock afterwards
+(``settle_checksum``, matched by the write's lease id, so that a digest of a slot since
+evicted or rewritten is dropped). Until then every reader that hands the checksum on
+gets the real one, computed on the spot: ``acquire_read`` (unless told the caller does
+not use it), ``committed_info`` and a demotion to L2.
 """
 
 from __future__ import annotations
@@ -127,6 +134,9 @@ class ChunkStore:
         self._promotion_failures = 0
         self._demotions = 0
         self._demotion_failures = 0
+        self._unhashed: dict[ObjectKey, LeaseId] = {}
+        """Chunks committed before their checksum, by the write lease that committed them;
+        their pool checksum is a placeholder until it is settled or computed."""
 
     # --------------------------------------------------------------------------- stores
 
@@ -160,8 +170,53 @@ class ChunkStore:
                 return None
             checksum = compute_checksum(self.region.view(info.offset, info.size))
         result = self.pool.commit(key, checksum, now, lease_id)
+        if result is not None:
+            self._unhashed.pop(key, None)  # an older commit of the key's, since evicted
         self._collect()
         return result
+
+    def commit_unhashed(self, key: ObjectKey, now: float, lease_id: LeaseId) -> SlotInfo | None:
+        """``commit`` whose checksum comes later (``settle_checksum``): readable at once,
+        its checksum computed on the spot by any reader that needs it before then."""
+        result = self.pool.commit(key, 0, now, lease_id)
+        if result is not None:
+            self._unhashed[key] = lease_id
+        self._collect()
+        return result
+
+    def settle_checksum(
+        self, key: ObjectKey, lease_id: LeaseId, offset: int, checksum: int
+    ) -> bool:
+        """Record the checksum of the bytes ``commit_unhashed``'s write ``lease_id`` left at
+        ``offset``; False (dropped) when that commit is no longer the key's, or a reader
+        computed it first."""
+        if self._unhashed.get(key) != lease_id:
+            return False
+        del self._unhashed[key]
+        info = self.pool.get(key)
+        if info is None or not info.committed or info.offset != offset:
+            return False
+        return self.pool.set_checksum(key, checksum)
+
+    @property
+    def unhashed(self) -> int:
+        """Chunks committed whose checksum is still to come."""
+        return len(self._unhashed)
+
+    def _hash_now(self, key: ObjectKey) -> None:
+        """Compute an unhashed chunk's checksum now (a reader needs it)."""
+        if self._unhashed.pop(key, None) is None:
+            return
+        info = self.pool.get(key)
+        if info is not None and info.committed:
+            digest = compute_checksum(self.region.view(info.offset, info.size))
+            self.pool.set_checksum(key, digest)
+
+    def committed_info(self, key: ObjectKey) -> SlotInfo | None:
+        """The committed chunk's slot with its real checksum; None when not committed."""
+        self._hash_now(key)
+        info = self.pool.get(key)
+        return info if info is not None and info.committed else None
 
     def abort(self, key: ObjectKey) -> bool:
         return self.pool.abort(key)
@@ -244,9 +299,13 @@ class ChunkStore:
         return n
 
     def acquire_read(
-        self, key: ObjectKey, holder: str, now: float, lease_s: float
+        self, key: ObjectKey, holder: str, now: float, lease_s: float, *, checksum: bool = True
     ) -> ReadLease | None:
-        """Read-lock an L1 chunk (L1 only: promotion happens in ``lookup_prefix``)."""
+        """Read-lock an L1 chunk (L1 only: promotion happens in ``lookup_prefix``). With
+        ``checksum`` off the lease's checksum may be a placeholder: for a caller that
+        reads the bytes in this process and hands no checksum on."""
+        if checksum:
+            self._hash_now(key)
         return self.pool.acquire_read(key, holder, now, lease_s)
 
     def read_view(self, lease: ReadLease) -> memoryview:
@@ -315,20 +374,22 @@ class ChunkStore:
             self._promotion_failures += 1
             return False
         self.pool.commit(key, item.checksum, now, slot.lease_id)
+        self._unhashed.pop(key, None)
         self._promotions += 1
         return True
 
     def _demote(self, victims: Sequence[SlotInfo]) -> None:
         """Copy evicted chunks to L2 while their bytes are still intact in the region."""
+        unhashed = {v.key for v in victims if self._unhashed.pop(v.key, None) is not None}
         if self.l2 is None:
             return
         for victim in victims:
             if self.l2.contains(victim.key):
                 continue  # promoted earlier: L2 still holds the same bytes
+            view = self.region.view(victim.offset, victim.size)
+            digest = compute_checksum(view) if victim.key in unhashed else victim.checksum
             try:
-                self.l2.put(
-                    victim.key, self.region.view(victim.offset, victim.size), victim.checksum
-                )
+                self.l2.put(victim.key, view, digest)
             except (InvalidInput, L2Error) as exc:
                 self._demotion_failures += 1
                 log.warning("demotion of %s to L2 failed: %s", victim.key.chunk_hash_hex, exc)
