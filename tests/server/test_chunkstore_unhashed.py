@@ -15,7 +15,9 @@ from kvatlas.core.checksum import checksum
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.l1pool import L1Pool, LeaseId, Reserved
 from kvatlas.runtime.region import L1Region
+from kvatlas.server.p2p.store_access import PeerStoreAccess
 from kvatlas.server.storage.chunkstore import ChunkStore
+from kvatlas.server.storage.guarded import GuardedStore
 from kvatlas.server.storage.l2_disk import DiskL2Adapter
 
 A = 4096
@@ -129,3 +131,17 @@ def test_an_unhashed_chunk_demoted_to_l2_carries_its_real_checksum(
     assert lease is not None and lease.checksum == checksum(chunk(0))
     with store.read_view(lease) as view:
         assert bytes(view) == chunk(0)
+
+
+def test_a_peers_lock_leaves_out_chunks_whose_checksum_is_pending(store: ChunkStore) -> None:
+    """A lock RPC's deadline is a round trip's: it does not hash KV, it stops the run."""
+    owner = PeerStoreAccess(GuardedStore(store, clock=lambda: 0.0))
+    lid1, off1 = write_unhashed(store, 1)
+    lid2, off2 = write_unhashed(store, 2)
+    assert store.settle_checksum(key(1), lid1, off1, checksum(chunk(1)))
+    leases = owner.lock_for_peer("b", [key(1), key(2)], 5.0)
+    assert [lease.checksum for lease in leases] == [checksum(chunk(1))]
+    assert store.unhashed == 1  # not computed inside the lock RPC
+    assert store.settle_checksum(key(2), lid2, off2, checksum(chunk(2)))
+    leases = owner.lock_for_peer("b", [key(1), key(2)], 5.0)
+    assert [lease.checksum for lease in leases] == [checksum(chunk(1)), checksum(chunk(2))]

@@ -52,8 +52,10 @@ HOLDER = "lmcache-mp"
 
 HASH_THREADS = min(2, os.cpu_count() or 1)
 """Threads computing the checksums of committed chunks (``_commit_unhashed``)."""
-HASH_NICE = 19
-"""Their scheduling priority: they use the CPU the workers and requests leave idle."""
+HASH_NICE = 10
+"""Their scheduling priority: below the workers' and the requests' (about a tenth of a
+busy core's share), so that the hashing mostly fills idle time, yet a chunk's checksum
+is known well before a peer can learn of the chunk from the coordinator."""
 
 
 def _lower_priority() -> None:

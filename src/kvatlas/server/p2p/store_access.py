@@ -49,7 +49,11 @@ class PeerStoreAccess:
         self, requester: str, keys: Sequence[ObjectKey], lease_s: float
     ) -> list[ReadLease]:
         """Read-lock the leading run of ``keys`` this server holds (L2 hits promoted) for
-        peer ``requester``; the leases expire after ``lease_s`` if it never unlocks."""
+        peer ``requester``; the leases expire after ``lease_s`` if it never unlocks.
+
+        A chunk whose checksum is still being computed (an LMCache worker's, committed
+        moments ago) ends the run: the lock RPC's deadline is a round trip's, and hashing
+        tens of MiB inside it could miss that deadline and cost the peer's breaker."""
         g = self._g
         holder = PEER_HOLDER_PREFIX + requester
         out: list[ReadLease] = []
@@ -57,6 +61,8 @@ class PeerStoreAccess:
             now = g.clock()
             hit = g.store.lookup_prefix(keys, now)
             for key in keys[:hit]:
+                if not g.store.checksum_known(key):
+                    break
                 lease = g.store.acquire_read(key, holder, now, lease_s)
                 if lease is None:
                     break

@@ -20,7 +20,8 @@ first (``commit_unhashed``) and have the digest computed off the lock afterwards
 (``settle_checksum``, matched by the write's lease id, so that a digest of a slot since
 evicted or rewritten is dropped). Until then every reader that hands the checksum on
 gets the real one, computed on the spot: ``acquire_read`` (unless told the caller does
-not use it), ``committed_info`` and a demotion to L2.
+not use it), ``committed_info`` and a demotion to L2; ``checksum_known`` lets a caller
+that must not spend the time (a peer's lock RPC) leave such a chunk out instead.
 """
 
 from __future__ import annotations
@@ -197,6 +198,10 @@ class ChunkStore:
         if info is None or not info.committed or info.offset != offset:
             return False
         return self.pool.set_checksum(key, checksum)
+
+    def checksum_known(self, key: ObjectKey) -> bool:
+        """False while ``key``'s commit waits for its checksum (``commit_unhashed``)."""
+        return key not in self._unhashed
 
     @property
     def unhashed(self) -> int:
