@@ -107,9 +107,11 @@ def test_a_stores_checksums_are_settled_after_its_commit(svc: LMCacheMPService) 
         written.append((s["offset"], checksum(d.tobytes())))
     assert svc.handle("commit_store", (key(tokens, 0, 48, "h"), 1, b"")) is True
     deadline = time.monotonic() + 30
-    while svc._store.unhashed and time.monotonic() < deadline:
+    while svc.unhashed_chunks and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert svc._store.unhashed == 0
+    assert svc.unhashed_chunks == 0
+    text = generate_latest(collector_registry(LMCacheMPHandler(svc))).decode()
+    assert 'kvatlas_server_lmcache_unhashed_chunks{instance_id="mp-test"} 0.0' in text
     by_offset = {info.offset: info.checksum for info in svc._store.pool.slots()}
     assert [by_offset[off] for off, _ in written] == [digest for _, digest in written]
 

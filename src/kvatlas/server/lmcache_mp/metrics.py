@@ -54,6 +54,13 @@ class LMCacheMPCollector(Collector):
             " leases were released: a client that never sends end_session).",
             svc.sessions.dropped,
         )
+        yield instance_gauge(
+            self._iid,
+            "lmcache_unhashed_chunks",
+            "Chunks LMCache workers stored whose checksum the hash threads have yet to"
+            " compute (peers are not lent them until then).",
+            svc.unhashed_chunks,
+        )
         workers = GaugeMetricFamily(
             "kvatlas_server_lmcache_workers",
             "LMCache workers with a registered KV cache, by transfer mode.",

@@ -59,6 +59,11 @@ class LMCacheMPService(Transfers):
             )
         return w.kv.checksums(block_ids, chunk_blocks, layerwise)
 
+    @property
+    def unhashed_chunks(self) -> int:
+        """Chunks committed whose checksum is still to be computed (``_commit_unhashed``)."""
+        return self._store.unhashed
+
     def set_peer_source(self, peers: PrefixFetcher | None) -> None:
         self._peers = peers
 
