@@ -302,7 +302,7 @@ def _engines_md(e: Mapping[str, Any]) -> list[str]:
         "## Engines",
         "",
         f"Two reference engines (`{e.get('model')}`), each with its own cache server; "
-        f"{e.get('sessions')} multi-turn sessions whose turns alternate between the engines.",
+        f"{e.get('sessions')} multi-turn conversations whose turns alternate between the engines.",
         "",
         "| P2P | requests | TTFT mean ms | TTFT p99 ms | decode tok/s | cached tokens (peer) |",
         "|---|---|---|---|---|---|",

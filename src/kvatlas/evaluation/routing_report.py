@@ -110,7 +110,7 @@ def markdown(result: Mapping[str, Any], plots: list[str]) -> str:
         f"Workload (seed {c['seed']}, the same sequence in every run): {c['requests']}"
         f" requests at {rate}: {rt['kinds']['doc']} questions about"
         f" {c['hot_docs']} hot documents of {c['doc_tokens']} tokens (popularity 1/rank),"
-        f" {rt['kinds']['chat']} turns of {c['sessions']} chat sessions, {rt['kinds']['unique']}"
+        f" {rt['kinds']['chat']} turns of {c['sessions']} conversations, {rt['kinds']['unique']}"
         f" unique prompts; {rt['prompt_tokens']} prompt tokens, {c['max_tokens']} completion"
         " tokens each.",
         "",
