@@ -12,20 +12,15 @@ import pytest
 from kvatlas.core.errors import InvalidInput
 from kvatlas.server.lmcache_mp.cpu_kv import CpuPagedKV
 from kvatlas.server.lmcache_mp.wire import IpcDescriptor, TensorMetadata
+from lmcache_mp.conftest import shm_segments
 
 NB, BS, NH, HS, LAYERS, CHUNK = 8, 4, 2, 3, 2, 8
 
 
 @pytest.fixture
 def segments() -> Iterator[list[shared_memory.SharedMemory]]:
-    shms = [shared_memory.SharedMemory(create=True, size=2 * NB * BS * NH * HS * 4)]
-    shms.append(shared_memory.SharedMemory(create=True, size=shms[0].size))
-    try:
+    with shm_segments(2, 2 * NB * BS * NH * HS * 4) as shms:
         yield shms
-    finally:
-        for s in shms:
-            s.close()
-            s.unlink()
 
 
 def desc(shm: shared_memory.SharedMemory, shape: tuple[int, ...]) -> IpcDescriptor:

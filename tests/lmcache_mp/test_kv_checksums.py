@@ -20,6 +20,7 @@ from kvatlas.core.errors import InvalidInput
 from kvatlas.server.lmcache_mp.cpu_kv import ITEMSIZES, CpuPagedKV
 from kvatlas.server.lmcache_mp.kv_checksums import compress_ranges
 from kvatlas.server.lmcache_mp.wire import IpcDescriptor, TensorMetadata
+from lmcache_mp.conftest import shm_segments
 from lmcache_mp.driver import QUIET
 
 pytestmark = pytest.mark.lmcache
@@ -32,16 +33,8 @@ IDS = [9, 0, 3, 4, 5, 11, 2]
 
 @pytest.fixture
 def segments() -> Iterator[list[shared_memory.SharedMemory]]:
-    shms = [
-        shared_memory.SharedMemory(create=True, size=2 * NB * BS * NH * HS * 4)
-        for _ in range(LAYERS)
-    ]
-    try:
+    with shm_segments(LAYERS, 2 * NB * BS * NH * HS * 4) as shms:
         yield shms
-    finally:
-        for s in shms:
-            s.close()
-            s.unlink()
 
 
 def reference(lmcache_venv: Path, spec: dict[str, object]) -> dict[str, object]:
