@@ -49,6 +49,11 @@ FLOOD = 300
 FLOOD_TOKENS = 64 * 1024
 """Token ids per flooding lookup: 256 KiB each, hashed by the server (work that takes a
 worker a while), so FLOOD of them are 75 MiB the server would hold if it queued them all."""
+HOLD_TOKENS = 2 * 2**20
+"""Token ids per lookup that holds a place in a full queue: 8 MiB, which the one worker
+hashes for a hundred milliseconds or more, so the queue stays full well past the time an
+honest request takes to arrive (a 256 KiB lookup frees its place within milliseconds, and
+a loaded machine delivered the honest request after it)."""
 
 
 @pytest.fixture(scope="module")
@@ -121,10 +126,17 @@ def _flooder(ctx: zmq.Context[zmq.Socket[bytes]], url: str) -> zmq.Socket[bytes]
     return sock
 
 
-def _burst(sock: zmq.Socket[bytes], ns_client: CacheClient, n: int, first_id: int = 1) -> int:
-    """Send ``n`` heavy lookups at once, reading nothing; the number sent."""
+def _burst(
+    sock: zmq.Socket[bytes],
+    ns_client: CacheClient,
+    n: int,
+    first_id: int = 1,
+    tokens_n: int = FLOOD_TOKENS,
+) -> int:
+    """Send ``n`` heavy lookups of ``tokens_n`` tokens at once, reading nothing; the
+    number sent."""
     assert ns_client.ns is not None
-    tokens = np.arange(FLOOD_TOKENS, dtype="<u4").tobytes()
+    tokens = np.arange(tokens_n, dtype="<u4").tobytes()
     body = Lookup(ns_client.ns, token_ids=tokens)
     for i in range(n):
         sock.send_multipart([b"", encode(Request(PROTOCOL_VERSION, first_id + i, body, TOKEN))])
@@ -209,10 +221,21 @@ def test_a_full_queue_makes_the_connector_recompute_not_fail(bounded: ServerProc
         sent = [0] * len(floods)
 
         def burst() -> None:
-            """Just before each honest request: every flooding socket more than fills
-            its share, so the whole queue is held while the honest request arrives."""
-            for i, f in enumerate(floods):
-                sent[i] += _burst(f, plain, 2 * PER_CLIENT, sent[i] + 1)
+            """Just before each honest request: every flooding socket fills its share
+            (one more than it may hold, in case a place frees meanwhile) until the server
+            reports the whole queue held. Each held lookup takes the one worker long
+            enough that the queue is still full when the honest request arrives."""
+            end = time.monotonic() + 30
+            while True:
+                for i, f in enumerate(floods):
+                    sent[i] += _burst(f, plain, PER_CLIENT + 1, sent[i] + 1, HOLD_TOKENS)
+                polled = time.monotonic() + 0.5
+                while time.monotonic() < polled:
+                    if _metric(s, "engine_requests_queued") >= MAX_QUEUED:
+                        return
+                    time.sleep(0.002)
+                # sent into a queue still full of the last burst: refused, so send again
+                assert time.monotonic() < end, "the flood never filled the queue"
 
         causes = []
         for _ in range(20):  # a place freed in between is fine, once or twice
@@ -229,7 +252,7 @@ def test_a_full_queue_makes_the_connector_recompute_not_fail(bounded: ServerProc
                 burst()
                 plain.lookup(list(range(CHUNK)))
         for f, n in zip(floods, sent, strict=True):
-            _answers(f, n, 120)
+            _answers(f, n, 300)
             f.close(0)
         assert plain.lookup(list(range(CHUNK))).hit_tokens == 0  # served again
     finally:
