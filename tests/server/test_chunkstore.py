@@ -11,14 +11,23 @@ import pytest
 
 from kvatlas.core.checksum import checksum
 from kvatlas.core.errors import InvalidInput
-from kvatlas.core.keys import ObjectKey
+from kvatlas.core.keys import Namespace, ObjectKey
 from kvatlas.core.l1pool import L1Pool, LeaseId, Refusal, Refused, Reserved
 from kvatlas.core.types import EventType, Tier
 from kvatlas.runtime.region import L1Region
+from kvatlas.server.engine_service import EngineService, ServiceIdentity
 from kvatlas.server.p2p.store_access import PeerStoreAccess
 from kvatlas.server.storage.chunkstore import ChunkStore, TierEvent, batches
 from kvatlas.server.storage.guarded import GuardedStore
 from kvatlas.server.storage.l2_disk import DiskL2Adapter, file_name
+from kvatlas.wire.engine_proto import (
+    AcquireRead,
+    AcquireResult,
+    EngineRegistered,
+    Lookup,
+    LookupResult,
+    RegisterEngine,
+)
 
 A = 4096
 CHUNK = 3 * A  # three pages per chunk
@@ -274,15 +283,87 @@ def test_an_unhashed_chunk_demoted_to_l2_carries_its_real_checksum(
         assert bytes(view) == chunk(0)
 
 
-def test_a_peers_lock_leaves_out_chunks_whose_checksum_is_pending(store: ChunkStore) -> None:
-    """A lock RPC's deadline is a round trip's: it does not hash KV, it stops the run."""
-    owner = PeerStoreAccess(GuardedStore(store, clock=lambda: 0.0))
+def test_a_peers_lock_hashes_pending_chunks_off_the_lock_within_its_budget(
+    store: ChunkStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lock RPC's deadline is a round trip's: it hashes chunks whose checksum is still
+    to come up to its budget, without the store lock, and a chunk past the budget ends
+    the run (it stays pending, for the hash threads)."""
+    guarded = GuardedStore(store, clock=lambda: 0.0)
+    owner = PeerStoreAccess(guarded, lock_hash_bytes=CHUNK)  # one chunk's worth
+    hashed: list[int] = []
+
+    def off_the_lock(view: memoryview) -> int:
+        assert not guarded.lock.locked(), "KV hashed under the store lock"
+        hashed.append(view.nbytes)
+        return checksum(view)
+
+    monkeypatch.setattr("kvatlas.server.storage.guarded.checksum", off_the_lock)
     lid1, off1 = write_unhashed(store, 1)
-    lid2, off2 = write_unhashed(store, 2)
-    assert store.settle_checksum(key(1), lid1, off1, checksum(chunk(1)))
-    leases = owner.lock_for_peer("b", [key(1), key(2)], 5.0)
+    write_unhashed(store, 2)
+    write_unhashed(store, 3)
+    leases = owner.lock_for_peer("b", [key(1), key(2), key(3)], 5.0)
     assert [lease.checksum for lease in leases] == [checksum(chunk(1))]
-    assert store.unhashed == 1  # not computed inside the lock RPC
-    assert store.settle_checksum(key(2), lid2, off2, checksum(chunk(2)))
-    leases = owner.lock_for_peer("b", [key(1), key(2)], 5.0)
+    assert hashed == [CHUNK] and store.unhashed == 2  # chunk 2 was past the budget
+    leases = owner.lock_for_peer("b", [key(1), key(2), key(3)], 5.0)
     assert [lease.checksum for lease in leases] == [checksum(chunk(1)), checksum(chunk(2))]
+    assert store.unhashed == 1
+    # with the default budget (64 MiB) the whole run is hashed
+    leases = PeerStoreAccess(guarded).lock_for_peer("b", [key(1), key(2), key(3)], 5.0)
+    assert [lease.checksum for lease in leases] == [checksum(chunk(i)) for i in (1, 2, 3)]
+    assert store.unhashed == 0 and hashed == [CHUNK] * 3
+    # a settled digest is the one kept: chunk 1's came from the lock RPC, not a reader
+    assert not store.settle_checksum(key(1), lid1, off1, 999)
+
+
+def test_an_engine_lookup_hashes_an_lmcache_commit_off_the_lock(
+    store: ChunkStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kvatlas engine asking for chunks an LMCache worker committed moments ago gets
+    their real checksums, hashed before its lookup takes the store lock."""
+    guarded = GuardedStore(store, clock=lambda: 0.0)
+    service = EngineService(guarded, ServiceIdentity("node", 1, 16, 30.0))
+    reply = service.handle(RegisterEngine("e", "m", "float16", (1, 1, 8), 16))
+    assert isinstance(reply, EngineRegistered), reply
+
+    def off_the_lock(view: memoryview) -> int:
+        assert not guarded.lock.locked(), "KV hashed under the store lock"
+        return checksum(view)
+
+    def never(view: memoryview) -> int:
+        raise AssertionError("a checksum computed on the spot, under the store lock")
+
+    monkeypatch.setattr("kvatlas.server.storage.guarded.checksum", off_the_lock)
+    monkeypatch.setattr("kvatlas.server.storage.chunkstore.compute_checksum", never)
+    for i in (1, 2):
+        write_unhashed(store, i)
+    ns = Namespace(key(1).model_name, key(1).kv_rank)
+    hashes = [key(1).chunk_hash, key(2).chunk_hash, key(3).chunk_hash]
+    for acquire in (False, True):
+        answer = service.handle(Lookup(ns, hashes=hashes, acquire=acquire))
+        assert isinstance(answer, LookupResult), answer
+        assert [c.checksum for c in answer.chunks] == [checksum(chunk(1)), checksum(chunk(2))]
+    write_unhashed(store, 3)
+    got = service.handle(AcquireRead(ns, hashes))
+    assert isinstance(got, AcquireResult), got
+    assert [c.checksum if c else None for c in got.chunks] == [
+        checksum(chunk(i)) for i in (1, 2, 3)
+    ]
+
+
+def test_unhashed_run_is_the_leading_committed_run_within_the_bound(store: ChunkStore) -> None:
+    write_unhashed(store, 1)
+    r = store.store(key(2), chunk(2), 0.0)  # committed with its checksum: skipped
+    assert not isinstance(r, Refused)
+    write_unhashed(store, 3)
+    write_unhashed(store, 5)  # after a key that is not stored: not in the run
+    keys = [key(1), key(2), key(3), key(4), key(5)]
+    assert [u.key for u in store.unhashed_run(keys)] == [key(1), key(3)]
+    assert [u.key for u in store.unhashed_run(keys, 2 * CHUNK)] == [key(1), key(3)]
+    assert [u.key for u in store.unhashed_run(keys, 2 * CHUNK - 1)] == [key(1)]
+    assert store.unhashed_run(keys, 0) == []
+    run = store.unhashed_run(keys)
+    assert GuardedStore(store).settle(run) == 2
+    assert store.unhashed == 1  # chunk 5's
+    info = store.committed_info(key(3))
+    assert info is not None and info.checksum == checksum(chunk(3))

@@ -350,6 +350,7 @@ class EngineService:
             raise InvalidInput(f"recompute_s must be >= 0, got {req.recompute_s}")
         if req.prefill_s_per_token < 0:
             raise InvalidInput(f"prefill_s_per_token must be >= 0, got {req.prefill_s_per_token}")
+        self._guarded.settle_unhashed(keys)  # an LMCache commit's checksum, off the lock
         t0 = time.perf_counter()
         with self._lock:
             self._learn_rate_locked(req, len(keys))
@@ -483,6 +484,7 @@ class EngineService:
         lease_s = self.lease(req.lease_s)
         out: list[ChunkLoc | None] = []
         accessed: list[tuple[ObjectKey, int]] = []
+        self._guarded.settle_unhashed(keys)
         with self._lock:
             now = self._clock()
             for key in keys:

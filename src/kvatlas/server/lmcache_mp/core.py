@@ -26,7 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvatlas.core.checksum import checksum
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import (
     HASH_ALGORITHM,
@@ -40,6 +39,7 @@ from kvatlas.core.types import ChunkHash
 from kvatlas.server.lmcache_mp.cpu_kv import ChunkGeometry, PagedKV
 from kvatlas.server.lmcache_mp.sessions import Sessions
 from kvatlas.server.lmcache_mp.wire import IPCKey
+from kvatlas.server.storage.chunkstore import Unhashed
 from kvatlas.server.storage.guarded import GuardedStore
 
 log = logging.getLogger(__name__)
@@ -241,9 +241,7 @@ class MpCore:
         """Hash a committed slot without the lock; the store keeps the digest only if the
         slot still holds that commit (else it was evicted or read, and is dropped)."""
         try:
-            digest = checksum(self._store.region.view(offset, size))
-            with self._guarded.lock:
-                self._store.settle_checksum(key, lease_id, offset, digest)
+            self._guarded.settle([Unhashed(key, lease_id, offset, size)])
         except Exception:  # a closed region at shutdown; a reader computes it otherwise
             log.debug("checksum of %s not settled", key.chunk_hash_hex, exc_info=True)
 

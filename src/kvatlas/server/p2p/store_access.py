@@ -30,13 +30,19 @@ PEER_HOLDER_PREFIX: Final = "peer:"
 """Holder of the read leases a peer's ``lookup_and_lock`` takes: ``peer:<requester id>``."""
 FETCH_HOLDER: Final = "p2p"
 """Holder of the write leases on slots a peer fetch fills."""
+LOCK_HASH_BYTES: Final = 64 * 2**20
+"""The most KV one ``lock_for_peer`` hashes whose checksum is still to come (an LMCache
+worker's chunk committed moments ago): about 2 ms at the 28 GB/s xxh3 reaches on one core
+here, a tenth of the lock RPC's least deadline (``--p2p-lock-deadline-floor``, 25 ms)
+even at a quarter of that speed."""
 
 
 class PeerStoreAccess:
     """The P2P facade over the guarded store; thread-safe."""
 
-    def __init__(self, guarded: GuardedStore) -> None:
+    def __init__(self, guarded: GuardedStore, lock_hash_bytes: int = LOCK_HASH_BYTES) -> None:
         self._g = guarded
+        self._lock_hash_bytes = lock_hash_bytes
 
     @property
     def pool_capacity(self) -> int:
@@ -51,12 +57,15 @@ class PeerStoreAccess:
         """Read-lock the leading run of ``keys`` this server holds (L2 hits promoted) for
         peer ``requester``; the leases expire after ``lease_s`` if it never unlocks.
 
-        A chunk whose checksum is still being computed (an LMCache worker's, committed
-        moments ago) ends the run: the lock RPC's deadline is a round trip's, and hashing
-        tens of MiB inside it could miss that deadline and cost the peer's breaker."""
+        Chunks whose checksum is still to come (an LMCache worker's, committed moments
+        ago) are hashed first, off the store lock, up to ``lock_hash_bytes`` of them; one
+        past that bound ends the run: the lock RPC's deadline is a round trip's, and
+        hashing hundreds of MiB inside it could miss that deadline and cost the peer's
+        breaker."""
         g = self._g
         holder = PEER_HOLDER_PREFIX + requester
         out: list[ReadLease] = []
+        g.settle_unhashed(keys, self._lock_hash_bytes)
         with g.lock:
             now = g.clock()
             hit = g.store.lookup_prefix(keys, now)

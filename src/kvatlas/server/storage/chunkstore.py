@@ -20,8 +20,11 @@ first (``commit_unhashed``) and have the digest computed off the lock afterwards
 (``settle_checksum``, matched by the write's lease id, so that a digest of a slot since
 evicted or rewritten is dropped). Until then every reader that hands the checksum on
 gets the real one, computed on the spot: ``acquire_read`` (unless told the caller does
-not use it), ``committed_info`` and a demotion to L2; ``checksum_known`` lets a caller
-that must not spend the time (a peer's lock RPC) leave such a chunk out instead.
+not use it), ``committed_info`` and a demotion to L2. A reader about to ask for chunks
+settles their pending checksums off the lock first (``unhashed_run``, then
+``GuardedStore.settle_unhashed``), so the spot hash is only for a commit that came in
+between; ``checksum_known`` lets a caller that must not spend the time (a peer's lock
+RPC, past its hashing budget) leave such a chunk out instead.
 """
 
 from __future__ import annotations
@@ -89,6 +92,18 @@ def batches(events: Sequence[TierEvent]) -> Iterator[tuple[EventType, Tier, tupl
         run.append(event.entry())
     if run and current is not None:
         yield current[0], current[1], tuple(run)
+
+
+@dataclass(frozen=True, slots=True)
+class Unhashed:
+    """A committed L1 chunk whose checksum is still to come: what hashing it off the lock
+    and ``settle_checksum`` need."""
+
+    key: ObjectKey
+    lease_id: LeaseId
+    """The write lease that committed it (``commit_unhashed``)."""
+    offset: int
+    size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +217,28 @@ class ChunkStore:
     def checksum_known(self, key: ObjectKey) -> bool:
         """False while ``key``'s commit waits for its checksum (``commit_unhashed``)."""
         return key not in self._unhashed
+
+    def unhashed_run(
+        self, keys: Sequence[ObjectKey], max_bytes: int | None = None
+    ) -> list[Unhashed]:
+        """The chunks with a checksum to come among the leading run of ``keys`` committed
+        in L1, in order, while their sizes add up to ``max_bytes`` at most (None: no
+        bound); the first key not committed in L1, or the first chunk past the bound,
+        ends it. Hash them off the lock and ``settle_checksum`` each."""
+        out: list[Unhashed] = []
+        total = 0
+        for key in keys:
+            info = self.pool.get(key)
+            if info is None or not info.committed:
+                break
+            lease_id = self._unhashed.get(key)
+            if lease_id is None:
+                continue
+            total += info.size
+            if max_bytes is not None and total > max_bytes:
+                break
+            out.append(Unhashed(key, lease_id, info.offset, info.size))
+        return out
 
     @property
     def unhashed(self) -> int:

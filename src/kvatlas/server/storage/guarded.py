@@ -18,10 +18,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from kvatlas.core.checksum import checksum
 from kvatlas.core.events import Entry
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.types import EventType, Tier
-from kvatlas.server.storage.chunkstore import ChunkStore, ChunkStoreStats, batches
+from kvatlas.server.storage.chunkstore import ChunkStore, ChunkStoreStats, Unhashed, batches
 
 
 class EventPublishing(Protocol):
@@ -54,6 +55,31 @@ class GuardedStore:
         if accessed:
             self.publisher.publish(
                 EventType.ACCESS, Tier.L1, [Entry(k, size) for k, size in accessed]
+            )
+
+    def settle_unhashed(self, keys: Sequence[ObjectKey], max_bytes: int | None = None) -> int:
+        """Compute, off the lock, the checksums still to come of the leading run of
+        ``keys`` committed in L1 (up to ``max_bytes`` of chunks, ``ChunkStore.unhashed_run``),
+        so that a reader asking for them next finds them known instead of hashing KV under
+        the lock; the number recorded. A chunk committed after this looked is hashed on
+        the spot by that reader's own call, or left out of a peer's lock (``checksum_known``)."""
+        if not self.store.unhashed:  # read without the lock: a hint, as said above
+            return 0
+        with self.lock:
+            todo = self.store.unhashed_run(keys, max_bytes)
+        return self.settle(todo)
+
+    def settle(self, todo: Sequence[Unhashed]) -> int:
+        """Hash each of ``todo``'s slots without the lock, then record the digests the store
+        still wants (a slot since evicted, rewritten or hashed by a reader is dropped:
+        ``ChunkStore.settle_checksum``); the number recorded."""
+        if not todo:
+            return 0
+        digests = [checksum(self.store.region.view(u.offset, u.size)) for u in todo]
+        with self.lock:
+            return sum(
+                self.store.settle_checksum(u.key, u.lease_id, u.offset, d)
+                for u, d in zip(todo, digests, strict=True)
             )
 
     def drain(self) -> None:
