@@ -17,10 +17,11 @@ same chunk bytes (``[2, layers, tokens, hidden]``), so either retrieves the othe
 
 Both modes commit a chunk before its checksum (``MpCore._commit_unhashed``): the worker
 gives none, and hashing tens of MiB would sit in the store's latency. The checksum is
-computed right after, off the lock, by low-priority threads; a demotion to L2 or a
-kvatlas engine that needs it first computes it then (``ChunkStore``), and a peer's
-``lookup_and_lock`` does not lock the chunk until it is known. A local retrieve needs
-none.
+computed right after, off the lock, by low-priority threads; a reader that needs it
+sooner computes it then: a demotion to L2 (``ChunkStore``), a kvatlas engine's lookup
+and a peer's ``lookup_and_lock`` (both off the lock, ``GuardedStore.settle_unhashed``;
+a peer's up to 64 MiB per request, past which the chunk is left out until known). A
+local retrieve needs none.
 
 Must not: parse frames (``wire``) or import torch at module level.
 """
