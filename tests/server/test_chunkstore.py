@@ -367,3 +367,25 @@ def test_unhashed_run_is_the_leading_committed_run_within_the_bound(store: Chunk
     assert store.unhashed == 1  # chunk 5's
     info = store.committed_info(key(3))
     assert info is not None and info.checksum == checksum(chunk(3))
+
+
+def test_a_settled_chunk_is_not_hashed_again(
+    store: ChunkStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hash job queued behind a reader that settled the chunk first (or a commit since
+    evicted) skips the hashing: the store no longer wants that digest."""
+    guarded = GuardedStore(store)
+    write_unhashed(store, 1)
+    write_unhashed(store, 2)
+    jobs = store.unhashed_run([key(1), key(2)])
+    assert guarded.settle_unhashed([key(1)]) == 1  # a reader got there first
+    hashed: list[int] = []
+
+    def counted(view: memoryview) -> int:
+        hashed.append(view.nbytes)
+        return checksum(view)
+
+    monkeypatch.setattr("kvatlas.server.storage.guarded.checksum", counted)
+    assert guarded.settle(jobs) == 1
+    assert hashed == [CHUNK]  # chunk 2's only
+    assert guarded.settle(jobs) == 0 and hashed == [CHUNK]  # nothing left to want

@@ -214,6 +214,10 @@ class ChunkStore:
             return False
         return self.pool.set_checksum(key, checksum)
 
+    def wants_checksum(self, pending: Unhashed) -> bool:
+        """Is ``pending``'s commit still the key's, its checksum still to come?"""
+        return self._unhashed.get(pending.key) == pending.lease_id
+
     def checksum_known(self, key: ObjectKey) -> bool:
         """False while ``key``'s commit waits for its checksum (``commit_unhashed``)."""
         return key not in self._unhashed

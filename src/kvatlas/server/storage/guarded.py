@@ -73,6 +73,11 @@ class GuardedStore:
         """Hash each of ``todo``'s slots without the lock, then record the digests the store
         still wants (a slot since evicted, rewritten or hashed by a reader is dropped:
         ``ChunkStore.settle_checksum``); the number recorded."""
+        if self.store.unhashed:  # without the lock: a hint; skip what was settled since
+            with self.lock:
+                todo = [u for u in todo if self.store.wants_checksum(u)]
+        else:
+            todo = []
         if not todo:
             return 0
         digests = [checksum(self.store.region.view(u.offset, u.size)) for u in todo]
