@@ -58,7 +58,7 @@ class LMCacheMPCollector(Collector):
             self._iid,
             "lmcache_unhashed_chunks",
             "Chunks LMCache workers stored whose checksum the hash threads have yet to"
-            " compute (peers are not lent them until then).",
+            " compute (a peer's lock request hashes up to 64 MiB of them itself).",
             svc.unhashed_chunks,
         )
         workers = GaugeMetricFamily(

@@ -63,21 +63,26 @@ class GuardedStore:
         so that a reader asking for them next finds them known instead of hashing KV under
         the lock; the number recorded. A chunk committed after this looked is hashed on
         the spot by that reader's own call, or left out of a peer's lock (``checksum_known``)."""
-        if not self.store.unhashed:  # read without the lock: a hint, as said above
+        if not self.store.unhashed:  # read without the lock: a commit since is that reader's
             return 0
         with self.lock:
             todo = self.store.unhashed_run(keys, max_bytes)
-        return self.settle(todo)
+        return self._hash_and_record(todo)
 
     def settle(self, todo: Sequence[Unhashed]) -> int:
+        """``_hash_and_record`` those of ``todo`` the store still wants (a hash job queued
+        behind a reader that settled the chunk first, or behind its eviction, hashes
+        nothing); the number recorded."""
+        if not self.store.unhashed:  # without the lock: nothing is wanted, or soon won't be
+            return 0
+        with self.lock:
+            wanted = [u for u in todo if self.store.wants_checksum(u)]
+        return self._hash_and_record(wanted)
+
+    def _hash_and_record(self, todo: Sequence[Unhashed]) -> int:
         """Hash each of ``todo``'s slots without the lock, then record the digests the store
         still wants (a slot since evicted, rewritten or hashed by a reader is dropped:
         ``ChunkStore.settle_checksum``); the number recorded."""
-        if self.store.unhashed:  # without the lock: a hint; skip what was settled since
-            with self.lock:
-                todo = [u for u in todo if self.store.wants_checksum(u)]
-        else:
-            todo = []
         if not todo:
             return 0
         digests = [checksum(self.store.region.view(u.offset, u.size)) for u in todo]
