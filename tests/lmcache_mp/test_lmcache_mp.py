@@ -102,17 +102,23 @@ def test_modes_share_chunks(tmp_path: Path, lmcache_venv: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("a_mode", "b_mode", "kill_a"),
-    [("engine_driven", "lmcache_driven", False), ("lmcache_driven", "engine_driven", True)],
-    ids=["stored-engine-driven", "storing-worker-killed"],
+    ("a_mode", "b_mode", "fault"),
+    [
+        ("engine_driven", "lmcache_driven", ""),
+        ("lmcache_driven", "engine_driven", "kill"),
+        ("lmcache_driven", "engine_driven", "freeze"),
+    ],
+    ids=["stored-engine-driven", "storing-worker-killed", "storing-worker-frozen"],
 )
 def test_p2p_across_two_kvatlas_servers(
-    tmp_path: Path, lmcache_venv: Path, a_mode: str, b_mode: str, kill_a: bool
+    tmp_path: Path, lmcache_venv: Path, a_mode: str, b_mode: str, fault: str
 ) -> None:
-    """B's worker gets what A's worker stored, over P2P, bytes equal. With ``kill_a``,
+    """B's worker gets what A's worker stored, over P2P, bytes equal. With a ``fault``,
     A's worker (lmcache-driven: its server copied from the worker's KV tensors) is
-    killed the moment its store answers, while A may still be hashing those chunks: A
-    keeps serving them, and ends with no checksum pending and no write lease held."""
+    killed or frozen the moment its store answers, while A may still be hashing those
+    chunks: A keeps serving them, to B and to a fresh worker of its own, ends with no
+    checksum pending and no write lease held, and a frozen worker, thawed, is served
+    too."""
     with cluster(tmp_path, "node-a", "node-b") as (_, (na, nb)):
         wait_peers([na, nb])
         a = Driver(lmcache_venv, na.engine_url, a_mode, tmp_path / "a.log")
@@ -121,10 +127,12 @@ def test_p2p_across_two_kvatlas_servers(
             tokens = prompt(3, chunk=16)  # the cluster's --chunk-size
             stored = a.call("store", tokens, "s", seed=9)
             assert stored["ok"] and stored["hit"] == 0, stored
-            if kill_a:
+            if fault == "kill":
                 a.proc.stop(signal.SIGKILL)  # no shutdown, no unregister
                 for seg in Path("/dev/shm").glob(f"lmcache_kv_{a.proc.pid}_*"):
                     seg.unlink()  # its KV tensors' segments (it could not unlink them)
+            elif fault == "freeze":
+                a.proc.freeze()
             deadline = time.monotonic() + 20
             got = b.call("fetch", tokens, "f0")
             while got["hit"] < 2 and time.monotonic() < deadline:  # A's STOREs in flight
@@ -136,6 +144,17 @@ def test_p2p_across_two_kvatlas_servers(
             unhashed = 'kvatlas_server_lmcache_unhashed_chunks{instance_id="node-a"} 0.0'
             assert unhashed in na.metrics()
             assert na.status()["leases"]["write"] == 0
+            if fault:  # requests after the fault: A serves a fresh worker of its own
+                c = Driver(lmcache_venv, na.engine_url, "engine_driven", tmp_path / "c.log")
+                try:
+                    mine = c.call("fetch", tokens, "c0")
+                    assert mine["hit"] == 2 and mine["digests"] == stored["digests"], mine
+                finally:
+                    c.close()
+            if fault == "freeze":  # and the frozen worker, thawed
+                a.proc.thaw()
+                again = a.call("fetch", tokens, "a-thawed")
+                assert again["hit"] == 2 and again["digests"] == stored["digests"], again
         finally:
             a.close()
             b.close()
