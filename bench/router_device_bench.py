@@ -70,6 +70,7 @@ def _run(coordinator: str, engine: str, prompts: list[list[int]]) -> dict[str, f
     config = RouterConfig(
         port=0, coordinator_urls=(coordinator,), engines=(StaticEngine(engine, "e"),),
         policy="kv", model_name="m", health_interval_s=0.5, lookup_timeout_s=2.0,
+        expose_route_header=True,
     )  # fmt: skip
     router = RouterApp(config)
     router.start()

@@ -89,6 +89,7 @@ def one_setting(
             health_interval_s=health,
             probe_timeout_s=probe,
             seed=1,
+            expose_route_header=True,
         )
     )
     router.start()

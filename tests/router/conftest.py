@@ -137,6 +137,7 @@ class Fleet:
             "health_interval_s": 0.2,
             "lookup_timeout_s": 2.0,
             "seed": 1,
+            "expose_route_header": True,
         }
         fields.update(kw)
         app = RouterApp(RouterConfig(**fields), tokenizer=tokenizer)  # type: ignore[arg-type]
@@ -200,7 +201,12 @@ def start_router() -> Iterator[StartRouter]:
     started: list[RouterApp] = []
 
     def start(**kw: object) -> RouterApp:
-        fields: dict[str, object] = {"port": 0, "health_interval_s": 0.2, "seed": 1}
+        fields: dict[str, object] = {
+            "port": 0,
+            "health_interval_s": 0.2,
+            "seed": 1,
+            "expose_route_header": True,
+        }
         fields.update(kw)
         app = RouterApp(RouterConfig(**fields))  # type: ignore[arg-type]
         app.start()

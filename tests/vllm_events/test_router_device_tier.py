@@ -110,6 +110,7 @@ def test_repeated_prompt_goes_to_the_engine_whose_device_cache_holds_it(
             refresh_interval_s=0.2,
             lookup_timeout_s=2.0,
             seed=1,
+            expose_route_header=True,
         )
         router = RouterApp(config)
         router.start()
@@ -177,6 +178,7 @@ def test_without_a_device_tier_the_router_stops_asking(
             model_name="m",
             health_interval_s=0.2,
             lookup_timeout_s=2.0,
+            expose_route_header=True,
         )
     )
     router.start()
@@ -223,7 +225,7 @@ def test_a_member_advertises_its_engines_events_and_the_router_follows(
             RouterConfig(
                 port=0, coordinator_urls=(rc.url,), policy="kv",
                 health_interval_s=0.2, refresh_interval_s=0.2, lookup_timeout_s=2.0,
-                engines=(StaticEngine(fakes["b"].url, "node-b"),),
+                engines=(StaticEngine(fakes["b"].url, "node-b"),), expose_route_header=True,
             )
         )  # fmt: skip
         router.start()

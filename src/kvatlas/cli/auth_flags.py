@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Final
 
 from kvatlas.core.errors import ConfigError
 
@@ -36,16 +37,23 @@ def add_token_flags(parser: argparse.ArgumentParser, what: str) -> None:
     )
 
 
-def add_operator_token_flag(parser: argparse.ArgumentParser) -> None:
-    """``--operator-token-file`` (a file or the environment only: never a flag's value)."""
+_COORDINATOR_OPERATOR: Final = (
+    "it admits like the shared token, and only requests bearing it see each instance's"
+    " cursor incarnation and last seq in /directory/stats"
+)
+
+
+def add_operator_token_flag(
+    parser: argparse.ArgumentParser, what: str = _COORDINATOR_OPERATOR
+) -> None:
+    """``--operator-token-file`` (a file or the environment only: never a flag's value);
+    ``what`` says what the token admits on this command."""
     parser.add_argument(
         "--operator-token-file",
         default=None,
         metavar="PATH",
         help="file holding the operator's token (its first line; default:"
-        f" ${OPERATOR_TOKEN_ENV}, else none): it admits like the shared token, and only"
-        " requests bearing it see each instance's cursor incarnation and last seq in"
-        " /directory/stats",
+        f" ${OPERATOR_TOKEN_ENV}, else none): {what}",
     )
 
 

@@ -16,7 +16,12 @@ import sys
 from collections.abc import Callable
 from typing import Final
 
-from kvatlas.cli.auth_flags import add_token_flags, read_token
+from kvatlas.cli.auth_flags import (
+    add_operator_token_flag,
+    add_token_flags,
+    read_operator_token,
+    read_token,
+)
 from kvatlas.cli.coordinator_flags import add_coordinator_url_flag, coordinator_urls
 from kvatlas.cli.service_run import run_service
 from kvatlas.core.errors import ConfigError, KvatlasError
@@ -24,6 +29,7 @@ from kvatlas.router.app import RouterApp
 from kvatlas.router.config import RouterConfig, parse_engine
 from kvatlas.router.policy import POLICIES, Weights
 from kvatlas.router.service import LocalTokenizer
+from kvatlas.router.tenants import load_tenants
 
 _PROMPTS_MODULE: Final = "kvatlas.engine.prompts"
 """Where ``--tokenizer`` is loaded from, imported on use: it brings transformers (and
@@ -43,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
         " client's Authorization) or as 'Proxy-Authorization: Bearer <token>' (consumed by"
         " the router, never forwarded: for clients whose Authorization carries the engines'"
         " own API key). Either way the client's Authorization reaches the engine byte for"
-        " byte.",
+        " byte. With --tenants, the OpenAI paths take a tenant's API key instead (as"
+        " 'Authorization: Bearer <key>', never forwarded: the engine gets the fleet's"
+        " token), and the other paths the fleet's or the operator's token.",
     )
     ap.add_argument("--host", default=d.host, help="HTTP interface to bind")
     ap.add_argument("--port", type=int, default=d.port, help="HTTP port (OpenAI API)")
@@ -189,9 +197,33 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add_token_flags(
         ap,
-        "the fleet's shared token: sent to the coordinator, and required of the router's"
-        " clients (see below)",
+        "the fleet's shared token: sent to the coordinator (and, for a tenant's request,"
+        " to the engine), and required of the router's clients without --tenants"
+        " (see below)",
     )
+    add_operator_token_flag(
+        ap,
+        "it admits to every path, and only requests bearing it get the X-Kvatlas-Route"
+        " header (cached tokens, tier, reason) unless --expose-route-header",
+    )
+    ap.add_argument(
+        "--tenants", default="", metavar="FILE",
+        help="tenants file (TOML: API keys -> tenants, the fleet secret, client_salt ="
+        " replace|refuse|nest, shared namespaces; docs/deploy.md, 'Multi-tenant fleets'):"
+        " each tenant's requests get a cache_salt derived from its id, so no tenant hits"
+        " another's KV; an unknown key gets 401. Reloaded when the file changes",
+    )  # fmt: skip
+    ap.add_argument(
+        "--tenant-salts", action="store_true",
+        help="print every tenant's and shared namespace's cache_salt from --tenants (what"
+        " per-tenant quotas on the coordinator are set by) and exit",
+    )  # fmt: skip
+    ap.add_argument(
+        "--expose-route-header", action="store_true",
+        help="send X-Kvatlas-Route (cached tokens, tier, reason) to every client, not only"
+        " to the operator's: it tells a client whether a prompt is cached anywhere in the"
+        " fleet, so only for a fleet with one trusted user, or debugging",
+    )  # fmt: skip
     ap.add_argument("--log-level", default="INFO", help="DEBUG (logs every decision), INFO, ...")
     return ap
 
@@ -219,6 +251,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         ),
         model_name=args.model_name,
         auth_token=read_token(args, os.environ) or None,
+        operator_token=read_operator_token(args, os.environ),
+        tenants_file=args.tenants,
+        expose_route_header=args.expose_route_header,
         refresh_interval_s=args.refresh_interval,
         health_interval_s=args.health_interval,
         probe_timeout_s=args.probe_timeout,
@@ -274,8 +309,25 @@ def tokenizer_from_args(args: argparse.Namespace) -> LocalTokenizer | None:
         raise ConfigError(f"--tokenizer {args.tokenizer}: {exc}") from exc
 
 
+def print_tenant_salts(path: str) -> int:
+    """``--tenant-salts``: each tenant's and shared namespace's salt, one a line."""
+    if not path:
+        print("kvatlas router: --tenant-salts needs --tenants FILE", file=sys.stderr)
+        return 2
+    try:
+        table = load_tenants(path)
+    except ConfigError as exc:
+        print(f"kvatlas router: {exc}", file=sys.stderr)
+        return 2
+    for owner, salt in sorted(table.salts().items()):
+        print(f"{owner}\t{salt}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.tenant_salts:
+        return print_tenant_salts(args.tenants)
     return run_service(
         "kvatlas router",
         args.log_level,

@@ -34,7 +34,7 @@ import zmq
 
 from kvatlas.core.checksum import copy_and_checksum
 from kvatlas.core.errors import KvatlasError
-from kvatlas.core.keys import Namespace, as_token_array, chunk_hashes, default_kv_rank
+from kvatlas.core.keys import Namespace, as_token_array, chunk_hashes, default_kv_rank, salted
 from kvatlas.core.types import ChunkHash
 from kvatlas.runtime.region import L1Region
 from kvatlas.wire.engine_proto import (
@@ -229,10 +229,12 @@ class CacheClient:
         self.ns = Namespace(model_name, rank, object_group_id, cache_salt)
         return info
 
-    def _ns(self) -> Namespace:
+    def _ns(self, cache_salt: str | None = None) -> Namespace:
+        """The registered namespace, under ``cache_salt`` when one is given (a request's
+        own: None keeps the one given to ``register``)."""
         if self.ns is None:
             raise EngineClientError("call register() first")
-        return self.ns
+        return self.ns if cache_salt is None else salted(self.ns, cache_salt)
 
     @property
     def chunk_size(self) -> int:
@@ -253,6 +255,7 @@ class CacheClient:
         lease_s: float = 0.0,
         recompute_s: float = 0.0,
         prefill_s_per_token: float = 0.0,
+        cache_salt: str | None = None,
     ) -> LookupResult:
         """How many leading tokens the server has (L2 hits are promoted into L1).
         ``recompute_s`` (the time recomputing them would take) and
@@ -262,7 +265,7 @@ class CacheClient:
         if tokens is not None:
             token_bytes = as_token_array(tokens).astype("<u4", copy=False).tobytes()
         req = Lookup(
-            self._ns(),
+            self._ns(cache_salt),
             token_ids=token_bytes,
             hashes=list(hashes) if hashes is not None else None,
             acquire=acquire,
@@ -274,20 +277,28 @@ class CacheClient:
         return self._expect(req, LookupResult)
 
     def reserve(
-        self, hashes: Sequence[ChunkHash], sizes: Sequence[int], lease_s: float = 0.0
+        self,
+        hashes: Sequence[ChunkHash],
+        sizes: Sequence[int],
+        lease_s: float = 0.0,
+        cache_salt: str | None = None,
     ) -> list[SlotGrant]:
         return self._expect(
-            Reserve(self._ns(), list(hashes), list(sizes), lease_s), ReserveResult
+            Reserve(self._ns(cache_salt), list(hashes), list(sizes), lease_s), ReserveResult
         ).slots
 
-    def commit(self, items: Sequence[CommitItem]) -> list[bool]:
-        return self._expect(Commit(self._ns(), list(items)), CommitResult).committed
+    def commit(self, items: Sequence[CommitItem], cache_salt: str | None = None) -> list[bool]:
+        return self._expect(Commit(self._ns(cache_salt), list(items)), CommitResult).committed
 
-    def abort(self, hashes: Sequence[ChunkHash]) -> int:
-        return self._expect(Abort(self._ns(), list(hashes)), AbortResult).aborted
+    def abort(self, hashes: Sequence[ChunkHash], cache_salt: str | None = None) -> int:
+        return self._expect(Abort(self._ns(cache_salt), list(hashes)), AbortResult).aborted
 
-    def acquire(self, hashes: Sequence[ChunkHash], lease_s: float = 0.0) -> list[ChunkLoc | None]:
-        return self._expect(AcquireRead(self._ns(), list(hashes), lease_s), AcquireResult).chunks
+    def acquire(
+        self, hashes: Sequence[ChunkHash], lease_s: float = 0.0, cache_salt: str | None = None
+    ) -> list[ChunkLoc | None]:
+        return self._expect(
+            AcquireRead(self._ns(cache_salt), list(hashes), lease_s), AcquireResult
+        ).chunks
 
     def release(self, lease_ids: Sequence[int]) -> int:
         ids = [i for i in lease_ids if i]
@@ -336,9 +347,11 @@ class CacheClient:
         arrays: Sequence[ArrayLike],
         lease_s: float = 0.0,
         first_chunk: int = 0,
+        cache_salt: str | None = None,
     ) -> StoreResult:
         """Store one array per full chunk of ``tokens`` from chunk ``first_chunk`` on
-        (arrays beyond the last full chunk are an error).
+        (arrays beyond the last full chunk are an error), under ``cache_salt`` (None: the
+        registered namespace's).
 
         Reserve all, copy into the granted slots with the checksum fused, commit all; a
         failure in the middle aborts the slots still held.
@@ -351,7 +364,7 @@ class CacheClient:
             )
         hashes = hashes[: len(arrays)]
         sources = [_bytes_of(a) for a in arrays]
-        grants = self.reserve(hashes, [s.size for s in sources], lease_s)
+        grants = self.reserve(hashes, [s.size for s in sources], lease_s, cache_salt)
         items: list[CommitItem] = []
         # The server grants one slot per hash, in order: our hashes name them.
         try:
@@ -361,9 +374,10 @@ class CacheClient:
                 dst = self.view(grant.offset, grant.size)
                 items.append(CommitItem(h, grant.lease_id, copy_and_checksum(src, dst)))
         except BaseException:
-            self.abort([h for h, g in zip(hashes, grants, strict=True) if g.status == "reserved"])
+            reserved = [h for h, g in zip(hashes, grants, strict=True) if g.status == "reserved"]
+            self.abort(reserved, cache_salt)
             raise
-        done = self.commit(items) if items else []
+        done = self.commit(items, cache_salt) if items else []
         existing = sum(1 for g in grants if g.status == "exists")
         stored = sum(done)
         return StoreResult(stored, existing, len(grants) - existing - stored)
@@ -374,13 +388,14 @@ class CacheClient:
         out: Sequence[ArrayLike] | None = None,
         *,
         verify: bool = True,
+        cache_salt: str | None = None,
     ) -> list[ArrayLike]:
         """Copy the longest cached prefix of ``tokens`` out of the region.
 
         With ``out`` (one array per chunk), fills its leading arrays and returns them; else
         returns fresh uint8 arrays. The length of the result is the number of hit chunks.
         """
-        res = self.lookup(tokens, acquire=True)
+        res = self.lookup(tokens, acquire=True, cache_salt=cache_salt)
         try:
             result: list[ArrayLike] = []
             for i, loc in enumerate(res.chunks):

@@ -59,7 +59,7 @@ from kvatlas.connector.client import (
 )
 from kvatlas.core.checksum import checksum
 from kvatlas.core.errors import KvatlasError
-from kvatlas.core.keys import HashContract, as_token_array
+from kvatlas.core.keys import HashContract, Namespace, as_token_array, salted
 from kvatlas.wire.engine_proto import (
     ChunkLoc,
     EngineRegistered,
@@ -361,9 +361,10 @@ class KVConnector:
 
     # ------------------------------------------------------------------ load
 
-    def fetch_prefix(self, prompt_ids: Sequence[int]) -> CachedPrefix:
+    def fetch_prefix(self, prompt_ids: Sequence[int], *, cache_salt: str = "") -> CachedPrefix:
         """The prompt's cached leading chunks under read leases (hashed again here only
-        with ``verify_checksums``).
+        with ``verify_checksums``), of KV stored under ``cache_salt`` alone (the
+        request's: "" matches only unsalted KV).
 
         Never raises for cache trouble: a failure yields an empty (or shorter) prefix
         whose ``stats.fallback`` names the cause. Use as a context manager so the leases
@@ -381,7 +382,7 @@ class KVConnector:
         tokens = as_token_array(list(prompt_ids[: n_full * self.chunk_size]))
         estimate = self.recompute_estimate(n_full * self.chunk_size)
         try:
-            res = self._lookup(tokens.astype("<u4", copy=False).tobytes(), estimate)
+            res = self._lookup(tokens.astype("<u4", copy=False).tobytes(), estimate, cache_salt)
         except ServerUnavailable as exc:
             self._set_connected(False)
             return self._failed(stats, Fallback.SERVER_UNAVAILABLE, str(exc), t0)
@@ -413,22 +414,16 @@ class KVConnector:
             self._note_fallback(stats, cause, detail)
         return prefix
 
-    def _lookup(self, token_bytes: bytes, estimate: float) -> LookupResult:
-        ns = self.client.ns
-        if ns is None:
-            raise ServerUnavailable("the cache client is not registered")
-        req = Lookup(
-            ns,
-            token_ids=token_bytes,
-            acquire=True,
-            lease_s=self.lease_s,
-            recompute_s=estimate,
-            prefill_s_per_token=self._s_per_token,
-            engine_id=self.client.engine_id,
-        )
+    def _lookup(self, token_bytes: bytes, estimate: float, salt: str) -> LookupResult:
         for attempt in (1, 2):
+            ns = self.client.ns
+            if ns is None:
+                raise ServerUnavailable("the cache client is not registered")
             try:
-                res = self.client.call(req, timeout_s=self.timeout_s + estimate)
+                res = self.client.call(
+                    self._lookup_request(ns, token_bytes, estimate, salt),
+                    timeout_s=self.timeout_s + estimate,
+                )
             except ModelNotRegistered:
                 # the server restarted since we registered: register again, once
                 if attempt == 2 or not self.register():
@@ -438,6 +433,19 @@ class KVConnector:
                 raise EngineClientError(f"unexpected answer {type(res).__name__} to a lookup")
             return res
         raise AssertionError("unreachable")
+
+    def _lookup_request(
+        self, ns: Namespace, token_bytes: bytes, estimate: float, salt: str
+    ) -> Lookup:
+        return Lookup(
+            salted(ns, salt),
+            token_ids=token_bytes,
+            acquire=True,
+            lease_s=self.lease_s,
+            recompute_s=estimate,
+            prefill_s_per_token=self._s_per_token,
+            engine_id=self.client.engine_id,
+        )
 
     def _verify(
         self, locs: Sequence[ChunkLoc]
@@ -506,6 +514,8 @@ class KVConnector:
         prompt_ids: Sequence[int],
         first_new_chunk: int,
         new_chunks: Sequence[npt.NDArray[np.uint8]],
+        *,
+        cache_salt: str = "",
     ) -> StoreOutcome:
         """Store the prompt's chunks ``[first_new_chunk, first_new_chunk + len(new_chunks))``.
 
@@ -527,6 +537,7 @@ class KVConnector:
                 new_chunks,
                 self.lease_s,
                 first_chunk=first_new_chunk,
+                cache_salt=cache_salt,
             )
         except ServerUnavailable as exc:
             self._set_connected(False)

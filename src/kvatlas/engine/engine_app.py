@@ -270,10 +270,10 @@ class EngineCore:
         self.metrics.observe(out)
         return out
 
-    def _fetch(self, ids: Sequence[int]) -> CachedPrefix:
+    def _fetch(self, ids: Sequence[int], salt: str) -> CachedPrefix:
         if self.connector is None:
             return CachedPrefix([], FetchStats())
-        return self.connector.fetch_prefix(ids)
+        return self.connector.fetch_prefix(ids, cache_salt=salt)
 
     @torch.inference_mode()
     def _generate(
@@ -281,7 +281,7 @@ class EngineCore:
     ) -> GenOutcome:
         ids = req.prompt_ids
         arrival = req.arrival or time.perf_counter()
-        with self._fetch(ids) as prefix:
+        with self._fetch(ids, req.cache_salt) as prefix:
             stats = prefix.stats
             if stats.fallback is not None and self.load_failure_policy == "fail":
                 raise KVLoadFailed(f"KV load failed ({stats.fallback}): {stats.detail}")
@@ -300,7 +300,7 @@ class EngineCore:
         if self.connector is not None and pre.n_new_chunks:
             # stored before decoding: the next request with this prefix finds it sooner
             stored = self.connector.store_new(
-                ids, pre.first_new_chunk, pre.new_chunks(self.chunk_size)
+                ids, pre.first_new_chunk, pre.new_chunks(self.chunk_size), cache_salt=req.cache_salt
             ).stored
         stop_ids = req.params.stop_token_ids
         stops = frozenset(self.model.tokenizer.eos_token_ids if stop_ids is None else stop_ids)

@@ -27,6 +27,8 @@ from kvatlas.core.errors import InvalidInput
 
 FinishReason = str
 """``stop`` or ``length``."""
+MAX_CACHE_SALT: Final = 256
+"""The longest ``cache_salt`` a request may carry (characters)."""
 
 
 class BadRequest(InvalidInput):
@@ -92,6 +94,23 @@ class _Generation(msgspec.Struct, frozen=True, kw_only=True):
     """vLLM's extension: keep generating past end-of-sequence tokens up to max_tokens."""
     kv_transfer_params: KVTransferParams | None = None
     user: str | None = None
+    cache_salt: str | None = None
+    """vLLM's field: the namespace of this request's KV. The prompt hits only KV stored
+    under the same salt (none matches none), at every tier of the fleet. A router with
+    tenants sets it from the API key; a client's own is as trustworthy as the client."""
+
+    def salt(self) -> str:
+        """The request's ``cache_salt`` ("" for none); BadRequest for an empty or
+        overlong one (vLLM refuses an empty salt too)."""
+        if self.cache_salt is None:
+            return ""
+        if not self.cache_salt or len(self.cache_salt) > MAX_CACHE_SALT:
+            raise BadRequest(
+                f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT}"
+                " characters if given",
+                "cache_salt",
+            )
+        return self.cache_salt
 
     @property
     def wants_cache_stats(self) -> bool:

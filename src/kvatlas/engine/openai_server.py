@@ -90,6 +90,8 @@ class GenRequest:
     stop_strings: tuple[str, ...] = ()
     arrival: float = 0.0
     """``time.perf_counter()`` when the request arrived (TTFT counts from here)."""
+    cache_salt: str = ""
+    """The namespace of the prompt's KV (the request's ``cache_salt``; "" for none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +267,7 @@ class _Api:
             )
         except InvalidInput as exc:
             raise BadRequest(str(exc)) from exc
-        return GenRequest(ids, params, req.stop_strings(), arrival)
+        return GenRequest(ids, params, req.stop_strings(), arrival, req.salt())
 
     # ------------------------------------------------------------------ endpoints
 

@@ -332,7 +332,7 @@ class Fleet:
         args = [
             "-m", "kvatlas.cli.router", "--host", HOST, "--port", str(port),
             "--coordinator-url", self.coordinator_url, "--policy", policy,
-            "--log-level", "WARNING", *extra_args,
+            "--expose-route-header", "--log-level", "WARNING", *extra_args,
         ]  # fmt: skip
         self.start_extra("router", args, port)
         return f"http://{HOST}:{port}"

@@ -3,7 +3,8 @@
 Owns the HTTP edge's routes (the OpenAI paths go to ``RouterService.forward``;
 ``/healthz``, ``/readyz`` (at least one engine available), ``/metrics`` and ``/status``
 (the engine table and the counters) answer here), the gate in front of them
-(``auth.RouterGate``: with a token set, all but ``/healthz`` and ``/readyz`` need it),
+(``auth.RouterGate``: with a token or ``--tenants`` set, all but ``/healthz`` and
+``/readyz`` need a credential: the fleet's or operator's token, or a tenant's key),
 the coordinator client, and uvicorn on a socket bound before anything starts (a port in
 use fails at once, naming the flag).
 
@@ -135,7 +136,11 @@ class RouterApp:
             ],
             middleware=[
                 Middleware(
-                    RouterGate, token=self.config.auth_token, refusals=svc.metrics.auth_refusals
+                    RouterGate,
+                    token=self.config.auth_token,
+                    refusals=svc.metrics.auth_refusals,
+                    operator_token=self.config.operator_token,
+                    tenants=svc.tenants,
                 )
             ],
             lifespan=lifespan,

@@ -48,6 +48,21 @@ class RouterConfig:
     """The fleet's shared token (``--auth-token-file``, ...): sent to the coordinator, and
     required of the router's clients on every path but ``/healthz`` and ``/readyz``, in
     ``Authorization`` or ``Proxy-Authorization`` (``auth.RouterGate``)."""
+    operator_token: str = field(default="", repr=False)
+    """The operator's token (``--operator-token-file`` or ``KVATLAS_OPERATOR_TOKEN``; empty:
+    none): it admits to every path, and only a request bearing it is told how it was
+    routed (``X-Kvatlas-Route``: cached tokens, tier, reason), unless
+    ``expose_route_header``."""
+    tenants_file: str = ""
+    """The tenants file (``--tenants``; empty: no tenants): API keys -> tenants, the fleet
+    secret salts are derived under, the client-salt policy and the shared namespaces
+    (``kvatlas.core.tenancy``). With it, the OpenAI paths admit a tenant's key (401 for
+    an unknown one), the request's ``cache_salt`` is the tenant's, and the other paths
+    need the fleet's or the operator's token. Reloaded when the file changes."""
+    expose_route_header: bool = False
+    """Send ``X-Kvatlas-Route`` to every client (``--expose-route-header``): for a fleet
+    with one trusted user, or debugging. It tells a client whether its prompt is cached,
+    where and how much: never on for a fleet whose clients are not one party."""
     refresh_interval_s: float = 2.0
     """Seconds between listings of the coordinator's instances (``--refresh-interval``)."""
     health_interval_s: float = 1.0
@@ -117,6 +132,10 @@ class RouterConfig:
             )
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be a TCP port in [0, 65535], got {self.port}")
+        if self.operator_token and self.operator_token == self.auth_token:
+            raise ConfigError(
+                "--operator-token-file must hold another token than the fleet's --auth-token"
+            )
         if not self.coordinator_urls and not self.engines:
             raise ConfigError("give --coordinator-url, --engine URL=CACHE_INSTANCE_ID, or both")
         for url in self.coordinator_urls:

@@ -88,12 +88,14 @@ class DeviceLookups:
         for tier in TIERS:
             self.tiers.labels(tier)
 
-    async def beside(self, first: Awaitable[T], blob: bytes) -> tuple[T, list[DeviceHit]]:
+    async def beside(
+        self, first: Awaitable[T], blob: bytes, salt: str = ""
+    ) -> tuple[T, list[DeviceHit]]:
         """``first`` (the chunk lookup) and this prompt's device lookup at once; only
         ``first`` while the device tier is not asked (no task made for it)."""
         if not self._asked():
             return await first, []
-        got, hits = await asyncio.gather(first, self.lookup(blob))
+        got, hits = await asyncio.gather(first, self.lookup(blob, salt))
         return got, hits
 
     def _asked(self) -> bool:
@@ -104,13 +106,16 @@ class DeviceLookups:
             return False
         return True
 
-    async def lookup(self, blob: bytes) -> list[DeviceHit]:
-        """The device hits for a prompt (little-endian uint32 token ids); empty when
+    async def lookup(self, blob: bytes, salt: str = "") -> list[DeviceHit]:
+        """The device hits for a prompt (little-endian uint32 token ids) of ``salt``
+        (vLLM mixes a request's ``cache_salt`` into its first block's hash); empty when
         there is no device tier, it failed, or it is not asked now."""
         if not self._asked():
             return []
         ids = np.frombuffer(blob, dtype="<u4").tolist()
-        body = msgspec.json.encode({"token_ids": ids})
+        body = msgspec.json.encode(
+            {"token_ids": ids, "cache_salt": salt} if salt else {"token_ids": ids}
+        )
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=self._timeout)
         deadline = self._clock() + self._timeout

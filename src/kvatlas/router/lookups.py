@@ -51,8 +51,11 @@ class CoordinatorLookups:
         self._trial: asyncio.Task[None] | None = None
         metrics.coordinator_available.set(1 if lookups is not None else 0)
 
-    async def holders(self, blob: bytes, model: str) -> list[tuple[str, str, int]] | None:
-        """(instance, tier, leading tokens held) for every holder of the prompt's prefix; None
+    async def holders(
+        self, blob: bytes, model: str, salt: str = ""
+    ) -> list[tuple[str, str, int]] | None:
+        """(instance, tier, leading tokens held) for every holder of the prompt's prefix
+        under ``salt`` (the request's ``cache_salt``: KV of another salt is none of its); None
         without a coordinator, a model name, or an answer in time, and while the
         coordinator is out (see the module doc)."""
         if self._lookups is None or not model or not self._may_ask(blob, model):
@@ -62,7 +65,7 @@ class CoordinatorLookups:
         try:
             async with self._wires.arm(COORDINATOR, "lookup"):
                 answer = await self._lookups.holders(
-                    blob, model, timeout_s=self._config.lookup_timeout_s
+                    blob, model, timeout_s=self._config.lookup_timeout_s, cache_salt=salt
                 )
         except Tripped:  # another lookup found the coordinator out
             self._metrics.degraded.labels("lookup").inc()

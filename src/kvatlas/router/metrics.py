@@ -273,8 +273,13 @@ class RouterMetrics:
             for step, (help_text, buckets) in STEPS.items()
         }
         self.auth_refusals = Counter(
-            f"{ns}_auth_refusals", "Requests refused with 401 for want of the fleet's token,"
-            " by reason (missing, wrong)", ["reason"], registry=r,
+            f"{ns}_auth_refusals", "Requests refused for want of a credential, by reason"
+            " (missing, wrong: the fleet's token; unknown_key: not a tenant's API key;"
+            " not_operator: an API key on an operator's path)", ["reason"], registry=r,
+        )  # fmt: skip
+        self.tenant_requests = Counter(
+            f"{ns}_tenant_requests", "Tenants' requests by tenant and status code (--tenants;"
+            " /metrics is the operator's then)", ["tenant", "code"], registry=r,
         )  # fmt: skip
         r.register(_EngineGauges(table, default_p2p_weight, deadline))
         r.register(_GcCollector(gc))

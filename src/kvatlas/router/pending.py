@@ -12,7 +12,8 @@ arrives while the first is still queued or prefilling is the one that would othe
 compute the prefix a second time (a non-streamed answer's status line comes only with
 its last token); an attempt that fails is forgotten.
 
-Prefixes are keyed by the hash of their little-endian uint32 bytes (per process; a
+Prefixes are keyed by the hash of their ``cache_salt`` and little-endian uint32 bytes
+(per process; a
 collision costs one misplaced request, never wrong KV: the engine's own lookup decides
 what it loads). Single-threaded (the router's loop); time is a parameter. Must not: do
 I/O.
@@ -32,14 +33,14 @@ class PendingPrefixes:
         self.max_prefixes = max_prefixes
         self._index: OrderedDict[int, dict[str, float]] = OrderedDict()
 
-    def _keys(self, blob: bytes) -> list[int]:
+    def _keys(self, blob: bytes, salt: str) -> list[int]:
         step = self.chunk_size * 4
-        return [hash(blob[:end]) for end in range(step, len(blob) + 1, step)]
+        return [hash((salt, blob[:end])) for end in range(step, len(blob) + 1, step)]
 
-    def note(self, blob: bytes, engine: str, now: float) -> None:
-        """``blob`` (the prompt as LE uint32) was sent to ``engine``."""
+    def note(self, blob: bytes, engine: str, now: float, salt: str = "") -> None:
+        """``blob`` (the prompt as LE uint32) of ``salt`` was sent to ``engine``."""
         expiry = now + self.ttl_s
-        for key in self._keys(blob):
+        for key in self._keys(blob, salt):
             engines = self._index.get(key)
             if engines is None:
                 self._index[key] = engines = {}
@@ -49,18 +50,20 @@ class PendingPrefixes:
         while len(self._index) > self.max_prefixes:
             self._index.popitem(last=False)
 
-    def forget(self, blob: bytes, engine: str) -> None:
+    def forget(self, blob: bytes, engine: str, salt: str = "") -> None:
         """``engine`` did not take ``blob`` after all (the attempt failed before its first
         byte): its claims on the prompt's prefixes go; other engines' stay."""
-        for key in self._keys(blob):
+        for key in self._keys(blob, salt):
             engines = self._index.get(key)
             if engines is not None and engines.pop(engine, None) is not None and not engines:
                 del self._index[key]
 
-    def leading(self, blob: bytes, now: float) -> dict[str, int]:
-        """Per engine, the leading tokens of ``blob`` it was sent within ``ttl_s``."""
+    def leading(self, blob: bytes, now: float, salt: str = "") -> dict[str, int]:
+        """Per engine, the leading tokens of ``blob`` of ``salt`` it was sent within
+        ``ttl_s`` (a prompt sent under another salt counts for nothing: its KV is not
+        this request's to use)."""
         out: dict[str, int] = {}
-        for k, key in enumerate(self._keys(blob), start=1):
+        for k, key in enumerate(self._keys(blob, salt), start=1):
             engines = self._index.get(key)
             live = [e for e, exp in engines.items() if exp > now] if engines else []
             if not live:

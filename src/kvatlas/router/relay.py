@@ -11,8 +11,9 @@ failures in a row open its breaker, which also ends the other awaits for its fir
 byte). A stream broken off after its first piece ends with an error event; any other
 answer broken off after its first ``max_held_answer_bytes`` closes the client's
 connection before its length. The load accounting of an attempt ends exactly once
-however it ends. The decision goes out in the ``X-Kvatlas-Route`` header, to the debug
-log and to the metrics.
+however it ends. The decision goes to the debug log and the metrics, and out in the
+``X-Kvatlas-Route`` header only to the operator (or everyone with
+``--expose-route-header``).
 
 Must not: parse or rewrite what an engine answers (beyond the error event of a broken
 stream), or choose an engine.
@@ -68,6 +69,8 @@ class Plan:
     overhead_s: float
     blob: bytes = b""
     """The prompt's token ids as LE uint32 (empty when not tokenized)."""
+    salt: str = ""
+    """The ``cache_salt`` the request runs under: its lookups' and pending prefixes'."""
     tiers: Mapping[str, Tier] | None = None
     """Engine URL -> the tier its cached tokens come from."""
 
@@ -192,8 +195,12 @@ class Relay:
         endpoint: str,
         rid: str,
         attempt: int,
+        expose_route: bool = False,
     ) -> Response:
-        """The client's answer: the engine's, as it comes (see the module doc)."""
+        """The client's answer: the engine's, as it comes (see the module doc), with the
+        decision in ``X-Kvatlas-Route`` when ``expose_route`` (the operator's request, or
+        ``--expose-route-header``): it names the cached tokens and their tier, what a
+        client of a shared fleet must not learn of a prompt."""
         resp = head.resp
         reason = plan.decision.reason if attempt == 1 else f"{plan.decision.reason}; retry"
         tier = (plan.tiers or {}).get(e.url, "none")
@@ -216,7 +223,9 @@ class Relay:
         headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP}
         if head.rest is not None and not head.stream and "content-length" in resp.headers:
             headers["content-length"] = resp.headers["content-length"]  # relayed as it comes
-        headers[ROUTE_HEADER] = route
+        headers.pop(ROUTE_HEADER, None)
+        if expose_route:
+            headers[ROUTE_HEADER] = route
         headers.setdefault(REQUEST_ID_HEADER, rid)
         ended = False
 

@@ -37,6 +37,8 @@ from starlette.responses import Response
 
 from kvatlas.core.breaker import BreakerPolicy
 from kvatlas.core.errors import ServiceError
+from kvatlas.core.tenancy import SaltRefused
+from kvatlas.router.auth import Caller, caller_of
 from kvatlas.router.checks import EncoderChecks
 from kvatlas.router.clients import EngineClients
 from kvatlas.router.config import RouterConfig
@@ -49,6 +51,7 @@ from kvatlas.router.pending import PendingPrefixes
 from kvatlas.router.policy import KV_POLICIES, Candidate, Chooser, Decision, Policy
 from kvatlas.router.relay import HOP_BY_HOP, REQUEST_ID_HEADER, ROUTE_HEADER, Plan, Relay
 from kvatlas.router.relay import error_body as _error_body
+from kvatlas.router.tenants import TenantsFile, request_salt, with_salt
 from kvatlas.router.tiers import DeviceHit, TierView
 from kvatlas.router.tokens import JSON, LocalTokenizer, PromptTokens, prompt_blob
 from kvatlas.router.tripwires import Tripwires
@@ -96,6 +99,9 @@ class RouterService:
         )
         if tokenizer is not None:
             self.metrics.watch_tokenize_cache(tokenizer.cache_stats)
+        self.tenants = (
+            TenantsFile(config.tenants_file, self.metrics.registry) if config.tenants_file else None
+        )
         self.wires = Tripwires()
         self.clients = EngineClients(config)
         self.tokens = PromptTokens(config, tokenizer, self.clients, self.metrics)
@@ -148,6 +154,12 @@ class RouterService:
             asyncio.create_task(self._every(self.config.refresh_interval_s, self.health.refresh)),
             asyncio.create_task(self._every(self.config.health_interval_s, self.health.probe_all)),
         ]
+        if self.tenants is not None:
+            self._tasks.append(asyncio.create_task(self._every(1.0, self._reload_tenants)))
+
+    async def _reload_tenants(self) -> None:
+        if self.tenants is not None:
+            self.tenants.maybe_reload()
 
     async def close(self) -> None:
         tasks = list(self._tasks)
@@ -172,8 +184,12 @@ class RouterService:
 
     # ------------------------------------------------------------------ routing
 
-    async def plan(self, body: bytes, endpoint: str = "/v1/chat/completions") -> Plan:
-        """Tokenize, look up and rank; ServiceError when no engine is available."""
+    async def plan(
+        self, body: bytes, endpoint: str = "/v1/chat/completions", salt: str = ""
+    ) -> Plan:
+        """Tokenize, look up and rank; ServiceError when no engine is available. ``salt``:
+        the request's ``cache_salt``; every lookup and pending prefix is of that salt's
+        KV alone."""
         t0 = time.perf_counter()
         gc0 = self.gc.total
         engines = self.table.available(self._clock())
@@ -194,12 +210,14 @@ class RouterService:
                 t_hash = time.perf_counter()
                 tokenized_here = blob is not None and self.tokenizer is not None
             if blob is not None:
-                pending = self.pending.leading(blob, self._clock())
+                pending = self.pending.leading(blob, self._clock(), salt)
                 self.metrics.observe("hash", time.perf_counter() - t_hash)
             if blob is not None:
                 # the device tier's lookup runs beside the chunk lookup
                 model = self.config.model_name or self.table.model_name()
-                holders, hits = await self.device.beside(self.lookups.holders(blob, model), blob)
+                holders, hits = await self.device.beside(
+                    self.lookups.holders(blob, model, salt), blob, salt
+                )
             if holders is None and not hits:  # the device tier alone can route
                 policy = "least-loaded"
             else:
@@ -234,23 +252,32 @@ class RouterService:
             (c.name, self.table.engines[c.name].instance_id, c.cached_tokens)
             for c in decision.ranked
         )
-        return Plan(decision, policy, prompt, end - t0, blob or b"", tiers)
+        return Plan(decision, policy, prompt, end - t0, blob or b"", salt, tiers)
 
     # ------------------------------------------------------------------ proxying
 
     async def forward(self, request: Request) -> Response:
         """Route one request and relay the chosen engine's answer."""
         endpoint = request.url.path
+        caller = caller_of(request.scope)
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         rid = headers.setdefault(REQUEST_ID_HEADER, uuid.uuid4().hex)
+        if caller.tenant is not None:
+            # the tenant's key stays here: the engines know the fleet's token, if any
+            headers.pop("authorization", None)
+            if self.config.auth_token:
+                headers["authorization"] = f"Bearer {self.config.auth_token}"
         try:
             if request.method == "POST":
-                plan = await self.plan(body, endpoint)
+                salt, body = self._salted(caller, body)
+                plan = await self.plan(body, endpoint, salt)
             else:
                 plan = self._any_engine()
+        except SaltRefused as exc:
+            return self._refuse(endpoint, exc.status, str(exc), "invalid_request_error", caller)
         except ServiceError as exc:
-            return self._refuse(endpoint, 503, str(exc), "service_unavailable")
+            return self._refuse(endpoint, 503, str(exc), "service_unavailable", caller)
         if request.method == "POST":
             self.metrics.observe("overhead", plan.overhead_s)
         attempts: list[str] = []
@@ -264,16 +291,24 @@ class RouterService:
             if plan.blob:
                 # before the engine answers: the next request for this prefix may arrive
                 # while this one still queues or prefills (see ``PendingPrefixes``)
-                self.pending.note(plan.blob, e.url, self._clock())
+                self.pending.note(plan.blob, e.url, self._clock(), plan.salt)
             head = await self.relay.attempt(
                 e, choice, method=request.method, endpoint=endpoint, body=body, headers=headers
             )
             if head is None:
                 if plan.blob:
-                    self.pending.forget(plan.blob, e.url)
+                    self.pending.forget(plan.blob, e.url, plan.salt)
                 continue
+            self._count_tenant(caller, head.resp.status_code)
             return self.relay.respond(
-                e, choice, plan, head, endpoint=endpoint, rid=rid, attempt=len(attempts)
+                e,
+                choice,
+                plan,
+                head,
+                endpoint=endpoint,
+                rid=rid,
+                attempt=len(attempts),
+                expose_route=caller.is_operator or self.config.expose_route_header,
             )
         self.failed += 1
         return self._refuse(
@@ -281,7 +316,21 @@ class RouterService:
             502,
             f"no engine answered (tried {', '.join(attempts) or 'none'})",
             "bad_gateway",
+            caller,
         )
+
+    def _salted(self, caller: Caller, body: bytes) -> tuple[str, bytes]:
+        """The request's salt and the body the engine gets: a tenant's salt derived and
+        set in the body (``core.tenancy``), else the body's own ``cache_salt``."""
+        client = request_salt(body)
+        if caller.tenant is None or self.tenants is None:
+            return client or "", body
+        salt = self.tenants.table.salt_for(caller.tenant, client)
+        return salt, with_salt(body, salt)
+
+    def _count_tenant(self, caller: Caller, code: int) -> None:
+        if caller.tenant is not None:
+            self.metrics.tenant_requests.labels(caller.tenant.tenant_id, str(code)).inc()
 
     def _any_engine(self) -> Plan:
         engines = self.table.available(self._clock())
@@ -291,6 +340,10 @@ class RouterService:
         decision = self.chooser.rank(cands, 0, 0, policy="least-loaded")
         return Plan(decision, "least-loaded", 0, 0.0)
 
-    def _refuse(self, endpoint: str, code: int, message: str, kind: str) -> Response:
+    def _refuse(
+        self, endpoint: str, code: int, message: str, kind: str, caller: Caller | None = None
+    ) -> Response:
         self.metrics.requests.labels(endpoint, str(code)).inc()
+        if caller is not None:
+            self._count_tenant(caller, code)
         return Response(_error_body(message, kind), status_code=code, media_type=JSON)

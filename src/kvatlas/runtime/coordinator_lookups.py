@@ -170,11 +170,15 @@ class AsyncLookups:
         self._targets = [_Target(base, auth_token) for base in replicas.urls]
         self._tls: ssl.SSLContext | None = None
 
-    async def holders(self, tokens: bytes, model_name: str, *, timeout_s: float) -> LookupAnswer:
+    async def holders(
+        self, tokens: bytes, model_name: str, *, timeout_s: float, cache_salt: str = ""
+    ) -> LookupAnswer:
         """Every holder of a prefix of ``tokens`` (little-endian uint32) under
         ``model_name``, within ``timeout_s`` over all the replicas asked; the same
         errors as ``CoordinatorClient.lookup``."""
-        body = _msgpack.encode(LookupRequest(tokens_b64=tokens, model_name=model_name))
+        body = _msgpack.encode(
+            LookupRequest(tokens_b64=tokens, model_name=model_name, cache_salt=cache_salt)
+        )
         walk = ReplicaWalk(self._replicas, "POST", LOOKUP_PATH, timeout_s)
         for index, url, timeout in walk.attempts():
             try:

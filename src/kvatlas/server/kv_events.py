@@ -15,8 +15,10 @@ a replay buffer of ``buffer_steps`` batches, and the translation of the store's 
 * the stream's first batch (seq 0), and the batch after changes were dropped ->
   ``AllBlocksCleared``, so a subscriber never keeps what this process may not hold.
 
-A chunk hash shared by several keys (ranks, models, salts) is one block, held while
-any of its keys is. ``publish`` is called under the store's lock: it only appends to a
+A chunk hash shared by several keys (ranks, models) is one block, held while any of
+its keys is. A salted chunk (a tenant's) is published under a hash of its salt and
+chunk hash and without its token ids (``core.keys.salted_block_hash``), so a router
+that knows no salt never matches it to another tenant's or an unsalted prompt. ``publish`` is called under the store's lock: it only appends to a
 bounded queue; when the queue is full the changes are dropped and counted, and the
 thread then clears its subscribers and asks its owner (``on_loss``) to publish the
 whole store again (at most once a second). Nothing on the store's path waits on a
@@ -41,7 +43,7 @@ from prometheus_client.registry import Collector
 
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.events import Entry
-from kvatlas.core.keys import ObjectKey
+from kvatlas.core.keys import ObjectKey, salted_block_hash
 from kvatlas.core.types import EventType, Tier
 from kvatlas.server.config import KvEventsConfig
 from kvatlas.server.storage.guarded import EventPublishing
@@ -152,6 +154,7 @@ class KvEventsPublisher:
     def _bind(self, kind: int, endpoint: str, flag: str) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, "[" in endpoint)  # tcp://[::1]:5557 binds IPv6
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -224,20 +227,23 @@ class KvEventsPublisher:
             changed: list[bytes] = []
             tokens: list[int] = []
             for e in entries:
-                block = (tier, e.key.chunk_hash)
+                bid = salted_block_hash(e.key.chunk_hash, e.key.cache_salt)
+                block = (tier, bid)
                 keys = self._held.get(block)
                 if event_type is EventType.STORE:
                     if keys is None:
                         self._held[block] = {e.key}
-                        changed.append(e.key.chunk_hash)
-                        tokens.extend(e.token_ids or ())
+                        changed.append(bid)
+                        if not e.key.cache_salt:
+                            # an indexer that hashes token ids itself knows no salt
+                            tokens.extend(e.token_ids or ())
                     else:
                         keys.add(e.key)
                 elif keys is not None:
                     keys.discard(e.key)
                     if not keys:
                         del self._held[block]
-                        changed.append(e.key.chunk_hash)
+                        changed.append(bid)
             if not changed:
                 continue
             if event_type is EventType.STORE:
