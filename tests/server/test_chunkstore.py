@@ -153,6 +153,25 @@ def test_without_l2_evictions_are_just_deleted(region: L1Region) -> None:
     assert (Tier.L1, EventType.DELETE) in kinds and all(t is Tier.L1 for t, _ in kinds)
 
 
+def test_with_tenant_shares_a_flood_demotes_and_promotes_over_its_own_chunks(
+    region: L1Region, l2: DiskL2Adapter
+) -> None:
+    store = ChunkStore(L1Pool(region.size, A, tenant_min_share=0.5), region, l2)  # 2 each
+    a = [ObjectKey(key(i).chunk_hash, "m", 16777472, 0, "a") for i in range(2)]
+    b = [ObjectKey(key(i).chunk_hash, "m", 16777472, 0, "b") for i in range(6)]
+    for t, k in enumerate([*a, *b]):
+        store.store(k, chunk(t), float(t))
+    assert all(store.pool.contains(k) for k in a)
+    assert [l2.contains(k) for k in b] == [True] * 4 + [False] * 2
+    # b's promotion of its oldest chunk makes room with b's own (b[4] goes to L2), not a's
+    assert store.lookup_prefix(b[:1], 10.0) == 1
+    assert read_l1(store, b[0]) == chunk(2)
+    assert all(store.pool.contains(k) for k in a) and not store.pool.contains(b[4])
+    rows = {u.cache_salt: u for u in store.stats().l1_by_salt}
+    assert (rows["a"].bytes, rows["a"].chunks, rows["a"].evicted_by_others) == (2 * CHUNK, 2, 0)
+    assert (rows["b"].chunks, rows["b"].evicted_by_own, rows["b"].evicted_by_others) == (2, 5, 0)
+
+
 def test_startup_reports_l2_contents(tmp_path: Path, region: L1Region) -> None:
     first = DiskL2Adapter(tmp_path / "l2", 1 << 20)
     for i in range(3):

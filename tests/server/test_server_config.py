@@ -2,7 +2,8 @@
 instance's event batches and the coordinators' membership records of it must share a
 topic and a partitioner to stay in one partition, in order. Also the flags that reach
 the config and the ranges it refuses naming the flag (coordinator URLs, the P2P
-directory timeout, the engine API's queue bounds, the advertised ip)."""
+directory timeout, the engine API's queue bounds, the advertised ip, the L1 tenant
+share)."""
 
 from __future__ import annotations
 
@@ -95,3 +96,14 @@ def test_an_empty_advertise_ip_is_refused_naming_the_flag() -> None:
     with pytest.raises(ConfigError, match="--coordinator-advertise-ip must not be empty"):
         urls_of("--coordinator-url", "http://h:1", "--coordinator-advertise-ip", " ")
     assert urls_of("--coordinator-advertise-ip", "") == ()  # alone: nothing to register with
+
+
+def test_tenant_min_share_reaches_the_config_and_must_be_a_fraction() -> None:
+    base = ["--instance-id", "node-a"]
+    assert config_from_args(build_parser().parse_args(base), {}).l1.tenant_min_share == 0.0
+    args = build_parser().parse_args([*base, "--l1-tenant-min-share", "0.25"])
+    assert config_from_args(args, {}).l1.tenant_min_share == 0.25
+    for bad in ("-0.1", "1.5", "nan"):
+        args = build_parser().parse_args([*base, "--l1-tenant-min-share", bad])
+        with pytest.raises(ConfigError, match="--l1-tenant-min-share must be a fraction"):
+            config_from_args(args, {})

@@ -71,6 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="touch every L1 page at startup, so that stores and peer reads never pay"
         " first-touch page faults (default on)",
     )
+    ap.add_argument(
+        "--l1-tenant-min-share",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="fraction of L1 each active cache_salt (tenant) keeps against other tenants'"
+        " stores, cut down to the equal split among active tenants; a tenant over its share"
+        " evicts its own least recently used chunks first (default 0: one global LRU)",
+    )
     ap.add_argument("--l2-path", default=None, help="L2 directory (enables the disk tier)")
     ap.add_argument("--l2-size-gb", type=float, default=None, help="L2 budget (needs --l2-path)")
     ap.add_argument("--lease-seconds", type=float, default=30.0, help="default lease length")
@@ -292,6 +301,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
             eviction_policy=args.eviction_policy,
             align_bytes=args.l1_align_bytes,
             prefault=args.l1_prefault,
+            tenant_min_share=args.l1_tenant_min_share,
         ),
         l2=L2Config(
             path=Path(args.l2_path) if args.l2_path else None,

@@ -19,15 +19,21 @@ Chunk lifecycle, keyed by ObjectKey::
 ``reserve`` returns an outcome, never None: ``Reserved(slot, evicted)`` or
 ``Refused(reason)`` with reason ``exists`` (already READY: nothing to store), ``busy``
 (another writer holds the write lease) or ``no_space`` (even evicting every unlocked READY
-chunk would not free a contiguous run; nothing is evicted then).
+chunk the allocation may take, all of them unless per-tenant shares protect some, would
+not free a contiguous run; nothing is evicted then).
 
 Eviction. When no free extent fits, the pool walks the eviction policy's candidates
 (LRU first), skipping locked chunks (a live read or write lease), until the candidates
 seen so far plus the free space around them form a contiguous run that fits; only the
-candidates inside the chosen run are evicted. Evicted chunks come back in
-``Reserved.evicted`` with their offset, size and checksum: their bytes are still intact
-in the region until the caller writes the new slot, so the caller (single-threaded under
-the shell's lock) copies them out to L2 first.
+candidates inside the chosen run are evicted. With per-tenant shares on
+(``tenant_min_share`` > 0) the candidates come instead from ``core.l1shares``: the
+allocating salt's own LRU chunks when it is over its share, then the chunks of salts
+over their share (never taking one below it), walked through the policy's per-salt
+orders; a salt at or below its share loses chunks only to its own allocations. The pool
+keeps per-salt bytes, chunk counts and eviction counters either way (``salt_usage()``).
+Evicted chunks come back in ``Reserved.evicted`` with their offset, size and checksum:
+their bytes are still intact in the region until the caller writes the new slot, so the
+caller (single-threaded under the shell's lock) copies them out to L2 first.
 
 Events (HOUSE_STYLE habit 3). The pool records STORE (commit) and DELETE (evicted,
 deleted) events in a list drained by ``take_events()``; it delivers nothing itself. An
@@ -50,6 +56,7 @@ from typing import NewType, Protocol
 
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import ObjectKey
+from kvatlas.core.l1shares import SaltShares, SaltUsage
 from kvatlas.core.types import EventType
 
 LeaseId = NewType("LeaseId", int)
@@ -92,7 +99,8 @@ class Refusal(enum.StrEnum):
     BUSY = "busy"
     """Another writer holds the key's write lease."""
     NO_SPACE = "no_space"
-    """No contiguous run fits, even after evicting every unlocked chunk."""
+    """No contiguous run fits, even after evicting every unlocked chunk the allocation
+    may take (per-tenant shares protect other salts' chunks within their share)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +175,10 @@ class PoolStats:
     evictions: int
     free_extents: int
     largest_free_bytes: int
+    cross_salt_evictions: int = 0
+    """Of ``evictions``, those whose victim's cache_salt was not the allocation's."""
+    tenant_share_bytes: int = 0
+    """What each active salt is guaranteed now (``core.l1shares``); 0: shares are off."""
 
 
 # ----------------------------------------------------------------------- eviction policy
@@ -185,28 +197,50 @@ class EvictionPolicy(Protocol):
         policy while iterating."""
         ...
 
+    def salt_candidates(self, cache_salt: str) -> Iterator[ObjectKey]:
+        """The keys of one ``cache_salt`` in eviction order, without walking the others'
+        (what per-tenant shares ask for); same rule about mutation."""
+        ...
+
 
 class LRUPolicy:
-    """Least recently used first (an OrderedDict; most recent at the end)."""
+    """Least recently used first (an OrderedDict; most recent at the end), kept globally
+    and per ``cache_salt`` (LMCache's isolated LRU: one order per salt), so that either
+    walk starts at its least recently used key."""
 
     name = "LRU"
 
     def __init__(self) -> None:
         self._order: OrderedDict[ObjectKey, None] = OrderedDict()
+        self._by_salt: dict[str, OrderedDict[ObjectKey, None]] = {}
 
     def add(self, key: ObjectKey) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
+        salt = self._by_salt.get(key.cache_salt)
+        if salt is None:
+            salt = self._by_salt[key.cache_salt] = OrderedDict()
+        salt[key] = None
+        salt.move_to_end(key)
 
     def touch(self, key: ObjectKey) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+            self._by_salt[key.cache_salt].move_to_end(key)
 
     def remove(self, key: ObjectKey) -> None:
-        self._order.pop(key, None)
+        if key in self._order:
+            del self._order[key]
+            salt = self._by_salt[key.cache_salt]
+            del salt[key]
+            if not salt:
+                del self._by_salt[key.cache_salt]
 
     def candidates(self) -> Iterator[ObjectKey]:
         return iter(self._order)
+
+    def salt_candidates(self, cache_salt: str) -> Iterator[ObjectKey]:
+        return iter(self._by_salt.get(cache_salt, ()))
 
 
 POLICIES: dict[str, type[LRUPolicy]] = {"LRU": LRUPolicy}
@@ -259,11 +293,16 @@ class L1Pool:
         align_bytes: int = MIN_ALIGN_BYTES,
         policy: str | EvictionPolicy = "LRU",
         lease_ids: Callable[[], int] | None = None,
+        tenant_min_share: float = 0.0,
     ) -> None:
         """``lease_ids``: where new lease ids come from (values in [1, 2**63-1]; one in
         use is drawn again). None: 1, 2, 3, ... (deterministic, for tests). A server
         passes a random source, so that a lease id cannot be guessed by a client that
-        did not get it (`release` trusts whoever names the id)."""
+        did not get it (`release` trusts whoever names the id).
+
+        ``tenant_min_share``: the fraction of the capacity each active ``cache_salt`` is
+        guaranteed against other salts' allocations, cut down to the equal split
+        (``core.l1shares``); 0 (the default): one global eviction order."""
         if align_bytes < MIN_ALIGN_BYTES or align_bytes & (align_bytes - 1):
             raise InvalidInput(
                 f"L1 alignment must be a power of two >= {MIN_ALIGN_BYTES} bytes, got {align_bytes}"
@@ -277,6 +316,7 @@ class L1Pool:
         self.align_bytes = align_bytes
         self.capacity_bytes = usable
         self._policy = make_policy(policy) if isinstance(policy, str) else policy
+        self._shares = SaltShares(usable, tenant_min_share)
         self._chunks: dict[ObjectKey, _Chunk] = {}
         self._free_by_start: dict[int, int] = {}
         self._free_by_end: dict[int, int] = {}
@@ -340,7 +380,14 @@ class L1Pool:
             evictions=self._evictions,
             free_extents=len(self._free_sorted),
             largest_free_bytes=self._free_sorted[-1][0] if self._free_sorted else 0,
+            cross_salt_evictions=self._shares.cross_salt_evictions,
+            tenant_share_bytes=self._shares.current_share(),
         )
+
+    def salt_usage(self) -> list[SaltUsage]:
+        """Per ``cache_salt``: bytes and chunks held, evictions by its own allocations and
+        by others' (salts emptied lately included, with zero bytes), by salt."""
+        return self._shares.usage()
 
     def take_events(self) -> list[PoolEvent]:
         """The events recorded since the last call, oldest first."""
@@ -365,10 +412,11 @@ class L1Pool:
         evicted: tuple[SlotInfo, ...] = ()
         offset = self._alloc(need)
         if offset is None:
-            victims = self._plan_eviction(need)
+            victims = self._plan_eviction(need, key.cache_salt)
             if victims is None:
                 return Refused(Refusal.NO_SPACE)
             for victim in victims:
+                self._shares.evicted(victim.key.cache_salt, key.cache_salt)
                 self._drop(victim)
                 self._evictions += 1
                 self._events.append(PoolEvent(EventType.DELETE, victim.key, victim.size, "evicted"))
@@ -380,6 +428,7 @@ class L1Pool:
         deadline = now + lease_s
         chunk = _Chunk(key, offset, size, need, write_lease=lease_id, write_holder=holder)
         self._chunks[key] = chunk
+        self._shares.reserved(key.cache_salt, need)
         self._write_leases[lease_id] = (key, deadline)
         heapq.heappush(self._deadlines, (deadline, lease_id))
         return Reserved(Slot(key, offset, size, lease_id, deadline), evicted)
@@ -406,6 +455,7 @@ class L1Pool:
             return None
         chunk.checksum = checksum
         chunk.committed = True
+        self._shares.committed(key.cache_salt)
         self._policy.add(key)
         self._events.append(PoolEvent(EventType.STORE, key, chunk.size, "stored"))
         return chunk.info()
@@ -536,16 +586,32 @@ class L1Pool:
     def _drop(self, chunk: _Chunk) -> None:
         del self._chunks[chunk.key]
         self._policy.remove(chunk.key)
+        self._shares.freed(chunk.key.cache_salt, chunk.reserved, chunk.committed)
         self._release_extent(chunk.offset, chunk.reserved)
 
-    def _plan_eviction(self, need: int) -> list[_Chunk] | None:
-        """The unlocked chunks to evict, in policy order, so that a run of ``need`` fits."""
-        by_start: dict[int, _Chunk] = {}
-        by_end: dict[int, _Chunk] = {}
+    def _unlocked(self, cache_salt: str) -> Iterator[tuple[ObjectKey, int]]:
+        """``cache_salt``'s unlocked chunks in policy order, with their reserved bytes."""
+        for key in self._policy.salt_candidates(cache_salt):
+            chunk = self._chunks[key]
+            if not chunk.locked:
+                yield key, chunk.reserved
+
+    def _candidates(self, need: int, cache_salt: str) -> Iterator[_Chunk]:
+        """Unlocked chunks in the order an allocation of ``cache_salt``'s may evict them."""
+        if self._shares.enabled:
+            for key in self._shares.victims(cache_salt, need, self._unlocked):
+                yield self._chunks[key]
+            return
         for key in self._policy.candidates():
             chunk = self._chunks[key]
-            if chunk.locked:
-                continue
+            if not chunk.locked:
+                yield chunk
+
+    def _plan_eviction(self, need: int, cache_salt: str) -> list[_Chunk] | None:
+        """The unlocked chunks to evict, in candidate order, so that a run of ``need`` fits."""
+        by_start: dict[int, _Chunk] = {}
+        by_end: dict[int, _Chunk] = {}
+        for chunk in self._candidates(need, cache_salt):
             by_start[chunk.offset] = chunk
             by_end[chunk.offset + chunk.reserved] = chunk
             start = chunk.offset

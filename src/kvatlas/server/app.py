@@ -138,6 +138,7 @@ class CacheServer:
                 config.l1.align_bytes,
                 config.l1.eviction_policy,
                 lease_ids=RandomLeaseIds(),
+                tenant_min_share=config.l1.tenant_min_share,
             )
             self.l2: L2Adapter | None = None
             if config.l2.path is not None:

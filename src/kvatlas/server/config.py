@@ -52,6 +52,13 @@ class L1Config:
     prefault: bool = True
     """Touch every page of the region at startup (``--no-l1-prefault`` skips it): the
     memory is then really reserved and no store or peer read pays first-touch faults."""
+    tenant_min_share: float = 0.0
+    """Fraction of L1 each active cache_salt (tenant) is guaranteed against other
+    tenants' stores (``--l1-tenant-min-share``, in [0, 1]), cut down to the equal split
+    when more tenants are active than the fractions fit: ``min(FRACTION * capacity,
+    capacity // active salts)``. A tenant over its share evicts its own least recently
+    used chunks first, then those of tenants over theirs; one at or below it loses
+    chunks only to its own stores (``core.l1shares``). 0, the default: one global LRU."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +133,9 @@ class KvEventsConfig:
     """This server's L1/L2 as vLLM KV events (``--kv-events-*``; off by default)."""
 
     endpoint: str | None = None
-    """ZeroMQ PUB socket it binds (``--kv-events-endpoint``, e.g. ``tcp://*:5557``)."""
+    """ZeroMQ PUB socket it binds (``--kv-events-endpoint``, e.g.
+    ``tcp://10.0.0.5:5557``, an IPv6 address in brackets; ``tcp://*:5557``, vLLM's
+    default, binds every interface)."""
     replay_endpoint: str | None = None
     """ROUTER socket it binds for replays (``--kv-events-replay-endpoint``)."""
     topic: str = ""
@@ -341,6 +350,11 @@ def _problems(c: ServerConfig) -> list[str]:
         out.append(
             f"--l1-size-gb must hold at least one aligned slot of {a} bytes"
             f" (--l1-align-bytes), got {c.l1.size_bytes} bytes"
+        )
+    if not 0.0 <= c.l1.tenant_min_share <= 1.0:
+        out.append(
+            "--l1-tenant-min-share must be a fraction in [0, 1] (0: off),"
+            f" got {c.l1.tenant_min_share}"
         )
     if c.l1.eviction_policy.upper() not in POLICIES:
         out.append(

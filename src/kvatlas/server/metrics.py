@@ -88,6 +88,7 @@ class ServerMetrics(Collector):
         yield self._g("read_leases", "Live read leases.", s.l1.read_leases)
         yield self._g("write_leases", "Live write leases.", s.l1.write_leases)
         yield self._c("l1_evictions", "Chunks evicted from L1.", s.l1.evictions)
+        yield from _salt_metrics(self._iid, s)
         yield self._g("l2_capacity_bytes", "Byte budget of L2.", s.l2_capacity_bytes)
         yield self._g("l2_used_bytes", "Bytes of L2 files.", s.l2_used_bytes)
         yield self._c("l2_promotions", "Chunks promoted from L2 into L1.", s.promotions)
@@ -227,6 +228,49 @@ class ServerMetrics(Collector):
         for cause, n in sorted(f.fallbacks.items()):
             fb.add_metric([self._iid, cause.value], n)
         yield fb
+
+
+def _salt_metrics(
+    iid: str, s: ChunkStoreStats
+) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Per cache_salt (the salt itself as the label; "" is the unsalted namespace): L1
+    held, and evictions by the salt's own requests and by others'."""
+    yield instance_counter(
+        iid,
+        "l1_cross_salt_evictions",
+        "L1 evictions that took another cache_salt's chunk than the allocating request's.",
+        s.l1.cross_salt_evictions,
+    )
+    yield instance_gauge(
+        iid,
+        "l1_tenant_share_bytes",
+        "L1 bytes each active cache_salt is guaranteed now (--l1-tenant-min-share, cut"
+        " down to the equal split); 0: per-tenant shares are off.",
+        s.l1.tenant_share_bytes,
+    )
+    labels = ["instance_id", "salt"]
+    held = GaugeMetricFamily(
+        "kvatlas_server_l1_salt_bytes",
+        "Reserved L1 bytes a cache_salt holds (committed chunks and writes in progress).",
+        labels=labels,
+    )
+    chunks = GaugeMetricFamily(
+        "kvatlas_server_l1_salt_chunks", "Committed L1 chunks of a cache_salt.", labels=labels
+    )
+    evicted = CounterMetricFamily(
+        "kvatlas_server_l1_salt_evictions",
+        "A cache_salt's L1 chunks evicted, by whose request made room: own (the same"
+        " salt's) or other (another salt's).",
+        labels=[*labels, "by"],
+    )
+    for u in s.l1_by_salt:
+        held.add_metric([iid, u.cache_salt], u.bytes)
+        chunks.add_metric([iid, u.cache_salt], u.chunks)
+        evicted.add_metric([iid, u.cache_salt, "own"], u.evicted_by_own)
+        evicted.add_metric([iid, u.cache_salt, "other"], u.evicted_by_others)
+    yield held
+    yield chunks
+    yield evicted
 
 
 def _deadline_metrics(iid: str, pp: P2PStats) -> Iterator[GaugeMetricFamily]:

@@ -17,6 +17,7 @@ from kvatlas.server.storage.chunkstore import ChunkStoreStats
 from kvatlas.wire.server_status import (
     CacheControlStatus,
     EventStatus,
+    L1SaltStatus,
     L1Status,
     L2Status,
     LeaseStatus,
@@ -68,6 +69,8 @@ def build_status(
             writing=l1.writing,
             evictions=l1.evictions,
             largest_free_bytes=l1.largest_free_bytes,
+            cross_salt_evictions=l1.cross_salt_evictions,
+            tenant_share_bytes=l1.tenant_share_bytes,
         ),
         l2=L2Status(
             enabled=store.l2_capacity_bytes > 0,
@@ -98,6 +101,10 @@ def build_status(
         active_p2p_lookup_jobs=p2p.active_lookup_jobs if p2p else 0,
         p2p=p2p_status(p2p) if p2p else None,
         cache_control=cache_control_status(cache_control) if cache_control else None,
+        l1_by_salt={
+            u.cache_salt: L1SaltStatus(u.bytes, u.chunks, u.evicted_by_own, u.evicted_by_others)
+            for u in store.l1_by_salt
+        },
     )
 
 

@@ -42,6 +42,25 @@ class L1Status(msgspec.Struct, frozen=True):
     writing: int
     evictions: int
     largest_free_bytes: int
+    cross_salt_evictions: int = 0
+    """Of ``evictions``, those that took another cache_salt's chunk than the allocating
+    request's."""
+    tenant_share_bytes: int = 0
+    """The L1 bytes each active cache_salt is guaranteed now (``--l1-tenant-min-share``,
+    cut down to the equal split); 0: per-tenant shares are off."""
+
+
+class L1SaltStatus(msgspec.Struct, frozen=True):
+    """One cache_salt's part of L1 (an entry of ``l1_by_salt``)."""
+
+    bytes: int
+    """Reserved L1 bytes: committed chunks and writes in progress."""
+    chunks: int
+    """Committed chunks."""
+    evicted_by_own: int
+    """Its chunks evicted to make room for its own requests."""
+    evicted_by_others: int
+    """Its chunks evicted to make room for other cache_salts' requests."""
 
 
 class L2Status(msgspec.Struct, frozen=True):
@@ -208,6 +227,10 @@ class ServerStatus(msgspec.Struct, frozen=True, omit_defaults=True):
     """Absent from the document when P2P is off."""
     cache_control: CacheControlStatus | None = None
     """Absent from a document of a server that has no cache control (older ones)."""
+    l1_by_salt: dict[str, L1SaltStatus] = {}
+    """Per cache_salt ("" is the unsalted namespace): what it holds in L1 and what was
+    evicted of it; salts emptied lately stay with zero bytes (a bounded number). Absent
+    while no salt ever held L1."""
 
 
 _decoder = msgspec.json.Decoder(ServerStatus)

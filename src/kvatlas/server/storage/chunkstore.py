@@ -52,6 +52,7 @@ from kvatlas.core.l1pool import (
     Slot,
     SlotInfo,
 )
+from kvatlas.core.l1shares import SaltUsage
 from kvatlas.core.types import EventType, Tier
 from kvatlas.runtime.region import L1Region
 from kvatlas.server.storage.l2 import L2Adapter, L2Error, as_bytes_view
@@ -129,6 +130,9 @@ class ChunkStoreStats:
     promotion_failures: int
     demotions: int
     demotion_failures: int
+    l1_by_salt: tuple[SaltUsage, ...] = ()
+    """Per cache_salt: L1 bytes and chunks held, evictions by its own and others'
+    allocations (``L1Pool.salt_usage``)."""
 
 
 class ChunkStore:
@@ -392,6 +396,7 @@ class ChunkStore:
             promotion_failures=self._promotion_failures,
             demotions=self._demotions,
             demotion_failures=self._demotion_failures,
+            l1_by_salt=tuple(self.pool.salt_usage()),
         )
 
     # ------------------------------------------------------------------------ internals
