@@ -437,8 +437,8 @@ def test_a_fresh_batch_answered_duplicate_is_a_fault_at_the_sink(
 def test_with_an_operator_token_only_it_sees_the_cursors(tmp_path: Path, token_file: Path) -> None:
     """`/directory/stats` and the fleet page showed every instance's incarnation and
     last seq to any token holder: what a forger of its events needs. With an operator
-    token set, only requests bearing it see them; the rest (and the fleet page's
-    document, one for every viewer) get null, with the gaps still there."""
+    token set, only requests bearing it see them; the rest (in the fleet page's
+    document too) get null, with the gaps still there."""
     operator_file = tmp_path / "operator"
     operator_file.write_text("operator-secret\n")
     coord = start_coordinator_process(
@@ -459,6 +459,8 @@ def test_with_an_operator_token_only_it_sees_the_cursors(tmp_path: Path, token_f
         with httpx.Client(base_url=coord.url, headers=operator, timeout=10) as op:
             cursor = op.get("/directory/stats").json()["cursors"]
             assert (cursor[0]["incarnation"], cursor[0]["last_seq"]) == (7, 3)
+            page = op.get("/ui/fleet.json").json()["directory"]["cursors"]
+            assert (page[0]["incarnation"], page[0]["last_seq"]) == (7, 3)
             assert op.get("/instances").status_code == 200
         assert httpx.get(f"{coord.url}/directory/stats", timeout=10).status_code == 401
     finally:

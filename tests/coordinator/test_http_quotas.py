@@ -237,11 +237,12 @@ def test_operator_token_guards_quota_and_pin_writes(start_coordinator: Start) ->
         assert r.status_code == 403, (method, path, r.text)
         assert "operator token" in r.json()["detail"]
         assert c.request(method, path, json=body, headers=op).status_code == 200
-    assert c.get("/quota").status_code == 200
-    assert c.get("/cache/pins").status_code == 200
+    assert c.get("/quota").status_code == 200  # the total, no salt (test_tenant_figures)
+    assert c.get("/quota/config").status_code == 200
+    assert c.get("/cache/pins").status_code == 403  # every pin names its salt
     assert c.get("/quota/config", headers={"Authorization": "Bearer nope"}).status_code == 401
     text = c.get("/metrics").text
-    assert 'kvatlas_coordinator_operator_refusals_total{reason="auth"} 5.0' in text
+    assert 'kvatlas_coordinator_operator_refusals_total{reason="auth"} 6.0' in text
 
 
 def test_stats_and_keys_carry_lmcache_fields(rc: RunningCoordinator) -> None:

@@ -55,6 +55,8 @@ def test_document_carries_usage_against_quotas_and_pins(start_coordinator: Start
             SaltQuotaView("c", 0, None, 4 * MIB, 2),
         ],
         eviction_interval_s=0.0,
+        l2_bytes=4 * MIB,
+        salts_over_quota=1,
     )
 
 

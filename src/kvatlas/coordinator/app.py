@@ -106,7 +106,9 @@ class Coordinator:
             ratio=config.eviction_ratio,
             watermark=config.trigger_watermark,
         )
-        quota_metrics.attach(self.metrics.registry, self.quotas.sample)
+        quota_metrics.attach(
+            self.metrics.registry, self.metrics.tenant_registry, self.quotas.sample
+        )
         operator_log: OperatorLog
         self._parts: list[_Part] = []
         self.membership: MembershipFrontend

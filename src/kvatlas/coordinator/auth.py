@@ -3,8 +3,10 @@
 Owns which paths are guarded (every path but `/healthz` and the fleet page's files, which
 hold no data: the page asks for the token, when a token is set), which tokens admit (the
 shared one, and the operator's when set, which alone passes `OperatorCheck`) and the 401
-answer, as the HTTP server's gate; the comparison is the fleet's one `TokenGate`. Must not log the
-token or the header it was offered.
+answer, as the HTTP server's gate; the comparison is the fleet's one `TokenGate`. Also
+who sees per-tenant figures (`OperatorCheck.sees_tenants`): with an operator token set,
+only a request bearing it; a fleet-token caller gets them summed without salts, or a
+403 (docs/deploy.md, "Tenants"). Must not log the token or the header it was offered.
 """
 
 from __future__ import annotations
@@ -49,3 +51,9 @@ class OperatorCheck:
         return self._gate is not None and self._gate.check_header(
             request.headers.get("authorization")
         )
+
+    def sees_tenants(self, request: HttpRequest) -> bool:
+        """May the request see figures per ``cache_salt`` (a tenant's identity)? Always
+        without an operator token (LMCache's coordinator has none and shows them to
+        every caller); with one, only a request bearing it."""
+        return self._gate is None or self(request)

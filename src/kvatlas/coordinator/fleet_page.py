@@ -5,11 +5,13 @@ startup, with a content security policy that lets the page load and fetch nothin
 from this coordinator) and the data route over `FleetView`. The page and its files hold
 no fleet data and are served without the token (`ASSET_PATHS`, open in `auth`): the page
 asks the operator for the token and sends it with every data request, which the gate
-guards like any other route. Must not: build the page at run time or fetch anything.
+guards like any other route; the operator's token gets the per-salt quota rows, any other
+the sums (`FleetView.document`). Must not: build the page at run time or fetch anything.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib.resources import files
 
 from kvatlas.coordinator.edge.messages import HttpRequest, HttpResponse
@@ -41,8 +43,11 @@ _DATA_HEADERS = (("cache-control", "no-store"), ("x-content-type-options", "nosn
 class FleetPage:
     """The page's files (read once) and its data route."""
 
-    def __init__(self, view: FleetView) -> None:
+    def __init__(self, view: FleetView, sees_tenants: Callable[[HttpRequest], bool]) -> None:
+        """``sees_tenants``: may a request see per-salt figures
+        (`auth.OperatorCheck.sees_tenants`, which imports this module's paths)."""
         self._view = view
+        self._sees_tenants = sees_tenants
         ui = files("kvatlas.coordinator").joinpath("ui")
         self._files = {
             path: HttpResponse(200, ui.joinpath(name).read_bytes(), ctype, _PAGE_HEADERS)
@@ -55,7 +60,8 @@ class FleetPage:
         router.add("GET", DATA_PATH, self.data)
 
     async def data(self, request: HttpRequest) -> HttpResponse:
-        return HttpResponse(200, await self._view.document(), headers=_DATA_HEADERS)
+        doc = await self._view.document(self._sees_tenants(request))
+        return HttpResponse(200, doc, headers=_DATA_HEADERS)
 
 
 def _static(response: HttpResponse) -> SyncHandler:

@@ -5,7 +5,9 @@ Owns the aggregation: the member list, each member's `/status` fetched concurren
 one short deadline each (a member that does not answer in time, refuses, or answers
 something unreadable is shown with the reason, never waited for longer), the
 coordinator's counters, directory stats and quotas, and one cached document per `cache_s` that
-every viewer shares (at most one assembly in flight, however many pages poll). It runs on
+every viewer shares (at most one assembly in flight, however many pages poll). With an
+operator token set there are two: the operator's (each salt's quota row, the instances'
+cursors) and everyone else's, with the quotas summed and no salt, and no cursors. It runs on
 the coordinator's event loop without blocking it: the fetches are asynchronous, and
 what takes the service lock or decodes and encodes (member list, stats, the document) is
 done in a worker thread. Must not: change the fleet state, fetch anything but the
@@ -26,6 +28,7 @@ import msgspec
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.runtime.http_clients import async_fleet_client
 from kvatlas.wire.fleet_view import (
     HEARTBEAT_INTERVAL_KEY,
     STATUS_URL_KEY,
@@ -52,6 +55,14 @@ _MISSED_HEARTBEATS = 3
 
 _status_decoder = msgspec.json.Decoder(MemberStatus)
 _encoder = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True, slots=True)
+class _Documents:
+    tenants: bytes
+    """For a viewer who may see tenants (the operator, or anyone without its token)."""
+    fleet: bytes
+    """For everyone else: the quotas summed without salts, no cursors."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,31 +94,32 @@ class FleetView:
         self._clock = clock
         self._cache_s = cache_s
         self._timeout = status_timeout_s
-        self._headers = (
-            {"authorization": f"Bearer {config.auth_token}"} if config.auth_token else {}
-        )
-        self._doc = b""
+        self._docs = _Documents(b"", b"")
         self._doc_at = -float("inf")
-        self._assembling: asyncio.Task[bytes] | None = None
+        self._assembling: asyncio.Task[_Documents] | None = None
 
-    async def document(self) -> bytes:
-        """The cached document, or a fresh one (shared with concurrent callers)."""
+    async def document(self, tenants: bool = True) -> bytes:
+        """The cached document, or a fresh one (shared with concurrent callers); with
+        ``tenants`` False, the one without per-salt figures or cursors (which is the
+        only one without an operator token)."""
         if time.monotonic() - self._doc_at < self._cache_s:
-            return self._doc
-        task = self._assembling
-        if task is None:
-            task = self._assembling = asyncio.ensure_future(self._assemble())
-        return await task
+            docs = self._docs
+        else:
+            task = self._assembling
+            if task is None:
+                task = self._assembling = asyncio.ensure_future(self._assemble())
+            docs = await task
+        return docs.tenants if tenants else docs.fleet
 
-    async def _assemble(self) -> bytes:
+    async def _assemble(self) -> _Documents:
         try:
             loop = asyncio.get_running_loop()
             now = self._clock()
             members = await loop.run_in_executor(None, self._svc.instances, now)
             fetched = await self._fetch_all([_url(m) for m in members])
-            doc = await loop.run_in_executor(None, self._encode, now, members, fetched)
-            self._doc, self._doc_at = doc, time.monotonic()
-            return doc
+            docs = await loop.run_in_executor(None, self._encode, now, members, fetched)
+            self._docs, self._doc_at = docs, time.monotonic()
+            return docs
         finally:
             self._assembling = None
 
@@ -117,13 +129,8 @@ class FleetView:
         if not urls:
             return []
         limits = httpx.Limits(max_connections=MAX_PARALLEL, max_keepalive_connections=0)
-        # trust_env=False: a proxy set for the operator's shell must not carry fleet traffic.
-        async with httpx.AsyncClient(
-            headers=self._headers,
-            timeout=self._timeout,
-            limits=limits,
-            trust_env=False,
-            follow_redirects=False,
+        async with async_fleet_client(
+            token=self._cfg.auth_token or None, timeout=self._timeout, limits=limits
         ) as client:
             return list(await asyncio.gather(*(self._fetch(client, u) for u in urls)))
 
@@ -152,23 +159,34 @@ class FleetView:
 
     # ---- the document (in a worker thread) -------------------------------------------
 
-    def _encode(self, now: float, members: list[InstanceWire], fetched: list[_Fetched]) -> bytes:
+    def _encode(
+        self, now: float, members: list[InstanceWire], fetched: list[_Fetched]
+    ) -> _Documents:
         views = [self._member(m, f) for m, f in zip(members, fetched, strict=True)]
-        return _encoder.encode(
-            FleetDocument(
-                generated_at=now,
-                cache_s=self._cache_s,
-                event_transport=self._cfg.event_transport,
-                ready=self._svc.ready,
-                not_ready_reason=self._svc.not_ready_reason,
-                instance_timeout_s=self._cfg.instance_timeout,
-                counters=self._metrics.counters(),
-                # One document for every viewer: without the operator's cursors.
-                directory=self._svc.stats(redact=bool(self._cfg.operator_token)),
-                members=views,
-                quotas=self._quotas() if self._quotas is not None else None,
-            )
+        quotas = self._quotas() if self._quotas is not None else None
+        doc = FleetDocument(
+            generated_at=now,
+            cache_s=self._cache_s,
+            event_transport=self._cfg.event_transport,
+            ready=self._svc.ready,
+            not_ready_reason=self._svc.not_ready_reason,
+            instance_timeout_s=self._cfg.instance_timeout,
+            counters=self._metrics.counters(),
+            directory=self._svc.stats(),
+            members=views,
+            quotas=quotas,
         )
+        full = _encoder.encode(doc)
+        if not self._cfg.operator_token:
+            return _Documents(full, full)
+        fleet = msgspec.structs.replace(
+            doc,
+            directory=self._svc.stats(redact=True),
+            quotas=None
+            if quotas is None
+            else msgspec.structs.replace(quotas, salts=[], salts_hidden=True),
+        )
+        return _Documents(full, _encoder.encode(fleet))
 
     def _member(self, m: InstanceWire, f: _Fetched) -> MemberView:
         status: MemberStatus | None = None

@@ -186,10 +186,13 @@ class CoordinatorApp:
             if quotas is None
             else lambda: quotas.controller.fleet_view(config.eviction_check_interval)
         )
-        self._page = FleetPage(FleetView(config, service, metrics, clock=clock, quotas=quota_view))
+        self._operator = OperatorCheck(config.operator_token)
+        self._page = FleetPage(
+            FleetView(config, service, metrics, clock=clock, quotas=quota_view),
+            self._operator.sees_tenants,
+        )
         self._quotas = quotas
         self._cache = cache
-        self._operator = OperatorCheck(config.operator_token)
 
     def router(self) -> Router:
         r = Router()
@@ -429,11 +432,17 @@ class CoordinatorApp:
     # ---- views (in the pool: each walks a whole structure) ---------------------------
 
     def stats(self, request: HttpRequest) -> HttpResponse:
+        """Counts by tier and by instance, and a count of namespaces: nothing per salt.
+        With an operator token, only its bearer sees the instances' cursors."""
         with_digest = request.query.get("digest", "") in ("1", "true")
-        redact = self._operator.enabled and not self._operator(request)
+        redact = not self._operator.sees_tenants(request)
         return _json(self._svc.stats(with_digest, redact=redact))
 
     def keys(self, request: HttpRequest) -> HttpResponse:
+        """Every key with its namespace (its ``cache_salt``: a tenant) and hash prefix:
+        with an operator token, for its bearer only (403), as there is no sum of it."""
+        if not self._operator.sees_tenants(request):
+            raise HttpError(403, "listing keys by namespace needs the operator token")
         q = request.query
         try:
             offset = int(q.get("offset", "0"))
@@ -472,7 +481,12 @@ class CoordinatorApp:
         return _json(ReadyResponse(False, reason), 503)
 
     def metrics(self, request: HttpRequest) -> HttpResponse:
-        return HttpResponse(200, self._metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
+        """The per-salt families only for a caller who may see tenants."""
+        return HttpResponse(
+            200,
+            self._metrics.render(tenants=self._operator.sees_tenants(request)),
+            "text/plain; version=0.0.4; charset=utf-8",
+        )
 
     def openapi(self, request: HttpRequest) -> HttpResponse:
         return HttpResponse(200, self._openapi)

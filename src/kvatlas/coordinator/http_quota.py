@@ -12,10 +12,12 @@
 
 Refusals: a body or query that does not decode is a 422 (FastAPI's code), a request
 LMCache refuses by its semantics a 400, both as ``{"detail": reason}``. With an operator
-token (`--operator-token-file`), every write needs it (403 without; reads need only what
-the gate asks). Writes go through an `OperatorLog`: applied here, or with Kafka
-published and applied from the log by every replica (answered once this one applied
-it). Must not hold state: the controller does.
+token (`--operator-token-file`), every write needs it (403 without), and so do the reads
+of one salt (``GET /quota/{cache_salt}``) and of the pin table (``GET /cache/pins``, every
+pin names its salt), while ``GET /quota`` answers anyone else the total alone, with no
+salt listed; ``GET /quota/config`` needs only what the gate asks. Writes go through an
+`OperatorLog`: applied here, or with Kafka published and applied from the log by every
+replica (answered once this one applied it). Must not hold state: the controller does.
 """
 
 from __future__ import annotations
@@ -187,6 +189,11 @@ class QuotaRoutes:
             self._ctl.metrics.operator_refusals.labels("auth").inc()
             raise Refused(403, "quota and pin writes need the operator token")
 
+    def _check_tenant_reader(self, request: HttpRequest, what: str) -> None:
+        if not self._operator.sees_tenants(request):
+            self._ctl.metrics.operator_refusals.labels("auth").inc()
+            raise Refused(403, f"{what} needs the operator token")
+
     # ---- quota config -----------------------------------------------------------------
 
     async def set_config(self, request: HttpRequest) -> HttpResponse:
@@ -225,6 +232,7 @@ class QuotaRoutes:
         return _json(QuotaResponse(salt, 0.0, "removed" if result.found else "not_found"))
 
     def get_status(self, request: HttpRequest) -> HttpResponse:
+        self._check_tenant_reader(request, "one salt's quota and usage")
         tier = _require_accounted_tier(_tier(request))
         salt = salt_from_path(request.path_params["cache_salt"])
         limit, usage = self._ctl.salt_status(salt, tier)
@@ -233,8 +241,11 @@ class QuotaRoutes:
         )
 
     def list_status(self, request: HttpRequest) -> HttpResponse:
+        """Every salt's row, or for a caller who may not see tenants the total alone."""
         tier = _require_accounted_tier(_tier(request))
         total, by_salt, limits = self._ctl.status_rows(tier)
+        if not self._operator.sees_tenants(request):
+            return _json(StatusList(total / GIB, []))
         return _json(
             StatusList(
                 total / GIB,
@@ -284,6 +295,7 @@ class QuotaRoutes:
         return PinChunks(body.model_name, body.world_size, body.cache_salt, b"".join(hashes), unpin)
 
     def list_pins(self, request: HttpRequest) -> HttpResponse:
+        self._check_tenant_reader(request, "the pin table (each pin names its salt)")
         q = request.query
         offset = _int_query(request, "offset", 0, 0, MAX_INT64)
         limit = _int_query(request, "limit", 1000, 1, _MAX_PAGE)

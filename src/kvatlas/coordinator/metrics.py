@@ -5,7 +5,8 @@ lookups, Kafka records), a collector that reads a state sample at scrape time
 (directory sizes, live instances, heartbeat ages, gaps), one that reads the HTTP edge's
 sample (connections, buffered body bytes, refusals by cause), one that reads the garbage
 collector's pauses (`runtime.gc_pauses`), and the counters' totals as one
-Struct for the fleet page (`counters()`). Must not hold state of its own
+Struct for the fleet page (`counters()`); a second registry holds the families labelled by
+``cache_salt``, rendered only for callers who may see tenants. Must not hold state of its own
 beyond the counters, nor take the fleet lock itself: the sample function does that.
 """
 
@@ -236,6 +237,9 @@ class CoordinatorMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
+        self.tenant_registry = CollectorRegistry(auto_describe=False)
+        """Families labelled by ``cache_salt`` (a tenant's identity): `render` adds them
+        only for a caller who may see tenants (`auth.OperatorCheck.sees_tenants`)."""
         r = self.registry
         self.ingest_batches = Counter(
             "kvatlas_coordinator_ingest_batches",
@@ -379,8 +383,10 @@ class CoordinatorMetrics:
         """Register the scrape-time collector of the process's garbage-collection pauses."""
         self.registry.register(_GcCollector(pauses))
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, tenants: bool = True) -> bytes:
+        """The exposition text; with ``tenants``, the per-salt families too."""
+        text = generate_latest(self.registry)
+        return text + generate_latest(self.tenant_registry) if tenants else text
 
     def counters(self) -> CoordinatorCounters:
         """The totals of the counters (and the Kafka lag), summed over the labels the

@@ -81,7 +81,10 @@ def _errors(*codes: int) -> dict[str, Any]:
             "Missing or wrong bearer token, or a request about a bound instance without"
             " its secret (header kvatlas-instance-secret)"
         ),
-        403: "The instance secret presented is not the instance's",
+        403: (
+            "The instance secret presented is not the instance's, or (`GET /directory/keys`)"
+            " a caller without the operator token, when one is set"
+        ),
         404: "Unknown resource",
         409: "Conflict (hash contract, stale incarnation, wrong transport)",
         413: "Request over a configured limit",
@@ -226,9 +229,12 @@ def openapi_document() -> dict[str, Any]:
         },
         "/directory/keys": {
             "get": {
-                "summary": "Stored keys, paginated (hashes are 8-byte prefixes)",
+                "summary": (
+                    "Stored keys, paginated (hashes are 8-byte prefixes); with an operator"
+                    " token set, for its bearer only"
+                ),
                 "parameters": query,
-                "responses": {**_ok(KeysPage), **_errors(400, 401)},
+                "responses": {**_ok(KeysPage), **_errors(400, 401, 403)},
             }
         },
         "/healthz": {"get": {"summary": "Liveness", "responses": _ok(None)}},
@@ -240,7 +246,10 @@ def openapi_document() -> dict[str, Any]:
         },
         "/metrics": {
             "get": {
-                "summary": "Prometheus metrics",
+                "summary": (
+                    "Prometheus metrics; with an operator token set, the families labelled"
+                    " by cache_salt only for its bearer"
+                ),
                 "responses": {
                     "200": {
                         "description": "OK",

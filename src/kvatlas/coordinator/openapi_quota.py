@@ -39,7 +39,10 @@ TYPES: tuple[type, ...] = (
 _REASONS = {
     400: "A tier the route does not serve, or a key field or token cap LMCache refuses",
     401: "Missing or wrong bearer token",
-    403: "A write without the operator token, when one is set (--operator-token-file)",
+    403: (
+        "A write, or a read of one salt or of the pins, without the operator token, when"
+        " one is set (--operator-token-file)"
+    ),
     422: "The body or a query parameter is not the shape (the reason is in `detail`)",
 }
 
@@ -101,14 +104,20 @@ def quota_paths() -> dict[str, Any]:
                 "responses": _route_answers(QuotaResponse, 400, 401, 403, 422),
             },
             "get": {
-                "summary": "A salt's quota and usage on one tier (l1 or l2; only L2 has quotas)",
+                "summary": (
+                    "A salt's quota and usage on one tier (l1 or l2; only L2 has quotas);"
+                    " with an operator token set, for its bearer only"
+                ),
                 "parameters": [salt, tier],
-                "responses": _route_answers(SaltStatus, 400, 401, 422),
+                "responses": _route_answers(SaltStatus, 400, 401, 403, 422),
             },
         },
         "/quota": {
             "get": {
-                "summary": "Every salt's quota and usage on one tier (l1 or l2)",
+                "summary": (
+                    "Every salt's quota and usage on one tier (l1 or l2); with an operator"
+                    " token set, anyone but its bearer gets the total and no salt"
+                ),
                 "parameters": [tier],
                 "responses": _route_answers(StatusList, 400, 401, 422),
             }
@@ -128,9 +137,12 @@ def quota_paths() -> dict[str, Any]:
                 "responses": _route_answers(PinResponse, 400, 401, 403, 422),
             },
             "get": {
-                "summary": "The pinned keys with their pin counts, first pinned first, paged",
+                "summary": (
+                    "The pinned keys with their pin counts, first pinned first, paged; with"
+                    " an operator token set, for its bearer only"
+                ),
                 "parameters": pin_filters,
-                "responses": _route_answers(PinList, 401, 422),
+                "responses": _route_answers(PinList, 401, 403, 422),
             },
         },
     }

@@ -1,10 +1,13 @@
 """Prometheus metrics of quotas, pins and the fleet L2 eviction loop.
 
 Owns the counters the quota routes and the eviction loop bump (operator writes by op and
-outcome, sweeps, keys planned and sent, dispatch failures, keys nobody live holds) and a
-scrape-time collector of the state (L2 bytes and quota per salt, pinned keys). Lives in
-the coordinator's registry (`CoordinatorMetrics.registry`). Must not take the state lock
-itself: the sample function it is given does.
+outcome, sweeps, keys planned and sent, dispatch failures, keys nobody live holds) and two
+scrape-time collectors of the state: the fleet's figures (L2 bytes summed over salts,
+salts at their quota, the default quota, pinned keys) in the coordinator's registry
+(`CoordinatorMetrics.registry`), and the figures per ``cache_salt`` (L2 bytes and quota
+of each tenant) in its tenant registry (`CoordinatorMetrics.tenant_registry`), which
+`/metrics` shows only to the operator token when one is set. Must not take the state
+lock itself: the sample function it is given does.
 """
 
 from __future__ import annotations
@@ -68,11 +71,67 @@ class QuotaMetrics:
             registry=registry,
         )
 
-    def attach(self, registry: CollectorRegistry, sample: Callable[[], QuotaSample]) -> None:
-        registry.register(_QuotaCollector(sample))
+    def attach(
+        self,
+        registry: CollectorRegistry,
+        tenant_registry: CollectorRegistry,
+        sample: Callable[[], QuotaSample],
+    ) -> None:
+        """The fleet's figures into ``registry``, the per-salt ones into
+        ``tenant_registry``; each scrape of either takes its own sample."""
+        registry.register(_FleetQuotaCollector(sample))
+        tenant_registry.register(_SaltCollector(sample))
 
 
-class _QuotaCollector(Collector):
+def _over_quota(s: QuotaSample) -> int:
+    """Salts whose L2 bytes reach their quota (their own, else the default)."""
+    over = 0
+    for salt, n in s.l2_bytes_by_salt.items():
+        limit = s.limits.get(salt, s.default_limit_bytes)
+        over += limit is not None and n >= limit
+    return over
+
+
+class _FleetQuotaCollector(Collector):
+    """What any token holder may read: sums and counts, no salt."""
+
+    def __init__(self, sample: Callable[[], QuotaSample]) -> None:
+        self._sample = sample
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._sample()
+        total = GaugeMetricFamily(
+            "kvatlas_coordinator_l2_accounted_bytes",
+            "L2 bytes held, summed over every cache_salt (per salt:"
+            " kvatlas_coordinator_l2_salt_bytes, for the operator token when one is set)",
+            value=sum(s.l2_bytes_by_salt.values()),
+        )
+        over = GaugeMetricFamily(
+            "kvatlas_coordinator_salts_over_quota",
+            "cache_salts whose L2 bytes reach their quota (their own, else the default)",
+            value=_over_quota(s),
+        )
+        default = GaugeMetricFamily(
+            "kvatlas_coordinator_quota_default_bytes",
+            "The default L2 quota of salts without one (-1: none, they are exempt)",
+            value=-1 if s.default_limit_bytes is None else s.default_limit_bytes,
+        )
+        pins = GaugeMetricFamily(
+            "kvatlas_coordinator_pinned_keys",
+            "Keys pinned against L2 eviction",
+            value=s.pinned_keys,
+        )
+        tracked = GaugeMetricFamily(
+            "kvatlas_coordinator_l2_tracked_keys",
+            "L2 keys the eviction loop tracks (full keys, with their holders)",
+            value=s.tracked_keys,
+        )
+        return [total, over, default, pins, tracked]
+
+
+class _SaltCollector(Collector):
+    """The figures labelled by ``cache_salt``: a tenant's identity and its usage."""
+
     def __init__(self, sample: Callable[[], QuotaSample]) -> None:
         self._sample = sample
 
@@ -96,19 +155,4 @@ class _QuotaCollector(Collector):
         )
         for salt, n in sorted(s.limits.items())[:_MAX_SALT_LABELS]:
             limits.add_metric([salt], n)
-        default = GaugeMetricFamily(
-            "kvatlas_coordinator_quota_default_bytes",
-            "The default L2 quota of salts without one (-1: none, they are exempt)",
-            value=-1 if s.default_limit_bytes is None else s.default_limit_bytes,
-        )
-        pins = GaugeMetricFamily(
-            "kvatlas_coordinator_pinned_keys",
-            "Keys pinned against L2 eviction",
-            value=s.pinned_keys,
-        )
-        tracked = GaugeMetricFamily(
-            "kvatlas_coordinator_l2_tracked_keys",
-            "L2 keys the eviction loop tracks (full keys, with their holders)",
-            value=s.tracked_keys,
-        )
-        return [usage, limits, default, pins, tracked]
+        return [usage, limits]

@@ -207,17 +207,24 @@ class QuotaController:
             usage = self.usage.bytes_by_salt()
             pins = op.pins_by_salt()
             salts = sorted(set(usage) | set(op.limits) | set(pins))
-            return QuotasView(
-                op.default_limit_bytes,
-                op.pinned_keys,
-                [
-                    SaltQuotaView(
-                        s, usage.get(s, 0), op.limits.get(s), op.effective_limit(s), pins.get(s, 0)
-                    )
-                    for s in salts
-                ],
-                eviction_interval_s,
-            )
+            rows = [
+                SaltQuotaView(
+                    s, usage.get(s, 0), op.limits.get(s), op.effective_limit(s), pins.get(s, 0)
+                )
+                for s in salts
+            ]
+            default, pinned = op.default_limit_bytes, op.pinned_keys
+        return QuotasView(
+            default,
+            pinned,
+            rows,
+            eviction_interval_s,
+            l2_bytes=sum(usage.values()),
+            salts_over_quota=sum(
+                r.effective_limit_bytes is not None and r.l2_bytes >= r.effective_limit_bytes
+                for r in rows
+            ),
+        )
 
     # ---- eviction -------------------------------------------------------------------
 

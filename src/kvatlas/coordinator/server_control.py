@@ -18,7 +18,8 @@ Errors leave only as this branch of kvatlas' tree, raised ``from`` the httpx err
           +-- ServerRefused               an answer other than 2xx: ``status``, ``reason``
           +-- BadServerAnswer             a 2xx whose body is not the expected shape
 
-Async (``httpx.AsyncClient``): an instance belongs to the event loop it is first used
+Async (``httpx.AsyncClient``, from `runtime.http_clients`: no proxy from the
+environment, no redirects): an instance belongs to the event loop it is first used
 on; ``aclose()`` it there. Every call reports (operation, outcome, seconds) to
 ``observe`` when given, for the caller's metrics. Must not: hold fleet state, decide
 what to delete or prefetch (the routes and the eviction loop do), or retry a refused
@@ -40,6 +41,7 @@ import msgspec
 from kvatlas.core.errors import ServiceError
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.membership import InstanceInfo
+from kvatlas.runtime.http_clients import async_fleet_client
 from kvatlas.wire.cache_api import (
     MAX_DELETE_BATCH,
     CacheTier,
@@ -156,7 +158,7 @@ class ServerControl:
             headers["authorization"] = f"Bearer {auth_token}"
         self._headers = headers
         self._own_client = client is None
-        self._client = client if client is not None else httpx.AsyncClient(timeout=timeout_s)
+        self._client = client if client is not None else async_fleet_client(timeout=timeout_s)
         self._timeout = timeout_s
         self._observe = observe
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import httpx
 
 from kvatlas.router.config import RouterConfig
+from kvatlas.runtime.http_clients import async_fleet_client
 
 KEEPALIVE_EXPIRY_S = 2.0
 """How long an idle connection to an engine stays pooled: below the engines' own
@@ -32,7 +33,7 @@ class EngineClients:
             c = self._config
             timeout = httpx.Timeout(c.first_byte_timeout_s, connect=c.connect_timeout_s)
             limits = httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)
-            client = httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits)
+            client = async_fleet_client(base_url=url, timeout=timeout, limits=limits)
             self._clients[url] = client
         return client
 

@@ -25,6 +25,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter
 
 from kvatlas.router.tiers import TIERS, DeviceHit
+from kvatlas.runtime.http_clients import async_fleet_client
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class DeviceLookups:
             {"token_ids": ids, "cache_salt": salt} if salt else {"token_ids": ids}
         )
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self._timeout)
+            self._client = async_fleet_client(timeout=self._timeout)
         deadline = self._clock() + self._timeout
         error = ""
         for url in self._urls:

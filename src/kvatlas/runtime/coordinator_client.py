@@ -1,13 +1,13 @@
 """The one blocking client of the coordinator's HTTP API: every coordinator URL is
 built here.
 
-Owns one keep-alive ``httpx.Client`` per instance, the bearer token header, the
-timeouts, the request bodies (the Structs of `wire.events_api`,
-`wire.instances_api` and `wire.directory_api`, encoded as the coordinator decodes
-them) and the answers, decoded into the same Structs the coordinator encodes (those
-and `wire.coordinator_views`). httpx errors and
-answers other than 2xx leave it only as the `CoordinatorError` tree of
-`coordinator_replicas` (re-exported here), raised ``from`` the httpx error.
+Owns one keep-alive ``httpx.Client`` per instance (from `http_clients`: no proxy from
+the environment), the bearer token header, the timeouts, the request bodies (the
+Structs of `wire.events_api`, `wire.instances_api` and `wire.directory_api`, encoded as
+the coordinator decodes them) and the answers, decoded into the same Structs the
+coordinator encodes (those and `wire.coordinator_views`). httpx errors and answers other
+than 2xx leave it only as the `CoordinatorError` tree of `coordinator_replicas`
+(re-exported here), raised ``from`` the httpx error.
 
 Thread-safe (httpx.Client is; the replicas' state has its own lock): a process may share
 one instance among its parts. It also keeps the instance secret of its owner
@@ -61,6 +61,7 @@ from kvatlas.runtime.coordinator_replicas import (
     UnknownInstance,
     error_text,
 )
+from kvatlas.runtime.http_clients import fleet_client
 from kvatlas.wire.coordinator_views import ReadyResponse, StatsResponse
 from kvatlas.wire.directory_api import LookupRequest, LookupResponse
 from kvatlas.wire.events_api import (
@@ -137,9 +138,8 @@ class CoordinatorClient:
             on_failover=on_failover,
             clock=clock,
         )
-        headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
         self._auth_token = auth_token
-        self._http = httpx.Client(timeout=timeout_s, headers=headers)
+        self._http = fleet_client(timeout=timeout_s, token=auth_token)
         self._secret = ""
 
     def set_instance_secret(self, secret: str) -> None:

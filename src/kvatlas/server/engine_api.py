@@ -50,6 +50,7 @@ import zmq
 
 from kvatlas.core.errors import PortInUse
 from kvatlas.runtime.auth import TokenGate
+from kvatlas.runtime.net import zmq_tcp
 from kvatlas.server.engine_service import EngineService
 from kvatlas.server.errors import ServerError
 from kvatlas.wire.engine_proto import (
@@ -157,6 +158,9 @@ class EngineApi:
         self._overloaded_logged = 0
         self._next_log = 0.0
         self.bound_port = port
+        self.endpoint = ""
+        """What the socket bound, as ZeroMQ reports it (``tcp://127.0.0.1:6555``), once
+        started."""
 
     def start(self) -> None:
         """Bind (PortInUse when taken) and start the I/O and worker threads."""
@@ -166,11 +170,13 @@ class EngineApi:
         # ZeroMQ's own buffer of messages read but not yet taken, per engine socket: no
         # deeper than what that socket may hold in the queue (TCP pushes back beyond it).
         frontend.setsockopt(zmq.RCVHWM, self._max_per_client)
+        where, v6 = zmq_tcp(self._host)
+        frontend.setsockopt(zmq.IPV6, v6)
         try:
             if self._port == 0:
-                self.bound_port = frontend.bind_to_random_port(f"tcp://{self._host}")
+                self.bound_port = frontend.bind_to_random_port(where)
             else:
-                frontend.bind(f"tcp://{self._host}:{self._port}")
+                frontend.bind(f"{where}:{self._port}")
         except zmq.ZMQError as exc:
             frontend.close()
             if exc.errno == errno.EADDRINUSE:
@@ -178,6 +184,7 @@ class EngineApi:
             raise ServerError(
                 f"cannot bind the engine API on {self._host}:{self._port} (--host/--port): {exc}"
             ) from exc
+        self.endpoint = frontend.getsockopt_string(zmq.LAST_ENDPOINT)
         replies = self._ctx.socket(zmq.PULL)
         replies.setsockopt(zmq.LINGER, 0)
         replies.bind(self._replies_addr)  # before the workers connect their PUSH sockets
@@ -190,9 +197,8 @@ class EngineApi:
         io.start()
         self._threads.append(io)
         log.info(
-            "engine API on tcp://%s:%d with %d workers (instance %s incarnation %d)",
-            self._host,
-            self.bound_port,
+            "engine API on %s with %d workers (instance %s incarnation %d)",
+            self.endpoint,
             self._workers_n,
             self._service.identity.instance_id,
             self._service.identity.incarnation,

@@ -18,11 +18,12 @@ a replay buffer of ``buffer_steps`` batches, and the translation of the store's 
 A chunk hash shared by several keys (ranks, models) is one block, held while any of
 its keys is. A salted chunk (a tenant's) is published under a hash of its salt and
 chunk hash and without its token ids (``core.keys.salted_block_hash``), so a router
-that knows no salt never matches it to another tenant's or an unsalted prompt. ``publish`` is called under the store's lock: it only appends to a
-bounded queue; when the queue is full the changes are dropped and counted, and the
-thread then clears its subscribers and asks its owner (``on_loss``) to publish the
-whole store again (at most once a second). Nothing on the store's path waits on a
-socket. Metrics: ``kvatlas_server_kv_events_*``.
+that knows no salt never matches it to another tenant's or an unsalted prompt.
+``publish`` is called under the store's lock: it only appends to a bounded queue; when
+the queue is full the changes are dropped and counted, and the thread then clears its
+subscribers and asks its owner (``on_loss``) to publish the whole store again (at most
+once a second). Nothing on the store's path waits on a socket. Metrics:
+``kvatlas_server_kv_events_*``.
 
 Must not: read the store itself (its owner resyncs it), or decode events.
 """

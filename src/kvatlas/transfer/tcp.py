@@ -38,6 +38,7 @@ import msgspec
 
 from kvatlas.core.checksum import checksum_stream
 from kvatlas.runtime.auth import TokenGate
+from kvatlas.runtime.net import tcp_family
 from kvatlas.transfer.base import (
     Authorizer,
     Deadline,
@@ -163,7 +164,9 @@ class TcpServer(TransferServer):
             raise TransportUnavailable("tcp transfer server already started")
         cfg = self._config
         try:
-            listener = socket.create_server((cfg.host, cfg.port), backlog=64)
+            listener = socket.create_server(
+                (cfg.host.strip("[]"), cfg.port), family=tcp_family(cfg.host), backlog=64
+            )
         except OSError as exc:
             raise TransportUnavailable(f"cannot listen on {cfg.host}:{cfg.port}: {exc}") from exc
         self._listener = listener
@@ -171,7 +174,8 @@ class TcpServer(TransferServer):
         thread = threading.Thread(target=self._accept_loop, name="kvatlas-tcp-accept", daemon=True)
         thread.start()
         self._threads.append(thread)
-        host = cfg.advertise_host or cfg.host
+        host = (cfg.advertise_host or cfg.host).strip("[]")
+        host = f"[{host}]" if ":" in host else host
         return Endpoint(
             transport=TRANSPORT, url=f"tcp://{host}:{port}", region_size=self._region.size
         )
@@ -199,8 +203,9 @@ class TcpServer(TransferServer):
         cfg = self._config
         pending: dict[socket.socket, _Pending] = {}
         with selectors.DefaultSelector() as sel:
-            sel.register(listener, selectors.EVENT_READ)
             try:
+                # Inside the try: a stop() right after start() may close it first.
+                sel.register(listener, selectors.EVENT_READ)
                 while not self._stopping.is_set():
                     for key, _ in sel.select(timeout=min(0.5, cfg.first_request_s)):
                         if key.fileobj is listener:

@@ -163,8 +163,16 @@ class QuotasView(msgspec.Struct, frozen=True):
     """The quota of salts without one; None: they are exempt from eviction."""
     pinned_keys: int
     salts: list[SaltQuotaView]
+    """Empty when ``salts_hidden``."""
     eviction_interval_s: float
     """Seconds between sweeps; 0: no loop."""
+    l2_bytes: int = 0
+    """L2 bytes of every salt together."""
+    salts_over_quota: int = 0
+    """Salts whose L2 bytes reach their effective limit."""
+    salts_hidden: bool = False
+    """True for a viewer who may not see tenants (an operator token is set and the
+    request did not bear it): ``salts`` is empty, the sums above stay."""
 
 
 class FleetDocument(msgspec.Struct, frozen=True):

@@ -503,8 +503,12 @@
         );
       }),
     );
+    const hidden = q.salts_hidden
+      ? "Per-salt rows need the operator token: " + fmtBytes(q.l2_bytes || 0) + " in L2 across salts, " +
+        fmtNum(q.salts_over_quota || 0) + " salts at or over their quota. "
+      : "";
     $("quotas-note").textContent =
-      "Default quota: " + (q.default_limit_bytes === null ? "none (salts without a quota are exempt)" : fmtBytes(q.default_limit_bytes)) +
+      hidden + "Default quota: " + (q.default_limit_bytes === null ? "none (salts without a quota are exempt)" : fmtBytes(q.default_limit_bytes)) +
       ". " + fmtNum(q.pinned_keys) + " keys pinned against eviction. " +
       (q.eviction_interval_s > 0 ? "Eviction sweeps every " + q.eviction_interval_s + " s." : "Eviction loop off.");
   }

@@ -37,6 +37,7 @@ import zmq
 import zmq.utils.monitor
 
 from kvatlas.core.errors import PortInUse
+from kvatlas.runtime.net import zmq_tcp
 from kvatlas.server.errors import ServerError
 from kvatlas.wire import p2p_proto
 from kvatlas.wire.engine_proto import PeerFallback
@@ -72,8 +73,10 @@ class ChannelServer:
         self._sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        endpoint, v6 = zmq_tcp(host, port)
+        self._sock.setsockopt(zmq.IPV6, v6)
         try:
-            self._sock.bind(f"tcp://{host}:{port}")
+            self._sock.bind(endpoint)
         except zmq.ZMQError as exc:
             self._sock.close(0)
             if exc.errno == zmq.EADDRINUSE:
@@ -83,6 +86,8 @@ class ChannelServer:
             ) from exc
         self.host = host
         self.port = port
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        """What the socket bound, as ZeroMQ reports it."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.requests = 0
@@ -158,6 +163,7 @@ class _Conn:
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], url: str) -> None:
         self.sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IPV6, "[" in url)  # a peer advertising an IPv6 address
         self.monitor: zmq.Socket[bytes] = self.sock.get_monitor_socket(PEER_GONE_EVENTS)
         self.sock.connect(url)
 
