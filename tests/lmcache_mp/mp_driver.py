@@ -16,6 +16,8 @@ stdout (LMCache's own prints go to stderr):
     {"op": "fetch", "tokens": [...], "rid": "r2"}
         zeroes other blocks, looks up, retrieves the hit chunks into them
         -> {"ok": true, "hit": 2, "digests": [...]}  (digests of what landed)
+    either with "salt": "tenant-a": the request's ``cache_salt`` (vLLM's per-tenant
+        isolation) in every key it looks up, stores or retrieves (default "": none)
     {"op": "reset"}  scheduler.reset_cache() (vLLM's prefix-cache reset) -> {"ok": true}
     {"op": "checksums", "first": 0, "blocks": 48}
         LMCache's bench's own client-side digests of those blocks (what a server's
@@ -117,8 +119,10 @@ def digests(kv: dict[str, torch.Tensor], first_block: int, chunks: int) -> list[
     return out
 
 
-def lookup(scheduler: LMCacheMPSchedulerAdapter, rid: str, tokens: list[int]) -> int:
-    scheduler.maybe_submit_lookup_request(rid, tokens)
+def lookup(
+    scheduler: LMCacheMPSchedulerAdapter, rid: str, tokens: list[int], salt: str = ""
+) -> int:
+    scheduler.maybe_submit_lookup_request(rid, tokens, cache_salt=salt)
     deadline = time.monotonic() + WAIT_S
     while (hit := scheduler.check_lookup_result(rid)) is None:
         if time.monotonic() > deadline:
@@ -149,8 +153,9 @@ def run(
 ) -> dict[str, Any]:
     tokens: list[int] = cmd["tokens"]
     rid: str = cmd["rid"]
+    salt: str = cmd.get("salt", "")
     full = len(tokens) // CHUNK * CHUNK
-    hit = lookup(scheduler, rid, tokens)
+    hit = lookup(scheduler, rid, tokens, salt)
     ok = True
     if cmd["op"] == "store":
         gen = torch.Generator().manual_seed(int(cmd.get("seed", 0)))
@@ -164,7 +169,7 @@ def run(
                 start=hit,
                 end=full,
             )
-            worker.submit_store_request(rid, op, worker.create_recorded_event())
+            worker.submit_store_request(rid, op, worker.create_recorded_event(), cache_salt=salt)
             ok = finish(worker, rid, store=True)
         out = digests(kv, STORE_AT, full // CHUNK)
     else:
@@ -178,7 +183,7 @@ def run(
                 start=0,
                 end=hit,
             )
-            worker.submit_retrieve_request(rid, op, worker.create_recorded_event())
+            worker.submit_retrieve_request(rid, op, worker.create_recorded_event(), cache_salt=salt)
             ok = finish(worker, rid, store=False)
         out = digests(kv, FETCH_AT, hit // CHUNK)
     scheduler.end_session(rid)
