@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 NEEDS = "# needs:"
 COMMAND_LANGS = frozenset({"bash"})
-OTHER_LANGS = frozenset({"text", "json", "python", "yaml"})
+OTHER_LANGS = frozenset({"text", "json", "python", "toml", "yaml"})
 _FENCE = re.compile(r"^```([A-Za-z]*)\n(.*?)^```", re.S | re.M)
 _ASSIGN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")

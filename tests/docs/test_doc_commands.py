@@ -19,6 +19,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -269,3 +270,11 @@ def test_an_untagged_block_and_its_needs_line_are_read(tmp_path: Path) -> None:
 def test_every_doc_is_read() -> None:
     names = {p.name for p in DOCS}
     assert {"README.md", "deploy.md", "operations.md", "benchmarks.md"} <= names
+
+
+def test_every_toml_block_parses() -> None:
+    """A ``toml`` block (the tenants file) is valid TOML."""
+    found = [b for b in all_blocks() if b.lang == "toml"]
+    assert found
+    for block in found:
+        tomllib.loads(block.text)
