@@ -27,7 +27,7 @@ from support.coordinator import RunningCoordinator
 from support.services import start_server_process
 from support.wait import wait_until
 
-from .test_vllm_ingest import BLOCK, _batch, _port, _prompt, _publisher, _stored
+from .test_vllm_ingest import BLOCK, HASHER, _batch, _port, _prompt, _publisher, _stored
 
 pytest.importorskip(
     "vllm.distributed.kv_events", reason="vLLM not installed (scripts/bootstrap.sh)"
@@ -247,4 +247,62 @@ def test_a_member_advertises_its_engines_events_and_the_router_follows(
         if router is not None:
             router.stop()
         node.stop()
+        pub.shutdown()
+
+
+def test_the_device_tier_matches_a_salted_prompt_under_its_salt_only(
+    fakes: dict[str, FakeEngine],
+    start_coordinator: Callable[..., RunningCoordinator],
+) -> None:
+    """vLLM mixes a request's ``cache_salt`` into its first block's hash: engine a's
+    blocks of a salted prompt count for a request of the same salt, through the router,
+    and for nothing else (no salt, another salt)."""
+    ports = _port(), _port()
+    spec = (
+        f"a=tcp://127.0.0.1:{ports[0]},replay=tcp://127.0.0.1:{ports[1]},"
+        f"topic=kv-events,block_size={BLOCK},hash=sha256_cbor"
+    )
+    pub = _publisher(*ports)
+    router: RouterApp | None = None
+    try:
+        rc = start_coordinator(vllm_kv_events=parse_sources([spec]), max_lookup_tokens=4096)
+        router = RouterApp(
+            RouterConfig(
+                port=0, coordinator_urls=(rc.url,), policy="kv", model_name="m",
+                engines=(StaticEngine(fakes["a"].url, "a"), StaticEngine(fakes["b"].url, "b")),
+                health_interval_s=0.2, refresh_interval_s=0.2, lookup_timeout_s=2.0, seed=1,
+                expose_route_header=True,
+            )
+        )  # fmt: skip
+        router.start()
+        app = router
+        wait_until(lambda: sum(e.available for e in app.status().engines) == 2, what="both engines")
+        tokens = _prompt(7)
+        digests = HASHER.digests(tokens, cache_salt="tenant-x")
+        stored = _stored(tokens)
+        stored.block_hashes = digests
+        pub.publish(_batch(stored))
+
+        def device(salt: str | None) -> dict[str, Any]:
+            body = {"token_ids": tokens, **({"cache_salt": salt} if salt else {})}
+            hits: dict[str, Any] = rc.client.post("/directory/device-lookup", json=body).json()
+            return hits
+
+        wait_until(lambda: device("tenant-x")["best"], lambda b: b == "a", what="a's blocks")
+        assert device(None)["best"] is None and device("tenant-y")["best"] is None
+
+        def post(salt: str | None) -> dict[str, str]:
+            body = {"prompt": tokens, **({"cache_salt": salt} if salt else {})}
+            r = httpx.post(f"{app.url}/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            return _route(r)
+
+        got = post("tenant-x")
+        assert got["tier"] == "device" and got["cached"] == str(4 * BLOCK), got
+        for other in (None, "tenant-y"):
+            got = post(other)
+            assert got["tier"] == "none" and got["cached"] == "0", (other, got)
+    finally:
+        if router is not None:
+            router.stop()
         pub.shutdown()
