@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tomllib
 
 from kvatlas.cli.auth_flags import (
     add_operator_token_flag,
@@ -23,6 +24,7 @@ from kvatlas.coordinator.app import Coordinator
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.vllm_sources import parse_sources
 from kvatlas.core.errors import ConfigError
+from kvatlas.core.tenancy import TenantTable
 
 _D = CoordinatorConfig()
 
@@ -101,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
         " an instance that registered with a credential also needs that instance's secret",
     )
     add_operator_token_flag(p)
+    a(
+        "--tenants",
+        default="",
+        metavar="FILE",
+        help="the router's tenants file (TOML, the same as `kvatlas router --tenants`):"
+        " the fleet page names each cache_salt's row after its tenant (tenant:ID,"
+        " shared:NAME) for the operator (default: none, salts shown as they are)",
+    )
     a(
         "--require-instance-credentials",
         action="store_true",
@@ -256,6 +266,7 @@ def config_from_args(argv: list[str] | None, environ: dict[str, str]) -> Coordin
         snapshot_interval=ns.snapshot_interval,
         auth_token=token,
         operator_token=read_operator_token(ns, environ),
+        tenant_names=read_tenant_names(ns.tenants),
         require_instance_credentials=ns.require_instance_credentials,
         max_seq_jump=ns.max_seq_jump,
         max_incarnation_ahead_s=ns.max_incarnation_ahead_s,
@@ -277,6 +288,23 @@ def config_from_args(argv: list[str] | None, environ: dict[str, str]) -> Coordin
         vllm_kv_events=parse_sources(ns.vllm_kv_events),
         vllm_kv_events_from_members=ns.vllm_kv_events_from_members,
     )
+
+
+def read_tenant_names(path: str) -> tuple[tuple[str, str], ...]:
+    """``(cache_salt, tenant:ID | shared:NAME)`` of every salt the tenants file derives
+    (none without a file); ConfigError naming `--tenants` when it cannot be read or is
+    not a valid tenants document."""
+    if not path:
+        return ()
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"--tenants {path} cannot be read: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--tenants {path} is not valid TOML: {exc}") from exc
+    table = TenantTable.from_document(doc, source=f"--tenants {path}")
+    return tuple(sorted((salt, name) for name, salt in table.salts().items()))
 
 
 def main(argv: list[str] | None = None) -> int:

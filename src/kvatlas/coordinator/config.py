@@ -89,6 +89,11 @@ class CoordinatorConfig:
     set, it admits like the shared token, and only requests bearing it see each
     instance's cursor incarnation and last seq in `/directory/stats` (null for the rest,
     and in the fleet page's document)."""
+    tenant_names: tuple[tuple[str, str], ...] = ()
+    """``(cache_salt, what it belongs to)`` pairs, ``tenant:ID`` or ``shared:NAME``, derived
+    from the router's tenants file (`--tenants`, read by `kvatlas.cli.coordinator`): the
+    fleet page labels each salt's row with its tenant, for the operator only; a salt not
+    listed shows as itself. Empty: no file, every salt shows as itself."""
     max_body_bytes: int = 64 * 1024 * 1024
     """Largest request body accepted (`--max-body-bytes`); larger: 413."""
     max_batch_entries: int = 65536
@@ -230,6 +235,11 @@ class CoordinatorConfig:
             raise ConfigError(
                 "the operator token must differ from the shared token (--auth-token-file)"
             )
+        salts = [salt for salt, _ in self.tenant_names]
+        if len(set(salts)) != len(salts):
+            raise ConfigError("--tenants: two tenants or namespaces have the same cache_salt")
+        if any(not salt or not name for salt, name in self.tenant_names):
+            raise ConfigError("--tenants: every cache_salt and tenant name must be non-empty")
         if self.auth_token and (self.auth_token != self.auth_token.strip()):
             raise ConfigError("--auth-token must not start or end with whitespace")
 

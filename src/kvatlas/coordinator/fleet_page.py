@@ -5,8 +5,9 @@ startup, with a content security policy that lets the page load and fetch nothin
 from this coordinator) and the data route over `FleetView`. The page and its files hold
 no fleet data and are served without the token (`ASSET_PATHS`, open in `auth`): the page
 asks the operator for the token and sends it with every data request, which the gate
-guards like any other route; the operator's token gets the per-salt quota rows, any other
-the sums (`FleetView.document`). Must not: build the page at run time or fetch anything.
+guards like any other route; the operator's token gets the per-salt rows (L2 against its
+quota, L1 on the servers, the tenant's name), any other the sums (`FleetView.document`).
+Must not: build the page at run time or fetch anything.
 """
 
 from __future__ import annotations

@@ -6,11 +6,13 @@ one short deadline each (a member that does not answer in time, refuses, or answ
 something unreadable is shown with the reason, never waited for longer), the
 coordinator's counters, directory stats and quotas, and one cached document per `cache_s` that
 every viewer shares (at most one assembly in flight, however many pages poll). With an
-operator token set there are two: the operator's (each salt's quota row, the instances'
-cursors) and everyone else's, with the quotas summed and no salt, and no cursors. It runs on
-the coordinator's event loop without blocking it: the fetches are asynchronous, and
-what takes the service lock or decodes and encodes (member list, stats, the document) is
-done in a worker thread. Must not: change the fleet state, fetch anything but the
+operator token set there are two: the operator's (each salt's row: its L2 against its
+quota, its L1 summed over the members' `l1_by_salt` with each member's tenant share, and,
+with `--tenants`, the tenant it belongs to; the instances' cursors) and everyone else's,
+with the quotas summed and no salt, and no cursors. No member's own `l1_by_salt` is passed
+on in either. It runs on the coordinator's event loop without blocking it: the fetches are
+asynchronous, and what takes the service lock or decodes and encodes (member list, stats,
+the document) is done in a worker thread. Must not: change the fleet state, fetch anything but the
 members' status URLs, or follow redirects.
 """
 
@@ -36,6 +38,7 @@ from kvatlas.wire.fleet_view import (
     MemberStatus,
     MemberView,
     QuotasView,
+    SaltQuotaView,
     status_url,
 )
 from kvatlas.wire.instances_api import InstanceWire
@@ -162,8 +165,14 @@ class FleetView:
     def _encode(
         self, now: float, members: list[InstanceWire], fetched: list[_Fetched]
     ) -> _Documents:
-        views = [self._member(m, f) for m, f in zip(members, fetched, strict=True)]
+        decoded = [_decode(f) for f in fetched]
+        views = [
+            self._member(m, f, st, err)
+            for m, f, (st, err) in zip(members, fetched, decoded, strict=True)
+        ]
         quotas = self._quotas() if self._quotas is not None else None
+        if quotas is not None:
+            quotas = self._with_l1(quotas, members, [st for st, _ in decoded])
         doc = FleetDocument(
             generated_at=now,
             cache_s=self._cache_s,
@@ -188,14 +197,55 @@ class FleetView:
         )
         return _Documents(full, _encoder.encode(fleet))
 
-    def _member(self, m: InstanceWire, f: _Fetched) -> MemberView:
-        status: MemberStatus | None = None
-        error = f.error
-        if f.body is not None:
-            try:
-                status = _status_decoder.decode(f.body)
-            except msgspec.DecodeError as exc:  # ValidationError included
-                error = f"unreadable /status: {exc}"
+    def _with_l1(
+        self,
+        quotas: QuotasView,
+        members: list[InstanceWire],
+        statuses: list[MemberStatus | None],
+    ) -> QuotasView:
+        """The quota rows with each salt's L1 summed over the members that answered (a
+        salt only in L1 gets a row of its own) and its tenant's name."""
+        l1: dict[str, list[int]] = {}
+        shares: dict[str, dict[str, int]] = {}
+        for m, st in zip(members, statuses, strict=True):
+            if st is None:
+                continue
+            share = st.l1.tenant_share_bytes
+            for salt, u in st.l1_by_salt.items():
+                acc = l1.setdefault(salt, [0, 0, 0, 0])
+                acc[0] += u.bytes
+                acc[1] += u.chunks
+                acc[2] += u.evicted_by_own
+                acc[3] += u.evicted_by_others
+                if share > 0:
+                    shares.setdefault(salt, {})[m.instance_id] = share
+        names = dict(self._cfg.tenant_names)
+        if not l1 and not names:
+            return quotas
+        rows = {r.cache_salt: r for r in quotas.salts}
+        for salt in l1.keys() - rows.keys():
+            rows[salt] = SaltQuotaView(salt, 0, None, quotas.default_limit_bytes, 0)
+        out = []
+        for salt in sorted(rows):
+            b, chunks, own, others = l1.get(salt, (0, 0, 0, 0))
+            out.append(
+                msgspec.structs.replace(
+                    rows[salt],
+                    tenant=names.get(salt, ""),
+                    l1_bytes=b,
+                    l1_chunks=chunks,
+                    l1_evicted_by_own=own,
+                    l1_evicted_by_others=others,
+                    l1_shares=shares.get(salt, {}),
+                )
+            )
+        return msgspec.structs.replace(quotas, salts=out)
+
+    def _member(
+        self, m: InstanceWire, f: _Fetched, status: MemberStatus | None, error: str
+    ) -> MemberView:
+        if status is not None and status.l1_by_salt:
+            status = msgspec.structs.replace(status, l1_by_salt={})
         stale_after = self._stale_after(m.metadata)
         return MemberView(
             instance_id=m.instance_id,
@@ -222,6 +272,16 @@ class FleetView:
         if not interval > 0:
             return round(self._cfg.instance_timeout / 3, 3)
         return round(min(half, _MISSED_HEARTBEATS * interval), 3)
+
+
+def _decode(f: _Fetched) -> tuple[MemberStatus | None, str]:
+    """A member's `/status` as the page reads it, or why not (with the fetch's error)."""
+    if f.body is None:
+        return None, f.error
+    try:
+        return _status_decoder.decode(f.body), f.error
+    except msgspec.DecodeError as exc:  # ValidationError included
+        return None, f"unreadable /status: {exc}"
 
 
 def _url(m: InstanceWire) -> str:

@@ -46,6 +46,20 @@ class L1View(msgspec.Struct, frozen=True):
     used_bytes: int = 0
     chunks: int = 0
     evictions: int = 0
+    cross_salt_evictions: int = 0
+    """Of ``evictions``, those that took another cache_salt's chunk."""
+    tenant_share_bytes: int = 0
+    """The L1 bytes each active cache_salt is guaranteed on this server now; 0: per-tenant
+    shares are off (a count, no salt: shown to every viewer)."""
+
+
+class L1SaltView(msgspec.Struct, frozen=True):
+    """One cache_salt's part of a server's L1 (an entry of its ``l1_by_salt``)."""
+
+    bytes: int = 0
+    chunks: int = 0
+    evicted_by_own: int = 0
+    evicted_by_others: int = 0
 
 
 class L2View(msgspec.Struct, frozen=True):
@@ -101,6 +115,10 @@ class MemberStatus(msgspec.Struct, frozen=True):
     p2p_peers: list[str] = []
     active_p2p_lookup_jobs: int = 0
     p2p: P2PView | None = None
+    l1_by_salt: dict[str, L1SaltView] = {}
+    """Per cache_salt: read to build the per-salt rows (`SaltQuotaView`), always empty in
+    the document (a member's salts are the tenants' identity, shown summed per salt to
+    the operator only)."""
 
 
 # ---- the document -----------------------------------------------------------------------
@@ -145,7 +163,7 @@ class CoordinatorCounters(msgspec.Struct, frozen=True):
 
 
 class SaltQuotaView(msgspec.Struct, frozen=True):
-    """One ``cache_salt``'s L2 usage against its quota."""
+    """One ``cache_salt``'s L2 usage against its quota, and its L1 on the servers."""
 
     cache_salt: str
     l2_bytes: int
@@ -154,6 +172,19 @@ class SaltQuotaView(msgspec.Struct, frozen=True):
     effective_limit_bytes: int | None
     """What the eviction loop holds it to (its quota, else the default; None: exempt)."""
     pinned_keys: int
+    tenant: str = ""
+    """What the salt belongs to (``tenant:ID``, ``shared:NAME``) per the coordinator's
+    ``--tenants`` file; empty: no file, or a salt it does not derive."""
+    l1_bytes: int = 0
+    """L1 bytes under this salt, summed over the members that answered."""
+    l1_chunks: int = 0
+    l1_evicted_by_own: int = 0
+    """Its L1 chunks evicted for its own stores, summed over members."""
+    l1_evicted_by_others: int = 0
+    """Its L1 chunks evicted to make room for other salts' stores, summed over members."""
+    l1_shares: dict[str, int] = {}
+    """Instance id -> the L1 bytes that member guarantees each active salt
+    (``--l1-tenant-min-share``), for the members holding this salt with shares on."""
 
 
 class QuotasView(msgspec.Struct, frozen=True):

@@ -477,6 +477,16 @@
     );
   }
 
+  function fmtShares(shares) {
+    // Each member's guaranteed L1 bytes per active salt: one figure when they agree.
+    const v = Object.values(shares);
+    if (v.length === 0) return "-";
+    const lo = Math.min(...v);
+    const hi = Math.max(...v);
+    const on = " on " + v.length + (v.length === 1 ? " member" : " members");
+    return (lo === hi ? fmtBytes(lo) : fmtBytes(lo) + " – " + fmtBytes(hi)) + on;
+  }
+
   function renderQuotas(doc) {
     const q = doc.quotas;
     if (!q) {
@@ -493,18 +503,23 @@
           ? el("span", null, fmtBytes(s.l2_bytes) + " (exempt)")
           : meter(s.l2_bytes, limit || 1);
         const kind = s.limit_bytes !== null ? "own" : limit !== null ? "default" : "none";
+        const salt = s.cache_salt === "" ? "(empty)" : s.cache_salt;
         return el(
           "tr",
           { class: over ? "warn" : "" },
-          el("td", { text: s.cache_salt === "" ? "(empty)" : s.cache_salt }),
+          el("td", { text: s.tenant || salt, title: s.tenant ? "cache_salt " + salt : null }),
           el("td", null, used),
           el("td", { text: limit === null ? "none" : fmtBytes(limit) + " (" + kind + ")" }),
           el("td", { class: "num", text: fmtNum(s.pinned_keys) }),
+          el("td", { class: "num", text: fmtBytes(s.l1_bytes || 0) }),
+          el("td", { class: "num", text: fmtNum(s.l1_chunks || 0) }),
+          el("td", { class: "num", text: fmtNum(s.l1_evicted_by_own || 0) + " / " + fmtNum(s.l1_evicted_by_others || 0) }),
+          el("td", { class: "num", text: fmtShares(s.l1_shares || {}) }),
         );
       }),
     );
     const hidden = q.salts_hidden
-      ? "Per-salt rows need the operator token: " + fmtBytes(q.l2_bytes || 0) + " in L2 across salts, " +
+      ? "Per-salt rows (L2 and L1) need the operator token: " + fmtBytes(q.l2_bytes || 0) + " in L2 across salts, " +
         fmtNum(q.salts_over_quota || 0) + " salts at or over their quota. "
       : "";
     $("quotas-note").textContent =
