@@ -18,6 +18,7 @@ MODULES = [
     "bench.engine_model_bench",
     "bench.engine_p2p_bench",
     "bench.router_bench",
+    "bench.tenant_router_bench",
     "bench.lmcache_server_bench",
 ]
 
