@@ -55,7 +55,9 @@ def test_gap_waits_for_replay_then_applies_in_order() -> None:
     s = EngineStream()
     assert s.live(0, ()).apply == ((0, ()),)
     out = s.live(3, (Cleared(),))
-    assert out.replay_from == 1 and out.apply == ()
+    # from the last applied seq, not past it: its batch again shows a restart behind the gap
+    assert out.replay_from == 0 and out.apply == ()
+    assert s.replayed(0, ()).apply == ()  # the same batch 0: nothing to apply again
     assert s.replayed(1, ()).apply == ((1, ()),)
     assert s.replayed(2, ()).apply == ((2, ()),)
     assert s.replayed(3, (Cleared(),)).apply == ((3, (Cleared(),)),)
@@ -179,7 +181,7 @@ def test_an_earlier_requests_end_does_not_end_a_later_replay() -> None:
 def test_an_end_no_request_awaits_changes_nothing() -> None:
     s = EngineStream()
     s.live(0, ())
-    assert s.live(2, ()).replay_from == 1  # not sent yet (the replay socket is down)
+    assert s.live(2, ()).replay_from == 0  # not sent yet (the replay socket is down)
     assert s.replay_end() == Outcome()  # a late answer to a request given up on
     assert s.replaying and s.last == 0
     assert s.replay_done().apply == ((2, ()),)  # the shell gives up: what waited applies
@@ -212,9 +214,11 @@ def test_idle_check_sees_its_seq_again_or_a_restart_behind_it() -> None:
 
 def test_hybrid_groups_hold_a_block_apart() -> None:
     """A hybrid model stores one block hash in its full-attention and sliding-window
-    groups; the window's eviction leaves the full group's copy held."""
+    groups; the window's eviction of an early block leaves the hit (the window needs only
+    the last block), the full group's eviction ends it."""
     ix = DeviceIndex()
-    ix.apply(E, [Stored(_k(1, 2), "GPU", 16, True, 0), Stored(_k(1, 2), "GPU", 16, True, 1)])
+    window = Stored(_k(1, 2), "GPU", 16, True, 1, kind="sliding_window", window=16)
+    ix.apply(E, [Stored(_k(1, 2), "GPU", 16, True, 0), window])
     ix.apply(E, [Removed(_k(1), "GPU", 1)])
     assert ix.leading(E, _k(1, 2)) == (2, 0b001)
     ix.apply(E, [Removed(_k(1), "GPU", 0)])

@@ -4,13 +4,16 @@ Owns the sockets and threads around the pure `kvatlas.core.device_blocks` machin
 configured engine (`kvatlas.coordinator.vllm_sources`), a ZeroMQ SUB on its PUB socket
 and a DEALER on its replay ROUTER (vLLM's framing: ``[b"", start_seq]`` out,
 ``[b"", topic, seq, payload]`` back, then ``[b"", b"", END_SEQ, b""]``). On connect it
-asks for a full replay; a gap asks for the missing range; a live seq that goes backwards
+asks for a full replay; a gap asks from the last applied seq on (that seq comes back as
+a check: another batch there is a restarted publisher); a live seq that goes backwards
 is a restart (the engine's blocks dropped, the new stream replayed from 0); when an
 engine has been quiet for ``resync_s`` it asks for its last seq and anything after it (a
 batch lost while the subscriber was joining, or past the PUB socket's high-water mark,
 has nothing after it to reveal the gap; a restarted engine that has not yet published
 as many batches answers with nothing). A replay that does not end within
-``replay_timeout_s`` is given up and what it missed counted lost.
+``replay_timeout_s`` is given up and what it missed counted lost. Idle checks count as
+``resyncs``, the rest as ``replays``; what decoding skipped is counted when a batch
+applies, so a batch delivered again is not counted again.
 
 With ``members`` (``--vllm-kv-events-from-members``), also subscribes to the sources
 that registered instances advertise (registration metadata ``vllm_kv_events``, in the
@@ -49,6 +52,7 @@ from kvatlas.core.device_blocks import (
     EngineStream,
     Outcome,
     Removed,
+    Skipped,
     Stored,
     medium_names,
 )
@@ -59,10 +63,14 @@ from kvatlas.wire.vllm_events import (
     MalformedMessage,
     decode_message,
     is_replay_end,
+    message_seq,
     replay_request,
 )
 
 log = logging.getLogger(__name__)
+
+_SEEN_MALFORMED = 1024
+"""Malformed messages remembered per engine, so one delivered again is counted once."""
 
 COUNTS = (
     "batches",
@@ -71,6 +79,7 @@ COUNTS = (
     "blocks_removed",
     "cleared",
     "replays",
+    "resyncs",
     "replay_timeouts",
     "replay_unsent",
     "restarts",
@@ -108,6 +117,7 @@ class VllmIngest:
         resync_s: float = 2.0,
         members: Callable[[], Iterable[tuple[str, Mapping[str, str]]]] | None = None,
         members_interval_s: float = 1.0,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
         self.sources = tuple(sources)
         """The configured sources (``--vllm-kv-events``)."""
@@ -130,7 +140,7 @@ class VllmIngest:
         self.refused_member_sources = 0
         self._refused_seen: set[str] = set()
         self._stop = threading.Event()
-        self._ctx = zmq.Context()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = context or zmq.Context()
         self._threads: dict[EngineId, tuple[threading.Thread, threading.Event]] = {}
         self._sync_thread: threading.Thread | None = None
 
@@ -275,6 +285,11 @@ class VllmIngest:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
         sub.setsockopt(zmq.LINGER, 0)
+        # Every (re)connection of the SUB asks for a full replay: it fills what was
+        # published before the subscription took, and reveals a restarted publisher. The
+        # monitor is attached before the connect, or the first connection's event (and
+        # with it the first replay) could be over before anyone listens.
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
         sub.connect(src.endpoint)
         dealer: zmq.Socket[bytes] | None = None
         if src.replay:
@@ -286,9 +301,6 @@ class VllmIngest:
             dealer.connect(src.replay)
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
-        # Every (re)connection of the SUB asks for a full replay: it fills what was
-        # published before the subscription took, and reveals a restarted publisher.
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
         poller.register(monitor, zmq.POLLIN)
         if dealer is not None:
             poller.register(dealer, zmq.POLLIN)
@@ -298,6 +310,7 @@ class VllmIngest:
         full_owed = [False]  # a full replay a (re)connection asked for, not sent yet
         last_heard = time.monotonic()
 
+        seen: dict[tuple[int, int], None] = {}  # malformed messages counted: (seq, print)
         unsent: list[int | None] = [None]  # a replay request not yet taken by the socket
 
         def send(start: int) -> None:
@@ -320,11 +333,14 @@ class VllmIngest:
                 if dealer is None:
                     self._apply(src.engine, stream.replay_done())
                     return
-                self.counts[src.engine]["replays"] += 1
+                # An idle check is a resync, counted apart: an idle engine asks one every
+                # ``resync_s``, and replays should count what repairs something.
+                self.counts[src.engine]["resyncs" if resync else "replays"] += 1
                 log.log(
                     logging.DEBUG if resync else logging.INFO,
-                    "vLLM KV events of %s: replay from seq %d",
+                    "vLLM KV events of %s: %s from seq %d",
                     src.engine,
+                    "resync" if resync else "replay",
                     out.replay_from,
                 )
                 deadline[0] = time.monotonic() + self._replay_timeout
@@ -347,7 +363,7 @@ class VllmIngest:
                             with self.lock:
                                 handle(stream.replay_end())
                         else:
-                            self._take(src.engine, frames, stream.replayed, handle)
+                            self._take(src.engine, frames, stream.replayed, handle, seen)
                     last_heard = now
                 if sub in ready:
                     for _ in range(1000):
@@ -355,7 +371,7 @@ class VllmIngest:
                             frames = sub.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._take(src.engine, frames, stream.live, handle)
+                        self._take(src.engine, frames, stream.live, handle, seen)
                     last_heard = now
                 with self.lock:
                     if unsent[0] is not None and now <= deadline[0]:
@@ -399,24 +415,31 @@ class VllmIngest:
         self,
         engine: EngineId,
         frames: list[bytes],
-        step: Callable[[int, tuple[DeviceEvent, ...], int], Outcome],
+        step: Callable[[int, tuple[DeviceEvent, ...], int, Skipped], Outcome],
         handle: Callable[[Outcome], None],
+        seen: dict[tuple[int, int], None],
     ) -> None:
         """Decode one message (outside the lock, which lookups share) and feed it to
-        ``step`` (live or replayed) under the lock."""
-        c = self.counts[engine]
+        ``step`` (live or replayed) under the lock. What decoding skipped is counted when
+        the stream applies the batch, so a batch delivered again is counted once; a
+        message that does not decode is counted once per (seq, payload) in ``seen``."""
         try:
             batch = decode_message(frames)
         except MalformedMessage as exc:
+            key = message_seq(frames)
+            if key is not None:
+                if key in seen:  # delivered again (a replay, an idle check)
+                    return
+                seen[key] = None
+                if len(seen) > _SEEN_MALFORMED:
+                    del seen[next(iter(seen))]
             with self.lock:
-                c["malformed_messages"] += 1
+                self.counts[engine]["malformed_messages"] += 1
             log.warning("vLLM KV events of %s: malformed message skipped: %s", engine, exc)
             return
+        skipped = Skipped(batch.malformed_events, batch.unknown_types, batch.unknown_fields)
         with self.lock:
-            c["unknown_types"] += batch.unknown_types
-            c["malformed_events"] += batch.malformed_events
-            c["unknown_fields"] += batch.unknown_fields
-            handle(step(batch.seq, batch.events, batch.fingerprint))
+            handle(step(batch.seq, batch.events, batch.fingerprint, skipped))
 
     def _apply(self, engine: EngineId, out: Outcome) -> None:
         c = self.counts[engine]
@@ -434,6 +457,10 @@ class VllmIngest:
             log.warning("vLLM KV events of %s: %d batches lost for good", engine, out.lost)
         c["duplicates"] += out.duplicate
         c["overflow"] += out.overflow
+        sk = out.skipped
+        c["malformed_events"] += sk.malformed_events
+        c["unknown_types"] += sk.unknown_types
+        c["unknown_fields"] += sk.unknown_fields
         for _seq, events in out.apply:
             c["batches"] += 1
             for ev in events:
@@ -479,11 +506,13 @@ class _Collector(Collector):
             "Engines subscribed because a member advertised them (--vllm-kv-events-from-members)",
             value=members,
         )
-        doc = {"hit": "held", "miss": "did not hold (computed)"}
-        for outcome, n in (("hit", ing.memo.hits), ("miss", ing.memo.misses)):
+        for name, doc, n in (
+            ("hits", "held", ing.memo.hits),
+            ("misses", "did not hold (computed)", ing.memo.misses),
+        ):
             yield CounterMetricFamily(
-                f"kvatlas_vllm_hash_memo_{outcome}s",
-                f"Looked-up blocks whose vLLM hash the memo {doc[outcome]}",
+                f"kvatlas_vllm_hash_memo_{name}",
+                f"Looked-up blocks whose vLLM hash the memo {doc}",
                 value=n,
             )
         yield CounterMetricFamily(

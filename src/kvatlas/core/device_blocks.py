@@ -19,7 +19,23 @@ Owns, pure and single-threaded (the ingest shell holds the lock):
   seqs they wait on. An idle check asks from the last applied seq itself: a publisher
   that answers with nothing at or after it has restarted with fewer batches (the
   restart a subscriber that missed the new publisher's first batches cannot otherwise
-  see).
+  see). A gap asks from the last applied seq too, for the same check: a restarted
+  publisher that has already passed it answers with another batch at that seq. A
+  restart found inside a replay that did not start at 0 asks for everything again, and
+  holds what comes until the new stream's seq 0 (or the replay's end).
+
+Each batch's `Skipped` tally (what its decoding skipped) comes back in the outcome that
+applies it, so a batch delivered again (a replay, an idle check) is counted once.
+
+A prefix counts only as far as vLLM would hit it (``find_longest_cache_hit`` of its
+KV-cache coordinator): every full-attention group (and a group whose kind the events do
+not name) must hold every block of it; a sliding-window group only the blocks of its
+last window (``cdiv(sliding_window - 1, block_size)`` of them, ending where the prefix
+ends), a Mamba group only the last block; the groups settle on one length, as vLLM's
+fixed point does. Stores name the group's kind and window
+(``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``). Not modelled: EAGLE's
+dropped block, hash blocks finer than a group's block, chunked-local attention (taken
+as full attention: it may undercount, never overcount).
 
 Block keys are vLLM's external block hashes as 64-bit ints: vLLM publishes either the
 raw digest (bytes) or, with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, its low 64 bits
@@ -48,6 +64,10 @@ _OTHER_MEDIUM = len(MEDIA)
 _GROUP_BITS = 4
 _GROUP_MASK = (1 << _GROUP_BITS) - 1
 _MAX_GROUP = 15
+_WINDOWED = frozenset({"sliding_window", "sliding_window_mla"})
+"""vLLM's ``KVCacheSpecKind`` values whose hits need only the last window's blocks."""
+_LAST_BLOCK = frozenset({"mamba"})
+"""Kinds whose hits need only the block where the prefix ends."""
 DEFAULT_MAX_PENDING = 10_000
 """Live batches held while a replay fills the gap before them."""
 
@@ -107,6 +127,11 @@ class Stored:
     group: int = 0
     """The KV-cache group (hybrid models store one block hash in several groups: a
     removal from a sliding-window group leaves the full-attention group's copy)."""
+    kind: str | None = None
+    """The group's ``kv_cache_spec_kind`` (``full_attention``, ``sliding_window``,
+    ``mamba``...); None when the publisher does not say (taken as full attention)."""
+    window: int | None = None
+    """The group's sliding window in tokens (``kv_cache_spec_sliding_window``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,10 +149,31 @@ class Cleared:
 DeviceEvent = Stored | Removed | Cleared
 
 
+@dataclass(frozen=True, slots=True)
+class _Group:
+    kind: str | None
+    window: int | None
+    block_size: int
+
+
 @dataclass(slots=True)
 class _Engine:
     blocks: dict[BlockKey, int] = field(default_factory=dict)
     block_size: int = 0
+    groups: dict[int, _Group] = field(default_factory=dict)
+    """The KV-cache groups its stores named, with their kind (the hit rule)."""
+    copies: dict[tuple[BlockKey, int], int] = field(default_factory=dict)
+    """Further copies of a (block, group-medium bit) already held: vLLM's pool may cache
+    one hash in several blocks of a group, storing and evicting each with its own event,
+    so a removal takes one copy, not the hash."""
+
+
+def _nibble(group: int) -> int:
+    return _GROUP_MASK << (_GROUP_BITS * min(group, _MAX_GROUP))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 class DeviceIndex:
@@ -145,12 +191,23 @@ class DeviceIndex:
                 bit = medium_bit(ev.medium, ev.group)
                 if ev.block_size > 0:
                     e.block_size = ev.block_size
+                known = e.groups.get(ev.group)
+                if known is None or ev.kind is not None:
+                    e.groups[ev.group] = _Group(ev.kind, ev.window, ev.block_size)
                 for k in ev.keys:
-                    e.blocks[k] = e.blocks.get(k, 0) | bit
+                    mask = e.blocks.get(k, 0)
+                    if mask & bit:
+                        e.copies[k, bit] = e.copies.get((k, bit), 0) + 1
+                    e.blocks[k] = mask | bit
                 changed += len(ev.keys)
             elif isinstance(ev, Removed):
                 bit = medium_bit(ev.medium, ev.group)
                 for k in ev.keys:
+                    extra = e.copies.pop((k, bit), 0)
+                    if extra:
+                        if extra > 1:
+                            e.copies[k, bit] = extra - 1
+                        continue
                     mask = e.blocks.get(k, 0) & ~bit
                     if mask:
                         e.blocks[k] = mask
@@ -159,6 +216,7 @@ class DeviceIndex:
             else:
                 changed += len(e.blocks)
                 e.blocks.clear()
+                e.copies.clear()
         return changed
 
     def drop(self, engine: EngineId) -> int:
@@ -168,6 +226,8 @@ class DeviceIndex:
             return 0
         n = len(e.blocks)
         e.blocks.clear()
+        e.copies.clear()
+        e.groups.clear()  # a restarted engine may serve another model
         return n
 
     def blocks(self, engine: EngineId) -> dict[BlockKey, int]:
@@ -192,21 +252,81 @@ class DeviceIndex:
         return sum(len(e.blocks) for e in self._engines.values())
 
     def leading(self, engine: EngineId, keys: Sequence[BlockKey]) -> tuple[int, int]:
-        """How many of ``keys`` the engine holds from the first one on, and the mask of
-        the media holding all of them (0 when none)."""
+        """How many of ``keys`` the engine would hit from the first one on, by vLLM's
+        rule for its groups (see the module docstring), and the mask of the media
+        holding all of the blocks counted (0 when none)."""
         e = self._engines.get(engine)
-        if e is None:
+        if e is None or not e.blocks:
             return 0, 0
         held = e.blocks
-        n = 0
-        media = -1
-        for k in keys:
-            m = held.get(k)
-            if m is None:
+        full: list[int] = []
+        windows: dict[int, list[int]] = {}  # blocks a hit needs -> those groups' nibbles
+        for g, spec in sorted(e.groups.items()) or [(0, _Group(None, None, 0))]:
+            size = spec.block_size or e.block_size or 1
+            if spec.kind in _WINDOWED and spec.window:
+                windows.setdefault(_cdiv(spec.window - 1, size), []).append(_nibble(g))
+            elif spec.kind in _LAST_BLOCK:
+                windows.setdefault(1, []).append(_nibble(g))
+            else:
+                full.append(_nibble(g))
+        n = len(keys)
+        if full:
+            n = 0
+            for k in keys:
+                m = held.get(k, 0)
+                if not all(m & nib for nib in full):
+                    break
+                n += 1
+        while windows and n:
+            shorter = n
+            for need, nibs in windows.items():
+                shorter = _window_hit(held, keys, shorter, need, nibs)
+            if shorter == n:
                 break
-            media &= fold_groups(m)
-            n += 1
-        return n, media if n else 0
+            n = shorter
+        media = -1
+        for k in keys[:n]:
+            m = held.get(k, 0)
+            if m:  # a block only a window needed may be gone from every group
+                media &= fold_groups(m)
+        return n, media if n and media != -1 else 0
+
+
+def _window_hit(
+    held: dict[BlockKey, int], keys: Sequence[BlockKey], n: int, need: int, nibs: list[int]
+) -> int:
+    """vLLM's ``SlidingWindowManager.find_longest_cache_hit`` within the first ``n``
+    keys: from the right, the first run of ``need`` blocks the groups all hold ends the
+    hit; without one, the run from the first block on."""
+    run = 0
+    for i in range(n - 1, -1, -1):
+        m = held.get(keys[i], 0)
+        if all(m & nib for nib in nibs):
+            run += 1
+            if run >= need:
+                return i + run
+        else:
+            run = 0
+    return run
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """What decoding one batch skipped: counted when the batch applies, once."""
+
+    malformed_events: int = 0
+    unknown_types: int = 0
+    unknown_fields: int = 0
+
+    def __add__(self, other: Skipped) -> Skipped:
+        return Skipped(
+            self.malformed_events + other.malformed_events,
+            self.unknown_types + other.unknown_types,
+            self.unknown_fields + other.unknown_fields,
+        )
+
+
+NOTHING_SKIPPED = Skipped()
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +344,8 @@ class Outcome:
     """Seqs that neither the stream nor the replay delivered (replay buffer too short)."""
     overflow: int = 0
     """Live batches dropped because too many waited for a replay."""
+    skipped: Skipped = NOTHING_SKIPPED
+    """What the decoding of the batches in ``apply`` skipped."""
 
 
 class EngineStream:
@@ -246,7 +368,10 @@ class EngineStream:
         """Replay requests sent (`replay_sent`) whose end marker has not come."""
         self._verify: int | None = None
         """The seq an idle check asked to see again (`connect`); None once seen."""
-        self._pending: dict[int, tuple[tuple[DeviceEvent, ...], int]] = {}
+        self._from_zero = False
+        """A restart was found inside a replay that did not start at 0: replayed batches
+        wait (in ``_pending``) until the new stream's seq 0 comes."""
+        self._pending: dict[int, tuple[tuple[DeviceEvent, ...], int, Skipped]] = {}
         self._prints: dict[int, int] = {}
         self._max_pending = max_pending
         self._max_prints = max_prints
@@ -265,7 +390,13 @@ class EngineStream:
         self.replaying = True
         return Outcome(replay_from=0)
 
-    def live(self, seq: int, events: tuple[DeviceEvent, ...], fingerprint: int = 0) -> Outcome:
+    def live(
+        self,
+        seq: int,
+        events: tuple[DeviceEvent, ...],
+        fingerprint: int = 0,
+        skipped: Skipped = NOTHING_SKIPPED,
+    ) -> Outcome:
         """A batch from the PUB socket."""
         if (self.live_last is not None and seq <= self.live_last) or self._differs(
             seq, fingerprint
@@ -273,27 +404,43 @@ class EngineStream:
             # PUB/SUB neither repeats nor reorders: the publisher's counter started again.
             self.live_last = seq
             self._reset()
-            self._pending[seq] = (events, fingerprint)
+            self._pending[seq] = (events, fingerprint, skipped)
             self.replaying = True
             return Outcome(restarted=True, replay_from=0)
         self.live_last = seq
         if self.last is not None and seq <= self.last:
             return Outcome(duplicate=True)  # a replay delivered it first
         if self.replaying:
-            return self._hold(seq, events, fingerprint)
+            return self._hold(seq, events, fingerprint, skipped)
         if (self.last is None and seq == 0) or (self.last is not None and seq == self.last + 1):
             self._applied(seq, fingerprint)
-            return Outcome(apply=((seq, events),))
-        out = self._hold(seq, events, fingerprint)
+            return Outcome(apply=((seq, events),), skipped=skipped)
+        out = self._hold(seq, events, fingerprint, skipped)
         self.replaying = True
-        return Outcome(replay_from=0 if self.last is None else self.last + 1, overflow=out.overflow)
+        # From the last applied seq itself, not the one after: a publisher that restarted
+        # and passed it answers there with another batch (a restart no live seq showed).
+        self._verify = self.last
+        return Outcome(replay_from=0 if self.last is None else self.last, overflow=out.overflow)
 
-    def replayed(self, seq: int, events: tuple[DeviceEvent, ...], fingerprint: int = 0) -> Outcome:
+    def replayed(
+        self,
+        seq: int,
+        events: tuple[DeviceEvent, ...],
+        fingerprint: int = 0,
+        skipped: Skipped = NOTHING_SKIPPED,
+    ) -> Outcome:
         """A batch from the replay socket."""
         restarted = False
         if self._differs(seq, fingerprint):
             self._reset()
             restarted = True
+            if seq > 0:
+                # The new publisher's batches before this one: ask for all of them, and
+                # hold what comes until its seq 0 (this answer goes on from here).
+                self._from_zero = True
+                self.replaying = True
+                self._pending[seq] = (events, fingerprint, skipped)
+                return Outcome(restarted=True, replay_from=0)
         held = self._pending.pop(seq, None)
         if held is not None and held[1] != fingerprint:
             held = None
@@ -301,14 +448,18 @@ class EngineStream:
             checked = seq == self._verify
             self._verify = None
             if checked:
-                return Outcome()  # the idle check's own seq: seen again, unchanged
+                return Outcome()  # the check's own seq: seen again, unchanged
         if self.last is not None and seq <= self.last:
             return Outcome(duplicate=True)
+        if self._from_zero:
+            if seq > 0:
+                return self._hold(seq, events, fingerprint, skipped)
+            self._from_zero = False
         lost = 0
         if self.last is not None and seq > self.last + 1:
             lost = seq - self.last - 1
         self._applied(seq, fingerprint)
-        return Outcome(apply=((seq, events),), lost=lost, restarted=restarted)
+        return Outcome(apply=((seq, events),), lost=lost, restarted=restarted, skipped=skipped)
 
     def replay_sent(self) -> None:
         """The shell's replay request went out (its end marker will come)."""
@@ -336,18 +487,21 @@ class EngineStream:
         self.replaying = False
         self._awaiting = 0
         self._verify = None
+        self._from_zero = False
         out: list[tuple[int, tuple[DeviceEvent, ...]]] = []
         lost = 0
+        skipped = NOTHING_SKIPPED
         for seq in sorted(self._pending):
             if self.last is not None and seq <= self.last:
                 continue
             if self.last is not None and seq > self.last + 1:
                 lost += seq - self.last - 1
-            events, fingerprint = self._pending[seq]
+            events, fingerprint, tally = self._pending[seq]
             self._applied(seq, fingerprint)
             out.append((seq, events))
+            skipped += tally
         self._pending.clear()
-        return Outcome(apply=tuple(out), lost=lost)
+        return Outcome(apply=tuple(out), lost=lost, skipped=skipped)
 
     def _differs(self, seq: int, fingerprint: int) -> bool:
         known = self._prints.get(seq)
@@ -357,6 +511,7 @@ class EngineStream:
         self.last = None
         self.live_last = None
         self._verify = None
+        self._from_zero = False
         self._pending.clear()
         self._prints.clear()
 
@@ -366,10 +521,12 @@ class EngineStream:
         if len(self._prints) > self._max_prints:
             del self._prints[next(iter(self._prints))]
 
-    def _hold(self, seq: int, events: tuple[DeviceEvent, ...], fingerprint: int) -> Outcome:
+    def _hold(
+        self, seq: int, events: tuple[DeviceEvent, ...], fingerprint: int, skipped: Skipped
+    ) -> Outcome:
         overflow = 0
         if len(self._pending) >= self._max_pending:
             self._pending.pop(min(self._pending))
             overflow = 1
-        self._pending[seq] = (events, fingerprint)
+        self._pending[seq] = (events, fingerprint, skipped)
         return Outcome(overflow=overflow)

@@ -57,8 +57,13 @@ class CoordinatorLookups:
         """(instance, tier, leading tokens held) for every holder of the prompt's prefix
         under ``salt`` (the request's ``cache_salt``: KV of another salt is none of its); None
         without a coordinator, a model name, or an answer in time, and while the
-        coordinator is out (see the module doc)."""
-        if self._lookups is None or not model or not self._may_ask(blob, model):
+        coordinator is out (see the module doc). Only a lookup that was needed and
+        failed (the coordinator out or not answering) counts as degraded: without a
+        coordinator or a model name there is no chunk lookup to make (a plain vLLM
+        fleet, which the device tier routes alone)."""
+        if self._lookups is None or not model:
+            return None
+        if not self._may_ask(blob, model):
             self._metrics.degraded.labels("lookup").inc()
             return None
         t0 = time.perf_counter()

@@ -154,6 +154,15 @@ def is_replay_end(frames: list[bytes]) -> bool:
     return len(frames) == 3 and frames[1] == END_SEQ
 
 
+def message_seq(frames: list[bytes]) -> tuple[int, int] | None:
+    """The seq and payload fingerprint of a message whose payload may not decode; None
+    when its frames are not (topic, 8-byte seq >= 0, payload)."""
+    if len(frames) != 3 or len(frames[1]) != 8:
+        return None
+    seq = int.from_bytes(frames[1], "big", signed=True)
+    return (seq, xxhash.xxh3_64_intdigest(frames[2])) if seq >= 0 else None
+
+
 def decode_message(frames: list[bytes]) -> Batch:
     """Decode ``(topic, seq, payload)``; raises `MalformedMessage`."""
     if len(frames) != 3:
@@ -212,6 +221,8 @@ def _event(item: Any) -> tuple[DeviceEvent | None, int]:
                 item.get("block_size"),
                 item.get("medium"),
                 item.get("group_idx"),
+                kind=item.get("kv_cache_spec_kind"),
+                window=item.get("kv_cache_spec_sliding_window"),
             ), sum(1 for k in item if k not in _STORED_FIELDS)
         if tag == "BlockRemoved":
             return _removed(
@@ -259,14 +270,31 @@ def _group(raw: Any) -> int:
     return raw
 
 
-def _stored(hashes: Any, tokens: Any, block_size: Any, medium: Any, group: Any = None) -> Stored:
+def _stored(
+    hashes: Any,
+    tokens: Any,
+    block_size: Any,
+    medium: Any,
+    group: Any = None,
+    *,
+    kind: Any = None,
+    window: Any = None,
+) -> Stored:
     if tokens is not None and not isinstance(tokens, list):
         raise InvalidInput("token_ids is not a list")
     if block_size is None:
         block_size = 0
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 0:
         raise InvalidInput("block_size is not a non-negative int")
-    return Stored(_keys(hashes), _medium(medium), block_size, bool(tokens), _group(group))
+    if kind is not None and not isinstance(kind, str):
+        raise InvalidInput("kv_cache_spec_kind is not a string")
+    if window is not None and (
+        not isinstance(window, int) or isinstance(window, bool) or window < 1
+    ):
+        raise InvalidInput("kv_cache_spec_sliding_window is not a positive int")
+    return Stored(
+        _keys(hashes), _medium(medium), block_size, bool(tokens), _group(group), kind, window
+    )
 
 
 def _removed(hashes: Any, medium: Any, group: Any = None) -> Removed:
