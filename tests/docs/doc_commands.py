@@ -52,6 +52,7 @@ KVATLAS_PARSERS = {
     "demo": ("kvatlas.cli.demo", "build_parser"),
     "bench fleet": ("kvatlas.cli.bench", "build_parser"),
     "bench faults": ("kvatlas.cli.bench", "build_faults_parser"),
+    "bench trace": ("kvatlas.cli.bench_trace", "build_trace_parser"),
 }
 """``kvatlas`` command -> the module and function that build its argparse parser."""
 STATIC_ONLY = frozenset({"pip", "source", "export", "vllm", "lmcache", "unshare"})

@@ -1,4 +1,5 @@
-"""``kvatlas bench fleet`` and ``kvatlas bench faults``: flags -> a config -> the run.
+"""``kvatlas bench fleet`` and ``kvatlas bench faults``: flags -> a config -> the run
+(``kvatlas bench trace`` is ``cli.bench_trace``'s).
 
 The one place where the fleet evaluation's options (-> BenchConfig ->
 evaluation.runner.run_bench) and the fault campaign's (-> FaultsConfig ->
@@ -20,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
+from kvatlas.cli import bench_trace
 from kvatlas.evaluation.faults import FAULT_NAMES, FaultsConfig, run_faults
 from kvatlas.evaluation.faults_report import write_faults_report
 from kvatlas.evaluation.routing import RUN_NAMES, RoutingConfig, selected_runs
@@ -28,7 +30,7 @@ from kvatlas.evaluation.runner import BenchConfig, run_bench
 MAX_ROUTING_LOAD = 2.0
 """Above it even a policy that reuses half of every prompt falls behind for good."""
 
-USAGE = "usage: kvatlas bench {fleet,faults} [options]  (see kvatlas bench fleet --help)"
+USAGE = "usage: kvatlas bench {fleet,faults,trace} [options]  (see kvatlas bench fleet --help)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -238,9 +240,11 @@ def _on_sigterm(sig: int, frame: FrameType | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args_in = sys.argv[1:] if argv is None else argv
-    if not args_in or args_in[0] not in {"fleet", "faults"}:
+    if not args_in or args_in[0] not in {"fleet", "faults", "trace"}:
         print(USAGE)
         return 0 if args_in and args_in[0] in {"-h", "--help"} else 2
+    if args_in[0] == "trace":
+        return bench_trace.main(args_in[1:])
     faults = args_in[0] == "faults"
     ap = build_faults_parser() if faults else build_parser()
     args = ap.parse_args(args_in[1:])

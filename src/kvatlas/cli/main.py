@@ -27,6 +27,7 @@ commands:
                 soonest, counting the KV the fleet already holds
   bench fleet   the fleet evaluation: hit rates, stale hints, churn, TTFT, with a report
   bench faults  the fault campaign: servers and coordinator killed, frozen, slowed, under load
+  bench trace   a Mooncake trace through real fleets, one per policy, beside a simulation
 
 Run `kvatlas <command> --help` for the options of a command.
 """
