@@ -59,9 +59,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
 from bench.machine import describe
+from bench.router_bench import percentiles
 from kvatlas.core.tenancy import TenantTable, key_digest
 from kvatlas.evaluation.fleet import Fleet, FleetConfig
 from kvatlas.router.tenants import request_salt, with_salt
@@ -195,18 +195,6 @@ def tenant_step_us(
 
 
 # ---- the fleet --------------------------------------------------------------------------
-
-
-def percentiles(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {}
-    a = np.asarray(xs)
-    return {
-        "n": len(xs),
-        "p50": round(float(np.percentile(a, 50)), 3),
-        "p99": round(float(np.percentile(a, 99)), 3),
-        "max": round(float(a.max()), 3),
-    }
 
 
 def run_round(

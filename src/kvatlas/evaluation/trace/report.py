@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -200,6 +201,13 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _plot_hit_over_time(res: TraceBenchResult, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4))
     for p, r in res.simulated.items():
@@ -212,10 +220,7 @@ def _plot_hit_over_time(res: TraceBenchResult, path: Path) -> Path:
     ax.set_ylabel("token hit rate")
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _plot_sweep(res: TraceBenchResult, path: Path) -> Path:
@@ -234,10 +239,7 @@ def _plot_sweep(res: TraceBenchResult, path: Path) -> Path:
     ax.set_title("x: real replays")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _plot_ttft(res: TraceBenchResult, path: Path) -> Path:
@@ -251,10 +253,7 @@ def _plot_ttft(res: TraceBenchResult, path: Path) -> Path:
     ax.set_ylabel("share of requests")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _plot_p2p(res: TraceBenchResult, path: Path) -> Path:
@@ -263,7 +262,4 @@ def _plot_p2p(res: TraceBenchResult, path: Path) -> Path:
     ax.bar(names, [res.real[n]["p2p_bytes"] / 2**20 for n in names])
     ax.set_ylabel("MiB read over P2P")
     ax.tick_params(axis="x", labelsize=7, rotation=20)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
