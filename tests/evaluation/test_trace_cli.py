@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvatlas.cli.bench import main as bench_main
 from kvatlas.cli.bench_trace import build_trace_parser, trace_config_from_args
+from kvatlas.evaluation.trace import run as run_mod
+from kvatlas.evaluation.trace.mooncake import bundled_conversation_trace
+from kvatlas.evaluation.trace.replay import FellBehind
+from kvatlas.evaluation.trace.report import write_trace_report
 
 
 @pytest.mark.parametrize(
@@ -35,3 +41,23 @@ def test_a_missing_trace_file_is_a_usage_error(capsys: pytest.CaptureFixture[str
         bench_main(["trace", "--trace", "/nonexistent.jsonl", "--simulate-only"])
     assert err.value.code == 2
     assert "nonexistent" in capsys.readouterr().err
+
+
+def test_a_replay_that_breaks_off_is_reported_and_the_rest_go_on(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A replay that falls behind is one failed entry of the report, not a lost run."""
+
+    def behind(*_a: object, **_k: object) -> None:
+        raise FellBehind("request 7 went out 31.0 s after its time on the trace clock")
+
+    monkeypatch.setattr(run_mod, "replay", behind)
+    trace = bundled_conversation_trace().window(0, 20)
+    cfg = run_mod.TraceBenchConfig(
+        nodes=2, node_capacity_tokens=100_000, policies=("global",), sweep_capacities=(100_000,)
+    )
+    res = run_mod.run_trace_bench(trace, cfg)
+    assert list(res.failed) == ["global"] and "31.0 s" in res.failed["global"]
+    assert res.real == {} and res.simulated["global"]["requests"] == len(trace)
+    write_trace_report(res, tmp_path)
+    assert "## Replays that did not finish" in (tmp_path / "report.md").read_text()

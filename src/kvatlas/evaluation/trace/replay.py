@@ -51,6 +51,7 @@ REPLAY_POLICIES: Final = {
 }
 """Policy -> (the router's ``--policy``, P2P between the servers)."""
 MODEL: Final = "trace-model"
+KEEPALIVE_S: Final = 2.0
 VOCAB: Final = 32_000
 
 
@@ -197,7 +198,12 @@ async def _send(trace: Trace, cfg: ReplayConfig, router: str, out: ReplayResult,
     if not reqs:
         return
     t_zero = reqs[0].arrival_s
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    # idle connections expire before the router's keep-alive timeout (uvicorn's 5 s)
+    # would close them: a request sent on a connection the router is closing is a
+    # ReadError that says nothing about the fleet
+    limits = httpx.Limits(
+        max_connections=None, max_keepalive_connections=256, keepalive_expiry=KEEPALIVE_S
+    )
     failure: list[BaseException] = []
     done = 0
     async with httpx.AsyncClient(

@@ -140,6 +140,9 @@ def markdown(res: TraceBenchResult, plots: list[str]) -> str:
                 f" {r['ttft_p99_s']:.2f} | {r['p2p_bytes'] / 2**20:,.0f} MiB"
                 f" | {r['load_max_over_mean']:.2f} | {r['wall_s']:.0f} s |"
             )
+    if res.failed:
+        lines += ["", "## Replays that did not finish", ""]
+        lines += [f"- `{k}`: {why}" for k, why in res.failed.items()]
     if res.checks:
         lines += [
             "",
@@ -201,6 +204,11 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def _legend(ax: Any, **kw: Any) -> None:
+    if ax.get_legend_handles_labels()[0]:  # a plot with nothing drawn has no legend
+        ax.legend(**kw)
+
+
 def _save(fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -218,7 +226,7 @@ def _plot_hit_over_time(res: TraceBenchResult, path: Path) -> Path:
         ax.plot(range(len(ys)), ys, "--", label=f"{p} (real)", linewidth=1.5)
     ax.set_xlabel("trace minute")
     ax.set_ylabel("token hit rate")
-    ax.legend(fontsize=7, ncol=2)
+    _legend(ax, fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
     return _save(fig, path)
 
@@ -237,7 +245,7 @@ def _plot_sweep(res: TraceBenchResult, path: Path) -> Path:
     ax.set_xlabel("cache tokens per node")
     ax.set_ylabel("token hit rate")
     ax.set_title("x: real replays")
-    ax.legend(fontsize=8)
+    _legend(ax, fontsize=8)
     ax.grid(alpha=0.3)
     return _save(fig, path)
 
@@ -251,7 +259,7 @@ def _plot_ttft(res: TraceBenchResult, path: Path) -> Path:
     ax.set_xscale("log")
     ax.set_xlabel("TTFT, trace seconds")
     ax.set_ylabel("share of requests")
-    ax.legend(fontsize=8)
+    _legend(ax, fontsize=8)
     ax.grid(alpha=0.3)
     return _save(fig, path)
 

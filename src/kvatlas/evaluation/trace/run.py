@@ -27,9 +27,18 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
+import httpx
+
 from kvatlas.evaluation.fleet import describe_machine
+from kvatlas.evaluation.launch import ProcessError
 from kvatlas.evaluation.trace.mooncake import Trace
-from kvatlas.evaluation.trace.replay import REPLAY_POLICIES, ReplayConfig, hit_series, replay
+from kvatlas.evaluation.trace.replay import (
+    REPLAY_POLICIES,
+    FellBehind,
+    ReplayConfig,
+    hit_series,
+    replay,
+)
 from kvatlas.evaluation.trace.simulate import (
     PROFILES,
     SimConfig,
@@ -88,6 +97,8 @@ class TraceBenchResult:
     sweep: dict[str, Any] = field(default_factory=dict)
     real: dict[str, dict[str, Any]] = field(default_factory=dict)
     checks: list[dict[str, Any]] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    """Replays that did not finish, and why (the others still count)."""
     paper: dict[str, Any] = field(default_factory=lambda: dict(PAPER))
     wall_s: float = 0.0
 
@@ -163,11 +174,17 @@ def run_trace_bench(
                 max_lag_s=cfg.max_lag_s,
                 seed=cfg.seed,
             )
-            out = replay(trace, rcfg, say=say)
+            key = policy if cap == cfg.node_capacity_tokens else f"{policy}@{cap}"
+            try:
+                out = replay(trace, rcfg, say=say)
+            except (FellBehind, httpx.HTTPError, ProcessError) as exc:
+                # one replay that breaks off does not lose the others: it is reported
+                res.failed[key] = repr(exc)
+                say(f"    {key}: FAILED: {exc!r}")
+                continue
             summary: dict[str, Any] = dict(out.summary(trace.block_tokens))
             summary["hit_rate_per_minute"] = [h for _, h in hit_series(out.answers)]
             summary["ttft_s"] = sorted(a.ttft_s for a in out.answers)
-            key = policy if cap == cfg.node_capacity_tokens else f"{policy}@{cap}"
             res.real[key] = summary
             sim_hit = simulate(trace, policy, replace(sim_cfg, capacity_tokens=cap)).hit_rate  # type: ignore[arg-type]
             real_hit = summary["token_hit_rate"]
