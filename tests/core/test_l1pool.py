@@ -15,17 +15,16 @@ from hypothesis.stateful import (
 )
 
 from kvatlas.core.errors import InvalidInput
+from kvatlas.core.eviction import LRUPolicy, make_policy
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.l1pool import (
     DeleteOutcome,
     L1Pool,
     LeaseId,
-    LRUPolicy,
     PoolEvent,
     Refusal,
     Refused,
     Reserved,
-    make_policy,
 )
 from kvatlas.core.types import EventType
 

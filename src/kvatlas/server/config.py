@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Final, Literal
 
 from kvatlas.core.errors import ConfigError
+from kvatlas.core.eviction import POLICIES
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
-from kvatlas.core.l1pool import MIN_ALIGN_BYTES, POLICIES
+from kvatlas.core.l1pool import MIN_ALIGN_BYTES
 from kvatlas.core.peer_timing import DeadlinePolicy
 from kvatlas.core.types import InstanceId
 from kvatlas.transfer.config import MooncakeConfig
