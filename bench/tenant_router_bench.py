@@ -50,7 +50,6 @@ import random
 import re
 import secrets
 import statistics
-import string
 import time
 import timeit
 from collections import Counter
@@ -61,7 +60,7 @@ from typing import Any
 import httpx
 
 from bench.machine import describe
-from bench.router_bench import percentiles
+from bench.router_bench import _words, percentiles
 from kvatlas.core.tenancy import TenantTable, key_digest
 from kvatlas.evaluation.fleet import Fleet, FleetConfig
 from kvatlas.router.tenants import request_salt, with_salt
@@ -107,17 +106,6 @@ def tenants_toml(doc: dict[str, Any]) -> str:
     for tid, entry in doc["tenants"].items():
         lines += ["", f"[tenants.{tid}]", f"api_keys = {q(entry['api_keys'])}"]
     return "\n".join(lines) + "\n"
-
-
-def _words(rng: random.Random, n_chars: int) -> str:
-    """``n_chars`` of ASCII words: one byte, so one tiny-model token, per character."""
-    out: list[str] = []
-    size = 0
-    while size < n_chars:
-        w = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9)))
-        out.append(w)
-        size += len(w) + 1
-    return (" ".join(out) + "x")[:n_chars]
 
 
 def build_round(

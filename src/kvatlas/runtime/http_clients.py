@@ -18,6 +18,7 @@ Must not: keep a client, retry, or know which service is called.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import httpx
 
@@ -40,6 +41,25 @@ def fleet_headers(
     return out
 
 
+def _settings(
+    timeout: float | httpx.Timeout,
+    token: str | None,
+    headers: Mapping[str, str] | None,
+    limits: httpx.Limits | None,
+    base_url: str,
+) -> dict[str, Any]:
+    """What both clients are built with: never the environment's proxies, never a
+    redirect (the token would follow it)."""
+    return {
+        "base_url": base_url,
+        "headers": fleet_headers(token, headers),
+        "timeout": timeout,
+        "limits": limits if limits is not None else DEFAULT_LIMITS,
+        "trust_env": False,
+        "follow_redirects": False,
+    }
+
+
 def fleet_client(
     *,
     timeout: float | httpx.Timeout,
@@ -52,15 +72,7 @@ def fleet_client(
     """A blocking client: ``timeout`` (seconds or an ``httpx.Timeout``) for each request,
     ``token`` as a bearer header, ``limits`` of its pool (`DEFAULT_LIMITS` when None).
     ``transport``: a test's own (``httpx.MockTransport``), else httpx's."""
-    return httpx.Client(
-        base_url=base_url,
-        headers=fleet_headers(token, headers),
-        timeout=timeout,
-        limits=limits if limits is not None else DEFAULT_LIMITS,
-        transport=transport,
-        trust_env=False,
-        follow_redirects=False,
-    )
+    return httpx.Client(transport=transport, **_settings(timeout, token, headers, limits, base_url))
 
 
 def async_fleet_client(
@@ -75,11 +87,5 @@ def async_fleet_client(
     """The same as `fleet_client`, for an event loop; it belongs to the loop it is first
     used on (``aclose()`` it there)."""
     return httpx.AsyncClient(
-        base_url=base_url,
-        headers=fleet_headers(token, headers),
-        timeout=timeout,
-        limits=limits if limits is not None else DEFAULT_LIMITS,
-        transport=transport,
-        trust_env=False,
-        follow_redirects=False,
+        transport=transport, **_settings(timeout, token, headers, limits, base_url)
     )
