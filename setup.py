@@ -5,6 +5,9 @@ Python twin takes its place (slower, same answers; tests hold them to each other
 
 - `kvatlas.wire._token_digits`, the JSON token parser of `kvatlas.wire.json_tokens`
   (else its numpy parse), needs a C compiler.
+- `kvatlas.core._blocks`, the device tier's block table and XXH3 token hashes of
+  `kvatlas.core.block_table` (else its twin over dicts and the `xxhash` package), needs a
+  C compiler and xxHash's header, vendored in third_party/xxhash.
 - `kvatlas.core._chain`, the blake3 prefix chain of `kvatlas.core.keys` (else its loop
   over the `blake3` package), needs a C compiler and the official BLAKE3 C library,
   vendored in third_party/blake3 (or wherever ``KVATLAS_BLAKE3_C`` names); which of its
@@ -82,7 +85,14 @@ extensions = [
         "kvatlas.wire._token_digits",
         ["src/kvatlas/wire/_token_digits.c"],
         optional=True,
-    )
+    ),
+    Extension(
+        "kvatlas.core._blocks",
+        ["src/kvatlas/core/_blocks.c"],
+        include_dirs=[str(HERE / "third_party" / "xxhash")],
+        extra_compile_args=["-O2"],
+        optional=True,
+    ),
 ]
 _chain = chain_extension(blake3_build())
 if _chain is not None:

@@ -3,15 +3,16 @@ lookup latency with 1M blocks indexed.
 
     python -m bench.vllm_events_bench [--blocks 1000000] [--batches 2000]
 
-- decode + apply: vLLM-shaped ``KVEventBatch`` payloads (maps with ``"type"``, 32-byte
-  digests, 16 blocks per ``BlockStored``, as vLLM 0.34 encodes them) through
+- decode + apply: vLLM-shaped ``KVEventBatch`` payloads (maps with ``"type"``, 64-bit
+  int hashes (vLLM's default), random token ids, 16 blocks per ``BlockStored``, as vLLM
+  0.34 encodes them) through
   `kvatlas.wire.vllm_events.decode_message`, the engine's `EngineStream` and the
   `DeviceIndex`, in one thread: blocks/s and batches/s.
 - over ZeroMQ: the same payloads from a PUB socket on loopback into the coordinator's
   `VllmIngest` (its SUB thread), timed to the last seq applied.
 - lookups with ``--blocks`` blocks in the index (8 engines): an 8,192-token prompt (512
-  blocks of 16) held by one engine, hashed with sha256_cbor then matched: median and p99
-  of the hashing, the index walk, and both.
+  blocks of 16) held by one engine: its content keys computed, then matched: median and
+  p99 of the hashing, the index walk, and both.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import zmq
 from bench.machine import describe
 from kvatlas.coordinator.vllm_ingest import VllmIngest
 from kvatlas.coordinator.vllm_sources import parse_source
+from kvatlas.core.block_table import prompt_keys
 from kvatlas.core.device_blocks import DeviceIndex, EngineId, EngineStream, Stored, block_key
 from kvatlas.core.vllm_hash import BlockHasher
 from kvatlas.wire.vllm_events import decode_message
@@ -45,9 +47,9 @@ def _payloads(n: int, rng: random.Random) -> list[list[bytes]]:
         events = [
             {
                 "type": "BlockStored",
-                "block_hashes": [rng.randbytes(32) for _ in range(BLOCKS_PER_EVENT)],
+                "block_hashes": [rng.getrandbits(64) for _ in range(BLOCKS_PER_EVENT)],
                 "parent_block_hash": None,
-                "token_ids": list(range(BLOCKS_PER_EVENT * 16)),
+                "token_ids": [rng.randrange(150_000) for _ in range(BLOCKS_PER_EVENT * 16)],
                 "block_size": 16,
                 "lora_id": None,
                 "medium": "GPU",
@@ -114,22 +116,26 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def bench_lookup(total_blocks: int, rng: random.Random, rounds: int) -> dict[str, Any]:
+    """Content keys of the prompt (the XXH3 chain over its tokens), then each engine's
+    table walked."""
     hasher = BlockHasher("sha256_cbor", block_size=16)
     engines = [EngineId(f"e{i}") for i in range(8)]
     index = DeviceIndex()
     prompt = [rng.randrange(150_000) for _ in range(8192)]
     held = hasher.keys(prompt)
-    index.apply(engines[3], [Stored(tuple(held), "GPU", 16, True)])
+    index.apply(engines[3], [Stored(tuple(held), "GPU", 16, True, tokens=prompt)])
     per = (total_blocks - len(held)) // len(engines)
     for e in engines:
-        keys = tuple(block_key(rng.getrandbits(64)) for _ in range(per))
-        index.apply(e, [Stored(keys, "GPU", 16, True)])
+        for _ in range(per // BLOCKS_PER_EVENT):
+            keys = tuple(block_key(rng.getrandbits(64)) for _ in range(BLOCKS_PER_EVENT))
+            tokens = [rng.randrange(150_000) for _ in range(BLOCKS_PER_EVENT * 16)]
+            index.apply(e, [Stored(keys, "GPU", 16, True, tokens=tokens)])
     hash_us, walk_us, both_us = [], [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
-        prompt_keys = hasher.keys(prompt)
+        keys_ = prompt_keys(prompt, 16)
         t1 = time.perf_counter()
-        best = max(engines, key=lambda e: index.leading(e, prompt_keys)[0])
+        best = max(engines, key=lambda e: index.leading(e, keys_)[0])
         t2 = time.perf_counter()
         assert best == engines[3]
         hash_us.append((t1 - t0) * 1e6)

@@ -7,5 +7,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/bootstrap.sh"
 # LMCache 0.5.6 (CPU) in its own environment, for the compatibility suite (marker lmcache).
 bash "$ROOT/scripts/lmcache_env.sh"
+# Dynamo 1.6.1 (CPU) in its own environment, for the Dynamo compatibility suite (marker dynamo).
+bash "$ROOT/scripts/dynamo_env.sh"
 cd "$ROOT"
 make check VENV="${KVATLAS_VENV:-$ROOT/.venv}"

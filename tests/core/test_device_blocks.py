@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvatlas.core.block_table import DYNAMO_SEED, extra_hash, local_hashes, prompt_keys
 from kvatlas.core.device_blocks import (
     BlockKey,
     Cleared,
@@ -29,6 +30,18 @@ def _k(*ns: int) -> tuple[BlockKey, ...]:
     return tuple(BlockKey(n) for n in ns)
 
 
+B = 4
+
+
+def _t(*ns: int) -> list[int]:
+    """The tokens of blocks named by ``ns`` (block n is n repeated)."""
+    return [n for n in ns for _ in range(B)]
+
+
+def _keys(*ns: int, salt: str | None = None) -> bytes:
+    return prompt_keys(_t(*ns), B, cache_salt=salt)
+
+
 def test_block_key_int_and_digest_agree() -> None:
     digest = bytes(range(32))
     assert block_key(digest) == block_key(int.from_bytes(digest, "big") & (2**64 - 1))
@@ -40,15 +53,59 @@ def test_block_key_int_and_digest_agree() -> None:
 
 def test_index_media_removal_and_clear() -> None:
     ix = DeviceIndex()
-    ix.apply(E, [Stored(_k(1, 2, 3), "GPU", 16, True), Stored(_k(1, 2), "CPU", 16, False)])
-    assert ix.leading(E, _k(1, 2, 3, 4)) == (3, 0b001)
-    assert ix.leading(E, _k(1, 2)) == (2, 0b011)
+    gpu = Stored(_k(1, 2, 3), "GPU", B, True, tokens=_t(1, 2, 3))
+    ix.apply(E, [gpu, Stored(_k(1, 2), "CPU", B, False)])  # CPU: no tokens, the GPU copy's
+    assert ix.leading(E, _keys(1, 2, 3, 4)) == (3, 0b001)
+    assert ix.leading(E, _keys(1, 2)) == (2, 0b011)
     ix.apply(E, [Removed(_k(1), "GPU")])
-    assert ix.leading(E, _k(1, 2)) == (2, 0b010)  # still on CPU
+    assert ix.leading(E, _keys(1, 2)) == (2, 0b010)  # still on CPU
     ix.apply(E, [Removed(_k(1), "CPU")])
-    assert ix.leading(E, _k(1, 2)) == (0, 0)
+    assert ix.leading(E, _keys(1, 2)) == (0, 0)
     ix.apply(E, [Cleared()])
-    assert ix.count(E) == 0 and ix.block_size(E) == 16
+    assert ix.count(E) == 0 and ix.block_size(E) == B
+
+
+def test_a_store_chains_onto_its_parent_in_any_engine() -> None:
+    """Later blocks of a prompt come in their own store, naming their parent: their
+    content keys continue its chain, whichever engine holds the parent. A store whose
+    parent no engine holds is kept (removals find it) but never matched."""
+    ix = DeviceIndex()
+    ix.apply(E, [Stored(_k(1, 2), "GPU", B, True, tokens=_t(1, 2))])
+    ix.apply(E, [Stored(_k(3), "GPU", B, True, parent=BlockKey(2), tokens=_t(3))])
+    assert ix.leading(E, _keys(1, 2, 3)) == (3, 0b001)
+    assert ix.leading(E, _keys(3)) == (0, 0)  # block 3's tokens alone are another prompt
+    other = EngineId("f")
+    ix.apply(other, [Stored(_k(3), "CPU", B, True, parent=BlockKey(2), tokens=_t(3))])
+    assert ix.leading(other, _keys(1, 2, 3)) == (0, 0)  # it holds block 3, not 1 and 2
+    assert ix.masks(other, _keys(1, 2, 3)) == [0, 0, 0b010] and ix.unchained(other) == 0
+    ix.apply(other, [Stored(_k(9), "GPU", B, True, parent=BlockKey(8), tokens=_t(9))])
+    assert ix.unchained(other) == 1 and ix.count(other) == 2
+    ix.apply(other, [Removed(_k(9), "GPU")])
+    assert ix.count(other) == 1
+
+
+def test_a_salted_block_matches_its_salt_only() -> None:
+    """vLLM publishes the cache salt in the first block's extra keys: the chain carries
+    it, so the blocks answer a prompt of the same salt and nothing else."""
+    ix = DeviceIndex()
+    salted = Stored(
+        _k(1, 2), "GPU", B, True, tokens=_t(1, 2), extras=(extra_hash(("tenant-x",)), 0)
+    )
+    ix.apply(E, [salted])
+    assert ix.leading(E, _keys(1, 2, salt="tenant-x"))[0] == 2
+    assert ix.leading(E, _keys(1, 2))[0] == 0
+    assert ix.leading(E, _keys(1, 2, salt="tenant-y"))[0] == 0
+
+
+def test_dump_names_each_block_with_its_local_hash_and_parent() -> None:
+    ix = DeviceIndex()
+    ix.apply(E, [Stored(_k(1, 2), "GPU", B, True, tokens=_t(1, 2))])
+    dumped = {d.block_hash: d for d in ix.dump(E)}
+    locals_ = local_hashes(_t(1, 2), B, DYNAMO_SEED)
+    assert dumped[1].parent_hash is None and dumped[2].parent_hash == 1
+    assert dumped[1].tokens_hash == int.from_bytes(locals_[:8], "little")
+    assert dumped[2].tokens_hash == int.from_bytes(locals_[8:], "little")
+    assert dumped[2].media == ("GPU",)
 
 
 def test_gap_waits_for_replay_then_applies_in_order() -> None:
@@ -217,9 +274,9 @@ def test_hybrid_groups_hold_a_block_apart() -> None:
     groups; the window's eviction of an early block leaves the hit (the window needs only
     the last block), the full group's eviction ends it."""
     ix = DeviceIndex()
-    window = Stored(_k(1, 2), "GPU", 16, True, 1, kind="sliding_window", window=16)
-    ix.apply(E, [Stored(_k(1, 2), "GPU", 16, True, 0), window])
+    window = Stored(_k(1, 2), "GPU", B, True, 1, kind="sliding_window", window=B, tokens=_t(1, 2))
+    ix.apply(E, [Stored(_k(1, 2), "GPU", B, True, 0, tokens=_t(1, 2)), window])
     ix.apply(E, [Removed(_k(1), "GPU", 1)])
-    assert ix.leading(E, _k(1, 2)) == (2, 0b001)
+    assert ix.leading(E, _keys(1, 2)) == (2, 0b001)
     ix.apply(E, [Removed(_k(1), "GPU", 0)])
-    assert ix.leading(E, _k(1, 2)) == (0, 0)
+    assert ix.leading(E, _keys(1, 2)) == (0, 0)

@@ -19,7 +19,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvatlas.core.device_blocks import BlockKey, DeviceIndex, EngineId, block_key, fold_groups
+from kvatlas.core.block_table import prompt_keys
+from kvatlas.core.device_blocks import DeviceIndex, EngineId, fold_groups
 from kvatlas.wire.vllm_events import decode_message, message
 
 pytest.importorskip(
@@ -65,12 +66,11 @@ def _manager() -> KVCacheManager:
     )
 
 
-def _any_group(ix: DeviceIndex, keys: list[BlockKey]) -> int:
+def _any_group(ix: DeviceIndex, keys: bytes) -> int:
     """The old rule: the leading run of blocks held by any group."""
-    held = ix.blocks(E)
     n = 0
-    for k in keys:
-        if not fold_groups(held.get(k, 0)):
+    for m in ix.masks(E, keys):
+        if not fold_groups(m):
             break
         n += 1
     return n
@@ -129,7 +129,7 @@ def test_index_hits_what_vllms_hybrid_coordinator_hits() -> None:
             probe = request(prompt())
             want = manager.get_computed_blocks(probe)[1]
             usable = (len(probe.prompt_token_ids) - 1) // B
-            keys = [block_key(h) for h in probe.block_hashes[:usable]]
+            keys = prompt_keys(probe.prompt_token_ids[: usable * B], B)
             got, _ = ix.leading(E, keys)
             assert got * B == want, (got, want)
             checked += 1

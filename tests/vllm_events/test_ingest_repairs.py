@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvatlas.coordinator.vllm_ingest import VllmIngest
 from kvatlas.coordinator.vllm_sources import parse_source
+from kvatlas.core.block_table import prompt_keys
 from kvatlas.core.device_blocks import DeviceIndex, EngineId, EngineStream
 from kvatlas.wire.vllm_events import END_SEQ, decode_message, replay_request
 from support.wait import wait_until
@@ -171,12 +172,12 @@ def test_a_gap_replay_reveals_a_restart_whose_first_batches_were_lost() -> None:
         keys = {k for i in range(6) for k in HASHER.keys(_prompt(i))}
         assert not keys & set(index.blocks(e)), "a block of the engine before its restart survived"
         for i in range(8):
-            assert index.leading(e, HASHER.keys(_prompt(100 + i)))[0] == 4
+            assert index.leading(e, prompt_keys(_prompt(100 + i), HASHER.block_size))[0] == 4
     finally:
         ctx.term()
 
 
-def test_the_memo_metrics_are_spelled_as_documented() -> None:
+def test_the_device_tier_metrics_are_spelled_as_documented() -> None:
     ing = VllmIngest(parse_source(_spec((_port(), _port()))))
     registry = CollectorRegistry()
     ing.attach(registry)
@@ -184,7 +185,8 @@ def test_the_memo_metrics_are_spelled_as_documented() -> None:
         text = generate_latest(registry).decode()
     finally:
         ing.stop()
-    assert "kvatlas_vllm_hash_memo_misses_total" in text
-    assert "kvatlas_vllm_hash_memo_hits_total" in text
+    assert "kvatlas_vllm_events_hash_mismatches_total" in text
+    assert "kvatlas_vllm_events_unchained_blocks_total" in text
+    assert "kvatlas_vllm_device_table_bytes" in text
     assert "misss" not in text
     assert "kvatlas_vllm_events_resyncs_total" in text

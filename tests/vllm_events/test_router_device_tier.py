@@ -281,6 +281,8 @@ def test_the_device_tier_matches_a_salted_prompt_under_its_salt_only(
         digests = HASHER.digests(tokens, cache_salt="tenant-x")
         stored = _stored(tokens)
         stored.block_hashes = digests
+        # vLLM publishes the salt in the first block's extra keys (as vLLM 0.34 does).
+        stored.extra_keys = [("tenant-x",)] + [None] * (len(digests) - 1)
         pub.publish(_batch(stored))
 
         def device(salt: str | None) -> dict[str, Any]:

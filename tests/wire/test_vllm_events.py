@@ -31,7 +31,7 @@ def test_positional_events_with_int_hashes() -> None:
     b = decode_message(_msg(7, [1.5, events, 0]))
     assert b.seq == 7 and b.dp_rank == 0
     assert b.events == (
-        Stored((block_key(1), block_key(2**64 - 1)), None, 16, True),
+        Stored((block_key(1), block_key(2**64 - 1)), None, 16, True, tokens=[5] * 32),
         Removed((block_key(1),), None),
         Cleared(),
     )

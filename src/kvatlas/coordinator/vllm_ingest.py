@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import msgspec
 import zmq
@@ -45,9 +45,11 @@ from prometheus_client.registry import Collector
 from zmq.utils.monitor import recv_monitor_message
 
 from kvatlas.coordinator.vllm_sources import VllmSource, parse_source
+from kvatlas.core.block_table import chain_locals, prompt_keys
 from kvatlas.core.device_blocks import (
     DeviceEvent,
     DeviceIndex,
+    DumpedBlock,
     EngineId,
     EngineStream,
     Outcome,
@@ -57,7 +59,7 @@ from kvatlas.core.device_blocks import (
     medium_names,
 )
 from kvatlas.core.errors import ConfigError
-from kvatlas.core.vllm_hash import BlockHasher, DigestMemo
+from kvatlas.core.vllm_hash import BlockHasher
 from kvatlas.wire.vllm_events import (
     MEMBER_KEY,
     MalformedMessage,
@@ -89,7 +91,14 @@ COUNTS = (
     "malformed_events",
     "unknown_types",
     "unknown_fields",
+    "unchained_blocks",
+    "hash_matches",
+    "hash_mismatches",
 )
+_HASH_CHECKS = 32
+"""Stores checked against the source's configured hash and seed first; after that, one
+in `_HASH_CHECK_EVERY`."""
+_HASH_CHECK_EVERY = 256
 
 
 class DeviceHit(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -122,13 +131,13 @@ class VllmIngest:
         self.sources = tuple(sources)
         """The configured sources (``--vllm-kv-events``)."""
         self.index = DeviceIndex()
-        self.memo = DigestMemo()
-        """Recent blocks' digests: a prompt sharing a prefix hashes only its new blocks."""
         self.lock = threading.Lock()
         self.counts: dict[EngineId, Counter[str]] = {}
         self.streams: dict[EngineId, EngineStream] = {}
         self._hashers: dict[EngineId, BlockHasher] = {}
+        self._sizes: dict[EngineId, int] = {}
         self._urls: dict[EngineId, str | None] = {}
+        self._candidates: Counter[EngineId] = Counter()
         for s in self.sources:
             self._register(s)
         self._replay_timeout = replay_timeout_s
@@ -137,6 +146,8 @@ class VllmIngest:
         self._members_interval = members_interval_s
         self.from_members: dict[EngineId, VllmSource] = {}
         """Sources subscribed because a member advertised them."""
+        self.added: dict[EngineId, VllmSource] = {}
+        """Sources subscribed at run time (`add_source`)."""
         self.refused_member_sources = 0
         self._refused_seen: set[str] = set()
         self._stop = threading.Event()
@@ -148,6 +159,7 @@ class VllmIngest:
         self.counts[s.engine] = Counter()
         self.streams[s.engine] = EngineStream()
         self._hashers[s.engine] = BlockHasher(s.hash_algo, s.seed, s.block_size)
+        self._sizes[s.engine] = s.block_size
         self._urls[s.engine] = s.url
 
     def _launch(self, s: VllmSource) -> None:
@@ -230,44 +242,107 @@ class VllmIngest:
             del self.from_members[engine]
             dropped = self.index.drop(engine)
             del self.counts[engine], self.streams[engine]
-            del self._hashers[engine], self._urls[engine]
+            del self._hashers[engine], self._urls[engine], self._sizes[engine]
         log.info("vLLM KV events of %s: unsubscribed, %d blocks dropped", engine, dropped)
+
+    # -- sources at run time (the indexer API's /register and /unregister) -----------
+
+    def add_source(self, src: VllmSource) -> None:
+        """Subscribe to one more engine now; `ConfigError` when its id is taken."""
+        with self.lock:
+            if src.engine in self.counts:
+                raise ConfigError(f"engine {src.engine!r} is already subscribed")
+            self._register(src)
+            self.added[src.engine] = src
+        self._launch(src)
+        log.info("vLLM KV events of %s: registered, subscribing to %s", src.engine, src.endpoint)
+
+    def remove_source(self, engine: EngineId) -> int:
+        """Unsubscribe from an engine added by `add_source`, dropping its blocks;
+        returns how many. `KeyError` when no such engine was added."""
+        with self.lock:
+            if engine not in self.added:
+                raise KeyError(engine)
+        t, done = self._threads.pop(engine)
+        done.set()
+        t.join(timeout=5)
+        with self.lock:
+            del self.added[engine]
+            dropped = self.index.drop(engine)
+            del self.counts[engine], self.streams[engine]
+            del self._hashers[engine], self._urls[engine], self._sizes[engine]
+        log.info("vLLM KV events of %s: unregistered, %d blocks dropped", engine, dropped)
+        return dropped
 
     # -- lookups --------------------------------------------------------------------
 
     def lookup(
         self,
-        tokens: Sequence[int],
+        tokens: Sequence[int] | bytes,
         *,
-        lora: tuple[str, str] | None = None,
+        lora_name: str | None = None,
         cache_salt: str | None = None,
+        engines: Collection[EngineId] | None = None,
     ) -> list[DeviceHit]:
-        """Per engine, how many leading tokens of ``tokens`` its caches hold, best first."""
-        keyed: dict[BlockHasher, list[EngineId]] = {}
-        with self.lock:
-            hashers = list(self._hashers.items())
-            urls = dict(self._urls)
-        for engine, hasher in hashers:
-            keyed.setdefault(hasher, []).append(engine)
+        """Per engine (all, or those named), how many leading tokens of ``tokens`` (ids,
+        or uint32 little-endian bytes) its caches hold, best first. The prompt's content
+        keys are computed once per block size (`kvatlas.core.block_table`)."""
+        by_size: dict[int, bytes] = {}
+
+        def keys(size: int) -> bytes:
+            found = by_size.get(size)
+            if found is None:
+                found = by_size[size] = prompt_keys(
+                    tokens, size, lora_name=lora_name, cache_salt=cache_salt
+                )
+            return found
+
+        return self._match(keys, engines)
+
+    def lookup_by_local_hashes(
+        self, hashes: Sequence[int], *, engines: Collection[EngineId] | None = None
+    ) -> list[DeviceHit]:
+        """Like `lookup`, from the blocks' local hashes (Dynamo's ``LocalBlockHash``,
+        its ``/query_by_hash`` input: no salt, the LoRA in the hashes' seed)."""
+        raw = b"".join((h & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little") for h in hashes)
+        keys = bytes(chain_locals(raw, 0))
+        return self._match(lambda _size: keys, engines)
+
+    def _match(
+        self, keys: Callable[[int], bytes], engines: Collection[EngineId] | None
+    ) -> list[DeviceHit]:
         hits: list[DeviceHit] = []
-        for hasher, engines in keyed.items():
-            keys = hasher.keys(tokens, lora=lora, cache_salt=cache_salt, memo=self.memo)
-            with self.lock:
-                found = [(e, *self.index.leading(e, keys)) for e in engines]
-            for engine, n, media in found:
-                size = hasher.block_size
-                names = list(medium_names(media))
-                hits.append(DeviceHit(engine, n * size, n, size, names, urls.get(engine)))
+        with self.lock:
+            names = (
+                list(self.counts) if engines is None else [e for e in engines if e in self.counts]
+            )
+            for engine in names:
+                size = self.index.block_size(engine) or self._sizes[engine]
+                n, media = self.index.leading(engine, keys(size))
+                names_ = list(medium_names(media))
+                hits.append(DeviceHit(engine, n * size, n, size, names_, self._urls[engine]))
         hits.sort(key=lambda h: (-h.tokens, h.engine))
         return hits
+
+    def dump(
+        self, engines: Collection[EngineId] | None = None
+    ) -> dict[EngineId, list[DumpedBlock]]:
+        """Per engine (all, or those named), the blocks it holds with their hashes and
+        parents (Dynamo's ``/dump``)."""
+        with self.lock:
+            names = (
+                list(self.counts) if engines is None else [e for e in engines if e in self.counts]
+            )
+            return {e: self.index.dump(e) for e in names}
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per engine: its counts, its blocks and its last seq (-1: none yet)."""
         with self.lock:
             return {
                 e: {
-                    **{k: c[k] for k in COUNTS},
+                    **{k: c[k] for k in COUNTS if k != "unchained_blocks"},
                     "blocks": self.index.count(e),
+                    "unchained_blocks": self.index.unchained(e),
                     "last_seq": _last(self.streams[e]),
                 }
                 for e, c in self.counts.items()
@@ -466,11 +541,41 @@ class VllmIngest:
             for ev in events:
                 if isinstance(ev, Stored):
                     c["blocks_stored"] += len(ev.keys)
+                    if ev.parent is None and ev.tokens and not ev.lora_name and not ev.extras:
+                        self._check_hash(engine, ev, c)
                 elif isinstance(ev, Removed):
                     c["blocks_removed"] += len(ev.keys)
                 else:
                     c["cleared"] += 1
             self.index.apply(engine, events)
+
+    def _check_hash(self, engine: EngineId, ev: Stored, c: Counter[str]) -> None:
+        """Does the source's configured hash and seed give the first block's hash this
+        engine published? Lookups do not need them (they go by token ids), but a kvatlas
+        server publishing for the same fleet must hash as the engines do for its blocks
+        to join their chains (``--kv-events-hash-algo``): a mismatch is counted and
+        logged once. Only plain first blocks are checked (no salt, LoRA or media)."""
+        self._candidates[engine] += 1
+        seen = self._candidates[engine]
+        if seen > _HASH_CHECKS and seen % _HASH_CHECK_EVERY:
+            return
+        hasher = self._hashers[engine]
+        assert ev.tokens is not None
+        if ev.block_size != hasher.block_size or len(ev.tokens) < hasher.block_size:
+            return
+        if hasher.keys(ev.tokens[: hasher.block_size])[0] == ev.keys[0]:
+            c["hash_matches"] += 1
+            return
+        c["hash_mismatches"] += 1
+        if c["hash_mismatches"] == 1:
+            log.warning(
+                "vLLM KV events of %s: its block hashes are not %s with seed %r (the"
+                " source's hash= and seed=); lookups go by token ids and are unaffected,"
+                " but kvatlas servers publishing for this fleet must hash as the engine does",
+                engine,
+                hasher.algo,
+                hasher.seed,
+            )
 
 
 def _last(stream: EngineStream) -> int:
@@ -506,15 +611,13 @@ class _Collector(Collector):
             "Engines subscribed because a member advertised them (--vllm-kv-events-from-members)",
             value=members,
         )
-        for name, doc, n in (
-            ("hits", "held", ing.memo.hits),
-            ("misses", "did not hold (computed)", ing.memo.misses),
-        ):
-            yield CounterMetricFamily(
-                f"kvatlas_vllm_hash_memo_{name}",
-                f"Looked-up blocks whose vLLM hash the memo {doc}",
-                value=n,
-            )
+        with ing.lock:
+            nbytes = ing.index.nbytes()
+        yield GaugeMetricFamily(
+            "kvatlas_vllm_device_table_bytes",
+            "Bytes the device tier's compiled block tables take (0: the Python twin serves)",
+            value=nbytes,
+        )
         yield CounterMetricFamily(
             "kvatlas_vllm_member_sources_refused",
             "Sources members advertised that were refused (unparsable, or an engine taken)",

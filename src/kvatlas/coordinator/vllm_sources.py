@@ -8,8 +8,9 @@ Owns the flag value's grammar and its validation, each message naming the flag::
 ``dp_size`` N > 1 stands for N data-parallel ranks whose ports are offset by the rank
 (as vLLM's ``ZmqEventPublisher.offset_endpoint_port`` binds them), each its own engine
 ``ENGINE_ID/dpR``. ``block_size``, ``hash`` and ``seed`` are the engine's
-``--block-size``, ``--prefix-caching-hash-algo`` and ``PYTHONHASHSEED``: lookups by
-token ids hash with them. ``url`` is the engine's OpenAI URL, as ``kvatlas router``
+``--block-size``, ``--prefix-caching-hash-algo`` and ``PYTHONHASHSEED``: lookups cut
+prompts by the block size (until the engine's stores name theirs); the hash and seed
+are only checked against what the engine publishes (lookups go by token ids). ``url`` is the engine's OpenAI URL, as ``kvatlas router``
 knows it: lookups name it, so a router maps the engine to its own (without it, a router
 maps the engine by its cache instance id, ``--engine URL=ENGINE_ID``).
 

@@ -37,10 +37,16 @@ fixed point does. Stores name the group's kind and window
 dropped block, hash blocks finer than a group's block, chunked-local attention (taken
 as full attention: it may undercount, never overcount).
 
-Block keys are vLLM's external block hashes as 64-bit ints: vLLM publishes either the
-raw digest (bytes) or, with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, its low 64 bits
-(``int.from_bytes(digest, "big") & (2**64 - 1)``); `block_key` maps both to the same
-int, so one index serves engines publishing either.
+Blocks are named by vLLM's external block hashes as 64-bit ints (what removals and
+parents name): vLLM publishes either the raw digest (bytes) or, with
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, its low 64 bits (``int.from_bytes(digest,
+"big") & (2**64 - 1)``); `block_key` maps both to the same int. Lookups go by content
+keys instead (`kvatlas.core.block_table`): a chain over the token ids a store carries,
+its parent's content key and its extra keys (the cache salt), so a lookup by token ids
+needs neither the engine's hash function nor its seed, and costs a few XXH3 calls per
+block. A store without token ids (a CPU-offload tier's) takes the content key of a copy
+already held (its GPU copy, in this engine or another); without one it is kept for
+removals but never matched, and counted (`DeviceIndex.unchained`).
 
 Must not: open sockets, read clocks, decode msgpack or log; every state change returns
 an outcome for the shell to count and log.
@@ -52,6 +58,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NewType
 
+from kvatlas.core.block_table import BlockTable, BlockTableType, lora_seed
 from kvatlas.core.errors import InvalidInput
 
 BlockKey = NewType("BlockKey", int)
@@ -132,6 +139,14 @@ class Stored:
     ``mamba``...); None when the publisher does not say (taken as full attention)."""
     window: int | None = None
     """The group's sliding window in tokens (``kv_cache_spec_sliding_window``)."""
+    parent: BlockKey | None = None
+    """The first block's parent (``parent_block_hash``); None: a prompt's first block."""
+    tokens: Sequence[int] | None = None
+    """The blocks' token ids, ``block_size`` per block (None: not published)."""
+    lora_name: str | None = None
+    extras: tuple[int, ...] | None = None
+    """Per block, `kvatlas.core.block_table.extra_hash` of its extra keys (the cache
+    salt...), the LoRA name left out; None: none on any block."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,14 +173,13 @@ class _Group:
 
 @dataclass(slots=True)
 class _Engine:
-    blocks: dict[BlockKey, int] = field(default_factory=dict)
+    table: BlockTableType = field(default_factory=BlockTable)
     block_size: int = 0
     groups: dict[int, _Group] = field(default_factory=dict)
     """The KV-cache groups its stores named, with their kind (the hit rule)."""
-    copies: dict[tuple[BlockKey, int], int] = field(default_factory=dict)
-    """Further copies of a (block, group-medium bit) already held: vLLM's pool may cache
-    one hash in several blocks of a group, storing and evicting each with its own event,
-    so a removal takes one copy, not the hash."""
+    unchained: int = 0
+    """Blocks stored whose chain could not be followed (no token ids, or a parent no
+    engine holds): held for removals, never matched by a lookup."""
 
 
 def _nibble(group: int) -> int:
@@ -176,15 +190,55 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(frozen=True, slots=True)
+class DumpedBlock:
+    """One block an engine holds, as Dynamo's ``/dump`` names it."""
+
+    block_hash: int
+    """The engine's own block hash (64-bit key)."""
+    tokens_hash: int
+    """Its local hash (Dynamo's ``LocalBlockHash``); 0 when unchained."""
+    parent_hash: int | None
+    media: tuple[str, ...]
+    content: int
+    """Its content key (0: unchained)."""
+
+
 class DeviceIndex:
-    """Per engine, block key -> mask of the (group, medium) pairs holding it."""
+    """Per engine, a `BlockTable`: block hash -> content key and the mask of the
+    (group, medium) pairs holding it. Lookups take content keys
+    (`kvatlas.core.block_table.prompt_keys`)."""
 
     def __init__(self) -> None:
         self._engines: dict[EngineId, _Engine] = {}
+        self._seeds: dict[str | None, int] = {}
+
+    def _seed(self, lora_name: str | None) -> int:
+        seed = self._seeds.get(lora_name)
+        if seed is None:
+            if len(self._seeds) > 4096:
+                self._seeds.clear()
+            seed = self._seeds[lora_name] = lora_seed(lora_name)
+        return seed
+
+    def _parent_content(self, e: _Engine, parent: BlockKey) -> int | None:
+        """The content key of a store's parent: this engine's, else any engine's that
+        holds the same hash (a CPU tier's store of a block whose GPU copy was evicted)."""
+        found = e.table.content(parent)
+        if found is not None:
+            return found
+        for other in self._engines.values():
+            if other is not e:
+                found = other.table.content(parent)
+                if found is not None:
+                    return found
+        return None
 
     def apply(self, engine: EngineId, events: Iterable[DeviceEvent]) -> int:
         """Apply one batch's events in order; returns the number of blocks changed."""
-        e = self._engines.setdefault(engine, _Engine())
+        e = self._engines.get(engine)
+        if e is None:
+            e = self._engines[engine] = _Engine()
         changed = 0
         for ev in events:
             if isinstance(ev, Stored):
@@ -194,29 +248,23 @@ class DeviceIndex:
                 known = e.groups.get(ev.group)
                 if known is None or ev.kind is not None:
                     e.groups[ev.group] = _Group(ev.kind, ev.window, ev.block_size)
-                for k in ev.keys:
-                    mask = e.blocks.get(k, 0)
-                    if mask & bit:
-                        e.copies[k, bit] = e.copies.get((k, bit), 0) + 1
-                    e.blocks[k] = mask | bit
+                pc = None if ev.parent is None else self._parent_content(e, ev.parent)
+                _, unchained = e.table.store(
+                    ev.keys,
+                    ev.parent,
+                    pc,
+                    ev.tokens,
+                    ev.block_size,
+                    self._seed(ev.lora_name),
+                    ev.extras,
+                    bit,
+                )
+                e.unchained += unchained
                 changed += len(ev.keys)
             elif isinstance(ev, Removed):
-                bit = medium_bit(ev.medium, ev.group)
-                for k in ev.keys:
-                    extra = e.copies.pop((k, bit), 0)
-                    if extra:
-                        if extra > 1:
-                            e.copies[k, bit] = extra - 1
-                        continue
-                    mask = e.blocks.get(k, 0) & ~bit
-                    if mask:
-                        e.blocks[k] = mask
-                    elif e.blocks.pop(k, None) is not None:
-                        changed += 1
+                changed += e.table.remove(ev.keys, medium_bit(ev.medium, ev.group))
             else:
-                changed += len(e.blocks)
-                e.blocks.clear()
-                e.copies.clear()
+                changed += e.table.clear()
         return changed
 
     def drop(self, engine: EngineId) -> int:
@@ -224,21 +272,45 @@ class DeviceIndex:
         e = self._engines.get(engine)
         if e is None:
             return 0
-        n = len(e.blocks)
-        e.blocks.clear()
-        e.copies.clear()
+        n = e.table.clear()
         e.groups.clear()  # a restarted engine may serve another model
         return n
 
     def blocks(self, engine: EngineId) -> dict[BlockKey, int]:
-        """A copy of one engine's blocks (tests, snapshots)."""
+        """One engine's blocks and their (group, medium) masks (tests, snapshots)."""
         e = self._engines.get(engine)
-        return dict(e.blocks) if e else {}
+        if e is None:
+            return {}
+        return {BlockKey(k): mask for k, _c, mask, _l, _p in e.table.items()}
+
+    def masks(self, engine: EngineId, keys: bytes) -> list[int]:
+        """The (group, medium) mask of each content key's block (0: not held)."""
+        e = self._engines.get(engine)
+        return e.table.masks(keys) if e else [0] * (len(keys) // 8)
+
+    def dump(self, engine: EngineId) -> list[DumpedBlock]:
+        """One engine's blocks with their hashes and parents (Dynamo's ``/dump``)."""
+        e = self._engines.get(engine)
+        if e is None:
+            return []
+        return [
+            DumpedBlock(k, local, parent, medium_names(fold_groups(mask)), content)
+            for k, content, mask, local, parent in e.table.items()
+        ]
 
     def count(self, engine: EngineId) -> int:
         """How many blocks the engine's caches hold."""
         e = self._engines.get(engine)
-        return len(e.blocks) if e else 0
+        return len(e.table) if e else 0
+
+    def unchained(self, engine: EngineId) -> int:
+        """Blocks stored without a chain (see `_Engine.unchained`), ever."""
+        e = self._engines.get(engine)
+        return e.unchained if e else 0
+
+    def nbytes(self) -> int:
+        """Bytes the compiled tables take (0 for the Python twin's)."""
+        return sum(e.table.nbytes for e in self._engines.values())
 
     def block_size(self, engine: EngineId) -> int:
         """The block size the engine's last store named (0: none seen)."""
@@ -249,16 +321,16 @@ class DeviceIndex:
         return sorted(self._engines)
 
     def total_blocks(self) -> int:
-        return sum(len(e.blocks) for e in self._engines.values())
+        return sum(len(e.table) for e in self._engines.values())
 
-    def leading(self, engine: EngineId, keys: Sequence[BlockKey]) -> tuple[int, int]:
-        """How many of ``keys`` the engine would hit from the first one on, by vLLM's
-        rule for its groups (see the module docstring), and the mask of the media
-        holding all of the blocks counted (0 when none)."""
+    def leading(self, engine: EngineId, keys: bytes) -> tuple[int, int]:
+        """How many of the content ``keys`` (uint64 little-endian, `prompt_keys`) the
+        engine would hit from the first one on, by vLLM's rule for its groups (see the
+        module docstring), and the media holding all of the blocks counted (0 when
+        none)."""
         e = self._engines.get(engine)
-        if e is None or not e.blocks:
+        if e is None or not len(e.table):
             return 0, 0
-        held = e.blocks
         full: list[int] = []
         windows: dict[int, list[int]] = {}  # blocks a hit needs -> those groups' nibbles
         for g, spec in sorted(e.groups.items()) or [(0, _Group(None, None, 0))]:
@@ -269,38 +341,37 @@ class DeviceIndex:
                 windows.setdefault(1, []).append(_nibble(g))
             else:
                 full.append(_nibble(g))
-        n = len(keys)
+        if not windows:
+            return e.table.run(keys, full)
+        held = e.table.masks(keys)
+        n = len(held)
         if full:
             n = 0
-            for k in keys:
-                m = held.get(k, 0)
+            for m in held:
                 if not all(m & nib for nib in full):
                     break
                 n += 1
         while windows and n:
             shorter = n
             for need, nibs in windows.items():
-                shorter = _window_hit(held, keys, shorter, need, nibs)
+                shorter = _window_hit(held, shorter, need, nibs)
             if shorter == n:
                 break
             n = shorter
         media = -1
-        for k in keys[:n]:
-            m = held.get(k, 0)
+        for m in held[:n]:
             if m:  # a block only a window needed may be gone from every group
                 media &= fold_groups(m)
         return n, media if n and media != -1 else 0
 
 
-def _window_hit(
-    held: dict[BlockKey, int], keys: Sequence[BlockKey], n: int, need: int, nibs: list[int]
-) -> int:
+def _window_hit(held: list[int], n: int, need: int, nibs: list[int]) -> int:
     """vLLM's ``SlidingWindowManager.find_longest_cache_hit`` within the first ``n``
     keys: from the right, the first run of ``need`` blocks the groups all hold ends the
     hit; without one, the run from the first block on."""
     run = 0
     for i in range(n - 1, -1, -1):
-        m = held.get(keys[i], 0)
+        m = held[i]
         if all(m & nib for nib in nibs):
             run += 1
             if run >= need:

@@ -26,11 +26,14 @@ Must not: open sockets or touch the index.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
+from operator import and_
 from typing import Any
 
 import msgspec
 import xxhash
 
+from kvatlas.core.block_table import extra_hash
 from kvatlas.core.device_blocks import BlockKey, Cleared, DeviceEvent, Removed, Stored, block_key
 from kvatlas.core.errors import InvalidInput
 
@@ -38,6 +41,9 @@ MEMBER_KEY = "vllm_kv_events"
 """Registration metadata: the KV event sources of a node's vLLM engines, ``;``-separated,
 each in ``--vllm-kv-events``' grammar (``ENGINE=`` may be left out: the instance id).
 A coordinator with ``--vllm-kv-events-from-members`` subscribes to them."""
+
+_MASK64 = (1 << 64) - 1
+_MIN_HASH = -(1 << 63)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The seq frame ending a replay (vLLM's ``ZmqEventPublisher.END_SEQ``)."""
@@ -223,6 +229,9 @@ def _event(item: Any) -> tuple[DeviceEvent | None, int]:
                 item.get("group_idx"),
                 kind=item.get("kv_cache_spec_kind"),
                 window=item.get("kv_cache_spec_sliding_window"),
+                parent=item.get("parent_block_hash"),
+                lora_name=item.get("lora_name"),
+                extra_keys=item.get("extra_keys"),
             ), sum(1 for k in item if k not in _STORED_FIELDS)
         if tag == "BlockRemoved":
             return _removed(
@@ -239,7 +248,11 @@ def _event(item: Any) -> tuple[DeviceEvent | None, int]:
             if len(item) < 5:
                 raise InvalidInput("BlockStored array too short")
             medium = item[6] if len(item) > 6 else None
-            return _stored(item[1], item[3], item[4], medium), 0
+            lora = item[7] if len(item) > 7 else None
+            extra = item[8] if len(item) > 8 else None
+            return _stored(
+                item[1], item[3], item[4], medium, parent=item[2], lora_name=lora, extra_keys=extra
+            ), 0
         if tag == "BlockRemoved":
             if len(item) < 2:
                 raise InvalidInput("BlockRemoved array too short")
@@ -253,7 +266,17 @@ def _event(item: Any) -> tuple[DeviceEvent | None, int]:
 def _keys(raw: Any) -> tuple[BlockKey, ...]:
     if not isinstance(raw, list):
         raise InvalidInput("block_hashes is not a list")
-    return tuple(block_key(h) for h in raw)
+    try:
+        # vLLM's default (64-bit ints): one pass in C; anything else fails the `&`.
+        if raw and (min(raw) < _MIN_HASH or max(raw) > _MASK64):
+            raise InvalidInput("a block hash does not fit 64 bits")
+        keys = tuple(map(and_, raw, repeat(_MASK64)))
+    except TypeError:
+        return tuple(block_key(h) for h in raw)  # raw digests (bytes), or malformed
+    if True in raw or False in raw:  # bools are ints to `&` (and compare equal to 1, 0)
+        if any(isinstance(h, bool) for h in raw):
+            raise InvalidInput("a block hash is a boolean")
+    return keys  # type: ignore[return-value]
 
 
 def _medium(raw: Any) -> str | None:
@@ -279,9 +302,14 @@ def _stored(
     *,
     kind: Any = None,
     window: Any = None,
+    parent: Any = None,
+    lora_name: Any = None,
+    extra_keys: Any = None,
 ) -> Stored:
     if tokens is not None and not isinstance(tokens, list):
         raise InvalidInput("token_ids is not a list")
+    if lora_name is not None and not isinstance(lora_name, str):
+        raise InvalidInput("lora_name is not a string")
     if block_size is None:
         block_size = 0
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 0:
@@ -292,9 +320,40 @@ def _stored(
         not isinstance(window, int) or isinstance(window, bool) or window < 1
     ):
         raise InvalidInput("kv_cache_spec_sliding_window is not a positive int")
+    keys = _keys(hashes)
     return Stored(
-        _keys(hashes), _medium(medium), block_size, bool(tokens), _group(group), kind, window
+        keys,
+        _medium(medium),
+        block_size,
+        bool(tokens),
+        _group(group),
+        kind,
+        window,
+        None if parent is None else block_key(parent),
+        tokens or None,
+        lora_name or None,
+        _extras(extra_keys, len(keys), lora_name or None),
     )
+
+
+def _extras(raw: Any, n: int, lora_name: str | None) -> tuple[int, ...] | None:
+    """``extra_keys`` (one entry per block: None, or the LoRA name when one is named,
+    then multimodal identifiers, the cache salt, prompt-embedding digests) as each
+    block's `extra_hash`, the LoRA name left out (the local hash's seed carries it)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) > n:
+        raise InvalidInput("extra_keys is not a list of at most one entry per block")
+    out: list[int] = []
+    for entry in raw:
+        if entry is None:
+            out.append(0)
+            continue
+        if not isinstance(entry, list):
+            raise InvalidInput("an extra_keys entry is not a list")
+        items = entry[1:] if lora_name is not None and entry[:1] == [lora_name] else entry
+        out.append(extra_hash(items))
+    return tuple(out) if any(out) else None
 
 
 def _removed(hashes: Any, medium: Any, group: Any = None) -> Removed:
