@@ -5,6 +5,7 @@ exists); content keys carry the LoRA, the salt and the parent."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import struct
@@ -46,7 +47,7 @@ def test_local_hash_against_dynamos_own_function() -> None:
     out = subprocess.run(
         [str(python), "-c", script, str(tokens)], capture_output=True, text=True, check=True
     )
-    plain, lora = eval(out.stdout)  # a JSON list of int lists
+    plain, lora = json.loads(out.stdout)
     assert _u64s(bt.local_hashes(tokens, 16, bt.DYNAMO_SEED)) == plain
     assert _u64s(bt.local_hashes(tokens, 16, bt.lora_seed("ad-1"))) == lora
 

@@ -92,7 +92,7 @@ def test_lookups_follow_parents_lora_and_salt_and_report_a_wrong_hash() -> None:
         pub.publish(_batch(_store(doc, 2, 2), _store(salted, 0, 4, salt="tenant-x")))
         wait_until(lambda: ing.stats()["e1"]["last_seq"], lambda s: s == 1, what="both batches")
 
-        assert _tokens_of(ing, doc + [7]) == 4 * BLOCK  # blocks 2-3 chained onto 0-1
+        assert _tokens_of(ing, [*doc, 7]) == 4 * BLOCK  # blocks 2-3 chained onto 0-1
         assert _tokens_of(ing, doc[2 * BLOCK :]) == 0
         assert _tokens_of(ing, lora) == 0
         assert _tokens_of(ing, lora, lora_name="ad-1") == 4 * BLOCK
