@@ -56,13 +56,28 @@ def test_index_media_removal_and_clear() -> None:
     gpu = Stored(_k(1, 2, 3), "GPU", B, True, tokens=_t(1, 2, 3))
     ix.apply(E, [gpu, Stored(_k(1, 2), "CPU", B, False)])  # CPU: no tokens, the GPU copy's
     assert ix.leading(E, _keys(1, 2, 3, 4)) == (3, 0b001)
-    assert ix.leading(E, _keys(1, 2)) == (2, 0b011)
+    assert ix.leading(E, _keys(1, 2)) == (2, 0b001)  # read from the GPU, the first tier
     ix.apply(E, [Removed(_k(1), "GPU")])
     assert ix.leading(E, _keys(1, 2)) == (2, 0b010)  # still on CPU
     ix.apply(E, [Removed(_k(1), "CPU")])
     assert ix.leading(E, _keys(1, 2)) == (0, 0)
     ix.apply(E, [Cleared()])
     assert ix.count(E) == 0 and ix.block_size(E) == B
+
+
+def test_tiers_are_read_in_vllms_order() -> None:
+    """GPU's leading run, then the CPU blocks after it, then storage's: a GPU block after
+    a CPU-only one does not count (vLLM's offloading loads from where the GPU hit ends,
+    and the block after is recomputed)."""
+    ix = DeviceIndex()
+    ix.apply(E, [Stored(_k(1, 2, 3, 4), "GPU", B, True, tokens=_t(1, 2, 3, 4))])
+    ix.apply(E, [Stored(_k(2, 3), "CPU", B, False), Stored(_k(3, 4), "STORAGE", B, False)])
+    ix.apply(E, [Removed(_k(2, 3), "GPU")])
+    # GPU {1, 4}, CPU {2, 3}, STORAGE {3, 4}: 1 from GPU, 2-3 from CPU, 4 from storage.
+    assert ix.tiers(E, _keys(1, 2, 3, 4)) == ((1, 2, 1), 0b111)
+    ix.apply(E, [Removed(_k(4), "STORAGE")])
+    assert ix.tiers(E, _keys(1, 2, 3, 4)) == ((1, 2, 0), 0b011)  # block 4 on GPU: recomputed
+    assert ix.leading(E, _keys(2, 3)) == (0, 0)
 
 
 def test_a_store_chains_onto_its_parent_in_any_engine() -> None:

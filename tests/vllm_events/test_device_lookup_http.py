@@ -63,6 +63,7 @@ def test_repeated_prompt_goes_to_the_engine_holding_it(
         "blocks": 4,
         "block_size": BLOCK,
         "media": ["GPU"],
+        "tiers": [4, 0, 0],
     }
     assert got["engines"][1]["tokens"] == 0
     assert answer(_prompt(2))["engines"][0]["tokens"] == 2 * BLOCK

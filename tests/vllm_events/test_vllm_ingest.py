@@ -241,7 +241,13 @@ def test_all_blocks_cleared_and_offload_medium(
         pub.publish(_batch(_stored(_prompt(1)), cpu, _stored(_prompt(7))))
         wait_until(lambda: ing.stats()["e1"]["last_seq"] == 0, what="seq 0")
         hit = next(h for h in ing.lookup(_prompt(7)) if h.engine == "e1")
-        assert hit.tokens == 4 * BLOCK and hit.media == ["GPU", "CPU"]
+        # The CPU copy came first, without token ids: the GPU store's chain keys it too.
+        assert hit.tokens == 4 * BLOCK and hit.media == ["GPU"] and hit.tiers == [4, 0, 0]
+        gone = kv_events.BlockRemoved(block_hashes=HASHER.digests(_prompt(7)), medium="GPU")
+        pub.publish(_batch(gone))
+        wait_until(lambda: ing.stats()["e1"]["last_seq"] == 1, what="seq 1")
+        hit = next(h for h in ing.lookup(_prompt(7)) if h.engine == "e1")
+        assert hit.tokens == 4 * BLOCK and hit.media == ["CPU"] and hit.tiers == [0, 4, 0]
         pub.publish(_batch(kv_events.AllBlocksCleared()))
         wait_until(lambda: ing.stats()["e1"]["blocks"] == 0, what="the clear")
         assert _held(ing, "e1", _prompt(1)) == 0

@@ -110,9 +110,12 @@ class DeviceHit(msgspec.Struct, frozen=True, omit_defaults=True):
     blocks: int
     block_size: int
     media: list[str]
-    """Media holding all of those blocks (GPU, CPU, STORAGE)."""
+    """Media the hit is read from (GPU, CPU, STORAGE), in vLLM's order (see `tiers`)."""
     url: str | None = None
     """The engine's OpenAI URL, when its source names one (``url=``)."""
+    tiers: list[int] = []
+    """Blocks of the hit read from the GPU, then the CPU offload tier, then storage
+    (`kvatlas.core.device_blocks.DeviceIndex.tiers`); empty when there is no hit."""
 
 
 class VllmIngest:
@@ -318,9 +321,18 @@ class VllmIngest:
             )
             for engine in names:
                 size = self.index.block_size(engine) or self._sizes[engine]
-                n, media = self.index.leading(engine, keys(size))
-                names_ = list(medium_names(media))
-                hits.append(DeviceHit(engine, n * size, n, size, names_, self._urls[engine]))
+                counts, media = self.index.tiers(engine, keys(size))
+                n = sum(counts)
+                hit = DeviceHit(
+                    engine,
+                    n * size,
+                    n,
+                    size,
+                    list(medium_names(media)),
+                    self._urls[engine],
+                    list(counts) if n else [],
+                )
+                hits.append(hit)
         hits.sort(key=lambda h: (-h.tokens, h.engine))
         return hits
 

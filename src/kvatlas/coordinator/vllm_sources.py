@@ -10,9 +10,10 @@ Owns the flag value's grammar and its validation, each message naming the flag::
 ``ENGINE_ID/dpR``. ``block_size``, ``hash`` and ``seed`` are the engine's
 ``--block-size``, ``--prefix-caching-hash-algo`` and ``PYTHONHASHSEED``: lookups cut
 prompts by the block size (until the engine's stores name theirs); the hash and seed
-are only checked against what the engine publishes (lookups go by token ids). ``url`` is the engine's OpenAI URL, as ``kvatlas router``
-knows it: lookups name it, so a router maps the engine to its own (without it, a router
-maps the engine by its cache instance id, ``--engine URL=ENGINE_ID``).
+are only checked against what the engine publishes (lookups go by token ids). ``url``
+is the engine's OpenAI URL, as ``kvatlas router`` knows it: lookups name it, so a router
+maps the engine to its own (without it, a router maps the engine by its cache instance
+id, ``--engine URL=ENGINE_ID``).
 
 Must not: open sockets (that is `kvatlas.coordinator.vllm_ingest`).
 """

@@ -24,8 +24,9 @@ the first are counted apart (vLLM may cache one hash in several blocks of a grou
 
 Two implementations with the same answers (tests hold them to each other): the compiled
 `kvatlas.core._blocks` (XXH3 from the xxHash library vendored in third_party/xxhash;
-entries dense, 40 bytes each, and two indexes of uint32 cells: about 48-56 bytes a block), and the twin here over dicts and the
-`xxhash` package, used where the extension was not built.
+dense 40-byte entries and two indexes of uint32 cells: about 48-56 bytes a block), and
+the twin here over dicts and the `xxhash` package, used where the extension was not
+built.
 
 Must not: decode events, know vLLM's hash schemes (`kvatlas.core.vllm_hash`), or hold
 a lock (the caller does).

@@ -37,6 +37,13 @@ fixed point does. Stores name the group's kind and window
 dropped block, hash blocks finer than a group's block, chunked-local attention (taken
 as full attention: it may undercount, never overcount).
 
+Media are tiers, read in vLLM's order: the GPU prefix cache's leading run first, then
+the blocks after it that the CPU offload tier holds (vLLM's offloading connector loads
+from where the GPU hit ends), then the storage tier's (and unnamed media's). A block
+held only on GPU after a CPU-only one does not count: vLLM recomputes it. `tiers`
+gives each tier's blocks; for a hybrid model (a window group), the run is counted over
+any medium and given to the first tier that holds all of it.
+
 Blocks are named by vLLM's external block hashes as 64-bit ints (what removals and
 parents name): vLLM publishes either the raw digest (bytes) or, with
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, its low 64 bits (``int.from_bytes(digest,
@@ -75,6 +82,11 @@ _WINDOWED = frozenset({"sliding_window", "sliding_window_mla"})
 """vLLM's ``KVCacheSpecKind`` values whose hits need only the last window's blocks."""
 _LAST_BLOCK = frozenset({"mamba"})
 """Kinds whose hits need only the block where the prefix ends."""
+_TIER_BITS = (0b0001, 0b0010, 0b1100)
+"""The media bits of each tier, in the order vLLM reads them: GPU; CPU; storage and
+media it does not name."""
+_EVERY_GROUP = 0x1111_1111_1111_1111
+"""Times a medium's bits: those bits in every group's nibble."""
 DEFAULT_MAX_PENDING = 10_000
 """Live batches held while a replay fills the gap before them."""
 
@@ -212,6 +224,7 @@ class DeviceIndex:
     def __init__(self) -> None:
         self._engines: dict[EngineId, _Engine] = {}
         self._seeds: dict[str | None, int] = {}
+        self._bits: dict[tuple[str | None, int], int] = {}
 
     def _seed(self, lora_name: str | None) -> int:
         seed = self._seeds.get(lora_name)
@@ -220,6 +233,14 @@ class DeviceIndex:
                 self._seeds.clear()
             seed = self._seeds[lora_name] = lora_seed(lora_name)
         return seed
+
+    def _bit(self, medium: str | None, group: int) -> int:
+        bit = self._bits.get((medium, group))
+        if bit is None:
+            if len(self._bits) > 4096:
+                self._bits.clear()
+            bit = self._bits[medium, group] = medium_bit(medium, group)
+        return bit
 
     def _parent_content(self, e: _Engine, parent: BlockKey) -> int | None:
         """The content key of a store's parent: this engine's, else any engine's that
@@ -242,7 +263,7 @@ class DeviceIndex:
         changed = 0
         for ev in events:
             if isinstance(ev, Stored):
-                bit = medium_bit(ev.medium, ev.group)
+                bit = self._bit(ev.medium, ev.group)
                 if ev.block_size > 0:
                     e.block_size = ev.block_size
                 known = e.groups.get(ev.group)
@@ -262,7 +283,7 @@ class DeviceIndex:
                 e.unchained += unchained
                 changed += len(ev.keys)
             elif isinstance(ev, Removed):
-                changed += e.table.remove(ev.keys, medium_bit(ev.medium, ev.group))
+                changed += e.table.remove(ev.keys, self._bit(ev.medium, ev.group))
             else:
                 changed += e.table.clear()
         return changed
@@ -325,12 +346,17 @@ class DeviceIndex:
 
     def leading(self, engine: EngineId, keys: bytes) -> tuple[int, int]:
         """How many of the content ``keys`` (uint64 little-endian, `prompt_keys`) the
-        engine would hit from the first one on, by vLLM's rule for its groups (see the
-        module docstring), and the media holding all of the blocks counted (0 when
+        engine would hit from the first one on, by vLLM's rule for its groups and its
+        tiers (see the module docstring), and the media the hit is read from (0 when
         none)."""
+        counts, media = self.tiers(engine, keys)
+        return sum(counts), media
+
+    def tiers(self, engine: EngineId, keys: bytes) -> tuple[tuple[int, int, int], int]:
+        """Blocks of the hit read from each tier (GPU, CPU, storage), and their media."""
         e = self._engines.get(engine)
         if e is None or not len(e.table):
-            return 0, 0
+            return (0, 0, 0), 0
         full: list[int] = []
         windows: dict[int, list[int]] = {}  # blocks a hit needs -> those groups' nibbles
         for g, spec in sorted(e.groups.items()) or [(0, _Group(None, None, 0))]:
@@ -342,7 +368,27 @@ class DeviceIndex:
             else:
                 full.append(_nibble(g))
         if not windows:
-            return e.table.run(keys, full)
+            counts: list[int] = []
+            done = media = 0
+            for bits in _TIER_BITS:
+                spread = bits * _EVERY_GROUP
+                run, held = e.table.run(keys[done * 8 :], [nib & spread for nib in full])
+                counts.append(run)
+                done += run
+                if run:
+                    media |= held & bits
+            return (counts[0], counts[1], counts[2]), media
+        n, media = self._hybrid(e, keys, full, windows)
+        tier = next((i for i, bits in enumerate(_TIER_BITS) if media & bits), 2)
+        split = [0, 0, 0]
+        split[tier] = n
+        return (split[0], split[1], split[2]), media & _TIER_BITS[tier] if n else 0
+
+    def _hybrid(
+        self, e: _Engine, keys: bytes, full: list[int], windows: dict[int, list[int]]
+    ) -> tuple[int, int]:
+        """The hit of a model with window groups, over any medium, and the media that
+        hold all of its blocks."""
         held = e.table.masks(keys)
         n = len(held)
         if full:
