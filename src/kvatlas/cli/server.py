@@ -22,6 +22,7 @@ from kvatlas.cli.service_run import run_service
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
 from kvatlas.core.types import InstanceId
+from kvatlas.core.vllm_hash import HASH_ALGOS
 from kvatlas.server.app import CacheServer
 from kvatlas.server.config import (
     GIB,
@@ -156,9 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     d_kv = KvEventsConfig()
     ap.add_argument(
         "--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
-        help="publish this server's L1/L2 as vLLM KV events (BlockStored/BlockRemoved,"
-        " medium CPU for L1, STORAGE for L2) on a ZeroMQ PUB socket bound here, for"
-        " routers that read vLLM's events; default off",
+        help="publish this server's L1/L2 as vLLM KV events (BlockStored/BlockRemoved"
+        " of engine-sized blocks hashed as vLLM hashes them, medium CPU for L1, STORAGE"
+        " for L2) on a ZeroMQ PUB socket bound here, for routers that read vLLM's events"
+        " (NVIDIA Dynamo, llm-d); default off",
     )  # fmt: skip
     ap.add_argument(
         "--kv-events-replay-endpoint", default=None, metavar="tcp://HOST:PORT",
@@ -173,6 +175,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-events-max-queue", type=int, default=d_kv.max_queue,
         help="store changes queued for the publisher before more are dropped, counted and"
         " followed by a resync; the store never waits (default %(default)s)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--kv-events-block-size", type=int, default=d_kv.block_size,
+        help="the engines' KV block size (vLLM's --block-size): each chunk is published"
+        " as its blocks of this many tokens; must divide --chunk-size (default"
+        " %(default)s)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--kv-events-hash-algo", default=d_kv.hash_algo, metavar="|".join(HASH_ALGOS),
+        help="how the blocks are hashed: the engines' --prefix-caching-hash-algo"
+        " (default %(default)s, vLLM's)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--kv-events-hash-seed", default=d_kv.hash_seed,
+        help="the engines' PYTHONHASHSEED when they set one (the xxhash algorithms need"
+        " it), else vLLM's default %(default)s",
+    )  # fmt: skip
+    ap.add_argument(
+        "--kv-events-prompt-tokens", type=int, default=d_kv.prompt_tokens,
+        help="tokens of recent prompts kept (4 bytes each) so that the chunks stored"
+        " from them are published with their tokens (default %(default)s)",
     )  # fmt: skip
     ap.add_argument("--kafka-bootstrap-servers", default="")
     ap.add_argument("--kafka-topic", default=DEFAULT_TOPIC, help="(default %(default)s)")
@@ -356,6 +379,10 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
             topic=args.kv_events_topic,
             buffer_steps=args.kv_events_buffer_steps,
             max_queue=args.kv_events_max_queue,
+            block_size=args.kv_events_block_size,
+            hash_algo=args.kv_events_hash_algo,
+            hash_seed=args.kv_events_hash_seed,
+            prompt_tokens=args.kv_events_prompt_tokens,
         ),
     )
     config.validate()

@@ -182,6 +182,7 @@ class CacheServer:
                     config.instance_id, self.incarnation, config.chunk_size, config.lease_s
                 ),
                 p2p_slots=config.engine_p2p_workers,
+                on_prompt=self.kv_events.learn_prompt if self.kv_events is not None else None,
             )
             # LMCache 0.5.6's MP protocol on the same --port (told apart by framing).
             self.lmcache = LMCacheMPService(
@@ -189,6 +190,7 @@ class CacheServer:
                 MpIdentity(config.instance_id, self.incarnation, config.chunk_size, config.lease_s),
                 prefetch_workers=max(1, config.engine_p2p_workers),
                 transfer_mode=config.lmcache_transfer_mode,
+                on_prompt=self.kv_events.learn_prompt if self.kv_events is not None else None,
             )
             self.lmcache_mp = LMCacheMPHandler(self.lmcache, refusal=self._lmcache_refusal())
             # The /cache/* routes a coordinator drives (delete, warm prefetch, usage).

@@ -20,6 +20,7 @@ from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
 from kvatlas.core.l1pool import MIN_ALIGN_BYTES
 from kvatlas.core.peer_timing import DeadlinePolicy
 from kvatlas.core.types import InstanceId
+from kvatlas.core.vllm_hash import DEFAULT_SEED, HASH_ALGOS
 from kvatlas.transfer.config import MooncakeConfig
 from kvatlas.transfer.factory import TRANSPORTS
 from kvatlas.wire.events_api import EventFormat
@@ -145,9 +146,29 @@ class KvEventsConfig:
     """Batches kept for replay (``--kv-events-buffer-steps``, as vLLM's)."""
     max_queue: int = 10_000
     """Store changes queued for the publisher's thread before more are dropped and
-    counted (``--kv-events-max-queue``): the store never waits on it."""
+    counted (``--kv-events-max-queue``): the store never waits on it. Prompts shown to
+    the publisher have a queue of the same size."""
+    block_size: int = 16
+    """The engines' KV block size (``--kv-events-block-size``, vLLM's ``--block-size``):
+    each chunk is published as ``chunk_size / block_size`` blocks of this many tokens,
+    as readers that rehash token ids (NVIDIA Dynamo, llm-d) need. Must divide
+    ``--chunk-size``."""
+    hash_algo: str = "sha256"
+    """How those blocks are hashed (``--kv-events-hash-algo``): the engines'
+    ``--prefix-caching-hash-algo``, vLLM 0.34's default ``sha256``; one of
+    ``core.vllm_hash.HASH_ALGOS``."""
+    hash_seed: str = DEFAULT_SEED
+    """The seed of the first block's parent (``--kv-events-hash-seed``): the engines'
+    ``PYTHONHASHSEED`` when set, else vLLM's ``vllm-none-hash`` (the ``xxhash``
+    algorithms take a random one per engine unless ``PYTHONHASHSEED`` is set)."""
+    prompt_tokens: int = 8_000_000
+    """Tokens of recent prompts kept until their chunks are stored
+    (``--kv-events-prompt-tokens``; 4 bytes each): the store never holds a chunk's
+    tokens, and a chunk whose tokens are unknown is not published."""
 
-    def problems(self) -> list[str]:
+    def problems(self, chunk_size: int) -> list[str]:
+        """What is wrong, each naming its flag; ``chunk_size`` the server's
+        ``--chunk-size``, which ``block_size`` must divide."""
         out: list[str] = []
         for flag, ep in (
             ("--kv-events-endpoint", self.endpoint),
@@ -165,6 +186,20 @@ class KvEventsConfig:
             out.append(f"--kv-events-buffer-steps must be >= 1, got {self.buffer_steps}")
         if self.max_queue < 1:
             out.append(f"--kv-events-max-queue must be >= 1, got {self.max_queue}")
+        if self.block_size < 1:
+            out.append(f"--kv-events-block-size must be >= 1, got {self.block_size}")
+        elif self.endpoint and chunk_size > 0 and chunk_size % self.block_size:
+            out.append(
+                f"--kv-events-block-size {self.block_size} must divide --chunk-size"
+                f" {chunk_size}: a chunk is published as whole engine blocks"
+            )
+        if self.hash_algo not in HASH_ALGOS:
+            out.append(
+                f"--kv-events-hash-algo must be one of {', '.join(HASH_ALGOS)},"
+                f" got {self.hash_algo!r}"
+            )
+        if self.prompt_tokens < 0:
+            out.append(f"--kv-events-prompt-tokens must be >= 0, got {self.prompt_tokens}")
         return out
 
 
@@ -409,7 +444,7 @@ def _problems(c: ServerConfig) -> list[str]:
     if ev.max_batch_entries < 1:
         out.append(f"--event-max-batch-entries must be >= 1, got {ev.max_batch_entries}")
     out.extend(_p2p_problems(c))
-    out.extend(c.kv_events.problems())
+    out.extend(c.kv_events.problems(c.chunk_size))
     return out
 
 

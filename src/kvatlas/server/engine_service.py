@@ -149,8 +149,13 @@ class EngineService:
         declare_contract: Callable[[HashContract], str | None] | None = None,
         peer_source: PeerSource | None = None,
         p2p_slots: int = 4,
+        on_prompt: Callable[[bytes, Sequence[ChunkHash], str], None] | None = None,
     ) -> None:
-        """``p2p_slots``: lookups that may wait on peers at once (``--engine-p2p-workers``)."""
+        """``p2p_slots``: lookups that may wait on peers at once (``--engine-p2p-workers``).
+        ``on_prompt``: told every prompt looked up by token ids (its tokens, chunk hashes
+        and cache salt; it must not block), so that the KV event publisher can publish
+        the chunks stored from it with their tokens."""
+        self._on_prompt = on_prompt
         self._guarded = guarded
         self._store = guarded.store
         self._lock = guarded.lock
@@ -342,6 +347,8 @@ class EngineService:
             raise InvalidInput("lookup needs exactly one of token_ids and hashes")
         if req.token_ids is not None:
             hashes: list[ChunkHash] = list(chunk_hashes(req.token_ids, self.identity.chunk_size))
+            if self._on_prompt is not None:
+                self._on_prompt(req.token_ids, hashes, req.ns.cache_salt)
         else:
             hashes = list(req.hashes or [])
         keys = self._keys(req.ns, hashes)

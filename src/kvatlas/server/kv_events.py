@@ -1,24 +1,56 @@
-"""This server's L1 and L2 as vLLM KV events, for routers that read vLLM's (llm-d's,
-Dynamo's) and for a kvatlas coordinator's ``--vllm-kv-events``.
+"""This server's L1 and L2 as vLLM KV events, for routers that read vLLM's (NVIDIA
+Dynamo's, llm-d's) and for a kvatlas coordinator's ``--vllm-kv-events``.
 
 Owns, behind ``--kv-events-endpoint`` (off by default): a ZeroMQ PUB socket and an
 optional ROUTER replay socket with vLLM's ``ZmqEventPublisher`` framing (frames
 ``topic, 8-byte big-endian seq, msgpack KVEventBatch``; a replay request ``[b"",
 start_seq]`` answered with every buffered batch from it, then ``[b"", b"", -1, b""]``),
-a replay buffer of ``buffer_steps`` batches, and the translation of the store's events:
+a replay buffer of ``buffer_steps`` batches, and, in `ChunkBlocks`, the translation of
+the store's chunk changes into the events a vLLM engine publishes for the same tokens:
 
-* a chunk's first STORE in a tier -> ``BlockStored`` (medium ``CPU`` for L1,
-  ``STORAGE`` for L2, as vLLM names its offload media; the block hash is the chunk
-  hash's bytes, the block size this server's chunk size, the chunk's token ids when the
-  store knows them);
-* its last DELETE there (evicted, deleted, moved) -> ``BlockRemoved``;
+* a chunk's first STORE in a tier -> ``BlockStored`` of its ``chunk_size / block_size``
+  engine blocks (``--kv-events-block-size``): ``block_size`` token ids each, block hashes
+  as vLLM computes them over the chunk's whole token prefix (`core.vllm_hash.BlockHasher`
+  with ``--kv-events-hash-algo`` and ``--kv-events-hash-seed``) in the integer form vLLM
+  publishes by default (the digest's low 64 bits, `core.device_blocks.block_key`),
+  ``parent_block_hash`` the block before the first (None at a prompt's start), medium
+  ``CPU`` for L1 and ``STORAGE`` for L2 (vLLM's names; Dynamo 1.6.1 files them under
+  its ``host_pinned`` and ``disk`` tiers, reported as ``cpu`` and ``disk``);
+* its last DELETE there (evicted, deleted, moved) -> ``BlockRemoved`` of those blocks;
 * the stream's first batch (seq 0), and the batch after changes were dropped ->
   ``AllBlocksCleared``, so a subscriber never keeps what this process may not hold.
 
-A chunk hash shared by several keys (ranks, models) is one block, held while any of
-its keys is. A salted chunk (a tenant's) is published under a hash of its salt and
-chunk hash and without its token ids (``core.keys.salted_block_hash``), so a router
-that knows no salt never matches it to another tenant's or an unsalted prompt.
+Readers need the tokens: Dynamo hashes each block's token ids itself and drops a block
+with fewer than its block size (``token_ids too short``); llm-d chains its own keys from
+them. The store keys a chunk by its chunk hash and never holds its tokens (`Entry`'s
+``token_ids`` stay empty on this server's paths), so they come from the prompts the
+server is shown by token ids: whoever sees one hands its tokens and chunk hashes to
+`KvEventsPublisher.learn_prompt`, which queues them and never blocks. A chunk stored
+while no recent prompt showed its tokens (stored by hash only, or kept in L2 from an
+earlier process) is not published: a block without its tokens is one Dynamo drops and
+one with guessed tokens or parents would be misread. It is counted (``chunks_withheld``,
+gauge ``unpublished_chunks``) and published as soon as a prompt shows its tokens.
+
+Memory: every chunk held and published keeps its tokens (4 bytes each: an L2 demotion
+publishes them again) and its block hashes (8 bytes per block), about 1.5 KiB with
+Python's overhead for a 256-token chunk of 16-token blocks, beside the chunk's KV bytes
+(megabytes); chunks no tier holds any more and the prompts not yet stored stay within
+``--kv-events-prompt-tokens`` tokens (oldest first out; a prompt longer than that is
+never kept), at 4 bytes a token plus 8 bytes a block once one of a prompt's chunks was
+stored; and a memo of `MEMO_BLOCKS` recent block digests (about 5 MiB) spares hashing
+again the prefixes prompts share.
+
+A chunk hash shared by several keys (ranks, models) is one chunk, held while any of its
+keys is. A salted chunk (a tenant's ``cache_salt``) is published with the hashes vLLM
+gives a salted request (the salt is an extra key of the first block, so every block of
+the prompt differs from the unsalted prompt's) and without its token ids. A reader that
+rehashes token ids cannot know the salt: Dynamo ignores vLLM's ``extra_keys``, so given
+the tokens it would match a tenant's blocks to an unsalted prompt or another tenant's,
+and the tokens themselves would be on the wire. Without them Dynamo drops those blocks
+(its 1.6.1 reads a ``cache_salt`` field too, but an older reader, or llm-d, would not);
+a reader that keys blocks by their hashes and hashes a lookup with its salt, as vLLM
+does, can still find them.
+
 ``publish`` is called under the store's lock: it only appends to a bounded queue; when
 the queue is full the changes are dropped and counted, and the thread then clears its
 subscribers and asks its owner (``on_loss``) to publish the whole store again (at most
@@ -34,18 +66,23 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import zmq
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvatlas.core.errors import ConfigError
+from kvatlas.core.device_blocks import block_key
+from kvatlas.core.errors import ConfigError, InvalidInput
 from kvatlas.core.events import Entry
-from kvatlas.core.keys import ObjectKey, salted_block_hash
+from kvatlas.core.keys import ObjectKey, as_token_array
 from kvatlas.core.types import EventType, Tier
+from kvatlas.core.vllm_hash import BlockHasher, DigestMemo
 from kvatlas.server.config import KvEventsConfig
 from kvatlas.server.storage.guarded import EventPublishing
 from kvatlas.wire.vllm_events import (
@@ -63,10 +100,261 @@ log = logging.getLogger(__name__)
 
 MEDIUM_OF_TIER = {Tier.L1: "CPU", Tier.L2: "STORAGE"}
 """vLLM's ``MEDIUM_CPU`` and ``MEDIUM_STORAGE`` (its CPU and disk offload tiers)."""
+TIERS = tuple(MEDIUM_OF_TIER)
 MAX_ITEMS_PER_BATCH = 256
 RESYNC_MIN_INTERVAL_S = 1.0
+MEMO_BLOCKS = 16_384
+"""Block digests `ChunkBlocks` remembers across prompts (about 330 bytes each)."""
 
-_Item = tuple[EventType, Tier, Sequence[Entry]]
+Tokens = bytes | Sequence[int] | npt.NDArray[np.integer]
+"""A prompt's token ids: little-endian uint32 bytes (the engine API's wire form) or ints."""
+_CKey = tuple[str, bytes]
+"""A chunk as readers see it: (cache salt, chunk hash)."""
+_Change = tuple[EventType, Tier, Sequence[Entry]]
+_Shown = tuple[Tokens, Sequence[bytes], str]
+
+
+@dataclass(slots=True)
+class _Blocks:
+    """One chunk as the engine blocks it holds."""
+
+    keys: array[int]
+    """Their hashes, in order (``"Q"``: 8 bytes each)."""
+    parent: int | None
+    """The hash of the block before the first; None: the chunk starts its prompt."""
+    tokens: bytes | None
+    """Little-endian uint32; None for a salted chunk (published without them)."""
+
+
+@dataclass(slots=True, eq=False)
+class _Prompt:
+    """A prompt shown to the publisher, kept while a chunk of it waits to be stored."""
+
+    tokens: bytes
+    """Its full chunks' tokens, little-endian uint32."""
+    salt: str
+    live: int = 0
+    """Waiting chunks that point here."""
+    keys: array[int] | None = None
+    """Every full block's hash (``"Q"``), once a chunk of it was needed: the prompt is
+    hashed once for all its chunks."""
+
+
+_Known = _Blocks | tuple[_Prompt, int]
+"""A chunk not held by any tier whose blocks are known: computed, or chunk i of a prompt."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCounts:
+    """What `ChunkBlocks` has done and holds."""
+
+    blocks_stored: int
+    blocks_removed: int
+    chunks_withheld: int
+    """Chunk stores not published: their tokens were unknown."""
+    blocks: int
+    """(Block, medium) pairs its subscribers are told this server holds."""
+    unpublished: int
+    """(Chunk, medium) pairs held but not published (tokens unknown)."""
+    prompt_tokens: int
+    """Tokens kept for chunks no tier holds (prompts waiting, chunks demoted or evicted)."""
+
+
+class ChunkBlocks:
+    """The store's chunk changes as vLLM block events (see the module doc). Pure and
+    single-threaded: the publisher's thread owns it."""
+
+    def __init__(self, chunk_size: int, hasher: BlockHasher, prompt_tokens: int) -> None:
+        if chunk_size <= 0 or chunk_size % hasher.block_size:
+            raise ConfigError(
+                f"--kv-events-block-size {hasher.block_size} must divide --chunk-size {chunk_size}"
+            )
+        self.chunk_size = chunk_size
+        self.hasher = hasher
+        self._per_chunk = chunk_size // hasher.block_size
+        self._budget = prompt_tokens
+        self._memo = DigestMemo(MEMO_BLOCKS)
+        self._held: dict[tuple[Tier, _CKey], set[ObjectKey]] = {}
+        self._blocks: dict[_CKey, _Blocks] = {}
+        """Chunks some tier holds, with their blocks (published wherever held)."""
+        self._unpublished: set[tuple[Tier, _CKey]] = set()
+        self._known: OrderedDict[_CKey, _Known] = OrderedDict()
+        """Chunks no tier holds whose blocks are known, oldest first."""
+        self._kept = 0
+        self._stored = self._removed = self._withheld = self._published = 0
+
+    # -- the two ways in -----------------------------------------------------------------
+
+    def learn(self, tokens: Tokens, hashes: Sequence[bytes], cache_salt: str) -> list[EventOut]:
+        """A prompt's tokens and the chunk hashes of its full chunks: its chunks held but
+        unpublished are published now (returned), the others remembered until stored.
+        Raises InvalidInput when there are not as many full chunks as hashes."""
+        raw = as_token_array(tokens).astype("<u4", copy=False).tobytes()
+        n = len(hashes)
+        if len(raw) < n * self.chunk_size * 4:
+            raise InvalidInput(
+                f"{n} chunk hashes for {len(raw) // 4} tokens of {self.chunk_size}-token chunks"
+            )
+        prompt = _Prompt(raw[: n * self.chunk_size * 4], cache_salt)
+        out: list[EventOut] = []
+        for i, h in enumerate(hashes):
+            ck = (cache_salt, bytes(h))
+            if ck in self._blocks:
+                continue
+            held = [t for t in TIERS if (t, ck) in self._unpublished]
+            if not held:
+                self._keep(ck, (prompt, i))
+                continue
+            blocks = self._blocks[ck] = self._resolve(prompt, i)
+            for tier in held:
+                self._unpublished.discard((tier, ck))
+                self._emit_stored(out, blocks, MEDIUM_OF_TIER[tier])
+        self._trim()
+        return out
+
+    def apply(self, event_type: EventType, tier: Tier, entries: Sequence[Entry]) -> list[EventOut]:
+        """One batch of store changes (STORE or DELETE; others change nothing)."""
+        medium = MEDIUM_OF_TIER[tier]
+        out: list[EventOut] = []
+        removed: list[int] = []
+        for e in entries:
+            ck = (e.key.cache_salt, e.key.chunk_hash)
+            place = (tier, ck)
+            keys = self._held.get(place)
+            if event_type is EventType.STORE:
+                if keys is not None:
+                    keys.add(e.key)
+                    continue
+                self._held[place] = {e.key}
+                blocks = self._blocks.get(ck) or self._take_known(ck)
+                if blocks is None:
+                    self._unpublished.add(place)
+                    self._withheld += 1
+                else:
+                    self._emit_stored(out, blocks, medium)
+            elif event_type is EventType.DELETE and keys is not None:
+                keys.discard(e.key)
+                if keys:
+                    continue
+                del self._held[place]
+                if place in self._unpublished:
+                    self._unpublished.discard(place)
+                else:
+                    gone = self._blocks[ck].keys
+                    removed.extend(gone)
+                    self._removed += len(gone)
+                    self._published -= len(gone)
+                if all((t, ck) not in self._held for t in TIERS):
+                    blocks = self._blocks.pop(ck, None)
+                    if blocks is not None:  # a demotion stores it in the next tier
+                        self._keep(ck, blocks)
+        if removed:
+            out.append(RemovedOut(removed, medium))
+        self._trim()
+        return out
+
+    def clear(self) -> None:
+        """Forget what subscribers were told (they are sent ``AllBlocksCleared``): every
+        chunk held becomes a known one, which the owner's republish stores again."""
+        for ck, blocks in self._blocks.items():
+            self._keep(ck, blocks)
+        self._blocks.clear()
+        self._held.clear()
+        self._unpublished.clear()
+        self._published = 0
+        self._trim()
+
+    def counts(self) -> BlockCounts:
+        return BlockCounts(
+            self._stored,
+            self._removed,
+            self._withheld,
+            self._published,
+            len(self._unpublished),
+            self._kept,
+        )
+
+    # -- blocks ----------------------------------------------------------------------------
+
+    def _resolve(self, prompt: _Prompt, index: int) -> _Blocks:
+        """Chunk ``index`` of ``prompt`` as blocks: vLLM's hashes over the whole prefix
+        (every block of the prompt hashed at the first chunk that needs one)."""
+        if prompt.keys is None:
+            ids = np.frombuffer(prompt.tokens, dtype="<u4").tolist()
+            digests = self.hasher.digests(ids, cache_salt=prompt.salt or None, memo=self._memo)
+            prompt.keys = array("Q", map(block_key, digests))
+        first = index * self._per_chunk
+        cs4 = self.chunk_size * 4
+        return _Blocks(
+            prompt.keys[first : first + self._per_chunk],
+            prompt.keys[first - 1] if index else None,
+            None if prompt.salt else prompt.tokens[index * cs4 : (index + 1) * cs4],
+        )
+
+    def _emit_stored(self, out: list[EventOut], blocks: _Blocks, medium: str) -> None:
+        """``BlockStored`` for ``blocks``, joined to the previous one when they continue it."""
+        tokens = [] if blocks.tokens is None else np.frombuffer(blocks.tokens, "<u4").tolist()
+        self._stored += len(blocks.keys)
+        self._published += len(blocks.keys)
+        last = out[-1] if out else None
+        if (
+            isinstance(last, StoredOut)
+            and last.medium == medium
+            and last.block_hashes[-1] == blocks.parent
+            and bool(last.token_ids) == bool(tokens)
+        ):
+            last.block_hashes.extend(blocks.keys)
+            last.token_ids.extend(tokens)
+            return
+        out.append(
+            StoredOut(
+                blocks.keys.tolist(),
+                blocks.parent,
+                tokens,
+                self.hasher.block_size,
+                None,
+                medium,
+                None,
+            )
+        )
+
+    # -- what is known of chunks no tier holds ----------------------------------------------
+
+    def _take_known(self, ck: _CKey) -> _Blocks | None:
+        known = self._known.pop(ck, None)
+        if known is None:
+            return None
+        blocks = known if isinstance(known, _Blocks) else self._resolve(*known)
+        self._release(known)
+        self._blocks[ck] = blocks
+        return blocks
+
+    def _keep(self, ck: _CKey, known: _Known) -> None:
+        old = self._known.pop(ck, None)
+        if old is not None:
+            self._release(old)
+        self._known[ck] = known
+        if isinstance(known, _Blocks):
+            self._kept += self.chunk_size
+        else:
+            prompt = known[0]
+            prompt.live += 1
+            if prompt.live == 1:
+                self._kept += len(prompt.tokens) // 4
+
+    def _release(self, known: _Known) -> None:
+        if isinstance(known, _Blocks):
+            self._kept -= self.chunk_size
+            return
+        prompt = known[0]
+        prompt.live -= 1
+        if prompt.live == 0:
+            self._kept -= len(prompt.tokens) // 4
+
+    def _trim(self) -> None:
+        while self._kept > self._budget and self._known:
+            _, known = self._known.popitem(last=False)
+            self._release(known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +368,17 @@ class KvEventsStats:
     """Store changes dropped because the queue was full (each followed by a resync)."""
     queued: int
     blocks: int
-    """Blocks (chunk hash, medium) its subscribers are told it holds."""
+    """(Block, medium) pairs its subscribers are told it holds."""
     last_seq: int
+    chunks_withheld: int
+    """Chunk stores not published because their tokens were unknown."""
+    unpublished_chunks: int
+    """(Chunk, medium) pairs held now but not published (tokens unknown)."""
+    prompts_learned: int
+    prompts_dropped: int
+    """Prompts not taken: their queue was full, or tokens and hashes disagreed."""
+    prompt_tokens: int
+    """Tokens kept for chunks no tier holds."""
 
 
 class KvEventsPublisher:
@@ -90,23 +387,27 @@ class KvEventsPublisher:
     def __init__(
         self,
         config: KvEventsConfig,
-        block_size: int,
+        chunk_size: int,
         *,
         on_loss: Callable[[], None] | None = None,
     ) -> None:
         assert config.endpoint is not None
         self.config = config
-        self._block_size = block_size
+        self.blocks = ChunkBlocks(
+            chunk_size,
+            BlockHasher(config.hash_algo, config.hash_seed, config.block_size),
+            config.prompt_tokens,
+        )
         self._on_loss = on_loss
-        self._queue: queue.Queue[_Item] = queue.Queue(maxsize=config.max_queue)
+        self._queue: queue.Queue[_Change] = queue.Queue(maxsize=config.max_queue)
+        self._shown: queue.Queue[_Shown] = queue.Queue(maxsize=config.max_queue)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode()
-        self._held: dict[tuple[Tier, bytes], set[ObjectKey]] = {}
         self._seq = -1
         self._lost = threading.Event()
         self._last_resync = float("-inf")
         self._counts = dict.fromkeys(
-            ("batches", "blocks_stored", "blocks_removed", "cleared", "replays", "dropped"), 0
+            ("batches", "cleared", "replays", "dropped", "learned", "refused"), 0
         )
         self._ctx = zmq.Context()
         self._pub: zmq.Socket[bytes] | None = None
@@ -127,6 +428,18 @@ class KvEventsPublisher:
             self._counts["dropped"] += len(entries)
             self._lost.set()
 
+    def learn_prompt(self, tokens: Tokens, hashes: Sequence[bytes], cache_salt: str = "") -> None:
+        """A prompt shown to this server by token ids, with the chunk hashes of its full
+        chunks (`core.keys.chunk_hashes` at this server's chunk size): its chunks stored
+        later are published with their tokens. Never blocks: when the queue is full the
+        prompt is dropped and counted (its chunks are then withheld until shown again)."""
+        if not hashes:
+            return
+        try:
+            self._shown.put_nowait((tokens, hashes, cache_salt))
+        except queue.Full:
+            self._counts["refused"] += 1
+
     # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
@@ -145,11 +458,13 @@ class KvEventsPublisher:
         self._thread = threading.Thread(target=self._run, name="kvatlas-kv-events", daemon=True)
         self._thread.start()
         log.info(
-            "KV events (vLLM format): PUB %s, replay %s, topic %r, block size %d",
+            "KV events (vLLM format): PUB %s, replay %s, topic %r, blocks of %d tokens"
+            " hashed with %s",
             self.bound[0],
             self.bound[1] or "off",
             c.topic,
-            self._block_size,
+            c.block_size,
+            c.hash_algo,
         )
 
     def _bind(self, kind: int, endpoint: str, flag: str) -> zmq.Socket[bytes]:
@@ -195,18 +510,40 @@ class KvEventsPublisher:
                 self._serve_replay(self._replay.recv_multipart())
         if self._lost.is_set() and time.monotonic() - self._last_resync >= RESYNC_MIN_INTERVAL_S:
             self._resync()
+        events = self._learn()
         try:
             items = [self._queue.get(timeout=0.05)]
         except queue.Empty:
+            if events:
+                self._send(events)
             return
         while len(items) < MAX_ITEMS_PER_BATCH:
             try:
                 items.append(self._queue.get_nowait())
             except queue.Empty:
                 break
-        events = list(self._translate(items))
+        # a prompt is shown before its chunks are stored: one queued while these changes
+        # were taken is learned before they are translated
+        events += self._learn()
+        for event_type, tier, entries in items:
+            events += self.blocks.apply(event_type, tier, entries)
         if events:
             self._send(events)
+
+    def _learn(self) -> list[EventOut]:
+        events: list[EventOut] = []
+        while True:
+            try:
+                tokens, hashes, salt = self._shown.get_nowait()
+            except queue.Empty:
+                return events
+            try:
+                events += self.blocks.learn(tokens, hashes, salt)
+            except InvalidInput as exc:
+                self._counts["refused"] += 1
+                log.debug("KV events: a prompt refused: %s", exc)
+            else:
+                self._counts["learned"] += 1
 
     def _resync(self) -> None:
         self._lost.clear()
@@ -217,44 +554,10 @@ class KvEventsPublisher:
             self._counts["dropped"],
             self.config.max_queue,
         )
-        self._held.clear()
+        self.blocks.clear()
         self._send([ClearedOut()])
         if self._on_loss is not None:
             self._on_loss()
-
-    def _translate(self, items: Iterable[_Item]) -> Iterator[EventOut]:
-        for event_type, tier, entries in items:
-            medium = MEDIUM_OF_TIER[tier]
-            changed: list[bytes] = []
-            tokens: list[int] = []
-            for e in entries:
-                bid = salted_block_hash(e.key.chunk_hash, e.key.cache_salt)
-                block = (tier, bid)
-                keys = self._held.get(block)
-                if event_type is EventType.STORE:
-                    if keys is None:
-                        self._held[block] = {e.key}
-                        changed.append(bid)
-                        if not e.key.cache_salt:
-                            # an indexer that hashes token ids itself knows no salt
-                            tokens.extend(e.token_ids or ())
-                    else:
-                        keys.add(e.key)
-                elif keys is not None:
-                    keys.discard(e.key)
-                    if not keys:
-                        del self._held[block]
-                        changed.append(bid)
-            if not changed:
-                continue
-            if event_type is EventType.STORE:
-                self._counts["blocks_stored"] += len(changed)
-                # token ids only when every block's are known (vLLM's are per block)
-                ids = tokens if len(tokens) == len(changed) * self._block_size else []
-                yield StoredOut(changed, None, ids, self._block_size, None, medium, None)
-            else:
-                self._counts["blocks_removed"] += len(changed)
-                yield RemovedOut(changed, medium)
 
     def _send(self, events: list[EventOut]) -> None:
         assert self._pub is not None
@@ -282,16 +585,22 @@ class KvEventsPublisher:
 
     def stats(self) -> KvEventsStats:
         c = self._counts
+        b = self.blocks.counts()
         return KvEventsStats(
             c["batches"],
-            c["blocks_stored"],
-            c["blocks_removed"],
+            b.blocks_stored,
+            b.blocks_removed,
             c["cleared"],
             c["replays"],
             c["dropped"],
             self._queue.qsize(),
-            len(self._held),
+            b.blocks,
             self._seq,
+            b.chunks_withheld,
+            b.unpublished,
+            c["learned"],
+            c["refused"],
+            b.prompt_tokens,
         )
 
 
@@ -313,15 +622,24 @@ class KvEventsCollector(Collector):
             ("replays", "Replay requests served", s.replays),
             ("dropped_changes", "Store changes dropped: the publisher's queue was full (a"
              " clear and a resync follow)", s.dropped_changes),
+            ("chunks_withheld", "Chunk stores not published: no prompt shown had their"
+             " tokens", s.chunks_withheld),
+            ("prompts_learned", "Prompts whose tokens the publisher took", s.prompts_learned),
+            ("prompts_dropped", "Prompts not taken (queue full, or tokens and hashes"
+             " disagreed)", s.prompts_dropped),
         ):  # fmt: skip
             m = CounterMetricFamily(f"{ns}_{name}", doc, labels=["instance"])
             m.add_metric([self._instance], value)
             yield m
         for name, doc, value in (
             ("queued", "Store changes waiting for the publisher's thread", s.queued),
-            ("blocks", "Blocks (chunk, medium) subscribers are told this server holds", s.blocks),
+            ("blocks", "Blocks (block, medium) subscribers are told this server holds", s.blocks),
             ("last_seq", "Seq of the last batch published", s.last_seq),
-        ):
+            ("unpublished_chunks", "Chunks (chunk, medium) held but not published: tokens"
+             " unknown", s.unpublished_chunks),
+            ("prompt_tokens", "Tokens kept for chunks no tier holds (prompts waiting to be"
+             " stored, chunks evicted)", s.prompt_tokens),
+        ):  # fmt: skip
             g = GaugeMetricFamily(f"{ns}_{name}", doc, labels=["instance"])
             g.add_metric([self._instance], value)
             yield g

@@ -18,7 +18,10 @@ raised; only a message that is not a batch at all raises `MalformedMessage`.
 Also owns the replay socket's framing (a DEALER sends ``[b"", start_seq]``; replies are
 ``[b"", topic, seq, payload]``, ending with ``[b"", b"", END_SEQ, b""]``), and the
 encoding of batches a kvatlas server publishes in vLLM's format (`encode_batch`): the
-newer encoding, maps with a ``"type"`` key, as vLLM's own ``KVEventBatch`` encodes.
+newer encoding, maps with a ``"type"`` key, as vLLM's own ``KVEventBatch`` encodes, block
+hashes as 64-bit ints (vLLM's default, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``: NVIDIA
+Dynamo reads nothing else), and the batch's data-parallel rank always present (vLLM's
+publisher always fills it in; Dynamo 1.6.1 refuses a batch of two elements).
 
 Must not: open sockets or touch the index.
 """
@@ -80,10 +83,12 @@ class _Out(msgspec.Struct, omit_defaults=True, tag=True):
 
 
 class StoredOut(_Out, tag="BlockStored"):
-    """vLLM's ``BlockStored`` (its fields without defaults, always sent)."""
+    """vLLM's ``BlockStored`` (its fields without defaults, always sent): consecutive
+    blocks of one prompt, ``block_size`` token ids each (or none), the first one's parent
+    ``parent_block_hash`` (None: the prompt's first block)."""
 
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
+    block_hashes: list[int]
+    parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
@@ -92,7 +97,7 @@ class StoredOut(_Out, tag="BlockStored"):
 
 
 class RemovedOut(_Out, tag="BlockRemoved"):
-    block_hashes: list[bytes]
+    block_hashes: list[int]
     medium: str | None
 
 
@@ -114,9 +119,11 @@ class _BatchOut(msgspec.Struct, array_like=True, omit_defaults=True):
 _encoder = msgspec.msgpack.Encoder()
 
 
-def encode_batch(ts: float, events: list[EventOut]) -> bytes:
-    """One ``KVEventBatch`` payload as vLLM's publisher packs it."""
-    return _encoder.encode(_BatchOut(ts, events))
+def encode_batch(ts: float, events: list[EventOut], dp_rank: int = 0) -> bytes:
+    """One ``KVEventBatch`` payload as vLLM's publisher packs it: ``[ts, events,
+    dp_rank]``, the rank always there (vLLM's publisher sets its own, 0 without data
+    parallelism)."""
+    return _encoder.encode(_BatchOut(ts, events, dp_rank))
 
 
 def message(topic: bytes, seq: int, payload: bytes) -> tuple[bytes, bytes, bytes]:
@@ -232,11 +239,11 @@ def _event(item: Any) -> tuple[DeviceEvent | None, int]:
                 parent=item.get("parent_block_hash"),
                 lora_name=item.get("lora_name"),
                 extra_keys=item.get("extra_keys"),
-            ), sum(1 for k in item if k not in _STORED_FIELDS)
+            ), len(item.keys() - _STORED_FIELDS)
         if tag == "BlockRemoved":
             return _removed(
                 item.get("block_hashes"), item.get("medium"), item.get("group_idx")
-            ), sum(1 for k in item if k not in _REMOVED_FIELDS)
+            ), len(item.keys() - _REMOVED_FIELDS)
         if tag == "AllBlocksCleared":
             return Cleared(), len(item) - 1
         if isinstance(tag, str):
@@ -273,10 +280,10 @@ def _keys(raw: Any) -> tuple[BlockKey, ...]:
         keys = tuple(map(and_, raw, repeat(_MASK64)))
     except TypeError:
         return tuple(block_key(h) for h in raw)  # raw digests (bytes), or malformed
-    if True in raw or False in raw:  # bools are ints to `&` (and compare equal to 1, 0)
-        if any(isinstance(h, bool) for h in raw):
-            raise InvalidInput("a block hash is a boolean")
-    return keys  # type: ignore[return-value]
+    # Bools are ints to `&` (and compare equal to 1 and 0, which the scan finds first).
+    if (True in raw or False in raw) and any(isinstance(h, bool) for h in raw):
+        raise InvalidInput("a block hash is a boolean")
+    return keys
 
 
 def _medium(raw: Any) -> str | None:

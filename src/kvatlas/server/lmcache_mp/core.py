@@ -121,8 +121,13 @@ class MpCore:
         declare_contract: Callable[[HashContract], str | None] | None = None,
         prefetch_workers: int = 4,
         transfer_mode: str = "auto",
+        on_prompt: Callable[[Sequence[int], Sequence[bytes], str], None] | None = None,
     ) -> None:
-        """``transfer_mode``: the modes served (``--supported-transfer-mode``)."""
+        """``transfer_mode``: the modes served (``--supported-transfer-mode``).
+        ``on_prompt``: told the tokens, chunk hashes and cache salt of every prompt a
+        lookup or a store names (it must not block), so that the KV event publisher can
+        publish the chunks stored from it with their tokens."""
+        self._on_prompt = on_prompt
         self._modes = (
             {"engine_driven", "lmcache_driven"} if transfer_mode == "auto" else {transfer_mode}
         )
@@ -150,23 +155,30 @@ class MpCore:
 
     # ------------------------------------------------------------------ keys
 
-    def _hashes(self, key: IPCKey, start: int, end: int) -> list[bytes]:
+    def _hashes(self, key: IPCKey, start: int, end: int, learn: bool = False) -> list[bytes]:
+        """The chunk hashes of ``[start, end)``; ``learn``: also show the prompt up to
+        ``end`` to ``on_prompt`` (lookups and stores: the chunks a store makes)."""
         cs = self.identity.chunk_size
         if start % cs or start < 0 or end < start:
             raise MpError("invalid", f"range [{start}, {end}) is not chunk-aligned ({cs})")
+        tokens = key.token_ids[: min(end, len(key.token_ids))]
         try:
-            hashes = chunk_hashes(key.token_ids[: min(end, len(key.token_ids))], cs)
+            hashes = chunk_hashes(tokens, cs)
         except InvalidInput as exc:
             raise MpError("invalid", str(exc)) from exc
+        if learn and self._on_prompt is not None:
+            self._on_prompt(tokens, [bytes(h) for h in hashes], key.cache_salt)
         return [bytes(h) for h in hashes[start // cs :]]
 
-    def _keys(self, key: IPCKey, start: int, end: int, rank: int) -> list[ObjectKey]:
+    def _keys(
+        self, key: IPCKey, start: int, end: int, rank: int, learn: bool = False
+    ) -> list[ObjectKey]:
         if key.world_size < 1 or not 0 <= rank < key.world_size:
             raise MpError("invalid", f"worker {rank} of world size {key.world_size}")
         kv_rank = pack_kv_rank(key.world_size, rank, key.world_size, rank)
         return [
             ObjectKey(ChunkHash(h), key.model_name, kv_rank, 0, key.cache_salt)
-            for h in self._hashes(key, start, end)
+            for h in self._hashes(key, start, end, learn)
         ]
 
     def _worker(self, instance_id: int) -> Worker:

@@ -151,7 +151,8 @@ class LMCacheMPService(Transfers):
                 "num_kv_readers=0: the client predates LMCache 0.5.6's IPCCacheServerKey",
             )
         keys = [
-            self._keys(key, 0, key.end, rank) for rank in range(max(key.world_size, 1))
+            self._keys(key, 0, key.end, rank, learn=rank == 0)
+            for rank in range(max(key.world_size, 1))
         ]  # per rank, per chunk
         _, stale = self.sessions.begin(key.request_id)
         self._release(stale)

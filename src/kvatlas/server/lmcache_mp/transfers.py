@@ -133,7 +133,7 @@ class Transfers(MpCore):
 
     def op_prepare_store(self, key: IPCKey, instance_id: int) -> dict[str, Any]:
         w = self._worker(instance_id)
-        keys = self._keys(key, key.start, key.end, key.worker_id or 0)
+        keys = self._keys(key, key.start, key.end, key.worker_id or 0, learn=True)
         g = w.geometry
         slots: list[dict[str, Any]] = []
         indices: list[int] = []
@@ -225,7 +225,7 @@ class Transfers(MpCore):
         kv = self._mapped(instance_id)
         if len(block_ids) != 1:
             raise MpError("unsupported", f"{len(block_ids)} KV groups; one is supported")
-        keys = self._keys(key, key.start, key.end, key.worker_id or 0)
+        keys = self._keys(key, key.start, key.end, key.worker_id or 0, learn=True)
         nbytes = kv.geometry.nbytes
         if len(block_ids[0]) < len(keys) * kv.blocks_per_chunk:
             log.warning("store of %s: too few block ids for %d chunks", key.request_id, len(keys))
