@@ -173,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
         " (their --engine-kv-events), dropping them when the server leaves",
     )
     a(
+        "--kv-indexer-api",
+        action="store_true",
+        help="serve the Mooncake KV Indexer RFC routes as NVIDIA Dynamo's standalone indexer"
+        " does (/register, /unregister, /workers, /query, /query_by_hash, /dump): vLLM"
+        " workers registered there feed the device tier; kept beside --snapshot-path",
+    )
+    a(
         "--cpu-latency-us",
         type=int,
         default=None,
@@ -287,6 +294,7 @@ def config_from_args(argv: list[str] | None, environ: dict[str, str]) -> Coordin
         log_level=ns.log_level.upper(),
         vllm_kv_events=parse_sources(ns.vllm_kv_events),
         vllm_kv_events_from_members=ns.vllm_kv_events_from_members,
+        kv_indexer_api=ns.kv_indexer_api,
     )
 
 

@@ -3,8 +3,9 @@
 Builds, in order: metrics, the fleet state (restored from the snapshot when there is
 one), the service, the quota controller (its operator state and L2 usage book restored
 from beside the snapshot), the membership frontend (direct, or through Kafka with the consumer
-and the publisher), the fleet L2 eviction loop, the HTTP app, the snapshot writer and
-the expiry loop; then serves
+and the publisher), the fleet L2 eviction loop, the device tier (the vLLM ingest, its
+lookup route and, with `--kv-indexer-api`, the indexer API with the workers registered
+before a restart), the HTTP app, the snapshot writer and the expiry loop; then serves
 HTTP (`coordinator.edge`: uvloop, httptools) on a socket it bound itself (so
 a port of 0 is known before serving) until told to stop (SIGINT/SIGTERM or `stop()`),
 and on a clean shutdown writes a last snapshot (`final_snapshot_failed` says whether
@@ -36,9 +37,10 @@ from kvatlas.coordinator.eviction_loop import EvictionLoop
 from kvatlas.coordinator.frontend import LocalMembership, MembershipFrontend
 from kvatlas.coordinator.host.allocator import keep_freed_heap
 from kvatlas.coordinator.host.cpu_latency import CpuLatencyError, CpuLatencyHold
-from kvatlas.coordinator.http_app import CoordinatorApp
+from kvatlas.coordinator.http_app import CoordinatorApp, RouteSet
 from kvatlas.coordinator.http_cache import CacheMetrics, CacheRoutes, ControllerPins
 from kvatlas.coordinator.http_quota import LocalOperatorLog, OperatorLog, QuotaRoutes
+from kvatlas.coordinator.indexer_api import IndexerApi, book_path, load_book
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.quota_metrics import QuotaMetrics
 from kvatlas.coordinator.quotas import QuotaController
@@ -146,8 +148,11 @@ class Coordinator:
             auth_token=config.auth_token or None, observe=cache_metrics.observe
         )
         self.vllm: VllmIngest | None = None
-        extra_routes: list[DeviceLookupRoute] = []
-        if config.vllm_kv_events or config.vllm_kv_events_from_members:
+        extra_routes: list[RouteSet] = []
+        # Read before anything opens sockets: an unreadable file refuses the start.
+        indexer_book = book_path(config.snapshot_path) if config.kv_indexer_api else None
+        indexer_kept = load_book(indexer_book)
+        if config.vllm_kv_events or config.vllm_kv_events_from_members or config.kv_indexer_api:
             self.vllm = VllmIngest(
                 config.vllm_kv_events,
                 members=(
@@ -159,6 +164,21 @@ class Coordinator:
             self.vllm.attach(self.metrics.registry)
             self._parts.append(self.vllm)
             extra_routes.append(DeviceLookupRoute(self.vllm, config.max_lookup_tokens))
+            if config.kv_indexer_api:
+                # A part after the ingest: its start subscribes again to the workers
+                # registered before a restart, once the ingest runs.
+                indexer = IndexerApi(
+                    self.vllm,
+                    tenant_names=config.tenant_names,
+                    max_tokens=config.max_lookup_tokens,
+                    max_hashes=config.max_lookup_keys,
+                    book=indexer_book,
+                    kept=indexer_kept,
+                    operator=OperatorCheck(config.operator_token),
+                )
+                indexer.attach(self.metrics.registry)
+                self._parts.append(indexer)
+                extra_routes.append(indexer)
         self.http: HttpServer = CoordinatorApp(
             config,
             self.service,

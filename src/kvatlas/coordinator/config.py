@@ -154,6 +154,12 @@ class CoordinatorConfig:
     (``--vllm-kv-events-from-members``; a server's ``--engine-kv-events``)."""
     """vLLM engines whose KV events feed the device tier (`--vllm-kv-events`, parsed and
     checked by `kvatlas.coordinator.vllm_sources`)."""
+    kv_indexer_api: bool = False
+    """Serve the Mooncake KV Indexer RFC routes as NVIDIA Dynamo 1.6.1's standalone
+    indexer does (`--kv-indexer-api`: ``/register``, ``/unregister``, ``/workers``,
+    ``/query``, ``/query_by_hash``, ``/dump``; `kvatlas.coordinator.indexer_api`): vLLM
+    workers registered there feed the device tier, with or without `--vllm-kv-events`.
+    Registrations are kept beside the snapshot (`--snapshot-path`)."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the flag of the first impossible setting."""

@@ -1,0 +1,770 @@
+"""The Mooncake KV Indexer RFC routes (kvcache-ai/Mooncake#1403) as NVIDIA Dynamo 1.6.1's
+standalone indexer (``python -m dynamo.indexer``) answers them, over the device tier
+(``--kv-indexer-api``; docs/dynamo.md is the reference):
+
+- ``POST /register``: a worker, one ``instance_id`` and ``dp_rank`` publishing vLLM KV
+  events on ``endpoint`` (and replaying on ``replay_endpoint``), joins the partition
+  ``(model_name, routing_group)``, whose workers share one ``block_size``; it becomes the
+  device tier's engine ``"{instance_id}:{dp_rank}"``, subscribed at once (a full replay).
+  An instance lives in one partition, as in Dynamo, so the engine id needs no model;
+- ``POST /unregister``: the instance's ranks (or the one named) leave, their blocks
+  dropped; a partition left empty is gone;
+- ``GET /workers``: the registered workers, filtered by ``model_name`` and
+  ``routing_group`` when asked;
+- ``POST /query``: per worker and rank, the leading tokens of ``token_ids`` its GPU holds
+  (``scores``), and per worker the RFC's tiered summary (``instances``); ``frequencies``
+  is empty, as 1.6.1's;
+- ``POST /query_by_hash``: the same from Dynamo's local block hashes (no salt);
+- ``GET /dump``: every partition's blocks as Dynamo's stored events.
+
+Tenants: kvatlas keys KV by ``cache_salt``, as vLLM does, where Dynamo 1.6.1 accepts a
+``tenant_id`` and ignores it. A query's ``tenant_id`` names the tenant whose salt
+(``--tenants``) the lookup hashes with (``"default"``: unsalted, or the query's own
+``cache_salt``), so one engine serving several tenants is registered once and each
+tenant's query sees its own blocks only. Registrations outlive a restart in
+``<--snapshot-path>.indexer``, written before a change applies (none without a snapshot
+path, as in Dynamo). The routes are behind the coordinator's bearer token, ``/dump``
+(every tenant's blocks) behind the operator token when one is set. Where kvatlas answers
+otherwise than Dynamo, on purpose, docs/dynamo.md names it ("Intended differences").
+
+Owns the routes' shapes and checks, the registry of workers (Dynamo's rules and
+messages), its file, and the translation of device-tier hits into Dynamo's answers.
+Must not: subscribe, hash or index (that is `kvatlas.coordinator.vllm_ingest` over
+`kvatlas.core`), nor change any state but its registry and the sources it added.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvatlas.coordinator.auth import OperatorCheck
+from kvatlas.coordinator.edge.messages import HttpRequest, HttpResponse
+from kvatlas.coordinator.edge.routing import Router, always
+from kvatlas.coordinator.http_app import HttpError
+from kvatlas.coordinator.snapshot import frame, unframe, write_atomic
+from kvatlas.coordinator.vllm_ingest import DeviceHit, VllmIngest
+from kvatlas.coordinator.vllm_sources import VllmSource
+from kvatlas.core.device_blocks import DumpedBlock, EngineId
+from kvatlas.core.errors import ConfigError, SnapshotError
+from kvatlas.wire.decoding import TOO_DEEP
+from kvatlas.wire.http_api import ErrorResponse
+
+log = logging.getLogger(__name__)
+
+DEFAULT = "default"
+"""Dynamo's default ``routing_group`` and ``tenant_id``."""
+BOOK_SUFFIX = ".indexer"
+"""The registrations' file, beside the snapshot."""
+_U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+_U64 = Annotated[int, msgspec.Meta(ge=0)]
+"""At most 2**64 - 1 too: checked by `_u64` (msgspec bounds stop at int64)."""
+_I64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+_TIERS = {"GPU": "device", "CPU": "host_pinned", "STORAGE": "disk"}
+"""vLLM's media as Dynamo's storage tiers in ``/dump`` (others: ``external``)."""
+
+
+# -- request and answer shapes (unknown fields are ignored, as Dynamo's serde does) ----
+
+
+class RegisterRequest(msgspec.Struct, frozen=True):
+    instance_id: _U64
+    endpoint: str
+    model_name: str
+    block_size: _U32
+    routing_group: str = DEFAULT
+    tenant_id: str = DEFAULT
+    """Accepted and ignored, as Dynamo does: one engine serves every tenant."""
+    dp_rank: _U32 | None = None
+    replay_endpoint: str | None = None
+
+
+class UnregisterRequest(msgspec.Struct, frozen=True):
+    instance_id: _U64
+    model_name: str
+    routing_group: str | None = None
+    """None: wherever the instance is registered for ``model_name``."""
+    tenant_id: str | None = None
+    """Accepted and ignored, as Dynamo does."""
+    dp_rank: _U32 | None = None
+    """None: every rank of the instance."""
+
+
+class QueryRequest(msgspec.Struct, frozen=True):
+    token_ids: list[_U32]
+    model_name: str
+    routing_group: str = DEFAULT
+    tenant_id: str = DEFAULT
+    """Whose salt the lookup hashes with (``--tenants``); ``default``: none."""
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    """vLLM's request field, as the engine saw it."""
+
+
+class QueryByHashRequest(msgspec.Struct, frozen=True):
+    block_hashes: list[_I64]
+    """Dynamo's local block hashes (``LocalBlockHash`` as i64)."""
+    model_name: str
+    routing_group: str = DEFAULT
+    tenant_id: str = DEFAULT
+    cache_salt: str | None = None
+    """Refused when set: local hashes carry no salt."""
+
+
+class StatusResponse(msgspec.Struct, frozen=True):
+    status: str
+
+
+class InstanceSummary(msgspec.Struct, frozen=True):
+    """The RFC's per-instance answer, in tokens; ``cpu`` and ``disk`` cumulative."""
+
+    longest_matched: int
+    gpu: int
+    dp: dict[str, int]
+    cpu: int
+    disk: int
+
+
+class ScoreResponse(msgspec.Struct, frozen=True):
+    scores: dict[str, dict[str, int]]
+    """instance_id -> dp_rank -> leading tokens on GPU (matched workers only)."""
+    frequencies: list[int]
+    instances: dict[str, InstanceSummary]
+
+
+class ListenerInfo(msgspec.Struct, frozen=True):
+    endpoint: str
+    status: str
+
+
+class WorkerInfo(msgspec.Struct, frozen=True):
+    instance_id: int
+    source: str
+    status: str
+    model_name: str
+    routing_group: str
+    block_size: int
+    endpoints: dict[str, str]
+    listeners: dict[str, ListenerInfo]
+
+
+class DumpBlock(msgspec.Struct, frozen=True):
+    block_hash: int
+    tokens_hash: int
+    mm_extra_info: None = None
+
+
+class DumpStored(msgspec.Struct, frozen=True):
+    parent_hash: int | None
+    start_position: None
+    blocks: list[DumpBlock]
+
+
+class DumpData(msgspec.Struct, frozen=True):
+    stored: DumpStored
+
+
+class DumpKvEvent(msgspec.Struct, frozen=True):
+    event_id: int
+    data: DumpData
+    dp_rank: int
+
+
+class DumpEvent(msgspec.Struct, frozen=True):
+    worker_id: int
+    storage_tier: str
+    residency_domain: str
+    event: DumpKvEvent
+
+
+class DumpPartition(msgspec.Struct, frozen=True):
+    block_size: int
+    events: list[DumpEvent]
+
+
+class Worker(msgspec.Struct, frozen=True):
+    """One registered (instance, rank): what the registrations' file keeps."""
+
+    instance_id: int
+    dp_rank: int
+    model_name: str
+    routing_group: str
+    block_size: int
+    endpoint: str
+    replay_endpoint: str | None = None
+
+    @property
+    def engine(self) -> EngineId:
+        return EngineId(f"{self.instance_id}:{self.dp_rank}")
+
+    @property
+    def partition(self) -> tuple[str, str]:
+        return self.model_name, self.routing_group
+
+    def source(self) -> VllmSource:
+        """The device tier's source: every topic, as Dynamo subscribes."""
+        return VllmSource(
+            self.engine, self.endpoint, self.replay_endpoint, "", block_size=self.block_size
+        )
+
+
+_T = TypeVar("_T")
+_register_decoder = msgspec.json.Decoder(RegisterRequest)
+_unregister_decoder = msgspec.json.Decoder(UnregisterRequest)
+_query_decoder = msgspec.json.Decoder(QueryRequest)
+_by_hash_decoder = msgspec.json.Decoder(QueryByHashRequest)
+_book_decoder = msgspec.msgpack.Decoder(list[Worker])
+_encoder = msgspec.json.Encoder()
+
+
+class WorkerRegistry:
+    """The registered workers by partition, with Dynamo 1.6.1's rules and messages: an
+    instance lives in one partition, a rank registers once, a partition has one block
+    size. Single-threaded (`IndexerApi` holds the lock); checks change nothing."""
+
+    def __init__(self) -> None:
+        self._parts: dict[tuple[str, str], dict[tuple[int, int], Worker]] = {}
+        self._home: dict[int, tuple[str, str]] = {}
+
+    def check_register(self, w: Worker) -> None:
+        """HttpError 409 when ``w`` may not join."""
+        home = self._home.get(w.instance_id)
+        if home is not None and home != w.partition:
+            raise HttpError(
+                409,
+                f"instance {w.instance_id} is already registered for"
+                f" model={home[0]} routing_group={home[1]}",
+            )
+        part = self._parts.get(w.partition, {})
+        if (w.instance_id, w.dp_rank) in part:
+            raise HttpError(409, f"instance {w.instance_id} dp_rank {w.dp_rank} already registered")
+        existing = next(iter(part.values()), None)
+        if existing is not None and existing.block_size != w.block_size:
+            raise HttpError(
+                409,
+                f"block_size mismatch for model={w.model_name} routing_group={w.routing_group}:"
+                f" existing={existing.block_size}, requested={w.block_size}",
+            )
+
+    def add(self, w: Worker) -> None:
+        self._parts.setdefault(w.partition, {})[(w.instance_id, w.dp_rank)] = w
+        self._home[w.instance_id] = w.partition
+
+    def leaving(
+        self, instance_id: int, model_name: str, routing_group: str | None, dp_rank: int | None
+    ) -> list[Worker]:
+        """The workers an unregistration removes; HttpError 404 when none matches."""
+        home = self._home.get(instance_id)
+        if home is None:
+            raise HttpError(404, f"instance {instance_id} not found")
+        if home[0] != model_name or routing_group not in (None, home[1]):
+            raise HttpError(
+                404,
+                f"instance {instance_id} is registered for model={home[0]} routing_group={home[1]}",
+            )
+        ranks = [w for (i, _), w in self._parts[home].items() if i == instance_id]
+        if dp_rank is None:
+            return ranks
+        found = [w for w in ranks if w.dp_rank == dp_rank]
+        if not found:
+            raise HttpError(404, f"instance {instance_id} dp_rank {dp_rank} not found")
+        return found
+
+    def remove(self, workers: Iterable[Worker]) -> None:
+        for w in workers:
+            part = self._parts[w.partition]
+            del part[(w.instance_id, w.dp_rank)]
+            if not any(i == w.instance_id for i, _ in part):
+                del self._home[w.instance_id]
+            if not part:
+                del self._parts[w.partition]
+
+    def partition(self, model_name: str, routing_group: str) -> list[Worker]:
+        """The partition's workers; HttpError 404 (Dynamo's words) when it has none."""
+        part = self._parts.get((model_name, routing_group))
+        if not part:
+            raise HttpError(404, f"no indexer for model={model_name} routing_group={routing_group}")
+        return list(part.values())
+
+    def partitions(self) -> list[tuple[tuple[str, str], list[Worker]]]:
+        return [(key, list(part.values())) for key, part in sorted(self._parts.items())]
+
+    def workers(self) -> list[Worker]:
+        return [w for _, ws in self.partitions() for w in ws]
+
+
+def book_path(snapshot_path: str) -> Path | None:
+    """Where registrations are kept (None without ``--snapshot-path``)."""
+    return Path(snapshot_path + BOOK_SUFFIX) if snapshot_path else None
+
+
+def load_book(path: Path | None) -> list[Worker]:
+    """The registrations kept in ``path`` ([] when there is none); ConfigError naming
+    the file when it cannot be read."""
+    if path is None or not path.exists():
+        return []
+    try:
+        return _book_decoder.decode(unframe(path.read_bytes(), path))
+    except (OSError, SnapshotError, msgspec.DecodeError) as exc:
+        raise ConfigError(
+            f"--snapshot-path: {path} cannot be restored ({exc}); move the file away to"
+            " start without the registered workers"
+        ) from exc
+
+
+def endpoint_error(endpoint: str) -> str | None:
+    """Why a subscriber cannot connect to ``endpoint`` (None: it can): ``tcp://HOST:PORT``
+    or ``ipc://PATH``, as Dynamo takes them, but no wildcard host or port 0."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or not scheme:
+        return "missing scheme"
+    if scheme == "ipc":
+        return None if rest else "missing path"
+    if scheme != "tcp":
+        return f"unsupported scheme `{scheme}`"
+    host, colon, port = rest.rpartition(":")
+    if not colon:
+        return "missing TCP port"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        return f"invalid TCP port `{port}` (1-65535)"
+    if not host:
+        return "missing host"
+    if host == "*":
+        return "`*` is a bind address; a subscriber connects to one host"
+    return None
+
+
+def _tiers(hit: DeviceHit) -> tuple[int, int, int]:
+    """A hit's leading tokens on GPU, then through CPU, then through every tier (the
+    RFC's cumulative ``gpu``, ``cpu``, ``disk``), from the blocks each tier serves."""
+    if not hit.tiers:
+        return 0, 0, 0
+    gpu, cpu, disk = (n * hit.block_size for n in hit.tiers)
+    return gpu, gpu + cpu, gpu + cpu + disk
+
+
+class IndexerApi:
+    """The six routes over one ingest, and the registrations they made."""
+
+    def __init__(
+        self,
+        ingest: VllmIngest,
+        *,
+        tenant_names: Iterable[tuple[str, str]] = (),
+        max_tokens: int,
+        max_hashes: int,
+        book: Path | None = None,
+        kept: Sequence[Worker] = (),
+        operator: OperatorCheck | None = None,
+    ) -> None:
+        """``tenant_names``: the coordinator's ``(cache_salt, tenant:ID | shared:NAME)``
+        pairs (``--tenants``); ``book``: the registrations' file, ``kept`` what it held
+        at startup (`load_book`), subscribed again by `start`; ``operator``: who may
+        read ``/dump`` (every salt's blocks) when an operator token is set."""
+        self._ingest = ingest
+        self._salts = {
+            name.removeprefix("tenant:"): salt
+            for salt, name in tenant_names
+            if name.startswith("tenant:")
+        }
+        self._max_tokens = max_tokens
+        self._max_hashes = max_hashes
+        self._book = book
+        self._operator = operator or OperatorCheck("")
+        self._lock = threading.Lock()
+        self.registry = WorkerRegistry()
+        self._kept = list(kept)
+
+    # -- the part's life: registrations of the last run come back --------------------
+
+    def start(self) -> None:
+        """Subscribe again to the workers the file keeps (a full replay each)."""
+        refused: list[Worker] = []
+        with self._lock:
+            for w in self._kept:
+                try:
+                    self.registry.check_register(w)
+                    self._ingest.add_source(w.source())
+                except (HttpError, ConfigError) as exc:
+                    refused.append(w)
+                    log.warning(
+                        "Indexer API: registered worker %s of model=%s routing_group=%s"
+                        " not restored: %s",
+                        w.engine,
+                        w.model_name,
+                        w.routing_group,
+                        exc,
+                    )
+                    continue
+                self.registry.add(w)
+            if self._kept:
+                log.info(
+                    "Indexer API: %d registered workers restored from %s",
+                    len(self._kept) - len(refused),
+                    self._book,
+                )
+            if refused:
+                try:
+                    self._write(self.registry.workers())
+                except HttpError as exc:  # the next change writes it again
+                    log.error("Indexer API: %s", exc.reason)
+        self._kept = []
+
+    def stop(self) -> None:
+        """Nothing to do: the file is written at every change; the ingest stops itself."""
+
+    def workers_count(self) -> int:
+        with self._lock:
+            return len(self.registry.workers())
+
+    def attach(self, registry: CollectorRegistry) -> None:
+        registry.register(_Collector(self))
+
+    # -- routes ----------------------------------------------------------------------
+
+    def add_routes(self, router: Router) -> None:
+        # All in the thread pool: registrations write a file and subscribe under the
+        # lock that every route takes, and queries hash their tokens.
+        router.add("POST", "/register", self.register, offload=always)
+        router.add("POST", "/unregister", self.unregister, offload=always)
+        router.add("GET", "/workers", self.workers, offload=always)
+        router.add("POST", "/query", self.query, offload=always)
+        router.add("POST", "/query_by_hash", self.query_by_hash, offload=always)
+        router.add("GET", "/dump", self.dump, offload=always)
+
+    def register(self, request: HttpRequest) -> HttpResponse:
+        body = _decode(_register_decoder, request)
+        instance_id = _u64(body.instance_id)
+        for what, ep in (("", body.endpoint), ("replay ", body.replay_endpoint)):
+            why = None if ep is None else endpoint_error(ep)
+            if why is not None:
+                inner = f"invalid ZMQ endpoint `{ep}`: {why}"
+                raise HttpError(400, f"invalid replay endpoint `{ep}`: {inner}" if what else inner)
+        if body.block_size == 0:
+            raise HttpError(400, "block_size must be at least 1")
+        w = Worker(
+            instance_id,
+            body.dp_rank or 0,
+            body.model_name,
+            body.routing_group,
+            body.block_size,
+            body.endpoint,
+            body.replay_endpoint,
+        )
+        with self._lock:
+            self.registry.check_register(w)
+            try:
+                self._ingest.add_source(w.source())
+            except ConfigError as exc:  # the engine id is a --vllm-kv-events engine's
+                raise HttpError(409, str(exc)) from exc
+            try:
+                self._write([*self.registry.workers(), w])
+            except HttpError:
+                self._ingest.remove_source(w.engine)
+                raise
+            self.registry.add(w)
+        return _json(StatusResponse("ok"), 201)
+
+    def unregister(self, request: HttpRequest) -> HttpResponse:
+        body = _decode(_unregister_decoder, request)
+        with self._lock:
+            leaving = self.registry.leaving(
+                _u64(body.instance_id), body.model_name, body.routing_group, body.dp_rank
+            )
+            self._write([w for w in self.registry.workers() if w not in leaving])
+            for w in leaving:
+                self._ingest.remove_source(w.engine)
+            self.registry.remove(leaving)
+        return _json(StatusResponse("ok"))
+
+    def workers(self, request: HttpRequest) -> HttpResponse:
+        q = request.query
+        model, group = q.get("model_name"), q.get("routing_group")
+        with self._lock:
+            found = [
+                w
+                for w in self.registry.workers()
+                if model in (None, w.model_name) and group in (None, w.routing_group)
+            ]
+        by_instance: dict[int, list[Worker]] = {}
+        for w in found:
+            by_instance.setdefault(w.instance_id, []).append(w)
+        out = []
+        for iid, ranks in by_instance.items():
+            first = ranks[0]
+            out.append(
+                WorkerInfo(
+                    iid,
+                    "zmq",
+                    "active",
+                    first.model_name,
+                    first.routing_group,
+                    first.block_size,
+                    {str(w.dp_rank): w.endpoint for w in ranks},
+                    {str(w.dp_rank): ListenerInfo(w.endpoint, "active") for w in ranks},
+                )
+            )
+        return _json(out)
+
+    def query(self, request: HttpRequest) -> HttpResponse:
+        body = _decode(_query_decoder, request)
+        if len(body.token_ids) > self._max_tokens:
+            raise HttpError(
+                413,
+                f"{len(body.token_ids)} token ids, over --max-lookup-tokens {self._max_tokens}",
+            )
+        workers = self._partition(body.model_name, body.routing_group)
+        salt = self._salt(body.tenant_id, body.cache_salt)
+        hits = self._ingest.lookup(
+            body.token_ids,
+            lora_name=body.lora_name,
+            cache_salt=salt,
+            engines=[w.engine for w in workers],
+        )
+        return _json(_scores(workers, hits))
+
+    def query_by_hash(self, request: HttpRequest) -> HttpResponse:
+        body = _decode(_by_hash_decoder, request)
+        if body.cache_salt is not None:
+            raise HttpError(
+                400,
+                "cache_salt is not accepted by /query_by_hash: local block hashes carry no"
+                " salt and match unsalted blocks only; ask POST /query with the salt",
+            )
+        if body.tenant_id != DEFAULT:
+            raise HttpError(
+                400,
+                "tenant_id is not accepted by /query_by_hash: local block hashes carry no"
+                " salt and match unsalted blocks only; ask POST /query for the tenant",
+            )
+        if len(body.block_hashes) > self._max_hashes:
+            raise HttpError(
+                413,
+                f"{len(body.block_hashes)} block hashes, over --max-lookup-keys {self._max_hashes}",
+            )
+        workers = self._partition(body.model_name, body.routing_group)
+        hits = self._ingest.lookup_by_local_hashes(
+            body.block_hashes, engines=[w.engine for w in workers]
+        )
+        return _json(_scores(workers, hits))
+
+    def dump(self, request: HttpRequest) -> HttpResponse:
+        if not self._operator.sees_tenants(request):
+            raise HttpError(
+                403, "the dump holds every tenant's blocks: it needs the operator token"
+            )
+        with self._lock:
+            parts = self.registry.partitions()
+        blocks = self._ingest.dump([w.engine for _, ws in parts for w in ws])
+        out: dict[str, DumpPartition] = {}
+        for (model, group), workers in parts:
+            events: list[DumpEvent] = []
+            for w in workers:
+                events.extend(_dump_events(w, blocks.get(w.engine, ()), len(events)))
+            out[f"{model}:{group}"] = DumpPartition(workers[0].block_size, events)
+        return _json(out)
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _partition(self, model_name: str, routing_group: str) -> list[Worker]:
+        with self._lock:
+            return self.registry.partition(model_name, routing_group)
+
+    def _salt(self, tenant_id: str, cache_salt: str | None) -> str | None:
+        """The salt a query hashes with: its ``cache_salt``, or its tenant's."""
+        if tenant_id == DEFAULT:
+            return cache_salt or None
+        salt = self._salts.get(tenant_id)
+        if salt is None:
+            raise HttpError(
+                404,
+                f"unknown tenant_id {tenant_id!r}: not a tenant of this coordinator's"
+                " --tenants file, so its salt is unknown (default: unsalted)",
+            )
+        if cache_salt and cache_salt != salt:
+            raise HttpError(400, "tenant_id and cache_salt name different salts: send one of them")
+        return salt
+
+    def _write(self, workers: list[Worker]) -> None:
+        """Keep ``workers`` in the file (when there is one); HttpError 503 on failure."""
+        if self._book is None:
+            return
+        try:
+            write_atomic(self._book, frame(msgspec.msgpack.encode(workers)))
+        except OSError as exc:
+            raise HttpError(
+                503, f"the registration was not applied: {self._book} cannot be written ({exc})"
+            ) from exc
+
+    def openapi_paths(self) -> dict[str, Any]:
+        def content(t: Any) -> dict[str, Any]:
+            return {"application/json": {"schema": msgspec.json.schema(t)}}
+
+        def error(what: str) -> dict[str, Any]:
+            return {"description": what, "content": content(ErrorResponse)}
+
+        bad = {
+            "400": error("Malformed JSON, or a value refused, with a reason"),
+            "401": error("Missing or wrong bearer token"),
+            "415": error("Not Content-Type: application/json"),
+            "422": error("JSON of the wrong shape (a field missing, of the wrong type)"),
+        }
+
+        def post(summary: str, req: type, ok: str, resp: type, more: dict[str, Any]) -> Any:
+            return {
+                "post": {
+                    "summary": summary,
+                    "requestBody": {"required": True, "content": content(req)},
+                    "responses": {ok: {"description": "OK", "content": content(resp)}} | bad | more,
+                }
+            }
+
+        no_partition = {"404": error("No worker registered for model_name and routing_group")}
+        query_more = no_partition | {"413": error("Over --max-lookup-tokens / --max-lookup-keys")}
+        return {
+            "/register": post(
+                "Register a vLLM worker's KV event stream (Mooncake KV Indexer RFC, Dynamo"
+                " 1.6.1's shape): subscribed at once, with a full replay",
+                RegisterRequest,
+                "201",
+                StatusResponse,
+                {
+                    "409": error("Instance or rank registered, or another block_size"),
+                    "503": error("The registrations' file cannot be written"),
+                },
+            ),
+            "/unregister": post(
+                "Unregister an instance (every rank, or dp_rank), dropping its blocks",
+                UnregisterRequest,
+                "200",
+                StatusResponse,
+                {
+                    "404": error("No such instance or rank"),
+                    "503": error("The registrations' file cannot be written"),
+                },
+            ),
+            "/workers": {
+                "get": {
+                    "summary": "Registered workers (query: model_name, routing_group)",
+                    "responses": {
+                        "200": {"description": "OK", "content": content(list[WorkerInfo])},
+                        "401": bad["401"],
+                    },
+                }
+            },
+            "/query": post(
+                "Per registered worker and rank, the leading tokens of token_ids its caches"
+                " hold, hashed with the tenant's salt (tenant_id) or cache_salt",
+                QueryRequest,
+                "200",
+                ScoreResponse,
+                query_more | {"404": error("No such partition, or an unknown tenant_id")},
+            ),
+            "/query_by_hash": post(
+                "The same from Dynamo's local block hashes (unsalted blocks only)",
+                QueryByHashRequest,
+                "200",
+                ScoreResponse,
+                query_more,
+            ),
+            "/dump": {
+                "get": {
+                    "summary": "Every partition's blocks as Dynamo's stored events",
+                    "responses": {
+                        "200": {
+                            "description": "OK",
+                            "content": content(dict[str, DumpPartition]),
+                        },
+                        "401": bad["401"],
+                        "403": error("An operator token is set and the request lacks it"),
+                    },
+                }
+            },
+        }
+
+
+def _decode(decoder: msgspec.json.Decoder[_T], request: HttpRequest) -> _T:
+    """The body as Dynamo's axum reads it: 415 unless JSON, 400 when it does not parse,
+    422 when it is JSON of the wrong shape."""
+    kind = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if kind != "application/json" and not (
+        kind.startswith("application/") and kind.endswith("+json")
+    ):
+        raise HttpError(415, "Expected request with `Content-Type: application/json`")
+    try:
+        return decoder.decode(request.body)
+    except msgspec.ValidationError as exc:
+        raise HttpError(422, f"invalid body: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise HttpError(400, f"malformed body: {exc}") from exc
+    except RecursionError as exc:
+        raise HttpError(400, f"malformed body: {TOO_DEEP}") from exc
+
+
+def _u64(value: int) -> int:
+    if value >= 1 << 64:
+        raise HttpError(
+            422, f"invalid body: Expected `int` <= {(1 << 64) - 1} - at `$.instance_id`"
+        )
+    return value
+
+
+def _json(obj: Any, status: int = 200) -> HttpResponse:
+    return HttpResponse(status, _encoder.encode(obj))
+
+
+def _scores(workers: Sequence[Worker], hits: Iterable[DeviceHit]) -> ScoreResponse:
+    by_engine = {w.engine: w for w in workers}
+    scores: dict[str, dict[str, int]] = {}
+    tiers: dict[str, list[int]] = {}  # instance -> [gpu, cpu, disk]
+    dp: dict[str, dict[str, int]] = {}
+    for hit in hits:
+        w = by_engine.get(EngineId(hit.engine))
+        if w is None or not hit.tokens:
+            continue
+        gpu, cpu, disk = _tiers(hit)
+        iid, rank = str(w.instance_id), str(w.dp_rank)
+        if gpu:
+            scores.setdefault(iid, {})[rank] = gpu
+        dp.setdefault(iid, {})[rank] = gpu
+        best = tiers.setdefault(iid, [0, 0, 0])
+        best[:] = [max(best[0], gpu), max(best[1], cpu), max(best[2], disk)]
+    instances = {
+        iid: InstanceSummary(max(g, c, d), g, dp[iid], c, d) for iid, (g, c, d) in tiers.items()
+    }
+    return ScoreResponse(scores, [], instances)
+
+
+def _dump_events(w: Worker, blocks: Iterable[DumpedBlock], first_id: int) -> list[DumpEvent]:
+    """One stored event per block and medium. Blocks stored without token ids are left
+    out: they have no local hash, and Dynamo never holds such blocks."""
+    out: list[DumpEvent] = []
+    for b in blocks:
+        if not b.tokens_hash:
+            continue
+        for medium in b.media:
+            stored = DumpStored(b.parent_hash, None, [DumpBlock(b.block_hash, b.tokens_hash)])
+            event = DumpKvEvent(first_id + len(out), DumpData(stored), w.dp_rank)
+            tier = _TIERS.get(medium, "external")
+            out.append(DumpEvent(w.instance_id, tier, "worker", event))
+    return out
+
+
+class _Collector(Collector):
+    def __init__(self, api: IndexerApi) -> None:
+        self._api = api
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily(
+            "kvatlas_vllm_indexer_workers",
+            "Workers (instance, dp_rank) registered through the indexer API (--kv-indexer-api)",
+            value=self._api.workers_count(),
+        )
