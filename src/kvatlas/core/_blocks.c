@@ -741,10 +741,187 @@ static PyTypeObject TableType = {
     .tp_as_sequence = &table_seq,
 };
 
+/* ---- msgpack arrays of ints, read without Python ints --------------------------
+ *
+ * vLLM's events carry each block's hash and the blocks' token ids as msgpack arrays
+ * of ints; decoding them into Python ints and converting them back was most of an
+ * event's cost. These read the raw msgpack of one array (msgspec.Raw) directly. */
+
+typedef struct {
+    const uint8_t *p, *end;
+} Reader;
+
+static int rd_bytes(Reader *r, size_t n, const uint8_t **out) {
+    if ((size_t)(r->end - r->p) < n) return -1;
+    *out = r->p;
+    r->p += n;
+    return 0;
+}
+
+static uint64_t be(const uint8_t *b, size_t n) {
+    uint64_t v = 0;
+    for (size_t i = 0; i < n; i++) v = v << 8 | b[i];
+    return v;
+}
+
+/* the array's length, or -1 (not an array, or truncated) */
+static Py_ssize_t rd_array(Reader *r) {
+    const uint8_t *b;
+    if (rd_bytes(r, 1, &b) < 0) return -1;
+    if ((*b & 0xF0) == 0x90) return *b & 0x0F;
+    if (*b == 0xDC && rd_bytes(r, 2, &b) == 0) return (Py_ssize_t)be(b, 2);
+    if (*b == 0xDD && rd_bytes(r, 4, &b) == 0) return (Py_ssize_t)be(b, 4);
+    return -1;
+}
+
+/* One element: an int (its low 64 bits in *v, *neg for a negative one; 0) or, with
+ * `bins`, a bin's low 64 bits big-endian (1); -1 for anything else. */
+static int rd_int(Reader *r, uint64_t *v, int *neg, int bins) {
+    const uint8_t *b, *d;
+    *neg = 0;
+    if (rd_bytes(r, 1, &b) < 0) return -1;
+    uint8_t t = *b;
+    if (t <= 0x7F) {
+        *v = t;
+        return 0;
+    }
+    if (t >= 0xE0) {
+        *v = (uint64_t)(int64_t)(int8_t)t;
+        *neg = 1;
+        return 0;
+    }
+    size_t width = 0;
+    int is_signed = 0;
+    switch (t) {
+    case 0xCC: width = 1; break;
+    case 0xCD: width = 2; break;
+    case 0xCE: width = 4; break;
+    case 0xCF: width = 8; break;
+    case 0xD0: width = 1; is_signed = 1; break;
+    case 0xD1: width = 2; is_signed = 1; break;
+    case 0xD2: width = 4; is_signed = 1; break;
+    case 0xD3: width = 8; is_signed = 1; break;
+    case 0xC4: case 0xC5: case 0xC6: {
+        if (!bins) return -1;
+        size_t lw = t == 0xC4 ? 1 : t == 0xC5 ? 2 : 4;
+        if (rd_bytes(r, lw, &d) < 0) return -1;
+        size_t n = (size_t)be(d, lw);
+        if (n == 0 || rd_bytes(r, n, &d) < 0) return -1;
+        *v = n > 8 ? be(d + n - 8, 8) : be(d, n);
+        return 1;
+    }
+    default: return -1;
+    }
+    if (rd_bytes(r, width, &d) < 0) return -1;
+    uint64_t u = be(d, width);
+    if (is_signed && width < 8 && (u >> (8 * width - 1))) u |= ~(uint64_t)0 << (8 * width);
+    *v = u;
+    *neg = is_signed && (int64_t)u < 0;
+    return 0;
+}
+
+static PyObject *py_msgpack_hashes(PyObject *self, PyObject *arg) {
+    /* msgpack_hashes(raw) -> tuple of 64-bit keys: ints in [-(2**63), 2**64) as their
+     * low 64 bits, bins (raw digests) as their last 8 bytes big-endian; ValueError for
+     * anything else, a trailing byte included */
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    Reader r = {view.buf, (const uint8_t *)view.buf + view.len};
+    PyObject *out = NULL;
+    Py_ssize_t n = rd_array(&r);
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "block_hashes is not an array");
+        goto done;
+    }
+    out = PyTuple_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        uint64_t v;
+        int neg;
+        if (rd_int(&r, &v, &neg, 1) < 0) {
+            PyErr_SetString(PyExc_ValueError, "a block hash is neither a 64-bit int nor bytes");
+            Py_CLEAR(out);
+            break;
+        }
+        PyObject *o = PyLong_FromUnsignedLongLong(v);
+        if (!o) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyTuple_SET_ITEM(out, i, o);
+    }
+    if (out && r.p != r.end) {
+        PyErr_SetString(PyExc_ValueError, "bytes after the block hashes");
+        Py_CLEAR(out);
+    }
+done:
+    PyBuffer_Release(&view);
+    return out;
+}
+
+static PyObject *py_msgpack_tokens(PyObject *self, PyObject *arg) {
+    /* msgpack_tokens(raw) -> the token ids as uint32 little-endian bytes (None for nil);
+     * ValueError for anything but an array of ints in [0, 2**32) */
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    Reader r = {view.buf, (const uint8_t *)view.buf + view.len};
+    PyObject *out = NULL;
+    if (view.len == 1 && *r.p == 0xC0) {
+        PyBuffer_Release(&view);
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = rd_array(&r);
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "token_ids is not an array");
+        goto done;
+    }
+    out = PyBytes_FromStringAndSize(NULL, n * 4);
+    if (!out) goto done;
+    uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t v;
+        /* the common encodings read in place; the rest through rd_int */
+        size_t left = (size_t)(r.end - r.p);
+        uint8_t t = left ? *r.p : 0xC1;
+        if (t <= 0x7F) {
+            v = t;
+            r.p += 1;
+        } else if (t == 0xCE && left >= 5) {
+            v = (uint64_t)r.p[1] << 24 | (uint64_t)r.p[2] << 16 | (uint64_t)r.p[3] << 8 | r.p[4];
+            r.p += 5;
+        } else if (t == 0xCD && left >= 3) {
+            v = (uint64_t)r.p[1] << 8 | r.p[2];
+            r.p += 3;
+        } else if (t == 0xCC && left >= 2) {
+            v = r.p[1];
+            r.p += 2;
+        } else {
+            int neg;
+            if (rd_int(&r, &v, &neg, 0) < 0 || neg || v > 0xFFFFFFFFULL) {
+                PyErr_SetString(PyExc_ValueError, "token ids must be ints in [0, 2**32)");
+                Py_CLEAR(out);
+                goto done;
+            }
+        }
+        dst[4 * i] = (uint8_t)v;
+        dst[4 * i + 1] = (uint8_t)(v >> 8);
+        dst[4 * i + 2] = (uint8_t)(v >> 16);
+        dst[4 * i + 3] = (uint8_t)(v >> 24);
+    }
+    if (r.p != r.end) {
+        PyErr_SetString(PyExc_ValueError, "bytes after the token ids");
+        Py_CLEAR(out);
+    }
+done:
+    PyBuffer_Release(&view);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"local_hashes", py_local_hashes, METH_VARARGS, NULL},
     {"content_keys", py_content_keys, METH_VARARGS, NULL},
     {"chain_locals", py_chain_locals, METH_VARARGS, NULL},
+    {"msgpack_hashes", py_msgpack_hashes, METH_O, NULL},
+    {"msgpack_tokens", py_msgpack_tokens, METH_O, NULL},
     {NULL},
 };
 

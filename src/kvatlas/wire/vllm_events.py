@@ -28,10 +28,12 @@ Must not: open sockets or touch the index.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from array import array
+from collections.abc import Callable
 from itertools import repeat
 from operator import and_
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import xxhash
@@ -47,6 +49,8 @@ A coordinator with ``--vllm-kv-events-from-members`` subscribes to them."""
 
 _MASK64 = (1 << 64) - 1
 _MIN_HASH = -(1 << 63)
+_NIL = b"\xc0"
+"""msgpack's nil: a raw field that was not sent."""
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The seq frame ending a replay (vLLM's ``ZmqEventPublisher.END_SEQ``)."""
@@ -143,8 +147,7 @@ class MalformedMessage(InvalidInput):
     """A message that is not vLLM's three frames and a batch."""
 
 
-@dataclass(frozen=True, slots=True)
-class Batch:
+class Batch(msgspec.Struct, frozen=True):
     """One decoded message."""
 
     seq: int
@@ -186,6 +189,12 @@ def decode_message(frames: list[bytes]) -> Batch:
     seq = int.from_bytes(seq_raw, "big", signed=True)
     if seq < 0:
         raise MalformedMessage(f"negative sequence number {seq} outside a replay end")
+    fast = _fast_batch(seq, payload)
+    return fast if fast is not None else _general_batch(seq, payload)
+
+
+def _general_batch(seq: int, payload: bytes) -> Batch:
+    """Any form of batch vLLM has sent, decoded into Python objects first."""
     try:
         raw = _decoder.decode(payload)
     except msgspec.DecodeError as exc:
@@ -223,14 +232,179 @@ def decode_message(frames: list[bytes]) -> Batch:
     )
 
 
+_NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+_Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class _StoredIn(msgspec.Struct, tag="BlockStored", forbid_unknown_fields=True):
+    """``BlockStored`` as the fast path reads it: the hashes and token ids left as raw
+    msgpack (read by `_hashes_of` and `_tokens_of`), the other fields checked by their
+    types as the general path checks them (a value it would refuse fails the batch's
+    fast decode, and the general path then counts the event malformed)."""
+
+    block_hashes: msgspec.Raw
+    parent_block_hash: Any = None
+    token_ids: msgspec.Raw = msgspec.Raw(_NIL)
+    block_size: _NonNegative | None = None
+    lora_id: Any = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: Any = None
+    group_idx: _NonNegative | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: _Positive | None = None
+    locality: Any = None
+    ownership: Any = None
+    session_id: Any = None
+    lookahead_token_ids: msgspec.Raw = msgspec.Raw(_NIL)
+
+
+class _RemovedIn(msgspec.Struct, tag="BlockRemoved", forbid_unknown_fields=True):
+    block_hashes: msgspec.Raw
+    medium: str | None = None
+    group_idx: _NonNegative | None = None
+    locality: Any = None
+    ownership: Any = None
+
+
+class _ClearedIn(msgspec.Struct, tag="AllBlocksCleared", forbid_unknown_fields=True):
+    pass
+
+
+class _BatchIn(msgspec.Struct, array_like=True):
+    ts: Any
+    events: list[_StoredIn | _RemovedIn | _ClearedIn]
+    data_parallel_rank: Any = None
+
+
+_fast_decoder = msgspec.msgpack.Decoder(_BatchIn)
+
+
+def _fast_batch(seq: int, payload: bytes) -> Batch | None:
+    """The batch as newer vLLM sends it (maps with a known ``"type"`` and known fields
+    only), its hashes and token ids read straight from the msgpack; None for anything
+    else (an unknown type or field, the positional form, a payload that does not
+    decode), which the general path then reads and counts."""
+    try:
+        batch = _fast_decoder.decode(payload)
+    except msgspec.MsgspecError:
+        return None
+    events: list[DeviceEvent] = []
+    malformed = 0
+    for item in batch.events:
+        try:
+            if isinstance(item, _StoredIn):
+                keys = _hashes_of(item.block_hashes)
+                tokens = _tokens_of(item.token_ids)
+                parent = item.parent_block_hash
+                lora = item.lora_name or None
+                extra = item.extra_keys
+                events.append(
+                    Stored(
+                        keys,
+                        item.medium,
+                        item.block_size or 0,
+                        tokens is not None,
+                        item.group_idx or 0,
+                        item.kv_cache_spec_kind,
+                        item.kv_cache_spec_sliding_window,
+                        None if parent is None else block_key(parent),
+                        tokens,
+                        lora,
+                        None if extra is None else _extras(extra, len(keys), lora),
+                    )
+                )
+            elif isinstance(item, _RemovedIn):
+                keys = _hashes_of(item.block_hashes)
+                events.append(Removed(keys, item.medium, item.group_idx or 0))
+            else:
+                events.append(Cleared())
+        except InvalidInput:
+            malformed += 1
+    dp = batch.data_parallel_rank
+    return Batch(
+        seq,
+        tuple(events),
+        xxhash.xxh3_64_intdigest(payload),
+        dp if isinstance(dp, int) and not isinstance(dp, bool) else None,
+        0,
+        malformed,
+        0,
+    )
+
+
+def _py_msgpack_hashes(raw: msgspec.Raw | bytes) -> tuple[int, ...]:
+    """The twin of `_blocks.msgpack_hashes`."""
+    try:
+        items = msgspec.msgpack.decode(raw)
+    except msgspec.MsgspecError as exc:
+        raise ValueError(f"block_hashes does not decode: {exc}") from exc
+    try:
+        return _keys(items)
+    except InvalidInput as exc:
+        raise ValueError(str(exc)) from exc
+
+
+def _py_msgpack_tokens(raw: msgspec.Raw | bytes) -> bytes | None:
+    """The twin of `_blocks.msgpack_tokens`."""
+    try:
+        items = msgspec.msgpack.decode(raw)
+    except msgspec.MsgspecError as exc:
+        raise ValueError(f"token_ids does not decode: {exc}") from exc
+    if items is None:
+        return None
+    if not isinstance(items, list):
+        raise ValueError("token_ids is not an array")
+    return _uint32(items)
+
+
+def _uint32(tokens: list[Any]) -> bytes:
+    """Token ids as uint32 little-endian; ValueError unless all are ints in [0, 2**32)."""
+    try:
+        packed = array("I", tokens)  # refuses what is not an int, and ints out of range
+    except (OverflowError, TypeError) as exc:
+        raise ValueError("token ids must be ints in [0, 2**32)") from exc
+    # array takes bools as ints; they compare equal to 1 and 0, which the scan finds first.
+    if (True in tokens or False in tokens) and any(isinstance(t, bool) for t in tokens):
+        raise ValueError("token ids must be ints in [0, 2**32)")
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+_msgpack_hashes: Callable[[msgspec.Raw], tuple[int, ...]] = _py_msgpack_hashes
+_msgpack_tokens: Callable[[msgspec.Raw], bytes | None] = _py_msgpack_tokens
+try:
+    from kvatlas.core import _blocks
+
+    _msgpack_hashes = _blocks.msgpack_hashes
+    _msgpack_tokens = _blocks.msgpack_tokens
+except ImportError:  # the extension was not built: the twins serve
+    pass
+
+
+def _hashes_of(raw: msgspec.Raw) -> tuple[BlockKey, ...]:
+    try:
+        return _msgpack_hashes(raw)  # type: ignore[return-value]
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from exc
+
+
+def _tokens_of(raw: msgspec.Raw) -> bytes | None:
+    try:
+        return _msgpack_tokens(raw) or None
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from exc
+
+
 def _event(item: Any) -> tuple[DeviceEvent | None, int]:
     """One event and its count of unknown fields; None for an unknown type."""
     if isinstance(item, dict):
         tag = item.get("type")
         if tag == "BlockStored":
             return _stored(
-                item.get("block_hashes"),
-                item.get("token_ids"),
+                _keys(item.get("block_hashes")),
+                _token_bytes(item.get("token_ids")),
                 item.get("block_size"),
                 item.get("medium"),
                 item.get("group_idx"),
@@ -242,7 +416,7 @@ def _event(item: Any) -> tuple[DeviceEvent | None, int]:
             ), len(item.keys() - _STORED_FIELDS)
         if tag == "BlockRemoved":
             return _removed(
-                item.get("block_hashes"), item.get("medium"), item.get("group_idx")
+                _keys(item.get("block_hashes")), item.get("medium"), item.get("group_idx")
             ), len(item.keys() - _REMOVED_FIELDS)
         if tag == "AllBlocksCleared":
             return Cleared(), len(item) - 1
@@ -258,12 +432,18 @@ def _event(item: Any) -> tuple[DeviceEvent | None, int]:
             lora = item[7] if len(item) > 7 else None
             extra = item[8] if len(item) > 8 else None
             return _stored(
-                item[1], item[3], item[4], medium, parent=item[2], lora_name=lora, extra_keys=extra
+                _keys(item[1]),
+                _token_bytes(item[3]),
+                item[4],
+                medium,
+                parent=item[2],
+                lora_name=lora,
+                extra_keys=extra,
             ), 0
         if tag == "BlockRemoved":
             if len(item) < 2:
                 raise InvalidInput("BlockRemoved array too short")
-            return _removed(item[1], item[2] if len(item) > 2 else None), 0
+            return _removed(_keys(item[1]), item[2] if len(item) > 2 else None), 0
         if tag == "AllBlocksCleared":
             return Cleared(), 0
         return None, 0
@@ -300,9 +480,21 @@ def _group(raw: Any) -> int:
     return raw
 
 
+def _token_bytes(tokens: Any) -> bytes | None:
+    """A general-path ``token_ids`` (a list of ints, or None) as uint32 bytes."""
+    if tokens is None:
+        return None
+    if not isinstance(tokens, list):
+        raise InvalidInput("token_ids is not a list")
+    try:
+        return _uint32(tokens) or None
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from exc
+
+
 def _stored(
-    hashes: Any,
-    tokens: Any,
+    keys: tuple[BlockKey, ...],
+    tokens: bytes | None,
     block_size: Any,
     medium: Any,
     group: Any = None,
@@ -313,8 +505,6 @@ def _stored(
     lora_name: Any = None,
     extra_keys: Any = None,
 ) -> Stored:
-    if tokens is not None and not isinstance(tokens, list):
-        raise InvalidInput("token_ids is not a list")
     if lora_name is not None and not isinstance(lora_name, str):
         raise InvalidInput("lora_name is not a string")
     if block_size is None:
@@ -327,7 +517,6 @@ def _stored(
         not isinstance(window, int) or isinstance(window, bool) or window < 1
     ):
         raise InvalidInput("kv_cache_spec_sliding_window is not a positive int")
-    keys = _keys(hashes)
     return Stored(
         keys,
         _medium(medium),
@@ -363,5 +552,5 @@ def _extras(raw: Any, n: int, lora_name: str | None) -> tuple[int, ...] | None:
     return tuple(out) if any(out) else None
 
 
-def _removed(hashes: Any, medium: Any, group: Any = None) -> Removed:
-    return Removed(_keys(hashes), _medium(medium), _group(group))
+def _removed(keys: tuple[BlockKey, ...], medium: Any, group: Any = None) -> Removed:
+    return Removed(keys, _medium(medium), _group(group))
