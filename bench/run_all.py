@@ -20,6 +20,7 @@ MODULES = [
     "bench.router_bench",
     "bench.tenant_router_bench",
     "bench.lmcache_server_bench",
+    "bench.dynamo_indexer_bench",
 ]
 
 
