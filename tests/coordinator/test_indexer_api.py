@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvatlas.coordinator.indexer_api import BOOK_SUFFIX
+from kvatlas.coordinator.indexer_registry import BOOK_SUFFIX
 from kvatlas.coordinator.vllm_sources import parse_sources
 from kvatlas.core.errors import ConfigError
 from support.coordinator import RunningCoordinator

@@ -40,7 +40,8 @@ from kvatlas.coordinator.host.cpu_latency import CpuLatencyError, CpuLatencyHold
 from kvatlas.coordinator.http_app import CoordinatorApp, RouteSet
 from kvatlas.coordinator.http_cache import CacheMetrics, CacheRoutes, ControllerPins
 from kvatlas.coordinator.http_quota import LocalOperatorLog, OperatorLog, QuotaRoutes
-from kvatlas.coordinator.indexer_api import IndexerApi, book_path, load_book
+from kvatlas.coordinator.indexer_api import IndexerApi
+from kvatlas.coordinator.indexer_registry import book_path, load_book
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.quota_metrics import QuotaMetrics
 from kvatlas.coordinator.quotas import QuotaController

@@ -27,8 +27,9 @@ path, as in Dynamo). The routes are behind the coordinator's bearer token, ``/du
 (every tenant's blocks) behind the operator token when one is set. Where kvatlas answers
 otherwise than Dynamo, on purpose, docs/dynamo.md names it ("Intended differences").
 
-Owns the routes' shapes and checks, the registry of workers (Dynamo's rules and
-messages), its file, and the translation of device-tier hits into Dynamo's answers.
+Owns the routes' checks, the writing of the registrations' file, and the translation
+of device-tier hits into Dynamo's answers; the shapes are `kvatlas.wire.indexer_api`'s,
+the registry's rules `kvatlas.coordinator.indexer_registry`'s.
 Must not: subscribe, hash or index (that is `kvatlas.coordinator.vllm_ingest` over
 `kvatlas.core`), nor change any state but its registry and the sources it added.
 """
@@ -39,7 +40,7 @@ import logging
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from prometheus_client import CollectorRegistry
@@ -50,296 +51,42 @@ from kvatlas.coordinator.auth import OperatorCheck
 from kvatlas.coordinator.edge.messages import HttpRequest, HttpResponse
 from kvatlas.coordinator.edge.routing import Router, always
 from kvatlas.coordinator.http_app import HttpError
-from kvatlas.coordinator.snapshot import frame, unframe, write_atomic
+from kvatlas.coordinator.indexer_registry import Worker, WorkerRegistry, endpoint_error
+from kvatlas.coordinator.snapshot import frame, write_atomic
 from kvatlas.coordinator.vllm_ingest import DeviceHit, VllmIngest
-from kvatlas.coordinator.vllm_sources import VllmSource
 from kvatlas.core.device_blocks import DumpedBlock, EngineId
-from kvatlas.core.errors import ConfigError, SnapshotError
+from kvatlas.core.errors import ConfigError
 from kvatlas.wire.decoding import TOO_DEEP
 from kvatlas.wire.http_api import ErrorResponse
+from kvatlas.wire.indexer_api import (
+    DEFAULT,
+    DumpBlock,
+    DumpData,
+    DumpEvent,
+    DumpKvEvent,
+    DumpPartition,
+    DumpStored,
+    InstanceSummary,
+    ListenerInfo,
+    QueryByHashRequest,
+    QueryRequest,
+    RegisterRequest,
+    ScoreResponse,
+    StatusResponse,
+    UnregisterRequest,
+    WorkerInfo,
+)
 
 log = logging.getLogger(__name__)
 
-DEFAULT = "default"
-"""Dynamo's default ``routing_group`` and ``tenant_id``."""
-BOOK_SUFFIX = ".indexer"
-"""The registrations' file, beside the snapshot."""
-_U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
-_U64 = Annotated[int, msgspec.Meta(ge=0)]
-"""At most 2**64 - 1 too: checked by `_u64` (msgspec bounds stop at int64)."""
-_I64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 _TIERS = {"GPU": "device", "CPU": "host_pinned", "STORAGE": "disk"}
 """vLLM's media as Dynamo's storage tiers in ``/dump`` (others: ``external``)."""
-
-
-# -- request and answer shapes (unknown fields are ignored, as Dynamo's serde does) ----
-
-
-class RegisterRequest(msgspec.Struct, frozen=True):
-    instance_id: _U64
-    endpoint: str
-    model_name: str
-    block_size: _U32
-    routing_group: str = DEFAULT
-    tenant_id: str = DEFAULT
-    """Accepted and ignored, as Dynamo does: one engine serves every tenant."""
-    dp_rank: _U32 | None = None
-    replay_endpoint: str | None = None
-
-
-class UnregisterRequest(msgspec.Struct, frozen=True):
-    instance_id: _U64
-    model_name: str
-    routing_group: str | None = None
-    """None: wherever the instance is registered for ``model_name``."""
-    tenant_id: str | None = None
-    """Accepted and ignored, as Dynamo does."""
-    dp_rank: _U32 | None = None
-    """None: every rank of the instance."""
-
-
-class QueryRequest(msgspec.Struct, frozen=True):
-    token_ids: list[_U32]
-    model_name: str
-    routing_group: str = DEFAULT
-    tenant_id: str = DEFAULT
-    """Whose salt the lookup hashes with (``--tenants``); ``default``: none."""
-    lora_name: str | None = None
-    cache_salt: str | None = None
-    """vLLM's request field, as the engine saw it."""
-
-
-class QueryByHashRequest(msgspec.Struct, frozen=True):
-    block_hashes: list[_I64]
-    """Dynamo's local block hashes (``LocalBlockHash`` as i64)."""
-    model_name: str
-    routing_group: str = DEFAULT
-    tenant_id: str = DEFAULT
-    cache_salt: str | None = None
-    """Refused when set: local hashes carry no salt."""
-
-
-class StatusResponse(msgspec.Struct, frozen=True):
-    status: str
-
-
-class InstanceSummary(msgspec.Struct, frozen=True):
-    """The RFC's per-instance answer, in tokens; ``cpu`` and ``disk`` cumulative."""
-
-    longest_matched: int
-    gpu: int
-    dp: dict[str, int]
-    cpu: int
-    disk: int
-
-
-class ScoreResponse(msgspec.Struct, frozen=True):
-    scores: dict[str, dict[str, int]]
-    """instance_id -> dp_rank -> leading tokens on GPU (matched workers only)."""
-    frequencies: list[int]
-    instances: dict[str, InstanceSummary]
-
-
-class ListenerInfo(msgspec.Struct, frozen=True):
-    endpoint: str
-    status: str
-
-
-class WorkerInfo(msgspec.Struct, frozen=True):
-    instance_id: int
-    source: str
-    status: str
-    model_name: str
-    routing_group: str
-    block_size: int
-    endpoints: dict[str, str]
-    listeners: dict[str, ListenerInfo]
-
-
-class DumpBlock(msgspec.Struct, frozen=True):
-    block_hash: int
-    tokens_hash: int
-    mm_extra_info: None = None
-
-
-class DumpStored(msgspec.Struct, frozen=True):
-    parent_hash: int | None
-    start_position: None
-    blocks: list[DumpBlock]
-
-
-class DumpData(msgspec.Struct, frozen=True):
-    stored: DumpStored
-
-
-class DumpKvEvent(msgspec.Struct, frozen=True):
-    event_id: int
-    data: DumpData
-    dp_rank: int
-
-
-class DumpEvent(msgspec.Struct, frozen=True):
-    worker_id: int
-    storage_tier: str
-    residency_domain: str
-    event: DumpKvEvent
-
-
-class DumpPartition(msgspec.Struct, frozen=True):
-    block_size: int
-    events: list[DumpEvent]
-
-
-class Worker(msgspec.Struct, frozen=True):
-    """One registered (instance, rank): what the registrations' file keeps."""
-
-    instance_id: int
-    dp_rank: int
-    model_name: str
-    routing_group: str
-    block_size: int
-    endpoint: str
-    replay_endpoint: str | None = None
-
-    @property
-    def engine(self) -> EngineId:
-        return EngineId(f"{self.instance_id}:{self.dp_rank}")
-
-    @property
-    def partition(self) -> tuple[str, str]:
-        return self.model_name, self.routing_group
-
-    def source(self) -> VllmSource:
-        """The device tier's source: every topic, as Dynamo subscribes."""
-        return VllmSource(
-            self.engine, self.endpoint, self.replay_endpoint, "", block_size=self.block_size
-        )
-
-
 _T = TypeVar("_T")
 _register_decoder = msgspec.json.Decoder(RegisterRequest)
 _unregister_decoder = msgspec.json.Decoder(UnregisterRequest)
 _query_decoder = msgspec.json.Decoder(QueryRequest)
 _by_hash_decoder = msgspec.json.Decoder(QueryByHashRequest)
-_book_decoder = msgspec.msgpack.Decoder(list[Worker])
 _encoder = msgspec.json.Encoder()
-
-
-class WorkerRegistry:
-    """The registered workers by partition, with Dynamo 1.6.1's rules and messages: an
-    instance lives in one partition, a rank registers once, a partition has one block
-    size. Single-threaded (`IndexerApi` holds the lock); checks change nothing."""
-
-    def __init__(self) -> None:
-        self._parts: dict[tuple[str, str], dict[tuple[int, int], Worker]] = {}
-        self._home: dict[int, tuple[str, str]] = {}
-
-    def check_register(self, w: Worker) -> None:
-        """HttpError 409 when ``w`` may not join."""
-        home = self._home.get(w.instance_id)
-        if home is not None and home != w.partition:
-            raise HttpError(
-                409,
-                f"instance {w.instance_id} is already registered for"
-                f" model={home[0]} routing_group={home[1]}",
-            )
-        part = self._parts.get(w.partition, {})
-        if (w.instance_id, w.dp_rank) in part:
-            raise HttpError(409, f"instance {w.instance_id} dp_rank {w.dp_rank} already registered")
-        existing = next(iter(part.values()), None)
-        if existing is not None and existing.block_size != w.block_size:
-            raise HttpError(
-                409,
-                f"block_size mismatch for model={w.model_name} routing_group={w.routing_group}:"
-                f" existing={existing.block_size}, requested={w.block_size}",
-            )
-
-    def add(self, w: Worker) -> None:
-        self._parts.setdefault(w.partition, {})[(w.instance_id, w.dp_rank)] = w
-        self._home[w.instance_id] = w.partition
-
-    def leaving(
-        self, instance_id: int, model_name: str, routing_group: str | None, dp_rank: int | None
-    ) -> list[Worker]:
-        """The workers an unregistration removes; HttpError 404 when none matches."""
-        home = self._home.get(instance_id)
-        if home is None:
-            raise HttpError(404, f"instance {instance_id} not found")
-        if home[0] != model_name or routing_group not in (None, home[1]):
-            raise HttpError(
-                404,
-                f"instance {instance_id} is registered for model={home[0]} routing_group={home[1]}",
-            )
-        ranks = [w for (i, _), w in self._parts[home].items() if i == instance_id]
-        if dp_rank is None:
-            return ranks
-        found = [w for w in ranks if w.dp_rank == dp_rank]
-        if not found:
-            raise HttpError(404, f"instance {instance_id} dp_rank {dp_rank} not found")
-        return found
-
-    def remove(self, workers: Iterable[Worker]) -> None:
-        for w in workers:
-            part = self._parts[w.partition]
-            del part[(w.instance_id, w.dp_rank)]
-            if not any(i == w.instance_id for i, _ in part):
-                del self._home[w.instance_id]
-            if not part:
-                del self._parts[w.partition]
-
-    def partition(self, model_name: str, routing_group: str) -> list[Worker]:
-        """The partition's workers; HttpError 404 (Dynamo's words) when it has none."""
-        part = self._parts.get((model_name, routing_group))
-        if not part:
-            raise HttpError(404, f"no indexer for model={model_name} routing_group={routing_group}")
-        return list(part.values())
-
-    def partitions(self) -> list[tuple[tuple[str, str], list[Worker]]]:
-        return [(key, list(part.values())) for key, part in sorted(self._parts.items())]
-
-    def workers(self) -> list[Worker]:
-        return [w for _, ws in self.partitions() for w in ws]
-
-
-def book_path(snapshot_path: str) -> Path | None:
-    """Where registrations are kept (None without ``--snapshot-path``)."""
-    return Path(snapshot_path + BOOK_SUFFIX) if snapshot_path else None
-
-
-def load_book(path: Path | None) -> list[Worker]:
-    """The registrations kept in ``path`` ([] when there is none); ConfigError naming
-    the file when it cannot be read."""
-    if path is None or not path.exists():
-        return []
-    try:
-        return _book_decoder.decode(unframe(path.read_bytes(), path))
-    except (OSError, SnapshotError, msgspec.DecodeError) as exc:
-        raise ConfigError(
-            f"--snapshot-path: {path} cannot be restored ({exc}); move the file away to"
-            " start without the registered workers"
-        ) from exc
-
-
-def endpoint_error(endpoint: str) -> str | None:
-    """Why a subscriber cannot connect to ``endpoint`` (None: it can): ``tcp://HOST:PORT``
-    or ``ipc://PATH``, as Dynamo takes them, but no wildcard host or port 0."""
-    scheme, sep, rest = endpoint.partition("://")
-    if not sep or not scheme:
-        return "missing scheme"
-    if scheme == "ipc":
-        return None if rest else "missing path"
-    if scheme != "tcp":
-        return f"unsupported scheme `{scheme}`"
-    host, colon, port = rest.rpartition(":")
-    if not colon:
-        return "missing TCP port"
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        return f"invalid TCP port `{port}` (1-65535)"
-    if not host:
-        return "missing host"
-    if host == "*":
-        return "`*` is a bind address; a subscriber connects to one host"
-    return None
 
 
 def _tiers(hit: DeviceHit) -> tuple[int, int, int]:
