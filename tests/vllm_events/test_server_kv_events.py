@@ -35,7 +35,8 @@ from kvatlas.core.keys import ObjectKey, chunk_hashes
 from kvatlas.core.types import EventType, Tier
 from kvatlas.core.vllm_hash import BlockHasher
 from kvatlas.server.config import KvEventsConfig, ServerConfig
-from kvatlas.server.kv_events import ChunkBlocks, KvEventsCollector, KvEventsPublisher
+from kvatlas.server.kv_blocks import ChunkBlocks
+from kvatlas.server.kv_events import KvEventsCollector, KvEventsPublisher
 from kvatlas.wire.vllm_events import (
     END_SEQ,
     RemovedOut,
