@@ -269,15 +269,6 @@ def salted(ns: Namespace, cache_salt: str) -> Namespace:
     return Namespace(ns.model_name, ns.kv_rank, ns.object_group_id, cache_salt)
 
 
-def salted_block_hash(chunk_hash: bytes, cache_salt: str) -> bytes:
-    """The block hash a chunk is published under to routers that know no salt (vLLM KV
-    events): the chunk hash when unsalted, else a hash of salt and chunk hash, so a
-    salted chunk never matches an unsalted block of the same tokens."""
-    if not cache_salt:
-        return chunk_hash
-    return blake3(b"kvatlas-salt\0" + cache_salt.encode() + b"\0" + chunk_hash).digest()
-
-
 def object_keys(hashes: Sequence[ChunkHash], ns: Namespace) -> list[ObjectKey]:
     """Object keys of ``hashes`` in namespace ``ns``."""
     return [
