@@ -196,6 +196,8 @@ class _Engine:
     unchained: int = 0
     """Blocks stored whose chain could not be followed (no token ids, or a parent no
     engine holds): held for removals, never matched by a lookup."""
+    rule: tuple[list[int], dict[int, list[int]]] | None = None
+    """The hit rule of its groups (`DeviceIndex._rule`), until a store names a group."""
 
 
 def _nibble(group: int) -> int:
@@ -268,11 +270,13 @@ class DeviceIndex:
         for ev in events:
             if isinstance(ev, Stored):
                 bit = self._bit(ev.medium, ev.group)
-                if ev.block_size > 0:
+                if ev.block_size > 0 and ev.block_size != e.block_size:
                     e.block_size = ev.block_size
+                    e.rule = None
                 known = e.groups.get(ev.group)
                 if known is None or ev.kind is not None:
                     e.groups[ev.group] = _Group(ev.kind, ev.window, ev.block_size)
+                    e.rule = None
                 pc = None if ev.parent is None else self._parent_content(e, ev.parent)
                 _, unchained = e.table.store(
                     ev.keys,
@@ -299,6 +303,7 @@ class DeviceIndex:
             return 0
         n = e.table.clear()
         e.groups.clear()  # a restarted engine may serve another model
+        e.rule = None
         return n
 
     def blocks(self, engine: EngineId) -> dict[BlockKey, int]:
@@ -359,19 +364,12 @@ class DeviceIndex:
     def tiers(self, engine: EngineId, keys: bytes) -> tuple[tuple[int, int, int], int]:
         """Blocks of the hit read from each tier (GPU, CPU, storage), and their media."""
         e = self._engines.get(engine)
-        if e is None or not len(e.table):
+        if e is None or not len(e.table) or not keys:
             return (0, 0, 0), 0
-        full: list[int] = []
-        windows: dict[int, list[int]] = {}  # blocks a hit needs -> those groups' nibbles
-        for g, spec in sorted(e.groups.items()) or [(0, _Group(None, None, 0))]:
-            size = spec.block_size or e.block_size or 1
-            if spec.kind in _WINDOWED and spec.window:
-                windows.setdefault(_cdiv(spec.window - 1, size), []).append(_nibble(g))
-            elif spec.kind in _LAST_BLOCK:
-                windows.setdefault(1, []).append(_nibble(g))
-            else:
-                full.append(_nibble(g))
+        full, windows = e.rule or self._rule(e)
         if not windows:
+            if not e.table.run(keys[:8], full)[0]:
+                return (0, 0, 0), 0  # not even the first block, on any medium
             counts: list[int] = []
             done = media = 0
             for bits in _TIER_BITS:
@@ -387,6 +385,24 @@ class DeviceIndex:
         split = [0, 0, 0]
         split[tier] = n
         return (split[0], split[1], split[2]), media & _TIER_BITS[tier] if n else 0
+
+    @staticmethod
+    def _rule(e: _Engine) -> tuple[list[int], dict[int, list[int]]]:
+        """The nibbles of the groups that must hold every block (full attention, or a
+        kind the events do not name), and of those that need only the last blocks, by
+        how many (sliding windows, Mamba)."""
+        full: list[int] = []
+        windows: dict[int, list[int]] = {}
+        for g, spec in sorted(e.groups.items()) or [(0, _Group(None, None, 0))]:
+            size = spec.block_size or e.block_size or 1
+            if spec.kind in _WINDOWED and spec.window:
+                windows.setdefault(_cdiv(spec.window - 1, size), []).append(_nibble(g))
+            elif spec.kind in _LAST_BLOCK:
+                windows.setdefault(1, []).append(_nibble(g))
+            else:
+                full.append(_nibble(g))
+        e.rule = full, windows
+        return e.rule
 
     def _hybrid(
         self, e: _Engine, keys: bytes, full: list[int], windows: dict[int, list[int]]
