@@ -109,8 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--lmcache-mp",
         default="auto",
-        help=f"LMCache {LMCACHE_VERSION} MP protocol on --port: on, off, or auto (on unless"
-        " --auth-token is set: LMCache clients send no token; `on` admits them anyway)",
+        help=f"LMCache MP protocol on --port, releases {LMCACHE_VERSION} (each request's"
+        " own, on one port): on, off, or auto (on unless --auth-token is set: LMCache"
+        " clients send no token; `on` admits them anyway)",
     )
     ap.add_argument(
         "--supported-transfer-mode",

@@ -1,4 +1,5 @@
-"""LMCache 0.5.6's multiprocess (MP) protocol, served by ``kvatlas server`` on ``--port``.
+"""LMCache's multiprocess (MP) protocol, 0.5.6 and 0.5.7rc2 (``wire.LMCACHE_VERSIONS``),
+served by ``kvatlas server`` on ``--port``.
 
 vLLM's ``LMCacheMPConnector`` runs LMCache's own client library (its scheduler and
 worker adapters); pointed at ``kvatlas server`` instead of ``lmcache server``, with the
@@ -7,7 +8,7 @@ into and retrieves from kvatlas' L1/L2, whose chunks the coordinator's directory
 and P2P peers serve. Users keep ``lmcache`` installed beside vLLM and replace only the
 server process.
 
-Modules: ``wire`` (framing, payloads, replies, the supported version), ``service``
+Modules: ``wire`` (framing, payloads, replies, the supported versions), ``service``
 (dispatch, management, lookups), ``transfers`` (both transfer modes), ``core`` (the
 workers, contracts and keys they share, over the shared ``GuardedStore``), ``sessions`` (lookups and
 their read leases), ``cpu_kv`` (a worker's CPU KV mapped from POSIX SHM), ``cuda_kv``

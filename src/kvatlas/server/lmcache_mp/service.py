@@ -1,5 +1,6 @@
-"""What each LMCache 0.5.6 MP request does to kvatlas' store: dispatch, management and
-lookups (the transfers are ``transfers``, the shared state ``core``).
+"""What each LMCache MP request (0.5.6 or 0.5.7rc2, ``wire``) does to kvatlas' store:
+dispatch, management and lookups (the transfers are ``transfers``, the shared state
+``core``).
 
 Lookup: ``lookup`` answers at once; chunks missing locally are fetched from peers (the
 P2P fetcher the kvatlas engine API uses) on a background thread while the client polls
@@ -90,6 +91,26 @@ class LMCacheMPService(Transfers):
 
     def op_get_chunk_size(self) -> int:
         return self.identity.chunk_size
+
+    def op_negotiate_chunk_size(self, required_chunk_alignment: int) -> int:
+        """0.5.7: the chunk size, if it is a multiple of the model's block alignment.
+        Answered as 0.5.7's server answers once its chunk size is selected: this one's is
+        fixed (--chunk-size), so it is never rounded up."""
+        cs = self.identity.chunk_size
+        if required_chunk_alignment < 1:
+            raise MpError(
+                "invalid",
+                f"required_chunk_alignment must be positive, got {required_chunk_alignment}",
+            )
+        if cs % required_chunk_alignment:
+            raise MpError(
+                "invalid",
+                f"LMCache chunk size {cs} must be a multiple of required chunk alignment"
+                f" {required_chunk_alignment}. This kvatlas server's chunk size is fixed"
+                " (--chunk-size); models that require incompatible alignments must use"
+                " separate servers.",
+            )
+        return cs
 
     def op_get_experimental(self) -> list[str]:
         return []  # no kv_event_stream: workers report their own stores to vLLM
@@ -232,15 +253,22 @@ class LMCacheMPService(Transfers):
         s.done.wait(max(0.0, min(timeout, WAIT_CAP_S)))
         return s.hit_chunks if s.done.is_set() else None
 
-    def op_free_lookup_locks(self, key: IPCKey, tp_size: int) -> None:
-        if key.start >= key.end:
-            return
+    def op_free_lookup_locks(
+        self, key: IPCKey, tp_size: int, extra_ranges: Sequence[tuple[int, int]] = ()
+    ) -> None:
+        """Release the session's read locks on ``[start, end)``; 0.5.7's
+        ``extra_ranges``: also on each ``(start, end)`` of the request's earlier,
+        abandoned lookups (each ends at that lookup's hit boundary)."""
+        ranges = [(key.start, key.end), *extra_ranges]
         keys = [
             k
+            for start, end in ranges
+            if start < end
             for rank in range(max(key.world_size, 1))
-            for k in self._keys(key, key.start, key.end, rank)
+            for k in self._keys(key, start, end, rank)
         ]
-        self._release(self.sessions.take_all(key.request_id, keys))
+        if keys:
+            self._release(self.sessions.take_all(key.request_id, keys))
 
     def op_end_session(self, request_id: str) -> None:
         _, leases = self.sessions.end(request_id)

@@ -29,6 +29,7 @@ Must not: parse frames (``wire``) or import torch at module level.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from kvatlas.core.keys import ObjectKey
@@ -49,6 +50,8 @@ class Transfers(MpCore):
         self, p: EngineDrivenRegistration
     ) -> dict[str, Any]:
         self._check_mode("engine_driven")
+        if len(p.group_layouts) > 1:
+            raise MpError("unsupported", "hybrid KV cache groups are not supported")
         if p.dtype_str not in ITEMSIZES:
             raise MpError("invalid", f"KV dtype {p.dtype_str!r} not one of {sorted(ITEMSIZES)}")
         slots = p.num_physical_slots or self.identity.chunk_size
@@ -131,9 +134,29 @@ class Transfers(MpCore):
 
     # ------------------------------------------------------------------ engine-driven
 
-    def op_prepare_store(self, key: IPCKey, instance_id: int) -> dict[str, Any]:
+    def op_prepare_store(
+        self, key: IPCKey, instance_id: int, skipped_chunks: Sequence[Sequence[int]] = ()
+    ) -> dict[str, Any]:
+        """0.5.7's ``skipped_chunks``: per registered KV group (one here), the chunk
+        positions of the key's range the worker will not write (all its blocks are the
+        null block): no slot is reserved for them."""
         w = self._worker(instance_id)
         keys = self._keys(key, key.start, key.end, key.worker_id or 0, learn=True)
+        skip: set[int] = set()
+        if skipped_chunks:
+            if len(skipped_chunks) != 1:
+                raise MpError(
+                    "invalid",
+                    f"skipped_chunks has {len(skipped_chunks)} groups for 1 registered group"
+                    f" (instance_id={instance_id})",
+                )
+            skip = set(skipped_chunks[0])
+            if any(not 0 <= i < len(keys) for i in skip):
+                raise MpError(
+                    "invalid",
+                    f"skipped_chunks for group 0 is outside its {len(keys)} chunks"
+                    f" (instance_id={instance_id})",
+                )
         g = w.geometry
         slots: list[dict[str, Any]] = []
         indices: list[int] = []
@@ -141,6 +164,8 @@ class Transfers(MpCore):
         with self._guarded.lock:
             now = self._guarded.clock()
             for i, k in enumerate(keys):
+                if i in skip:
+                    continue
                 res = self._store.reserve(k, g.nbytes, now, self.identity.lease_s, HOLDER)
                 if isinstance(res, Reserved):
                     s = res.slot

@@ -31,6 +31,7 @@ from kvatlas.server.lmcache_mp.service import LMCacheMPService, MpError
 from kvatlas.server.lmcache_mp.wire import (
     FAILURE_RESULTS,
     LMCACHE_VERSION,
+    V056,
     Request,
     WireError,
     decode_operation,
@@ -88,7 +89,10 @@ class LMCacheMPHandler:
             self._count("malformed", f"{type(exc).__name__}: {exc}")
             return error_reply(raw, f"malformed request: {type(exc).__name__}: {exc}")
         if req.unknown_fields:  # a newer client: served, its extra fields skipped
-            self._count("newer_fields", f"{req.operation} carried fields 0.5.6 does not have")
+            self._count(
+                "newer_fields",
+                f"{req.operation} carried fields LMCache {req.version or V056} does not have",
+            )
         try:
             result = self.service.handle(req.operation, req.args)
             return encode_reply(req, result)

@@ -1,4 +1,5 @@
-"""LMCache 0.5.6 multiprocess (MP) protocol: framing, payload decoding, reply encoding.
+"""LMCache's multiprocess (MP) protocol, 0.5.6 and 0.5.7rc2: framing, payload decoding,
+reply encoding.
 
 What vLLM's ``LMCacheMPConnector`` sends (LMCache's ``MessageQueueClient``, a ZeroMQ
 DEALER) reaches the ROUTER as ``[identity, uid, operation, *payloads]``: ``uid`` a
@@ -10,6 +11,14 @@ operation]`` plus one msgpack frame unless the result is None. Dataclass argumen
 travel as maps by field name (``IPCCacheServerKey``, ``msgspec.Struct`` payloads), so
 this module mirrors them as msgspec Structs; ``DeviceIPCWrapper`` travels as msgpack
 extension 1 around a tagged ``WireIPCData`` map (``platform/base/ipc_wire.py``).
+
+0.5.7 changed the wire in place, with no version field: ``IPCCacheServerKey.token_ids``
+became ``token_bytes`` (packed big-endian uint32, ``lmcache/v1/multiprocess/token_codec.py``),
+``free_lookup_locks`` and ``prepare_store`` gained an argument, and new operations travel
+by name. Each request says which release sent it (``Request.version``): the key map's
+token field, the argument count of a changed operation, a 0.5.7-only operation name.
+Both are served on the same port (``LMCACHE_VERSIONS``); a key's ``token_bytes`` are
+decoded into the ``token_ids`` the rest of the package uses.
 
 LMCache's own server answers nothing to an operation it does not know or a payload it
 cannot decode (the client waits out its timeout). kvatlas answers at once instead, with
@@ -24,14 +33,28 @@ torch/lmcache (the server runs without them).
 
 from __future__ import annotations
 
+import array
+import struct
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
 import msgspec
 
-LMCACHE_VERSION: Final = "0.5.6"
-"""The LMCache release whose MP protocol this package speaks, exactly."""
+V056: Final = "0.5.6"
+V057: Final = "0.5.7rc2"
+LMCACHE_VERSIONS: Final[dict[str, str]] = {
+    V056: "IPCCacheServerKey.token_ids (a list of ints); free_lookup_locks(key, tp_size);"
+    " prepare_store(key, instance_id)",
+    V057: "IPCCacheServerKey.token_bytes (packed big-endian uint32);"
+    " free_lookup_locks(key, tp_size, extra_ranges); prepare_store(key, instance_id,"
+    " skipped_chunks); negotiate_chunk_size",
+}
+"""The LMCache releases whose MP protocol this package answers, exactly, and what tells
+each one's requests apart. The one table: the CLI's help and docs/deploy.md show it."""
+LMCACHE_VERSION: Final = " and ".join(LMCACHE_VERSIONS)
+"""The releases as one phrase, for messages ("0.5.6 and 0.5.7rc2")."""
 
 LEGACY_OPERATION_IDS: Final[dict[str, int]] = {
     "register_kv_cache": 1,
@@ -67,12 +90,15 @@ LEGACY_OPERATION_IDS: Final[dict[str, int]] = {
     "get_experimental": 32,
     "cb_protocol_handshake": 33,
 }
-"""LMCache 0.5.6's frozen operation ids (id 11 was retired by that release)."""
+"""LMCache's frozen operation ids, the same in 0.5.6 and 0.5.7rc2 (id 11 was retired by
+0.5.6); operations added since travel by name."""
 _ID_TO_OPERATION: Final = {v: k for k, v in LEGACY_OPERATION_IDS.items()}
 RETIRED_IDS: Final = {11: "query_prefetch_lookup_hits"}
 
 STRING_OPERATIONS: Final = frozenset({"subscribe_kv_events", "server_module_call"})
 """0.5.6 operations that travel by name (no legacy id)."""
+STRING_OPERATIONS_057: Final = frozenset({"negotiate_chunk_size", "server_module_affinity_call"})
+"""Operations 0.5.7 added (by name): a request naming one is a 0.5.7 client's."""
 
 
 class WireError(Exception):
@@ -101,6 +127,63 @@ class IPCKey(msgspec.Struct, frozen=True):
     num_kv_readers: int = 0
 
 
+class IPCKey057(msgspec.Struct, frozen=True):
+    """LMCache 0.5.7's ``IPCCacheServerKey``: ``token_bytes`` (big-endian uint32 words)
+    in place of ``token_ids``; ``to_key`` turns it into the ``IPCKey`` served."""
+
+    model_name: str
+    world_size: int
+    worker_id: int | None
+    token_bytes: bytes
+    start: int
+    end: int
+    request_id: str
+    cache_salt: str = ""
+    request_configs: dict[str, Any] | None = None
+    num_kv_readers: int = 0
+
+    def to_key(self) -> IPCKey:
+        return IPCKey(
+            self.model_name,
+            self.world_size,
+            self.worker_id,
+            unpack_token_ids(self.token_bytes),
+            self.start,
+            self.end,
+            self.request_id,
+            self.cache_salt,
+            self.request_configs,
+            self.num_kv_readers,
+        )
+
+
+TOKEN_STRIDE: Final = 4
+"""Bytes per token id in 0.5.7's ``token_bytes``."""
+
+
+def unpack_token_ids(packed: bytes) -> list[int]:
+    """0.5.7's ``token_bytes`` (big-endian uint32, one word per token) -> token ids.
+    WireError ``malformed`` for a buffer that is not whole words."""
+    if len(packed) % TOKEN_STRIDE:
+        raise WireError(
+            "malformed",
+            f"token_bytes of {len(packed)} byte(s) is not a whole number of"
+            f" {TOKEN_STRIDE}-byte token ids",
+        )
+    words = array.array("I")
+    if words.itemsize != TOKEN_STRIDE:  # pragma: no cover (no such platform here)
+        return list(struct.unpack(f">{len(packed) // TOKEN_STRIDE}I", packed))
+    words.frombytes(packed)
+    if sys.byteorder == "little":
+        words.byteswap()
+    return words.tolist()
+
+
+def pack_token_ids(token_ids: list[int]) -> bytes:
+    """Token ids -> 0.5.7's ``token_bytes`` (what its client sends; tests use it)."""
+    return struct.pack(f">{len(token_ids)}I", *token_ids)
+
+
 class EngineDrivenRegistration(msgspec.Struct, frozen=True):
     """LMCache's ``RegisterEngineDrivenContextPayload``."""
 
@@ -113,6 +196,8 @@ class EngineDrivenRegistration(msgspec.Struct, frozen=True):
     dtype_str: str
     use_mla: bool
     num_physical_slots: int | None = None
+    group_layouts: list[dict[str, Any]] = []
+    """0.5.7: one layout per LMCache KV group of a hybrid worker; empty for one group."""
 
 
 class BlockAllocation(msgspec.Struct, frozen=True):
@@ -171,10 +256,14 @@ def _ext_hook(code: int, data: memoryview) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class OperationSpec:
-    """One ``RequestClient`` method: its argument types and how its result is encoded."""
+    """One ``RequestClient`` method: its argument types and how its result is encoded.
+    ``args057``: what 0.5.7 sends where it changed the arguments (another count);
+    ``since``: the release that added the operation."""
 
     args: tuple[Any, ...]
     result: Callable[[Any], bytes | None]
+    args057: tuple[Any, ...] | None = None
+    since: str = V056
 
 
 def _plain(value: Any) -> bytes | None:
@@ -196,22 +285,26 @@ OPERATIONS: Final[dict[str, OperationSpec]] = {
     "lookup": OperationSpec((IPCKey, int), _plain),
     "query_prefetch_status": OperationSpec((str,), _always),
     "wait_prefetch_status": OperationSpec((str, float), _always),
-    "free_lookup_locks": OperationSpec((IPCKey, int), _plain),
+    "free_lookup_locks": OperationSpec(
+        (IPCKey, int), _plain, args057=(IPCKey, int, list[tuple[int, int]])
+    ),
     "end_session": OperationSpec((str,), _plain),
     "register_kv_cache_engine_driven_context": OperationSpec((EngineDrivenRegistration,), _plain),
     "unregister_kv_cache_engine_driven_context": OperationSpec((int,), _plain),
-    "prepare_store": OperationSpec((IPCKey, int), _plain),
+    "prepare_store": OperationSpec((IPCKey, int), _plain, args057=(IPCKey, int, list[list[int]])),
     "commit_store": OperationSpec((IPCKey, int, bytes), _plain),
     "prepare_retrieve": OperationSpec((IPCKey, int), _plain),
     "commit_retrieve": OperationSpec((IPCKey, int), _plain),
     "clear": OperationSpec((bool,), _plain),
     "get_chunk_size": OperationSpec((), _plain),
+    "negotiate_chunk_size": OperationSpec((int,), _plain, since=V057),
     "ping": OperationSpec((int | None,), _plain),
     "report_block_allocation": OperationSpec((int, str, list[BlockAllocation]), _plain),
     "noop": OperationSpec((), _plain),
     "get_experimental": OperationSpec((), _plain),
 }
-"""The operations kvatlas serves; the other 0.5.6 operations get an error reply."""
+"""The operations kvatlas serves; the other operations of both releases get an error
+reply."""
 
 FAILURE_RESULTS: Final[dict[str, Any]] = {
     "prepare_store": {"context": {"slots": [], "chunk_indices": []}},
@@ -233,6 +326,10 @@ class _StrictIPCKey(IPCKey, frozen=True, forbid_unknown_fields=True):
     pass
 
 
+class _StrictIPCKey057(IPCKey057, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
 class _StrictRegistration(EngineDrivenRegistration, frozen=True, forbid_unknown_fields=True):
     pass
 
@@ -243,20 +340,37 @@ class _StrictAllocation(BlockAllocation, frozen=True, forbid_unknown_fields=True
 
 _STRICT: Final[dict[Any, Any]] = {
     IPCKey: _StrictIPCKey,
+    IPCKey057: _StrictIPCKey057,
     EngineDrivenRegistration: _StrictRegistration,
     list[BlockAllocation]: list[_StrictAllocation],
 }
-"""Each map payload first decodes with no field beyond 0.5.6's: a newer client's extra
-fields then decode again, leniently (skipped), and the request says so (counted)."""
+"""Each map payload first decodes with no field beyond its release's: a newer client's
+extra fields then decode again, leniently (skipped), and the request says so (counted)."""
 
-_decoders: Final = {
-    op: tuple(msgspec.msgpack.Decoder(_STRICT.get(t, t), ext_hook=_ext_hook) for t in spec.args)
-    for op, spec in OPERATIONS.items()
-}
-_lenient: Final = {
-    op: tuple(msgspec.msgpack.Decoder(t, ext_hook=_ext_hook) for t in spec.args)
-    for op, spec in OPERATIONS.items()
-}
+_Decoders = tuple[msgspec.msgpack.Decoder[Any], msgspec.msgpack.Decoder[Any]]
+
+
+def _pair(t: Any) -> _Decoders:
+    return (
+        msgspec.msgpack.Decoder(_STRICT.get(t, t), ext_hook=_ext_hook),
+        msgspec.msgpack.Decoder(t, ext_hook=_ext_hook),
+    )
+
+
+def _shapes(spec: OperationSpec) -> dict[int, tuple[str | None, tuple[_Decoders, ...]]]:
+    """Argument count -> (the release that count names, or None; strict and lenient
+    decoders per argument)."""
+    if spec.args057 is not None:
+        return {
+            len(spec.args): (V056, tuple(_pair(t) for t in spec.args)),
+            len(spec.args057): (V057, tuple(_pair(t) for t in spec.args057)),
+        }
+    named = V057 if spec.since == V057 else None
+    return {len(spec.args): (named, tuple(_pair(t) for t in spec.args))}
+
+
+_SHAPES: Final = {op: _shapes(spec) for op, spec in OPERATIONS.items()}
+_KEY057: Final = _pair(IPCKey057)
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,11 +381,14 @@ class Request:
     operation: str
     args: tuple[Any, ...]
     unknown_fields: bool = False
-    """A map payload carried fields 0.5.6 does not have (a newer client); skipped."""
+    """A map payload carried fields its LMCache release does not have (newer); skipped."""
+    version: str | None = None
+    """The LMCache release the request's shape names (``LMCACHE_VERSIONS``); None for a
+    request both releases send alike."""
 
 
 def decode_operation(frame: bytes) -> str:
-    """The operation a frame names; WireError for ids and names 0.5.6 does not have."""
+    """The operation a frame names; WireError for ids and names no supported release has."""
     try:
         value = msgspec.msgpack.decode(frame)
     except msgspec.DecodeError as exc:
@@ -283,7 +400,7 @@ def decode_operation(frame: bytes) -> str:
             raise WireError(
                 "version",
                 f"operation id {value} ({RETIRED_IDS[value]}) was retired in LMCache"
-                f" {LMCACHE_VERSION}: the client is an older LMCache; this server speaks"
+                f" {V056}: the client is an older LMCache; this server speaks"
                 f" LMCache {LMCACHE_VERSION}'s MP protocol",
             )
         name = _ID_TO_OPERATION.get(value)
@@ -294,7 +411,11 @@ def decode_operation(frame: bytes) -> str:
                 f" the client speaks another LMCache version",
             )
         return name
-    if value in LEGACY_OPERATION_IDS or value in STRING_OPERATIONS:
+    if (
+        value in LEGACY_OPERATION_IDS
+        or value in STRING_OPERATIONS
+        or value in STRING_OPERATIONS_057
+    ):
         return value
     raise WireError(
         "version",
@@ -306,8 +427,8 @@ def decode_operation(frame: bytes) -> str:
 def decode_request(frames: list[bytes]) -> Request:
     """``[identity, uid, operation, *payloads]`` -> Request. WireError names the reason:
     ``malformed`` (not this framing), ``version`` (an operation or payload shape of
-    another LMCache release), ``unsupported`` (a 0.5.6 operation kvatlas does not
-    serve)."""
+    another LMCache release, or of two releases at once), ``unsupported`` (an operation
+    of a supported release that kvatlas does not serve)."""
     if len(frames) < 3:
         raise WireError("malformed", f"{len(frames) - 1} frames, need uid and operation")
     identity, uid, op_frame, *payloads = frames
@@ -317,40 +438,67 @@ def decode_request(frames: list[bytes]) -> Request:
     except msgspec.DecodeError as exc:
         raise WireError("malformed", f"the request id frame is not msgpack: {exc}") from exc
     op = decode_operation(op_frame)
-    decoders = _decoders.get(op)
-    if decoders is None:
+    shapes = _SHAPES.get(op)
+    if shapes is None:
         raise WireError(
             "unsupported", f"kvatlas server does not implement LMCache operation {op!r}"
         )
-    if len(payloads) != len(decoders):
+    shape = shapes.get(len(payloads))
+    if shape is None:
         raise WireError(
             "version",
-            f"{op} carries {len(payloads)} arguments, LMCache {LMCACHE_VERSION} sends"
-            f" {len(decoders)}: the client speaks another LMCache version",
+            f"{op} carries {len(payloads)} arguments, LMCache {LMCACHE_VERSION} send"
+            f" {' or '.join(map(str, sorted(shapes)))}: the client speaks another LMCache"
+            " version",
         )
+    version, decoders = shape
     args: list[Any] = []
     unknown = False
-    for i, (payload, dec) in enumerate(zip(payloads, decoders, strict=True)):
-        try:
-            args.append(dec.decode(payload))
-            continue
-        except msgspec.ValidationError as exc:
-            if "unknown field" not in str(exc):
-                raise _version_error(op, i, exc) from exc
-        except msgspec.DecodeError as exc:
+    for i, (payload, pair) in enumerate(zip(payloads, decoders, strict=True)):
+        if pair[0].type is _StrictIPCKey:
+            try:
+                value, extra = _decode(op, i, payload, pair)
+                key_version = V056
+            except WireError as exc:
+                if "token_bytes" not in str(exc):
+                    raise
+                key057, extra = _decode(op, i, payload, _KEY057)
+                value, key_version = key057.to_key(), V057
+            if version is not None and key_version != version:
+                raise WireError(
+                    "version",
+                    f"{op} mixes LMCache releases: a {key_version} key with {version}'s arguments",
+                )
+            version = key_version
+        else:
+            value, extra = _decode(op, i, payload, pair)
+        args.append(value)
+        unknown = unknown or extra
+    return Request(identity, uid, op_frame, op, tuple(args), unknown, version)
+
+
+def _decode(op: str, i: int, payload: bytes, pair: _Decoders) -> tuple[Any, bool]:
+    """Argument ``i``, strictly, else leniently; True when fields were skipped."""
+    strict, lenient = pair
+    try:
+        return strict.decode(payload), False
+    except msgspec.ValidationError as exc:
+        if "unknown field" not in str(exc):
             raise _version_error(op, i, exc) from exc
-        try:
-            args.append(_lenient[op][i].decode(payload))
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise _version_error(op, i, exc) from exc
-        unknown = True
-    return Request(identity, uid, op_frame, op, tuple(args), unknown)
+        if "`token_bytes`" in str(exc) and strict.type is _StrictIPCKey:
+            raise _version_error(op, i, exc) from exc  # a 0.5.7 key: the caller retries
+    except msgspec.DecodeError as exc:
+        raise _version_error(op, i, exc) from exc
+    try:
+        return lenient.decode(payload), True
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise _version_error(op, i, exc) from exc
 
 
 def _version_error(op: str, i: int, exc: Exception) -> WireError:
     return WireError(
         "version",
-        f"{op} argument {i} does not decode as LMCache {LMCACHE_VERSION} sends it"
+        f"{op} argument {i} does not decode as LMCache {LMCACHE_VERSION} send it"
         f" ({exc}): the client speaks another LMCache version",
     )
 
