@@ -9,8 +9,12 @@
 # the `nixl` package is the name LMCache imports, `nixl._api`, and forwards to it; either
 # with its dependencies pulls a CUDA torch). Safe to run again: a venv whose stamp
 # matches this recipe is reused at once.
+#
+# KVATLAS_LMCACHE_VERSION (default 0.5.6) picks another release with the same recipe
+# (scripts/lmcache057_env.sh builds 0.5.7rc2 so); a pre-release is taken with --pre.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+LMCACHE_VERSION="${KVATLAS_LMCACHE_VERSION:-0.5.6}"
 VENV="${KVATLAS_LMCACHE_VENV:-$ROOT/.venv-lmcache}"
 # --no-warn-conflicts: lmcache's own requirements (CUDA packages) are left out on purpose.
 PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check --no-warn-conflicts)
@@ -23,8 +27,10 @@ DEPS=(
     "opentelemetry-exporter-prometheus<=0.61b0" psutil pyyaml sortedcontainers cachetools
     py-cpuinfo aiohttp requests cryptography msgpack confluent-kafka
 )
-NO_DEPS=("lmcache==0.5.6" "nixl==1.5.1" "nixl-cu12==1.5.1")
-RECIPE="${NO_DEPS[*]} --no-deps; ${DEPS[*]}"
+NO_DEPS=("lmcache==$LMCACHE_VERSION" "nixl==1.5.1" "nixl-cu12==1.5.1")
+PRE=()
+[[ "$LMCACHE_VERSION" =~ (a|b|rc|dev)[0-9]*$ ]] && PRE=(--pre)
+RECIPE="${NO_DEPS[*]} ${PRE[*]:+${PRE[*]} }--no-deps; ${DEPS[*]}"
 STAMP="$VENV/.kvatlas-recipe"
 
 built() { [[ -f "$STAMP" && "$(cat "$STAMP")" == "$RECIPE" && -x "$VENV/bin/lmcache" ]]; }
@@ -34,10 +40,10 @@ mkdir -p "$(dirname "$VENV")"
 exec 9>"$VENV.lock"
 flock 9
 built && exit 0
-echo "[kvatlas] building the LMCache 0.5.6 environment in $VENV" >&2
+echo "[kvatlas] building the LMCache $LMCACHE_VERSION environment in $VENV" >&2
 rm -rf "$VENV"
 python3 -m venv "$VENV"
-"${PIP[@]}" --no-deps "${NO_DEPS[@]}"
+"${PIP[@]}" "${PRE[@]}" --no-deps "${NO_DEPS[@]}"
 "${PIP[@]}" "${DEPS[@]}"
 "$VENV/bin/python" -c "import lmcache.v1.multiprocess.server, nixl" >/dev/null
 printf '%s' "$RECIPE" >"$STAMP"

@@ -46,7 +46,6 @@ with warnings.catch_warnings():
         BlockRemoved,
         BlockStored,
         KVEventBatch,
-        ZmqEventPublisher,
     )
     from vllm.lora.request import LoRARequest
     from vllm.sampling_params import SamplingParams
@@ -60,6 +59,8 @@ with warnings.catch_warnings():
         SlidingWindowSpec,
     )
     from vllm.v1.request import Request
+
+    from support.vllm_publish import LoopbackPublisher
 for _name in set(os.environ) - set(_env):
     del os.environ[_name]
 os.environ.update(_env)
@@ -68,31 +69,6 @@ __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "Engine", "Pair"]
 
 init_none_hash(sha256_cbor)
 _ids = itertools.count()
-
-
-class LoopbackPublisher(ZmqEventPublisher):  # type: ignore[misc]
-    """vLLM's publisher, binding 127.0.0.1 (vLLM connects to non-wildcard hosts)."""
-
-    @staticmethod
-    def _is_bind_endpoint(endpoint: str) -> bool:
-        return True
-
-
-class DroppingPub:
-    """The publisher's PUB socket, losing the seqs in ``drop`` on the wire (they stay in
-    vLLM's replay buffer): a forced gap."""
-
-    def __init__(self, inner: Any, drop: set[int]) -> None:
-        self.inner = inner
-        self.drop = drop
-
-    def send_multipart(self, frames: Any, *args: Any, **kwargs: Any) -> None:
-        if int.from_bytes(frames[1], "big") in self.drop:
-            return
-        self.inner.send_multipart(frames, *args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def _free(port: int) -> bool:

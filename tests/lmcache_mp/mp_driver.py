@@ -1,6 +1,7 @@
-"""A stand-in vLLM for one cache server, run by .venv-lmcache's Python.
+"""A stand-in vLLM for one cache server, run by .venv-lmcache's Python (LMCache 0.5.6) or
+.venv-lmcache057's (LMCache 0.5.7rc2).
 
-It drives the server through LMCache 0.5.6's UNMODIFIED vLLM adapters, the code vLLM's
+It drives the server through that LMCache's UNMODIFIED vLLM adapters, the code vLLM's
 LMCacheMPConnector runs: ``LMCacheMPSchedulerAdapter`` (lookup, prefetch status,
 end_session) and ``LMCacheMPWorkerAdapter`` (KV registration, store, retrieve,
 get_finished), with CPU KV tensors in vLLM's layout ``[2, blocks, block_size, heads,
@@ -24,7 +25,12 @@ stdout (LMCache's own prints go to stderr):
         ``/cache/checksums`` must answer) -> {"ok": true, "instance_id": ..., "client": [...]}
     {"op": "quit"}
 
-Not part of the kvatlas package: it imports lmcache, which only .venv-lmcache has.
+With 0.5.7 the token ids travel packed (``token_codec``), and both adapters are given
+the model's block alignment, so they ask the server ``negotiate_chunk_size`` instead of
+``get_chunk_size``, as 0.5.7's vLLM connector does; which LMCache runs is told by
+whether ``token_codec`` imports. ``reset`` and ``checksums`` are 0.5.6's only.
+
+Not part of the kvatlas package: it imports lmcache, which only those venvs have.
 """
 
 from __future__ import annotations
@@ -38,13 +44,21 @@ from typing import Any
 
 import torch
 import zmq
-from lmcache.cli.commands.bench.server_bench.helpers import _compute_client_checksums
 from lmcache.integration.vllm.vllm_multi_process_adapter import (
     LMCacheMPSchedulerAdapter,
     LMCacheMPWorkerAdapter,
     LoadStoreOp,
     ParallelStrategy,
 )
+
+try:  # LMCache 0.5.6's bench helper, for `checksums` (0.5.7 has none by that name)
+    from lmcache.cli.commands.bench.server_bench.helpers import _compute_client_checksums
+except ImportError:
+    _compute_client_checksums = None
+try:  # LMCache 0.5.7: token ids packed, the chunk size negotiated
+    from lmcache.v1.multiprocess.token_codec import pack_token_ids
+except ImportError:  # LMCache 0.5.6
+    pack_token_ids = None
 
 CHUNK = 256
 """Tokens per chunk: the server's, read once registered."""
@@ -70,8 +84,11 @@ def main() -> None:
     strategy = ParallelStrategy(
         mla_only=False, vllm_world_size=1, vllm_worker_id=0, tp_size=1, pp_size=1, n_servers=1
     )
-    scheduler = LMCacheMPSchedulerAdapter([url], ctx, MODEL, BLOCK, strategy, mq_timeout=10.0)
-    worker = LMCacheMPWorkerAdapter(url, ctx, MODEL, BLOCK, strategy, mq_timeout=10.0)
+    extra = {"required_chunk_alignment": BLOCK} if pack_token_ids else {}
+    scheduler = LMCacheMPSchedulerAdapter(
+        [url], ctx, MODEL, BLOCK, strategy, mq_timeout=10.0, **extra
+    )
+    worker = LMCacheMPWorkerAdapter(url, ctx, MODEL, BLOCK, strategy, mq_timeout=10.0, **extra)
     kv = {
         f"model.layers.{i}.self_attn": torch.zeros(2, BLOCKS, BLOCK, HEADS, HEAD)
         for i in range(LAYERS)
@@ -122,13 +139,19 @@ def digests(kv: dict[str, torch.Tensor], first_block: int, chunks: int) -> list[
 def lookup(
     scheduler: LMCacheMPSchedulerAdapter, rid: str, tokens: list[int], salt: str = ""
 ) -> int:
-    scheduler.maybe_submit_lookup_request(rid, tokens, cache_salt=salt)
+    packed = pack_token_ids(tokens) if pack_token_ids else tokens
+    scheduler.maybe_submit_lookup_request(rid, packed, cache_salt=salt)
     deadline = time.monotonic() + WAIT_S
     while (hit := scheduler.check_lookup_result(rid)) is None:
         if time.monotonic() > deadline:
             raise TimeoutError("lookup result never came")
         time.sleep(0.01)
     return hit
+
+
+def _tokens(tokens: list[int]) -> dict[str, Any]:
+    """A ``LoadStoreOp``'s tokens, in this LMCache's field."""
+    return {"token_bytes": pack_token_ids(tokens)} if pack_token_ids else {"token_ids": tokens}
 
 
 def finish(worker: LMCacheMPWorkerAdapter, rid: str, store: bool) -> bool:
@@ -164,7 +187,7 @@ def run(
             t[:, blocks] = torch.rand(t[:, blocks].shape, generator=gen)
         if full > hit:
             op = LoadStoreOp(
-                token_ids=tokens,
+                **_tokens(tokens),
                 block_ids=[list(range(STORE_AT + hit // BLOCK, STORE_AT + full // BLOCK))],
                 start=hit,
                 end=full,
@@ -178,7 +201,7 @@ def run(
             t[:, blocks] = 0
         if hit:
             op = LoadStoreOp(
-                token_ids=tokens,
+                **_tokens(tokens),
                 block_ids=[list(range(FETCH_AT, FETCH_AT + hit // BLOCK))],
                 start=0,
                 end=hit,

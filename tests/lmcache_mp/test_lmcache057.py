@@ -2,7 +2,7 @@
 
 Without LMCache: 0.5.7's ``token_bytes`` codec, how each request's release is told from
 what it sends, and what 0.5.7's new arguments and operations do. With both releases'
-own, unmodified vLLM adapters (``mp_driver.py`` in .venv-lmcache, ``mp_driver057.py`` in
+own, unmodified vLLM adapters (``mp_driver.py`` in .venv-lmcache, and in
 .venv-lmcache057, marker ``lmcache``): one server, each client retrieves what the other
 stored, byte for byte, and an operation kvatlas does not know is answered at once.
 """
@@ -37,7 +37,8 @@ from support.services import start_server_process
 __all__ = ["svc"]  # the in-process service fixture, shared with test_service
 
 ROOT = Path(__file__).resolve().parents[2]
-DRIVER057 = Path(__file__).with_name("mp_driver057.py")
+DRIVER057 = Path(__file__).with_name("mp_driver.py")
+"""The same stand-in vLLM as 0.5.6's: it tells the LMCache it runs under."""
 enc = msgspec.msgpack.encode
 
 
@@ -184,7 +185,7 @@ def lmcache057_venv() -> Path:
 
 
 class Driver057(Driver):
-    """``Driver`` with LMCache 0.5.7rc2's adapters (``mp_driver057.py``)."""
+    """``Driver`` with LMCache 0.5.7rc2's adapters (``mp_driver.py`` in .venv-lmcache057)."""
 
     def __init__(self, venv: Path, url: str, mode: str, log: Path) -> None:
         env = {**os.environ, **QUIET}

@@ -26,34 +26,10 @@ from support.wait import wait_until
 kv_events = pytest.importorskip(
     "vllm.distributed.kv_events", reason="vLLM not installed (scripts/bootstrap.sh)"
 )
+from support.vllm_publish import DroppingPub, LoopbackPublisher  # noqa: E402 (vLLM first)
 
 BLOCK = 16
 HASHER = BlockHasher("sha256_cbor", "vllm-none-hash", BLOCK)
-
-
-class LoopbackPublisher(kv_events.ZmqEventPublisher):  # type: ignore[misc,name-defined]
-    """vLLM's publisher, binding 127.0.0.1 (vLLM connects to non-wildcard hosts)."""
-
-    @staticmethod
-    def _is_bind_endpoint(endpoint: str) -> bool:
-        return True
-
-
-class DroppingPub:
-    """The publisher's PUB socket, losing the seqs in ``drop`` on the wire (they stay in
-    vLLM's replay buffer): a forced gap."""
-
-    def __init__(self, inner: Any, drop: set[int]) -> None:
-        self.inner = inner
-        self.drop = drop
-
-    def send_multipart(self, frames: Any, *args: Any, **kwargs: Any) -> None:
-        if int.from_bytes(frames[1], "big") in self.drop:
-            return
-        self.inner.send_multipart(frames, *args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def _port() -> int:
