@@ -15,12 +15,11 @@ from kvatlas.core.device_blocks import (
     DeviceEvent,
     DeviceIndex,
     EngineId,
-    EngineStream,
-    Outcome,
     Removed,
     Stored,
     block_key,
 )
+from kvatlas.core.engine_stream import EngineStream, Outcome
 from kvatlas.core.errors import InvalidInput
 
 E = EngineId("e")
