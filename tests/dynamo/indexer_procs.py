@@ -60,12 +60,12 @@ with warnings.catch_warnings():
     )
     from vllm.v1.request import Request
 
-    from support.vllm_publish import LoopbackPublisher
+    from support.vllm_publish import DroppingPub, LoopbackPublisher
 for _name in set(os.environ) - set(_env):
     del os.environ[_name]
 os.environ.update(_env)
 
-__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "Engine", "Pair"]
+__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "DroppingPub", "Engine", "Pair"]
 
 init_none_hash(sha256_cbor)
 _ids = itertools.count()
