@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 
 from kvatlas.evaluation.broker import Broker
+from kvatlas.runtime.region import SHM_DIR
+from kvatlas.server.storage.l1_journal import discard_kept
 from support import launch
 from support.coordinator import RunningCoordinator
 from support.kafka import start_broker
@@ -36,6 +38,17 @@ def pytest_runtest_makereport(
         first = item.stash.get(_FIRST_LAUNCHED, len(launch.LAUNCHED))
         for proc in launch.LAUNCHED[first:]:
             report.sections.append((f"log of {proc.name} (pid {proc.pid})", proc.tail()))
+
+
+@pytest.fixture(autouse=True)
+def _drop_kept_l1_regions() -> Iterator[None]:
+    """Remove the L1 regions the servers a test started kept in /dev/shm for a warm
+    restart (``--l1-warm-restart``, on by default) once the test is over; a region still
+    held by a running process stays."""
+    before = set(SHM_DIR.glob("kvatlas-*-l1"))
+    yield
+    for path in set(SHM_DIR.glob("kvatlas-*-l1")) - before:
+        discard_kept(path.name)
 
 
 @pytest.fixture

@@ -31,13 +31,13 @@ from kvatlas.connector.client import (
 from kvatlas.core.checksum import checksum
 from kvatlas.core.keys import Namespace
 from kvatlas.evaluation.launch import free_port
-from kvatlas.wire.directory_api import LookupRequest, LookupResponse
 from kvatlas.wire.engine_proto import (
     CommitItem,
     ErrorReply,
     Lookup,
     decode_response,
 )
+from support import services
 from support.launch import Proc
 from support.services import ServerProc, start_coordinator_process, start_server_process
 from support.wait import wait_until
@@ -348,11 +348,7 @@ def start_coordinator(tmp: Path, port: int = 0, snapshot: bool = True) -> Proc:
 
 
 def held_prefix(c: Proc, tokens: list[int], iid: str) -> int:
-    req = LookupRequest(token_ids=tokens, model_name=MODEL)
-    r = httpx.post(c.url + "/directory/lookup", content=msgspec.json.encode(req), timeout=5)
-    assert r.status_code == 200, r.text
-    resp = msgspec.json.decode(r.content, type=LookupResponse)
-    return max((h.chunks for h in resp.prefix_holders if h.instance_id == iid), default=0)
+    return services.held_prefix(c, tokens, iid, MODEL)
 
 
 def gaps(c: Proc, iid: str) -> float:

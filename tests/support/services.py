@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 
 from kvatlas.evaluation.launch import HOST, free_port, free_ports
+from kvatlas.wire.directory_api import LookupRequest, LookupResponse
 from support.launch import P, Proc, launch, python_module
 
 
@@ -94,6 +96,17 @@ def start_server_process(
         port=port,
         **fields,
     )
+
+
+def held_prefix(coordinator: Proc, tokens: list[int], iid: str, model: str) -> int:
+    """How many leading chunks of ``tokens`` the coordinator says ``iid`` holds."""
+    req = LookupRequest(token_ids=tokens, model_name=model)
+    r = httpx.post(
+        coordinator.url + "/directory/lookup", content=msgspec.json.encode(req), timeout=5
+    )
+    assert r.status_code == 200, r.text
+    resp = msgspec.json.decode(r.content, type=LookupResponse)
+    return max((h.chunks for h in resp.prefix_holders if h.instance_id == iid), default=0)
 
 
 def _other_free_port(taken: int) -> int:

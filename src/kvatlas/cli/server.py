@@ -73,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
         " first-touch page faults (default on)",
     )
     ap.add_argument(
+        "--l1-warm-restart",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the L1 region in /dev/shm when the server exits (SIGTERM, SIGKILL, a"
+        " crash) and serve its checked chunks again when it starts with the same"
+        " --instance-id and --state-dir (default on; off: a fresh region, removed on exit)",
+    )
+    ap.add_argument(
         "--l1-tenant-min-share",
         type=float,
         default=0.0,
@@ -325,6 +333,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str]) -> ServerCon
             eviction_policy=args.eviction_policy,
             align_bytes=args.l1_align_bytes,
             prefault=args.l1_prefault,
+            warm_restart=args.l1_warm_restart,
             tenant_min_share=args.l1_tenant_min_share,
         ),
         l2=L2Config(

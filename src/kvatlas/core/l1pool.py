@@ -49,7 +49,7 @@ from __future__ import annotations
 import enum
 import heapq
 from bisect import bisect_left, insort
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -63,6 +63,8 @@ LeaseId = NewType("LeaseId", int)
 """Identity of one read or write lease, unique within a pool."""
 
 MIN_ALIGN_BYTES = 4096
+HELD = "previous process"
+"""Holder of the writes ``restore`` holds: nobody may commit them."""
 
 
 # ----------------------------------------------------------------------------- outcomes
@@ -267,6 +269,10 @@ class L1Pool:
         """``size`` rounded up to the alignment: what a slot of ``size`` bytes occupies."""
         return -(-size // self.align_bytes) * self.align_bytes
 
+    def __len__(self) -> int:
+        """Slots held, committed or being written."""
+        return len(self._chunks)
+
     def contains(self, key: ObjectKey) -> bool:
         """True when ``key`` is committed (readable). A chunk being written is not."""
         chunk = self._chunks.get(key)
@@ -371,7 +377,7 @@ class L1Pool:
         chunk = self._chunks.get(key)
         if chunk is None or chunk.write_lease is None:
             return None
-        if lease_id is not None and lease_id != chunk.write_lease:
+        if lease_id != chunk.write_lease and (lease_id is not None or chunk.write_holder == HELD):
             return None
         _, deadline = self._write_leases.pop(chunk.write_lease)
         chunk.write_lease = None
@@ -483,6 +489,44 @@ class L1Pool:
         self._drop(chunk)
         self._events.append(PoolEvent(EventType.DELETE, key, chunk.size, "deleted"))
         return DeleteOutcome.DELETED
+
+    def restore(self, slots: Sequence[SlotInfo], now: float, hold_s: float) -> None:
+        """Fill an empty pool with what a warm restart found in the region, by offset:
+        committed slots come back READY (records STORE, reason ``restored``, oldest first
+        in the eviction order); uncommitted ones are held under a write lease of
+        ``hold_s`` nobody can commit, so that a writer of the previous process cannot
+        overwrite a new chunk there. InvalidInput (pool unchanged) when the pool is not
+        empty or a slot is misaligned, outside the pool or overlaps another."""
+        _check_lease(hold_s)
+        end = 0
+        for s in slots:
+            if s.offset < end or s.offset % self.align_bytes or s.size <= 0:
+                raise InvalidInput(f"restored L1 slot at {s.offset} is misplaced")
+            end = s.offset + self.reserved_size(s.size)
+        if self._chunks or end > self.capacity_bytes or len({s.key for s in slots}) < len(slots):
+            raise InvalidInput("restore needs an empty pool that holds every slot, once")
+        self._free_by_start.clear()
+        self._free_by_end.clear()
+        self._free_sorted.clear()
+        self._free_bytes, start = 0, 0
+        for s in slots:
+            if s.offset > start:
+                self._insert_free(start, s.offset - start)
+            need = self.reserved_size(s.size)
+            start = s.offset + need
+            chunk = _Chunk(s.key, s.offset, s.size, need, s.checksum, committed=s.committed)
+            self._chunks[s.key] = chunk
+            self._shares.reserved(s.key.cache_salt, need)
+            if s.committed:
+                self._shares.committed(s.key.cache_salt)
+                self._policy.add(s.key)
+                self._events.append(PoolEvent(EventType.STORE, s.key, s.size, "restored"))
+                continue
+            chunk.write_lease, chunk.write_holder = self._new_lease_id(), HELD
+            self._write_leases[chunk.write_lease] = (s.key, now + hold_s)
+            heapq.heappush(self._deadlines, (now + hold_s, chunk.write_lease))
+        if start < self.capacity_bytes:
+            self._insert_free(start, self.capacity_bytes - start)
 
     # -------------------------------------------------------------------- internals
 

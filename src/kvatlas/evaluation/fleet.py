@@ -38,6 +38,7 @@ import msgspec
 
 from kvatlas.evaluation.launch import HOST, Proc, ProcessError, free_ports
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
+from kvatlas.server.storage.l1_journal import discard_kept, kept_region_name
 from kvatlas.wire.coordinator_views import StatsResponse
 from kvatlas.wire.directory_api import LookupRequest, LookupResponse
 from kvatlas.wire.instances_api import InstanceWire
@@ -384,6 +385,8 @@ class Fleet:
             codes[e.name] = self.stop(e)
         for s in self.servers:
             codes[s.name] = self.stop(s)
+            # the L1 region each server kept for a warm restart: this fleet is done with it
+            discard_kept(kept_region_name(s.instance_id, self.workdir / "state"))
         for c in self.coordinators:
             codes[c.name] = self.stop(c)
         self._http.close()

@@ -22,6 +22,7 @@ usable until ``close()``. As a context manager the owner closes and unlinks on e
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import re
@@ -76,6 +77,8 @@ class L1Region:
         self._view: memoryview | None = memoryview(mapping)[:size]
         self._array: npt.NDArray[np.uint8] | None = None
         self._unlinked = False
+        self._lock_fd: int | None = None
+        """A kept region's file, flocked for as long as it is mapped (``keep``)."""
 
     # ------------------------------------------------------------------ construction
 
@@ -96,6 +99,46 @@ class L1Region:
         # our own views before SharedMemory.close() unmaps.
         mapping: mmap.mmap = shm._mmap  # type: ignore[attr-defined]
         return cls(shm.name, size, mapping, owner=True, readonly=False, shm=shm)
+
+    @classmethod
+    def keep(cls, name: str, size: int) -> tuple[Self, bool]:
+        """Open the region ``name`` that outlives this process (for a warm restart),
+        creating it when missing; True with it when it existed with ``size`` bytes, its
+        bytes as the last process left them. Another size is cleared to zeros (a new
+        layout). No resource tracker is involved, so neither SIGKILL nor ``close()``
+        removes it; ``unlink()`` does. An exclusive ``flock`` on it, held until
+        ``close()`` (the kernel drops it when the process dies), keeps a second process
+        from taking it over: RegionError then."""
+        if size <= 0:
+            raise InvalidInput(f"L1 region size must be positive, got {size}")
+        _check_name(name)
+        path = SHM_DIR / name
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise RegionError(f"cannot open shared memory {name!r}: {exc}") from exc
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as exc:
+                raise RegionError(
+                    f"L1 region {name!r} is held by another running process (a server with"
+                    " the same --instance-id and --state-dir?)"
+                ) from exc
+            existed = os.fstat(fd).st_size == size
+            if not existed:
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            raise RegionError(f"cannot map shared memory {name!r}: {exc}") from exc
+        except BaseException:
+            os.close(fd)
+            raise
+        region = cls(name, size, mapping, owner=True, readonly=False)
+        region._lock_fd = fd
+        return region, existed
 
     @classmethod
     def attach(cls, name: str, size: int, readonly: bool = True, *, populate: bool = True) -> Self:
@@ -176,6 +219,11 @@ class L1Region:
         """
         if self._readonly:
             raise RegionError(f"cannot prefault the read-only mapping of {self._name!r}")
+        if self._mmap is not None and _populate(self._mmap, readonly=False):
+            return
+        if self._lock_fd is not None:  # a kept region's bytes matter: fault by reading
+            int(self.array[::page_bytes].sum())
+            return
         self.array[::page_bytes] = 0
 
     def view(self, offset: int, size: int) -> memoryview:
@@ -216,14 +264,26 @@ class L1Region:
             ) from exc
         self._view = None
         self._mmap = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    @property
+    def kept(self) -> bool:
+        """Opened with ``keep``: the region outlives this process unless unlinked."""
+        return self._shm is None and self._owner
 
     def unlink(self) -> None:
         """Remove the region's name (owner only, idempotent); mappings stay valid."""
         if not self._owner:
             raise RegionError(f"only the owner may unlink L1 region {self._name!r}")
-        if self._unlinked or self._shm is None:
+        if self._unlinked:
             return
-        self._shm.unlink()
+        if self._shm is not None:
+            self._shm.unlink()
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                (SHM_DIR / self._name).unlink()
         self._unlinked = True
 
     def __enter__(self) -> Self:
@@ -258,14 +318,17 @@ _MADV_POPULATE_READ = 22
 _MADV_POPULATE_WRITE = 23
 
 
-def _populate(mapping: mmap.mmap, readonly: bool) -> None:
+def _populate(mapping: mmap.mmap, readonly: bool) -> bool:
     """Fill this process's page tables for the whole mapping now (Linux >= 5.14).
 
     The owner touched every page, but each process that maps the region still takes a
     minor fault per 4 KiB page on first access, which makes an engine's first stores into
     a freshly attached region several times slower than later ones. Older kernels refuse
-    the advice (EINVAL); the mapping then fills lazily as before.
+    the advice (EINVAL, False); the mapping then fills lazily as before.
     """
     advice = _MADV_POPULATE_READ if readonly else _MADV_POPULATE_WRITE
-    with contextlib.suppress(OSError):
+    try:
         mapping.madvise(advice)
+    except OSError:
+        return False
+    return True

@@ -43,7 +43,7 @@ from kvatlas.core.l1pool import L1Pool
 from kvatlas.core.types import EventType, Tier
 from kvatlas.runtime.asgi_thread import AsgiThread
 from kvatlas.runtime.coordinator_client import CoordinatorClient, Failover
-from kvatlas.runtime.region import L1Region, RegionBusy
+from kvatlas.runtime.region import SHM_DIR, L1Region, RegionBusy
 from kvatlas.server.cache_control import CacheControl
 from kvatlas.server.cache_metrics import CacheControlCollector
 from kvatlas.server.config import GIB, P2PConfig, ServerConfig, split_host_port
@@ -66,8 +66,19 @@ from kvatlas.server.sinks import EventSink, HttpSink, KafkaSink
 from kvatlas.server.status import build_status
 from kvatlas.server.storage.chunkstore import ChunkStore
 from kvatlas.server.storage.guarded import GuardedStore
+from kvatlas.server.storage.l1_journal import (
+    L1Journal,
+    WarmStart,
+    cold,
+    discard_kept,
+    journal_path,
+    kept_region_name,
+    recover,
+    superblock_for,
+)
 from kvatlas.server.storage.l2 import L2Adapter
 from kvatlas.server.storage.l2_disk import DiskL2Adapter
+from kvatlas.server.warm_metrics import WarmStartCollector
 from kvatlas.transfer.config import NixlConfig, ShmConfig, TcpConfig
 from kvatlas.transfer.factory import TransportConfig, make_transport
 from kvatlas.wire.fleet_view import HEARTBEAT_INTERVAL_KEY, STATUS_URL_KEY, status_url
@@ -120,17 +131,9 @@ class CacheServer:
         self.config = config
         self.started_at = time.monotonic()
         self.incarnation = next_incarnation(config.state_dir, config.instance_id)
-        self.region = L1Region.create(config.l1.size_bytes, config.instance_id)
-        if config.l1.prefault:
-            t0 = time.monotonic()
-            self.region.prefault()
-            log.info(
-                "L1 region %s: %.2f GiB reserved (pages touched in %.2f s)",
-                self.region.name,
-                config.l1.size_bytes / 2**30,
-                time.monotonic() - t0,
-            )
+        self.region, existed = self._open_region()
         self.coordinator: CoordinatorClient | None = None
+        self.journal: L1Journal | None = None
         try:
             # Random lease ids: a client cannot end a lease it was not given.
             self.pool = L1Pool(
@@ -140,10 +143,11 @@ class CacheServer:
                 lease_ids=RandomLeaseIds(),
                 tenant_min_share=config.l1.tenant_min_share,
             )
+            self.warm_start = self._recover(existed)
             self.l2: L2Adapter | None = None
             if config.l2.path is not None:
                 self.l2 = DiskL2Adapter(config.l2.path, config.l2.size_bytes or DEFAULT_L2_BYTES)
-            self.store = ChunkStore(self.pool, self.region, self.l2)
+            self.store = ChunkStore(self.pool, self.region, self.l2, self.journal)
             self.publisher: EventPublisher | None = None
             self.registrar: Registrar | None = None
             co = config.coordinator
@@ -282,6 +286,9 @@ class CacheServer:
                 self.metrics.registry.register(
                     KvEventsCollector(config.instance_id, self.kv_events.stats)
                 )
+            self.metrics.registry.register(
+                WarmStartCollector(config.instance_id, self.warm_start, lambda: self.journal)
+            )
         except BaseException:
             if self.coordinator is not None:
                 self.coordinator.close()
@@ -289,6 +296,63 @@ class CacheServer:
             raise
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="kvatlas-sweeper", daemon=True)
+
+    def _open_region(self) -> tuple[L1Region, bool]:
+        """The L1 region, and whether it is a kept one found with its bytes (a warm
+        restart may then serve them): kept across starts with ``--l1-warm-restart``, else
+        fresh (and a region an earlier start kept is removed, freeing its memory)."""
+        l1, iid = self.config.l1, self.config.instance_id
+        kept_name = kept_region_name(iid, self.config.state_dir)
+        if l1.warm_restart:
+            region, existed = L1Region.keep(kept_name, l1.size_bytes)
+        else:
+            if discard_kept(kept_name):
+                log.info("removed the L1 region %s an earlier start kept", kept_name)
+            region, existed = L1Region.create(l1.size_bytes, iid), False
+        if l1.prefault:
+            t0 = time.monotonic()
+            region.prefault()
+            log.info(
+                "L1 region %s: %.2f GiB %s (pages mapped in %.2f s)",
+                region.name,
+                l1.size_bytes / 2**30,
+                "found" if existed else "reserved",
+                time.monotonic() - t0,
+            )
+        return region, existed
+
+    def _recover(self, existed: bool) -> WarmStart:
+        """Restore the pool from a kept region and start its journal (warm restart)."""
+        config = self.config
+        if not self.region.kept:
+            return cold("--no-l1-warm-restart")
+        path = journal_path(self.region.name)
+        block = superblock_for(config.instance_id, self.region.size, self.pool)
+        found = (
+            recover(
+                self.region, path, block, self.pool, now=time.monotonic(), hold_s=config.lease_s
+            )
+            if existed
+            else cold("no region kept (a first start, another --l1-size-gb, or a reboot)")
+        )
+        self.journal = L1Journal(path, block, self.pool.slots())
+        if self.journal.broken:
+            log.warning("L1 journal off, the next start will be cold: %s", self.journal.broken)
+        log.info(
+            "L1 %s start of instance %s incarnation %d: %s; kept %d chunks (%.2f GiB, checked"
+            " in %.2f s), dropped %d corrupt and %d unsealed%s",
+            "warm" if found.warm else "cold",
+            config.instance_id,
+            self.incarnation,
+            found.reason,
+            found.chunks,
+            found.bytes / 2**30,
+            found.verify_s,
+            found.corrupt,
+            found.unsealed,
+            ", journal tail torn" if found.torn else "",
+        )
+        return found
 
     def _lmcache_refusal(self) -> str | None:
         """Why LMCache MP requests are refused on this server (None: they are served)."""
@@ -349,6 +413,7 @@ class CacheServer:
         if self.p2p is not None:
             self.p2p.start()
         if self.guarded.publisher is not None:  # the coordinator's, KV events' or both
+            self.guarded.drain()  # the chunks a warm start kept in L1: STORE, "restored"
             l2_items = self.store.startup_l2_events()
             if l2_items:
                 self.guarded.publisher.publish(
@@ -420,11 +485,22 @@ class CacheServer:
         )
 
     def _close_region(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
         try:
             self.region.close()
         except RegionBusy:
             log.warning("L1 region %s still had views at shutdown", self.region.name)
-        self.region.unlink()
+        if not self.region.kept:
+            self.region.unlink()
+            return
+        log.info(
+            "L1 region %s kept for a warm restart (%.2f GiB in /dev/shm): start again with"
+            " the same --instance-id and --state-dir to serve it, or remove %s* to free it",
+            self.region.name,
+            self.region.size / 2**30,
+            SHM_DIR / self.region.name,
+        )
 
     def run(self) -> None:
         """Start, serve until SIGTERM or SIGINT, stop."""

@@ -54,6 +54,11 @@ class L1Config:
     prefault: bool = True
     """Touch every page of the region at startup (``--no-l1-prefault`` skips it): the
     memory is then really reserved and no store or peer read pays first-touch faults."""
+    warm_restart: bool = True
+    """Keep the region in ``/dev/shm`` past the process (``--l1-warm-restart``, default
+    on): a start with the same instance id and state dir serves the chunks it finds
+    there again, each checked against its checksum (``server.storage.l1_journal``).
+    Off: a fresh region per start, removed when the server exits."""
     tenant_min_share: float = 0.0
     """Fraction of L1 each active cache_salt (tenant) is guaranteed against other
     tenants' stores (``--l1-tenant-min-share``, in [0, 1]), cut down to the equal split

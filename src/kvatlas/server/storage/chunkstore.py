@@ -55,6 +55,7 @@ from kvatlas.core.l1pool import (
 from kvatlas.core.l1shares import SaltUsage
 from kvatlas.core.types import EventType, Tier
 from kvatlas.runtime.region import L1Region
+from kvatlas.server.storage.l1_journal import L1Journal
 from kvatlas.server.storage.l2 import L2Adapter, L2Error, as_bytes_view
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,15 @@ class ChunkStoreStats:
 class ChunkStore:
     """L1 (pool + region) and an optional L2; single-threaded, the caller holds a lock."""
 
-    def __init__(self, pool: L1Pool, region: L1Region, l2: L2Adapter | None = None) -> None:
+    def __init__(
+        self,
+        pool: L1Pool,
+        region: L1Region,
+        l2: L2Adapter | None = None,
+        journal: L1Journal | None = None,
+    ) -> None:
+        """``journal``: where every L1 change is recorded for a warm restart (None: no
+        record, the region is not kept)."""
         if region.size < pool.capacity_bytes:
             raise InvalidInput(
                 f"L1 region of {region.size} bytes is smaller than the pool's capacity"
@@ -149,6 +158,7 @@ class ChunkStore:
         self.pool = pool
         self.region = region
         self.l2 = l2
+        self.journal = journal
         self._events: list[TierEvent] = []
         self._promotions = 0
         self._promotion_failures = 0
@@ -169,6 +179,8 @@ class ChunkStore:
         if isinstance(result, Reserved):
             self._demote(result.evicted)
         self._collect()
+        if isinstance(result, Reserved) and self.journal is not None:
+            self.journal.reserved(key, result.slot.offset, self.pool.reserved_size(size))
         return result
 
     def slot_view(self, slot: Slot) -> memoryview:
@@ -192,6 +204,8 @@ class ChunkStore:
         result = self.pool.commit(key, checksum, now, lease_id)
         if result is not None:
             self._unhashed.pop(key, None)  # an older commit of the key's, since evicted
+        else:
+            self._forget_write(key)
         self._collect()
         return result
 
@@ -201,6 +215,8 @@ class ChunkStore:
         result = self.pool.commit(key, 0, now, lease_id)
         if result is not None:
             self._unhashed[key] = lease_id
+        else:
+            self._forget_write(key)
         self._collect()
         return result
 
@@ -216,6 +232,8 @@ class ChunkStore:
         info = self.pool.get(key)
         if info is None or not info.committed or info.offset != offset:
             return False
+        if self.journal is not None:
+            self.journal.checksum(key, checksum)
         return self.pool.set_checksum(key, checksum)
 
     def wants_checksum(self, pending: Unhashed) -> bool:
@@ -261,6 +279,8 @@ class ChunkStore:
         if info is not None and info.committed:
             digest = compute_checksum(self.region.view(info.offset, info.size))
             self.pool.set_checksum(key, digest)
+            if self.journal is not None:
+                self.journal.checksum(key, digest)
 
     def committed_info(self, key: ObjectKey) -> SlotInfo | None:
         """The committed chunk's slot with its real checksum; None when not committed."""
@@ -269,7 +289,10 @@ class ChunkStore:
         return info if info is not None and info.committed else None
 
     def abort(self, key: ObjectKey) -> bool:
-        return self.pool.abort(key)
+        aborted = self.pool.abort(key)
+        if aborted and self.journal is not None:
+            self.journal.dropped(key)
+        return aborted
 
     def store(
         self, key: ObjectKey, data: bytes | bytearray | memoryview, now: float
@@ -334,19 +357,24 @@ class ChunkStore:
         l1_out = self.pool.delete(key, force=force) if l1 else DeleteOutcome.ABSENT
         l2_gone = l2 and self.l2 is not None and self.l2.delete(key)
         self._collect()
+        if l1_out is DeleteOutcome.DELETED and self.journal is not None:
+            self.journal.dropped(key)  # a write in progress records no DELETE event
         return KeyDeleted(
             l1_out is DeleteOutcome.DELETED, l1_out is DeleteOutcome.LOCKED, bool(l2_gone)
         )
 
     def clear_l1(self, force: bool) -> int:
         """Delete every L1 chunk (locked ones only with ``force``); returns how many."""
-        n = sum(
-            1
+        gone = [
+            info.key
             for info in self.pool.slots()
             if self.pool.delete(info.key, force=force) is DeleteOutcome.DELETED
-        )
+        ]
         self._collect()
-        return n
+        if self.journal is not None:
+            for key in gone:
+                self.journal.dropped(key)
+        return len(gone)
 
     def acquire_read(
         self, key: ObjectKey, holder: str, now: float, lease_s: float, *, checksum: bool = True
@@ -367,7 +395,12 @@ class ChunkStore:
         return self.pool.release(lease_id, holder)
 
     def expire(self, now: float) -> list[ExpiredLease]:
-        return self.pool.expire(now)
+        expired = self.pool.expire(now)
+        if self.journal is not None:
+            for lease in expired:
+                if lease.write:
+                    self.journal.dropped(lease.key)
+        return expired
 
     # --------------------------------------------------------------------------- events
 
@@ -415,13 +448,16 @@ class ChunkStore:
             return reserved.reason is Refusal.EXISTS
         self._demote(reserved.evicted)
         slot = reserved.slot
+        if self.journal is not None:
+            self._collect()  # the evictions' DROPs go first
+            self.journal.reserved(key, slot.offset, self.pool.reserved_size(slot.size))
         try:
             got = self.l2.get_into(key, self.region.view(slot.offset, slot.size))
         except L2Error as exc:
             log.warning("promotion of %s from L2 failed: %s", key.chunk_hash_hex, exc)
             got = None
         if got != item.size:  # absent, corrupt (the adapter verified the checksum) or short
-            self.pool.abort(key)
+            self.abort(key)
             self._promotion_failures += 1
             return False
         self.pool.commit(key, item.checksum, now, slot.lease_id)
@@ -448,13 +484,35 @@ class ChunkStore:
             self._demotions += 1
         self._collect_l2()
 
+    def _forget_write(self, key: ObjectKey) -> None:
+        """A commit refused because its lease had expired freed the slot unrecorded."""
+        if self.journal is not None and self.pool.get(key) is None:
+            self.journal.dropped(key)
+
     def _collect_l2(self) -> None:
         if self.l2 is not None:
             self._events.extend(_tiered(Tier.L2, self.l2.take_events()))
 
     def _collect(self) -> None:
         self._collect_l2()
-        self._events.extend(_tiered(Tier.L1, self.pool.take_events()))
+        events = self.pool.take_events()
+        if self.journal is not None and events:
+            self._journal(events)
+        self._events.extend(_tiered(Tier.L1, events))
+
+    def _journal(self, events: list[PoolEvent]) -> None:
+        """Record the pool's commits and removals (a restore is already on record)."""
+        journal = self.journal
+        assert journal is not None
+        for event in events:
+            if event.kind is EventType.DELETE:
+                journal.dropped(event.key)
+            elif event.reason != "restored":
+                info = self.pool.get(event.key)
+                if info is not None and info.committed:
+                    journal.committed(info, event.key not in self._unhashed)
+        if journal.wants_compaction(len(self.pool)):
+            journal.rewrite(self.pool.slots(), frozenset(self._unhashed))
 
 
 def _tiered(tier: Tier, events: list[PoolEvent]) -> Iterator[TierEvent]:
