@@ -142,6 +142,9 @@ class ServerSpec:
     p2p: bool = False
     link: str = "wire"
     """With ``p2p``: the transport kind (``LINKS``), which each target spells its own way."""
+    warm_restart: bool = False
+    """kvatlas only: keep its L1 for a warm restart (under a state dir in the log dir).
+    Off by default, so that each run starts cold, as LMCache's server does."""
 
     def flags(self, port: int, http_port: int, p2p_port: int) -> list[str]:
         """LMCache's P2P guide's `lmcache server` flags, which `kvatlas server` takes as
@@ -195,6 +198,9 @@ def start_server(target: str, spec: ServerSpec, log_dir: Path) -> Server:
         stop_sig = signal.SIGINT  # SIGINT: LMCache's clean stop (it deregisters)
     else:
         argv = [sys.executable, "-m", "kvatlas.cli.server", *flags]
+        argv += ["--state-dir", str(log_dir / f"state-{spec.instance_id}")]
+        if not spec.warm_restart:
+            argv.append("--no-l1-warm-restart")
         if spec.p2p:
             argv += ["--p2p-transfer-engine", KVATLAS_TRANSPORT[spec.link]]
         env = kvatlas_env()

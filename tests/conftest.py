@@ -9,13 +9,14 @@ root). A failed test's report carries the log tails of the processes it launched
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvatlas.evaluation.broker import Broker
 from kvatlas.runtime.region import SHM_DIR
-from kvatlas.server.storage.l1_journal import discard_kept
+from kvatlas.server.storage.l1_journal import discard_kept, kept_state_dir
 from support import launch
 from support.coordinator import RunningCoordinator
 from support.kafka import start_broker
@@ -40,15 +41,27 @@ def pytest_runtest_makereport(
             report.sections.append((f"log of {proc.name} (pid {proc.pid})", proc.tail()))
 
 
+def _drop_kept_l1_regions(base: Path) -> None:
+    """Remove the L1 regions that servers of this session kept in /dev/shm for a warm
+    restart (``--l1-warm-restart``, on by default): those whose state dir is under the
+    session's temp dir ``base`` and that no running process holds."""
+    for path in SHM_DIR.glob("kvatlas-*-l1"):
+        state = kept_state_dir(path.name)
+        if state is not None and state.is_relative_to(base):
+            discard_kept(path.name)
+
+
 @pytest.fixture(autouse=True)
-def _drop_kept_l1_regions() -> Iterator[None]:
-    """Remove the L1 regions the servers a test started kept in /dev/shm for a warm
-    restart (``--l1-warm-restart``, on by default) once the test is over; a region still
-    held by a running process stays."""
-    before = set(SHM_DIR.glob("kvatlas-*-l1"))
+def _kept_l1_regions_per_test(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     yield
-    for path in set(SHM_DIR.glob("kvatlas-*-l1")) - before:
-        discard_kept(path.name)
+    _drop_kept_l1_regions(tmp_path_factory.getbasetemp().resolve())
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _kept_l1_regions_per_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """After the module-scoped servers, which outlive the tests, have stopped."""
+    yield
+    _drop_kept_l1_regions(tmp_path_factory.getbasetemp().resolve())
 
 
 @pytest.fixture

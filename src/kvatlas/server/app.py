@@ -327,7 +327,7 @@ class CacheServer:
         if not self.region.kept:
             return cold("--no-l1-warm-restart")
         path = journal_path(self.region.name)
-        block = superblock_for(config.instance_id, self.region.size, self.pool)
+        block = superblock_for(config.instance_id, config.state_dir, self.region.size, self.pool)
         found = (
             recover(
                 self.region, path, block, self.pool, now=time.monotonic(), hold_s=config.lease_s

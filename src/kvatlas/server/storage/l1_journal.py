@@ -72,6 +72,7 @@ class Superblock(msgspec.Struct, frozen=True):
     boot_id: str
     hostname: str
     instance_id: str
+    state_dir: str
     region_bytes: int
     align_bytes: int
     capacity_bytes: int
@@ -117,12 +118,15 @@ def boot_id() -> str:
         return ""
 
 
-def superblock_for(instance_id: str, region_bytes: int, pool: L1Pool) -> Superblock:
+def superblock_for(
+    instance_id: str, state_dir: Path, region_bytes: int, pool: L1Pool
+) -> Superblock:
     return Superblock(
         FORMAT,
         boot_id(),
         socket.gethostname(),
         instance_id,
+        str(state_dir.resolve()),
         region_bytes,
         pool.align_bytes,
         pool.capacity_bytes,
@@ -166,7 +170,7 @@ def recover(
     found, start = _read_superblock(data)
     if found is None:
         return cold("journal superblock unreadable or of another format")
-    for field in ("boot_id", "hostname", "instance_id", "region_bytes", "align_bytes"):
+    for field in ("boot_id", "hostname", "instance_id", "state_dir", "region_bytes", "align_bytes"):
         if getattr(found, field) != getattr(expect, field):
             return cold(f"region laid out for another {field.replace('_', ' ')}")
     if found.capacity_bytes != expect.capacity_bytes:
@@ -201,6 +205,18 @@ def recover(
         torn=replayed.torn,
         verify_s=verify_s,
     )
+
+
+def kept_state_dir(region_name: str) -> Path | None:
+    """The state dir of the server that kept the region ``region_name`` (from its
+    journal's superblock); None when there is no readable journal."""
+    try:
+        with open(journal_path(region_name), "rb") as f:
+            head = f.read(_HEAD.size + (1 << 12))
+    except OSError:
+        return None
+    found, _ = _read_superblock(head)
+    return Path(found.state_dir) if found is not None else None
 
 
 def _read_superblock(data: bytes) -> tuple[Superblock | None, int]:
