@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ from bench.machine import describe
 from kvatlas.connector.client import CacheClient
 from kvatlas.core.checksum import checksum
 from kvatlas.evaluation.launch import HOST, Proc, free_ports
+from kvatlas.server.storage.l1_journal import VERIFY_THREADS, discard_kept, kept_region_name
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "restart.json"
@@ -75,18 +77,28 @@ def med(xs: list[float]) -> float:
 
 
 def memory_rates(nbytes: int) -> dict[str, float]:
-    """This machine's read bandwidth (a numpy sum) and one-thread xxh3 rate, GB/s,
-    medians of 3 over ``nbytes`` of touched memory (at most 2 GiB)."""
+    """This machine's memory read bandwidth (numpy sums, on one thread and on as many
+    threads as the server checks chunks with) and one-thread xxh3 rate, GB/s, medians of
+    3 over ``nbytes`` of touched memory (at most 2 GiB)."""
     a = np.ones(min(nbytes, 2 * GIB), dtype=np.uint8)
-    read, hashed = [], []
-    for _ in range(3):
-        t = time.perf_counter()
-        a.view(np.uint64).sum()
-        read.append(a.nbytes / (time.perf_counter() - t) / 1e9)
-        t = time.perf_counter()
-        xxhash.xxh3_64_intdigest(a.data)
-        hashed.append(a.nbytes / (time.perf_counter() - t) / 1e9)
-    return {"read_GBps": med(read), "xxh3_1thread_GBps": med(hashed)}
+    parts = np.array_split(a.view(np.uint64), VERIFY_THREADS)
+    read, read_threads, hashed = [], [], []
+    with ThreadPoolExecutor(VERIFY_THREADS) as pool:
+        for _ in range(3):
+            t = time.perf_counter()
+            a.view(np.uint64).sum()
+            read.append(a.nbytes / (time.perf_counter() - t) / 1e9)
+            t = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            read_threads.append(a.nbytes / (time.perf_counter() - t) / 1e9)
+            t = time.perf_counter()
+            xxhash.xxh3_64_intdigest(a.data)
+            hashed.append(a.nbytes / (time.perf_counter() - t) / 1e9)
+    return {
+        "read_1thread_GBps": med(read),
+        f"read_{VERIFY_THREADS}threads_GBps": med(read_threads),
+        "xxh3_1thread_GBps": med(hashed),
+    }
 
 
 def start_kvatlas(work: Path, l1_gb: float, port: int, http_port: int) -> Proc:
@@ -161,6 +173,7 @@ def big_round(work: Path, l1_gb: float) -> dict[str, Any]:
         text = httpx.get(f"http://{HOST}:{http_port}/metrics", timeout=10).text
     finally:
         server.stop()
+        discard_kept(kept_region_name("restart-bench", work / "state"))
     kept_bytes = metric(text, "l1_warm_bytes")
     verify_s = metric(text, "l1_warm_verify_seconds")
     return {
@@ -197,20 +210,22 @@ def probe(server: Server, requests: int, out: Path, log: Path) -> dict[str, Any]
     return rep
 
 
-def side_round(target: str, requests: int, work: Path, r: int) -> dict[str, Any]:
+def side_round(target: str, requests: int, work: Path) -> dict[str, Any]:
     spec = ServerSpec(instance_id=f"restart-{target}", l1_gb=1.0, warm_restart=True)
+    work.mkdir(parents=True, exist_ok=True)
     server = start_server(target, spec, work)
     try:
         server.proc.wait_ready()
-        before = probe(server, requests, work / f"{target}-{r}-a.json", work / "probe.log")
+        before = probe(server, requests, work / f"{target}-a.json", work / "probe.log")
         server.proc.stop(signal.SIGKILL)
         t0 = time.monotonic()
         server = start_server(target, spec, work)
         server.proc.wait_ready()
         ready_s = time.monotonic() - t0
-        after = probe(server, requests, work / f"{target}-{r}-b.json", work / "probe.log")
+        after = probe(server, requests, work / f"{target}-b.json", work / "probe.log")
     finally:
         server.proc.stop()
+        discard_kept(kept_region_name(spec.instance_id, work / f"state-{spec.instance_id}"))
     found = after["op_tokens"].get("cold.lookup", [])
     return {
         "stored_before": before["checks"].get("cold_store_succeeded", {}).get("passed", 0),
@@ -250,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                 for target in TARGETS:
                     print(f"side round {r + 1}/{args.rounds}: {target}", flush=True)
                     try:
-                        side[target].append(side_round(target, args.requests, work, r))
+                        row = side_round(target, args.requests, work / f"side-{r}")
+                        side[target].append(row)
                     except (Refused, OSError, KeyError, subprocess.SubprocessError) as exc:
                         side[target].append({"error": str(exc)[-400:]})
                     print(f"  {side[target][-1]}", flush=True)
@@ -269,8 +285,7 @@ def summarize(results: dict[str, Any]) -> None:
         print("\nwarm restart of a full L1 (medians of rounds)")
         for key in ("kept_GiB", "ready_s", "first_hit_s", "verify_s", "verify_GBps"):
             print(f"  {key:14s} {med([r[key] for r in big]):8.2f}")
-        print(f"  memory read   {mem['read_GBps']:8.2f} GB/s, xxh3 one thread"
-              f" {mem['xxh3_1thread_GBps']:.2f} GB/s")  # fmt: skip
+        print(f"  memory        {mem}")
         print(f"  wrong / missing chunks: {sum(r['chunks_wrong'] for r in big)}"
               f" / {sum(r['chunks_missing'] for r in big)}")  # fmt: skip
     for target, rows in results.get("side", {}).items():
@@ -278,9 +293,8 @@ def summarize(results: dict[str, Any]) -> None:
         if ok:
             ready = med([r["ready_s"] for r in ok])
             share = med([r["hit_share_after"] for r in ok])
-            print(
-                f"{target:8s} restart: answers after {ready:.2f} s, next requests' tokens found {share:.0%}"
-            )
+            found = f"next requests' tokens found {share:.0%}"
+            print(f"{target:8s} restart: answers after {ready:.2f} s, {found}")
 
 
 if __name__ == "__main__":

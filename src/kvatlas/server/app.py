@@ -309,14 +309,15 @@ class CacheServer:
             if discard_kept(kept_name):
                 log.info("removed the L1 region %s an earlier start kept", kept_name)
             region, existed = L1Region.create(l1.size_bytes, iid), False
-        if l1.prefault:
+        if existed:  # its pages exist; checking the kept chunks maps theirs
+            log.info("L1 region %s: %.2f GiB found", region.name, l1.size_bytes / 2**30)
+        elif l1.prefault:
             t0 = time.monotonic()
             region.prefault()
             log.info(
-                "L1 region %s: %.2f GiB %s (pages mapped in %.2f s)",
+                "L1 region %s: %.2f GiB reserved (pages touched in %.2f s)",
                 region.name,
                 l1.size_bytes / 2**30,
-                "found" if existed else "reserved",
                 time.monotonic() - t0,
             )
         return region, existed
