@@ -14,6 +14,10 @@ Exceptions (all derive from KvatlasError)::
           +-- ServerOverloaded   the server held too many requests; this one was not served
      +-- ChecksumMismatch    bytes read from the region do not match the chunk's checksum
 
+Versions: requests go in ``PROTOCOL_VERSION`` until the server answers ``version``; the
+client then moves to the highest version both speak (`wire.versions`; a first-release
+server names no range and speaks 1), asks again once, and keeps that version.
+
 Not thread-safe: use one client per thread (a lock guards the socket anyway).
 """
 
@@ -38,6 +42,7 @@ from kvatlas.core.keys import Namespace, as_token_array, chunk_hashes, default_k
 from kvatlas.core.types import ChunkHash
 from kvatlas.runtime.region import L1Region
 from kvatlas.wire.engine_proto import (
+    ENGINE_VERSIONS,
     PROTOCOL_VERSION,
     Abort,
     AbortResult,
@@ -65,6 +70,7 @@ from kvatlas.wire.engine_proto import (
     decode_response,
     encode,
 )
+from kvatlas.wire.versions import highest_common, peer_range
 
 
 class EngineClientError(KvatlasError):
@@ -149,6 +155,8 @@ class CacheClient:
         self._array: npt.NDArray[np.uint8] | None = None
         self.info: EngineRegistered | None = None
         self.ns: Namespace | None = None
+        self.version = PROTOCOL_VERSION
+        """The engine protocol version requests go in (the server's, once it refused ours)."""
 
     def _new_socket(self) -> zmq.Socket[bytes]:
         sock = self._ctx.socket(zmq.DEALER)
@@ -159,31 +167,41 @@ class CacheClient:
     # ------------------------------------------------------------------ transport
 
     def call(self, body: RequestBody, timeout_s: float | None = None) -> ResponseBody:
-        """Send one request and wait for its answer; raise on timeout or error replies."""
+        """Send one request and wait for its answer; raise on timeout or error replies.
+        A ``version`` answer moves the client to the server's version and asks again."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
-            rid = next(self._ids)
-            self._sock.send_multipart(
-                [b"", encode(Request(PROTOCOL_VERSION, rid, body, self._token))]
-            )
-            deadline_ms = int(timeout * 1000)
-            while True:
-                if not self._sock.poll(deadline_ms, zmq.POLLIN):
-                    # a late answer would confuse the next call: start a fresh socket
-                    self._sock.close(0)
-                    self._sock = self._new_socket()
-                    raise ServerUnavailable(
-                        f"cache server {self.url} did not answer {type(body).__name__}"
-                        f" within {timeout:.1f}s"
-                    )
-                frames = self._sock.recv_multipart(copy=True)
-                resp = decode_response(frames[-1])
-                if resp.id == rid:
-                    break  # older ids are answers to requests that timed out
-        if isinstance(resp.body, ErrorReply):
-            cls = _REFUSALS.get(resp.body.code, RequestRefused)
-            raise cls(resp.body.code, resp.body.message)
-        return resp.body
+            version = self.version
+            answer = self._call(body, version, timeout)
+            if isinstance(answer, ErrorReply) and answer.code == "version":
+                theirs = peer_range(answer.min_v, answer.max_v)
+                common = highest_common(ENGINE_VERSIONS, theirs)
+                if common is not None and common != version:
+                    self.version = common
+                    answer = self._call(body, common, timeout)
+        if isinstance(answer, ErrorReply):
+            cls = _REFUSALS.get(answer.code, RequestRefused)
+            raise cls(answer.code, answer.message)
+        return answer
+
+    def _call(self, body: RequestBody, version: int, timeout: float) -> ResponseBody:
+        """One request in ``version`` and its answer (an ErrorReply too); under the lock."""
+        rid = next(self._ids)
+        self._sock.send_multipart([b"", encode(Request(version, rid, body, self._token))])
+        deadline_ms = int(timeout * 1000)
+        while True:
+            if not self._sock.poll(deadline_ms, zmq.POLLIN):
+                # a late answer would confuse the next call: start a fresh socket
+                self._sock.close(0)
+                self._sock = self._new_socket()
+                raise ServerUnavailable(
+                    f"cache server {self.url} did not answer {type(body).__name__}"
+                    f" within {timeout:.1f}s"
+                )
+            frames = self._sock.recv_multipart(copy=True)
+            resp = decode_response(frames[-1])
+            if resp.id == rid:
+                return resp.body  # older ids are answers to requests that timed out
 
     def _expect(self, body: RequestBody, kind: type[_T]) -> _T:
         resp = self.call(body)

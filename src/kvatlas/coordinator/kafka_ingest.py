@@ -10,7 +10,9 @@ whose batch of a known type is malformed, is counted and skipped (batches of unk
 event types in a good record are skipped by the service and still move the gate). So is
 a batch that its instance's credential (the proof in the ``PROOF_HEADER`` record header)
 or the cursor bounds refuse: the log cannot refuse it, so it is skipped, counted as
-``refused`` and logged.
+``refused`` and logged. A well-framed record of a newer writer that this coordinator cannot
+read (`wire.kafka_records.UnknownRecord`: a newer membership format or record type) is
+skipped and counted as ``unknown``, the first of each kind logged.
 Readiness: not ready until every partition has reached the high watermark seen at start
 (catch-up).
 
@@ -31,13 +33,20 @@ from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.service import CoordinatorService, Position
 from kvatlas.core.errors import CredentialRefused, InvalidInput, OutOfBounds, Unauthenticated
-from kvatlas.wire.kafka_records import MembershipRecord, decode_proof, decode_record
+from kvatlas.wire.kafka_records import (
+    MembershipRecord,
+    UnknownRecord,
+    decode_proof,
+    decode_record,
+)
 
 log = logging.getLogger(__name__)
 
 _BATCH = 512
 _POLL_S = 0.1
 _LAG_EVERY_S = 1.0
+_MAX_LOGGED_UNKNOWN = 32
+"""Kinds of unknown records logged (once each); later kinds are only counted."""
 
 OnMembership = Callable[[MembershipRecord, Position], None]
 
@@ -66,6 +75,8 @@ class KafkaIngest:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._targets: dict[int, int] = {}
+        self._unknown: set[str] = set()
+        """Kinds of unknown records logged already."""
         self.caught_up_after_s: float | None = None
         """Seconds from start to the end of catch-up (for logs and benchmarks)."""
 
@@ -220,6 +231,19 @@ class KafkaIngest:
                 proof = decode_proof(headers)
                 self._svc.ingest(record, now, transport="kafka", position=position, proof=proof)
                 self._metrics.kafka_records.labels("batch").inc()
+            elif isinstance(record, UnknownRecord):
+                self._metrics.kafka_records.labels("unknown").inc()
+                if record.what not in self._unknown and len(self._unknown) < _MAX_LOGGED_UNKNOWN:
+                    self._unknown.add(record.what)
+                    log.warning(
+                        "Skipped a record this coordinator cannot read (%s, a newer writer's?)"
+                        " at partition %d offset %d; later ones of its kind are skipped"
+                        " silently",
+                        record.what,
+                        partition,
+                        offset,
+                    )
+                self._svc.advance(position)
             else:
                 self._on_membership(record, position)
                 self._metrics.kafka_records.labels("membership").inc()

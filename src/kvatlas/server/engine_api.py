@@ -29,6 +29,11 @@ A second protocol may share the ROUTER (``second``: LMCache's MP protocol, see
 request by its framing; claimed requests are admitted under the same bounds, and a
 worker has it ``answer`` them (exactly one reply each, so the held counts balance).
 
+Versions (`wire.versions`): a worker answers a request of a version in
+``ENGINE_VERSIONS`` in that version and any other with a ``version`` error naming the
+range; an operation it does not know (a newer engine's) is answered ``unknown_operation``
+at once. Both are counted (``EngineApiStats.unknown``) and the first of each name logged.
+
 Must not: interpret requests beyond decoding, or touch the chunk store.
 """
 
@@ -53,7 +58,10 @@ from kvatlas.runtime.auth import TokenGate
 from kvatlas.runtime.net import zmq_tcp
 from kvatlas.server.engine_service import EngineService
 from kvatlas.server.errors import ServerError
+from kvatlas.wire.decoding import decode_head
 from kvatlas.wire.engine_proto import (
+    ENGINE_VERSIONS,
+    OPERATIONS,
     PROTOCOL_VERSION,
     ErrorCode,
     ErrorReply,
@@ -72,6 +80,9 @@ _POLL_S = _POLL_MS / 1000
 MAX_MESSAGE_BYTES = 16 * 2**20
 """The largest engine request read: a `Lookup` of a few million token ids (the largest
 legitimate ones are a few MB; KV bytes never travel here)."""
+
+_MAX_LOGGED_NAMES = 32
+"""Unknown operations and versions logged by name (once each); later ones only counted."""
 
 _LOG_EVERY_S = 10.0
 """At most one overload warning per this many seconds (a flood must not flood the log)."""
@@ -111,6 +122,9 @@ class EngineApiStats:
     """Engine sockets (ROUTER identities) with requests held now."""
     overloaded: int
     """Requests answered ``overloaded`` since start: a bound was full."""
+    unknown: tuple[tuple[str, int], ...] = ()
+    """Requests not read since start, by what: ``version`` (one outside
+    ``ENGINE_VERSIONS``), ``operation`` (an operation this server does not know)."""
 
 
 class EngineApi:
@@ -157,6 +171,11 @@ class EngineApi:
         self._overloaded = 0
         self._overloaded_logged = 0
         self._next_log = 0.0
+        # Written by the workers under _unknown_lock; the keys exist up front, so that
+        # stats() copies the dict while a worker counts.
+        self._unknown: Counter[str] = Counter(version=0, operation=0)
+        self._unknown_lock = threading.Lock()
+        self._logged: set[str] = set()
         self.bound_port = port
         self.endpoint = ""
         """What the socket bound, as ZeroMQ reports it (``tcp://127.0.0.1:6555``), once
@@ -307,7 +326,9 @@ class EngineApi:
         return [*envelope, encode(Response(PROTOCOL_VERSION, env.id, body))]
 
     def stats(self) -> EngineApiStats:
-        return EngineApiStats(self._queued, self._clients, self._overloaded)
+        return EngineApiStats(
+            self._queued, self._clients, self._overloaded, tuple(sorted(self._unknown.items()))
+        )
 
     def _work(self) -> None:
         push = self._ctx.socket(zmq.PUSH)
@@ -331,29 +352,55 @@ class EngineApi:
         try:
             req = decode_request(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            env = decode_envelope(data)
+            head = decode_head(data)
+            if head.v and not ENGINE_VERSIONS.supports(head.v):
+                return encode(self._version_error(head.v, head.id))
             code: ErrorCode = "invalid_input"
             msg = f"malformed engine request: {exc}"
-            if env.v and env.v != PROTOCOL_VERSION:
-                code = "version"
-                msg = (
-                    f"engine protocol version {env.v} is not supported; this server speaks"
-                    f" {PROTOCOL_VERSION}"
-                )
-            return encode(Response(PROTOCOL_VERSION, env.id, ErrorReply(code, msg)))
-        if req.v != PROTOCOL_VERSION:
+            if head.op and head.op not in OPERATIONS:
+                self._count("operation", head.op, "an unknown operation %r (a newer engine's?)")
+                # 1's decoder knows no unknown_operation code
+                code = "unknown_operation" if head.v >= 2 else "invalid_input"
+                msg = f"unknown operation {head.op[:64]!r}"
+            v = head.v if head.v else PROTOCOL_VERSION
+            return encode(Response(v, head.id, ErrorReply(code, msg)))
+        if not ENGINE_VERSIONS.supports(req.v):
+            return encode(self._version_error(req.v, req.id))
+        if not self._gate.check(req.token):
             body: ResponseBody = ErrorReply(
-                "version",
-                f"engine protocol version {req.v} is not supported; this server speaks"
-                f" {PROTOCOL_VERSION}",
-            )
-        elif not self._gate.check(req.token):
-            body = ErrorReply(
                 "unauthorized", "this cache server requires its --auth-token on engine requests"
             )
         else:
             body = self._service.handle(req.body)
-        return encode(Response(PROTOCOL_VERSION, req.id, body))
+        return encode(Response(req.v, req.id, body))
+
+    def _version_error(self, v: int, rid: int) -> Response:
+        self._count("version", f"v{v}", "a request of version %s", v)
+        return Response(
+            PROTOCOL_VERSION,
+            rid,
+            ErrorReply(
+                "version",
+                f"engine protocol version {v} is not supported; this server speaks"
+                f" {ENGINE_VERSIONS}",
+                ENGINE_VERSIONS.lo,
+                ENGINE_VERSIONS.hi,
+            ),
+        )
+
+    def _count(self, what: str, name: str, msg: str, arg: object = None) -> None:
+        """Count a request not read (a worker); log the first of each ``name``."""
+        with self._unknown_lock:
+            self._unknown[what] += 1
+            if name in self._logged or len(self._logged) >= _MAX_LOGGED_NAMES:
+                return
+            self._logged.add(name)
+        log.warning(
+            "engine API of instance %s answered " + msg + " (it answers versions %s)",
+            self._service.identity.instance_id,
+            name[:64] if arg is None else arg,
+            ENGINE_VERSIONS,
+        )
 
     def stop(self) -> None:
         """Stop the workers and the I/O thread, close the sockets (idempotent). Returns

@@ -110,6 +110,7 @@ class ServerMetrics(Collector):
                 " or --engine-max-queued-per-client was full.",
                 ea.overloaded,
             )
+        yield self._wire_unknown(ea, self._p2p())
         lk = self._lookups()
         yield self._c("lookups", "Engine lookups.", lk.lookups)
         yield self._c("lookup_chunks", "Chunks engines looked up.", lk.chunks)
@@ -164,6 +165,23 @@ class ServerMetrics(Collector):
         pp = self._p2p()
         if pp is not None:
             yield from self._p2p_metrics(pp)
+
+    def _wire_unknown(self, ea: EngineApiStats | None, pp: P2PStats | None) -> CounterMetricFamily:
+        """Requests of a newer peer or engine this server could not read, by wire."""
+        c = CounterMetricFamily(
+            "kvatlas_server_wire_unknown",
+            "Requests answered without being read, by wire (engine, p2p) and what"
+            " (version: one this server does not answer in; operation: one it does not"
+            " know), each answered at once with an error.",
+            labels=["instance_id", "wire", "what"],
+        )
+        for wire, counts in (
+            ("engine", ea.unknown if ea is not None else ()),
+            ("p2p", pp.wire_unknown if pp is not None else ()),
+        ):
+            for what, n in counts:
+                c.add_metric([self._iid, wire, what], n)
+        return c
 
     def _coordinator_metrics(
         self, co: ClientStats

@@ -3,8 +3,16 @@ the requester, no copy through Python bytes on either side.
 
 Wire, per request (the requester pipelines up to ``PIPELINE`` of them on a connection):
 
-    request  = u32 length (big endian) + msgpack [peer_id, token, lease_id, offset, size]
+    request  = u32 length (big endian) + msgpack [peer_id, token, lease_id, offset, size, v]
     response = ">BIQ" status, message length, data length + message + data
+
+Versions (`wire.versions`): ``v`` is left out at 1, so a version 1 request is the first
+release's five-element array to the byte, and msgspec skips trailing elements a newer requester
+adds. The owner advertises the versions it reads in its endpoint's ``extra``
+(``WIRE_VERSIONS_KEY``; none: the first release, 1) and a requester asks in the highest
+common one, so there is no round trip to negotiate; a request of a version the owner does
+not read is refused with a reason, never read as something it is not. There is one
+operation (read a range), so there is no unknown one to skip.
 
 The owner checks the token, the region bounds and ``authorize(peer, lease, offset, size)``
 for every request (``enforces_leases``) and sends header and data with one ``sendmsg``
@@ -56,6 +64,7 @@ from kvatlas.transfer.base import (
 )
 from kvatlas.transfer.config import TcpConfig
 from kvatlas.transfer.errors import EndpointMismatch, TransportUnavailable
+from kvatlas.wire.versions import FIRST_RELEASE, VersionRange, highest_common
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +78,20 @@ _RESP = struct.Struct(">BIQ")
 _LEN = struct.Struct(">I")
 _MAX_REQUEST = 64 * 1024
 _ST_OK, _ST_REFUSED = 0, 1
+TCP_WIRE_VERSION = 1
+"""The newest data plane version; the owner reads ``TCP_VERSIONS``."""
+TCP_VERSIONS = VersionRange.upto(TCP_WIRE_VERSION)
+WIRE_VERSIONS_KEY = "wire_versions"
+"""The endpoint ``extra`` key of the versions an owner reads, as ``"lo-hi"``."""
+
+
+def advertised_versions(endpoint: Endpoint) -> VersionRange:
+    """What an owner's endpoint says it reads; `FIRST_RELEASE` when it says nothing."""
+    text = endpoint.extra.get(WIRE_VERSIONS_KEY, "")
+    lo, _, hi = text.partition("-")
+    if not (lo.isdigit() and hi.isdigit()):
+        return FIRST_RELEASE
+    return VersionRange(int(lo), int(hi))
 
 
 class _Request(msgspec.Struct, array_like=True, frozen=True):
@@ -77,9 +100,19 @@ class _Request(msgspec.Struct, array_like=True, frozen=True):
     lease_id: str
     offset: int
     size: int
+    v: int = 1
 
 
 _encode = msgspec.msgpack.Encoder().encode
+
+
+def _request(peer_id: str, token: str, lease_id: str, offset: int, size: int, *, v: int) -> bytes:
+    """A request's msgpack: at version 1 the first release's five elements exactly."""
+    if v == 1:
+        return _encode((peer_id, token, lease_id, offset, size))
+    return _encode((peer_id, token, lease_id, offset, size, v))
+
+
 _decode = msgspec.msgpack.Decoder(_Request).decode
 
 
@@ -177,7 +210,10 @@ class TcpServer(TransferServer):
         host = (cfg.advertise_host or cfg.host).strip("[]")
         host = f"[{host}]" if ":" in host else host
         return Endpoint(
-            transport=TRANSPORT, url=f"tcp://{host}:{port}", region_size=self._region.size
+            transport=TRANSPORT,
+            url=f"tcp://{host}:{port}",
+            region_size=self._region.size,
+            extra={WIRE_VERSIONS_KEY: f"{TCP_VERSIONS.lo}-{TCP_VERSIONS.hi}"},
         )
 
     def stop(self) -> None:
@@ -331,6 +367,8 @@ class TcpServer(TransferServer):
     def _refusal(self, req: _Request) -> str:
         if not self._gate.check(req.token):
             return "bad auth token"
+        if not TCP_VERSIONS.supports(req.v):
+            return f"data plane version {req.v} is not one of {TCP_VERSIONS}"
         if req.size <= 0 or req.offset < 0 or req.offset + req.size > self._region.size:
             return f"range [{req.offset}, {req.offset + req.size}) is outside the region"
         if not self._authorize(req.peer_id, req.lease_id, req.offset, req.size):
@@ -381,15 +419,26 @@ class TcpClient(TransferClient):
         host, _, port = endpoint.url.removeprefix("tcp://").rpartition(":")
         if not host or not port.isdigit():
             raise EndpointMismatch(f"bad tcp endpoint url {endpoint.url!r}")
-        return self._track(TcpPeer(self, endpoint, host.strip("[]"), int(port)))
+        theirs = advertised_versions(endpoint)
+        version = highest_common(TCP_VERSIONS, theirs)
+        if version is None:
+            raise EndpointMismatch(
+                f"tcp endpoint {endpoint.url!r} reads data plane versions {theirs},"
+                f" this node speaks {TCP_VERSIONS}"
+            )
+        return self._track(TcpPeer(self, endpoint, host.strip("[]"), int(port), version))
 
 
 class TcpPeer(PeerConnection):
     client: TcpClient
 
-    def __init__(self, client: TcpClient, endpoint: Endpoint, host: str, port: int) -> None:
+    def __init__(
+        self, client: TcpClient, endpoint: Endpoint, host: str, port: int, version: int = 1
+    ) -> None:
         super().__init__(client, endpoint)
         self._addr = (host, port)
+        self.version = version
+        """The data plane version this peer is asked in (the highest both read)."""
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -434,7 +483,7 @@ class TcpPeer(PeerConnection):
         deadline: Deadline,
     ) -> tuple[ReadStatus, str] | None:
         client = self.client
-        peer_id, token = client.peer_id, client.token or ""
+        peer_id, token, v = client.peer_id, client.token or "", self.version
         local = client.local.buffer
         head = bytearray(_RESP.size)
         sent = 0
@@ -444,7 +493,7 @@ class TcpPeer(PeerConnection):
             frames = []
             for i in todo[sent:k]:
                 op = ops[i]
-                msg = _encode(_Request(peer_id, token, op.lease_id, op.remote_offset, op.size))
+                msg = _request(peer_id, token, op.lease_id, op.remote_offset, op.size, v=v)
                 frames.append(_LEN.pack(len(msg)) + msg)
             remaining = deadline.remaining()
             if remaining <= 0:

@@ -6,18 +6,70 @@ msgspec raises ``RecursionError`` on a message nested past its recursion limit (
 ``TOO_DEEP``, never a server error. ``RpcCodec`` is the codec the engine API
 (`wire.engine_proto`) and the P2P channel (`wire.p2p_proto`) both use: a request type, a
 response type, and an envelope (the header alone) to answer a request that does not
-decode. Owns decoding rules only; no I/O and no state.
+decode; its `RequestHead` also names the operation of such a request, so that a server
+tells an operation it does not know (a newer peer's) from a malformed request. Owns
+decoding rules only; no I/O and no state.
 """
 
 from __future__ import annotations
 
-from typing import Final, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar, get_args
 
 import msgspec
 
 TOO_DEEP: Final = "nested deeper than the decoder's recursion limit"
 """The reason given for a message whose nesting overflows msgspec's recursion: a
 malformed message like any other, not a server error."""
+
+
+def union_tags(union: Any) -> frozenset[str]:
+    """The tags of a union of tagged msgspec Structs (the operations a protocol knows)."""
+    tags: set[str] = set()
+    for member in get_args(union) or (union,):
+        tag = member.__struct_config__.tag
+        if isinstance(tag, str):
+            tags.add(tag)
+    return frozenset(tags)
+
+
+class _Op(msgspec.Struct):
+    type: str = ""
+
+
+class RequestHead(msgspec.Struct):
+    """What a server reads of a request that did not decode: the version, the id and
+    the operation's tag (each left at its default when unreadable)."""
+
+    v: int = 0
+    id: int = 0
+    body: _Op | None = None
+
+    @property
+    def op(self) -> str:
+        return self.body.type if self.body is not None else ""
+
+
+class _Envelope(msgspec.Struct):
+    v: int = 0
+    id: int = 0
+
+
+_head = msgspec.msgpack.Decoder(RequestHead)
+_envelope = msgspec.msgpack.Decoder(_Envelope)
+
+
+def decode_head(data: bytes | memoryview) -> RequestHead:
+    """Best effort `RequestHead` of a msgpack request (defaults when unreadable)."""
+    try:
+        return _head.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        pass
+    try:  # a body that is no map: the version and id may still be readable
+        env = _envelope.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return RequestHead()
+    return RequestHead(env.v, env.id)
+
 
 _Q = TypeVar("_Q")
 _R = TypeVar("_R")

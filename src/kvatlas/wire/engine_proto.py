@@ -5,8 +5,14 @@ into its shared L1 region, which the engine maps by the name returned at registr
 copies into (store) or out of (read) under a write or read lease.
 
 Transport: the engine's DEALER sends ``[b"", msgpack(Request)]``, the server's ROUTER
-answers ``[b"", msgpack(Response)]`` with the same ``id``. ``v`` is the protocol version;
-a server answers a request of another version with ``ErrorReply(code="version")``.
+answers ``[b"", msgpack(Response)]`` with the same ``id``. ``v`` is the request's version
+(the rule is `wire.versions`'): a server answers a request of a version in
+``ENGINE_VERSIONS`` in that version, and any other with ``ErrorReply(code="version")``
+naming its range (``min_v``, ``max_v``; the first release named none); the client moves
+to the highest common version once and keeps it. 2 added the range and the
+``unknown_operation`` code, the answer to an operation the server does not know (a
+newer engine's; ``invalid_input`` to a version 1 request, whose decoder knows no other
+code). Fields a newer side adds are skipped by msgspec.
 Chunk hashes are raw 32-byte digests (``ChunkHash`` in requests, so that the server
 builds keys from them without a cast; it checks their length); token ids travel as
 little-endian uint32 bytes.
@@ -23,9 +29,12 @@ import msgspec
 
 from kvatlas.core.keys import HASH_ALGORITHM, Namespace
 from kvatlas.core.types import U63, ChunkHash
-from kvatlas.wire.decoding import RpcCodec
+from kvatlas.wire.decoding import RpcCodec, union_tags
+from kvatlas.wire.versions import VersionRange
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
+"""The version an engine sends; a server reads and answers ``ENGINE_VERSIONS``."""
+ENGINE_VERSIONS: Final = VersionRange.upto(PROTOCOL_VERSION)
 
 # ---- requests -----------------------------------------------------------------------
 
@@ -119,6 +128,7 @@ class GetStats(msgspec.Struct, frozen=True, tag="stats"):
 
 
 RequestBody = RegisterEngine | Lookup | Reserve | Commit | Abort | AcquireRead | Release | GetStats
+OPERATIONS: Final = union_tags(RequestBody)
 
 
 class Request(msgspec.Struct, frozen=True):
@@ -251,6 +261,7 @@ ErrorCode = Literal[
     "unauthorized",
     "internal",
     "overloaded",
+    "unknown_operation",
 ]
 """``overloaded``: the server held as many engine requests as it may
 (``--engine-max-queued``, ``--engine-max-queued-per-client``) and answered this one at
@@ -260,6 +271,10 @@ once, unserved: it changed nothing, and the engine recomputes or retries later."
 class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
     code: ErrorCode
     message: str
+    min_v: int = 0
+    """``version`` errors (2 on): the oldest version the server answers in."""
+    max_v: int = 0
+    """``version`` errors (2 on): the newest version the server answers in."""
 
 
 ResponseBody = (

@@ -15,7 +15,12 @@ batch whose ``event_type`` is not one this coordinator knows decodes into a core
 sender may shape the rest as it likes); the coordinator skips it, counts it by type and
 still moves its sender's gate cursor. A batch of a known type that is malformed fails
 the whole body with a reason, and nothing of the body applies. Unknown fields are
-ignored in every shape.
+ignored in every shape (msgspec skips them in C; counting them would take a second
+decode of every body). Versions (`wire.versions`): a compact body says its version
+(``COMPACT_VERSIONS`` are read); a body of a newer one is refused with a 400 that names
+the versions read, for an HTTP sender learns of it at once and nothing is applied
+half-read. A Kafka record cannot be refused: one of a newer version is skipped
+(`newer_batch`). The JSON form is LMCache's and has no version.
 
 Owns encoding and validation of shapes only; no I/O and no state.
 """
@@ -40,6 +45,7 @@ from kvatlas.core.types import (
 )
 from kvatlas.wire.decoding import TOO_DEEP
 from kvatlas.wire.http_api import KeyWire, body_error, is_msgpack
+from kvatlas.wire.versions import VersionRange
 
 EventFormat = Literal["msgpack", "json"]
 """Body of `POST /events`: kvatlas' compact msgpack or LMCache's JSON."""
@@ -49,7 +55,7 @@ COMPACT_VERSION = 2
 """2 added `KeyBlock`s. A coordinator that knows only 1 would drop a block unseen
 (msgspec skips unknown fields), so a body says 2 and such a coordinator refuses it with
 a 400 instead of losing events; this one reads both."""
-_READABLE_VERSIONS = frozenset({1, 2})
+COMPACT_VERSIONS = VersionRange.upto(COMPACT_VERSION)
 
 
 class EntryWire(msgspec.Struct, frozen=True):
@@ -75,18 +81,31 @@ class BatchWire(msgspec.Struct, frozen=True):
     """``config`` only: the capacity of (tier, backend); 0 declares none."""
     capacity_revision: int = 0
     """``config`` only: the sender's declaration this batch belongs to."""
+    dropped_events: U63 = 0
+    """LMCache 0.5.7: events this incarnation of the sender dropped before they reached
+    the coordinator, cumulative; a rise counts as a gap (`core.gate`)."""
 
 
 KNOWN_EVENT_TYPES = frozenset(t.value for t in EventType)
 
 
 class BatchHead(msgspec.Struct, frozen=True):
-    """What every batch must carry, whatever its type: all the gate reads."""
+    """What every batch must carry, whatever its type: all the gate reads (and the
+    version of a Kafka record, `wire.kafka_records`; 1 when it says none)."""
 
     instance_id: InstanceId
     incarnation: WireIncarnation
     seq: U63
     event_type: str
+    v: int = 1
+
+
+def newer_batch(head: BatchHead) -> UnknownBatch:
+    """A batch of a version this coordinator does not read, to skip as an unknown type
+    (``store@v3``): it passes the gate and is counted by that type."""
+    return UnknownBatch(
+        head.instance_id, head.incarnation, head.seq, f"{head.event_type}@v{head.v}"
+    )
 
 
 class EventsRequest(msgspec.Struct, frozen=True):
@@ -111,6 +130,9 @@ class EventsResponse(msgspec.Struct, frozen=True):
     duplicates: int
     stale: int
     gaps: int = 0
+    """kvatlas: batches that showed lost events: after a seq gap, or reporting a rise of
+    their sender's ``dropped_events`` (counted in
+    ``kvatlas_coordinator_ingest_events_dropped``)."""
     missing_seqs: int = 0
     provisional: int = 0
     skipped: dict[str, int] = {}
@@ -219,6 +241,7 @@ def batch_to_core(b: BatchWire) -> EventBatch:
         ts=b.ts,
         capacity_bytes=b.capacity_bytes,
         capacity_revision=b.capacity_revision,
+        dropped_events=b.dropped_events,
     )
 
 
@@ -244,6 +267,7 @@ def batch_from_core(b: EventBatch) -> BatchWire:
         ts=b.ts,
         capacity_bytes=b.capacity_bytes,
         capacity_revision=b.capacity_revision,
+        dropped_events=b.dropped_events,
     )
 
 
@@ -267,11 +291,17 @@ AnyBatch = EventBatch | UnknownBatch
 """What a body or a record decodes into: batches to apply and batches to skip."""
 
 
-def decode_any_batch(raw: bytes | msgspec.Raw, msgpack: bool, where: str = "") -> AnyBatch:
+def decode_any_batch(
+    raw: bytes | msgspec.Raw, msgpack: bool, where: str = "", versions: VersionRange | None = None
+) -> AnyBatch:
     """One batch of either form, known type or not (not yet checked: `check_batch`);
-    ``where`` prefixes the path in a ValidationError. Raises msgspec's errors."""
+    ``where`` prefixes the path in a ValidationError. With ``versions`` (a Kafka
+    record's), a batch whose ``v`` is outside them is a `newer_batch`. Raises msgspec's
+    errors."""
     try:
         head = (_msgpack_head if msgpack else _json_head).decode(raw)
+        if versions is not None and not versions.supports(head.v):
+            return newer_batch(head)
         if head.event_type not in KNOWN_EVENT_TYPES:
             return UnknownBatch(head.instance_id, head.incarnation, head.seq, head.event_type)
         if msgpack:
@@ -319,8 +349,11 @@ def decode_events(body: bytes | bytearray, content_type: str, max_entries: int) 
 
 
 def _check_version(version: int) -> None:
-    if version not in _READABLE_VERSIONS:
-        raise InvalidInput(f"compact events version {version} is not supported")
+    if not COMPACT_VERSIONS.supports(version):
+        raise InvalidInput(
+            f"compact events version {version} is not supported: this coordinator reads"
+            f" {COMPACT_VERSIONS}"
+        )
 
 
 def encode_events_json(batches: list[EventBatch]) -> bytes:

@@ -12,10 +12,19 @@ them in the same order:
   `POST /events` (the rule is in `wire.events_api`'s docstring);
 - a membership record (coordinators): ``MAGIC`` followed by a msgpack-encoded tagged
   `MembershipRecord` (register, heartbeat, deregister, expire, the operator's quota and
-  pin writes, and the contract claim, which is keyed by its model instead,
-  ``core.contract_claims.claim_key``, so that every replica reads one model's claims in
-  one order). Neither JSON nor a msgpack map starts with ``MAGIC``'s first byte, so the
-  kinds cannot be confused.
+  pin writes, the binding of the fleet's chunk size, and the contract claim, which is
+  keyed by its model instead, ``core.contract_claims.claim_key``, so that every replica
+  reads one model's claims in one order). Neither JSON nor a msgpack map starts with
+  ``MAGIC``'s first byte, so the kinds cannot be confused.
+
+Versions (`wire.versions`; a log cannot negotiate, so a writer marks and a reader
+skips): kvatlas' msgpack batch records carry ``v`` (``RECORD_VERSION``; a record without
+one, of an older sink or LMCache's, is 1). A batch record of a version outside
+``RECORD_VERSIONS`` is read only as far as the gate needs and skipped like an unknown
+event type (`wire.events_api.newer_batch`). A membership record whose ``MAGIC`` names a
+newer version (``KVM2``...) or whose tag this coordinator does not know (a newer
+coordinator's record) decodes into an `UnknownRecord`, which the consumer skips and
+counts; it never stops the partition.
 
 Owns the topic's defaults that every producer and consumer must agree on (the topic
 name, the partitioner), the encodings and the decode-and-validate of a record; no I/O,
@@ -35,8 +44,9 @@ from kvatlas.core.keys import HashContract
 from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.quotas import OperatorOp
 from kvatlas.core.types import InstanceId, WireIncarnation
-from kvatlas.wire.decoding import TOO_DEEP
+from kvatlas.wire.decoding import TOO_DEEP, union_tags
 from kvatlas.wire.events_api import AnyBatch, check_batch, decode_any_batch, decode_events
+from kvatlas.wire.versions import VersionRange
 
 DEFAULT_TOPIC: Final = "kvatlas-cache-events"
 """The topic of event batches and membership records (``--kafka-topic`` of the
@@ -48,6 +58,11 @@ membership records are keyed by instance id; only with one partitioner on both s
 do an instance's records share a partition and keep their relative order.
 ``murmur2_random`` puts keys where Java and aiokafka clients would."""
 MAGIC = b"KVM1"
+_MAGIC_STEM = MAGIC[:3]
+"""``KVM`` and a digit: the membership format's version (1 is read)."""
+RECORD_VERSION: Final = 1
+"""The version of the batch records this node writes."""
+RECORD_VERSIONS: Final = VersionRange.upto(RECORD_VERSION)
 PROOF_HEADER: Final = "kvatlas-instance-proof"
 """The Kafka record header of an event batch that carries its instance's proof: the hex
 SHA-256 of the instance secret (`core.credentials.credential_digest`), never the secret
@@ -112,6 +127,17 @@ class OperatorRecord(msgspec.Struct, frozen=True, tag="operator"):
     op: OperatorOp
 
 
+class ChunkSizeRecord(msgspec.Struct, frozen=True, tag="chunk_size"):
+    """A chunk size a server asked a coordinator to bind (`PUT /config/chunk-size`, or a
+    registration's ``chunk_size``), to decide everywhere in the log's order (keyed
+    `OPERATOR_KEY`): the first size bound wins on every replica alike. A coordinator
+    older than this record skips it."""
+
+    request_id: str
+    at: float
+    chunk_size: int
+
+
 MembershipRecord = (
     RegisterRecord
     | HeartbeatRecord
@@ -119,12 +145,34 @@ MembershipRecord = (
     | ExpireRecord
     | ContractClaim
     | OperatorRecord
+    | ChunkSizeRecord
 )
+MEMBERSHIP_TAGS: Final = union_tags(MembershipRecord)
 OPERATOR_KEY: Final = "kvatlas-operator"
-"""The record key of every `OperatorRecord`."""
+"""The record key of every `OperatorRecord` and `ChunkSizeRecord`."""
 
 _membership_encoder = msgspec.msgpack.Encoder()
 _membership_decoder = msgspec.msgpack.Decoder(MembershipRecord)
+
+
+class UnknownRecord(msgspec.Struct, frozen=True):
+    """A well-framed record this coordinator cannot read: a newer writer's. ``what``
+    names it for the log (``membership@v2``, ``membership:<tag>``)."""
+
+    what: str
+
+
+class _Tag(msgspec.Struct):
+    type: str = ""
+
+
+_tag_decoder = msgspec.msgpack.Decoder(_Tag)
+
+
+class BatchRecord(EventBatch, frozen=True):
+    """A msgpack batch record: the core batch and the version it is written in."""
+
+    v: int = RECORD_VERSION
 
 
 class _Envelope(msgspec.Struct, frozen=True):
@@ -141,8 +189,9 @@ def encode_membership(record: MembershipRecord) -> bytes:
 
 
 def encode_batch_msgpack(batch: EventBatch) -> bytes:
-    """An event batch as one record value (the compact form), encoded as it is."""
-    return msgspec.msgpack.encode(batch)
+    """An event batch as one record value (the compact form) with its ``v``; a reader
+    that does not know ``v`` skips it like any unknown field."""
+    return msgspec.msgpack.encode(BatchRecord(*msgspec.structs.astuple(batch)))
 
 
 def decode_proof(headers: list[tuple[str, str | bytes | None]] | None) -> bytes:
@@ -161,21 +210,37 @@ def decode_proof(headers: list[tuple[str, str | bytes | None]] | None) -> bytes:
     return b""
 
 
-def decode_record(value: bytes, max_entries: int) -> list[AnyBatch] | MembershipRecord:
-    """Decode and validate one record value: its batches, or a membership record.
-    InvalidInput if it is neither, or if a batch of a known type is malformed (then
-    nothing of the record applies)."""
+def decode_record(
+    value: bytes, max_entries: int
+) -> list[AnyBatch] | MembershipRecord | UnknownRecord:
+    """Decode and validate one record value: its batches, a membership record, or an
+    `UnknownRecord` to skip. InvalidInput if it is none of them, or if a batch of a known
+    type is malformed (then nothing of the record applies)."""
     try:
-        if value.startswith(MAGIC):
-            record: MembershipRecord = _membership_decoder.decode(memoryview(value)[len(MAGIC) :])
-            return record
+        if value.startswith(_MAGIC_STEM) and value[3:4].isdigit():
+            return _membership(value)
         is_json = value.lstrip()[:1] == b"{"
         if is_json and _json_envelope.decode(value).batches is not None:
             return decode_events(value, "application/json", max_entries)
-        batch = decode_any_batch(value, msgpack=not is_json)
+        batch = decode_any_batch(value, msgpack=not is_json, versions=RECORD_VERSIONS)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise InvalidInput(f"undecodable record: {exc}") from exc
     except RecursionError as exc:
         raise InvalidInput(f"undecodable record: {TOO_DEEP}") from exc
     check_batch(batch, max_entries)
     return [batch]
+
+
+def _membership(value: bytes) -> MembershipRecord | UnknownRecord:
+    """A ``KVM<digit>`` record; raises msgspec's errors when it is not well formed."""
+    if not value.startswith(MAGIC):
+        return UnknownRecord(f"membership@v{value[3:4].decode()}")
+    body = memoryview(value)[len(MAGIC) :]
+    try:
+        record: MembershipRecord = _membership_decoder.decode(body)
+    except msgspec.ValidationError:
+        tag = _tag_decoder.decode(body).type
+        if tag and tag not in MEMBERSHIP_TAGS:
+            return UnknownRecord(f"membership:{tag[:64]}")
+        raise
+    return record

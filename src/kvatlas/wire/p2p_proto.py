@@ -6,10 +6,17 @@ region plus their lease ids; the requester then reads them one-sided through the
 transport and releases the leases with an acknowledged ``unlock``.
 
 Transport: the requester's DEALER sends ``[b"", msgpack(P2PRequest)]``; the owner's
-ROUTER answers ``[b"", msgpack(P2PResponse)]`` with the same ``id``. ``v`` is the
-protocol version; another version is answered with ``P2PError(code="version")``. Every
-request carries the requester's instance id and the shared token (``--auth-token``;
-empty when none is set).
+ROUTER answers ``[b"", msgpack(P2PResponse)]`` with the same ``id``. Every request
+carries the requester's instance id and the shared token (``--auth-token``; empty when
+none is set).
+
+Versions (the rule is `wire.versions`'): ``v`` is the request's version; an owner answers
+a request of a version in ``P2P_VERSIONS`` in that version, and any other with
+``P2PError(code="version")`` naming its range (``min_v``, ``max_v``; the first release
+named none). 2 added the range and the ``unknown_operation`` code: an operation the owner
+does not know (a newer requester's) is answered at once with it (``invalid_input`` to a
+version 1 request, whose decoder knows no other code). Fields a newer peer adds are
+skipped by msgspec.
 
 Owns encoding and shapes only; no I/O and no state.
 """
@@ -22,9 +29,12 @@ import msgspec
 
 from kvatlas.core.keys import Namespace
 from kvatlas.core.types import U63, ChunkHash
-from kvatlas.wire.decoding import RpcCodec
+from kvatlas.wire.decoding import RpcCodec, union_tags
+from kvatlas.wire.versions import VersionRange
 
-P2P_PROTOCOL_VERSION: Final = 1
+P2P_PROTOCOL_VERSION: Final = 2
+"""The version this node sends; it reads and answers ``P2P_VERSIONS``."""
+P2P_VERSIONS: Final = VersionRange.upto(P2P_PROTOCOL_VERSION)
 
 # ---- requests -----------------------------------------------------------------------
 
@@ -55,6 +65,7 @@ class Unlock(msgspec.Struct, frozen=True, tag="unlock"):
 
 
 P2PRequestBody = Hello | LookupAndLock | Unlock
+P2P_OPERATIONS: Final = union_tags(P2PRequestBody)
 
 
 class P2PRequest(msgspec.Struct, frozen=True):
@@ -94,12 +105,16 @@ class Unlocked(msgspec.Struct, frozen=True, tag="unlocked"):
     released: int
 
 
-P2PErrorCode = Literal["unauthorized", "invalid_input", "version", "internal"]
+P2PErrorCode = Literal["unauthorized", "invalid_input", "version", "internal", "unknown_operation"]
 
 
 class P2PError(msgspec.Struct, frozen=True, tag="p2p_error"):
     code: P2PErrorCode
     message: str
+    min_v: int = 0
+    """``version`` errors (2 on): the oldest version the owner answers in."""
+    max_v: int = 0
+    """``version`` errors (2 on): the newest version the owner answers in."""
 
 
 P2PResponseBody = HelloReply | Locked | Unlocked | P2PError

@@ -19,6 +19,14 @@ Owns the sockets and the request/answer matching of ``kvatlas.wire.p2p_proto``:
   the controller sets a peer's when its breaker opens, so lookups already waiting on a
   frozen peer end with the first one that hit its deadline, not each at its own.
 
+Versions (`wire.versions`): the server answers a request of a version in
+``P2P_VERSIONS`` in that version and any other with a ``version`` error naming its range;
+an operation it does not know (a newer peer's) gets ``unknown_operation`` at once. Both
+are counted in ``unknown`` and the first of each name is logged. A client starts at
+``P2P_PROTOCOL_VERSION``; answered ``version`` (with a range, or bare from a first-release
+peer: 1), it moves to the highest common version, asks again once within the same
+timeout, and keeps that version for the peer.
+
 Must not: know what the messages mean (the P2P service does) or touch the chunk store.
 """
 
@@ -29,6 +37,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Final
 
@@ -40,7 +49,9 @@ from kvatlas.core.errors import PortInUse
 from kvatlas.runtime.net import zmq_tcp
 from kvatlas.server.errors import ServerError
 from kvatlas.wire import p2p_proto
+from kvatlas.wire.decoding import decode_head
 from kvatlas.wire.engine_proto import PeerFallback
+from kvatlas.wire.versions import highest_common, peer_range
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +60,8 @@ POLL_MS: Final = 200
 MAX_IDLE_SOCKETS: Final = 4
 MAX_MESSAGE_BYTES: Final = 16 * 2**20
 """The largest request the owner reads: a `LookupAndLock` of ~490k chunk hashes."""
+MAX_LOGGED_NAMES: Final = 32
+"""Unknown operations and versions logged by name (once each); later ones only counted."""
 ABANDON_CHECK_MS: Final = 5
 """How often a call with an ``abandon`` event looks at it while waiting."""
 PEER_GONE_EVENTS: Final = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
@@ -92,6 +105,10 @@ class ChannelServer:
         self._thread: threading.Thread | None = None
         self.requests = 0
         self.errors = 0
+        self.unknown: Counter[str] = Counter(version=0, operation=0)
+        """Requests this node could not read, by what: ``version``, ``operation`` (keys
+        made up front: another thread reads the counter without a lock)."""
+        self._logged: set[str] = set()
 
     def start(self, handler: Handler) -> None:
         self._thread = threading.Thread(
@@ -123,31 +140,57 @@ class ChannelServer:
             req = p2p_proto.decode_request(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.errors += 1
-            env = p2p_proto.decode_envelope(payload)
-            code: p2p_proto.P2PErrorCode = (
-                "version" if env.v != p2p_proto.P2P_PROTOCOL_VERSION else "invalid_input"
-            )
+            head = decode_head(payload)
+            if head.v and not p2p_proto.P2P_VERSIONS.supports(head.v):
+                return self._version_error(head.v, head.id)
+            if head.op and head.op not in p2p_proto.P2P_OPERATIONS:
+                return self._unknown_operation(head.v, head.id, head.op)
+            # no readable version (0): malformed, answered in ours
             return p2p_proto.P2PResponse(
-                p2p_proto.P2P_PROTOCOL_VERSION,
-                env.id,
-                p2p_proto.P2PError(code, f"bad request: {exc}"),
+                head.v or p2p_proto.P2P_PROTOCOL_VERSION,
+                head.id,
+                p2p_proto.P2PError("invalid_input", f"bad request: {exc}"),
             )
-        if req.v != p2p_proto.P2P_PROTOCOL_VERSION:
+        if not p2p_proto.P2P_VERSIONS.supports(req.v):
             self.errors += 1
-            return p2p_proto.P2PResponse(
-                p2p_proto.P2P_PROTOCOL_VERSION,
-                req.id,
-                p2p_proto.P2PError(
-                    "version", f"protocol version {req.v} is not {p2p_proto.P2P_PROTOCOL_VERSION}"
-                ),
-            )
+            return self._version_error(req.v, req.id)
         try:
             body = handler(req.body)
         except Exception as exc:
             self.errors += 1
             log.exception("P2P request %s failed", type(req.body).__name__)
             body = p2p_proto.P2PError("internal", f"{type(exc).__name__}: {exc}")
-        return p2p_proto.P2PResponse(p2p_proto.P2P_PROTOCOL_VERSION, req.id, body)
+        return p2p_proto.P2PResponse(req.v, req.id, body)
+
+    def _version_error(self, v: int, rid: int) -> p2p_proto.P2PResponse:
+        self.unknown["version"] += 1
+        versions = p2p_proto.P2P_VERSIONS
+        self._log_once(f"v{v}", "a request of version %d (this node answers %s)", v, versions)
+        return p2p_proto.P2PResponse(
+            p2p_proto.P2P_PROTOCOL_VERSION,
+            rid,
+            p2p_proto.P2PError(
+                "version",
+                f"protocol version {v} is not one of {versions}",
+                versions.lo,
+                versions.hi,
+            ),
+        )
+
+    def _unknown_operation(self, v: int, rid: int, op: str) -> p2p_proto.P2PResponse:
+        """Answered in the request's version: 1 knows no ``unknown_operation`` code."""
+        self.unknown["operation"] += 1
+        self._log_once(op, "an unknown operation %r (a newer peer's?)", op[:64])
+        code: p2p_proto.P2PErrorCode = "unknown_operation" if v >= 2 else "invalid_input"
+        return p2p_proto.P2PResponse(
+            v, rid, p2p_proto.P2PError(code, f"unknown operation {op[:64]!r}")
+        )
+
+    def _log_once(self, name: str, msg: str, *args: object) -> None:
+        if name in self._logged or len(self._logged) >= MAX_LOGGED_NAMES:
+            return
+        self._logged.add(name)
+        log.warning("P2P channel %s answered " + msg, self.endpoint, *args)
 
     def stop(self) -> None:
         self._stop.set()
@@ -192,6 +235,9 @@ class ChannelClient:
         self._idle: list[_Conn] = []
         self._lock = threading.Lock()
         self._closed = False
+        self.version = p2p_proto.P2P_PROTOCOL_VERSION
+        """The version this peer is asked in: ours until it answers ``version``."""
+        self.version_moves = 0
 
     def _take(self) -> _Conn:
         while True:
@@ -218,19 +264,45 @@ class ChannelClient:
     ) -> p2p_proto.P2PResponseBody:
         """The peer's answer within ``timeout_s``; ChannelError otherwise (P2PError
         answers are raised too, as ``refused``; ``abandon`` set while waiting: as
-        ``timeout``)."""
+        ``timeout``). A ``version`` answer moves this peer's version and asks again once."""
+        deadline = time.monotonic() + timeout_s
+        version = self.version
+        answer = self._call(body, version, timeout_s, abandon)
+        if isinstance(answer, p2p_proto.P2PError) and answer.code == "version":
+            theirs = peer_range(answer.min_v, answer.max_v)
+            common = highest_common(p2p_proto.P2P_VERSIONS, theirs)
+            if common is not None and common != version:
+                log.info(
+                    "P2P peer %s answers versions %s: talking to it in %d (was %d)",
+                    self.url,
+                    theirs,
+                    common,
+                    version,
+                )
+                self.version = common
+                self.version_moves += 1
+                answer = self._call(body, common, deadline - time.monotonic(), abandon)
+        if isinstance(answer, p2p_proto.P2PError):
+            raise ChannelError(
+                f"{self.url} refused: {answer.code}: {answer.message}", PeerFallback.REFUSED
+            )
+        return answer
+
+    def _call(
+        self,
+        body: p2p_proto.P2PRequestBody,
+        version: int,
+        timeout_s: float,
+        abandon: threading.Event | None,
+    ) -> p2p_proto.P2PResponseBody:
+        """One request in ``version`` and its answer (a P2PError too), or ChannelError."""
         if timeout_s <= 0:
             raise ChannelError(f"no time left to ask {self.url}", PeerFallback.TIMEOUT)
         rid = next(self._ids)
         conn = self._take()
         try:
             conn.sock.send_multipart(
-                [
-                    b"",
-                    p2p_proto.encode(
-                        p2p_proto.P2PRequest(p2p_proto.P2P_PROTOCOL_VERSION, rid, body)
-                    ),
-                ],
+                [b"", p2p_proto.encode(p2p_proto.P2PRequest(version, rid, body))],
                 flags=zmq.NOBLOCK,
             )
             resp = p2p_proto.decode_response(self._wait(conn, body, timeout_s, abandon))
@@ -251,11 +323,6 @@ class ChannelClient:
                 f"{self.url} answered request {resp.id}, not {rid}", PeerFallback.REFUSED
             )
         self._give_back(conn)
-        if isinstance(resp.body, p2p_proto.P2PError):
-            raise ChannelError(
-                f"{self.url} refused: {resp.body.code}: {resp.body.message}",
-                PeerFallback.REFUSED,
-            )
         return resp.body
 
     def _wait(

@@ -93,6 +93,8 @@ class P2PStats:
     """Peer listings asked of the coordinator."""
     poll_failures: int
     """Peer listings that failed (the peers were kept)."""
+    wire_unknown: tuple[tuple[str, int], ...] = ()
+    """Control requests this node could not read, by what (``version``, ``operation``)."""
 
 
 def check_single_region(region: L1Region, pool_capacity: int) -> None:
@@ -280,4 +282,5 @@ class P2PNode:
             adapters_rebuilt=c.adapters_rebuilt,
             polls=c.polls,
             poll_failures=c.poll_failures,
+            wire_unknown=tuple(sorted(self._channel.unknown.items())),
         )
