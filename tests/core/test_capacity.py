@@ -101,8 +101,9 @@ def test_a_version_1_snapshot_restores_without_declarations() -> None:
     fleet = FleetState()
     fleet.register(InstanceInfo("a", "127.0.0.1", 1, {}, incarnation=1), 0.0)
     head = msgspec.msgpack.decode(fleet.snapshot())
-    # 2 appended declarations and keep_tokens, 3 the departed instances
-    assert head[0] == 3 and len(head) == 15
+    # 2 appended declarations and keep_tokens, 3 the departed instances, 4 whether the
+    # chunk size is bound
+    assert head[0] == 4 and len(head) == 16
     old = msgspec.msgpack.encode([1, *head[1:12]])  # what version 1 wrote
     restored, extra = FleetState.restore(old)
     assert [i.instance_id for i in restored.instances()] == ["a"]

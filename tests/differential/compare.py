@@ -12,7 +12,11 @@ LMCache documents as unordered (`UNORDERED`).
 
 Everything else that differs must match an entry of ``differences.DIFFERENCES`` (by
 route, and by field path or by the request for a status difference); anything left is
-a mismatch, reported with the route, the path and both values. Must not: send requests
+a mismatch, reported with the route, the path and both values.
+
+Stricter for the chunk size binding (LMCache 0.5.7, `EXACT_ROUTES`, `EXACT_KINDS`): a
+server acts on the status code itself, so the code must be LMCache's, and a 409 must
+carry LMCache's body word for word. Must not: send requests
 (``harness.py`` does) or know what the requests mean.
 """
 
@@ -32,6 +36,10 @@ JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 JOB_FIELDS = frozenset({"request_id"})
 """A prefetch's request id is the MP server's name for each coordinator's own job."""
 CLOCK_FIELDS = frozenset({"registration_time"})
+EXACT_ROUTES = frozenset({"PUT /config/chunk-size"})
+EXACT_KINDS = frozenset({"chunk-size-conflict"})
+"""Requests (by route, or by what the generator meant) judged by status code, not class,
+and by their 409 body (`compare`)."""
 UNORDERED: dict[str, dict[str, tuple[str, ...]]] = {
     # route -> list path -> the item fields that order it
     "GET /instances": {"instances": ("instance_id",)},
@@ -54,6 +62,8 @@ class Exchange:
     lm_body: bytes
     kv_status: int
     kv_body: bytes
+    version: str = "0.5.6"
+    """The LMCache version that answered ``lm_*`` (differences may hold for one only)."""
 
     @property
     def route(self) -> str:
@@ -116,6 +126,7 @@ def _applicable(route: str, exchange: Exchange) -> list[Difference]:
         d
         for d in DIFFERENCES
         if (route in d.routes or "*" in d.routes)
+        and (not d.versions or exchange.version in d.versions)
         and (d.when is None or d.when(exchange.call, exchange.lm_status))
     ]
 
@@ -129,6 +140,8 @@ def compare(exchange: Exchange) -> Verdict:
     route = exchange.route
     verdict = Verdict(exchange)
     diffs = _applicable(route, exchange)
+    if route in EXACT_ROUTES or exchange.call.kind in EXACT_KINDS:
+        _exact(route, exchange, verdict)
     lm_class, kv_class = status_class(exchange.lm_status), status_class(exchange.kv_status)
     if lm_class != kv_class:
         excuse = next((d for d in diffs if route in d.status), None)
@@ -154,6 +167,17 @@ def compare(exchange: Exchange) -> Verdict:
         return verdict  # 204 and the like: LMCache answers no field
     _walk(route, "", lm, kv, diffs, verdict, UNORDERED.get(route, {}))
     return verdict
+
+
+def _exact(route: str, exchange: Exchange, verdict: Verdict) -> None:
+    """The status code, and a 409's body, must be LMCache's (see the module doc)."""
+    lm, kv = exchange.lm_status, exchange.kv_status
+    if lm != kv:
+        verdict.mismatches.append(Mismatch(route, "", "status code", lm, kv))
+    elif lm == 409 and exchange.lm_json() != exchange.kv_json():
+        verdict.mismatches.append(
+            Mismatch(route, "", "409 body", exchange.lm_json(), exchange.kv_json())
+        )
 
 
 def _listed_key(item: Any) -> str:

@@ -1,8 +1,9 @@
 """The processes of the differential suite and the one way requests reach them.
 
-- `LMCacheCoord`: `lmcache coordinator` 0.5.6 from .venv-lmcache with its defaults (the
-  compatibility suite's `LMCacheCoordinator` turns its metrics off; this one does not),
-  optionally consuming cache events from Kafka.
+- `LMCacheCoord`: `lmcache coordinator` from a venv (0.5.6 from .venv-lmcache, 0.5.7rc2
+  from .venv-lmcache057) with its defaults (the compatibility suite's
+  `LMCacheCoordinator` turns its metrics off; this one does not), optionally consuming
+  cache events from Kafka.
 - kvatlas' coordinator: `lmcache.fleet.KvatlasCoordinator` (tests/lmcache), its defaults.
 - `Target`: one `lmcache server` (registered with neither coordinator by itself) and the
   stand-in engine that registers its KV layout, so that both coordinators' prefetch and
@@ -99,12 +100,17 @@ def body(obj: Any) -> bytes:
 
 
 class Pair:
-    """LMCache's coordinator and kvatlas', and every verdict so far."""
+    """LMCache's coordinator (of ``version``) and kvatlas', and every verdict so far."""
 
-    def __init__(self, lm: LMCacheCoord, kv: KvatlasCoordinator) -> None:
+    def __init__(self, lm: LMCacheCoord, kv: KvatlasCoordinator, version: str = "0.5.6") -> None:
         self.lm = lm
         self.kv = kv
+        self.version = version
         self.verdicts: list[Verdict] = []
+
+    def stop(self) -> None:
+        self.kv.stop()
+        self.lm.stop()
 
     def raw(self, call: Call) -> Exchange:
         """Send ``call`` to LMCache's coordinator, then to kvatlas'; judge nothing."""
@@ -114,7 +120,7 @@ class Pair:
         b = self.kv.http.request(
             call.method, call.kv_path or call.path, content=kv_body, headers=headers
         )
-        return Exchange(call, a.status_code, a.content, b.status_code, b.content)
+        return Exchange(call, a.status_code, a.content, b.status_code, b.content, self.version)
 
     def send(self, call: Call, before: Callable[[], object] | None = None) -> Exchange:
         """Send ``call`` to both (``before`` runs ahead of each side's request, for a
@@ -133,7 +139,7 @@ class Pair:
                 content=call.kv_body if call.kv_body is not None else call.body,
                 headers=headers,
             )
-            ex = Exchange(call, a.status_code, a.content, b.status_code, b.content)
+            ex = Exchange(call, a.status_code, a.content, b.status_code, b.content, self.version)
         self.verdicts.append(compare(ex))
         return ex
 

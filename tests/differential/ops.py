@@ -1,4 +1,5 @@
-"""The operations the differential suite sends, in LMCache 0.5.6's request shapes.
+"""The operations the differential suite sends, in LMCache 0.5.6's request shapes (and
+0.5.7's ``chunk_size`` and ``dropped_events`` where a scenario adds them).
 
 A `Run` is one sequence of requests (one hand-written scenario or one hypothesis
 example): fresh instance ids, model and salts, so runs never see each other's keys; it
@@ -49,6 +50,9 @@ class Run:
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     streams: dict[str, Stream] = field(default_factory=dict)
     registered: set[str] = field(default_factory=set)
+    departed: set[str] = field(default_factory=set)
+    """Ids deregistered after LMCache's gate took a batch of theirs (it has a cursor), not
+    registered again since: LMCache 0.5.7's gate refuses their L1 batches as stale."""
     attempted: set[str] = field(default_factory=set)
     """Every id a registration named, refused or not: undone too (where one coordinator
     took a registration the other refused, both forget it)."""
@@ -83,15 +87,17 @@ class Run:
 
     # -- membership ---------------------------------------------------------------
 
-    def register(self, n: int, port: int = 8080, **extra: Any) -> Exchange:
+    def register(self, n: int, port: int = 8080, kind: str = "valid", **extra: Any) -> Exchange:
         iid = self.iid(n)
         ex = self.send(
             "POST",
             "/instances",
             {"instance_id": iid, "ip": "127.0.0.1", "http_port": port, "metadata": {}, **extra},
+            kind,
         )
         if ex.lm_status == 200:
             self.registered.add(iid)
+            self.departed.discard(iid)
             self.streams.setdefault(iid, Stream())
         return ex
 
@@ -114,6 +120,9 @@ class Run:
 
     def deregister(self, n: int) -> Exchange:
         self.registered.discard(self.iid(n))
+        s = self.streams.get(self.iid(n))
+        if s is not None and s.seq:
+            self.departed.add(self.iid(n))
         return self.send("DELETE", f"/instances/{self.iid(n)}")
 
     # -- events -------------------------------------------------------------------
@@ -184,6 +193,7 @@ class Run:
         size: int = 4096,
         token_ids: list[list[int]] | None = None,
         salt: str = "",
+        kind: str = "valid",
     ) -> Exchange:
         """One store, access or delete batch of this run's keys (access: backend "")."""
         entries = [
@@ -203,7 +213,7 @@ class Run:
             shared=shared,
             entries=entries,
         )
-        ex = self.events(b)
+        ex = self.events(b, kind=kind)
         if ex.lm_status == 200 and event_type in ("store", "delete"):
             spot = self.placed.setdefault((self.iid(n), tier, backend, shared, salt), set())
             if event_type == "store":
@@ -328,7 +338,9 @@ class Run:
                 if not pending or time.monotonic() > deadline:
                     final[side] = (r.status_code, r.content)
             time.sleep(0.02)
-        ex = Exchange(Call("GET", lm_path, kv_path=kv_path), *final["lm"], *final["kv"])
+        ex = Exchange(
+            Call("GET", lm_path, kv_path=kv_path), *final["lm"], *final["kv"], self.pair.version
+        )
         self.pair.verdicts.append(compare(ex))
         return ex
 

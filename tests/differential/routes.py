@@ -1,10 +1,13 @@
-"""LMCache 0.5.6's coordinator routes, the 25 the differential suite compares.
+"""LMCache's coordinator routes the differential suite compares: 0.5.6's 25, and
+0.5.7rc2's 26 (`ROUTES_BY_VERSION`).
 
 Read from its code (``lmcache/v1/mp_coordinator``): ``http_apis/*_api.py`` (membership,
-usage, events, directory, cache control, health, metrics) and the eviction controller's
-own routers (``controllers/eviction_http_api.py``: quotas and pins). ``route_of`` maps a
-concrete request to its template the way FastAPI would (first match in this order, the
-literal ``/quota/config`` before ``/quota/{cache_salt}``).
+usage, events, directory, cache control, health, metrics; 0.5.7's ``config_api.py``,
+``PUT /config/chunk-size``) and the eviction controller's own routers
+(``controllers/eviction_http_api.py``: quotas and pins, and in 0.5.7 ``/cache/delete``,
+moved there from ``cache_api.py`` at the same path). ``route_of`` maps a concrete
+request to its template the way FastAPI would (first match in this order, the literal
+``/quota/config`` before ``/quota/{cache_salt}``).
 """
 
 from __future__ import annotations
@@ -44,7 +47,11 @@ ROUTES: tuple[str, ...] = (
     "POST /cache/pins",
     "DELETE /cache/pins",
     "GET /cache/pins",
+    # 0.5.7: http_apis/config_api.py
+    "PUT /config/chunk-size",
 )
+ROUTES_056: tuple[str, ...] = tuple(r for r in ROUTES if r != "PUT /config/chunk-size")
+ROUTES_BY_VERSION: dict[str, tuple[str, ...]] = {"0.5.6": ROUTES_056, "0.5.7rc2": ROUTES}
 
 
 def _pattern(route: str) -> tuple[str, re.Pattern[str]]:

@@ -17,12 +17,17 @@ from .ops import CHUNK, Run, tokens
 
 Scenario = Callable[[Run], None]
 SCENARIOS: dict[str, Scenario] = {}
+SCENARIO_VERSIONS: dict[object, tuple[str, ...]] = {}
+"""The LMCache versions a scenario runs against (absent: every one): what it sends only
+that version's servers send."""
 
 
-def scenario(*routes: str) -> Callable[[Scenario], Scenario]:
+def scenario(*routes: str, versions: tuple[str, ...] = ()) -> Callable[[Scenario], Scenario]:
     def add(fn: Scenario) -> Scenario:
         for r in routes:
             SCENARIOS[r] = fn
+        if versions:
+            SCENARIO_VERSIONS[fn] = versions
         return fn
 
     return add
@@ -74,7 +79,19 @@ def membership(run: Run) -> None:
         run.send("POST", "/instances", bad, kind="invalid")
     run.send("POST", "/instances", b"{not json", kind="invalid")
     run.register_unnamed()
+    run.register(4, future_field={"from": "a newer server"})  # skipped, not refused
     run.get("/instances")
+    # a straggler L1 batch of an instance that left (`departed-l1-applied`, 0.5.7)
+    hashes = run.chain(tokens(run_base(run), 2))
+    run.register(6)
+    run.place(6, "store", hashes[:1])
+    run.deregister(6)
+    run.place(6, "store", hashes[1:], kind="departed-l1")
+    run.lookup_keys(hashes, kind="after-departed-l1")
+    run.register(6)  # LMCache 0.5.7 takes its L1 batches again
+    run.place(6, "delete", hashes[1:])  # both without the straggler's placement again
+    run.place(6, "store", hashes[1:])
+    run.lookup_keys(hashes)
 
 
 @scenario("POST /events")
@@ -105,6 +122,42 @@ def events(run: Run) -> None:
     run.send("POST", "/events", {"batches": "x"}, kind="invalid")
     run.send("POST", "/events", {}, kind="valid")
     run.lookup_keys(hashes)
+    # LMCache 0.5.7's servers stamp dropped_events on every batch (0.5.6's coordinator
+    # skips it as an unknown field); a rise is a gap, counted, never refused.
+    run.place(1, "access", hashes[:1])
+    for dropped in (0, 3, 3, 1):
+        run.events(run.batch(1, "access", dropped_events=dropped))
+    run.events(run.batch(1, "access", dropped_events=-1), kind="invalid-dropped-events")
+    run.events(run.batch(1, "access", dropped_events="x"), kind="invalid-dropped-events")
+    run.events(run.batch(1, "access", future_field=[1, 2], dropped_events=5))
+    run.lookup_keys(hashes)
+
+
+@scenario("PUT /config/chunk-size", versions=("0.5.7rc2",))
+def chunk_size(run: Run) -> None:
+    """Binds at 256, both coordinators' minimum and the suite's CHUNK, so the other
+    scenarios' hashing is unchanged whichever runs first (a binding lasts as long as the
+    coordinators: ``test_chunk_size.py`` binds other sizes on pairs of its own)."""
+    put = "PUT", "/config/chunk-size"
+    run.send(*put, {"chunk_size": 128}, kind="chunk-size-conflict")  # below the minimum
+    run.register(1, chunk_size=None)  # negotiation pending: nothing to bind
+    run.register(2, chunk_size=CHUNK)  # binds (or the same, when bound already)
+    run.send(*put, {"chunk_size": CHUNK})  # the same again: 200
+    run.send(*put, {"chunk_size": CHUNK, "future_field": 1})  # unknown fields skipped
+    run.send(*put, {"chunk_size": 2 * CHUNK}, kind="chunk-size-conflict")
+    # a conflict registers nothing
+    run.register(3, chunk_size=2 * CHUNK, kind="chunk-size-conflict")
+    run.get("/instances")
+    run.heartbeat(3)  # unknown at both
+    for bad in ({"chunk_size": 0}, {"chunk_size": -1}, {"chunk_size": "x"}, {"chunk_size": 2.5}):
+        run.send(*put, bad, kind="invalid")
+    run.send(*put, {"chunk_size": None}, kind="invalid")
+    run.send(*put, {}, kind="invalid")
+    run.send(*put, b"{not json", kind="invalid")
+    run.send(*put, kind="invalid")  # no body
+    run.register(5, chunk_size=0, kind="invalid")
+    run.register(5, chunk_size="x", kind="invalid")
+    run.get("/instances")
 
 
 def run_base(run: Run) -> int:

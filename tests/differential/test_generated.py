@@ -8,7 +8,11 @@ by token ids and by keys, list keys, read stats and usage; operators set quotas 
 pins; prefetches and deletes go through both coordinators to one real LMCache server.
 Every step is judged (``compare.py``) and the first mismatch fails the example with the
 route, the field and both answers. Each example is a fresh `Run` (its own ids, model and
-salts) and is undone at both coordinators when it ends.
+salts) and is undone at both coordinators when it ends. The module runs once per LMCache
+version (``conftest.VERSIONS``); with 0.5.7rc2 an instance that left sends no L1 batch
+until it registers again (0.5.7's gate refuses them, kvatlas takes them: the listed
+``departed-l1-applied``, met by the membership scenario), and batches carry
+``dropped_events`` as 0.5.7's servers stamp them.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ def machine(pair: Pair, target: Target) -> type[RuleBasedStateMachine]:
             self.run = Run(pair, target)
             self.base = int(self.run.tag, 16) % 1_000_000 * 4096
             self.jobs: list[tuple[int, str, str]] = []
+            self.dropped: dict[int, int] = {}
             self.start = len(pair.verdicts)
 
         def prompt(self, p: int, chunks: int = 3, extra: int = 1) -> list[int]:
@@ -53,6 +58,10 @@ def machine(pair: Pair, target: Target) -> type[RuleBasedStateMachine]:
 
         def salt(self, s: str) -> str:
             return self.run.salt(1) if s else ""
+
+        def closed(self, n: int, tier: str = "l1") -> bool:
+            """An L1 batch LMCache 0.5.7's gate refuses for a departed instance."""
+            return pair.version != "0.5.6" and tier == "l1" and self.run.iid(n) in self.run.departed
 
         def judge(self, since: int) -> None:
             bad = pair.mismatches(since)
@@ -122,6 +131,8 @@ def machine(pair: Pair, target: Target) -> type[RuleBasedStateMachine]:
             self, n: int, place: tuple[str, str, bool], capacity: int, revision: int
         ) -> None:
             tier, backend, shared = place
+            if self.closed(n, tier):
+                return
             self.step(self.run.config, n, tier, backend, capacity, revision, shared)
 
         @rule(
@@ -139,6 +150,8 @@ def machine(pair: Pair, target: Target) -> type[RuleBasedStateMachine]:
             hashes = self.run.chain(toks, self.salt(salt))
             parts = [toks[i * CHUNK : (i + 1) * CHUNK] for i in range(len(hashes))]
             tier, backend, shared = place
+            if self.closed(n, tier):
+                return
             self.step(
                 self.run.place,
                 n,
@@ -152,8 +165,19 @@ def machine(pair: Pair, target: Target) -> type[RuleBasedStateMachine]:
                 salt=self.salt(salt),
             )
 
+        @rule(n=N, rise=st.sampled_from([0, 1, 4]))
+        def report_dropped(self, n: int, rise: int) -> None:
+            """An access batch stamped as 0.5.7's servers stamp every batch: the events
+            this incarnation dropped so far (0.5.6's coordinator skips the field)."""
+            if self.closed(n):
+                return
+            self.dropped[n] = self.dropped.get(n, 0) + rise
+            self.step(self.run.events, self.run.batch(n, "access", dropped_events=self.dropped[n]))
+
         @rule(n=N, p=PROMPT, chunks=CHUNKS, salt=SALT)
         def access(self, n: int, p: int, chunks: int, salt: str) -> None:
+            if self.closed(n):
+                return
             hashes = self.run.chain(self.prompt(p, chunks), self.salt(salt))
             self.step(self.run.place, n, "access", hashes, salt=self.salt(salt))
 
@@ -163,6 +187,8 @@ def machine(pair: Pair, target: Target) -> type[RuleBasedStateMachine]:
         ) -> None:
             hashes = self.run.chain(self.prompt(p, chunks), self.salt(salt))[-1:]
             tier, backend, shared = place
+            if self.closed(n, tier):
+                return
             self.step(
                 self.run.place,
                 n,
@@ -189,6 +215,8 @@ def machine(pair: Pair, target: Target) -> type[RuleBasedStateMachine]:
             ),
         )
         def bad_batch(self, n: int, fault: str) -> None:
+            if self.closed(n):
+                return
             r = self.run
             s = r.streams.setdefault(r.iid(n), type(next(iter(r.streams.values())))())
             nxt = s.seq + 1

@@ -7,7 +7,8 @@ Hypothesis generates each instance's stream (stores of prompt prefixes in L1 or 
 accesses, deletes, config declarations, replays of an earlier record, a stale
 incarnation, an undecodable record); when both coordinators have read a closing
 sentinel record of every instance, the same lookups, listings, stats and usage reads go
-to both and are judged (``compare.py``). ``POST /events`` is closed at both.
+to both and are judged (``compare.py``). ``POST /events`` is closed at both. The pair
+runs once per LMCache version (``conftest.VERSIONS``).
 """
 
 from __future__ import annotations
@@ -47,17 +48,17 @@ STEP = st.one_of(
 
 @pytest.fixture(scope="module")
 def kafka_pair(
-    lmcache_venv: Path, logs: Path, kafka_broker: Broker
+    version: str, coordinator_venv: Path, logs: Path, kafka_broker: Broker
 ) -> Iterator[tuple[Pair, Any, str]]:
     topic = f"diff-{uuid.uuid4().hex[:8]}"
     kafka_broker.create_topic(topic, partitions=4)
     lm = LMCacheCoord(
         logs,
-        lmcache_venv,
+        coordinator_venv,
         "--event-transport", "kafka",
         "--kafka-bootstrap-servers", kafka_broker.bootstrap,
         "--kafka-topic", topic,
-        name="lmcache-coord-kafka",
+        name=f"lmcache-coord-kafka-{version}",
     )  # fmt: skip
     kv = KvatlasCoordinator(
         logs,
@@ -76,7 +77,7 @@ def kafka_pair(
     try:
         lm.wait()
         kv.wait()
-        yield Pair(lm, kv), producer, topic
+        yield Pair(lm, kv, version), producer, topic
     finally:
         producer.flush(10)
         kv.stop()

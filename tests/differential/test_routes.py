@@ -1,6 +1,7 @@
-"""Every one of LMCache 0.5.6's 25 coordinator routes, answered alike by kvatlas or by a
-named, reasoned difference (``differences.py``): one hand-written scenario per route,
-sent to both coordinators, every exchange judged."""
+"""Every one of LMCache's coordinator routes (0.5.6's 25, 0.5.7rc2's 26), answered alike
+by kvatlas or by a named, reasoned difference (``differences.py``): one hand-written
+scenario per route, sent to both coordinators, every exchange judged; each module's
+pair runs once per LMCache version (``conftest.VERSIONS``)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 from .differences import DIFFERENCES
 from .harness import Pair, Target, report
 from .ops import Run
-from .routes import ROUTES
-from .scenarios import SCENARIOS, TARGET_SCENARIOS
+from .routes import ROUTES, ROUTES_BY_VERSION
+from .scenarios import SCENARIO_VERSIONS, SCENARIOS, TARGET_SCENARIOS
 
 pytestmark = [pytest.mark.lmcache]
 
@@ -33,13 +34,23 @@ def run_scenario(route: str, pair: Pair, request: pytest.FixtureRequest) -> int:
 
 def test_every_route_has_a_scenario() -> None:
     assert set(SCENARIOS) | set(TARGET_SCENARIOS) == set(ROUTES)
-    assert len(ROUTES) == 25
+    assert len(ROUTES_BY_VERSION["0.5.6"]) == 25
+    assert len(ROUTES_BY_VERSION["0.5.7rc2"]) == 26
+    assert set(ROUTES_BY_VERSION["0.5.7rc2"]) == set(ROUTES)
+
+
+def runs_on(fn: object, version: str) -> bool:
+    """Does a scenario's LMCache version serve what it sends?"""
+    versions = SCENARIO_VERSIONS.get(fn, ())
+    return not versions or version in versions
 
 
 @pytest.mark.parametrize("route", ROUTES)
 def test_route_answered_alike(route: str, pair: Pair, request: pytest.FixtureRequest) -> None:
     """The route's own exchanges in its scenario (the other routes a scenario sends are
     judged by their own tests and, all together, by the last test here)."""
+    if route not in ROUTES_BY_VERSION[pair.version]:
+        pytest.skip(f"LMCache {pair.version} has no {route}")
     since = run_scenario(route, pair, request)
     met = {v.exchange.route for v in pair.verdicts[since:]}
     assert route in met, f"the scenario never sent {route}"
@@ -63,6 +74,8 @@ def test_all_scenarios_alike_and_every_listed_difference_met(
     since = len(pair.verdicts)
     target: Target = request.getfixturevalue("target")
     for fn in dict.fromkeys([*SCENARIOS.values()]):
+        if not runs_on(fn, pair.version):
+            continue
         run = Run(pair)
         try:
             fn(run)
@@ -78,5 +91,9 @@ def test_all_scenarios_alike_and_every_listed_difference_met(
     if bad:
         pytest.fail(report(bad), pytrace=False)
     used = pair.used(since)
-    unused = sorted(d.name for d in DIFFERENCES if d.name not in used)
+    unused = sorted(
+        d.name
+        for d in DIFFERENCES
+        if d.name not in used and (not d.versions or pair.version in d.versions)
+    )
     assert not unused, f"listed differences no exchange needed: {unused}"

@@ -40,6 +40,11 @@ class MembershipFrontend(Protocol):
         """Raises like `heartbeat`."""
         ...
 
+    async def bind_chunk_size(self, chunk_size: int) -> int:
+        """Bind the fleet's chunk size once (LMCache 0.5.7); returns it. Raises
+        ChunkSizeConflict when another is bound or it is below the minimum."""
+        ...
+
     def sweep(self) -> None:
         """Expire silent instances (called every health-check interval, off the loop)."""
         ...
@@ -60,6 +65,9 @@ class LocalMembership:
 
     async def deregister(self, instance_id: InstanceId, proof: bytes) -> None:
         self._service.deregister(instance_id, self._clock(), proof=proof)
+
+    async def bind_chunk_size(self, chunk_size: int) -> int:
+        return self._service.bind_chunk_size(chunk_size)
 
     def sweep(self) -> None:
         self._service.expire(self._clock())

@@ -1,14 +1,14 @@
 """The coordinator's HTTP API (LMCache-compatible, plus kvatlas' additions).
 
 Owns the routes, decoding with msgspec from raw bodies (no pydantic), the mapping of
-errors to status codes (InvalidInput 400, contract and incarnation conflicts 409,
-limits 413, unknown instance 404, the log unreachable 503) and where each handler
-runs: small requests on the event loop, large ones (big bodies, scans) in the thread
-pool, so one heavy request never stalls the loop. Must not hold state beyond its
-collaborators, nor touch the fleet state except through the service and the
-membership frontend. Connections, limits on the request itself and dispatch are
-`coordinator.edge`'s; the fleet page's routes (`/ui`, `/ui/fleet.json`) are
-`fleet_page`'s.
+errors to status codes (InvalidInput 400, contract and incarnation conflicts 409, a
+chunk size conflict 409 in LMCache 0.5.7's words, limits 413, unknown instance 404, the
+log unreachable 503) and where each handler runs: small requests on the event loop,
+large ones (big bodies, scans) in the thread pool, so one heavy request never stalls the
+loop. Must not hold state beyond its collaborators, nor touch the fleet state except
+through the service and the membership frontend. Connections, limits on the request
+itself and dispatch are `coordinator.edge`'s; the fleet page's routes (`/ui`,
+`/ui/fleet.json`) are `fleet_page`'s.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.coordinator.views import holders_wire, keys_response, lookup_json
 from kvatlas.core.credentials import DIGEST_BYTES, credential_digest
 from kvatlas.core.errors import (
+    ChunkSizeConflict,
     ContractMismatch,
     CredentialRefused,
     InvalidInput,
@@ -50,6 +51,7 @@ from kvatlas.core.keys import Namespace, default_kv_rank
 from kvatlas.core.membership import InstanceInfo, check_registration, strip_field
 from kvatlas.core.types import MAX_INT64, Incarnation, InstanceId, Tier
 from kvatlas.runtime.gc_pauses import GcPauses
+from kvatlas.wire.config_api import ChunkSizeBindRequest, ChunkSizeBindResponse
 from kvatlas.wire.coordinator_views import ReadyResponse
 from kvatlas.wire.decoding import TOO_DEEP
 from kvatlas.wire.directory_api import (
@@ -67,6 +69,7 @@ from kvatlas.wire.instances_api import (
     RegisterRequest,
     RegisterResponse,
 )
+from kvatlas.wire.quota_api import DetailResponse
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,8 @@ _MAX_PAGE = 10000
 
 _register_decoder = msgspec.json.Decoder(RegisterRequest)
 _blend_decoder = msgspec.json.Decoder(BlendLookupRequest)
+_chunk_size_decoder = msgspec.json.Decoder(ChunkSizeBindRequest, strict=False)
+"""Lax like LMCache's pydantic model (``"512"`` and ``512.0`` are 512)."""
 _encoder = msgspec.json.Encoder()
 _T = TypeVar("_T")
 
@@ -117,6 +122,9 @@ def translate_error(exc: Exception) -> HttpResponse | None:
         return _error(exc.status, exc.reason)
     if isinstance(exc, Unavailable):
         return _error(503, str(exc))
+    if isinstance(exc, ChunkSizeConflict):
+        # An LMCache 0.5.7 refusal, on its route and on registration: its words, its body.
+        return _json(DetailResponse(str(exc)), 409)
     if isinstance(exc, ContractMismatch | StaleIncarnation):
         return _error(409, str(exc))
     if isinstance(exc, TooLarge):
@@ -202,6 +210,7 @@ class CoordinatorApp:
         r.add("GET", "/instances/{instance_id}/usage", self.instance_usage, offload=always)
         r.add("PUT", "/instances/{instance_id}/heartbeat", self.heartbeat)
         r.add("DELETE", "/instances/{instance_id}", self.deregister)
+        r.add("PUT", "/config/chunk-size", self.bind_chunk_size)
         r.add("POST", "/events", self.events, offload=_big_body)
         r.add("POST", "/directory/lookup", self.lookup, offload=_big_body)
         r.add("POST", "/directory/blend-lookup", self.blend_lookup, offload=always)
@@ -258,6 +267,10 @@ class CoordinatorApp:
         check_registration(info)  # before it travels (Kafka) or is held anywhere
         if req.credential_digest:
             info = msgspec.structs.replace(info, credential_digest=_digest(req.credential_digest))
+        if req.chunk_size is not None:
+            # LMCache 0.5.7 binds first: a conflict (409) registers nothing, and a binding
+            # stays even if the registration is then refused.
+            await self._members.bind_chunk_size(req.chunk_size)
         outcome = await self._members.register(info, _proof(request))
         return _json(RegisterResponse(iid, outcome.re_registered, outcome.incarnation))
 
@@ -271,6 +284,17 @@ class CoordinatorApp:
         iid = InstanceId(request.path_params["instance_id"])
         await self._members.deregister(iid, _proof(request))
         return HttpResponse(204)
+
+    async def bind_chunk_size(self, request: HttpRequest) -> HttpResponse:
+        """`PUT /config/chunk-size` (LMCache 0.5.7): bind once; the same size again is
+        200, another (or one below the minimum before binding) 409."""
+        try:
+            req = _chunk_size_decoder.decode(request.body or b"null")
+        except (msgspec.MsgspecError, RecursionError) as exc:
+            # LMCache's route answers FastAPI's 422 with a ``detail``; so does this one.
+            return _json(DetailResponse(f"invalid body: {exc}"), 422)
+        bound = await self._members.bind_chunk_size(req.chunk_size)
+        return _json(ChunkSizeBindResponse(bound))
 
     def list_instances(self, request: HttpRequest) -> HttpResponse:
         return _json(InstancesResponse(self._svc.instances(self._clock())))

@@ -32,6 +32,10 @@ applies membership only from the log, with the time carried in the record.
 - Quota and pin writes: published keyed `OPERATOR_KEY` and answered once applied here,
   like a registration; every replica applies them from the log (`on_operator`), in
   one partition's order.
+- The fleet's chunk size (LMCache 0.5.7's `PUT /config/chunk-size`, and a
+  registration's ``chunk_size``, bound before the registration is published): a
+  `ChunkSizeRecord` keyed `OPERATOR_KEY`, answered once applied here with what the log
+  decided (409 for a conflict), so the first size in the log binds on every replica.
 - Expiry: each replica's sweep looks for instances silent for too long by its own
   clock (only once caught up) and publishes an expire record naming the incarnation
   and the last heartbeat it saw; applying it expires the instance only if nothing was
@@ -64,6 +68,7 @@ from kvatlas.core.quotas import OperatorOp, OpResult
 from kvatlas.core.types import InstanceId
 from kvatlas.wire.kafka_records import (
     OPERATOR_KEY,
+    ChunkSizeRecord,
     ContractClaim,
     DeregisterRecord,
     ExpireRecord,
@@ -230,6 +235,15 @@ class LogMembership:
             instance_id, DeregisterRecord(rid, instance_id, self._clock(), proof), rid
         )
 
+    async def bind_chunk_size(self, chunk_size: int) -> int:
+        """Publish the binding and answer what applying it here decided."""
+        rid = uuid.uuid4().hex
+        result = await self._publish_and_wait(
+            OPERATOR_KEY, ChunkSizeRecord(rid, self._clock(), chunk_size), rid
+        )
+        assert isinstance(result, int)
+        return result
+
     async def submit(self, op: OperatorOp) -> OpResult:
         """A quota or pin write: publish it, answer once this replica applied it."""
         rid = uuid.uuid4().hex
@@ -298,6 +312,12 @@ class LogMembership:
             except InvalidInput as exc:
                 result = exc
             self._resolve(record.request_id, result)
+        elif isinstance(record, ChunkSizeRecord):
+            try:
+                bound: object = svc.bind_chunk_size(record.chunk_size, position)
+            except InvalidInput as exc:
+                bound = exc
+            self._resolve(record.request_id, bound)
         elif isinstance(record, OperatorRecord):
             if self._on_operator is not None:
                 self._resolve(record.request_id, self._on_operator(record.op, position))

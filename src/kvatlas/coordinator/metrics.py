@@ -60,6 +60,10 @@ class StateSample(msgspec.Struct, frozen=True):
     """(instance, tier, backend, bytes) of every declared compartment."""
     departed_instances: int = 0
     """Instances gone whose L2 placements wait out the retention."""
+    dropped: dict[InstanceId, int] = {}
+    """Events each instance reported dropping (its cursor's ``dropped``)."""
+    chunk_size: int = 0
+    chunk_size_bound: bool = False
 
 
 class _StateCollector(Collector):
@@ -114,9 +118,23 @@ class _StateCollector(Collector):
             "Seqs skipped in total in each instance's event stream",
             labels=["instance"],
         )
+        dropped = GaugeMetricFamily(
+            "kvatlas_coordinator_instance_events_dropped",
+            "Events each instance reported dropping before they reached the coordinator"
+            " (LMCache 0.5.7's dropped_events), in total",
+            labels=["instance"],
+        )
         for iid, n in s.gaps.items():
             gaps.add_metric([iid], n)
             missing.add_metric([iid], s.missing.get(iid, 0))
+            dropped.add_metric([iid], s.dropped.get(iid, 0))
+        chunk = GaugeMetricFamily(
+            "kvatlas_coordinator_chunk_size",
+            'Tokens per chunk the coordinator hashes token ids with; bound="0": the'
+            " configured minimum, no server has bound it yet",
+            labels=["bound"],
+        )
+        chunk.add_metric(["1" if s.chunk_size_bound else "0"], s.chunk_size)
         blend = GaugeMetricFamily(
             "kvatlas_coordinator_blend_chunks", "Chunks in the blend index", value=s.blend_chunks
         )
@@ -133,8 +151,8 @@ class _StateCollector(Collector):
         for instance, tier, backend, n in s.declared_capacity:
             capacity.add_metric([instance, tier, backend], n)
         return [
-            keys, placements, nbytes, live, prov, departed, age, gaps, missing, blend, tokens,
-            capacity,
+            keys, placements, nbytes, live, prov, departed, age, gaps, missing, dropped, blend,
+            tokens, capacity, chunk,
         ]  # fmt: skip
 
 
@@ -283,10 +301,26 @@ class CoordinatorMetrics:
             registry=r,
         ).labels(DEFAULT_CHAIN_NAME).set(1)
         self.ingest_gaps = Counter(
-            "kvatlas_coordinator_ingest_gaps", "Batches that arrived after a seq gap", registry=r
+            "kvatlas_coordinator_ingest_gaps",
+            "Batches that showed lost events: after a seq gap, or reporting more events"
+            " dropped by their sender",
+            registry=r,
         )
         self.ingest_missing = Counter(
             "kvatlas_coordinator_ingest_missing_seqs", "Seqs skipped by gaps", registry=r
+        )
+        self.ingest_events_dropped = Counter(
+            "kvatlas_coordinator_ingest_events_dropped",
+            "Events senders reported dropping before they reached the coordinator (the"
+            " rises of LMCache 0.5.7's dropped_events)",
+            registry=r,
+        )
+        self.chunk_size_binds = Counter(
+            "kvatlas_coordinator_chunk_size_binds",
+            "Chunk size bindings asked for (PUT /config/chunk-size, a registration's"
+            " chunk_size), by outcome: bound, same (already bound to it), refused (409)",
+            ["outcome"],
+            registry=r,
         )
         self.fences = Counter(
             "kvatlas_coordinator_fences",

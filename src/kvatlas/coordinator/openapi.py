@@ -12,6 +12,8 @@ from typing import Any
 import msgspec
 
 from kvatlas.coordinator import openapi_cache, openapi_quota
+from kvatlas.coordinator.openapi_parts import answers, json_body
+from kvatlas.wire.config_api import ChunkSizeBindRequest, ChunkSizeBindResponse
 from kvatlas.wire.coordinator_views import KeysPage, ReadyResponse, StatsResponse
 from kvatlas.wire.directory_api import (
     BlendLookupRequest,
@@ -50,6 +52,8 @@ _TYPES: tuple[Any, ...] = (
     ReadyResponse,
     ErrorResponse,
     FleetDocument,
+    ChunkSizeBindRequest,
+    ChunkSizeBindResponse,
 )
 
 
@@ -86,7 +90,10 @@ def _errors(*codes: int) -> dict[str, Any]:
             " a caller without the operator token, when one is set"
         ),
         404: "Unknown resource",
-        409: "Conflict (hash contract, stale incarnation, wrong transport)",
+        409: (
+            "Conflict (hash contract, stale incarnation, wrong transport; a `chunk_size`"
+            " the coordinator cannot bind, answered as `PUT /config/chunk-size` does)"
+        ),
         413: "Request over a configured limit",
         503: "Not ready",
     }
@@ -114,6 +121,22 @@ _EVENTS_RULES = (
     " ahead of the clock (400); nothing of such a body applies. The same rules hold for"
     " the batches of Kafka records, which are skipped instead."
 )
+
+
+_CHUNK_SIZE_RULES = (
+    "The chunk size token ids are hashed with (lookups by tokens, pins, deletes, the blend"
+    " index). Until a server binds it, the coordinator uses --chunk-size, the minimum; the"
+    " first size at or above it binds, the same size again answers 200, and any other"
+    " size, or one below the minimum before binding, is refused with 409 and LMCache's"
+    " reason. A registration's chunk_size binds the same way before it registers. The"
+    " binding is kept in the snapshot, so a restart keeps it (LMCache 0.5.7rc2 keeps it in"
+    " memory only); with --event-transport kafka it travels through the topic and the"
+    " first size in the log binds on every replica."
+)
+_CHUNK_SIZE_REFUSALS = {
+    409: "Another chunk size is bound, or this one is below the configured minimum",
+    422: "Invalid body (chunk_size missing, not an integer, or below 1)",
+}
 
 
 def openapi_document() -> dict[str, Any]:
@@ -144,7 +167,8 @@ def openapi_document() -> dict[str, Any]:
                 "summary": (
                     "Register (or re-register) a cache server; with credential_digest the"
                     " instance is bound to its secret, which a live bound instance's"
-                    " re-registration presents"
+                    " re-registration presents; with chunk_size (LMCache 0.5.7) the"
+                    " coordinator first binds it as PUT /config/chunk-size does"
                 ),
                 "requestBody": _body(RegisterRequest),
                 "responses": {**_ok(RegisterResponse), **_errors(400, 401, 403, 409, 413)},
@@ -185,6 +209,17 @@ def openapi_document() -> dict[str, Any]:
                 "responses": {
                     **_ok(None, "204", "Deregistered (also when unknown)"),
                     **_errors(401, 403),
+                },
+            }
+        },
+        "/config/chunk-size": {
+            "put": {
+                "summary": "Bind the fleet's chunk size, once (LMCache 0.5.7)",
+                "description": _CHUNK_SIZE_RULES,
+                "requestBody": json_body(ChunkSizeBindRequest),
+                "responses": {
+                    **answers(ChunkSizeBindResponse, _CHUNK_SIZE_REFUSALS, 409, 422),
+                    **_errors(401, 503),
                 },
             }
         },

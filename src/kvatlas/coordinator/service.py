@@ -30,6 +30,7 @@ from kvatlas.coordinator.views import stats_response
 from kvatlas.core.blend import BlendMatch
 from kvatlas.core.credentials import Bounds
 from kvatlas.core.errors import (
+    ChunkSizeConflict,
     ContractMismatch,
     CredentialRefused,
     InvalidInput,
@@ -387,6 +388,34 @@ class CoordinatorService:
             f.reason.description,
         )
 
+    # ---- the chunk size --------------------------------------------------------------
+
+    def bind_chunk_size(self, chunk_size: int, position: Position | None = None) -> int:
+        """Bind the fleet's chunk size (`FleetState.bind_chunk_size`); returns it. Raises
+        ChunkSizeConflict (counted, logged) when refused. ``position``: the log record
+        that carried the request (replicas apply it from Kafka)."""
+        with self.lock:
+            try:
+                bound = self.fleet.bind_chunk_size(chunk_size)
+            except ChunkSizeConflict as exc:
+                self.metrics.chunk_size_binds.labels("refused").inc()
+                log.warning("Refused chunk size %d: %s", chunk_size, exc)
+                raise
+            finally:
+                self._advance(position)
+        self.metrics.chunk_size_binds.labels("bound" if bound else "same").inc()
+        if bound:
+            memo = self._memo
+            log.info(
+                "Chunk size bound to %d by the fleet's servers%s",
+                chunk_size,
+                ""
+                if memo is None or memo.chunk_size == chunk_size
+                else f" (the token hash memo holds {memo.chunk_size}-token links: lookups"
+                " by tokens hash without it; start with --chunk-size at the fleet's size)",
+            )
+        return chunk_size
+
     # ---- events ----------------------------------------------------------------------
 
     def ingest(
@@ -458,10 +487,11 @@ class CoordinatorService:
                         b.instance_id,
                         b.incarnation,
                     )
-                if out.gap:
+                if out.gap or out.dropped:
                     gaps += 1
-                    missing += out.gap
                     m.ingest_gaps.inc()
+                if out.gap:
+                    missing += out.gap
                     m.ingest_missing.inc(out.gap)
                     log.warning(
                         "Gap of %d seqs before seq %d of instance %s incarnation %d",
@@ -469,6 +499,16 @@ class CoordinatorService:
                         b.seq,
                         b.instance_id,
                         b.incarnation,
+                    )
+                if out.dropped:
+                    m.ingest_events_dropped.inc(out.dropped)
+                    log.warning(
+                        "Instance %s incarnation %d reports %d more events dropped before"
+                        " they reached the coordinator (seq %d): its slice is incomplete",
+                        b.instance_id,
+                        b.incarnation,
+                        out.dropped,
+                        b.seq,
                     )
             elif out.verdict is Verdict.DUPLICATE:
                 duplicates += 1
@@ -509,8 +549,13 @@ class CoordinatorService:
 
     def hash_tokens(self, tokens: Sequence[int] | bytes) -> list[ChunkHash]:
         """The prompt's chunk hashes; CPU work done outside the lock (the memo has its
-        own, and a call that finds it taken hashes without it)."""
-        return chunk_hashes(tokens, self.fleet.chunk_size, memo=self._memo)
+        own, and a call that finds it taken hashes without it). The memo serves only the
+        chunk size it was made for: once the fleet bound another, hashing goes without."""
+        size = self.fleet.chunk_size
+        memo = self._memo
+        return chunk_hashes(
+            tokens, size, memo=memo if memo is not None and memo.chunk_size == size else None
+        )
 
     def lookup_hashes(self, hashes: Sequence[ChunkHash], ns: Namespace) -> PrefixResult:
         with self.lock:
@@ -599,6 +644,9 @@ class CoordinatorService:
                 heartbeat_age=fl.membership.heartbeat_ages(now),
                 gaps={iid: c.gaps for iid, c in fl.cursors.items()},
                 missing={iid: c.missing for iid, c in fl.cursors.items()},
+                dropped={iid: c.dropped for iid, c in fl.cursors.items()},
+                chunk_size=fl.chunk_size,
+                chunk_size_bound=fl.chunk_size_bound,
                 blend_chunks=blend.chunks if blend else 0,
                 token_bytes=st.token_bytes,
                 declared_capacity=[

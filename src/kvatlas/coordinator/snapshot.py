@@ -148,7 +148,17 @@ def load(config: CoordinatorConfig, now: float | None) -> tuple[FleetState, dict
         raise ConfigError(
             f"--snapshot-path {path} cannot be restored ({exc}); {_fallback(path)}"
         ) from exc
-    if fleet.chunk_size != config.chunk_size:
+    if fleet.chunk_size_bound:
+        # The fleet's servers bound it (PUT /config/chunk-size, or a registration's
+        # chunk_size); --chunk-size is then only the minimum that binding had to meet.
+        if fleet.chunk_size < config.chunk_size:
+            raise ConfigError(
+                f"--snapshot-path {path} holds chunk size {fleet.chunk_size}, bound by the"
+                f" fleet's servers, below --chunk-size {config.chunk_size} (the minimum);"
+                " lower --chunk-size or move the file away"
+            )
+        log.info("Chunk size %d, bound by the fleet's servers, restored", fleet.chunk_size)
+    elif fleet.chunk_size != config.chunk_size:
         raise ConfigError(
             f"--snapshot-path {path} was written with --chunk-size {fleet.chunk_size}, not"
             f" {config.chunk_size}; use the same chunk size or move the file away"

@@ -4,6 +4,7 @@
      +-- InvalidInput            bad data from outside: a caller error, maps to 4xx
      |    +-- ContractMismatch   a hash contract contradicts the fleet's (names the field)
      |    +-- StaleIncarnation   an incarnation below the highest seen for its instance id
+     |    +-- ChunkSizeConflict  a chunk size the fleet's bound (or minimum) one refuses (409)
      |    +-- TooLarge           over a configured size limit (HTTP 413)
      |    +-- ConfigError        a configuration refused at startup (names the flags)
      |    +-- Unauthenticated    an instance's credential is needed and none came (401)
@@ -49,6 +50,12 @@ class ContractMismatch(InvalidInput):
         self.field = field
         self.fleet = fleet
         self.offered = offered
+
+
+class ChunkSizeConflict(InvalidInput):
+    """A chunk size the coordinator cannot bind: another is bound already, or it is below
+    the configured minimum. The words are LMCache 0.5.7's
+    (``CoordinatorContext.bind_chunk_size``)."""
 
 
 class StaleIncarnation(InvalidInput):

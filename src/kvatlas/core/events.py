@@ -147,6 +147,10 @@ class EventBatch(msgspec.Struct, frozen=True):
     """CONFIG only: the capacity of (tier, backend); 0 declares none."""
     capacity_revision: U63 = 0
     """CONFIG only: which declaration of the sender this batch belongs to."""
+    dropped_events: U63 = 0
+    """Events (entries) this incarnation of the sender had dropped before they reached
+    the coordinator, when the batch was built (LMCache 0.5.7): cumulative, so the next
+    batch that gets through reports a loss. 0 from senders that do not report it."""
 
     @property
     def n_entries(self) -> int:

@@ -26,6 +26,10 @@ Rules it enforces (DESIGN.md section 3):
 - Who may speak for an instance and how far one request may move it
   (`core.credentials`): a live bound instance's registration, heartbeat, deregistration
   and events need its proof; `check_batches` and `register` enforce the `Bounds`.
+- The chunk size binds once (`bind_chunk_size`, LMCache 0.5.7's
+  ``CoordinatorContext.bind_chunk_size``): until a server binds it, ``chunk_size`` is
+  the configured minimum; the first size at or above it binds (token hashing and the
+  blend index follow it), the same size again is a no-op, any other is refused.
 """
 
 from __future__ import annotations
@@ -47,7 +51,12 @@ from kvatlas.core.credentials import (
 )
 from kvatlas.core.directory import KeyDirectory
 from kvatlas.core.directory_snapshot import DirectoryCapture
-from kvatlas.core.errors import SnapshotError, StaleIncarnation, Unauthenticated
+from kvatlas.core.errors import (
+    ChunkSizeConflict,
+    SnapshotError,
+    StaleIncarnation,
+    Unauthenticated,
+)
 from kvatlas.core.events import EventBatch, UnknownBatch
 from kvatlas.core.gate import Cursor, Verdict, admit
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE, Namespace, ObjectKey, chunk_hashes
@@ -55,11 +64,12 @@ from kvatlas.core.membership import InstanceInfo, Membership, RegisterOutcome
 from kvatlas.core.placements import Applied, DirectoryStats, KeyResult, PrefixResult
 from kvatlas.core.types import EventType, Incarnation, InstanceId
 
-SNAPSHOT_VERSION = 3
+SNAPSHOT_VERSION = 4
 """2 added the declared capacities and whether token ids are kept; a version 1 snapshot
 restores with no declaration, keeping token ids if it had blend lookup on. 3 added the
-departed instances (their L2 retention clocks); an older one restores with none."""
-_READABLE_VERSIONS = frozenset({1, 2, 3})
+departed instances (their L2 retention clocks); an older one restores with none. 4 added
+whether the chunk size is bound; an older one restores unbound."""
+_READABLE_VERSIONS = frozenset({1, 2, 3, 4})
 DEFAULT_L2_RETENTION = 24 * 3600.0
 """Seconds the L2 placements of an instance that is gone stay for it to come back."""
 
@@ -76,6 +86,8 @@ class IngestOutcome(msgspec.Struct, frozen=True):
     """The instance was not registered; it now has a provisional membership."""
     skipped: str = ""
     """The event type of an admitted `UnknownBatch` (nothing of it was applied)."""
+    dropped: int = 0
+    """Events the sender reported dropping since its last applied batch (a gap)."""
 
 
 class FenceReason(StrEnum):
@@ -146,6 +158,8 @@ class _Snapshot(msgspec.Struct, array_like=True):
     """Version 2: whether the directory kept token ids (None: as ``blend_enabled``)."""
     departed: dict[InstanceId, _Departed] = {}
     """Version 3: instances gone, whose L2 placements wait out the retention."""
+    chunk_size_bound: bool = False
+    """Version 4: whether ``chunk_size`` was bound by a server (else the minimum)."""
 
 
 class FleetCapture:
@@ -180,6 +194,8 @@ class FleetState:
         self.instance_timeout = instance_timeout
         self.l2_retention = l2_retention
         self.chunk_size = chunk_size
+        """Tokens per chunk: the configured minimum until `bind_chunk_size` binds it."""
+        self.chunk_size_bound = False
         self.membership = Membership(instance_timeout)
         self.directory = KeyDirectory(keep_tokens=keep_tokens or enable_blend)
         self.blend: BlendIndex | None = BlendIndex(chunk_size) if enable_blend else None
@@ -370,6 +386,35 @@ class FleetState:
         """Instances known only from their events: id -> (incarnation, last seen)."""
         return {k: (v.incarnation, v.last_seen) for k, v in self._provisional.items()}
 
+    # ---- the chunk size --------------------------------------------------------------
+
+    def bind_chunk_size(self, chunk_size: int) -> bool:
+        """Bind the fleet's chunk size once; True when this call bound it, False when it
+        was bound to ``chunk_size`` already. Raises ChunkSizeConflict (nothing changes)
+        when another size is bound, or, unbound, when ``chunk_size`` is below the
+        configured minimum (``chunk_size`` until bound). The blend index is rebuilt for
+        the new size from what it holds."""
+        if self.chunk_size_bound:
+            if chunk_size == self.chunk_size:
+                return False
+            raise ChunkSizeConflict(
+                f"Coordinator is already bound to chunk size {self.chunk_size}; use a"
+                f" separate coordinator for a fleet requiring chunk size {chunk_size}"
+            )
+        if chunk_size < self.chunk_size:
+            raise ChunkSizeConflict(
+                f"Chunk size {chunk_size} is smaller than the coordinator's configured"
+                f" minimum {self.chunk_size}"
+            )
+        if self.blend is not None and chunk_size != self.chunk_size:
+            rebuilt = BlendIndex(chunk_size)
+            for ns, h, toks, start in self.blend.snapshot_items():
+                rebuilt.add(ns, h, toks, start)
+            self.blend = rebuilt
+        self.chunk_size = chunk_size
+        self.chunk_size_bound = True
+        return True
+
     # ---- events ----------------------------------------------------------------------
 
     def check_batches(
@@ -406,7 +451,8 @@ class FleetState:
         high = self._max_incarnation(iid)
         if high is not None and batch.incarnation < high:
             return IngestOutcome(Verdict.STALE)
-        adm = admit(self.cursors.get(iid), batch.incarnation, batch.seq)
+        dropped_events = batch.dropped_events if isinstance(batch, EventBatch) else None
+        adm = admit(self.cursors.get(iid), batch.incarnation, batch.seq, dropped_events)
         if adm.verdict is not Verdict.APPLY:
             return IngestOutcome(adm.verdict)
         live = self.membership.get(iid)
@@ -443,7 +489,9 @@ class FleetState:
             self._provisional[iid] = _Provisional(batch.incarnation, now)
         if self.blend is not None and placed is not None:
             self._update_blend(placed)
-        return IngestOutcome(Verdict.APPLY, adm.gap, fenced, applied, provisional, skipped)
+        return IngestOutcome(
+            Verdict.APPLY, adm.gap, fenced, applied, provisional, skipped, adm.dropped
+        )
 
     def _update_blend(self, batch: EventBatch) -> None:
         assert self.blend is not None
@@ -521,6 +569,7 @@ class FleetState:
                 capacity=self.capacity.declarations(),
                 keep_tokens=self.directory.keep_tokens,
                 departed=dict(self._departed),
+                chunk_size_bound=self.chunk_size_bound,
             ),
             self.directory.capture(),
         )
@@ -554,6 +603,7 @@ class FleetState:
         kept = snap.blend_enabled if snap.keep_tokens is None else snap.keep_tokens
         keep = kept if keep_tokens is None else keep_tokens
         state = cls(timeout, snap.chunk_size, snap.blend_enabled, keep, l2_retention)
+        state.chunk_size_bound = snap.chunk_size_bound
         state.membership = Membership.restore(
             snap.instances, snap.high_water, instance_timeout=timeout, now=now
         )

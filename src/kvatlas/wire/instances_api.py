@@ -1,8 +1,9 @@
 """Message shapes of the coordinator's membership routes, and their mapping to core types.
 
-``POST /instances`` (registration, with kvatlas' optional incarnation, hash contract and
-credential digest), heartbeats, ``GET /instances`` and ``GET /instances/usage`` (LMCache's
-fleet memory status, built from the directory's owners and the declared capacities).
+``POST /instances`` (registration, with LMCache 0.5.7's optional chunk size and kvatlas'
+optional incarnation, hash contract and credential digest), heartbeats,
+``GET /instances`` and ``GET /instances/usage`` (LMCache's fleet memory status, built
+from the directory's owners and the declared capacities).
 What the route families share (the error body) is in `wire.http_api`.
 
 Owns encoding of shapes only; no I/O and no state.
@@ -21,6 +22,7 @@ from kvatlas.core.keys import DEFAULT_CHUNK_SIZE, HASH_ALGORITHM, HashContract
 from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.placements import OwnerStats
 from kvatlas.core.types import InstanceId, Port, WireIncarnation
+from kvatlas.wire.config_api import ChunkSize
 
 
 class ContractWire(msgspec.Struct, frozen=True):
@@ -59,6 +61,10 @@ class RegisterRequest(msgspec.Struct, frozen=True):
     metadata: dict[str, str] = {}
     p2p_advertised_url: str | None = None
     mq_port: Port | None = None
+    chunk_size: ChunkSize | None = None
+    """LMCache 0.5.7: the server's final chunk size, when its negotiation has completed;
+    the coordinator binds to it first, as `PUT /config/chunk-size` does (a conflict is a
+    409 and nothing registers). None (0.5.6, or negotiation pending): nothing to bind."""
     incarnation: WireIncarnation | None = None
     """kvatlas: strictly increasing per process start. None (LMCache's servers): the
     instance takes the incarnation its events carry (their process start time)."""
