@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from kvatlas.core.errors import InvalidInput
+from kvatlas.runtime import region as region_mod
 from kvatlas.runtime.region import SHM_DIR, L1Region, RegionBusy, RegionError, region_name
 
 SIZE = 1 << 20
@@ -127,3 +129,44 @@ def test_prefault_touches_every_page_and_keeps_the_bytes_zero() -> None:
         region.array[5] = 7
         region.prefault()  # a second call only writes the first byte of each page
         assert region.array[5] == 7
+
+
+def test_a_region_that_does_not_fit_dev_shm_is_refused_before_any_page(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sparse region larger than /dev/shm's free room would SIGBUS at its first touch."""
+    real = os.statvfs
+
+    class Tiny:
+        f_bavail, f_frsize = 10, 4096  # 40 KiB free
+
+    monkeypatch.setattr(
+        region_mod.os, "statvfs", lambda p: Tiny() if str(p) == "/dev/shm" else real(p)
+    )
+    with pytest.raises(RegionError, match="does not fit /dev/shm"):
+        L1Region.create(1 << 20, "tiny")
+    name = f"kvatlas-test-room-{os.getpid()}-l1"
+    with pytest.raises(RegionError, match="--l1-size-gb"):
+        L1Region.keep(name, 1 << 20)
+    (region_mod.SHM_DIR / name).unlink(missing_ok=True)
+
+
+def test_keep_outlives_close_refuses_a_second_owner_and_clears_a_new_size() -> None:
+    name = f"kvatlas-test-keep-{os.getpid()}-l1"
+    try:
+        region, existed = L1Region.keep(name, SIZE)
+        assert not existed and region.kept
+        with pytest.raises(RegionError, match="held by another running process"):
+            L1Region.keep(name, SIZE)
+        region.view(100, 3)[:] = b"abc"
+        region.close()  # no unlink: the bytes stay for the next owner
+        again, existed = L1Region.keep(name, SIZE)
+        assert existed and bytes(again.view(100, 3)) == b"abc"
+        again.close()
+        bigger, existed = L1Region.keep(name, 2 * SIZE)  # another layout: cleared
+        assert not existed and bytes(bigger.view(100, 3)) == b"\0\0\0"
+        bigger.close()
+        bigger.unlink()
+        assert not (SHM_DIR / name).exists()
+    finally:
+        (SHM_DIR / name).unlink(missing_ok=True)

@@ -89,6 +89,7 @@ class L1Region:
             raise InvalidInput(f"L1 region size must be positive, got {size}")
         name = name or region_name(instance_id)
         _check_name(name)
+        _check_room(size)
         try:
             shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         except OSError as exc:
@@ -128,6 +129,7 @@ class L1Region:
             existed = os.fstat(fd).st_size == size
             if not existed:
                 os.ftruncate(fd, 0)
+                _check_room(size)
                 os.ftruncate(fd, size)
             mapping = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
         except OSError as exc:
@@ -304,6 +306,24 @@ class L1Region:
     def __repr__(self) -> str:
         mode = "owner" if self._owner else ("ro" if self._readonly else "rw")
         return f"L1Region({self._name!r}, size={self._size}, {mode})"
+
+
+def _check_room(size: int) -> None:
+    """RegionError when ``/dev/shm`` has less than ``size`` bytes free: the region would
+    be created sparse and the process killed by SIGBUS on its first touch of a page the
+    filesystem cannot give, with nothing in its log."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return  # no /dev/shm to ask (not Linux): SharedMemory will say what is wrong
+    free = st.f_bavail * st.f_frsize
+    if size > free:
+        raise RegionError(
+            f"an L1 region of {size / 2**30:.2f} GiB does not fit {SHM_DIR}, which has"
+            f" {free / 2**30:.2f} GiB free: lower --l1-size-gb, or give {SHM_DIR} more room"
+            " (docker run --shm-size, a Kubernetes emptyDir with medium Memory and a"
+            " sizeLimit)"
+        )
 
 
 def _check_name(name: str) -> None:
