@@ -42,6 +42,7 @@ from kvatlas.core.errors import (
     ChunkSizeConflict,
     ContractMismatch,
     CredentialRefused,
+    HttpRefusal,
     InvalidInput,
     StaleIncarnation,
     TooLarge,
@@ -53,7 +54,7 @@ from kvatlas.core.types import MAX_INT64, Incarnation, InstanceId, Tier
 from kvatlas.runtime.gc_pauses import GcPauses
 from kvatlas.wire.config_api import ChunkSizeBindRequest, ChunkSizeBindResponse
 from kvatlas.wire.coordinator_views import ReadyResponse
-from kvatlas.wire.decoding import TOO_DEEP
+from kvatlas.wire.decoding import decode_or_refuse
 from kvatlas.wire.directory_api import (
     BlendLookupRequest,
     BlendLookupResponse,
@@ -88,21 +89,13 @@ _T = TypeVar("_T")
 
 
 def _decode(decoder: msgspec.json.Decoder[_T], body: bytes | bytearray) -> _T:
-    """``decoder.decode(body)``; a body nested past msgspec's recursion (100k ``[``) is
-    a 400 like any malformed body, not a RecursionError (500)."""
-    try:
-        return decoder.decode(body)
-    except RecursionError as exc:
-        raise HttpError(400, f"malformed body: {TOO_DEEP}") from exc
+    """``decoder.decode(body)``; any body that does not decode is a 400 (a body nested
+    past msgspec's recursion too, not a RecursionError's 500)."""
+    return decode_or_refuse(decoder, body, HttpError, invalid=400)
 
 
-class HttpError(Exception):
-    """An answer other than 2xx, with the reason the client gets."""
-
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
+class HttpError(HttpRefusal):
+    """An answer other than 2xx in kvatlas' words (``{"error": reason}``)."""
 
 
 def _json(obj: Any, status: int = 200) -> HttpResponse:

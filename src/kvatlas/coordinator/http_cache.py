@@ -56,6 +56,7 @@ from kvatlas.wire.cache_api import (
     PrefetchRequest,
     PrefetchResponse,
 )
+from kvatlas.wire.decoding import decode_or_refuse
 from kvatlas.wire.quota_api import DetailResponse
 
 log = logging.getLogger(__name__)
@@ -145,12 +146,7 @@ async def _decode_body(decoder: msgspec.json.Decoder[_T], body: bytes | bytearra
 
 
 def _decode(decoder: msgspec.json.Decoder[_T], body: bytes | bytearray) -> _T:
-    try:
-        return decoder.decode(body)
-    except msgspec.DecodeError as exc:  # ValidationError included
-        raise Refused(422, f"invalid body: {exc}") from exc
-    except RecursionError as exc:
-        raise Refused(422, "invalid body: nested too deep") from exc
+    return decode_or_refuse(decoder, body, Refused, malformed=422)
 
 
 class CacheRoutes:

@@ -33,7 +33,7 @@ from kvatlas.coordinator.edge.messages import HttpRequest, HttpResponse
 from kvatlas.coordinator.edge.routing import Router, always
 from kvatlas.coordinator.quotas import QuotaController
 from kvatlas.coordinator.service import CoordinatorService
-from kvatlas.core.errors import InvalidInput
+from kvatlas.core.errors import HttpRefusal, InvalidInput
 from kvatlas.core.keys import HASH_BYTES
 from kvatlas.core.quotas import (
     GIB,
@@ -48,6 +48,7 @@ from kvatlas.core.quotas import (
 )
 from kvatlas.core.types import MAX_INT64, Tier
 from kvatlas.wire.cache_api import MAX_TOKEN_IDS
+from kvatlas.wire.decoding import decode_or_refuse
 from kvatlas.wire.http_api import KeyWire
 from kvatlas.wire.quota_api import (
     DetailResponse,
@@ -85,13 +86,8 @@ class LocalOperatorLog:
         return await asyncio.to_thread(self._ctl.apply, op)
 
 
-class Refused(Exception):
+class Refused(HttpRefusal):
     """A 4xx in LMCache's words (``{"detail": reason}``)."""
-
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
 
 
 def translate_refusal(exc: Exception) -> HttpResponse | None:
@@ -105,12 +101,8 @@ def _json(obj: Any, status: int = 200) -> HttpResponse:
 
 
 def _decode(t: type[_T], body: bytes | bytearray) -> _T:
-    try:
-        return msgspec.json.decode(body or b"null", type=t, strict=False)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise Refused(422, f"invalid body: {exc}") from exc
-    except RecursionError as exc:
-        raise Refused(422, "invalid body: nested too deep") from exc
+    decoder = msgspec.json.Decoder(t, strict=False)
+    return decode_or_refuse(decoder, body or b"null", Refused, malformed=422)
 
 
 def _tier(request: HttpRequest) -> Tier | str:

@@ -56,7 +56,7 @@ from kvatlas.coordinator.snapshot import frame, write_atomic
 from kvatlas.coordinator.vllm_ingest import DeviceHit, VllmIngest
 from kvatlas.core.device_blocks import DumpedBlock, EngineId
 from kvatlas.core.errors import ConfigError
-from kvatlas.wire.decoding import TOO_DEEP
+from kvatlas.wire.decoding import decode_or_refuse
 from kvatlas.wire.http_api import ErrorResponse
 from kvatlas.wire.indexer_api import (
     DEFAULT,
@@ -446,14 +446,7 @@ def _decode(decoder: msgspec.json.Decoder[_T], request: HttpRequest) -> _T:
         kind.startswith("application/") and kind.endswith("+json")
     ):
         raise HttpError(415, "Expected request with `Content-Type: application/json`")
-    try:
-        return decoder.decode(request.body)
-    except msgspec.ValidationError as exc:
-        raise HttpError(422, f"invalid body: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise HttpError(400, f"malformed body: {exc}") from exc
-    except RecursionError as exc:
-        raise HttpError(400, f"malformed body: {TOO_DEEP}") from exc
+    return decode_or_refuse(decoder, request.body, HttpError)
 
 
 def _u64(value: int) -> int:

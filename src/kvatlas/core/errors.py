@@ -27,6 +27,17 @@ class KvatlasError(Exception):
     """Base of every error kvatlas raises on purpose."""
 
 
+class HttpRefusal(KvatlasError):
+    """A request answered with HTTP ``status`` (a 4xx) and the ``reason`` its client
+    gets. Each HTTP surface subclasses it for its body's words (kvatlas' ``{"error"}``,
+    LMCache's ``{"detail"}``); raised by route handlers and ``decode_or_refuse``."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
 class InvalidInput(KvatlasError):
     """Input from outside that kvatlas refuses, with a reason for the caller."""
 

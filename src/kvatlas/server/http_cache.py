@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kvatlas.core.errors import InvalidInput
+from kvatlas.core.errors import HttpRefusal, InvalidInput
 from kvatlas.runtime.auth import TokenGate
 from kvatlas.server.cache_control import (
     CacheControl,
@@ -48,6 +48,7 @@ from kvatlas.wire.cache_api import (
     DeleteObjectsRequest,
     NodePrefetchRequest,
 )
+from kvatlas.wire.decoding import decode_or_refuse
 
 MAX_BODY_BYTES: Final = 16 * 1024 * 1024
 """A body of 10,000 keys is ~1.6 MB of JSON; 1,000,000 token ids ~8 MB."""
@@ -69,11 +70,8 @@ KvChecksums = Callable[[int, Sequence[int], int, bool], Digests]
 """(instance id, block ids, blocks a chunk, layerwise) -> digests; raises MpError."""
 
 
-class _Refusal(Exception):
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
+class _Refusal(HttpRefusal):
+    """A 4xx in LMCache's words (``{"detail": reason}``)."""
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -99,10 +97,7 @@ async def _body(request: Request) -> bytes:
 
 
 def _decode(decoder: msgspec.json.Decoder[_T], body: bytes) -> _T:
-    try:
-        return decoder.decode(body)
-    except (msgspec.DecodeError, RecursionError) as exc:
-        raise _Refusal(422, f"invalid body: {exc}") from exc
+    return decode_or_refuse(decoder, body, _Refusal, malformed=422)
 
 
 def _int_query(request: Request, name: str, default: int, low: int, high: int) -> int:

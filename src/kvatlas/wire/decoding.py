@@ -17,9 +17,38 @@ from typing import Any, Final, Generic, TypeVar, get_args
 
 import msgspec
 
+from kvatlas.core.errors import HttpRefusal
+
 TOO_DEEP: Final = "nested deeper than the decoder's recursion limit"
 """The reason given for a message whose nesting overflows msgspec's recursion: a
 malformed message like any other, not a server error."""
+
+
+_D = TypeVar("_D")
+
+
+def decode_or_refuse(
+    decoder: msgspec.json.Decoder[_D] | msgspec.msgpack.Decoder[_D],
+    body: bytes | bytearray | memoryview,
+    refusal: type[HttpRefusal] = HttpRefusal,
+    *,
+    malformed: int = 400,
+    invalid: int = 422,
+) -> _D:
+    """``decoder.decode(body)``, or ``refusal`` with status ``malformed`` for a body that
+    does not parse (nested too deep included) and ``invalid`` for one of the wrong shape.
+    The reason starts with "invalid body" for the wrong shape, and "malformed body" for
+    a 400 that does not parse ("invalid body" where that is a 422 too, as in LMCache's
+    routes): the words every HTTP surface of kvatlas answers with."""
+    unparsed = "malformed" if malformed == 400 else "invalid"
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise refusal(invalid, f"invalid body: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise refusal(malformed, f"{unparsed} body: {exc}") from exc
+    except RecursionError as exc:
+        raise refusal(malformed, f"{unparsed} body: {TOO_DEEP}") from exc
 
 
 def union_tags(union: Any) -> frozenset[str]:
