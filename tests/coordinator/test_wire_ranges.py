@@ -143,7 +143,7 @@ def test_state_no_encoder_holds_fails_the_snapshot_not_the_writer(
     )  # fmt: skip
     assert rc.client.get("/readyz").status_code == 503
     writer = rc.coordinator.snapshots
-    assert writer is not None and writer._thread is not None and writer._thread.is_alive()
+    assert writer is not None and writer.running
 
 
 @pytest.mark.slow

@@ -60,6 +60,7 @@ from kvatlas.connector.client import (
 from kvatlas.core.checksum import checksum
 from kvatlas.core.errors import KvatlasError
 from kvatlas.core.keys import HashContract, Namespace, as_token_array, salted
+from kvatlas.runtime.periodic import Periodic
 from kvatlas.wire.engine_proto import (
     ChunkLoc,
     EngineRegistered,
@@ -238,8 +239,12 @@ class KVConnector:
         self._chunk_bytes = contract.chunk_nbytes
         self._state = threading.Lock()
         self._connected = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._reconnecter = Periodic(
+            "kvatlas-connector-reconnect",
+            reconnect_interval_s,
+            self._reconnect,
+            what="re-registering with the cache server",
+        )
         self._s_per_token = 0.0
         self._fallbacks: Counter[Fallback] = Counter()
         self._lookups = 0
@@ -311,34 +316,26 @@ class KVConnector:
     def start(self) -> bool:
         """Register (see ``register``) and start the reconnect thread; True if connected."""
         ok = self.register()
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._reconnect_loop, name="kvatlas-connector-reconnect", daemon=True
-            )
-            self._thread.start()
+        self._reconnecter.start()
         return ok
 
-    def _reconnect_loop(self) -> None:
-        while not self._stop.wait(self.reconnect_interval_s):
-            if self._connected:
-                continue
-            try:
-                if self.register():
-                    with self._state:
-                        self._reconnects += 1
-            except ContractRejected as exc:
-                # the server came back with a contract this engine contradicts: keep
-                # serving without a cache rather than die mid-flight, loudly
-                log.error("%s; serving without a cache", exc)
-                self._count(Fallback.CONTRACT_REFUSED)
-            except KvatlasError as exc:  # e.g. the old region cannot be unmapped yet
-                log.warning("re-registering with the cache server failed: %s", exc)
+    def _reconnect(self) -> None:
+        if self._connected:
+            return
+        try:
+            if self.register():
+                with self._state:
+                    self._reconnects += 1
+        except ContractRejected as exc:
+            # the server came back with a contract this engine contradicts: keep
+            # serving without a cache rather than die mid-flight, loudly
+            log.error("%s; serving without a cache", exc)
+            self._count(Fallback.CONTRACT_REFUSED)
+        except KvatlasError as exc:  # e.g. the old region cannot be unmapped yet
+            log.warning("re-registering with the cache server failed: %s", exc)
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5)
-            self._thread = None
+        self._reconnecter.stop()
         try:
             self.client.close()
         except KvatlasError as exc:

@@ -54,6 +54,7 @@ from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import DEFAULT_CHAIN_NAME, ChainMemo, chain_memo
 from kvatlas.runtime.gc_pauses import GcPauses
 from kvatlas.runtime.net import bind
+from kvatlas.runtime.periodic import Periodic
 from kvatlas.wire.json_tokens import DEFAULT_PARSER_READER
 
 log = logging.getLogger(__name__)
@@ -211,7 +212,12 @@ class Coordinator:
         )
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
-        self._expiry: threading.Thread | None = None
+        self._expiry = Periodic(
+            "expiry",
+            config.health_check_interval,
+            self.membership.sweep,
+            what="the expiry sweep",
+        )
         self.final_snapshot_failed = False
         """True when the snapshot written at shutdown failed: a restart loses state."""
         self.cpu_latency = _cpu_latency_hold(config.cpu_latency_us)
@@ -227,13 +233,6 @@ class Coordinator:
             self._sock = sock
         port: int = self._sock.getsockname()[1]
         return port
-
-    def _expiry_loop(self) -> None:
-        while not self._stop.wait(self.config.health_check_interval):
-            try:
-                self.membership.sweep()
-            except Exception:
-                log.exception("Expiry sweep failed; the next interval retries")
 
     def run(self) -> None:
         """Serve until stopped; blocking. Writes the last snapshot on the way out."""
@@ -258,7 +257,6 @@ class Coordinator:
             part.start()
         if self.snapshots is not None:
             self.snapshots.start()
-        self._expiry = threading.Thread(target=self._expiry_loop, name="expiry", daemon=True)
         self._expiry.start()
         memo = self.memo.stats() if self.memo is not None else None
         log.info(
@@ -292,8 +290,7 @@ class Coordinator:
     def shutdown(self) -> None:
         self._stop.set()
         self.gc_pauses.remove()
-        if self._expiry is not None:
-            self._expiry.join()
+        self._expiry.stop(timeout_s=None)
         if self.snapshots is not None:
             self.snapshots.stop()
         for part in reversed(self._parts):

@@ -38,6 +38,7 @@ from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.service import CoordinatorService
 from kvatlas.core.errors import ConfigError, SnapshotError
 from kvatlas.core.fleet import FleetState
+from kvatlas.runtime.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -203,8 +204,12 @@ class SnapshotWriter:
         self._path = path
         self._interval = interval
         self._metrics = metrics
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # try_write logs and counts its own failures; the next interval retries.
+        self._periodic = (
+            Periodic("snapshot", interval, self.try_write, what="the snapshot")
+            if interval > 0
+            else None
+        )
         self._write_lock = threading.Lock()
 
     def write(self) -> int:
@@ -244,15 +249,14 @@ class SnapshotWriter:
         return True
 
     def start(self) -> None:
-        if self._interval > 0:
-            self._thread = threading.Thread(target=self._run, name="snapshot", daemon=True)
-            self._thread.start()
+        if self._periodic is not None:
+            self._periodic.start()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            self.try_write()  # a failure is logged and counted; the next interval retries
+    @property
+    def running(self) -> bool:
+        """Its periodic writes are on (started, not stopped, an interval set)."""
+        return self._periodic is not None and self._periodic.running
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._periodic is not None:
+            self._periodic.stop(timeout_s=None)

@@ -63,6 +63,7 @@ from kvatlas.core.device_blocks import (
 from kvatlas.core.engine_stream import EngineStream, Outcome, Skipped
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.vllm_hash import BlockHasher
+from kvatlas.runtime.periodic import Periodic
 from kvatlas.wire.vllm_events import (
     MEMBER_KEY,
     MalformedMessage,
@@ -160,7 +161,16 @@ class VllmIngest:
         """The engines' sockets, owned by the ingest thread (`_loop`)."""
         self._commands: queue.SimpleQueue[tuple[str, Any, threading.Event]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._sync_thread: threading.Thread | None = None
+        self._sync = (
+            Periodic(
+                "vllm-events-members",
+                members_interval_s,
+                self.sync_members,
+                what="vLLM KV events: reading the members' sources",
+            )
+            if members is not None and members_interval_s > 0
+            else None
+        )
 
     def _register(self, s: VllmSource) -> None:
         self.counts[s.engine] = Counter()
@@ -198,16 +208,13 @@ class VllmIngest:
         self._thread.start()
         if self.sources:
             log.info("vLLM KV events: subscribed to %d engine(s)", len(self.sources))
-        if self._members is not None:
-            self._sync_thread = threading.Thread(
-                target=self._sync_loop, name="vllm-events-members", daemon=True
-            )
-            self._sync_thread.start()
+        if self._sync is not None:
+            self._sync.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._sync_thread is not None:
-            self._sync_thread.join(timeout=5)
+        if self._sync is not None:
+            self._sync.stop()
         if self._thread is not None:
             self._thread.join(timeout=5)
         for link in self._links.values():
@@ -216,13 +223,6 @@ class VllmIngest:
         self._ctx.term()
 
     # -- sources from membership ----------------------------------------------------
-
-    def _sync_loop(self) -> None:
-        while not self._stop.wait(self._members_interval):
-            try:
-                self.sync_members()
-            except Exception:  # the next pass tries again
-                log.exception("vLLM KV events: reading the members' sources failed")
 
     def sync_members(self) -> None:
         """Subscribe to the sources members advertise now; drop those gone or changed."""

@@ -43,6 +43,7 @@ from kvatlas.core.l1pool import L1Pool
 from kvatlas.core.types import EventType, Tier
 from kvatlas.runtime.asgi_thread import AsgiThread
 from kvatlas.runtime.coordinator_client import CoordinatorClient, Failover
+from kvatlas.runtime.periodic import Periodic
 from kvatlas.runtime.region import SHM_DIR, L1Region, RegionBusy
 from kvatlas.server.cache_control import CacheControl
 from kvatlas.server.cache_metrics import CacheControlCollector
@@ -294,8 +295,12 @@ class CacheServer:
                 self.coordinator.close()
             self._close_region()
             raise
-        self._stop = threading.Event()
-        self._sweeper = threading.Thread(target=self._sweep, name="kvatlas-sweeper", daemon=True)
+        self._sweeper = Periodic(
+            "kvatlas-sweeper",
+            SWEEP_INTERVAL_S,
+            self.service.expire,
+            what=f"the lease sweep of instance {config.instance_id}",
+        )
 
     def _open_region(self) -> tuple[L1Region, bool]:
         """The L1 region, and whether it is a kept one found with its bytes (a warm
@@ -439,13 +444,6 @@ class CacheServer:
             ", ".join(self.config.coordinator.urls) or "none (standalone)",
         )
 
-    def _sweep(self) -> None:
-        while not self._stop.wait(SWEEP_INTERVAL_S):
-            try:
-                self.service.expire()
-            except Exception:
-                log.exception("lease sweep failed on instance %s", self.config.instance_id)
-
     def _on_failover(self, event: Failover) -> None:
         # Called in the thread whose request failed over; the registrar only takes note.
         if self.registrar is not None:
@@ -457,11 +455,9 @@ class CacheServer:
             self.publisher.flush_soon()
 
     def stop(self) -> None:
-        self._stop.set()
         self.engine_api.stop()
         self.lmcache.close()
-        if self._sweeper.is_alive():
-            self._sweeper.join(5)
+        self._sweeper.stop()
         self.cache_control.close()
         if self.p2p is not None:
             self.service.set_peer_source(None)
