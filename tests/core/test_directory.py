@@ -135,7 +135,7 @@ def test_reverse_index_is_compacted_under_churn() -> None:
     for _ in range(600):
         d.apply(batch("a", EventType.STORE, [0, 1, 2, 3, 4, 5]))
         d.apply(batch("a", EventType.DELETE, [0, 1, 2, 3, 4, 5]))
-    assert all(len(rev) <= 2 * 6 + 1024 + 6 for rev in d._rev.values())
+    assert all(len(rev) <= 2 * 6 + 1024 + 6 for rev in d.tables.rev.values())
     assert len(d) == 0
 
 
@@ -143,7 +143,7 @@ def _tracked_references(d: KeyDirectory) -> int:
     """References the garbage collector visits in ``d``'s state at a full collection
     (classes and modules left out: they are everyone's)."""
     seen: set[int] = set()
-    stack = list(vars(d).values())
+    stack = gc.get_referents(d)
     total = 0
     while stack:
         o = stack.pop()
@@ -353,8 +353,8 @@ def test_owners_that_hold_nothing_any_more_are_freed() -> None:
             d.apply(batch(f"i{i}", EventType.DELETE, [i % 5, 1 + i % 5], tier=tier))
         d.apply(batch(f"e{i}", EventType.STORE, []))  # an empty store creates no owner
     assert len(d) == 0 and d.stats().owners == ()
-    assert len(d._owners) <= 2 and len(d._owner_ids) == 0
-    assert d._owners_by_instance == {} and d._rev == {} and len(d._codes) == 0
+    assert len(d.tables.owners) <= 2 and len(d.tables.owner_ids) == 0
+    assert d.tables.owners_by_instance == {} and d.tables.rev == {} and len(d.tables.codes) == 0
 
 
 def test_a_reused_owner_id_never_answers_for_the_old_owner() -> None:
@@ -389,9 +389,9 @@ def test_namespaces_that_hold_no_key_any_more_are_freed() -> None:
             d.fence("a")
             d.apply(batch("a", EventType.DELETE, [i % 5, 1 + i % 5], tier=Tier.L2, ns=ns))
     assert len(d) == 2 and d.stats().namespaces == 1
-    assert len(d._ns_ids) == 1 and len(d._namespaces) <= 3
+    assert len(d.tables.ns_ids) == 1 and len(d.tables.namespaces) <= 3
     restored = KeyDirectory.restore(d.snapshot())
-    assert restored.digest() == d.digest() and len(restored._namespaces) == 1
+    assert restored.digest() == d.digest() and len(restored.tables.namespaces) == 1
 
 
 def test_a_reused_namespace_id_finds_only_its_own_keys() -> None:
@@ -403,3 +403,31 @@ def test_a_reused_namespace_id_finds_only_its_own_keys() -> None:
     assert d.lookup_keys([key(0, other)])[0].placements == ()
     assert [p.instance_id for p in d.lookup_keys([key(0)])[0].placements] == ["a"]
     assert KeyDirectory.restore(d.snapshot()).digest() == d.digest()
+
+
+def test_reads_and_writes_share_the_tables_they_were_built_with() -> None:
+    """The parts hold direct references to the tables for their hot paths, so no change
+    may replace a table: after churn that frees owners and namespaces, compacts the
+    reverse index, fences and restores, every reference still is the tables' own."""
+    d = KeyDirectory(keep_tokens=True)
+    for i in range(300):
+        ns = Namespace(f"m{i % 3}", 0)
+        d.apply(batch(f"i{i % 7}", EventType.STORE, [i % 5, 1 + i % 5], size=i, ns=ns))
+        d.apply(batch(f"i{i % 7}", EventType.ACCESS, [i % 5], ns=ns))
+        if i % 5 == 0:
+            d.apply(batch(f"i{i % 7}", EventType.DELETE, [i % 5, 1 + i % 5], ns=ns))
+        if i % 11 == 0:
+            d.fence(f"i{i % 7}")
+    for _ in range(300):  # enough churn to compact one reverse index
+        d.apply(batch("c", EventType.STORE, [0, 1, 2, 3, 4, 5]))
+        d.apply(batch("c", EventType.DELETE, [0, 1, 2, 3, 4]))
+    d.drop("i3")
+    restored = KeyDirectory.restore(d.snapshot(), keep_tokens=True)
+    for directory in (d, restored):
+        tables = directory.tables
+        for part in (directory.reads, directory.writes):
+            refs = [s for s in type(part).__slots__ if s != "_tables"]
+            assert refs
+            for slot in refs:
+                assert getattr(part, slot) is getattr(tables, slot[1:]), slot
+    assert restored.digest() == d.digest()

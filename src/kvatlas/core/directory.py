@@ -1,59 +1,68 @@
 """The key directory: which chunk of KV lives where, as hints for millions of keys.
 
 Owns ``KeyDirectory``, the map object key -> placements (instance, incarnation, tier,
-backend, size, shared) and its one way in: ``apply`` (STORE upserts, ACCESS counts,
-DELETE removes), fencing a dead instance's L1 slice in time proportional to its own keys
-(the reverse index), dropping an instance gone for good, and ``restore`` as a replay of
-a snapshot's stores. It does not gate events (see `gate`), know who is alive (see
-`membership`) or do any I/O.
+backend, size, shared) that the coordinator keeps: the object every caller holds, and
+the one that builds its parts. It does not gate events (see `gate`), know who is alive
+(see `membership`) or do any I/O.
 
-The class is layered over three modules that share one state: ``directory_tables``
-(the memory layout and interning, described there), ``directory_reads`` (lookups,
-listing, stats, the snapshot capture) and this one (every change). The result types and
-the int layout live in ``placements``; the snapshot format in ``directory_snapshot``.
+The directory composes three objects, as vLLM's KV cache coordinator composes one
+block pool and the managers that share it, with no inheritance between them:
+
+- ``tables`` (``DirectoryTables``, ``directory_tables``): the one state, its memory
+  layout and interning, described there;
+- ``reads`` (``DirectoryReads``, ``directory_reads``): lookups, listing, stats and the
+  snapshot capture;
+- ``writes`` (``DirectoryWrites``, ``directory_writes``): the one way in, ``apply``
+  (STORE upserts, ACCESS counts, DELETE removes), fencing a dead instance's L1 slice in
+  time proportional to its own keys, dropping an instance gone for good, and the replay
+  ``restore`` runs.
+
+Reads and writes share the one tables instance and hold direct references to its tables
+for their hot paths. The methods here only forward, so that callers keep one object and
+one API. The result types and the int layout live in ``placements``; the snapshot format
+in ``directory_snapshot``.
 """
 
 from __future__ import annotations
 
-import array
-from collections.abc import Sequence
-from operator import attrgetter
+from collections.abc import Iterable, Iterator, Sequence
 
 from kvatlas.core.directory_reads import DirectoryReads
-from kvatlas.core.directory_snapshot import decode_snapshot
-from kvatlas.core.directory_tables import KeyLog
-from kvatlas.core.errors import InvalidInput
+from kvatlas.core.directory_snapshot import DirectoryCapture, decode_snapshot
+from kvatlas.core.directory_tables import DirectoryTables
+from kvatlas.core.directory_writes import DirectoryWrites
 from kvatlas.core.events import EventBatch
-from kvatlas.core.keys import MAX_TOKEN_ID
-from kvatlas.core.placements import HASH_BITS, SIZE_BITS, SIZE_MASK, Applied, Owner
-from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
-
-_COMPACT_SLACK = 1024
-
-_get_key = attrgetter("key")
-_get_size = attrgetter("size_bytes")
-
-
-def _check_sizes(sizes: Sequence[int]) -> bool:
-    """Raise InvalidInput unless every size fits; True when all sizes are equal.
-
-    Equal sizes are the common case (fixed-size chunks): one C-level count then checks
-    the whole batch.
-    """
-    if not sizes:
-        return True
-    first = sizes[0]
-    uniform = sizes.count(first) == len(sizes)
-    lo, hi = (first, first) if uniform else (min(sizes), max(sizes))
-    if lo < 0 or hi > SIZE_MASK:
-        raise InvalidInput(f"size_bytes must be in [0, {SIZE_MASK}]")
-    return uniform
+from kvatlas.core.keys import Namespace, ObjectKey
+from kvatlas.core.placements import (
+    Applied,
+    DirectoryStats,
+    KeyColumns,
+    KeyResult,
+    Placement,
+    PrefixResult,
+)
+from kvatlas.core.types import ChunkHash, Incarnation, InstanceId, Tier
 
 
-class KeyDirectory(DirectoryReads):
+class KeyDirectory:
     """Object key -> placements, with a reverse index per L1 owner. Single-threaded."""
 
-    # ---- events ----------------------------------------------------------------------
+    __slots__ = ("reads", "tables", "writes")
+
+    def __init__(self, keep_tokens: bool = False) -> None:
+        """``keep_tokens``: bind the token ids that STORE entries carry to their keys
+        (lookups answer them); the memory is spent only on entries that carry tokens."""
+        self.tables = DirectoryTables(keep_tokens)
+        """The state the two parts below share."""
+        self.reads = DirectoryReads(self.tables)
+        self.writes = DirectoryWrites(self.tables)
+
+    @property
+    def keep_tokens(self) -> bool:
+        """Whether STORE entries' token ids are kept (set at construction)."""
+        return self.tables.keep_tokens
+
+    # ---- writes ----------------------------------------------------------------------
 
     def apply(self, batch: EventBatch) -> Applied:
         """Apply one admitted batch. STORE upserts, ACCESS counts, DELETE removes.
@@ -61,285 +70,106 @@ class KeyDirectory(DirectoryReads):
         A batch's objects are its entries followed by its block's. Validates every entry
         and the block before changing anything, so a bad batch applies nothing.
         """
-        if batch.event_type is EventType.CONFIG:
-            raise InvalidInput("a config batch declares capacity; it has no placements to apply")
-        owner = Owner(batch.instance_id, batch.incarnation, batch.tier, batch.backend, batch.shared)
-        entries = batch.entries
-        block = batch.block
-        n = len(entries) if block is None else len(entries) + block.count
-        if block is not None:
-            block.check_shape()
-        if batch.event_type is EventType.STORE:
-            if self.keep_tokens:
-                for e in entries:  # validate before anything changes
-                    t = e.token_ids
-                    if t and (min(t) < 0 or max(t) > MAX_TOKEN_ID):
-                        raise InvalidInput("token ids must be in [0, 2**32-1]")
-            sizes: Sequence[int]
-            ns: int | None
-            if block is None:
-                sizes = list(map(_get_size, entries))
-                uniform = _check_sizes(sizes)
-                iks, ns = self._key_ints(list(map(_get_key, entries)))
-            elif not entries:  # the fast form: columns straight from the wire
-                sizes = block.sizes
-                uniform = _check_sizes(sizes)
-                iks = self._block_ints(block)
-                ns = self._find_ns(block.namespace)
-            else:
-                sizes = list(map(_get_size, entries))
-                sizes.extend(block.sizes)
-                uniform = _check_sizes(sizes)
-                iks, _ = self._key_ints(list(map(_get_key, entries)))
-                iks.extend(self._block_ints(block))
-                ns = None
-            oid = self._owner_id(owner)
-            created = self._store(oid, iks, sizes, uniform, ns)
-            if not self._count[oid]:  # an empty batch: nothing holds the new owner
-                self._drop_owner(oid)
-            if ns is not None and not self._ns_keys[ns]:  # interned for keys it had not
-                self._drop_ns(ns)
-            if self.keep_tokens:
-                # iks holds the entries' keys first; a block carries no tokens.
-                for key_int, e in zip(iks, entries, strict=False):
-                    if e.token_ids is not None:
-                        self._bind(key_int, e.token_offset, e.token_ids)
-            return Applied(n, created=created)
-        found_oid = self._owner_ids.get(owner)
-        if batch.event_type is EventType.ACCESS:
-            hit = 0
-            m = self._map
-            for ik in self._find_ints(batch):
-                if ik is not None and ik in m:
-                    self._access[ik] = self._access.get(ik, 0) + 1
-                    hit += 1
-            return Applied(n, ignored=n - hit)
-        if found_oid is None:
-            return Applied(n, ignored=n)
-        removed = 0
-        for ik in self._find_ints(batch):
-            if ik is not None and self._remove(ik, found_oid):
-                removed += 1
-        return Applied(n, created=removed, ignored=n - removed)
-
-    def _store(
-        self,
-        oid: int,
-        keys: Sequence[int],
-        sizes: Sequence[int],
-        uniform: bool | None = None,
-        ns: int | None = None,
-    ) -> int:
-        """Upsert ``keys`` with ``sizes`` for owner ``oid``; returns placements created.
-
-        ``uniform`` is `_check_sizes`' answer when the caller has already validated;
-        ``ns`` the namespace of every key when the caller knows they share one.
-        """
-        m = self._map
-        rev = self._rev.get(oid)
-        codes = self._codes
-        # Validate before changing anything: a bad batch applies nothing.
-        if uniform is None:
-            uniform = _check_sizes(sizes)
-        n = len(keys)
-        base = oid << SIZE_BITS
-        if uniform and n:
-            code = base | sizes[0]
-            new = dict.fromkeys(keys, codes.setdefault(code, code))
-        else:
-            new = dict(
-                zip(keys, [codes.setdefault(base | s, base | s) for s in sizes], strict=True)
-            )
-        if len(new) == n and m.keys().isdisjoint(new.keys()):
-            # Fast path, the common case: every key is new and none repeats. All loops
-            # run in C.
-            m.update(new)
-            if ns is not None:
-                self._ns_keys[ns] += n
-            else:
-                for ik in keys:
-                    self._ns_keys[ik >> HASH_BITS] += 1
-            if rev is not None:
-                rev.extend(keys)
-            self._count[oid] += n
-            self._bytes[oid] += sizes[0] * n if uniform and n else sum(sizes)
-            return n
-        created = 0
-        added_bytes = 0
-        for ik, size in zip(keys, sizes, strict=True):
-            code = oid << SIZE_BITS | size
-            code = codes.setdefault(code, code)
-            cur = m.get(ik)
-            if cur is None:
-                m[ik] = code
-                self._ns_keys[ik >> HASH_BITS] += 1
-            elif type(cur) is int:
-                if cur >> SIZE_BITS == oid:
-                    m[ik] = code
-                    added_bytes += size - (cur & SIZE_MASK)
-                    continue
-                m[ik] = (cur, code)
-            else:
-                assert isinstance(cur, tuple)
-                for i, c in enumerate(cur):
-                    if c >> SIZE_BITS == oid:
-                        m[ik] = (*cur[:i], code, *cur[i + 1 :])
-                        added_bytes += size - (c & SIZE_MASK)
-                        break
-                else:
-                    m[ik] = (*cur, code)
-                    created += 1
-                    added_bytes += size
-                    if rev is not None:
-                        rev.append(ik)
-                continue
-            created += 1
-            added_bytes += size
-            if rev is not None:
-                rev.append(ik)
-        self._count[oid] += created
-        self._bytes[oid] += added_bytes
-        return created
-
-    def _remove(self, ik: int, oid: int, compact: bool = True) -> bool:
-        cur = self._map.get(ik)
-        if cur is None:
-            return False
-        if type(cur) is int:
-            if cur >> SIZE_BITS != oid:
-                return False
-            del self._map[ik]
-            nsi = ik >> HASH_BITS
-            self._ns_keys[nsi] -= 1
-            if not self._ns_keys[nsi]:
-                self._drop_ns(nsi)
-            self._access.pop(ik, None)
-            if self._tokens:
-                old = self._tokens.pop(ik, None)
-                if old is not None:
-                    self._token_bytes -= len(old[1])
-            removed = cur
-        else:
-            assert isinstance(cur, tuple)
-            keep = tuple(c for c in cur if c >> SIZE_BITS != oid)
-            if len(keep) == len(cur):
-                return False
-            removed = next(c for c in cur if c >> SIZE_BITS == oid)
-            self._map[ik] = keep[0] if len(keep) == 1 else keep
-        self._count[oid] -= 1
-        self._bytes[oid] -= removed & SIZE_MASK
-        if not self._count[oid]:
-            self._drop_owner(oid)
-        elif compact:
-            self._maybe_compact(oid)
-        return True
-
-    def _maybe_compact(self, oid: int) -> None:
-        rev = self._rev.get(oid)
-        if rev is None or len(rev) <= 2 * self._count[oid] + _COMPACT_SLACK:
-            return
-        self._rev[oid] = KeyLog(ik for ik in dict.fromkeys(rev) if self._holds(ik, oid))
-
-    def _holds(self, ik: int, oid: int) -> bool:
-        cur = self._map.get(ik)
-        if cur is None:
-            return False
-        if type(cur) is int:
-            return cur >> SIZE_BITS == oid
-        assert isinstance(cur, tuple)
-        return any(c >> SIZE_BITS == oid for c in cur)
-
-    def _bind(self, ik: int, offset: int, tokens: Sequence[int]) -> None:
-        raw = array.array("I", tokens).tobytes()
-        old = self._tokens.get(ik)
-        self._tokens[ik] = (offset, raw)
-        self._token_bytes += len(raw) - (len(old[1]) if old is not None else 0)
-
-    # ---- fencing ---------------------------------------------------------------------
+        return self.writes.apply(batch)
 
     def fence(self, instance_id: InstanceId, incarnation: Incarnation | None = None) -> int:
-        """Remove the L1 placements of ``instance_id`` (of one incarnation, or of all).
-
-        Costs time proportional to that instance's L1 keys. L2 placements stay: they
-        outlive the process and leave only through their own DELETE events.
-        Returns the number of placements removed.
-        """
-        removed = 0
-        for oid in sorted(self._owners_by_instance.get(instance_id, ())):
-            owner = self._owners[oid]
-            if owner.tier is not Tier.L1:
-                continue
-            if incarnation is not None and owner.incarnation != incarnation:
-                continue
-            rev = self._rev.get(oid, KeyLog())
-            self._rev[oid] = KeyLog()
-            for ik in rev:
-                if self._remove(ik, oid, compact=False):
-                    removed += 1
-        return removed
+        """Remove the L1 placements of ``instance_id`` (of one incarnation, or of all),
+        in time proportional to that instance's L1 keys; L2 placements stay. Returns the
+        number of placements removed."""
+        return self.writes.fence(instance_id, incarnation)
 
     def drop(self, instance_id: InstanceId) -> int:
-        """Remove every placement of ``instance_id``: every tier, every incarnation.
-
-        L1 goes through the reverse index; the other tiers have none (their placements
-        are many and long-lived, and an index would cost 8 bytes each), so one pass over
-        the map finds them: time proportional to the whole directory, paid once per
-        instance that is gone for good (``FleetState``'s L2 retention). Returns the
-        number of placements removed.
-        """
-        removed = self.fence(instance_id)
-        targets = frozenset(self._owners_by_instance.get(instance_id, ()))
-        if not targets:
-            return removed
-        found: list[tuple[int, int]] = []
-        for ik, cur in self._map.items():
-            if type(cur) is int:
-                if cur >> SIZE_BITS in targets:
-                    found.append((ik, cur >> SIZE_BITS))
-            else:
-                assert isinstance(cur, tuple)
-                found.extend((ik, c >> SIZE_BITS) for c in cur if c >> SIZE_BITS in targets)
-        for ik, oid in found:
-            if self._remove(ik, oid, compact=False):
-                removed += 1
-        return removed
+        """Remove every placement of ``instance_id``: every tier, every incarnation (one
+        pass over the map for the tiers without a reverse index). Returns the number of
+        placements removed."""
+        return self.writes.drop(instance_id)
 
     def fence_below(self, instance_id: InstanceId, incarnation: Incarnation) -> int:
         """Fence every L1 incarnation of ``instance_id`` lower than ``incarnation``."""
-        removed = 0
-        for inc in sorted(
-            {
-                self._owners[o].incarnation
-                for o in self._owners_by_instance.get(instance_id, ())
-                if self._owners[o].incarnation < incarnation
-            }
-        ):
-            removed += self.fence(instance_id, inc)
-        return removed
+        return self.writes.fence_below(instance_id, incarnation)
 
     @classmethod
     def restore(cls, data: bytes, keep_tokens: bool = False) -> KeyDirectory:
         """Rebuild a directory from `snapshot` bytes by replaying its stores."""
         snap = decode_snapshot(data)
         d = cls(keep_tokens=keep_tokens)
-        remap: dict[int, int] = {}  # only namespaces that hold keys (a freed slot holds none)
-
-        def key(ns: int, prefix: int) -> int | None:
-            new = remap.get(ns)
-            return None if new is None else new << HASH_BITS | prefix
-
-        for so in snap.owners:
-            ns = remap.get(so.namespace)
-            if ns is None:
-                ns = remap[so.namespace] = d._ns_id(snap.namespaces[so.namespace])
-            base = ns << HASH_BITS
-            d._store(d._owner_id(so.owner), [base | k for k in so.keys], so.sizes, ns=ns)
-        for nsi, prefix, n in snap.access:
-            if (ik := key(nsi, prefix)) is not None and ik in d._map:
-                d._access[ik] = n
-        if keep_tokens:
-            for nsi, prefix, off, toks in snap.tokens:
-                if (ik := key(nsi, prefix)) is not None and ik in d._map:
-                    d._tokens[ik] = (off, toks)
-                    d._token_bytes += len(toks)
+        d.writes.replay(snap)
         return d
+
+    # ---- reads -----------------------------------------------------------------------
+
+    def lookup_keys(self, keys: Iterable[ObjectKey]) -> list[KeyResult]:
+        """Placements of each key, in the order given (empty placements: unknown)."""
+        return self.reads.lookup_keys(keys)
+
+    def lookup_prefix(self, hashes: Sequence[ChunkHash], ns: Namespace) -> PrefixResult:
+        """Per chunk of a prefix chain who holds it, and per (instance, tier) how many
+        leading chunks it holds."""
+        return self.reads.lookup_prefix(hashes, ns)
+
+    def lookup_blob(self, blob: bytes, ns: Namespace) -> KeyColumns:
+        """Placements of each hash of ``blob`` (full hashes, concatenated) in ``ns``."""
+        return self.reads.lookup_blob(blob, ns)
+
+    def iter_keys(
+        self,
+        tier: Tier | None = None,
+        instance_id: InstanceId | None = None,
+        backend: str | None = None,
+    ) -> Iterator[tuple[Namespace, bytes, tuple[Placement, ...]]]:
+        """Every key with its placements, filtered; the hash is the stored 8-byte prefix."""
+        return self.reads.iter_keys(tier, instance_id, backend)
+
+    def namespaces(self) -> list[Namespace]:
+        """Every namespace that holds a key now."""
+        return self.reads.namespaces()
+
+    def key_order(self) -> list[int]:
+        """Every key's id, in insertion order (a copy, to walk in steps)."""
+        return self.reads.key_order()
+
+    def key_slice(self, start: int, count: int) -> list[int]:
+        """The ids of ``count`` keys from position ``start`` in insertion order."""
+        return self.reads.key_slice(start, count)
+
+    def key_rows(
+        self,
+        ids: Iterable[int],
+        tier: Tier | None = None,
+        instance_id: InstanceId | None = None,
+        backend: str | None = None,
+    ) -> list[tuple[Namespace, bytes, tuple[Placement, ...]]]:
+        """The keys of ``ids`` that still have a placement matching the filters, with
+        those placements, in order."""
+        return self.reads.key_rows(ids, tier, instance_id, backend)
+
+    def key_facts(self, ns: Namespace, prefix: bytes) -> tuple[int, int]:
+        """(access count, number of kept token ids) of a listed key (0, 0 if gone)."""
+        return self.reads.key_facts(ns, prefix)
+
+    def tier_bytes(self, ids: Iterable[int], tier: Tier) -> dict[Namespace, int]:
+        """Bytes of ``tier`` placements per namespace, over the keys of ``ids``."""
+        return self.reads.tier_bytes(ids, tier)
+
+    def __len__(self) -> int:
+        return len(self.tables.map)
+
+    def stats(self) -> DirectoryStats:
+        return self.reads.stats()
+
+    def canonical(self) -> list[tuple[Namespace, bytes, tuple[Placement, ...]]]:
+        """The directory's content independent of interning order, for tests and digests."""
+        return self.reads.canonical()
+
+    def digest(self) -> str:
+        """blake3 hex digest of the canonical content (placements and access counts)."""
+        return self.reads.digest()
+
+    def snapshot(self) -> bytes:
+        """Encode the directory; `restore` replays it through the same store path."""
+        return self.reads.snapshot()
+
+    def capture(self) -> DirectoryCapture:
+        """The directory at this instant, for `DirectoryCapture.encode` to turn into
+        snapshot bytes later (a shell holds its lock only for this copy)."""
+        return self.reads.capture()

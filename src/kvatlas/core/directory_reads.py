@@ -1,9 +1,13 @@
 """The key directory's reads: lookups, key listing, stats and the snapshot capture.
 
-Owns ``DirectoryReads``, every question asked of the tables ``DirectoryTables`` lays
-out: placements of keys (by keys, by a hash blob, by a prefix chain), key listing in
-steps, per-key facts, bytes per namespace, stats, and the capture a snapshot encodes.
-Must not: change the tables (``KeyDirectory`` applies events) or do any I/O.
+Owns ``DirectoryReads``, every question asked of the one ``DirectoryTables`` the
+directory composes: placements of keys (by keys, by a hash blob, by a prefix chain), key
+listing in steps, per-key facts, bytes per namespace, stats, and the capture a snapshot
+encodes. Must not: change the tables (``DirectoryWrites`` applies events; the one thing
+it fills is the tables' cache of decoded placement sets) or do any I/O.
+
+It binds the tables its lookups touch to its own slots once (the tables are never
+replaced), so the hot paths pay no more than an attribute of ``self`` for each.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from kvatlas.core.placements import (
     KeyColumns,
     KeyResult,
     MapValue,
+    Owner,
     OwnerStats,
     Placement,
     PrefixResult,
@@ -42,9 +47,31 @@ _CACHE_LIMIT = 65536
 _get_hash = attrgetter("chunk_hash")
 
 
-class DirectoryReads(DirectoryTables):
-    """The lookups over the tables; the base of ``KeyDirectory``, which is the class to
-    use. Single-threaded."""
+class DirectoryReads:
+    """The lookups over one ``DirectoryTables``; part of ``KeyDirectory``, which is the
+    object to use. Single-threaded."""
+
+    __slots__ = (
+        "_access",
+        "_map",
+        "_namespaces",
+        "_ns_ids",
+        "_owners",
+        "_pl_cache",
+        "_tables",
+        "_tokens",
+    )
+
+    def __init__(self, tables: DirectoryTables) -> None:
+        self._tables = tables
+        # Direct references for the hot paths (the tables are never replaced).
+        self._map: dict[int, MapValue] = tables.map
+        self._owners: list[Owner] = tables.owners
+        self._namespaces: list[Namespace] = tables.namespaces
+        self._ns_ids: dict[tuple[str, int, int, str], int] = tables.ns_ids
+        self._access: dict[int, int] = tables.access
+        self._tokens: dict[int, tuple[int, bytes]] = tables.tokens
+        self._pl_cache: dict[MapValue | None, tuple[Placement, ...]] = tables.pl_cache
 
     def _placements_of(self, cur: MapValue | None) -> tuple[Placement, ...]:
         if cur is None:
@@ -83,7 +110,8 @@ class DirectoryReads(DirectoryTables):
             return []
         blob = b"".join(map(_get_hash, keys))
         if len(blob) != HASH_BYTES * len(keys) or not same_namespace(keys):
-            return [self._result(k, self._find_key(k)) for k in keys]
+            find_key, result = self._tables.find_key, self._result
+            return [result(k, find_key(k)) for k in keys]
         # One namespace and full hashes, the common case: the blob lookup's C-level maps.
         cols = self.lookup_blob(blob, keys[0].namespace)
         tokens = cols.token_ids or (None,) * len(keys)
@@ -117,7 +145,7 @@ class DirectoryReads(DirectoryTables):
 
     def _columns(self, prefixes: list[int], ns: Namespace) -> KeyColumns:
         n = len(prefixes)
-        ns_id = self._find_ns(ns)
+        ns_id = self._tables.find_ns(ns)
         if ns_id is None or n == 0:
             return KeyColumns(((),) * n, (0,) * n, None)
         base = ns_id << HASH_BITS
@@ -189,7 +217,7 @@ class DirectoryReads(DirectoryTables):
 
     def key_facts(self, ns: Namespace, prefix: bytes) -> tuple[int, int]:
         """(access count, number of kept token ids) of a listed key (0, 0 if gone)."""
-        ns_id = self._find_ns(ns)
+        ns_id = self._tables.find_ns(ns)
         if ns_id is None:
             return 0, 0
         ik = ns_id << HASH_BITS | int.from_bytes(prefix, "big")
@@ -222,8 +250,9 @@ class DirectoryReads(DirectoryTables):
         by_tier_n = {t.value: 0 for t in Tier}
         by_tier_b = {t.value: 0 for t in Tier}
         owners = []
+        counts, sizes = self._tables.owner_placements, self._tables.owner_bytes
         for oid, o in enumerate(self._owners):
-            n, b = self._count[oid], self._bytes[oid]
+            n, b = counts[oid], sizes[oid]
             if n == 0:
                 continue
             by_tier_n[o.tier.value] += n
@@ -240,7 +269,7 @@ class DirectoryReads(DirectoryTables):
             owners=tuple(owners),
             namespaces=len(self._ns_ids),
             token_keys=len(self._tokens),
-            token_bytes=self._token_bytes,
+            token_bytes=self._tables.token_bytes,
         )
 
     def canonical(self) -> list[tuple[Namespace, bytes, tuple[Placement, ...]]]:

@@ -4,7 +4,8 @@ Owns the snapshot format (``DirectorySnapshot``, version ``SNAPSHOT_VERSION``: n
 per owner its keys and sizes, access counts, token bindings), ``DirectoryCapture`` (the
 copy a shell takes under its lock, encoded and digested after the lock is released) and
 ``decode_snapshot`` (bytes -> format, refusing what it cannot read). Must not: rebuild a
-directory (``KeyDirectory.restore`` replays the decoded stores through its own path).
+directory (``KeyDirectory.restore`` replays the decoded stores through the write path,
+``DirectoryWrites.replay``).
 """
 
 from __future__ import annotations
