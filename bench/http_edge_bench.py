@@ -1,6 +1,7 @@
 """HTTP edge benchmark: kvatlas' own HTTP/1.1 server against uvicorn, on the same handlers.
 
-Run: `python -m bench.http_edge_bench [--seconds 0.75] [--repeats 3] [--conns 4]`.
+Run: `python -m bench.http_edge_bench [--seconds 0.75] [--repeats 3] [--conns 4]
+[--baseline-edge DIR]`.
 
 Why it exists: the coordinator serves HTTP with `kvatlas.coordinator.edge` (uvloop and
 httptools, no ASGI) instead of uvicorn and Starlette, which the cache server and the
@@ -15,7 +16,11 @@ Servers, each its own process on 127.0.0.1, one worker, uvloop and httptools eve
   Starlette's;
 - `bare protocol`: an asyncio protocol that finds the end of each request and writes a
   canned answer: no parsing, no handler. It is the floor under every server (the client,
-  the loopback and the event loop), so that `server - bare` is what a server costs.
+  the loopback and the event loop), so that `server - bare` is what a server costs;
+- `edge-baseline` (with ``--baseline-edge DIR``): the same as `runtime`, but with the
+  modules of ``kvatlas.coordinator.edge`` taken from DIR first (a copy of the package at
+  an earlier commit), to measure a change of the edge against what it replaces in the
+  same run.
 
 Handlers, the same logic in every server: `GET /healthz` answers `{"ok":true}`; `POST
 /ingest` decodes a ~20 KB JSON body (256 entries, pre-encoded once) with a msgspec
@@ -25,10 +30,12 @@ Client: this process, plain sockets, keep-alive, requests pre-encoded, responses
 by their content-length. Two modes per server and handler: `1 conn` (one request at a
 time on one connection: the latency of a request) and `N conns` (N connections, one
 request in flight on each, driven by one selector loop: requests/s under load). Servers
-are measured in turn within each repeat, so that all see the same noise; each figure is
-the median over the repeats. Bounded: every measurement stops after --seconds (or
---max-requests); the whole run takes under a minute. Prints a markdown table; writes
-JSON to bench/results/http_edge.json.
+are measured in turn within each repeat, so that all see the same noise, each repeat
+starting one server later than the last; each figure is the median over the repeats.
+Bounded: every measurement stops after --seconds (or --max-requests); the whole run takes
+about a minute. Prints a markdown table of the medians, then each repeat's ratios (on a
+shared, busy machine the ratio within one repeat is steadier than any one figure);
+writes JSON to bench/results/http_edge.json.
 """
 
 from __future__ import annotations
@@ -54,8 +61,10 @@ from kvatlas.evaluation.launch import HOST, free_ports, launch, python_module
 
 RESULTS = Path(__file__).resolve().parent / "results" / "http_edge.json"
 SERVERS = ["runtime", "uvicorn+starlette", "uvicorn-asgi", "bare"]
+BASELINE = "edge-baseline"
 LABELS = {
-    "runtime": "runtime (httptools, no ASGI)",
+    "runtime": "coordinator's edge (no ASGI)",
+    BASELINE: "coordinator's edge, baseline copy",
     "uvicorn+starlette": "uvicorn + Starlette",
     "uvicorn-asgi": "uvicorn, raw ASGI app",
     "bare": "bare protocol (floor)",
@@ -107,6 +116,14 @@ def requests() -> dict[str, bytes]:
 
 
 # ---- servers (each runs in its own process: `--serve NAME --port N`) -----------------
+
+
+def serve_baseline(port: int, edge_dir: str) -> None:
+    """`serve_runtime` with the edge package's modules looked up in ``edge_dir`` first."""
+    import kvatlas.coordinator.edge as edge  # noqa: PLC0415
+
+    edge.__path__.insert(0, str(Path(edge_dir).resolve()))
+    serve_runtime(port)
 
 
 def serve_runtime(port: int) -> None:
@@ -254,9 +271,10 @@ SERVE: dict[str, Callable[[int], None]] = {
 class Served:
     """One server process, started and stopped by pid; its output goes to ``log``."""
 
-    def __init__(self, name: str, port: int, log: Path) -> None:
+    def __init__(self, name: str, port: int, log: Path, edge_dir: str | None = None) -> None:
         self.name, self.port = name, port
-        argv = python_module("bench.http_edge_bench", "--serve", name, "--port", str(port))
+        extra = ["--edge-dir", edge_dir] if name == BASELINE and edge_dir else []
+        argv = python_module("bench.http_edge_bench", "--serve", name, "--port", str(port), *extra)
         self.proc = launch(argv, name=name, log=log, http_port=port, wait=False)
 
     def wait(self) -> None:
@@ -384,21 +402,30 @@ def _summary(lat: list[int], elapsed_s: float) -> dict[str, float]:
 
 
 def measure(
-    servers: Sequence[str], repeats: int, seconds: float, max_requests: int, conns: int
+    servers: Sequence[str],
+    repeats: int,
+    seconds: float,
+    max_requests: int,
+    conns: int,
+    edge_dir: str | None = None,
 ) -> dict[str, Any]:
     reqs = requests()
     ports = free_ports(len(servers))
     logs = Path(tempfile.mkdtemp(prefix="kvatlas-http-edge-"))
     procs = {
-        name: Served(name, port, logs / f"{i}.log")
+        name: Served(name, port, logs / f"{i}.log", edge_dir)
         for i, (name, port) in enumerate(zip(servers, ports, strict=True))
     }
     runs: dict[str, list[dict[str, float]]] = {}
     try:
         for p in procs.values():
             p.wait()
-        for _ in range(repeats):
-            for name, p in procs.items():
+        names = list(procs)
+        for r in range(repeats):
+            # Each repeat starts one server later, so that none is always measured
+            # right after the same neighbour (on a busy machine, that showed).
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                p = procs[name]
                 for handler in HANDLERS:
                     lat, took = one_connection(p.port, reqs[handler], seconds, max_requests)
                     runs.setdefault(f"{name}|{handler}|1", []).append(_summary(lat, took))
@@ -454,6 +481,40 @@ def ratios(medians: dict[str, dict[str, float]], conns: int) -> dict[str, dict[s
     return out
 
 
+def ratios_per_repeat(
+    runs: dict[str, list[dict[str, float]]], conns: int, other: str = "uvicorn+starlette"
+) -> dict[str, list[dict[str, float]]]:
+    """`ratios` within each repeat (``other`` against the runtime server, measured one
+    right after the other): on a busy machine, steadier than a ratio of medians."""
+    out: dict[str, list[dict[str, float]]] = {}
+    for handler in HANDLERS:
+        keys = [
+            (f"runtime|{handler}|1", f"{other}|{handler}|1"),
+            (f"runtime|{handler}|{conns}", f"{other}|{handler}|{conns}"),
+        ]
+        if any(k not in runs for pair in keys for k in pair):
+            continue
+        (rt1, ot1), (rtn, otn) = ([runs[a], runs[b]] for a, b in keys)
+        out[handler] = [
+            {
+                "p50_1conn": o1["p50_us"] / r1["p50_us"],
+                "rps_1conn": r1["rps"] / o1["rps"],
+                f"rps_{conns}conns": rn["rps"] / on["rps"],
+            }
+            for r1, o1, rn, on in zip(rt1, ot1, rtn, otn, strict=True)
+        ]
+    return out
+
+
+def _print_per_repeat(per: dict[str, list[dict[str, float]]], conns: int, what: str) -> None:
+    for handler, reps in per.items():
+        cells = "; ".join(
+            f"{r['p50_1conn']:.2f}x / {r['rps_1conn']:.2f}x / {r[f'rps_{conns}conns']:.2f}x"
+            for r in reps
+        )
+        print(f"{handler}, {what} per repeat (p50 1 conn / req/s 1 conn / req/s {conns}): {cells}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=0.75, help="per measurement")
@@ -461,15 +522,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-requests", type=int, default=50_000, help="per measurement")
     ap.add_argument("--conns", type=int, default=4, help="connections of the loaded mode")
     ap.add_argument("--servers", default=",".join(SERVERS))
-    ap.add_argument("--serve", choices=SERVERS, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--baseline-edge",
+        metavar="DIR",
+        help="also serve the edge with its modules taken from DIR first (an earlier copy"
+        " of src/kvatlas/coordinator/edge), beside the current one",
+    )
+    ap.add_argument("--serve", choices=[*SERVERS, BASELINE], help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--edge-dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.serve == BASELINE:
+        serve_baseline(args.port, args.edge_dir)
+        return 0
     if args.serve:
         SERVE[args.serve](args.port)
         return 0
     servers = [s for s in args.servers.split(",") if s]
+    if args.baseline_edge and BASELINE not in servers:
+        servers.insert(servers.index("runtime") + 1 if "runtime" in servers else 0, BASELINE)
     started = time.time()
-    out = measure(servers, args.repeats, args.seconds, args.max_requests, args.conns)
+    out = measure(
+        servers, args.repeats, args.seconds, args.max_requests, args.conns, args.baseline_edge
+    )
     machine = describe()
     print(
         f"\nHTTP edge: {args.repeats} repeats of {args.seconds} s per measurement, medians;"
@@ -485,7 +560,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" {args.conns} conns",
             end="",
         )
-    print()
+    print("\n")
+    per = ratios_per_repeat(out["runs"], args.conns)
+    _print_per_repeat(per, args.conns, "uvicorn + Starlette against the edge")
+    base = ratios_per_repeat(out["runs"], args.conns, BASELINE) if args.baseline_edge else {}
+    _print_per_repeat(base, args.conns, "the baseline edge against the current one")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(
         json.dumps(
@@ -494,6 +573,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "args": vars(args),
                 "seconds": round(time.time() - started, 1),
                 "ratios": rat,
+                "ratios_per_repeat": per,
+                "baseline_ratios_per_repeat": base,
                 **out,
             },
             indent=1,

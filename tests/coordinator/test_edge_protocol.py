@@ -1,9 +1,11 @@
-"""The HTTP edge's sans-I/O core on a fake clock: `RequestReader` fed bytes and times as
-the asyncio shell feeds them, without a socket, a loop or real time. The read deadlines
+"""The HTTP edge's parser on a fake clock: `RequestReader` fed bytes and times as
+`edge.state.Connection` feeds it, without a socket, a loop or real time. The read deadlines
 (408: headers late, a body below the minimum rate over a window, the window restarting
 while an earlier request is answered), the idle timeout, the limits (413, 414, 431, 400),
 the buffered-bytes budget (503 with Retry-After, counted, given back), and the verdicts'
-exact answers. The same rules over real sockets: ``test_edge_server.py``."""
+exact answers. What a connection does with the requests (keep-alive, pipelining, close,
+linger): ``test_edge_state.py``. The same rules over real sockets:
+``test_edge_server.py``."""
 
 from __future__ import annotations
 
@@ -33,25 +35,21 @@ LIMITS = Limits(max_body_bytes=MIB, header_timeout=10.0, body_timeout=10.0, min_
 
 
 class Conn:
-    """One connection's reader and what it handed over (the sink), fed as the shell
-    feeds it: each read fills at most what `RequestReader.buffer` offers."""
+    """One connection's reader and what it completed (`RequestReader.ready`), fed as the
+    connection feeds it: each read fills at most what `RequestReader.buffer` offers."""
 
     def __init__(
         self, limits: Limits = LIMITS, budget: int = 4 * MIB, ledger: Ledger | None = None
     ) -> None:
         self.ledger = Ledger(budget) if ledger is None else ledger
-        self.requests: list[tuple[HttpRequest, bool, int]] = []
-        self.continues = 0
         view = memoryview(bytearray(READ_BUFFER_BYTES))
         self.reader = RequestReader(
-            limits, self.ledger, self, read_view=view, head_view=view[:HEAD_READ_BYTES], now=T0
+            limits, self.ledger, read_view=view, head_view=view[:HEAD_READ_BYTES], now=T0
         )
 
-    def request_ready(self, request: HttpRequest, keep_alive: bool, reserved: int) -> None:
-        self.requests.append((request, keep_alive, reserved))
-
-    def send_continue(self) -> None:
-        self.continues += 1
+    @property
+    def requests(self) -> list[tuple[HttpRequest, bool, int]]:
+        return list(self.reader.ready)
 
     def feed(self, data: bytes, now: float) -> Refusal | None:
         at = 0
@@ -237,7 +235,7 @@ def test_requests_over_a_limit_or_malformed_are_refused(
     assert refusal is not None
     assert refusal.status == status
     assert reason in refusal.answer()
-    assert len(c.requests) == (1 if status == 400 and reason == b"upgrades" else 0)
+    assert c.requests == []  # an upgrade too is refused before it is queued
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read() -> None:
@@ -300,13 +298,18 @@ def test_a_chunked_body_reserves_what_has_arrived() -> None:
     assert reserved == 200_000 and c.bodies() == [b"c" * 200_000]
 
 
-def test_expect_continue_is_asked_of_the_sink_once_the_headers_are_in() -> None:
+def test_expect_continue_is_noted_once_the_headers_are_in() -> None:
     c = Conn()
     head = b"POST /echo HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n"
-    assert c.feed(head, T0) is None
-    assert (c.continues, c.requests) == (1, [])
+    assert c.feed(head[:-1], T0) is None
+    assert not c.reader.continue_asked
+    assert c.feed(head[-1:], T0) is None
+    assert (c.reader.continue_asked, c.requests) == (True, [])
+    c.reader.continued()
+    assert not c.reader.continue_asked
     assert c.feed(b"ok", T0) is None
     assert c.bodies() == [b"ok"]
+    assert not c.reader.continue_asked
 
 
 def test_http10_and_connection_close_are_not_kept_alive() -> None:

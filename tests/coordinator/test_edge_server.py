@@ -1,10 +1,12 @@
 """The coordinator's HTTP/1.1 server on its own, over real loopback sockets: routing,
-keep-alive and pipelining order, limits, `Expect: 100-continue`, coroutine and
-thread-pool handlers, errors, idle timeouts, read deadlines (408), the connection cap
-(503), the linger of a last answer and shutdown. Deadlines run on a `FakeClock` the test
-steps: what is checked here is that the shell reads and sweeps by the injected clock;
-where each deadline falls to the microsecond is ``test_edge_protocol.py``'s. Bodies (the
-buffered-bytes budget, bodies read straight into their buffer): ``test_edge_bodies.py``."""
+keep-alive and pipelining order (a refusal after the answers owed before it), limits,
+`Expect: 100-continue`, coroutine and thread-pool handlers, errors, idle timeouts, read
+deadlines (408), the connection cap (503), the linger of a last answer and shutdown.
+Deadlines run on a `FakeClock` the test steps: what is checked here is that the shell
+reads and sweeps by the injected clock; where each deadline falls to the microsecond is
+``test_edge_protocol.py``'s, and the connection's state machine without sockets is
+``test_edge_state.py``'s. Bodies (the buffered-bytes budget, bodies read straight into
+their buffer): ``test_edge_bodies.py``."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvatlas.coordinator.edge.connection import LINGER_S
+from kvatlas.coordinator.edge.state import LINGER_S
 from support.wait import wait_until
 
 from .edge_served import (
@@ -85,6 +87,33 @@ def test_pipelined_requests_are_answered_in_order(served: Served) -> None:
     assert bodies[1] == b"slow"
     assert bodies[2].startswith(b"http-offload")
     assert bodies[3] == b"four"
+    s.close()
+
+
+def test_a_bad_request_is_refused_after_the_answers_owed_before_it(served: Served) -> None:
+    """Pipelined behind a coroutine and a pool handler, a malformed request's 400 comes
+    after their answers; and nothing after a ``Connection: close`` request is served."""
+    s = served.connect()
+    s.sendall(
+        b"GET /slow?s=0.1 HTTP/1.1\r\nHost: x\r\n\r\nGET /thread HTTP/1.1\r\nHost: x\r\n\r\n"
+        b"NOT HTTP AT ALL\r\n\r\n"
+    )
+    f = s.makefile("rb")
+    assert read_response(f)[2] == b"slow"
+    assert read_response(f)[2].startswith(b"http-offload")
+    status, headers, _ = read_response(f)
+    assert (status, headers["connection"]) == (400, "close")
+    assert f.read() == b""
+    s.close()
+    s = served.connect()
+    s.sendall(
+        b"GET /slow?s=0.05 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        b"GET /items/never HTTP/1.1\r\nHost: x\r\n\r\n"
+    )
+    f = s.makefile("rb")
+    status, headers, body = read_response(f)
+    assert (status, headers["connection"], body) == (200, "close", b"slow")
+    assert f.read() == b""
     s.close()
 
 

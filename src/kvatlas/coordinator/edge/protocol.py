@@ -8,10 +8,12 @@ deadlines: the request line and headers within ``header_timeout`` of the request
 byte, the body at ``min_body_rate`` over every ``body_timeout`` window, else 408; the
 idle timeout), `Ledger` (the buffered-bytes budget shared by a server's connections and
 the refusals by cause), `Limits`, and `Refusal`, the verdict that ends a connection with
-its answer. Like h11, it keeps protocol apart from I/O: it is fed bytes and the time,
-hands complete requests to a `Sink`, and returns verdicts; the asyncio shell
-(`edge.connection`) owns the socket, the dispatch and the clock.
-Must not: read a clock, touch a socket or a transport, log, or run handlers.
+its answer. Like h11's readers, it is fed bytes and the time and queues the requests it
+completes (`RequestReader.ready`); `edge.state.Connection`, the pure connection above it,
+decides what happens to them (keep-alive, pipelining, close, linger), and the asyncio
+shell (`edge.connection`) owns the socket, the dispatch and the clock.
+Must not: read a clock, touch a socket or a transport, log, run handlers, or call back
+into anything outside the reader (httptools calls back into the reader only).
 
 Deadlines cost nothing per byte or per request: the time of the data that began a
 request is kept (the shell reads its clock once per received chunk anyway) and
@@ -20,8 +22,8 @@ request is kept (the shell reads its clock once per received chunk anyway) and
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
 
 import httptools
 
@@ -124,17 +126,6 @@ class Ledger:
         )
 
 
-class Sink(Protocol):
-    """Where a reader hands what it parsed, as it parses it (the connection)."""
-
-    def request_ready(self, request: HttpRequest, keep_alive: bool, reserved: int) -> None:
-        """A request arrived whole; its body holds ``reserved`` bytes of the budget until
-        it is answered, whether the connection stays open after it is ``keep_alive``."""
-
-    def send_continue(self) -> None:
-        """The client asked for ``100 Continue`` before it sends the body."""
-
-
 class _Pending:
     """A request that is arriving: its line and headers, then its body."""
 
@@ -190,13 +181,16 @@ class RequestReader:
     offers the rest of that buffer (``_direct``) without the parser: each read is
     offered exactly the span still missing, so it never takes the next request's bytes.
     The body complete, a fresh parser takes the connection's next request. A big lookup
-    body thus arrives without copies per chunk nor a join."""
+    body thus arrives without copies per chunk nor a join.
+
+    Complete requests wait in `ready` (the request, whether the connection stays open
+    after it, the bytes of the budget its body holds) for `edge.state.Connection` to take
+    them in order."""
 
     def __init__(
         self,
         limits: Limits,
         ledger: Ledger,
-        sink: Sink,
         *,
         read_view: memoryview,
         head_view: memoryview,
@@ -204,7 +198,8 @@ class RequestReader:
     ) -> None:
         self._limits = limits
         self._ledger = ledger
-        self._sink = sink
+        self.ready: deque[tuple[HttpRequest, bool, int]] = deque()
+        """Complete requests, oldest first: the request, keep-alive, bytes reserved."""
         self._read_view = read_view
         self._head_view = head_view
         self._parser = httptools.HttpRequestParser(self)
@@ -212,6 +207,9 @@ class RequestReader:
         self._direct: _Pending | None = None
         """The request whose body is read without the parser."""
         self._header_bytes = 0
+        self.continue_asked = False
+        """The arriving request's headers asked for ``100 Continue`` and it has not been
+        sent (`continued`); false once the request is whole or dropped."""
         self.last_active = now
         """When data last arrived or an answer was last sent (`touch`)."""
 
@@ -221,6 +219,10 @@ class RequestReader:
     def arriving(self) -> bool:
         """A request has begun and not yet arrived whole."""
         return self._pending is not None
+
+    def continued(self) -> None:
+        """``100 Continue`` was sent to the arriving request (it is not asked again)."""
+        self.continue_asked = False
 
     def buffer(self) -> memoryview:
         """Where the next read goes."""
@@ -233,9 +235,9 @@ class RequestReader:
         return self._head_view
 
     def received(self, nbytes: int, now: float) -> Refusal | None:
-        """``nbytes`` were read into `buffer` at ``now``: parse them, hand each complete
-        request to the sink; a refusal ends the connection (the shell answers it and
-        calls `drop`)."""
+        """``nbytes`` were read into `buffer` at ``now``: parse them, queue each complete
+        request in `ready`; a refusal ends the connection (whoever answers it calls
+        `drop`; what is in `ready` stays there)."""
         self.last_active = now
         p = self._direct
         if p is not None:
@@ -304,6 +306,7 @@ class RequestReader:
         """Forget the arriving request; the bytes of the budget it held (given back)."""
         p, self._pending = self._pending, None
         self._direct = None
+        self.continue_asked = False
         held = p.reserved if p is not None else 0
         self._ledger.give_back(held)
         return held
@@ -334,6 +337,9 @@ class RequestReader:
     def on_headers_complete(self) -> None:
         p = self._pending
         assert p is not None
+        if self._parser.should_upgrade():
+            # Before the request is queued: an upgrade is refused, never served.
+            raise Refusal(400, "protocol upgrades are not supported")
         p.method = self._parser.get_method().decode("ascii", "replace")
         p.body_since = p.mark_at = self.last_active
         limit = self._limits.max_body_bytes
@@ -349,7 +355,7 @@ class RequestReader:
                 p.view = memoryview(p.buf)
                 p.keep_alive = self._parser.should_keep_alive()
         if p.headers.get("expect", "").lower() == "100-continue":
-            self._sink.send_continue()
+            self.continue_asked = True
 
     def on_body(self, body: bytes) -> None:
         p = self._pending
@@ -377,13 +383,14 @@ class RequestReader:
         p.reserved += nbytes
 
     def _complete(self, p: _Pending, keep_alive: bool) -> None:
-        """``p`` has arrived whole: hand it to the sink."""
+        """``p`` has arrived whole: queue it."""
         try:
             parsed = httptools.parse_url(p.url)
         except httptools.HttpParserInvalidURLError as exc:
             # Still pending: the refusal gives back what its body holds.
             raise Refusal(400, f"malformed request target: {p.url[:64]!r}") from exc
         self._pending = None
+        self.continue_asked = False
         body: bytes | bytearray
         if p.buf is not None:
             assert p.view is not None
@@ -399,4 +406,4 @@ class RequestReader:
             body,
             arrived=p.started,
         )
-        self._sink.request_ready(request, keep_alive, p.reserved)
+        self.ready.append((request, keep_alive, p.reserved))

@@ -6,7 +6,8 @@ buffered at once across all connections (`Ledger`), the thread pool of offloaded
 handlers, the one sweep that enforces every connection's deadlines on the server's clock,
 the heap trim after big bodies (`host.allocator`), graceful shutdown, and `stats`.
 A connection is `edge.connection.HttpProtocol` (the asyncio shell) around
-`edge.protocol.RequestReader` (the sans-I/O parser, limits and deadlines). Must not know
+`edge.state.Connection` (keep-alive, pipelining, close and linger, pure) around
+`edge.protocol.RequestReader` (the parser, limits and deadlines, pure). Must not know
 any service's routes, state or error tree: the service hands it a `Router`, a gate and
 an error translator.
 
