@@ -105,7 +105,7 @@ def test_config_batches_are_kept_and_served_in_lmcaches_usage_shape(
     m = c.get("/metrics").text
     assert 'kvatlas_coordinator_config_batches_total{transport="http"} 3.0' in m
     assert (
-        'kvatlas_coordinator_declared_capacity_bytes{backend="dram",instance="mp-1",tier="l1"}'
+        'kvatlas_coordinator_declared_capacity_bytes{backend="dram",instance_id="mp-1",tier="l1"}'
         " 4.294967296e+09" in m
     )
     # a new revision replaces the declaration; a straggler of the old one is dropped

@@ -192,7 +192,7 @@ def test_heartbeat_expiry_fences_l1(
     assert c.put("/instances/node-a/heartbeat").status_code == 404
     metrics = c.get("/metrics").text
     assert "kvatlas_coordinator_expiries_total 1.0" in metrics
-    assert 'kvatlas_coordinator_heartbeat_age_seconds{instance="node-b"}' in metrics
+    assert 'kvatlas_coordinator_heartbeat_age_seconds{instance_id="node-b"}' in metrics
 
 
 def test_events_before_registration_are_provisional_and_expire(start_coordinator: object) -> None:

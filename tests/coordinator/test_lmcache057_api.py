@@ -174,7 +174,7 @@ def test_dropped_events_count_as_gaps(coord: RunningCoordinator) -> None:
     assert send(5, 9)["gaps"] == 1
     assert metric(coord, "kvatlas_coordinator_ingest_events_dropped_total") == 12
     assert metric(coord, "kvatlas_coordinator_ingest_gaps_total") == 2
-    assert metric(coord, 'kvatlas_coordinator_instance_events_dropped{instance="node-a"}') == 12
+    assert metric(coord, 'kvatlas_coordinator_instance_events_dropped{instance_id="node-a"}') == 12
     # a restart of the server starts its count from 0
     b = lmcache_batch("node-a", 1, "access", INCARNATION + 1, dropped_events=3)
     assert c.post("/events", content=events_body(b), headers=JSON).json()["gaps"] == 1

@@ -97,7 +97,7 @@ def tiers(cpu: int, disk: int) -> dict[str, Any]:
 
 
 def metric(server: ServerProc, name: str) -> float:
-    m = re.search(rf'^kvatlas_server_kv_events_{name}{{instance="node-d"}} (\S+)$',
+    m = re.search(rf'^kvatlas_server_kv_events_{name}{{instance_id="node-d"}} (\S+)$',
                   server.metrics(), re.M)  # fmt: skip
     assert m, name
     return float(m.group(1))

@@ -242,11 +242,13 @@ def test_server_tiers_reach_the_coordinator_and_vllm_decodes_them(
             )
             wait_until(
                 restarted.metrics,
-                lambda m: 'kvatlas_server_kv_events_unpublished_chunks{instance="node-s"} 2.0' in m,
+                lambda m: (
+                    'kvatlas_server_kv_events_unpublished_chunks{instance_id="node-s"} 2.0' in m
+                ),
                 what="two chunks unpublished",
             )
             assert (
-                'kvatlas_server_kv_events_cleared_total{instance="node-s"} 1.0'
+                'kvatlas_server_kv_events_cleared_total{instance_id="node-s"} 1.0'
                 in restarted.metrics()
             )
             again = _client(restarted)

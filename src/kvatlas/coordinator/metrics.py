@@ -104,25 +104,25 @@ class _StateCollector(Collector):
         age = GaugeMetricFamily(
             "kvatlas_coordinator_heartbeat_age_seconds",
             "Seconds since each live instance's last heartbeat",
-            labels=["instance"],
+            labels=["instance_id"],
         )
         for iid, a in s.heartbeat_age.items():
             age.add_metric([iid], a)
         gaps = GaugeMetricFamily(
             "kvatlas_coordinator_instance_seq_gaps",
             "Seq gaps seen in each instance's event stream",
-            labels=["instance"],
+            labels=["instance_id"],
         )
         missing = GaugeMetricFamily(
             "kvatlas_coordinator_instance_missing_seqs",
             "Seqs skipped in total in each instance's event stream",
-            labels=["instance"],
+            labels=["instance_id"],
         )
         dropped = GaugeMetricFamily(
             "kvatlas_coordinator_instance_events_dropped",
             "Events each instance reported dropping before they reached the coordinator"
             " (LMCache 0.5.7's dropped_events), in total",
-            labels=["instance"],
+            labels=["instance_id"],
         )
         for iid, n in s.gaps.items():
             gaps.add_metric([iid], n)
@@ -146,7 +146,7 @@ class _StateCollector(Collector):
         capacity = GaugeMetricFamily(
             "kvatlas_coordinator_declared_capacity_bytes",
             "Capacity each instance declared per tier and backend (config batches)",
-            labels=["instance", "tier", "backend"],
+            labels=["instance_id", "tier", "backend"],
         )
         for instance, tier, backend, n in s.declared_capacity:
             capacity.add_metric([instance, tier, backend], n)

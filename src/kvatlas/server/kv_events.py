@@ -370,7 +370,7 @@ class KvEventsCollector(Collector):
             ("prompts_dropped", "Prompts not taken (queue full, or tokens and hashes"
              " disagreed)", s.prompts_dropped),
         ):  # fmt: skip
-            m = CounterMetricFamily(f"{ns}_{name}", doc, labels=["instance"])
+            m = CounterMetricFamily(f"{ns}_{name}", doc, labels=["instance_id"])
             m.add_metric([self._instance], value)
             yield m
         for name, doc, value in (
@@ -382,7 +382,7 @@ class KvEventsCollector(Collector):
             ("prompt_tokens", "Tokens kept for chunks no tier holds (prompts waiting to be"
              " stored, chunks evicted)", s.prompt_tokens),
         ):  # fmt: skip
-            g = GaugeMetricFamily(f"{ns}_{name}", doc, labels=["instance"])
+            g = GaugeMetricFamily(f"{ns}_{name}", doc, labels=["instance_id"])
             g.add_metric([self._instance], value)
             yield g
 
