@@ -42,6 +42,7 @@ import httpx
 import numpy as np
 import xxhash
 
+from bench.lmcache_server_bench import BENCH_PROBE, NUM_TOKENS, SHAPE
 from bench.lmcache_side import (
     LMCACHE_VENV,
     TARGETS,
@@ -59,14 +60,10 @@ from kvatlas.server.storage.l1_journal import VERIFY_THREADS, discard_kept, kept
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "restart.json"
-BENCH_PROBE = HERE / "lmcache_bench_probe.py"
 GIB, MIB = 1 << 30, 1 << 20
 CHUNK_TOKENS = 256
 CHUNK_BYTES = 4 * MIB
 PROMPT_CHUNKS = 64
-NUM_TOKENS = 512
-SHAPE = "(2,128,16,8,128):float16:32"
-"""As bench.lmcache_server_bench: 128 KiB a token, two full chunks a request."""
 
 
 def med(xs: list[float]) -> float:
