@@ -216,7 +216,10 @@ def test_lmcache_registration_without_incarnation_takes_the_events_one(
     """LMCache's `POST /instances` has no incarnation; its events carry the process start
     time. The instance stays registered (not provisional, so it does not expire while it
     heartbeats) and lists the events' incarnation."""
-    rc: RunningCoordinator = start_coordinator(instance_timeout=1.0, health_check_interval=0.1)  # type: ignore[operator]
+    now = [time.time()]
+    rc: RunningCoordinator = start_coordinator(  # type: ignore[operator]
+        instance_timeout=1.0, health_check_interval=1.0, clock=lambda: now[0]
+    )
     c = rc.client
     body = {
         "instance_id": "mp-1",
@@ -234,8 +237,10 @@ def test_lmcache_registration_without_incarnation_takes_the_events_one(
         headers=JSON,
     )
     assert (r.json()["applied"], r.json()["provisional"]) == (1, 0)
-    for _ in range(6):  # three timeouts, alive by heartbeats alone
-        time.sleep(0.5)  # the time that passes is the test: heartbeats alone keep it
+    sweep = rc.coordinator.membership.sweep
+    for _ in range(6):  # three timeouts pass on the coordinator's clock: heartbeats keep it
+        now[0] += 0.5
+        sweep()
         assert c.put("/instances/mp-1/heartbeat").status_code == 200
     [inst] = c.get("/instances").json()["instances"]
     assert (inst["incarnation"], inst["p2p_advertised_url"], inst["mq_port"]) == (
@@ -248,6 +253,10 @@ def test_lmcache_registration_without_incarnation_takes_the_events_one(
     # a re-registration (LMCache re-registers after a 404) is not refused as stale
     r = c.post("/instances", json=body)
     assert r.json() == {"instance_id": "mp-1", "re_registered": True, "incarnation": INCARNATION}
+    # and without heartbeats the same clock expires it: the loop above was not vacuous
+    now[0] += 1.5
+    sweep()
+    assert c.get("/instances").json()["instances"] == []
 
 
 def test_registration_metadata_and_fields_are_capped(coord: RunningCoordinator) -> None:

@@ -11,6 +11,7 @@ own), or reach into its state: tests observe it through its HTTP API.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -28,9 +29,11 @@ BASE = CoordinatorConfig(host=HOST, port=0, snapshot_interval=0)
 class RunningCoordinator:
     """A coordinator served from a thread of the test process."""
 
-    def __init__(self, config: CoordinatorConfig) -> None:
+    def __init__(self, config: CoordinatorConfig, clock: Callable[[], float] | None = None) -> None:
+        """``clock``: the coordinator's wall clock (a test's own, to let time pass
+        without sleeping); None: ``time.time``."""
         self.config = config
-        self.coordinator = Coordinator(config)
+        self.coordinator = Coordinator(config) if clock is None else Coordinator(config, clock)
         self.port = self.coordinator.bind()
         self.url = f"http://{HOST}:{self.port}"
         self._thread = threading.Thread(target=self.coordinator.run, daemon=True)
@@ -47,9 +50,11 @@ class RunningCoordinator:
         )
 
     @classmethod
-    def start(cls, **overrides: Any) -> RunningCoordinator:
-        """``BASE`` with ``overrides`` (CoordinatorConfig fields)."""
-        return cls(replace(BASE, **overrides))
+    def start(
+        cls, clock: Callable[[], float] | None = None, **overrides: Any
+    ) -> RunningCoordinator:
+        """``BASE`` with ``overrides`` (CoordinatorConfig fields), on ``clock``."""
+        return cls(replace(BASE, **overrides), clock)
 
     @property
     def running(self) -> bool:

@@ -112,8 +112,16 @@ class VllmReader:
                 batch = msgspec.msgpack.decode(payload, type=kv_events.KVEventBatch)
                 self.batches.append((int.from_bytes(seq, "big"), batch))
 
-    def events(self) -> list[Any]:
-        return [e for _, b in self.batches for e in b.events]
+    def events(self, replay: int | None = None) -> list[Any]:
+        """The events received, in order; with ``replay`` (the replay port) the batches
+        sent before the subscription took are asked for first, as a vLLM subscriber that
+        joins late does (a SUB socket misses what is published while it connects)."""
+        got = list(self.batches)
+        first = got[0][0] if got else None
+        if replay is not None and first != 0:
+            missed = [(s, b) for s, b in _replay(replay, 0) if first is None or s < first]
+            got = missed + got
+        return [e for _, b in got for e in b.events]
 
     def close(self) -> None:
         self._stop.set()
@@ -169,7 +177,6 @@ def test_server_tiers_reach_the_coordinator_and_vllm_decodes_them(
     engine = _client(server)
     try:
         first = prompt(3, seed=1)
-        time.sleep(0.3)  # the reader's subscription takes; the coordinator joins later
         _show_and_store(engine, first, seed=1)
         hashes = engine.hashes(first)
         # chunks of 16 tokens, blocks of 16 (the default --kv-events-block-size): one
@@ -209,8 +216,8 @@ def test_server_tiers_reach_the_coordinator_and_vllm_decodes_them(
 
         # vLLM's decoder: the stream opens with AllBlocksCleared, media are vLLM's names,
         # block hashes vLLM's ints, each block with its tokens and its parent
-        wait_until(lambda: len(reader.events()) >= 4, what="the reader's batches")
-        live = reader.events()
+        wait_until(lambda: len(reader.events(ports[1])) >= 4, what="the reader's batches")
+        live = reader.events(ports[1])
         stored = [e for e in live if isinstance(e, kv_events.BlockStored)]
         assert stored[0].block_hashes == keys and stored[0].medium == "CPU"
         assert stored[0].parent_block_hash is None
@@ -309,7 +316,11 @@ def test_a_full_queue_drops_counts_clears_and_resyncs(ports: tuple[int, int]) ->
         twin = ObjectKey(keys[0].chunk_hash, MODEL, 1)
         pub.publish(EventType.STORE, Tier.L1, [Entry(twin, 1)])
         pub.publish(EventType.DELETE, Tier.L1, [Entry(keys[0], 1)])
-        time.sleep(0.3)
+        # a change after it (once the two-change queue has room), whose block shows
+        # when the thread has handled both in order
+        wait_until(lambda: pub.stats().queued == 0, what="room in the queue")
+        pub.publish(EventType.STORE, Tier.L1, [Entry(keys[2], 1)])
+        wait_until(lambda: pub.stats().blocks_stored == 3, what="the delete handled")
         assert pub.stats().blocks_removed == 0
         pub.publish(EventType.DELETE, Tier.L1, [Entry(twin, 1)])
         wait_until(lambda: pub.stats().blocks_removed == 1, what="the block removed")
@@ -361,8 +372,9 @@ def test_a_batch_lost_on_the_wire_is_replayed(ports: tuple[int, int]) -> None:
         pub.learn_prompt(tokens, chunk_hashes(tokens, CHUNK))
         keys = [ObjectKey(h, MODEL, 0) for h in chunk_hashes(tokens, CHUNK)]
         for k in keys:
+            sent = pub.stats().batches
             pub.publish(EventType.STORE, Tier.L1, [Entry(k, 1)])
-            time.sleep(0.15)  # one batch each
+            wait_until(lambda: pub.stats().batches > sent, what="one batch each")  # noqa: B023
         pub.publish(EventType.DELETE, Tier.L1, [Entry(keys[0], 1)])
         want = dict.fromkeys(BlockHasher().keys(tokens)[1:], CPU)
 
