@@ -12,6 +12,12 @@ fault-injection plan) and the two roles:
   chunk's checksum and reports each op as ok / checksum_mismatch / timeout / refused /
   peer_dead, within the deadline.
 
+Every transport is built the same way: ``(region, authorize, *, token, faults, config)``
+for a server, ``(local, peer_id, *, token, faults, config)`` for a client. A transport
+with a config of its own builds through ``ConfiguredServer`` / ``ConfiguredClient``,
+which take that ``config`` (its ``default_config()`` when None) and, for a client, call
+its ``_register_local()`` once: the constructors are theirs, not each transport's.
+
 Lease enforcement, honestly: the P2P controller hands out ranges only under a lease
 (``lookup_and_lock``). A transport with ``enforces_leases`` (tcp) asks the owner's
 ``authorize`` callback on every request and refuses ranges no live lease of that peer
@@ -34,7 +40,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol, TypeVar
+from typing import ClassVar, Generic, Protocol, TypeVar
 
 import msgspec
 import numpy as np
@@ -244,6 +250,31 @@ class OneSidedServer(TransferServer):
         self._region = region
 
 
+_C = TypeVar("_C")
+
+
+class ConfiguredServer(OneSidedServer, Generic[_C]):
+    """A one-sided owner whose transport has a config (mooncake, nixl): the uniform
+    constructor and ``config`` (``default_config()`` when None), kept as ``config``."""
+
+    def __init__(
+        self,
+        region: LocalMemory,
+        authorize: Authorizer,
+        *,
+        token: str | None = None,
+        faults: FaultPlan | None = None,
+        config: _C | None = None,
+    ) -> None:
+        super().__init__(region, authorize, token=token, faults=faults)
+        self.config: _C = config if config is not None else self.default_config()
+
+    @classmethod
+    @abstractmethod
+    def default_config(cls) -> _C:
+        """The transport's config when none is given."""
+
+
 class PeerConnection(ABC):
     """Reads from one peer; safe to call ``read`` from several threads."""
 
@@ -386,6 +417,35 @@ class TransferClient(ABC):
                 if r.ok:
                     self.stats.bytes_ok += r.op.size
         return results
+
+
+class ConfiguredClient(TransferClient, Generic[_C]):
+    """A requester whose transport has a config: the uniform constructor and ``config``
+    (``default_config()`` when None), then ``_register_local()``, the transport's one
+    part of building a client (start its engine, register the local region)."""
+
+    def __init__(
+        self,
+        local: LocalMemory,
+        peer_id: str,
+        *,
+        token: str | None = None,
+        faults: FaultPlan | None = None,
+        config: _C | None = None,
+    ) -> None:
+        super().__init__(local, peer_id, token=token, faults=faults)
+        self.config: _C = config if config is not None else self.default_config()
+        self._register_local()
+
+    @classmethod
+    @abstractmethod
+    def default_config(cls) -> _C:
+        """The transport's config when none is given."""
+
+    def _register_local(self) -> None:
+        """Ready the transport to read into ``local`` (nothing by default); raises
+        TransportUnavailable when it cannot."""
+        return None
 
 
 def out_of_region(op: ReadOp, region_size: int) -> bool:

@@ -31,17 +31,15 @@ from typing import Any, ClassVar
 from mooncake.engine import TransferEngine
 
 from kvatlas.transfer.base import (
-    Authorizer,
+    ConfiguredClient,
+    ConfiguredServer,
     Deadline,
     Endpoint,
-    FaultPlan,
     LocalMemory,
-    OneSidedServer,
     PeerConnection,
     ReadOp,
     ReadResult,
     ReadStatus,
-    TransferClient,
 )
 from kvatlas.transfer.config import MooncakeConfig
 from kvatlas.transfer.errors import EndpointMismatch, TransportUnavailable
@@ -69,28 +67,20 @@ def _start_te(config: MooncakeConfig, region: LocalMemory) -> tuple[Any, int]:
     return te, address
 
 
-class MooncakeServer(OneSidedServer):
+class MooncakeServer(ConfiguredServer[MooncakeConfig]):
     transport: ClassVar[str] = TRANSPORT
+    _te: Any = None
+    _address = 0
 
-    def __init__(
-        self,
-        region: LocalMemory,
-        authorize: Authorizer,
-        *,
-        token: str | None = None,
-        faults: FaultPlan | None = None,
-        config: MooncakeConfig | None = None,
-    ) -> None:
-        super().__init__(region, authorize)
-        self._config = config or MooncakeConfig()
-        self._te: Any = None
-        self._address = 0
+    @classmethod
+    def default_config(cls) -> MooncakeConfig:
+        return MooncakeConfig()
 
     def start(self) -> Endpoint:
         if self._te is not None:
             raise TransportUnavailable("mooncake transfer server already started")
-        self._te, self._address = _start_te(self._config, self._region)
-        session = f"{self._config.host}:{self._te.get_rpc_port()}"
+        self._te, self._address = _start_te(self.config, self._region)
+        session = f"{self.config.host}:{self._te.get_rpc_port()}"
         return Endpoint(
             transport=TRANSPORT,
             url=f"mooncake://{session}",
@@ -98,7 +88,7 @@ class MooncakeServer(OneSidedServer):
             extra={
                 "session_id": session,
                 "base_address": str(self._address),
-                "protocol": self._config.protocol,
+                "protocol": self.config.protocol,
             },
         )
 
@@ -109,22 +99,19 @@ class MooncakeServer(OneSidedServer):
             del te  # the TransferEngine's destructor stops its listener
 
 
-class MooncakeClient(TransferClient):
+class MooncakeClient(ConfiguredClient[MooncakeConfig]):
     transport: ClassVar[str] = TRANSPORT
+    mc: Any
+    """The requester's ``TransferEngine`` (None once closed)."""
+    address: int
+    """The local region's base address, as registered with it."""
 
-    def __init__(
-        self,
-        local: LocalMemory,
-        peer_id: str,
-        *,
-        token: str | None = None,
-        faults: FaultPlan | None = None,
-        config: MooncakeConfig | None = None,
-    ) -> None:
-        super().__init__(local, peer_id, token=token, faults=faults)
-        self.config = config or MooncakeConfig()
-        self.mc: Any
-        self.mc, self.address = _start_te(self.config, local)
+    @classmethod
+    def default_config(cls) -> MooncakeConfig:
+        return MooncakeConfig()
+
+    def _register_local(self) -> None:
+        self.mc, self.address = _start_te(self.config, self.local)
 
     def connect(self, endpoint: Endpoint) -> MooncakePeer:
         endpoint.expect(TRANSPORT)

@@ -36,17 +36,15 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from kvatlas.transfer.base import (
-    Authorizer,
+    ConfiguredClient,
+    ConfiguredServer,
     Deadline,
     Endpoint,
-    FaultPlan,
     LocalMemory,
-    OneSidedServer,
     PeerConnection,
     ReadOp,
     ReadResult,
     ReadStatus,
-    TransferClient,
 )
 from kvatlas.transfer.config import NixlConfig
 from kvatlas.transfer.errors import EndpointMismatch, TransportUnavailable
@@ -95,29 +93,21 @@ def _register(agent: Any, region: LocalMemory) -> tuple[Any, int]:
     return descs, address
 
 
-class NixlServer(OneSidedServer):
+class NixlServer(ConfiguredServer[NixlConfig]):
     transport: ClassVar[str] = TRANSPORT
+    _agent: Any = None
+    _descs: Any = None
+    _ticker: threading.Thread | None = None
 
-    def __init__(
-        self,
-        region: LocalMemory,
-        authorize: Authorizer,
-        *,
-        token: str | None = None,
-        faults: FaultPlan | None = None,
-        config: NixlConfig | None = None,
-    ) -> None:
-        super().__init__(region, authorize)
-        self._config = config or NixlConfig()
-        self._agent: Any = None
-        self._descs: Any = None
-        self._stop = threading.Event()
-        self._ticker: threading.Thread | None = None
+    @classmethod
+    def default_config(cls) -> NixlConfig:
+        return NixlConfig()
 
     def start(self) -> Endpoint:
         if self._agent is not None:
             raise TransportUnavailable("nixl transfer server already started")
-        agent = _make_agent(self._config, "owner")
+        self._stop = threading.Event()
+        agent = _make_agent(self.config, "owner")
         self._descs, address = _register(agent, self._region)
         self._agent = agent
         metadata = agent.get_agent_metadata()
@@ -138,12 +128,12 @@ class NixlServer(OneSidedServer):
 
     def _progress(self) -> None:
         # The only thread that touches the agent after start() (its sync mode is NONE).
-        while not self._stop.wait(self._config.progress_interval_s):
+        while not self._stop.wait(self.config.progress_interval_s):
             self._agent.get_new_notifs()
 
     def stop(self) -> None:
-        self._stop.set()
         if self._ticker is not None:
+            self._stop.set()
             self._ticker.join(timeout=5)
             self._ticker = None
         agent, self._agent = self._agent, None
@@ -151,24 +141,23 @@ class NixlServer(OneSidedServer):
             agent.deregister_memory(self._descs)
 
 
-class NixlClient(TransferClient):
+class NixlClient(ConfiguredClient[NixlConfig]):
     transport: ClassVar[str] = TRANSPORT
+    agent: Any
+    """The requester's agent (None once closed)."""
+    address: int
+    """The local region's base address, as registered with it."""
+    lock: threading.Lock
+    """The agent runs without NIXL's own locking: every call on it holds this."""
 
-    def __init__(
-        self,
-        local: LocalMemory,
-        peer_id: str,
-        *,
-        token: str | None = None,
-        faults: FaultPlan | None = None,
-        config: NixlConfig | None = None,
-    ) -> None:
-        super().__init__(local, peer_id, token=token, faults=faults)
-        self.config = config or NixlConfig()
-        self.agent: Any = _make_agent(self.config, "reader")
-        self._descs, self.address = _register(self.agent, local)
+    @classmethod
+    def default_config(cls) -> NixlConfig:
+        return NixlConfig()
+
+    def _register_local(self) -> None:
         self.lock = threading.Lock()
-        """The agent runs without NIXL's own locking: every call on it holds this."""
+        self.agent = _make_agent(self.config, "reader")
+        self._descs, self.address = _register(self.agent, self.local)
 
     def connect(self, endpoint: Endpoint) -> NixlPeer:
         endpoint.expect(TRANSPORT)

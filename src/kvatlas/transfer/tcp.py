@@ -49,6 +49,7 @@ from kvatlas.runtime.auth import TokenGate
 from kvatlas.runtime.net import tcp_family
 from kvatlas.transfer.base import (
     Authorizer,
+    ConfiguredClient,
     Deadline,
     Endpoint,
     FaultCounter,
@@ -58,7 +59,6 @@ from kvatlas.transfer.base import (
     ReadOp,
     ReadResult,
     ReadStatus,
-    TransferClient,
     TransferServer,
     flip_first_byte,
 )
@@ -399,20 +399,12 @@ class _Reader:
 # ------------------------------------------------------------------------------ client
 
 
-class TcpClient(TransferClient):
+class TcpClient(ConfiguredClient[TcpConfig]):
     transport: ClassVar[str] = TRANSPORT
 
-    def __init__(
-        self,
-        local: LocalMemory,
-        peer_id: str,
-        *,
-        token: str | None = None,
-        faults: FaultPlan | None = None,
-        config: TcpConfig | None = None,
-    ) -> None:
-        super().__init__(local, peer_id, token=token, faults=faults)
-        self.config = config or TcpConfig()
+    @classmethod
+    def default_config(cls) -> TcpConfig:
+        return TcpConfig()
 
     def connect(self, endpoint: Endpoint) -> TcpPeer:
         endpoint.expect(TRANSPORT)
