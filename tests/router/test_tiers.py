@@ -3,7 +3,16 @@ to, which tier an engine's cached tokens come from, and which tier won a choice.
 
 from __future__ import annotations
 
-from kvatlas.router.tiers import DeviceHit, Held, TierView, engine_base, hit_tier
+from kvatlas.router.tiers import (
+    DeviceHit,
+    Held,
+    TierView,
+    chunk_matches,
+    device_matches,
+    engine_base,
+    hit_tier,
+    pending_matches,
+)
 
 
 def test_hit_tiers_by_medium_and_engine_ids_of_ranks() -> None:
@@ -26,13 +35,17 @@ def test_best_tier_prefers_the_cheaper_one_on_a_tie() -> None:
 
 def test_view_maps_hits_by_url_or_instance_and_names_the_winning_tier() -> None:
     view = TierView(
-        [("node-a", "l1", 64), ("node-b", "l2", 128)],
         [
-            DeviceHit("a/dp1", 96, ("GPU",)),
-            DeviceHit("gpu-b", 32, ("GPU",), "http://b:8000/"),
-            DeviceHit("c", 0, ("GPU",)),
-        ],
-        {"http://c:8000": 16},
+            *chunk_matches([("node-a", "l1", 64), ("node-b", "l2", 128)]),
+            *device_matches(
+                [
+                    DeviceHit("a/dp1", 96, ("GPU",)),
+                    DeviceHit("gpu-b", 32, ("GPU",), "http://b:8000/"),
+                    DeviceHit("c", 0, ("GPU",)),
+                ]
+            ),
+            *pending_matches({"http://c:8000": 16}),
+        ]
     )
     assert view.fleet == 128
     assert view.held("http://a:8000", "a") == Held(device=96)

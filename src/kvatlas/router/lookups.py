@@ -9,6 +9,8 @@ asks it again until, after ``coordinator_backoff_s``, one lookup in the backgrou
 trial, half-open: no request waits on it) finds it answering. So a coordinator that is
 down or frozen (its sockets accept, nothing answers) costs the requests in flight when
 it stopped at most one ``lookup_timeout_s``, and the rest nothing: they route by load.
+As a tier (``tiers.TierSource``, ``chunk``): the holders' l1 and l2 prefixes, an answer
+that routes whenever the coordinator answered.
 
 Single-threaded: the router's event loop owns it. Must not: tokenize, choose an engine,
 or block the loop.
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from kvatlas.core.breaker import Breaker, BreakerPolicy, BreakerState
 from kvatlas.router.config import RouterConfig
 from kvatlas.router.metrics import RouterMetrics
+from kvatlas.router.tiers import NO_ANSWER, Ask, TierAnswer, chunk_matches
 from kvatlas.router.tripwires import COORDINATOR, Tripped, Tripwires
 from kvatlas.runtime.coordinator_client import CoordinatorError
 from kvatlas.runtime.coordinator_lookups import AsyncLookups
@@ -33,6 +36,8 @@ log = logging.getLogger(__name__)
 
 class CoordinatorLookups:
     """Prefix lookups behind the coordinator's breaker (see the module doc)."""
+
+    name = "chunk"
 
     def __init__(
         self,
@@ -50,6 +55,15 @@ class CoordinatorLookups:
         self.breaker = Breaker(BreakerPolicy(threshold=1, cooloff_s=config.coordinator_backoff_s))
         self._trial: asyncio.Task[None] | None = None
         metrics.coordinator_available.set(1 if lookups is not None else 0)
+
+    def asks(self, ask: Ask) -> bool:
+        """Without a coordinator or a model name there is no chunk lookup to make."""
+        return self._lookups is not None and bool(ask.model)
+
+    async def answer(self, ask: Ask) -> TierAnswer:
+        """The chunk tier's answer (``holders``); ``NO_ANSWER`` where that is None."""
+        holders = await self.holders(ask.blob, ask.model, ask.salt)
+        return NO_ANSWER if holders is None else TierAnswer(chunk_matches(holders), routes=True)
 
     async def holders(
         self, blob: bytes, model: str, salt: str = ""

@@ -7,11 +7,12 @@ path through them:
   is, else the local tokenizer's or an engine's ``/tokenize``), one prompt in
   ``tokenizer_verify_every`` checked against the tokenizer's own encoder after routing
   (``checks.EncoderChecks``);
-- one coordinator lookup that answers every instance's cached prefix of those tokens,
-  behind the coordinator's breaker (``lookups.CoordinatorLookups``), and the prefixes
-  sent to engines moments ago that the coordinator cannot know yet (``pending``); a
-  failed tokenize or lookup routes this request by load (``least-loaded``) instead of
-  failing;
+- every tier's answer for those tokens, gathered in one place (``tier_gather``): the
+  prefixes sent to engines moments ago that the coordinator cannot know yet
+  (``pending``), the coordinator's chunk lookup of every instance's cached prefix behind
+  its breaker (``lookups.CoordinatorLookups``) and its device lookup
+  (``device_lookup.DeviceLookups``); a failed tokenize, or no tier that can route,
+  routes this request by load (``least-loaded``) instead of failing;
 - the choice (``policy.Chooser``) over the engines available (``engines.EngineTable``),
   and the attempts down its ranking, at most ``max_attempts``, each relayed or failed
   over by ``relay.Relay``;
@@ -52,10 +53,12 @@ from kvatlas.router.policy import KV_POLICIES, Candidate, Chooser, Decision, Pol
 from kvatlas.router.relay import HOP_BY_HOP, REQUEST_ID_HEADER, ROUTE_HEADER, Plan, Relay
 from kvatlas.router.relay import error_body as _error_body
 from kvatlas.router.tenants import TenantsFile, request_salt, with_salt
-from kvatlas.router.tiers import DeviceHit, TierView
+from kvatlas.router.tier_gather import PendingTier, TierGather
+from kvatlas.router.tiers import Ask, TierView
 from kvatlas.router.tokens import JSON, LocalTokenizer, PromptTokens, prompt_blob
 from kvatlas.router.tripwires import Tripwires
 from kvatlas.runtime.coordinator_client import CoordinatorClient
+from kvatlas.runtime.coordinator_replicas import Replicas
 from kvatlas.runtime.gc_pauses import GcPauses
 
 __all__ = ["ROUTE_HEADER", "LocalTokenizer", "Plan", "RouterService"]
@@ -123,11 +126,22 @@ class RouterService:
             clock=clock,
         )
         self.device = DeviceLookups(
-            coordinator.urls if coordinator is not None else (),
+            Replicas(
+                coordinator.urls,
+                timeout_s=config.lookup_timeout_s,
+                name="the router's device lookups",
+                clock=clock,
+            )
+            if coordinator is not None
+            else None,
             auth_token=config.auth_token,
             timeout_s=config.lookup_timeout_s,
             registry=self.metrics.registry,
             backoff_s=config.coordinator_backoff_s,
+            clock=clock,
+        )
+        self.tiers = TierGather(
+            (PendingTier(self.pending, self.metrics, clock), self.lookups, self.device)
         )
         self.relay = Relay(
             config, self.clients, self.wires, self.metrics, clock, count_tier=self.device.count_tier
@@ -198,9 +212,7 @@ class RouterService:
         policy: Policy = self.config.policy
         tokenized_here = False
         prompt = 0
-        pending: dict[str, int] = {}
-        holders: list[tuple[str, str, int]] | None = None
-        hits: list[DeviceHit] = []
+        view = TierView(())
         blob: bytes | None = None
         if policy in KV_POLICIES:
             t_hash = time.perf_counter()
@@ -209,22 +221,17 @@ class RouterService:
                 blob = await self.tokens.encode(engines, body)
                 t_hash = time.perf_counter()
                 tokenized_here = blob is not None and self.tokenizer is not None
+            routes = False
             if blob is not None:
-                pending = self.pending.leading(blob, self._clock(), salt)
-                self.metrics.observe("hash", time.perf_counter() - t_hash)
-            if blob is not None:
-                # the device tier's lookup runs beside the chunk lookup
                 model = self.config.model_name or self.table.model_name()
-                holders, hits = await self.device.beside(
-                    self.lookups.holders(blob, model, salt), blob, salt
-                )
-            if holders is None and not hits:  # the device tier alone can route
+                gathered = await self.tiers.gather(Ask(blob, model, salt, t_hash))
+                view, routes = gathered.view, gathered.routes
+            if not routes:  # no tier knows the prompt: route by load
                 policy = "least-loaded"
             else:
                 assert blob is not None
                 prompt = len(blob) // 4
                 self.metrics.prompt_tokens.inc(prompt)
-        view = TierView(holders or (), hits, pending)
         fleet = view.fleet
         if not prompt:
             prompt = len(body) // _BYTES_PER_TOKEN_GUESS

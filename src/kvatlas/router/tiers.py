@@ -18,14 +18,20 @@ tokens are its best tier's; ties go to the cheaper tier to load (device, then l1
 pending). The tier that won a choice is the local one unless the tokens a peer adds
 are more (``peer``), or ``none`` when nothing is cached.
 
+Every tier answers a request the same way (``TierSource``, as SGLang's prefix caches
+share ``BasePrefixCache``): ``Match`` es, the leading tokens one engine (by URL, or by
+cache instance or engine id) holds in one tier, and whether the answer lets the router
+route by KV at all; ``TierView`` reads the answers of all of them. ``tier_gather``
+gathers them for a request, in one place.
+
 Must not: do I/O, read clocks, or rank engines (``policy.Chooser`` does).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, Protocol
 
 Tier = Literal["device", "l1", "l2", "pending", "peer", "none"]
 TIERS: Final[tuple[Tier, ...]] = ("device", "l1", "l2", "pending", "peer", "none")
@@ -82,37 +88,111 @@ class Held:
         return tier, most
 
 
+@dataclass(frozen=True, slots=True)
+class Match:
+    """Leading prompt tokens one engine holds in one local tier, as a tier answers them."""
+
+    tier: Tier
+    tokens: int
+    url: str = ""
+    """The router engine's URL it belongs to ("": by ``engine`` alone)."""
+    engine: str = ""
+    """The cache instance id (or vLLM engine id) it belongs to ("": by ``url`` alone)."""
+    shared: bool = False
+    """Held by a cache server, so a peer can read it (what ``TierView.fleet`` counts)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierAnswer:
+    """One tier's answer for one request."""
+
+    matches: tuple[Match, ...] = ()
+    routes: bool = False
+    """Whether this answer lets the router rank by KV: without one that does, the
+    request routes by load (the chunk tier answered; the device tier found a prefix)."""
+
+
+NO_ANSWER: Final = TierAnswer()
+"""A tier not asked, failed, out or past its deadline: it knows nothing of the prompt."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What every tier is asked about: one request's prompt."""
+
+    blob: bytes
+    """The prompt's token ids, little-endian uint32."""
+    model: str
+    """The model name the fleet hashes under ("": unknown)."""
+    salt: str = ""
+    """The request's ``cache_salt``: KV of another salt is none of its."""
+    ids_at: float = 0.0
+    """When the ids were ready (``time.perf_counter``): the router's ``hash`` step
+    (the prompt's prefixes hashed) is timed from here."""
+
+
+class TierSource(Protocol):
+    """One tier as the router asks it (``chunk``, ``device``, ``pending``)."""
+
+    @property
+    def name(self) -> str:
+        """The tier's name in logs."""
+        ...
+
+    def asks(self, ask: Ask) -> bool:
+        """Whether this request's lookup is made at all (False: no task made for it;
+        the tier counts a skip where it counts them)."""
+        ...
+
+    def answer(self, ask: Ask) -> Awaitable[TierAnswer]:
+        """The tier's answer within its own deadline; never raises for the tier's own
+        failure or timeout: it counts it (its metric, its breaker) and answers
+        ``NO_ANSWER``. A tier that answers without waiting returns a done future."""
+        ...
+
+
+def chunk_matches(holders: Iterable[tuple[str, str, int]]) -> tuple[Match, ...]:
+    """The chunk lookup's (instance id, tier, tokens) as matches (any tier but ``l2``
+    is ``l1``)."""
+    return tuple(
+        Match("l2" if tier == "l2" else "l1", tokens, engine=instance, shared=True)
+        for instance, tier, tokens in holders
+    )
+
+
+def device_matches(hits: Iterable[DeviceHit]) -> tuple[Match, ...]:
+    """The device lookup's hits as matches: by the URL a hit names, else by its engine
+    id (a data-parallel rank's as its engine's)."""
+    return tuple(
+        Match(hit_tier(hit.media), hit.tokens, url=hit.url.rstrip("/"))
+        if hit.url
+        else Match(hit_tier(hit.media), hit.tokens, engine=engine_base(hit.engine))
+        for hit in hits
+        if hit.tokens > 0
+    )
+
+
+def pending_matches(pending: Mapping[str, int]) -> tuple[Match, ...]:
+    """Engine URL -> tokens sent to it moments ago, as matches."""
+    return tuple(Match("pending", tokens, url=url) for url, tokens in pending.items())
+
+
 class TierView:
     """One request's holdings per engine (see the module doc)."""
 
-    def __init__(
-        self,
-        holders: Iterable[tuple[str, str, int]],
-        hits: Iterable[DeviceHit],
-        pending: Mapping[str, int],
-    ) -> None:
-        """``holders``: the chunk lookup's (instance id, tier, tokens); ``hits``: the
-        device lookup's; ``pending``: engine URL -> tokens sent to it moments ago."""
-        self._chunks: dict[tuple[str, str], int] = {}
+    def __init__(self, matches: Iterable[Match]) -> None:
+        """``matches``: every tier's answer's (``chunk_matches``, ``device_matches``,
+        ``pending_matches``)."""
         self.fleet = 0
         """The most leading tokens any cache server holds (what a peer read can give)."""
-        for instance, tier, tokens in holders:
-            key = (instance, tier if tier in ("l1", "l2") else "l1")
-            self._chunks[key] = max(self._chunks.get(key, 0), tokens)
-            self.fleet = max(self.fleet, tokens)
         self._by_url: dict[tuple[str, Tier], int] = {}
         self._by_id: dict[tuple[str, Tier], int] = {}
-        for hit in hits:
-            if hit.tokens <= 0:
-                continue
-            tier = hit_tier(hit.media)
-            table, name = (
-                (self._by_url, hit.url.rstrip("/"))
-                if hit.url
-                else (self._by_id, engine_base(hit.engine))
-            )
-            table[(name, tier)] = max(table.get((name, tier), 0), hit.tokens)
-        self._pending = pending
+        for m in matches:
+            if m.shared:
+                self.fleet = max(self.fleet, m.tokens)
+            for table, name in ((self._by_url, m.url), (self._by_id, m.engine)):
+                if name:
+                    table[(name, m.tier)] = max(table.get((name, m.tier), 0), m.tokens)
 
     def held(self, url: str, instance_id: str) -> Held:
         """What the engine at ``url`` (of cache instance ``instance_id``) holds."""
@@ -120,12 +200,7 @@ class TierView:
         def get(tier: Tier) -> int:
             return max(self._by_url.get((url, tier), 0), self._by_id.get((instance_id, tier), 0))
 
-        return Held(
-            device=get("device"),
-            l1=max(get("l1"), self._chunks.get((instance_id, "l1"), 0)),
-            l2=max(get("l2"), self._chunks.get((instance_id, "l2"), 0)),
-            pending=self._pending.get(url, 0),
-        )
+        return Held(device=get("device"), l1=get("l1"), l2=get("l2"), pending=get("pending"))
 
     def local(self, url: str, instance_id: str) -> int:
         """Leading tokens the engine need not compute nor read from a peer."""
