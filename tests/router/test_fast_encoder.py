@@ -19,11 +19,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvatlas.cli.router import build_parser, main
-from kvatlas.engine.fast_encoder import FastEncoder, load_fast_encoder, self_test_texts
 from kvatlas.engine.model import HFTokenizer, load_tokenizer
-from kvatlas.engine.prompts import INLINE_MAX_BYTES, PromptTokenizer, RustTokenizer, pack_ids
 from kvatlas.router.config import RouterConfig
 from kvatlas.router.service import RouterService
+from kvatlas.tokenize.fast_encoder import FastEncoder, load_fast_encoder, self_test_texts
+from kvatlas.tokenize.loading import HubTokenizer
+from kvatlas.tokenize.loading import load_tokenizer as load_hub
+from kvatlas.tokenize.prompts import INLINE_MAX_BYTES, PromptTokenizer, RustTokenizer, pack_ids
 
 from .test_token_cache import PARTS
 from .test_tokenizer import BODIES
@@ -39,6 +41,14 @@ texts = st.one_of(
 def hf() -> HFTokenizer:
     tok = load_tokenizer("smollm2-135m")
     assert isinstance(tok, HFTokenizer)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def hub() -> HubTokenizer:
+    """The router's own (no transformers), checked against ``hf``, the engine's."""
+    tok = load_hub("smollm2-135m")
+    assert isinstance(tok, HubTokenizer)
     return tok
 
 
@@ -69,11 +79,13 @@ def test_fast_ids_are_the_tokenizers(hf: HFTokenizer, fast: FastEncoder, batch: 
     assert fast.blobs([batch[0]])[0] == pack_ids(one.ids)
 
 
-def test_what_the_fast_encoder_refuses_the_tokenizer_encodes(hf: HFTokenizer) -> None:
+def test_what_the_fast_encoder_refuses_the_tokenizer_encodes(
+    hf: HFTokenizer, hub: HubTokenizer
+) -> None:
     """U+40000's first UTF-8 byte (0xf1) has no token in SmolLM2's vocabulary from its
     GGUF: tokenizers drops it, fastokens refuses the text. The router's ids are still
     the engine's, and the refusal is counted."""
-    tok = PromptTokenizer(hf, "smollm2-135m", cache_bytes=1 << 20)
+    tok = PromptTokenizer(hub, "smollm2-135m", cache_bytes=1 << 20)
     text = "before \U00040000 after " * 3
     with pytest.raises(ValueError, match="has no token in vocabulary"):
         load_fast_encoder(hf.inner.backend_tokenizer)[0].blobs([text])  # type: ignore[union-attr]
@@ -110,17 +122,17 @@ def test_a_fast_encoder_with_other_ids_is_refused(hf: HFTokenizer) -> None:
 
 
 def test_without_fastokens_the_tokenizers_own_encoder_serves(
-    hf: HFTokenizer, monkeypatch: pytest.MonkeyPatch
+    hf: HFTokenizer, monkeypatch: pytest.MonkeyPatch, hub: HubTokenizer
 ) -> None:
     monkeypatch.setitem(sys.modules, "fastokens", None)  # an import of it fails
     assert load_fast_encoder(hf.inner.backend_tokenizer) == (None, "fastokens is not installed")
-    slow = PromptTokenizer(hf, "smollm2-135m", cache_bytes=1 << 20)
+    slow = PromptTokenizer(hub, "smollm2-135m", cache_bytes=1 << 20)
     assert slow.encoder == "tokenizers (fastokens is not installed)"
     assert not slow.inline_ok(b"{}") and slow.verify(b'{"prompt":"x"}', b"") is None
     monkeypatch.undo()
-    quick = PromptTokenizer(hf, "smollm2-135m", cache_bytes=1 << 20)
+    quick = PromptTokenizer(hub, "smollm2-135m", cache_bytes=1 << 20)
     assert quick.encoder.startswith("fastokens (fastokens: the same ids")
-    asked_not = PromptTokenizer(hf, "smollm2-135m", fast=False)
+    asked_not = PromptTokenizer(hub, "smollm2-135m", fast=False)
     assert asked_not.encoder == "tokenizers (not asked for)"
     for body in [*BODIES, *BODIES]:
         raw = json.dumps(body).encode()
@@ -128,9 +140,9 @@ def test_without_fastokens_the_tokenizers_own_encoder_serves(
 
 
 def test_the_router_tokenizes_inline_only_when_cheap_and_its_thread_is_idle(
-    hf: HFTokenizer,
+    hf: HFTokenizer, hub: HubTokenizer
 ) -> None:
-    tok = PromptTokenizer(hf, "smollm2-135m", cache_bytes=1 << 20)
+    tok = PromptTokenizer(hub, "smollm2-135m", cache_bytes=1 << 20)
     small = json.dumps({"prompt": "a shared document. " * 200}).encode()
     big = json.dumps({"prompt": "word " * (INLINE_MAX_BYTES // 5 + 10)}).encode()
     assert tok.inline_ok(small) and not tok.inline_ok(big)
@@ -190,8 +202,10 @@ async def _tokenize_and_wait_for_checks(
     return text
 
 
-def test_live_prompts_are_checked_against_the_tokenizers_own_encoder(hf: HFTokenizer) -> None:
-    tok = PromptTokenizer(hf, "smollm2-135m", cache_bytes=1 << 20)
+def test_live_prompts_are_checked_against_the_tokenizers_own_encoder(
+    hf: HFTokenizer, hub: HubTokenizer
+) -> None:
+    tok = PromptTokenizer(hub, "smollm2-135m", cache_bytes=1 << 20)
     bodies = [json.dumps(b).encode() for b in BODIES]
 
     async def run() -> str:
@@ -209,11 +223,13 @@ def test_live_prompts_are_checked_against_the_tokenizers_own_encoder(hf: HFToken
     assert tok.encoder.startswith("fastokens")
 
 
-def test_a_fast_encoder_that_differs_on_a_live_prompt_is_switched_off(hf: HFTokenizer) -> None:
+def test_a_fast_encoder_that_differs_on_a_live_prompt_is_switched_off(
+    hf: HFTokenizer, hub: HubTokenizer
+) -> None:
     """A fast encoder that passed no self-test (its merges cut) stands in: the first
     checked prompt shows it, and from the next one on the tokenizer's own encoder
     serves, its piece cache emptied of what the fast one put there."""
-    tok = PromptTokenizer(hf, "smollm2-135m", cache_bytes=1 << 20)
+    tok = PromptTokenizer(hub, "smollm2-135m", cache_bytes=1 << 20)
     rust = tok._tokenizer
     assert isinstance(rust, RustTokenizer)
     other = json.loads(_OtherMerges(hf.inner.backend_tokenizer).to_str())

@@ -20,10 +20,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvatlas.cli.router import main
-from kvatlas.engine.fast_encoder import load_fast_encoder
 from kvatlas.engine.model import HFTokenizer, load_tokenizer
 from kvatlas.engine.openai_proto import decode_tokenize
-from kvatlas.engine.prompts import (
+from kvatlas.router.config import RouterConfig
+from kvatlas.router.service import RouterService
+from kvatlas.tokenize.fast_encoder import load_fast_encoder
+from kvatlas.tokenize.loading import HubTokenizer
+from kvatlas.tokenize.loading import load_tokenizer as load_hub
+from kvatlas.tokenize.prompts import (
     PieceCache,
     PromptTokenizer,
     RustTokenizer,
@@ -31,8 +35,6 @@ from kvatlas.engine.prompts import (
     pack_ids,
     tokenize_ids,
 )
-from kvatlas.router.config import RouterConfig
-from kvatlas.router.service import RouterService
 
 from .test_tokenizer import BODIES
 
@@ -54,18 +56,26 @@ def hf() -> HFTokenizer:
     return tok
 
 
+@pytest.fixture(scope="module")
+def hub() -> HubTokenizer:
+    """The router's own (no transformers), checked against ``hf``, the engine's."""
+    tok = load_hub("smollm2-135m")
+    assert isinstance(tok, HubTokenizer)
+    return tok
+
+
 def cached(
-    hf: HFTokenizer,
+    hub: HubTokenizer,
     max_bytes: int = 1 << 20,
     *,
     every: int = 8,
     pieces: int = 1,
     fast: bool = False,
 ) -> RustTokenizer:
-    tok = RustTokenizer(hf, hf.inner.backend_tokenizer, pieces, PieceCache(max_bytes), every)
+    tok = RustTokenizer(hub, hub.backend, pieces, PieceCache(max_bytes), every)
     assert tok.cache is not None, "SmolLM2's tokenizer may be cut"
     if fast:
-        tok.fast, why = load_fast_encoder(hf.inner.backend_tokenizer)
+        tok.fast, why = load_fast_encoder(hub.backend)
         assert tok.fast is not None, why
     return tok
 
@@ -107,20 +117,21 @@ def test_ids_through_the_cache_are_the_engines(
     pieces: int,
     max_bytes: int,
     fast: bool,
+    hub: HubTokenizer,
 ) -> None:
     """Texts sharing a prefix, one after the other through one cache (a small one too,
     evicting as it goes), encoded by tokenizers or by the fast encoder: each text's ids
     are the engine's for the whole text."""
-    tok = cached(hf, max_bytes, every=every, pieces=pieces, fast=fast)
+    tok = cached(hub, max_bytes, every=every, pieces=pieces, fast=fast)
     for tail in [*tails, *tails]:
         text = prefix + tail
         assert tok.encode_blob(text) == pack_ids(hf.encode(text)), text
     assert tok.cache is not None and tok.cache.bytes <= max_bytes
 
 
-def test_a_shared_prefix_is_encoded_once(hf: HFTokenizer) -> None:
+def test_a_shared_prefix_is_encoded_once(hf: HFTokenizer, hub: HubTokenizer) -> None:
     doc = "".join(f"Section {i}: what the fleet keeps about this document. " for i in range(200))
-    tok = cached(hf, every=1024)
+    tok = cached(hub, every=1024)
     cache = tok.cache
     assert cache is not None
     first = tok.encode_blob(doc + "First question?")
@@ -148,11 +159,11 @@ def test_the_cache_stays_in_its_bound(hf: HFTokenizer) -> None:
         PieceCache(0)
 
 
-def test_bodies_through_the_cache_are_the_engines(hf: HFTokenizer) -> None:
+def test_bodies_through_the_cache_are_the_engines(hf: HFTokenizer, hub: HubTokenizer) -> None:
     """Every kind of body (chats with the template's special tokens, completions, token
     ids) twice: the second time partly from the cache, the same ids."""
-    with_cache = PromptTokenizer(hf, "smollm2-135m", cache_bytes=1 << 20)
-    without = PromptTokenizer(hf, "smollm2-135m", fast=False)  # tokenizers' own encoder
+    with_cache = PromptTokenizer(hub, "smollm2-135m", cache_bytes=1 << 20)
+    without = PromptTokenizer(hub, "smollm2-135m", fast=False)  # tokenizers' own encoder
     assert without.cache_stats() == {}
     assert with_cache.encoder.startswith("fastokens")
     chat: list[dict[str, Any]] = [
@@ -171,8 +182,8 @@ def test_bodies_through_the_cache_are_the_engines(hf: HFTokenizer) -> None:
     assert stats["hits"] > 0 and stats["hit_tokens"] > 1000
 
 
-def test_the_router_exports_the_cache(hf: HFTokenizer) -> None:
-    tok = PromptTokenizer(hf, "smollm2-135m", cache_bytes=1 << 20)
+def test_the_router_exports_the_cache(hf: HFTokenizer, hub: HubTokenizer) -> None:
+    tok = PromptTokenizer(hub, "smollm2-135m", cache_bytes=1 << 20)
     service = RouterService(RouterConfig(), None, tokenizer=tok)
     text = service.metrics.render().decode()
     assert 'kvatlas_router_tokenize_cache_pieces_total{result="hit"} 0.0' in text
@@ -187,7 +198,7 @@ def test_the_router_exports_the_cache(hf: HFTokenizer) -> None:
     assert re.search(r"^kvatlas_router_tokenize_cache_capacity_bytes 1\.048576e\+06$", text, re.M)
     assert re.search(r"^kvatlas_router_tokenize_cache_bytes [1-9]", text, re.M)
     # without a cache: no such metrics
-    bare = RouterService(RouterConfig(), None, tokenizer=PromptTokenizer(hf, "smollm2-135m"))
+    bare = RouterService(RouterConfig(), None, tokenizer=PromptTokenizer(hub, "smollm2-135m"))
     assert "tokenize_cache" not in bare.metrics.render().decode()
 
 

@@ -22,7 +22,14 @@ import pytest
 from kvatlas.cli.router import main
 from kvatlas.engine.engine_app import EngineApp
 from kvatlas.engine.model import HFTokenizer, LoadedModel, load_tokenizer
-from kvatlas.engine.prompts import PromptTokenizer, RustTokenizer, fast_path, load_prompt_tokenizer
+from kvatlas.tokenize.loading import HubTokenizer
+from kvatlas.tokenize.loading import load_tokenizer as load_hub
+from kvatlas.tokenize.prompts import (
+    PromptTokenizer,
+    RustTokenizer,
+    fast_path,
+    load_prompt_tokenizer,
+)
 from support.wait import wait_until
 
 from .conftest import Fleet, engine_config, route
@@ -93,7 +100,7 @@ def test_router_side_ids_are_smollm2s(smol: LoadedModel) -> None:
     engine.start()
     try:
         # the router's path goes to the Rust tokenizer, not through transformers
-        assert isinstance(fast_path(load_tokenizer("smollm2-135m")), RustTokenizer)
+        assert isinstance(fast_path(load_hub("smollm2-135m")), RustTokenizer)
         local = load_prompt_tokenizer("smollm2-135m")
         assert local.source == "smollm2-135m" and local.encoder.startswith("fastokens")
         assert_same_ids(local, engine.url)
@@ -162,9 +169,11 @@ def test_a_long_text_cut_into_pieces_has_the_engines_ids() -> None:
     texts that mix what the pre-tokenizer treats differently."""
     hf = load_tokenizer("smollm2-135m")
     assert isinstance(hf, HFTokenizer)
-    fast = fast_path(hf)
+    hub = load_hub("smollm2-135m")
+    assert isinstance(hub, HubTokenizer)
+    fast = fast_path(hub)
     assert isinstance(fast, RustTokenizer) and fast.pieces >= 1
-    cut = RustTokenizer(hf, hf.inner.backend_tokenizer, pieces=4)
+    cut = RustTokenizer(hub, hub.backend, pieces=4)
     assert cut.pieces == 4
     rng = random.Random(16)
     parts = [

@@ -10,11 +10,8 @@ router cannot start (a port in use).
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
-from collections.abc import Callable
-from typing import Final
 
 from kvatlas.cli.auth_flags import (
     add_operator_token_flag,
@@ -30,10 +27,6 @@ from kvatlas.router.config import RouterConfig, parse_engine
 from kvatlas.router.policy import POLICIES, Weights
 from kvatlas.router.service import LocalTokenizer
 from kvatlas.router.tenants import load_tenants
-
-_PROMPTS_MODULE: Final = "kvatlas.engine.prompts"
-"""Where ``--tokenizer`` is loaded from, imported on use: it brings transformers (and
-torch), which a router without the flag never loads, so ``--help`` answers at once."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -279,12 +272,19 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 def load_tokenizer(
     model: str, threads: int = 1, cache_bytes: int = 0, fast: bool = True
 ) -> LocalTokenizer:
-    """``--tokenizer``: the model's tokenizer and chat template, through the engine's
-    own loader (KvatlasError naming the source when it cannot be loaded)."""
-    load: Callable[[str, int, int, bool], LocalTokenizer] = importlib.import_module(
-        _PROMPTS_MODULE
-    ).load_prompt_tokenizer
-    return load(model, threads, cache_bytes, fast)
+    """``--tokenizer``: the model's tokenizer and chat template, from the files the
+    engine reads (``kvatlas.tokenize``: no transformers, no torch); KvatlasError naming
+    the source when it cannot be loaded, ConfigError naming what to install when the
+    tokenizer's packages are missing."""
+    try:
+        # optional packages (tokenizers, jinja2; the engine's extra): a router without
+        # --tokenizer runs on the router's extra alone
+        from kvatlas.tokenize.prompts import load_prompt_tokenizer  # noqa: PLC0415
+    except ImportError as exc:
+        raise ConfigError(
+            f"--tokenizer needs the tokenizer's packages ({exc}): pip install 'kvatlas[engine]'"
+        ) from exc
+    return load_prompt_tokenizer(model, threads, cache_bytes, fast)
 
 
 def tokenizer_from_args(args: argparse.Namespace) -> LocalTokenizer | None:

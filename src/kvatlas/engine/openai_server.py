@@ -4,7 +4,8 @@ Owns the HTTP edge of ``kvatlas engine``: ``POST /v1/chat/completions`` (message
 the model's chat template), ``POST /v1/completions`` (a prompt string or token ids),
 ``POST /tokenize`` (the prompt's token ids as the model will see them, for a router),
 ``GET /v1/models``, ``GET /healthz`` and ``GET /metrics`` (prompts become ids through
-``prompts``, the definition a router's ``--tokenizer`` shares); validating requests into
+``kvatlas.tokenize.prompts``, the definition a router's ``--tokenizer`` shares);
+validating requests into
 ``GenRequest`` (bad input is a 400 with an OpenAI-style error body, never a 500);
 answering in OpenAI's shapes, or streaming them as server-sent events (``data: {...}``
 chunks ending with ``data: [DONE]``); the ``cached_token_stats`` extension.
@@ -67,7 +68,7 @@ from kvatlas.engine.openai_proto import (
     decode_tokenize,
     encode,
 )
-from kvatlas.engine.prompts import chat_ids, prompt_ids, tokenize_ids
+from kvatlas.tokenize.prompts import chat_ids, prompt_ids, tokenize_ids
 
 log = logging.getLogger(__name__)
 

@@ -39,9 +39,9 @@ JSON: Final = "application/json"
 
 class LocalTokenizer(Protocol):
     """The model's tokenizer and chat template in the router's process (``--tokenizer``;
-    ``kvatlas.cli.router`` builds one from the engine's loader, which this package may
-    not import): a chat or completion body -> the prompt's ids as the engine prefills
-    them. Called from one thread at a time."""
+    ``kvatlas.cli.router`` builds one with ``kvatlas.tokenize``, torch-free): a chat or
+    completion body -> the prompt's ids as the engine prefills them. Called from one
+    thread at a time."""
 
     @property
     def source(self) -> str:

@@ -2,21 +2,21 @@
 
 Owns how a chat (its messages through the model's chat template) or a completion (a
 string, or token ids) becomes the ids the engine prefills (``chat_ids``, ``prompt_ids``,
-``tokenize_ids``, which ``openai_server`` serves at ``/tokenize`` and prefills from), and
-``PromptTokenizer``: the same on a tokenizer loaded by ``model.load_tokenizer``, for
-``kvatlas router --tokenizer`` (which builds it through ``load_prompt_tokenizer``: the
-router package may not import this one), so that a router's ids are the engine's by
-construction. For a Hugging Face fast tokenizer, ``PromptTokenizer`` calls its Rust
-tokenizer directly (``RustTokenizer``): the same pipeline and ids as the engine's path
-through transformers, in a fraction of its time, and with the GIL released while it
-runs; and for a byte-level BPE it keeps the ids of recent text pieces (``PieceCache``,
-cut only where the ids provably cannot change), so the system prompt, document or
-earlier turns a prompt shares with recent ones are not encoded again. Where fastokens
-is installed and gives the Rust tokenizer's ids on a self-test corpus, it encodes
-instead, many times faster (``fast_encoder``; ``inline_ok`` says when a call is cheap
-enough for an event loop). Must not: run a
-model, do I/O beyond loading the tokenizer's files, or decide what to do with a bad
-request (``BadRequest`` says what is wrong; callers answer).
+``tokenize_ids``, which the engine's ``openai_server`` serves at ``/tokenize`` and
+prefills from), and ``PromptTokenizer``: the same on a tokenizer loaded by
+``loading.load_tokenizer`` (no transformers, no torch), for ``kvatlas router
+--tokenizer`` (``load_prompt_tokenizer``), so that a router's ids are the engine's. For a
+Hugging Face tokenizer (``HubTokenizer``), ``PromptTokenizer`` calls its Rust tokenizer
+directly (``RustTokenizer``): the same pipeline and ids as the engine's path through
+transformers, in a fraction of its time, and with the GIL released while it runs; and
+for a byte-level BPE it keeps the ids of recent text pieces (``PieceCache``, cut only
+where the ids provably cannot change), so the system prompt, document or earlier turns
+a prompt shares with recent ones are not encoded again. Where fastokens is installed
+and gives the Rust tokenizer's ids on a self-test corpus, it encodes instead, many
+times faster (``fast_encoder``; ``inline_ok`` says when a call is cheap enough for an
+event loop). Must not: run a model, do I/O beyond loading the tokenizer's files, or
+decide what to do with a bad request (``BadRequest`` says what is wrong; callers
+answer).
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ from typing import Any, Final, TypeVar
 
 import numpy as np
 
-from kvatlas.engine.fast_encoder import FastEncoder, load_fast_encoder
-from kvatlas.engine.model import HFTokenizer, Tokenizer, load_tokenizer
+# The request shapes are the engine's OpenAI API's (torch-free, but in kvatlas.engine: the
+# import contract lets this one module through until they move to a room below both).
 from kvatlas.engine.openai_proto import BadRequest, ChatMessage, TokenizeRequest, decode_tokenize
+from kvatlas.tokenize.fast_encoder import FastEncoder, load_fast_encoder
+from kvatlas.tokenize.loading import HubTokenizer, Tokenizer, load_tokenizer
 
 _T = TypeVar("_T")
 _WARM_UP: Final = b'{"messages":[{"role":"user","content":"hi"}]}'
@@ -122,9 +124,9 @@ def tokenize_ids(tokenizer: Tokenizer, req: TokenizeRequest, vocab_size: int | N
 
 
 class RustTokenizer:
-    """An ``HFTokenizer``'s ids from its Rust tokenizer (``tokenizers.Tokenizer``) without
-    transformers in between: what transformers runs for ``encode`` and, after rendering
-    the chat template, for ``apply_chat_template`` (the whole pipeline: added tokens,
+    """A ``HubTokenizer``'s ids from its Rust tokenizer (``tokenizers.Tokenizer``) in
+    batches: what transformers runs for ``encode`` and, after rendering the chat
+    template, for ``apply_chat_template`` (the whole pipeline: added tokens,
     normalizer, pre-tokenizer, model; no special tokens added, the template writes its
     own), so the ids are the same. Three things make the engine's path slow for a router
     (several times slower than this): transformers' Python around the
@@ -150,14 +152,14 @@ class RustTokenizer:
 
     def __init__(
         self,
-        hf: HFTokenizer,
+        hub: HubTokenizer,
         backend: Any,
         pieces: int = 1,
         cache: PieceCache | None = None,
         piece_chars: int = CACHE_PIECE_CHARS,
     ) -> None:
-        self.hf = hf
-        """The transformers tokenizer (its chat template)."""
+        self.hub = hub
+        """The tokenizer it encodes for (its chat template, special tokens, decoder)."""
         self.backend = backend
         """The Rust tokenizer (``tokenizers.Tokenizer``)."""
         self.fast: FastEncoder | None = None
@@ -167,8 +169,7 @@ class RustTokenizer:
         """Why ``fast`` is set or not (for the log and ``/status``)."""
         self.fast_refused = 0
         """Texts the fast encoder refused and ``tokenizers`` encoded (``_fast_blobs``)."""
-        # transformers sets this on the backend before each of its calls
-        backend.encode_special_tokens = bool(getattr(hf.inner, "split_special_tokens", False))
+        backend.encode_special_tokens = hub.backend.encode_special_tokens
         cuttable = _cuttable(backend)
         self.pieces = pieces if cuttable else 1
         """Pieces a long text is encoded in (1: whole), or, with ``cache``, the most
@@ -180,7 +181,7 @@ class RustTokenizer:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        return self.hf.eos_token_ids
+        return self.hub.eos_token_ids
 
     def encode(self, text: str) -> list[int]:
         blobs = self._fast_blobs([text])
@@ -220,14 +221,11 @@ class RustTokenizer:
         return [text[a:b] for a, b in pairwise(cuts)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens)
+        return self.hub.decode(ids, skip_special_tokens)
 
     def render(self, messages: Sequence[Any], add_generation_prompt: bool = True) -> str:
         """The chat template's text (which ``apply_chat_template`` encodes)."""
-        text = self.hf.inner.apply_chat_template(
-            [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=False
-        )
-        return str(text)
+        return self.hub.render(messages, add_generation_prompt)
 
     def apply_chat_template(
         self, messages: Sequence[Any], add_generation_prompt: bool = True
@@ -373,30 +371,26 @@ def _cuttable(backend: Any) -> bool:
 def fast_path(
     tokenizer: Tokenizer, pieces: int = 1, cache_bytes: int = 0, fast: bool = True
 ) -> Tokenizer:
-    """``tokenizer`` through its Rust tokenizer where it has one (a Hugging Face fast
-    tokenizer whose bindings have ``encode_batch_fast``; a long text in up to ``pieces``
+    """``tokenizer`` through its Rust tokenizer where it has one (a ``HubTokenizer``
+    whose bindings have ``encode_batch_fast``; a long text in up to ``pieces``
     at once; with ``cache_bytes``, a ``PieceCache`` of that size where the tokenizer may
     be cut; with ``fast``, encoded by fastokens where it passes its self-test), else
     itself."""
-    if not isinstance(tokenizer, HFTokenizer):
+    if not isinstance(tokenizer, HubTokenizer):
         return tokenizer
-    backend = getattr(tokenizer.inner, "backend_tokenizer", None)
-    if backend is None or not hasattr(backend, "encode_batch_fast"):
+    backend = tokenizer.backend
+    if not hasattr(backend, "encode_batch_fast"):
         return tokenizer
     cache = PieceCache(cache_bytes) if cache_bytes > 0 else None
     rust = RustTokenizer(tokenizer, backend, pieces, cache)
     if fast:
         sample = (
             [_chat_text(rust, _SAMPLE_CHAT, g) for g in (True, False)]
-            if _has_template(tokenizer)
+            if tokenizer.template is not None
             else []
         )
         rust.fast, rust.fast_note = load_fast_encoder(backend, sample)
     return rust
-
-
-def _has_template(tokenizer: HFTokenizer) -> bool:
-    return bool(getattr(tokenizer.inner, "chat_template", None))
 
 
 class PromptTokenizer:
@@ -489,7 +483,7 @@ class PromptTokenizer:
         ref = self._reference
         if ref is None:
             ref = self._reference = RustTokenizer(
-                tok.hf, type(tok.backend).from_str(tok.backend.to_str())
+                tok.hub, type(tok.backend).from_str(tok.backend.to_str())
             )
         try:
             return pack_ids(tokenize_ids(ref, decode_tokenize(body), None)) == blob
@@ -516,7 +510,7 @@ def load_prompt_tokenizer(
     compiled once here rather than in the first request's time (a long text in up to
     ``pieces`` at once, see ``RustTokenizer``; with ``cache_bytes``, the ids of recent
     pieces kept, see ``PieceCache``; with ``fast``, encoded by fastokens where it
-    passes its self-test, see ``fast_encoder``); ModelLoadError names the source."""
+    passes its self-test, see ``fast_encoder``); TokenizerLoadError names the source."""
     tokenizer = PromptTokenizer(
         load_tokenizer(name_or_path), name_or_path, pieces, cache_bytes, fast
     )
