@@ -84,6 +84,8 @@ WARMUP_REQUESTS = int(L1_GB * 1024 * MIB // (NUM_TOKENS * BYTES_PER_TOKEN)) + 2
 first by its first stores (kvatlas touches its own at start), which is start-up cost, not
 a store's."""
 PROBE_TIMEOUT_S = 300.0
+ENGINE_CALLS = ("prepare_store", "commit_store", "prepare_retrieve", "commit_retrieve")
+"""The engine-driven calls the probe times, each a round trip to the server."""
 
 
 def rates(lat_ms: list[float], tokens: list[int]) -> list[float]:
@@ -125,6 +127,7 @@ def single_node_run(
     text = log.read_text(errors="replace")
     lat, tok, cpu = rep["latencies_ms"], rep["op_tokens"], rep["op_cpu_ms"]
     calls = rep.get("call_wall_ms", {})
+    faults = rep.get("op_minor_faults", {})
 
     def server_calls(*names: str) -> float | None:
         """Engine-driven: the medians of the server calls a transfer makes, summed."""
@@ -149,6 +152,11 @@ def single_node_run(
         "client_cpu_retrieve_ms": med(cpu.get("warm.retrieve", [])),
         "server_calls_store_ms": server_calls("prepare_store", "commit_store"),
         "server_calls_retrieve_ms": server_calls("prepare_retrieve", "commit_retrieve"),
+        # each call alone, and the client's minor page faults in a transfer: a slot of
+        # the server's pool first touched by this client faults once per page
+        **{f"call_{n}_ms": server_calls(n) for n in ENGINE_CALLS},
+        "client_faults_store": med(faults.get("cold.store", [])),
+        "client_faults_retrieve": med(faults.get("warm.retrieve", [])),
         "client_cpu_s_per_request": rep["load"]["client_cpu_s"] / n,
         "server_cpu_s_per_request": rep["load"]["server_cpu_s"] / n,
         "wall_s_per_request": rep["load"]["wall_s"] / n,
@@ -344,13 +352,16 @@ def across_rounds(rows: list[dict[str, Any]], key: str) -> float | None:
     return med([r[key] for r in rows if "error" not in r and r.get(key) is not None])
 
 
+def ratios_by_round(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str) -> list[float]:
+    """b[key] / a[key] in each round both ran, in round order."""
+    by_round = {r["round"]: r for r in a if "error" not in r and r.get(key)}
+    return [r[key] / by_round[r["round"]][key]
+            for r in b if "error" not in r and r.get(key) and r["round"] in by_round]  # fmt: skip
+
+
 def ratio_by_round(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str) -> float | None:
     """Median over the rounds both ran of b[key] / a[key]."""
-    by_round = {r["round"]: r for r in a if "error" not in r and r.get(key)}
-    return med(
-        [r[key] / by_round[r["round"]][key]
-         for r in b if "error" not in r and r.get(key) and r["round"] in by_round]
-    )  # fmt: skip
+    return med(ratios_by_round(a, b, key))
 
 
 def gbps(x: float | None) -> str:
@@ -381,7 +392,9 @@ def summarize(
                     for k in ("store_Bps", "retrieve_Bps", "store_p50_ms", "retrieve_p50_ms",
                               "lookup_p50_ms", "client_cpu_store_ms", "client_cpu_retrieve_ms",
                               "server_calls_store_ms", "server_calls_retrieve_ms",
-                              "client_cpu_s_per_request", "server_cpu_s_per_request")
+                              "client_cpu_s_per_request", "server_cpu_s_per_request",
+                              "client_faults_store", "client_faults_retrieve",
+                              *(f"call_{n}_ms" for n in ENGINE_CALLS))
                 }  # fmt: skip
                 s[t]["rounds_ok"] = sum("error" not in r for r in rows)
                 s[t]["requests"] = sum(r.get("requests", 0) for r in rows)
@@ -395,6 +408,10 @@ def summarize(
             if "lmcache" in targets and "kvatlas" in targets:
                 s["ratio_kvatlas_over_lmcache"] = {
                     k: ratio_by_round(runs["lmcache"], runs["kvatlas"], k)
+                    for k in ("store_Bps", "retrieve_Bps")
+                }
+                s["ratios_by_round"] = {
+                    k: ratios_by_round(runs["lmcache"], runs["kvatlas"], k)
                     for k in ("store_Bps", "retrieve_Bps")
                 }
             summary[f"single_node.{mode}"] = s
@@ -462,6 +479,19 @@ def print_tables(summary: dict[str, Any], targets: list[str]) -> None:
                       f"| {ms(v['server_cpu_s_per_request'])} "
                       f"| {num(v['server_calls_store_ms'])} / "
                       f"{num(v['server_calls_retrieve_ms'])} ms |")  # fmt: skip
+            print(
+                "\n| target | "
+                + " | ".join(ENGINE_CALLS)
+                + " | client page faults in store / retrieve |"
+            )
+            print("|---|" + "---|" * (len(ENGINE_CALLS) + 1))
+            for t in targets:
+                v = s[t]
+                if v["rounds_ok"]:
+                    print(f"| {t} | "
+                          + " | ".join(f"{num(v[f'call_{n}_ms'], '.2f')} ms" for n in ENGINE_CALLS)
+                          + f" | {num(v['client_faults_store'], '.0f')} / "
+                          f"{num(v['client_faults_retrieve'], '.0f')} |")  # fmt: skip
         else:
             print(
                 "| target | P2P: B's engine has A's prefix | fetch into B's L1 (lookup) "
@@ -484,6 +514,8 @@ def print_tables(summary: dict[str, Any], targets: list[str]) -> None:
         if ratio:
             print("\nkvatlas / LMCache (median of per-round ratios): "
                   + ", ".join(f"{k} {num(v, '.2f')}x" for k, v in ratio.items()))  # fmt: skip
+        for k, rs in s.get("ratios_by_round", {}).items():
+            print(f"  {k} by round: " + ", ".join(f"{x:.2f}x" for x in rs))
 
 
 def _rows(phase: dict[str, Any] | None) -> list[dict[str, Any]]:

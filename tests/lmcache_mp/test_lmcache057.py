@@ -21,6 +21,8 @@ from kvatlas.server.lmcache_mp.wire import (
     LMCACHE_VERSIONS,
     V056,
     V057,
+    EngineDrivenRegistration,
+    GroupLayout,
     IPCKey,
     WireError,
     decode_request,
@@ -109,7 +111,12 @@ def test_each_request_names_its_release() -> None:
         ([enc(12), enc(key_map("token_ids", [1] * 16)), enc(1), enc([])], "version"),
         ([enc(16), enc(key_map("token_ids", [1])), enc(1), enc([]), enc(0)], "version"),
         ([enc(8), enc(key_map("token_bytes", [1], token_bytes=b"\x00\x01")), enc(1)], "malformed"),
-        ([enc("server_module_affinity_call"), enc({})], "unsupported"),
+        ([enc("server_module_affinity_call"), enc({})], "version"),  # no method
+        (
+            [enc(5), enc(key_map("token_bytes", [1] * 16)), enc(1), enc([[1]]), enc(b"")],
+            "unsupported",
+        ),  # store_q (q cache): 0.5.6's and 0.5.7's, not served here
+        ([enc("cb_reorder_plan"), enc(key_map("token_ids", [1])), enc(1), enc(2)], "unsupported"),
         ([enc("no_such_operation")], "version"),
     ],
 )
@@ -158,6 +165,45 @@ def test_free_lookup_locks_releases_057s_extra_ranges(svc: LMCacheMPService) -> 
     assert svc._store.pool.stats().read_leases == 0
 
 
+def test_a_hybrid_worker_stores_and_retrieves_each_group_in_its_window(
+    svc: LMCacheMPService,
+) -> None:
+    """Two KV groups as 0.5.7's worker registers them: full attention, and a sliding
+    window of one chunk whose chunk objects hold half a chunk of tokens."""
+    window = GroupLayout(1, 8, "float16", 4, window_tokens=CHUNK // 2, window_chunks=1)
+    reg = EngineDrivenRegistration(
+        1, "h", 1, 4, 2, 8, "float16", False, CHUNK, [GroupLayout(2, 8, "float16", 4), window]
+    )
+    assert svc.handle("register_kv_cache_engine_driven_context", (reg,))["null_block_id"] == 0
+    tokens = list(range(3 * CHUNK))
+
+    def hkey(rid: str, end: int = 3 * CHUNK, worker: int | None = 0) -> IPCKey:
+        return IPCKey("h", 1, worker, tokens[:end], 0, end, rid, "", None, 1)
+
+    # the window group's chunks 0 and 1 are all null blocks: the worker skips them
+    prep = svc.handle("prepare_store", (hkey("s"), 1, [[], [0, 1]]))["context"]
+    assert (prep["group_ids"], prep["chunk_indices"]) == ([0, 0, 0, 1], [0, 1, 2, 2])
+    assert prep["slots"][0]["shape"] == [2, 2, CHUNK, 8]
+    assert prep["slots"][3]["shape"] == [2, 1, CHUNK // 2, 8]
+    assert svc.handle("commit_store", (hkey("s"), 1, b"")) is True
+    svc.handle("lookup", (hkey("r", worker=None), 1))
+    assert svc.handle("query_prefetch_status", ("r",)) == 3
+    got = svc.handle("prepare_retrieve", (hkey("r"), 1))
+    assert got["success"]
+    ctx = got["context"]
+    assert (ctx["group_ids"], ctx["chunk_indices"]) == ([0, 0, 0, 1], [0, 1, 2, 2])
+    assert [s["offset"] for s in ctx["slots"]] == [s["offset"] for s in prep["slots"]]
+    assert svc.handle("commit_retrieve", (hkey("r"), 1)) is True
+    svc.handle("end_session", ("r",))
+    # a shorter prefix needs the window group's chunk 1, never stored: a miss
+    svc.handle("lookup", (hkey("q", end=2 * CHUNK, worker=None), 1))
+    assert svc.handle("query_prefetch_status", ("q",)) == 0
+    svc.handle("end_session", ("q",))
+    assert svc._store.pool.stats().read_leases == 0
+    with pytest.raises(MpError, match="2 registered"):  # one list per group
+        svc.handle("prepare_store", (hkey("t"), 1, [[0]]))
+
+
 def test_the_version_table_is_shown_in_help_and_deploy_doc() -> None:
     from kvatlas.cli.server import build_parser  # noqa: PLC0415 (the CLI, only here)
 
@@ -168,6 +214,8 @@ def test_the_version_table_is_shown_in_help_and_deploy_doc() -> None:
     assert rows == set(LMCACHE_VERSIONS)
     option = help_text[help_text.index("--lmcache-mp LMCACHE_MP LMCache") :][:200]
     assert all(version in option for version in LMCACHE_VERSIONS), option
+    for version, how in LMCACHE_VERSIONS.items():  # the whole table, in the epilog
+        assert f"{version}: {how}" in help_text, version
 
 
 # ---------------------------------------------------------------------- real clients
@@ -187,11 +235,11 @@ def lmcache057_venv() -> Path:
 class Driver057(Driver):
     """``Driver`` with LMCache 0.5.7rc2's adapters (``mp_driver.py`` in .venv-lmcache057)."""
 
-    def __init__(self, venv: Path, url: str, mode: str, log: Path) -> None:
+    def __init__(self, venv: Path, url: str, mode: str, log: Path, *extra: str) -> None:
         env = {**os.environ, **QUIET}
         env.pop("PYTHONPATH", None)  # kvatlas' sources stay out of LMCache's interpreter
         self.proc = launch(
-            [str(venv / "bin" / "python"), str(DRIVER057), url, mode],
+            [str(venv / "bin" / "python"), str(DRIVER057), url, mode, *extra],
             name=f"driver057-{mode}",
             log=log,
             env=env,
@@ -241,9 +289,22 @@ def test_unknown_and_057_only_operations_are_answered_at_once(tmp_path: Path) ->
             enc("negotiate_chunk_size"),
             enc(SERVER_CHUNK),
         ]
+        # a plug-in method: LMCache's own answer to one its server does not serve
+        call = enc({"method": "pkg.echo", "payload": b"x"})
+        for op in ("server_module_affinity_call", "server_module_call"):
+            reply = _ask(srv.engine_url, [enc(5), enc(op), call])
+            assert reply[:2] == [enc(5), enc(op)], reply
+            assert msgspec.msgpack.decode(reply[2]) == {
+                "success": False,
+                "payload": b"",
+                "error": "unknown server module method: pkg.echo",
+            }
         for frames, want in (
             ([enc(2), enc("no_such_operation")], "0.5.7rc2"),
-            ([enc(3), enc("server_module_affinity_call"), enc({})], "does not implement"),
+            (
+                [enc(3), enc("cb_reorder_plan"), enc(key_map("token_ids", [1])), enc(1), enc(2)],
+                "does not implement",
+            ),
             ([enc(4), enc("negotiate_chunk_size"), enc(100)], "multiple"),
         ):
             reply = _ask(srv.engine_url, frames)  # fails if no reply within 10 s
@@ -251,4 +312,87 @@ def test_unknown_and_057_only_operations_are_answered_at_once(tmp_path: Path) ->
             text = msgspec.msgpack.decode(reply[1])
             assert text.startswith("error: ") and want in text, text
     finally:
+        srv.stop()
+
+
+@pytest.mark.lmcache
+def test_057_client_fails_at_once_on_what_kvatlas_does_not_serve(
+    tmp_path: Path, lmcache057_venv: Path
+) -> None:
+    """0.5.7rc2's own MessageQueueClient: an operation kvatlas does not serve fails the
+    call at once (never the client's timeout), a stream is ended at once, and a plug-in
+    call gets LMCache's own unknown-method reply, affinity or not."""
+    srv = server(tmp_path)
+    drv = Driver057(lmcache057_venv, srv.engine_url, "engine_driven", tmp_path / "d.log")
+    try:
+        for name, args in (
+            ("cb_unregister_rope", [1]),  # a legacy id
+            ("p2p_unlock_objects", [[]]),
+            ("unregister_q_cache", [1]),
+        ):
+            got = drv.call("call", [], "", name=name, args=args)
+            assert not got["ok"] and got["seconds"] < 5, got
+            assert "error: " in got["error"] and "does not implement" in got["error"], got
+        stream = drv.call("call", [], "", name="subscribe_kv_events", args=[1, "m", 0, 8])
+        assert stream["ok"] and stream["result"] == [] and stream["seconds"] < 5, stream
+        for name in ("server_module_affinity_call", "server_module_call"):
+            got = drv.call("call", [], "", name=name, args=["pkg.echo", "x"])
+            assert got["ok"] and got["seconds"] < 5, got
+            assert "success=False" in got["result"], got
+            assert "unknown server module method: pkg.echo" in got["result"], got
+        assert 'reason="server_module"' in srv.metrics()
+    finally:
+        drv.close()
+        srv.stop()
+
+
+@pytest.mark.lmcache
+def test_057_null_blocks_are_skipped_not_copied(tmp_path: Path, lmcache057_venv: Path) -> None:
+    """0.5.7rc2's worker adapter, lmcache-driven on CPU (the server copies): a chunk whose
+    block ids are all the null block (a hybrid model's dropped window) is not stored, so
+    a later lookup stops before it; a retrieve never writes into the null block."""
+    srv = server(tmp_path)
+    drv = Driver057(lmcache057_venv, srv.engine_url, "lmcache_driven", tmp_path / "d.log")
+    try:
+        tokens = prompt(7, chunks=3)
+        stored = drv.call("store", tokens, "s", seed=7, null_chunks=[1])
+        assert stored["ok"], stored
+        got = drv.call("fetch", tokens, "f")
+        assert got["ok"] and got["hit"] == 1, got  # chunk 1 was never stored
+        assert got["digests"] == stored["digests"][:1]
+        into_null = drv.call("fetch", tokens, "g", null_first_block=True)
+        assert into_null["ok"] and into_null["hit"] == 1, into_null
+        assert into_null["null_block_kept"], into_null
+        assert srv.status()["leases"]["read"] == 0
+    finally:
+        drv.close()
+        srv.stop()
+
+
+@pytest.mark.lmcache
+def test_057_hybrid_worker_stores_and_retrieves_each_group(
+    tmp_path: Path, lmcache057_venv: Path
+) -> None:
+    """0.5.7rc2's worker adapter registers a hybrid model (a full-attention group and a
+    one-chunk sliding-window group, engine-driven on CPU): the window group's null
+    chunks are never reserved nor stored, a lookup hits when each group holds what it
+    needs, and a retrieve fills each group's chunks byte for byte."""
+    srv = server(tmp_path)
+    drv = Driver057(lmcache057_venv, srv.engine_url, "engine_driven", tmp_path / "d.log", "hybrid")
+    try:
+        tokens = prompt(9, chunks=3)
+        stored = drv.call("store", tokens, "s", seed=9)
+        assert stored["ok"] and stored["hit"] == 0, stored
+        full, window = stored["group_digests"]
+        got = drv.call("fetch", tokens, "f")
+        assert got["ok"] and got["hit"] == 3, got
+        assert got["group_digests"][0] == full  # every chunk of the full-attention group
+        assert got["group_digests"][1][2] == window[2]  # the window group's last chunk
+        # a shorter prefix: the window group's chunk 1 was the null block, never stored
+        short = drv.call("fetch", tokens[: 2 * SERVER_CHUNK + 1], "g")
+        assert short["ok"] and short["hit"] == 0, short
+        assert srv.status()["leases"]["read"] == 0
+        assert 'reason="version"' not in srv.metrics()
+    finally:
+        drv.close()
         srv.stop()

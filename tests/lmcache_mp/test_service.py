@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from kvatlas.core.checksum import checksum
 from kvatlas.core.l1pool import L1Pool
 from kvatlas.runtime.region import L1Region
+from kvatlas.server.lmcache_mp import hashing
 from kvatlas.server.lmcache_mp.metrics import LMCacheMPCollector
 from kvatlas.server.lmcache_mp.service import LMCacheMPService, MpError, MpIdentity
 from kvatlas.server.lmcache_mp.transport import LMCacheMPHandler
@@ -58,7 +59,7 @@ def register(svc: LMCacheMPService, iid: int = 1) -> dict[str, object]:
 
 def test_engine_driven_store_lookup_retrieve(svc: LMCacheMPService) -> None:
     pool = register(svc)
-    assert pool == {"shm_name": svc._store.region.name, "pool_size": 1 << 20}
+    assert pool == {"shm_name": svc._store.region.name, "pool_size": 1 << 20, "null_block_id": 0}
     tokens = list(range(40))  # 2 full chunks
     prep = svc.handle("prepare_store", (key(tokens, 0, 32, "s"), 1))
     slots = prep["context"]["slots"]
@@ -114,6 +115,23 @@ def test_a_stores_checksums_are_settled_after_its_commit(svc: LMCacheMPService) 
     assert 'kvatlas_server_lmcache_unhashed_chunks{instance_id="mp-test"} 0.0' in text
     by_offset = {info.offset: info.checksum for info in svc._store.pool.slots()}
     assert [by_offset[off] for off, _ in written] == [digest for _, digest in written]
+
+
+def test_checksums_wait_while_a_worker_copies(svc: LMCacheMPService) -> None:
+    """No chunk is hashed while an engine-driven transfer is open (the worker copies
+    into or out of L1 then): the hashing would take its core and memory bandwidth."""
+    register(svc)
+    first, second = list(range(16)), list(range(100, 116))
+    svc.handle("prepare_store", (key(first, 0, 16, "a"), 1))
+    assert svc.handle("commit_store", (key(first, 0, 16, "a"), 1, b"")) is True
+    svc.handle("prepare_store", (key(second, 0, 16, "b"), 1))  # the next copy begins
+    time.sleep(3 * hashing.QUIET_S)
+    assert svc.unhashed_chunks == 1  # well before MAX_DEFER_S: still waiting
+    assert svc.handle("commit_store", (key(second, 0, 16, "b"), 1, b"")) is True
+    deadline = time.monotonic() + 30
+    while svc.unhashed_chunks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert svc.unhashed_chunks == 0
 
 
 def test_pickled_stores_are_refused_and_reservations_undone(svc: LMCacheMPService) -> None:

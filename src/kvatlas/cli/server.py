@@ -36,7 +36,7 @@ from kvatlas.server.config import (
     ServerConfig,
     default_state_dir,
 )
-from kvatlas.server.lmcache_mp.wire import LMCACHE_VERSION
+from kvatlas.server.lmcache_mp.wire import LMCACHE_VERSION, LMCACHE_VERSIONS
 from kvatlas.transfer.config import MooncakeConfig
 from kvatlas.transfer.factory import TRANSPORTS
 from kvatlas.wire.kafka_records import DEFAULT_PARTITIONER, DEFAULT_TOPIC
@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
         " --chunk-size, --l1-size-gb and --eviction-policy; keep lmcache installed beside"
         " vLLM). LMCache workers transfer engine-driven (any device; the worker copies"
         " through this server's L1 shared memory) or lmcache-driven with CPU KV.",
+        epilog="LMCache releases answered on --port, told apart request by request: "
+        + "; ".join(f"{v}: {how}" for v, how in LMCACHE_VERSIONS.items())
+        + ". Another release's request is answered at once with an error naming these.",
     )
     ap.add_argument("--host", default="127.0.0.1", help="interface to bind (engine API, HTTP)")
     ap.add_argument(

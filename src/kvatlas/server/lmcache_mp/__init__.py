@@ -10,8 +10,9 @@ server process.
 
 Modules: ``wire`` (framing, payloads, replies, the supported versions), ``service``
 (dispatch, management, lookups), ``transfers`` (both transfer modes), ``core`` (the
-workers, contracts and keys they share, over the shared ``GuardedStore``), ``sessions`` (lookups and
-their read leases), ``cpu_kv`` (a worker's CPU KV mapped from POSIX SHM), ``cuda_kv``
+workers, contracts and keys they share, over the shared ``GuardedStore``), ``hashing``
+(the checksums of committed chunks, computed while the workers are quiet), ``sessions``
+(lookups and their read leases), ``cpu_kv`` (a worker's CPU KV mapped from POSIX SHM), ``cuda_kv``
 (a worker's GPU KV from CUDA IPC handles), ``transport`` (the engine API's ROUTER hands
 LMCache-framed requests here) and ``metrics``.
 

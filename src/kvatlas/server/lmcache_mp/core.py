@@ -16,15 +16,15 @@ Must not: parse frames (``wire``), import torch, or keep chunk bytes of its own.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Container, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
+
+from msgspec import structs
 
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import (
@@ -37,6 +37,7 @@ from kvatlas.core.keys import (
 from kvatlas.core.l1pool import LeaseId
 from kvatlas.core.types import ChunkHash
 from kvatlas.server.lmcache_mp.cpu_kv import ChunkGeometry, PagedKV
+from kvatlas.server.lmcache_mp.hashing import QuietHasher
 from kvatlas.server.lmcache_mp.sessions import Sessions
 from kvatlas.server.lmcache_mp.wire import IPCKey
 from kvatlas.server.storage.chunkstore import Unhashed
@@ -49,25 +50,6 @@ WAIT_CAP_S = 1.0
 
 HOLDER = "lmcache-mp"
 """The lease holder of every lease this protocol takes."""
-
-HASH_THREADS = min(2, os.cpu_count() or 1)
-"""Threads computing the checksums of committed chunks (``_commit_unhashed``)."""
-HASH_NICE = 10
-"""Their nice value where the idle policy is not available."""
-
-
-def _lower_priority() -> None:
-    """Run this (hash) thread only when a core is idle (Linux ``SCHED_IDLE``, set per
-    thread), else at ``HASH_NICE``. At nice 10 the hashing still takes about a tenth of
-    a busy core from the worker's copy and the server's own threads (on two cores, an
-    engine-driven store's two calls measured 5.6 ms with it and 3.9 ms without).
-    Starving is safe: a reader that needs a checksum sooner computes it
-    (``GuardedStore.settle_unhashed``)."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
-    except (OSError, AttributeError):
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HASH_NICE)
 
 
 class _Fetched(Protocol):
@@ -97,6 +79,21 @@ class MpIdentity:
     lease_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One LMCache KV group of a hybrid engine-driven worker (0.5.7 ``GroupLayout``):
+    its chunks are ObjectKeys of object group = the group's index."""
+
+    geometry: ChunkGeometry
+    window_chunks: int = 0
+    """The trailing chunks of a prefix this group needs for a hit (a sliding window's,
+    or 1 for recurrent state); 0: every chunk (full attention)."""
+
+    def first_needed(self, chunks: int) -> int:
+        """The first chunk of a ``chunks``-chunk prefix this group must hold."""
+        return 0 if self.window_chunks <= 0 else max(0, chunks - self.window_chunks)
+
+
 @dataclass
 class Worker:
     model: str
@@ -104,6 +101,8 @@ class Worker:
     geometry: ChunkGeometry
     kv: PagedKV | None = None
     """Mapped KV (lmcache-driven); None for an engine-driven registration."""
+    groups: tuple[KVGroup, ...] = ()
+    """A hybrid engine-driven worker's LMCache KV groups (two or more); empty for one."""
 
 
 _Pending = tuple[int, str, int, int]
@@ -139,14 +138,15 @@ class MpCore:
         self._lock = threading.Lock()
         self._workers: dict[int, Worker] = {}
         self._contracts: dict[str, HashContract] = {}
+        self._hybrid: dict[tuple[str, int], tuple[KVGroup, ...]] = {}
+        """(model, world size) -> the KV groups its hybrid workers registered: what a
+        lookup, which names no worker, needs to know which chunks make a hit."""
         self._writes: dict[_Pending, list[tuple[ObjectKey, LeaseId]]] = {}
         self._reads: dict[_Pending, list[LeaseId]] = {}
         self._told_unknown: set[int] = set()
         self.sessions = Sessions()
         self._prefetch = ThreadPoolExecutor(prefetch_workers, "kvatlas-lmcache-prefetch")
-        self._hashers = ThreadPoolExecutor(
-            HASH_THREADS, "kvatlas-lmcache-hash", initializer=_lower_priority
-        )
+        self._hasher = QuietHasher(guarded, lambda: len(self._writes) + len(self._reads))
         self.counts: Counter[str] = Counter()
         """Requests served, by operation."""
         self.refused: Counter[str] = Counter()
@@ -171,14 +171,25 @@ class MpCore:
         return [bytes(h) for h in hashes[start // cs :]]
 
     def _keys(
-        self, key: IPCKey, start: int, end: int, rank: int, learn: bool = False
+        self, key: IPCKey, start: int, end: int, rank: int, *, learn: bool = False, group: int = 0
     ) -> list[ObjectKey]:
+        """The chunk keys of ``[start, end)`` for ``rank``, in object group ``group`` (a
+        hybrid worker's KV group; 0 otherwise)."""
         if key.world_size < 1 or not 0 <= rank < key.world_size:
             raise MpError("invalid", f"worker {rank} of world size {key.world_size}")
         kv_rank = pack_kv_rank(key.world_size, rank, key.world_size, rank)
         return [
-            ObjectKey(ChunkHash(h), key.model_name, kv_rank, 0, key.cache_salt)
+            ObjectKey(ChunkHash(h), key.model_name, kv_rank, group, key.cache_salt)
             for h in self._hashes(key, start, end, learn)
+        ]
+
+    def _group_keys(
+        self, key: IPCKey, start: int, end: int, rank: int, *, groups: int, learn: bool = False
+    ) -> list[list[ObjectKey]]:
+        """``_keys`` of each of ``groups`` object groups (the chunk hashes computed once)."""
+        base = self._keys(key, start, end, rank, learn=learn)
+        return [base] + [
+            [structs.replace(k, object_group_id=g) for k in base] for g in range(1, groups)
         ]
 
     def _worker(self, instance_id: int) -> Worker:
@@ -243,25 +254,17 @@ class MpCore:
         )
 
     def _commit_unhashed(self, writes: Sequence[tuple[ObjectKey, LeaseId]], now: float) -> bool:
-        """Commit written slots before their checksums, which the hash threads compute
-        next (store lock held); False when any write was lost (its lease lapsed)."""
+        """Commit written slots before their checksums, which the hasher computes in
+        the server's quiet time (store lock held); False when any write was lost (its
+        lease lapsed)."""
         ok = True
         for k, lid in writes:
             info = self._store.commit_unhashed(k, now, lid)
             if info is None:
                 ok = False
                 continue
-            with contextlib.suppress(RuntimeError):  # shut down: readers compute it
-                self._hashers.submit(self._settle, k, lid, info.offset, info.size)
+            self._hasher.submit(Unhashed(k, lid, info.offset, info.size))
         return ok
-
-    def _settle(self, key: ObjectKey, lease_id: LeaseId, offset: int, size: int) -> None:
-        """Hash a committed slot without the lock; the store keeps the digest only if the
-        slot still holds that commit (else it was evicted or read, and is dropped)."""
-        try:
-            self._guarded.settle([Unhashed(key, lease_id, offset, size)])
-        except Exception:  # a closed region at shutdown; a reader computes it otherwise
-            log.debug("checksum of %s not settled", key.chunk_hash_hex, exc_info=True)
 
     def _release(self, leases: Sequence[LeaseId]) -> None:
         if not leases:

@@ -45,6 +45,12 @@ ITEMSIZES: Final = {
     "int8": 1,
 }
 """KV dtypes by their torch names; bytes move as unsigned ints of the same width."""
+NULL_BLOCK_ID: Final = 0
+"""The block id that holds no KV: vLLM's null block, which hybrid models' sliding-window
+and recurrent groups name for the blocks they dropped. LMCache 0.5.7 tells engine-driven
+workers so at registration (``null_block_id``, its server's default 0) and both modes
+skip it: a chunk of null blocks only is not stored, and a retrieve never writes into the
+null block."""
 _UINT: Final = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 SHM_DIR: Final = "/dev/shm"
 
@@ -218,7 +224,7 @@ class CpuPagedKV:
         self, block_ids: Sequence[int], index: int, src: memoryview, skip_blocks: int = 0
     ) -> None:
         """Chunk ``src`` into chunk ``index`` of ``block_ids``, leaving the first
-        ``skip_blocks`` blocks of it untouched."""
+        ``skip_blocks`` blocks of it and any null block untouched."""
         g = self.geometry
         blocks = self._chunk_blocks(block_ids, index)
         data = np.frombuffer(src, dtype=self._layers[0].dtype).reshape(
@@ -227,6 +233,8 @@ class CpuPagedKV:
         for layer in range(g.layers):
             a = self._layers[layer]
             for j in range(skip_blocks, len(blocks)):
+                if blocks[j] == NULL_BLOCK_ID:
+                    continue
                 kv = data[:, layer, j].reshape(2, self.block_size, self._heads, -1)
                 if self._hnd:
                     kv = np.swapaxes(kv, 1, 2)

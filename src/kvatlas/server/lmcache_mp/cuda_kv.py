@@ -29,7 +29,12 @@ import numpy.typing as npt
 import torch
 
 from kvatlas.core.errors import InvalidInput
-from kvatlas.server.lmcache_mp.cpu_kv import ITEMSIZES, ChunkGeometry, check_block_ids
+from kvatlas.server.lmcache_mp.cpu_kv import (
+    ITEMSIZES,
+    NULL_BLOCK_ID,
+    ChunkGeometry,
+    check_block_ids,
+)
 from kvatlas.server.lmcache_mp.kv_checksums import Digests, block_checksums
 from kvatlas.server.lmcache_mp.wire import IpcDescriptor
 
@@ -115,7 +120,8 @@ class TorchPagedKV:
         for layer in range(g.layers):
             nhd = self._nhd(layer)
             for j in range(skip_blocks, len(blocks)):
-                nhd[:, blocks[j]] = data[:, layer, j]
+                if blocks[j] != NULL_BLOCK_ID:
+                    nhd[:, blocks[j]] = data[:, layer, j]
 
     def checksums(self, block_ids: Sequence[int], chunk_blocks: int, layerwise: bool) -> Digests:
         """LMCache's ``/cache/checksums`` digests of ``block_ids``: each chunk's blocks

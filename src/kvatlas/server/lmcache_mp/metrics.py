@@ -35,7 +35,8 @@ class LMCacheMPCollector(Collector):
             "LMCache MP requests answered with an error reply (or frames dropped), by reason:"
             " malformed, version (another LMCache release), unsupported (an operation"
             " kvatlas does not serve), not_registered, invalid, contract, internal,"
-            " stream_control, no_space, pickle_refused.",
+            " stream_control, no_space, pickle_refused, server_module (a plug-in method:"
+            " answered with LMCache's unknown-method reply).",
             labels=["instance_id", "reason"],
         )
         for reason, n in sorted((self._handler.errors + svc.refused).items()):
@@ -57,7 +58,7 @@ class LMCacheMPCollector(Collector):
         yield instance_gauge(
             self._iid,
             "lmcache_unhashed_chunks",
-            "Chunks LMCache workers stored whose checksum the hash threads have yet to"
+            "Chunks LMCache workers stored whose checksum the quiet-time hasher has yet to"
             " compute (a peer's lock request hashes up to 64 MiB of them itself).",
             svc.unhashed_chunks,
         )

@@ -22,13 +22,14 @@ from kvatlas.core.l1pool import DeleteOutcome, LeaseId
 from kvatlas.server.lmcache_mp.core import (
     HOLDER,
     WAIT_CAP_S,
+    KVGroup,
     MpError,
     MpIdentity,
     PrefixFetcher,
 )
 from kvatlas.server.lmcache_mp.kv_checksums import Digests
 from kvatlas.server.lmcache_mp.transfers import Transfers
-from kvatlas.server.lmcache_mp.wire import BlockAllocation, IPCKey
+from kvatlas.server.lmcache_mp.wire import BlockAllocation, IPCKey, ServerModuleCall
 
 __all__ = ["LMCacheMPService", "MpError", "MpIdentity"]
 
@@ -73,7 +74,7 @@ class LMCacheMPService(Transfers):
 
     def close(self) -> None:
         self._prefetch.shutdown(wait=False, cancel_futures=True)
-        self._hashers.shutdown(wait=False, cancel_futures=True)
+        self._hasher.close()
         with self._lock:
             workers, self._workers = list(self._workers.values()), {}
         for w in workers:
@@ -85,7 +86,8 @@ class LMCacheMPService(Transfers):
         to the transport, which answers them with an error reply."""
         self.counts[operation] += 1
         handler: Callable[..., Any] = getattr(self, f"op_{operation}")
-        return handler(*args)
+        with self._hasher.busy():  # no checksums computed meanwhile (``hashing``)
+            return handler(*args)
 
     # ------------------------------------------------------------------ management
 
@@ -131,6 +133,23 @@ class LMCacheMPService(Transfers):
     def op_noop(self) -> str:
         return "OK"
 
+    def op_server_module_call(self, call: ServerModuleCall) -> dict[str, Any]:
+        """LMCache's answer to a plug-in method its server does not serve, word for word
+        (``ExtServerModuleRouter``): this server loads no LMCache server modules, so
+        every method is unknown. The client's call fails with this reason at once."""
+        self.refused["server_module"] += 1
+        return {
+            "success": False,
+            "payload": b"",
+            "error": f"unknown server module method: {call.method}",
+        }
+
+    def op_server_module_affinity_call(self, call: ServerModuleCall) -> dict[str, Any]:
+        """0.5.7: a plug-in method run on the calling client's affinity thread, in order
+        with its stores and retrieves. Its only meaning is a plug-in's, and this server
+        has none: answered as ``server_module_call`` (LMCache's own error reply)."""
+        return self.op_server_module_call(call)
+
     def op_report_block_allocation(
         self, instance_id: int, model_name: str, records: list[BlockAllocation]
     ) -> None:
@@ -171,6 +190,13 @@ class LMCacheMPService(Transfers):
                 "version",
                 "num_kv_readers=0: the client predates LMCache 0.5.6's IPCCacheServerKey",
             )
+        with self._lock:
+            hybrid = self._hybrid.get((key.model_name, key.world_size))
+        if hybrid:
+            _, stale = self.sessions.begin(key.request_id)
+            self._release(stale)
+            self._lock_hybrid(key, hybrid)
+            return
         keys = [
             self._keys(key, 0, key.end, rank, learn=rank == 0)
             for rank in range(max(key.world_size, 1))
@@ -239,6 +265,63 @@ class LMCacheMPService(Transfers):
         session.hit_chunks = hit
         session.done.set()
 
+    def _lock_hybrid(self, key: IPCKey, groups: Sequence[KVGroup]) -> None:
+        """A hybrid model's hit: the longest prefix of which every KV group holds the
+        chunks it needs (a full-attention group all of them, a windowed one its trailing
+        window: its earlier chunks were never stored), on every rank; those chunks are
+        read-locked as ``_lock_prefix`` locks. Local only (no peer fetch)."""
+        session = self.sessions.get(key.request_id)
+        ranks = range(max(key.world_size, 1))
+        keys = [
+            self._group_keys(key, 0, key.end, r, groups=len(groups), learn=r == 0) for r in ranks
+        ]  # [rank][group][chunk]
+        n = len(keys[0][0])
+        held: dict[ObjectKey, list[LeaseId]] = {}
+        accessed: list[tuple[ObjectKey, int]] = []
+        hit = 0
+        with self._guarded.lock:
+            now = self._guarded.clock()
+            have = [
+                [[self._store.lookup_prefix([k], now) == 1 for k in gk] for gk in rk] for rk in keys
+            ]
+            need: list[tuple[int, int, int]] = []  # (rank, group, chunk)
+            for p in range(n, 0, -1):
+                need = [
+                    (r, g, c)
+                    for r in ranks
+                    for g, grp in enumerate(groups)
+                    for c in range(grp.first_needed(p), p)
+                ]
+                if all(have[r][g][c] for r, g, c in need):
+                    hit = p
+                    break
+            for r, g, c in need if hit else []:
+                k = keys[r][g][c]
+                for _ in range(key.num_kv_readers):
+                    lease = self._store.acquire_read(
+                        k, HOLDER, now, self.identity.lease_s, checksum=False
+                    )
+                    if lease is None:  # present a moment ago, under the same lock
+                        hit = 0
+                        break
+                    held.setdefault(k, []).append(lease.lease_id)
+                    if len(held[k]) == 1:
+                        accessed.append((k, lease.size))
+                if not hit:
+                    break
+            if not hit:
+                for lids in held.values():
+                    for lid in lids:
+                        self._store.release(lid, HOLDER)
+                held, accessed = {}, []
+            self._guarded.drain_locked(accessed)
+        if session is None or self.sessions.get(key.request_id) is not session:
+            self._release([lid for lids in held.values() for lid in lids])
+            return
+        session.leases = held
+        session.hit_chunks = hit
+        session.done.set()
+
     def op_query_prefetch_status(self, request_id: str) -> int | None:
         s = self.sessions.get(request_id)
         if s is None:
@@ -260,12 +343,15 @@ class LMCacheMPService(Transfers):
         ``extra_ranges``: also on each ``(start, end)`` of the request's earlier,
         abandoned lookups (each ends at that lookup's hit boundary)."""
         ranges = [(key.start, key.end), *extra_ranges]
+        with self._lock:
+            groups = len(self._hybrid.get((key.model_name, key.world_size), ())) or 1
         keys = [
             k
             for start, end in ranges
             if start < end
             for rank in range(max(key.world_size, 1))
-            for k in self._keys(key, start, end, rank)
+            for g_keys in self._group_keys(key, start, end, rank, groups=groups)
+            for k in g_keys
         ]
         if keys:
             self._release(self.sessions.take_all(key.request_id, keys))

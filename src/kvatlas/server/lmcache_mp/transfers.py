@@ -10,14 +10,22 @@ read-locks the chunks (taking over the lookup's leases) and hands their offsets;
 back to LMCache's pickle transport is refused (``commit_store`` answers False, counted),
 since unpickling a client's bytes would run its code in the server.
 
+A hybrid model's worker (0.5.7: full attention beside sliding-window or recurrent
+layers, one LMCache KV group each) transfers engine-driven only: each group's chunks are
+ObjectKeys of their own object group, in the group's own geometry; a window group's
+chunks before its window are never written (``skipped_chunks``: all their blocks are the
+null block) and never asked for (``prepare_retrieve`` and the lookup want its window).
+
 Lmcache-driven mode: the worker's paged KV is mapped by the server (``cpu_kv`` for CPU
 POSIX SHM, ``cuda_kv`` for CUDA IPC handles, loaded only then), which gathers chunks
 into L1 slots on ``store`` and scatters them back on ``retrieve``. Both modes write the
-same chunk bytes (``[2, layers, tokens, hidden]``), so either retrieves the other's.
+same chunk bytes (``[2, layers, tokens, hidden]``), so either retrieves the other's. A
+chunk whose block ids are all the null block (``cpu_kv.NULL_BLOCK_ID``) holds no KV: it
+is not stored, as LMCache's servers skip it, and no retrieve writes into that block.
 
 Both modes commit a chunk before its checksum (``MpCore._commit_unhashed``): the worker
 gives none, and hashing tens of MiB would sit in the store's latency. The checksum is
-computed right after, off the lock, by low-priority threads; a reader that needs it
+computed off the lock once the workers are quiet (``hashing``); a reader that needs it
 sooner computes it then: a demotion to L2 (``ChunkStore``), a kvatlas engine's lookup
 and a peer's ``lookup_and_lock`` (both off the lock, ``GuardedStore.settle_unhashed``;
 a peer's up to 64 MiB per request, past which the chunk is left out until known). A
@@ -34,9 +42,20 @@ from typing import Any
 
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.l1pool import LeaseId, Refusal, Reserved
-from kvatlas.server.lmcache_mp.core import HOLDER, MpCore, MpError, Worker
-from kvatlas.server.lmcache_mp.cpu_kv import ITEMSIZES, ChunkGeometry, CpuPagedKV, PagedKV
-from kvatlas.server.lmcache_mp.wire import EngineDrivenRegistration, IpcDescriptor, IPCKey
+from kvatlas.server.lmcache_mp.core import HOLDER, KVGroup, MpCore, MpError, Worker
+from kvatlas.server.lmcache_mp.cpu_kv import (
+    ITEMSIZES,
+    NULL_BLOCK_ID,
+    ChunkGeometry,
+    CpuPagedKV,
+    PagedKV,
+)
+from kvatlas.server.lmcache_mp.wire import (
+    EngineDrivenRegistration,
+    GroupLayout,
+    IpcDescriptor,
+    IPCKey,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +68,10 @@ class Transfers(MpCore):
     def op_register_kv_cache_engine_driven_context(
         self, p: EngineDrivenRegistration
     ) -> dict[str, Any]:
+        """A worker that copies its own KV through L1. 0.5.7's hybrid workers (two or
+        more ``group_layouts``) store each KV group's chunks as its own object group,
+        each in its own geometry (a sliding-window group's chunk holds its window)."""
         self._check_mode("engine_driven")
-        if len(p.group_layouts) > 1:
-            raise MpError("unsupported", "hybrid KV cache groups are not supported")
         if p.dtype_str not in ITEMSIZES:
             raise MpError("invalid", f"KV dtype {p.dtype_str!r} not one of {sorted(ITEMSIZES)}")
         slots = p.num_physical_slots or self.identity.chunk_size
@@ -64,9 +84,32 @@ class Transfers(MpCore):
         geometry = ChunkGeometry(
             p.num_layers, slots, p.hidden_dim_size, p.dtype_str, 1 if p.use_mla else 2
         )
-        self._register(p.instance_id, Worker(p.model_name, p.world_size, geometry))
+        groups: tuple[KVGroup, ...] = ()
+        if len(p.group_layouts) > 1:
+            groups = tuple(self._kv_group(gl, p.use_mla) for gl in p.group_layouts)
+            geometry = groups[0].geometry  # group 0's layout doubles as the top-level one
+        self._register(p.instance_id, Worker(p.model_name, p.world_size, geometry, groups=groups))
+        if groups:
+            with self._lock:
+                self._hybrid[(p.model_name, p.world_size)] = groups
         region = self._store.region
-        return {"shm_name": region.name, "pool_size": region.size}
+        # null_block_id: 0.5.7's workers leave chunks of it only out of their stores
+        return {"shm_name": region.name, "pool_size": region.size, "null_block_id": NULL_BLOCK_ID}
+
+    def _kv_group(self, gl: GroupLayout, use_mla: bool) -> KVGroup:
+        cs = self.identity.chunk_size
+        tokens = gl.window_tokens or cs
+        if gl.dtype_str not in ITEMSIZES:
+            raise MpError("invalid", f"group dtype {gl.dtype_str!r} not one of {sorted(ITEMSIZES)}")
+        if not 0 < tokens <= cs or gl.window_chunks < 0 or gl.num_layers < 1:
+            raise MpError(
+                "invalid",
+                f"group layout {gl}: window_tokens must be in (0, {cs}], window_chunks >= 0",
+            )
+        single = gl.kv_size == 1 if gl.kv_size else use_mla
+        planes = 1 if single else 2
+        geometry = ChunkGeometry(gl.num_layers, tokens, gl.hidden_dim_size, gl.dtype_str, planes)
+        return KVGroup(geometry, gl.window_chunks)
 
     def op_unregister_kv_cache_engine_driven_context(self, instance_id: int) -> None:
         self.op_unregister_kv_cache(instance_id)
@@ -87,7 +130,12 @@ class Transfers(MpCore):
             raise MpError("invalid", "register_kv_cache: KV tensors must be IPC descriptors")
         kinds = {d.type for d in descs}
         if len(engine_group_infos) > 1:
-            raise MpError("unsupported", "hybrid KV cache groups are not supported")
+            raise MpError(
+                "unsupported",
+                f"{len(engine_group_infos)} KV cache groups (a hybrid model): this kvatlas"
+                " server serves hybrid models engine-driven only"
+                ' ("lmcache.mp.mp_transfer_mode": "engine_driven")',
+            )
         hint = layout_hints.get("kv_layout")
         kv: PagedKV
         if kinds == {"cpu_shm"}:
@@ -137,45 +185,43 @@ class Transfers(MpCore):
     def op_prepare_store(
         self, key: IPCKey, instance_id: int, skipped_chunks: Sequence[Sequence[int]] = ()
     ) -> dict[str, Any]:
-        """0.5.7's ``skipped_chunks``: per registered KV group (one here), the chunk
-        positions of the key's range the worker will not write (all its blocks are the
-        null block): no slot is reserved for them."""
+        """Write-locked slots for the key's chunks not stored yet. 0.5.7's
+        ``skipped_chunks``: per registered KV group, the chunk positions the worker will
+        not write (all their blocks are the null block): no slot is reserved for them.
+        A hybrid worker's answer names each slot's group (``group_ids``)."""
         w = self._worker(instance_id)
-        keys = self._keys(key, key.start, key.end, key.worker_id or 0, learn=True)
-        skip: set[int] = set()
-        if skipped_chunks:
-            if len(skipped_chunks) != 1:
-                raise MpError(
-                    "invalid",
-                    f"skipped_chunks has {len(skipped_chunks)} groups for 1 registered group"
-                    f" (instance_id={instance_id})",
-                )
-            skip = set(skipped_chunks[0])
-            if any(not 0 <= i < len(keys) for i in skip):
-                raise MpError(
-                    "invalid",
-                    f"skipped_chunks for group 0 is outside its {len(keys)} chunks"
-                    f" (instance_id={instance_id})",
-                )
-        g = w.geometry
+        groups = w.groups or (KVGroup(w.geometry),)
+        keys = self._group_keys(
+            key, key.start, key.end, key.worker_id or 0, groups=len(groups), learn=True
+        )
+        skips = self._skips(skipped_chunks, len(groups), len(keys[0]), instance_id)
         slots: list[dict[str, Any]] = []
         indices: list[int] = []
+        group_ids: list[int] = []
         reserved: list[tuple[ObjectKey, LeaseId]] = []
         with self._guarded.lock:
             now = self._guarded.clock()
-            for i, k in enumerate(keys):
-                if i in skip:
-                    continue
-                res = self._store.reserve(k, g.nbytes, now, self.identity.lease_s, HOLDER)
-                if isinstance(res, Reserved):
-                    s = res.slot
-                    slots.append(
-                        {"offset": s.offset, "length": s.size, "shape": g.shape, "dtype": g.dtype}
-                    )
-                    indices.append(i)
-                    reserved.append((k, s.lease_id))
-                elif res.reason is Refusal.NO_SPACE:
-                    self.refused["no_space"] += 1
+            for gid, (grp, g_keys, skip) in enumerate(zip(groups, keys, skips, strict=True)):
+                g = grp.geometry
+                for i, k in enumerate(g_keys):
+                    if i in skip:
+                        continue
+                    res = self._store.reserve(k, g.nbytes, now, self.identity.lease_s, HOLDER)
+                    if isinstance(res, Reserved):
+                        s = res.slot
+                        slots.append(
+                            {
+                                "offset": s.offset,
+                                "length": s.size,
+                                "shape": g.shape,
+                                "dtype": g.dtype,
+                            }
+                        )
+                        indices.append(i)
+                        group_ids.append(gid)
+                        reserved.append((k, s.lease_id))
+                    elif res.reason is Refusal.NO_SPACE:
+                        self.refused["no_space"] += 1
             self._guarded.drain_locked()
         if reserved:
             pending = (instance_id, key.request_id, key.start, key.end)
@@ -183,7 +229,32 @@ class Transfers(MpCore):
                 old = self._writes.pop(pending, [])
                 self._writes[pending] = reserved
             self._abort([k for k, _ in old])
-        return {"context": {"slots": slots, "chunk_indices": indices}}
+        context: dict[str, Any] = {"slots": slots, "chunk_indices": indices}
+        if w.groups:
+            context["group_ids"] = group_ids
+        return {"context": context}
+
+    @staticmethod
+    def _skips(
+        skipped_chunks: Sequence[Sequence[int]], groups: int, chunks: int, instance_id: int
+    ) -> list[set[int]]:
+        if not skipped_chunks:
+            return [set() for _ in range(groups)]
+        if len(skipped_chunks) != groups:
+            raise MpError(
+                "invalid",
+                f"skipped_chunks has {len(skipped_chunks)} groups for {groups} registered"
+                f" group(s) (instance_id={instance_id})",
+            )
+        skips = [set(s) for s in skipped_chunks]
+        for gid, skip in enumerate(skips):
+            if any(not 0 <= i < chunks for i in skip):
+                raise MpError(
+                    "invalid",
+                    f"skipped_chunks for group {gid} is outside its {chunks} chunks"
+                    f" (instance_id={instance_id})",
+                )
+        return skips
 
     def op_commit_store(self, key: IPCKey, instance_id: int, data: bytes) -> bool:
         self._worker(instance_id)
@@ -209,15 +280,25 @@ class Transfers(MpCore):
         return ok
 
     def op_prepare_retrieve(self, key: IPCKey, instance_id: int) -> dict[str, Any]:
+        """Read-locked slots of the key's chunks (the lookup's leases taken over), or a
+        miss. A hybrid worker's KV groups each give the chunks of their window only
+        (what the lookup locked), and each slot names its group and chunk."""
         w = self._worker(instance_id)
-        keys = self._keys(key, key.start, key.end, key.worker_id or 0)
-        leases = self._read_leases(key, keys) if keys else None
+        groups = w.groups or (KVGroup(w.geometry),)
+        keys = self._group_keys(key, key.start, key.end, key.worker_id or 0, groups=len(groups))
+        wanted: list[ObjectKey] = []
+        where: list[tuple[int, int]] = []  # (group, chunk) of each wanted key
+        for gid, (grp, g_keys) in enumerate(zip(groups, keys, strict=True)):
+            for c in range(grp.first_needed(len(g_keys)), len(g_keys)):
+                wanted.append(g_keys[c])
+                where.append((gid, c))
+        leases = self._read_leases(key, wanted) if wanted else None
         if not leases:
             return {"success": False, "data": b"", "context": {}}
-        g = w.geometry
-        if any(size != g.nbytes for _, _, _, size in leases):
+        geometries = [groups[gid].geometry for gid, _ in where]
+        if any(size != g.nbytes for (_, _, _, size), g in zip(leases, geometries, strict=True)):
             self._release([lid for _, lid, _, _ in leases])
-            raise MpError("contract", f"stored chunks are not {g.nbytes} bytes of {g.shape}")
+            raise MpError("contract", "stored chunks are not the size of the worker's layout")
         pending = (instance_id, key.request_id, key.start, key.end)
         with self._lock:
             old = self._reads.pop(pending, [])
@@ -225,9 +306,13 @@ class Transfers(MpCore):
         self._release(old)
         slots = [
             {"offset": off, "length": size, "shape": g.shape, "dtype": g.dtype}
-            for _, _, off, size in leases
+            for (_, _, off, size), g in zip(leases, geometries, strict=True)
         ]
-        return {"success": True, "data": b"", "context": {"slots": slots}}
+        context: dict[str, Any] = {"slots": slots}
+        if w.groups:
+            context["group_ids"] = [gid for gid, _ in where]
+            context["chunk_indices"] = [c for _, c in where]
+        return {"success": True, "data": b"", "context": context}
 
     def op_commit_retrieve(self, key: IPCKey, instance_id: int) -> bool:
         pending = (instance_id, key.request_id, key.start, key.end)
@@ -257,7 +342,12 @@ class Transfers(MpCore):
             return b"", False
         ok = True
         kv.begin(event)
+        bpc = kv.blocks_per_chunk
         for i, k in enumerate(keys):
+            if all(b == NULL_BLOCK_ID for b in block_ids[0][i * bpc : (i + 1) * bpc]):
+                # no KV in it (a dropped window's blocks): storing it would serve garbage
+                # to a later hit on this prefix; LMCache's server skips it so too
+                continue
             with self._guarded.lock:
                 now = self._guarded.clock()
                 res = self._store.reserve(k, nbytes, now, self.identity.lease_s, HOLDER)

@@ -20,12 +20,17 @@ token field, the argument count of a changed operation, a 0.5.7-only operation n
 Both are served on the same port (``LMCACHE_VERSIONS``); a key's ``token_bytes`` are
 decoded into the ``token_ids`` the rest of the package uses.
 
-LMCache's own server answers nothing to an operation it does not know or a payload it
-cannot decode (the client waits out its timeout). kvatlas answers at once instead, with
-``[identity, uid, "error: <reason>"]``: the client sees a reply whose operation is not
-the one it asked, and its future fails with that reason in the message (``ValueError:
-Response operation 'error: ...' does not match request ...``). Every such reply is
-logged and counted by the caller.
+LMCache's MP wire has one error reply of its own: ``ServerModuleCallResponse(success=
+False, error=...)``, which its server-module router answers to a plug-in method it does
+not serve; kvatlas serves no plug-ins and answers every ``server_module_call`` and
+``server_module_affinity_call`` so (``service``). For anything else LMCache's server
+answers nothing to an operation it does not know or a payload it cannot decode (the
+client waits out its timeout). kvatlas answers at once instead, with ``[identity, uid,
+"error: <reason>"]``: both releases' clients see a reply whose operation is not the one
+they asked, and fail the call's future at once with that reason in the message
+(``ValueError: Response operation 'error: ...' does not match request ...``; a stream
+such as ``subscribe_kv_events`` is closed). Every such reply is logged and counted by
+the caller.
 
 Must not: touch the store or decide what a request does (``service``), or import
 torch/lmcache (the server runs without them).
@@ -49,7 +54,7 @@ LMCACHE_VERSIONS: Final[dict[str, str]] = {
     " prepare_store(key, instance_id)",
     V057: "IPCCacheServerKey.token_bytes (packed big-endian uint32);"
     " free_lookup_locks(key, tp_size, extra_ranges); prepare_store(key, instance_id,"
-    " skipped_chunks); negotiate_chunk_size",
+    " skipped_chunks); negotiate_chunk_size; server_module_affinity_call",
 }
 """The LMCache releases whose MP protocol this package answers, exactly, and what tells
 each one's requests apart. The one table: the CLI's help and docs/deploy.md show it."""
@@ -95,7 +100,9 @@ LEGACY_OPERATION_IDS: Final[dict[str, int]] = {
 _ID_TO_OPERATION: Final = {v: k for k, v in LEGACY_OPERATION_IDS.items()}
 RETIRED_IDS: Final = {11: "query_prefetch_lookup_hits"}
 
-STRING_OPERATIONS: Final = frozenset({"subscribe_kv_events", "server_module_call"})
+STRING_OPERATIONS: Final = frozenset(
+    {"subscribe_kv_events", "server_module_call", "cb_reorder_plan"}
+)
 """0.5.6 operations that travel by name (no legacy id)."""
 STRING_OPERATIONS_057: Final = frozenset({"negotiate_chunk_size", "server_module_affinity_call"})
 """Operations 0.5.7 added (by name): a request naming one is a 0.5.7 client's."""
@@ -184,6 +191,22 @@ def pack_token_ids(token_ids: list[int]) -> bytes:
     return struct.pack(f">{len(token_ids)}I", *token_ids)
 
 
+class GroupLayout(msgspec.Struct, frozen=True):
+    """LMCache 0.5.7's ``GroupLayout``: one KV group of a hybrid (multi-group) worker."""
+
+    num_layers: int
+    hidden_dim_size: int
+    dtype_str: str
+    tokens_per_block: int
+    window_tokens: int = 0
+    """Tokens a chunk object of this group holds (a sliding window's); 0: the chunk's."""
+    kv_size: int = 0
+    """Planes: 2 (K and V), 1 (MLA, fused); 0: unreported (the registration's use_mla)."""
+    window_chunks: int = 0
+    """Trailing chunks of a prefix the group needs for a hit; 0: all (full attention)."""
+    recurrent: bool = False
+
+
 class EngineDrivenRegistration(msgspec.Struct, frozen=True):
     """LMCache's ``RegisterEngineDrivenContextPayload``."""
 
@@ -196,8 +219,16 @@ class EngineDrivenRegistration(msgspec.Struct, frozen=True):
     dtype_str: str
     use_mla: bool
     num_physical_slots: int | None = None
-    group_layouts: list[dict[str, Any]] = []
+    group_layouts: list[GroupLayout] = []
     """0.5.7: one layout per LMCache KV group of a hybrid worker; empty for one group."""
+
+
+class ServerModuleCall(msgspec.Struct, frozen=True):
+    """LMCache's ``ServerModuleCallRequest``: a namespaced plug-in method and its bytes
+    (``server_module_call``; 0.5.7's ``server_module_affinity_call`` too)."""
+
+    method: str
+    payload: bytes
 
 
 class BlockAllocation(msgspec.Struct, frozen=True):
@@ -302,6 +333,8 @@ OPERATIONS: Final[dict[str, OperationSpec]] = {
     "report_block_allocation": OperationSpec((int, str, list[BlockAllocation]), _plain),
     "noop": OperationSpec((), _plain),
     "get_experimental": OperationSpec((), _plain),
+    "server_module_call": OperationSpec((ServerModuleCall,), _plain),
+    "server_module_affinity_call": OperationSpec((ServerModuleCall,), _plain, since=V057),
 }
 """The operations kvatlas serves; the other operations of both releases get an error
 reply."""
@@ -338,11 +371,16 @@ class _StrictAllocation(BlockAllocation, frozen=True, forbid_unknown_fields=True
     pass
 
 
+class _StrictModuleCall(ServerModuleCall, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
 _STRICT: Final[dict[Any, Any]] = {
     IPCKey: _StrictIPCKey,
     IPCKey057: _StrictIPCKey057,
     EngineDrivenRegistration: _StrictRegistration,
     list[BlockAllocation]: list[_StrictAllocation],
+    ServerModuleCall: _StrictModuleCall,
 }
 """Each map payload first decodes with no field beyond its release's: a newer client's
 extra fields then decode again, leniently (skipped), and the request says so (counted)."""
