@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: check fmt lint types contracts test bench demo
+.PHONY: check fmt lint types contracts test test-fast bench demo
 
 check: fmt lint types contracts test
 
@@ -20,8 +20,19 @@ types:
 contracts:
 	lint-imports
 
+# --durations: the slowest tests' times stay in the CI log, to keep the fast lane honest.
 test:
-	python -m pytest -q
+	python -m pytest -q --durations=30
+
+# The developer's loop: the unit and single-process suites, without the tests marked slow,
+# those that run LMCache, Dynamo, a browser or Kafka, and the suites that start whole
+# fleets of processes (differential, upgrade, deploy, evaluation, attack) or check the
+# docs' commands. `make check` stays the complete run that CI does.
+FAST_SKIP := --ignore=tests/differential --ignore=tests/upgrade --ignore=tests/deploy \
+	--ignore=tests/evaluation --ignore=tests/attack --ignore=tests/docs
+test-fast:
+	python -m pytest -q -m "not slow and not lmcache and not dynamo and not browser and not kafka" \
+		$(FAST_SKIP) --durations=10
 
 bench:
 	python -m bench.run_all
