@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from kvatlas.coordinator.directory_walk import keys_page
+from kvatlas.coordinator.fence_log import record_expiry, record_fence
 from kvatlas.coordinator.metrics import CoordinatorMetrics, StateSample
 from kvatlas.coordinator.views import stats_response
 from kvatlas.core.blend import BlendMatch
@@ -354,39 +355,10 @@ class CoordinatorService:
                     observe(f.instance_id)
 
     def _log_expiry(self, f: Fenced) -> None:
-        if f.reason is FenceReason.L2_RETENTION:
-            self._log_fence(f)
-            return
-        self.metrics.expiries.inc()
-        log.warning(
-            "Instance %s (incarnation %d) %s after more than %.1f s without a heartbeat",
-            f.instance_id,
-            f.incarnation,
-            f.reason.description,
-            self.fleet.instance_timeout,
-        )
-        self._log_fence(f)
+        record_expiry(self.metrics, f, self.fleet.instance_timeout, self.fleet.l2_retention)
 
     def _log_fence(self, f: Fenced) -> None:
-        self.metrics.fences.labels(f.reason.value).inc()
-        self.metrics.fenced_placements.labels(f.reason.value).inc(f.placements)
-        if f.reason in (FenceReason.L2_RETENTION, FenceReason.EXPIRED_UNREGISTERED):
-            log.warning(
-                "Dropped %d placements (every tier) of instance %s incarnation %d (%s%s)",
-                f.placements,
-                f.instance_id,
-                f.incarnation,
-                f.reason.description,
-                f", {self.fleet.l2_retention:g} s" if f.reason is FenceReason.L2_RETENTION else "",
-            )
-            return
-        log.info(
-            "Fenced %d L1 placements of instance %s incarnation %d (%s)",
-            f.placements,
-            f.instance_id,
-            f.incarnation,
-            f.reason.description,
-        )
+        record_fence(self.metrics, f, self.fleet.l2_retention)
 
     # ---- the chunk size --------------------------------------------------------------
 
