@@ -30,9 +30,9 @@ MODEL = "tiny"
 IID = "node-w"
 
 
-def start(tmp: Path, *extra: str, wait: bool = True) -> ServerProc:
+def start(tmp: Path, *extra: str, wait: bool = True, **ports: int) -> ServerProc:
     return start_server_process(
-        tmp, IID, "--l1-size-gb", "0.02", "--chunk-size", str(CHUNK), *extra, wait=wait
+        tmp, IID, "--l1-size-gb", "0.02", "--chunk-size", str(CHUNK), *extra, wait=wait, **ports
     )
 
 
@@ -212,19 +212,35 @@ def test_the_coordinator_learns_the_kept_chunks_again(tmp_path: Path) -> None:
 
 
 def test_an_engine_copy_of_a_previous_process_cannot_seal(tmp_path: Path) -> None:
+    """An engine frozen mid-copy across the restart (its mapping of the kept region still
+    live) that thaws after the new process has cycled all of L1: its late bytes land in
+    the range held for it, never on a chunk stored since, and its commit is refused."""
     s = start(tmp_path)
-    with client_for(s) as c:
-        h = c.hashes(list(range(CHUNK)))
-        (grant,) = c.reserve(h, [100])
-        c.view(grant.offset, 100)[:] = 3
-    s.kill()
-    s = start(tmp_path)
+    stale = client_for(s)
     try:
+        h = stale.hashes(list(range(CHUNK)))
+        (grant,) = stale.reserve(h, [100_000])
+        stale.view(grant.offset, 1000)[:] = 3
+        ports = {"port": s.port, "http_port": s.http_port}
+        s.kill()  # the engine is "frozen" here: it holds its grant and its mapping
+        s = start(tmp_path, **ports)
         with client_for(s) as c:
-            item = CommitItem(h[0], grant.lease_id, checksum(np.full(100, 3, np.uint8).data))
-            assert c.commit([item]) == [False]
+            fresh = {p: data(4, seed=p, size=1 << 20) for p in range(8)}  # 32 MiB > L1
+            for p, chunks in fresh.items():
+                c.store_chunks(prompt_of(100 + p), chunks)
+            # the thaw: the rest of its copy, over its whole old grant
+            stale.view(grant.offset, 100_000)[:] = 0xAB
+            item = CommitItem(h[0], grant.lease_id, checksum(np.full(100_000, 0xAB, np.uint8).data))
+            assert stale.commit([item]) == [False]
             assert c.lookup(hashes=h).hit_chunks == 0
+            resident = 0
+            for p, chunks in fresh.items():
+                got = c.retrieve_prefix(prompt_of(100 + p))  # verifies each checksum
+                resident += len(got)
+                assert all(np.array_equal(a, b) for a, b in zip(got, chunks, strict=False)), p
+            assert resident > 0
     finally:
+        stale.close()
         s.stop()
 
 
