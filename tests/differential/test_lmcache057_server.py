@@ -84,15 +84,24 @@ def test_a_057_server_leaves_both_coordinators_alike(
         run = Run(pair)
         model = "test-model"
 
-        def both_hold() -> list[int]:
+        def both_hold() -> list[tuple[int, list[int]]]:
             out = []
             for c in (pair.lm.http, pair.kv.http):
                 body = {"token_ids": toks, "model_name": model}
                 res = c.post("/directory/lookup", json=body).json()["results"]
-                out.append(sum(1 for r in res if r["placements"]))
+                held = sum(1 for r in res if r["placements"])
+                out.append((held, [int(r.get("access_count", 0)) for r in res]))
             return out
 
-        wait_until(both_hold, lambda n: n == [2, 2], what="both directories hold the prompt")
+        # 0.5.7's server reports an L1 ACCESS for every chunk its store touched, and
+        # each server flushes on its own clock, so the ACCESS may land a batch (seconds)
+        # after the STOREs: wait until both directories have counted it. A coordinator
+        # that never counted it fails here, by timeout, rather than in the comparison.
+        wait_until(
+            both_hold,
+            lambda n: [h for h, _ in n] == [2, 2] and n[0][1] == n[1][1] and all(n[0][1]),
+            what="both directories hold the prompt and its accesses",
+        )
         run.send("PUT", "/config/chunk-size", {"chunk_size": CHUNK})  # what the servers bound
         run.send("PUT", "/config/chunk-size", {"chunk_size": 2 * CHUNK})  # 409, word for word
         run.lookup_tokens(toks, model=model)
