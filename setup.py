@@ -6,7 +6,7 @@ Python twin takes its place (slower, same answers; tests hold them to each other
 - `kvatlas.wire._token_digits`, the JSON token parser of `kvatlas.wire.json_tokens`
   (else its numpy parse), needs a C compiler.
 - `kvatlas.core._blocks`, the device tier's block table and XXH3 token hashes of
-  `kvatlas.core.block_table` (else its twin over dicts and the `xxhash` package), needs a
+  `kvatlas.core.coordinator.block_table` (else its twin over dicts and the `xxhash` package), needs a
   C compiler and xxHash's header, vendored in third_party/xxhash.
 - `kvatlas.core._chain`, the blake3 prefix chain of `kvatlas.core.keys` (else its loop
   over the `blake3` package), needs a C compiler and the official BLAKE3 C library,

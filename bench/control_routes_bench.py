@@ -39,7 +39,7 @@ from bench.coordinator_load import pct
 from bench.coordinator_procs import LMCacheCoordinator, Server
 from bench.http_conns import BlockingConn
 from bench.lmcache_side import LMCACHE_VENV, ROOT, lmcache_env
-from kvatlas.evaluation.launch import HOST, ProcessError, free_port, launch
+from kvatlas.launch.procs import HOST, ProcessError, free_port, launch
 
 CHUNK = 256
 MODEL = "test-model"

@@ -46,8 +46,8 @@ from bench.coordinator_report import median_ratio, print_table
 from bench.lmcache_side import ROOT
 from kvatlas.coordinator.host.cpu_latency import CpuLatencyHold, why_not_held
 from kvatlas.core.keys import chunk_hashes
-from kvatlas.evaluation.broker import Broker, broker_binary
 from kvatlas.evaluation.cpu_account import machine_times
+from kvatlas.launch.broker import Broker, broker_binary
 from kvatlas.wire.directory_api import LookupRequest, encode_lookup_msgpack
 from kvatlas.wire.kafka_records import encode_batch_msgpack
 

@@ -30,8 +30,8 @@ import numpy as np
 
 from kvatlas.coordinator.host.allocator import keep_freed_heap
 from kvatlas.coordinator.views import holders_wire, lookup_json, prefix_response
+from kvatlas.core.coordinator.fleet import FleetState
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
-from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import (
     CHAINS,
     Namespace,

@@ -4,7 +4,7 @@ which scripts/lmcache_env.sh builds).
 
 Owns their command lines, their clients, and what a benchmark reads of them (metrics,
 resident memory, readiness). Starting, readiness and stopping by pid are the one
-launcher's (``kvatlas.evaluation.launch``). Must not: signal a process it did not start.
+launcher's (``kvatlas.launch.procs``). Must not: signal a process it did not start.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import httpx
 from bench.coordinator_load import batch, hashes
 from bench.lmcache_side import LMCACHE_VENV, lmcache_env
 from kvatlas.core.events import EventBatch
-from kvatlas.evaluation.launch import HOST, Proc, free_port, launch, python_module
+from kvatlas.launch.procs import HOST, Proc, free_port, launch, python_module
 from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.wire.events_api import encode_events_json
 

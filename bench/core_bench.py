@@ -25,10 +25,10 @@ import msgspec
 import numpy as np
 
 from bench.machine import describe
-from kvatlas.core.directory import KeyDirectory
+from kvatlas.core.coordinator.directory import KeyDirectory
+from kvatlas.core.coordinator.placements import Placement
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import ObjectKey, chunk_hashes, default_kv_rank
-from kvatlas.core.placements import Placement
 from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 
 BATCH = 256

@@ -71,7 +71,7 @@ import msgspec
 from bench.http_conns import BlockingConn, encode_request
 from bench.lmcache_side import tree_cpu_s
 from bench.machine import describe
-from kvatlas.evaluation.launch import Proc, free_ports, launch, python_module
+from kvatlas.launch.procs import Proc, free_ports, launch, python_module
 
 _env = dict(os.environ)
 with warnings.catch_warnings():

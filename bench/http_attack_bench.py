@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 
 from bench.machine import describe
-from kvatlas.evaluation.launch import HOST, Proc, free_port, launch, python_module
+from kvatlas.launch.procs import HOST, Proc, free_port, launch, python_module
 
 RESULTS = Path(__file__).resolve().parent / "results" / "http_attack.json"
 MIB = 1 << 20

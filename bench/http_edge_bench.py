@@ -3,13 +3,13 @@
 Run: `python -m bench.http_edge_bench [--seconds 0.75] [--repeats 3] [--conns 4]
 [--baseline-edge DIR]`.
 
-Why it exists: the coordinator serves HTTP with `kvatlas.coordinator.edge` (uvloop and
+Why it exists: the coordinator serves HTTP with `kvatlas.coordinator.http.edge` (uvloop and
 httptools, no ASGI) instead of uvicorn and Starlette, which the cache server and the
 engine use, on the ground that the ASGI cycle costs more per request than the handlers
 of the coordinator's hot routes do. This measures that, so that anyone can re-check it.
 
 Servers, each its own process on 127.0.0.1, one worker, uvloop and httptools everywhere:
-- `runtime`: `kvatlas.coordinator.edge.server.HttpServer` with a `Router` of plain handlers
+- `runtime`: `kvatlas.coordinator.http.edge.server.HttpServer` with a `Router` of plain handlers
   (as the coordinator's routes are);
 - `uvicorn+starlette`: uvicorn serving a Starlette app (as the cache server does);
 - `uvicorn (raw ASGI)`: uvicorn serving a bare ASGI callable, to tell uvicorn's part from
@@ -18,7 +18,7 @@ Servers, each its own process on 127.0.0.1, one worker, uvloop and httptools eve
   canned answer: no parsing, no handler. It is the floor under every server (the client,
   the loopback and the event loop), so that `server - bare` is what a server costs;
 - `edge-baseline` (with ``--baseline-edge DIR``): the same as `runtime`, but with the
-  modules of ``kvatlas.coordinator.edge`` taken from DIR first (a copy of the package at
+  modules of ``kvatlas.coordinator.http.edge`` taken from DIR first (a copy of the package at
   an earlier commit), to measure a change of the edge against what it replaces in the
   same run.
 
@@ -57,7 +57,7 @@ from typing import Any
 import msgspec
 
 from bench.machine import describe
-from kvatlas.evaluation.launch import HOST, free_ports, launch, python_module
+from kvatlas.launch.procs import HOST, free_ports, launch, python_module
 
 RESULTS = Path(__file__).resolve().parent / "results" / "http_edge.json"
 SERVERS = ["runtime", "uvicorn+starlette", "uvicorn-asgi", "bare"]
@@ -120,7 +120,7 @@ def requests() -> dict[str, bytes]:
 
 def serve_baseline(port: int, edge_dir: str) -> None:
     """`serve_runtime` with the edge package's modules looked up in ``edge_dir`` first."""
-    import kvatlas.coordinator.edge as edge  # noqa: PLC0415
+    import kvatlas.coordinator.http.edge as edge  # noqa: PLC0415
 
     edge.__path__.insert(0, str(Path(edge_dir).resolve()))
     serve_runtime(port)
@@ -128,9 +128,9 @@ def serve_baseline(port: int, edge_dir: str) -> None:
 
 def serve_runtime(port: int) -> None:
     # Each server process imports only its own stack (here and in the serve_* below).
-    from kvatlas.coordinator.edge.messages import HttpRequest, HttpResponse  # noqa: PLC0415
-    from kvatlas.coordinator.edge.routing import Router  # noqa: PLC0415
-    from kvatlas.coordinator.edge.server import HttpServer  # noqa: PLC0415
+    from kvatlas.coordinator.http.edge.messages import HttpRequest, HttpResponse  # noqa: PLC0415
+    from kvatlas.coordinator.http.edge.routing import Router  # noqa: PLC0415
+    from kvatlas.coordinator.http.edge.server import HttpServer  # noqa: PLC0415
 
     def healthz(request: HttpRequest) -> HttpResponse:
         return HttpResponse(200, HEALTHZ)

@@ -5,7 +5,7 @@ their P2P fleets (`lmcache coordinator` for LMCache, as in LMCache's P2P guide;
 
 Owns their argv, ports (free ports on 127.0.0.1), log files, what answers once they are
 up, how they are stopped (SIGINT, LMCache's clean stop, then SIGKILL after 20 s: by pid,
-through the one launcher, ``kvatlas.evaluation.launch``), and removing the engine-driven
+through the one launcher, ``kvatlas.launch.procs``), and removing the engine-driven
 SHM pool a stopped server left behind (only the pool names this process chose). Must
 not: signal a process it did not start, bind anything but 127.0.0.1.
 
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 
-from kvatlas.evaluation import launch
-from kvatlas.evaluation.launch import HOST, free_ports
+from kvatlas.launch import procs as launch
+from kvatlas.launch.procs import HOST, free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 LMCACHE_VENV = Path(os.environ.get("KVATLAS_LMCACHE_VENV", ROOT / ".venv-lmcache"))

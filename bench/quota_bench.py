@@ -35,16 +35,16 @@ from bench.machine import describe
 from kvatlas.coordinator.app import Coordinator
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.metrics import CoordinatorMetrics
-from kvatlas.coordinator.quota_metrics import QuotaMetrics
-from kvatlas.coordinator.quotas import QuotaController
+from kvatlas.coordinator.quota.controller import QuotaController
+from kvatlas.coordinator.quota.metrics import QuotaMetrics
 from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.core.coordinator.fleet import FleetState
+from kvatlas.core.coordinator.quotas import OperatorState, SetQuota
+from kvatlas.core.coordinator.salt_usage import SaltUsage, eviction_plan
 from kvatlas.core.events import EventBatch, KeyBlock
-from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import Namespace, default_kv_rank
-from kvatlas.core.quotas import OperatorState, SetQuota
-from kvatlas.core.salt_usage import SaltUsage, eviction_plan
 from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
-from kvatlas.evaluation.launch import HOST
+from kvatlas.launch.procs import HOST
 
 from .coordinator_bench import RESULTS
 

@@ -55,7 +55,7 @@ from bench.lmcache_side import (
 from bench.machine import describe
 from kvatlas.connector.client import CacheClient
 from kvatlas.core.checksum import checksum
-from kvatlas.evaluation.launch import HOST, Proc, free_ports
+from kvatlas.launch.procs import HOST, Proc, free_ports
 from kvatlas.server.storage.l1_journal import VERIFY_THREADS, discard_kept, kept_region_name
 
 HERE = Path(__file__).resolve().parent

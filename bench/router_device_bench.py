@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 from bench.machine import describe
-from kvatlas.evaluation.launch import HOST, free_ports, launch, python_module
+from kvatlas.launch.procs import HOST, free_ports, launch, python_module
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import RouterConfig, StaticEngine
 

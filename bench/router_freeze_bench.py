@@ -35,7 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx
 
 from bench.machine import describe
-from kvatlas.evaluation.launch import Proc, free_port, launch
+from kvatlas.launch.procs import Proc, free_port, launch
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import RouterConfig, StaticEngine
 

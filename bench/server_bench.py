@@ -30,7 +30,7 @@ import httpx
 import numpy as np
 
 from kvatlas.connector.client import CacheClient
-from kvatlas.evaluation.launch import HOST, Proc, free_port, free_ports, launch, python_module
+from kvatlas.launch.procs import HOST, Proc, free_port, free_ports, launch, python_module
 from kvatlas.wire.server_status import decode_status
 
 MIB = 1 << 20

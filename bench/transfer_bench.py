@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from bench.machine import describe
 from kvatlas.core.checksum import checksum
-from kvatlas.evaluation.launch import ProcessError, launch, python_module
+from kvatlas.launch.procs import ProcessError, launch, python_module
 from kvatlas.runtime.region import L1Region
 from kvatlas.transfer.base import Endpoint, ReadOp
 from kvatlas.transfer.factory import TRANSPORTS, make_transport

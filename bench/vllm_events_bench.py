@@ -29,11 +29,11 @@ import msgspec
 import zmq
 
 from bench.machine import describe
-from kvatlas.coordinator.vllm_ingest import VllmIngest
-from kvatlas.coordinator.vllm_sources import parse_source
-from kvatlas.core.block_table import prompt_keys
+from kvatlas.coordinator.vllm.ingest import VllmIngest
+from kvatlas.coordinator.vllm.sources import parse_source
+from kvatlas.core.coordinator.block_table import prompt_keys
+from kvatlas.core.coordinator.engine_stream import EngineStream
 from kvatlas.core.device_blocks import DeviceIndex, EngineId, Stored, block_key
-from kvatlas.core.engine_stream import EngineStream
 from kvatlas.core.vllm_hash import BlockHasher
 from kvatlas.wire.vllm_events import decode_message
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvatlas.evaluation.broker import Broker
+from kvatlas.launch.broker import Broker
 from kvatlas.runtime.region import SHM_DIR
 from kvatlas.server.storage.l1_journal import discard_kept, kept_state_dir
 from support import launch

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvatlas.evaluation.launch import HOST
+from kvatlas.launch.procs import HOST
 from support.launch import Proc
 from support.services import ServerProc, start_coordinator_process, start_server_process
 

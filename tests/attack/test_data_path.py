@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvatlas.evaluation.launch import free_ports
+from kvatlas.launch.procs import free_ports
 from kvatlas.server.p2p.channel import MAX_MESSAGE_BYTES, ChannelClient
 from kvatlas.transfer.config import TcpConfig
 from kvatlas.wire import p2p_proto

@@ -30,7 +30,7 @@ from kvatlas.connector.client import CacheClient
 from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
-from kvatlas.evaluation.broker import Broker
+from kvatlas.launch.broker import Broker
 from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.server.publisher import EventPublisher
 from kvatlas.server.sinks import HttpSink

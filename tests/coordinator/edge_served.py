@@ -11,9 +11,9 @@ import threading
 import time
 from typing import Any, BinaryIO
 
-from kvatlas.coordinator.edge.messages import HttpRequest, HttpResponse
-from kvatlas.coordinator.edge.routing import Router, always
-from kvatlas.coordinator.edge.server import HttpServer
+from kvatlas.coordinator.http.edge.messages import HttpRequest, HttpResponse
+from kvatlas.coordinator.http.edge.routing import Router, always
+from kvatlas.coordinator.http.edge.server import HttpServer
 from support.wait import wait_until
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from kvatlas.evaluation.launch import free_port
+from kvatlas.launch.procs import free_port
 from kvatlas.runtime.coordinator_client import (
     AsyncLookups,
     CoordinatorClient,

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvatlas.evaluation.launch import free_port
+from kvatlas.launch.procs import free_port
 from support.cache_fleet import CHUNK, MODEL, prompt
 from support.coordinator import RunningCoordinator
 

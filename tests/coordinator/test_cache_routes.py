@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvatlas.connector.client import CacheClient
-from kvatlas.evaluation.launch import free_ports
+from kvatlas.launch.procs import free_ports
 from support.cache_fleet import (
     CHUNK,
     MODEL,

@@ -14,10 +14,10 @@ from kvatlas.coordinator.app import Coordinator
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.host import cpu_latency
 from kvatlas.coordinator.host.cpu_latency import current_limit_us, why_not_held
+from kvatlas.core.coordinator.fleet import FleetState
 from kvatlas.core.errors import ConfigError
-from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import CHAINS
-from kvatlas.evaluation.launch import free_port
+from kvatlas.launch.procs import free_port
 from support.launch import Proc, launch, python_module
 
 

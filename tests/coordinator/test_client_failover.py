@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from kvatlas.evaluation.launch import free_port
+from kvatlas.launch.procs import free_port
 from kvatlas.runtime.coordinator_client import (
     CoordinatorClient,
     CoordinatorRefused,

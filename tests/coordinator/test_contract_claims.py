@@ -3,7 +3,7 @@ a compatible or later one is accepted, an instance may change its own claim."""
 
 from __future__ import annotations
 
-from kvatlas.core.contract_claims import ContractClaims, claim_key
+from kvatlas.core.coordinator.contract_claims import ContractClaims, claim_key
 from kvatlas.core.errors import ContractMismatch
 from kvatlas.core.keys import HashContract
 from kvatlas.core.types import InstanceId

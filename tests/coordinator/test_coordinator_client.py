@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from kvatlas.core.types import Tier
-from kvatlas.evaluation.launch import free_port
+from kvatlas.launch.procs import free_port
 from kvatlas.runtime.coordinator_client import (
     BadAnswer,
     CoordinatorClient,

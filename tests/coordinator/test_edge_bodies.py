@@ -14,13 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvatlas.coordinator.edge.protocol import (
+from kvatlas.coordinator.http.edge.protocol import (
     DIRECT_BODY_BYTES,
     HEAD_READ_BYTES,
     UNRESERVED_BODY_BYTES,
 )
-from kvatlas.coordinator.edge.routing import Router
-from kvatlas.coordinator.edge.server import HttpServer
+from kvatlas.coordinator.http.edge.routing import Router
+from kvatlas.coordinator.http.edge.server import HttpServer
 from support.wait import wait_until
 
 from .edge_served import (

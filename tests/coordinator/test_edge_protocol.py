@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvatlas.coordinator.edge.messages import HttpRequest
-from kvatlas.coordinator.edge.protocol import (
+from kvatlas.coordinator.http.edge.messages import HttpRequest
+from kvatlas.coordinator.http.edge.protocol import (
     DIRECT_BODY_BYTES,
     HEAD_READ_BYTES,
     MAX_HEADER_BYTES,

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvatlas.coordinator.edge.state import LINGER_S
+from kvatlas.coordinator.http.edge.state import LINGER_S
 from support.wait import wait_until
 
 from .edge_served import (

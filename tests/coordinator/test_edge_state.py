@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvatlas.coordinator.edge.messages import HttpRequest, HttpResponse
-from kvatlas.coordinator.edge.protocol import (
+from kvatlas.coordinator.http.edge.messages import HttpRequest, HttpResponse
+from kvatlas.coordinator.http.edge.protocol import (
     DIRECT_BODY_BYTES,
     HEAD_READ_BYTES,
     READ_BUFFER_BYTES,
@@ -28,7 +28,7 @@ from kvatlas.coordinator.edge.protocol import (
     Limits,
     Refusal,
 )
-from kvatlas.coordinator.edge.state import (
+from kvatlas.coordinator.http.edge.state import (
     CLOSE_ABANDONED,
     CLOSE_ANSWERED,
     CLOSE_EOF,
@@ -476,7 +476,7 @@ def test_the_pure_modules_import_no_io_clock_or_loop() -> None:
     shells): neither imports a socket, a loop, a clock, threads or logging."""
     banned = {"asyncio", "socket", "selectors", "time", "threading", "logging", "uvloop"}
     for name in ("state", "protocol"):
-        spec = importlib.util.find_spec(f"kvatlas.coordinator.edge.{name}")
+        spec = importlib.util.find_spec(f"kvatlas.coordinator.http.edge.{name}")
         assert spec is not None and spec.origin is not None
         with open(spec.origin, encoding="utf-8") as f:
             tree = ast.parse(f.read())

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.keys import ObjectKey, pack_kv_rank
 from kvatlas.core.types import EventType, InstanceId, Tier
-from kvatlas.evaluation.launch import free_ports
+from kvatlas.launch.procs import free_ports
 from support.coordinator import RunningCoordinator
 from support.wait import wait_until
 

@@ -1,4 +1,4 @@
-"""The indexer API's refusals (``--kv-indexer-api``, `kvatlas.coordinator.indexer_api`):
+"""The indexer API's refusals (``--kv-indexer-api``, `kvatlas.coordinator.indexer.api`):
 every bad request is a 4xx (or a 503 for a file that cannot be written) with a reason,
 the coordinator keeps serving, and a refused registration changes nothing: not the
 registry, not the device tier's engines, not the registrations' file.
@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvatlas.coordinator.indexer_registry import BOOK_SUFFIX
-from kvatlas.coordinator.vllm_sources import parse_sources
+from kvatlas.coordinator.indexer.registry import BOOK_SUFFIX
+from kvatlas.coordinator.vllm.sources import parse_sources
 from kvatlas.core.errors import ConfigError
 from support.coordinator import RunningCoordinator
 

@@ -16,8 +16,8 @@ import pytest
 from confluent_kafka import Producer
 
 from kvatlas.coordinator.snapshot import unframe
+from kvatlas.core.coordinator.fleet import FleetState
 from kvatlas.core.events import EventBatch
-from kvatlas.core.fleet import FleetState
 from kvatlas.core.types import EventType, Tier
 from kvatlas.wire.events_api import batch_from_core, compact_batch
 from kvatlas.wire.kafka_records import encode_batch_msgpack

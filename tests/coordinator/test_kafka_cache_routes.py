@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvatlas.evaluation.launch import HOST
+from kvatlas.launch.procs import HOST
 from support.cache_fleet import CHUNK, MODEL, data, prompt, start_node
 from support.coordinator import RunningCoordinator
 from support.wait import wait_until

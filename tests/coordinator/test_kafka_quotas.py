@@ -14,9 +14,9 @@ import pytest
 from confluent_kafka import Producer
 
 from kvatlas.coordinator.snapshot import unframe
+from kvatlas.core.coordinator.quotas import OperatorCapture
 from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.keys import ObjectKey, pack_kv_rank
-from kvatlas.core.quotas import OperatorCapture
 from kvatlas.core.types import EventType, InstanceId, Tier
 from kvatlas.wire.kafka_records import encode_batch_msgpack
 from support.coordinator import RunningCoordinator

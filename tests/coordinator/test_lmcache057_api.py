@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvatlas.core.coordinator.fleet import FleetState
+from kvatlas.core.coordinator.gate import admit
 from kvatlas.core.errors import ChunkSizeConflict, ConfigError
-from kvatlas.core.fleet import FleetState
-from kvatlas.core.gate import admit
 from kvatlas.core.keys import chunk_hashes
 from kvatlas.core.types import Incarnation
 from support.coordinator import RunningCoordinator

@@ -8,10 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvatlas.core.errors import InvalidInput
-from kvatlas.core.events import Entry, EventBatch, KeyBlock
-from kvatlas.core.keys import ObjectKey, pack_kv_rank
-from kvatlas.core.quotas import (
+from kvatlas.core.coordinator.quotas import (
     DeleteQuota,
     DropPins,
     OperatorCapture,
@@ -22,7 +19,15 @@ from kvatlas.core.quotas import (
     SetQuota,
     Unpin,
 )
-from kvatlas.core.salt_usage import SaltUsage, UsageCapture, delete_targets, eviction_plan
+from kvatlas.core.coordinator.salt_usage import (
+    SaltUsage,
+    UsageCapture,
+    delete_targets,
+    eviction_plan,
+)
+from kvatlas.core.errors import InvalidInput
+from kvatlas.core.events import Entry, EventBatch, KeyBlock
+from kvatlas.core.keys import ObjectKey, pack_kv_rank
 from kvatlas.core.types import EventType, InstanceId, Tier
 
 

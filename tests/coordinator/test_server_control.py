@@ -22,7 +22,7 @@ from kvatlas.coordinator.server_control import (
     ServerUnreachable,
 )
 from kvatlas.core.keys import ObjectKey, rank_keys
-from kvatlas.evaluation.launch import HOST, free_port
+from kvatlas.launch.procs import HOST, free_port
 from kvatlas.wire.cache_api import MAX_DELETE_BATCH
 from support.cache_fleet import CHUNK, MODEL, Node, data, prompt, start_node
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from kvatlas.coordinator.snapshot import unframe, write_atomic
-from kvatlas.core.fleet import FleetState
+from kvatlas.core.coordinator.fleet import FleetState
 from kvatlas.core.types import Tier
 from support.coordinator import RunningCoordinator
 from support.services import start_coordinator_process

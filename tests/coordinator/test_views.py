@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvatlas.coordinator.views import holders_wire, lookup_json, prefix_response
+from kvatlas.core.coordinator.placements import Placement, PrefixHolder, PrefixResult
 from kvatlas.core.keys import Namespace
-from kvatlas.core.placements import Placement, PrefixHolder, PrefixResult
 from kvatlas.core.types import Tier
 
 _text = st.text(max_size=12)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvatlas.core.blend import BlendIndex, BlendMatch, BlendStats
+from kvatlas.core.coordinator.blend import BlendIndex, BlendMatch, BlendStats
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import Namespace
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvatlas.core import block_table as bt
+from kvatlas.core.coordinator import block_table as bt
 from kvatlas.core.errors import InvalidInput
 
 compiled = pytest.importorskip("kvatlas.core._blocks", reason="the C extension was not built")

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import msgspec
 
-from kvatlas.core.capacity import CapacityRegistry, Compartment
+from kvatlas.core.coordinator.capacity import CapacityRegistry, Compartment
+from kvatlas.core.coordinator.fleet import FleetState
+from kvatlas.core.coordinator.gate import Verdict
+from kvatlas.core.coordinator.membership import InstanceInfo
 from kvatlas.core.events import EventBatch, UnknownBatch
-from kvatlas.core.fleet import FleetState
-from kvatlas.core.gate import Verdict
-from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.types import EventType, Tier
 
 GIB = 1 << 30

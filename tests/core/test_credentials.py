@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvatlas.core.coordinator.fleet import FleetState
+from kvatlas.core.coordinator.gate import Verdict
+from kvatlas.core.coordinator.membership import InstanceInfo
 from kvatlas.core.credentials import (
     NANOSECOND_INCARNATIONS,
     Bounds,
@@ -13,10 +16,7 @@ from kvatlas.core.credentials import (
 )
 from kvatlas.core.errors import CredentialRefused, OutOfBounds, Unauthenticated
 from kvatlas.core.events import Entry, EventBatch
-from kvatlas.core.fleet import FleetState
-from kvatlas.core.gate import Verdict
 from kvatlas.core.keys import ObjectKey
-from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 
 NOW = 1_800_000_000.0

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvatlas.core.block_table import DYNAMO_SEED, extra_hash, local_hashes, prompt_keys
+from kvatlas.core.coordinator.block_table import DYNAMO_SEED, extra_hash, local_hashes, prompt_keys
+from kvatlas.core.coordinator.engine_stream import EngineStream, Outcome
 from kvatlas.core.device_blocks import (
     BlockKey,
     Cleared,
@@ -19,7 +20,6 @@ from kvatlas.core.device_blocks import (
     Stored,
     block_key,
 )
-from kvatlas.core.engine_stream import EngineStream, Outcome
 from kvatlas.core.errors import InvalidInput
 
 E = EngineId("e")

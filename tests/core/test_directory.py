@@ -8,7 +8,7 @@ import types
 import msgspec
 import pytest
 
-from kvatlas.core.directory import KeyDirectory
+from kvatlas.core.coordinator.directory import KeyDirectory
 from kvatlas.core.errors import InvalidInput, SnapshotError
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes, default_kv_rank

@@ -19,11 +19,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from kvatlas.core.coordinator.fleet import FleetState
+from kvatlas.core.coordinator.membership import InstanceInfo
 from kvatlas.core.errors import StaleIncarnation
 from kvatlas.core.events import Entry, EventBatch, KeyBlock, UnknownBatch
-from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import ObjectKey, default_kv_rank
-from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.types import EventType, Tier
 
 TIMEOUT = 10.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvatlas.core.gate import Cursor, Verdict, admit
+from kvatlas.core.coordinator.gate import Cursor, Verdict, admit
 
 
 def test_first_batch_applies() -> None:

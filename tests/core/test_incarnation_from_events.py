@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import msgspec
 
+from kvatlas.core.coordinator.fleet import FleetState
+from kvatlas.core.coordinator.gate import Verdict
+from kvatlas.core.coordinator.membership import InstanceInfo
 from kvatlas.core.events import Entry, EventBatch
-from kvatlas.core.fleet import FleetState
-from kvatlas.core.gate import Verdict
 from kvatlas.core.keys import ObjectKey, default_kv_rank
-from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.types import EventType, Tier
 
 START = 1_760_000_000

@@ -7,8 +7,8 @@ import pytest
 
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import ObjectKey
-from kvatlas.core.l1_replay import Record, RecordKind, encode, encode_many, replay
-from kvatlas.core.l1pool import L1Pool, Refused, Reserved, SlotInfo
+from kvatlas.core.server.l1_replay import Record, RecordKind, encode, encode_many, replay
+from kvatlas.core.server.l1pool import L1Pool, Refused, Reserved, SlotInfo
 from kvatlas.core.types import EventType
 
 ALIGN = 4096

@@ -15,9 +15,9 @@ from hypothesis.stateful import (
 )
 
 from kvatlas.core.errors import InvalidInput
-from kvatlas.core.eviction import LRUPolicy, make_policy
 from kvatlas.core.keys import ObjectKey
-from kvatlas.core.l1pool import (
+from kvatlas.core.server.eviction import LRUPolicy, make_policy
+from kvatlas.core.server.l1pool import (
     DeleteOutcome,
     L1Pool,
     LeaseId,

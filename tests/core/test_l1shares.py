@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvatlas.core.errors import InvalidInput
-from kvatlas.core.eviction import LRUPolicy
 from kvatlas.core.keys import ObjectKey
-from kvatlas.core.l1pool import L1Pool, LeaseId, Refusal, Refused, Reserved
-from kvatlas.core.l1shares import RETIRED_SALTS_KEPT, SaltShares, SaltUsage
+from kvatlas.core.server.eviction import LRUPolicy
+from kvatlas.core.server.l1pool import L1Pool, LeaseId, Refusal, Refused, Reserved
+from kvatlas.core.server.l1shares import RETIRED_SALTS_KEPT, SaltShares, SaltUsage
 
 A = 4096
 

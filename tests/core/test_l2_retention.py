@@ -5,10 +5,10 @@ back. Snapshots keep the retention clocks."""
 
 from __future__ import annotations
 
+from kvatlas.core.coordinator.fleet import FenceReason, FleetState
+from kvatlas.core.coordinator.membership import InstanceInfo
 from kvatlas.core.events import Entry, EventBatch
-from kvatlas.core.fleet import FenceReason, FleetState
 from kvatlas.core.keys import ObjectKey, default_kv_rank
-from kvatlas.core.membership import InstanceInfo
 from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 
 TIMEOUT = 10.0

@@ -7,9 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvatlas.core.coordinator.membership import (
+    InstanceInfo,
+    Membership,
+    MembershipStats,
+    RegisterOutcome,
+)
 from kvatlas.core.errors import ContractMismatch, InvalidInput, SnapshotError, StaleIncarnation
 from kvatlas.core.keys import HashContract
-from kvatlas.core.membership import InstanceInfo, Membership, MembershipStats, RegisterOutcome
 
 
 def info(

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvatlas.core.peer_timing import LOAD_FLOOR_S, RPC_SAMPLES, DeadlinePolicy, PeerTimings
-from kvatlas.core.peers import PeerHealth
+from kvatlas.core.server.peer_timing import LOAD_FLOOR_S, RPC_SAMPLES, DeadlinePolicy, PeerTimings
+from kvatlas.core.server.peers import PeerHealth
 
 
 def test_before_any_answer_the_lock_deadline_is_the_prior() -> None:

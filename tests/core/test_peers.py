@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvatlas.core.peers import ActionKind, PeerEndpoint, PeerHealth, PeerTable, p2p_deadline
+from kvatlas.core.server.peers import ActionKind, PeerEndpoint, PeerHealth, PeerTable, p2p_deadline
 
 
 def ep(iid: str, port: int = 8555, inc: int = 1) -> PeerEndpoint:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvatlas.core.recompute_rates import MAX_S_PER_TOKEN, RecomputeRates
+from kvatlas.core.server.recompute_rates import MAX_S_PER_TOKEN, RecomputeRates
 
 
 def test_unknown_until_an_engine_says() -> None:

@@ -20,8 +20,8 @@ import pytest
 from packaging.requirements import Requirement
 
 from docs.doc_commands import ROOT
-from kvatlas.evaluation.broker import Broker
-from kvatlas.evaluation.launch import free_ports
+from kvatlas.launch.broker import Broker
+from kvatlas.launch.procs import free_ports
 from support.launch import Proc, launch
 
 ONLY_EXTRA = Path(__file__).with_name("only_extra.py")

@@ -27,7 +27,7 @@ from deploy.manifests import (
     split_flags,
     url_port,
 )
-from kvatlas.evaluation.launch import free_ports
+from kvatlas.launch.procs import free_ports
 from support.launch import Proc, launch, python_module
 
 ROLES = ("coordinator", "server", "router")

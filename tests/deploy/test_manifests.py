@@ -42,7 +42,7 @@ from deploy.manifests import (
     yaml_files,
 )
 from docs.doc_commands import KVATLAS_PARSERS
-from kvatlas.evaluation.launch import python_module
+from kvatlas.launch.procs import python_module
 
 COMMANDS = all_commands()
 ROLES = ("coordinator", "server", "router")

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from kvatlas.evaluation.launch import HOST, free_ports
+from kvatlas.launch.procs import HOST, free_ports
 from lmcache.fleet import CHUNK, Engine, KvatlasCoordinator, Process, lmcache_env
 
 from .compare import Exchange, Verdict, compare

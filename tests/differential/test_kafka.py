@@ -23,7 +23,7 @@ from confluent_kafka import Producer
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from kvatlas.evaluation.broker import Broker
+from kvatlas.launch.broker import Broker
 from lmcache.fleet import KvatlasCoordinator
 from support.wait import wait_until
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvatlas.evaluation.launch import HOST, free_ports
+from kvatlas.launch.procs import HOST, free_ports
 from lmcache.fleet import Process, lmcache_env
 from lmcache_mp.driver import Driver
 from support.wait import wait_until

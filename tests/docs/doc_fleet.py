@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from docs.doc_commands import ROOT, blocks
-from kvatlas.evaluation.launch import free_ports
+from kvatlas.launch.procs import free_ports
 from support.launch import Proc, launch, python_module
 
 DEPLOY_MD = ROOT / "docs" / "deploy.md"

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvatlas.evaluation.launch import HOST, free_ports
+from kvatlas.launch.procs import HOST, free_ports
 from lmcache_mp.driver import Driver
 from support.launch import Proc, launch, python_module
 from support.wait import wait_until

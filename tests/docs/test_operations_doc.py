@@ -16,8 +16,8 @@ import httpx
 from docs.doc_commands import ROOT
 from docs.doc_fleet import DocFleet
 from kvatlas.connector.kv_connector import Fallback
-from kvatlas.coordinator.vllm_ingest import COUNTS
-from kvatlas.core.fleet import FenceReason
+from kvatlas.coordinator.vllm.ingest import COUNTS
+from kvatlas.core.coordinator.fleet import FenceReason
 from kvatlas.wire.engine_proto import PeerFallback
 
 OPERATIONS_MD = ROOT / "docs" / "operations.md"

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvatlas.evaluation.launch import free_port
+from kvatlas.launch.procs import free_port
 from support.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from kvatlas.evaluation.launch import free_port
+from kvatlas.launch.procs import free_port
 from support.wait import wait_until
 
 _env = dict(os.environ)

@@ -26,7 +26,7 @@ import pytest
 
 from kvatlas.connector.client import CacheClient
 from kvatlas.core.keys import pack_kv_rank
-from kvatlas.evaluation.launch import free_ports
+from kvatlas.launch.procs import free_ports
 from support.services import ServerProc, start_server_process
 from support.wait import wait_until
 

@@ -27,7 +27,7 @@ from kvatlas.engine.config import CacheLinkConfig, EngineConfig
 from kvatlas.engine.engine_app import EngineApp
 from kvatlas.engine.generate import SamplingParams, prefill_and_generate
 from kvatlas.engine.model import LoadedModel, load_model
-from kvatlas.evaluation.launch import free_port
+from kvatlas.launch.procs import free_port
 from support.services import ServerProc
 from support.wait import wait_until
 

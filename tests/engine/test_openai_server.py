@@ -22,7 +22,7 @@ from kvatlas.cli.engine import main as engine_main
 from kvatlas.engine.config import CacheLinkConfig, EngineConfig
 from kvatlas.engine.engine_app import EngineApp
 from kvatlas.engine.model import LoadedModel
-from kvatlas.evaluation.launch import free_port
+from kvatlas.launch.procs import free_port
 from support.launch import launch, python_module
 
 from .conftest import StartCacheServer

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from kvatlas.evaluation.broker import broker_binary
 from kvatlas.evaluation.fault_frozen_engine import FROZEN_ENGINE
 from kvatlas.evaluation.fault_replica_race import REPLICA_RACE, RUNS
 from kvatlas.evaluation.faults import FAULT_NAMES, FaultsConfig, run_faults
 from kvatlas.evaluation.faults_report import write_faults_report
+from kvatlas.launch.broker import broker_binary
 
 pytestmark = pytest.mark.slow
 

@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 
-from kvatlas.evaluation.broker import broker_binary
 from kvatlas.evaluation.fault_frozen_engine import FROZEN_ENGINE
 from kvatlas.evaluation.fault_frozen_peer import FROZEN_PEER
 from kvatlas.evaluation.fault_replica_race import REPLICA_RACE
 from kvatlas.evaluation.faults import FAULT_NAMES, FaultsConfig, run_faults
 from kvatlas.evaluation.faults_report import write_faults_report
+from kvatlas.launch.broker import broker_binary
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvatlas.evaluation import launch as procs
-from kvatlas.evaluation.launch import (
+from kvatlas.launch import procs
+from kvatlas.launch.procs import (
     HOST,
     Proc,
     ProcessError,
@@ -195,7 +195,7 @@ def test_a_child_dies_with_the_process_that_launched_it(tmp_path: Path) -> None:
     pid_file = tmp_path / "grandchild.pid"
     parent_code = f"""
         import sys, time
-        from kvatlas.evaluation.launch import Proc
+        from kvatlas.launch.procs import Proc
         child = Proc("grandchild", [sys.executable, "-c", "import time; time.sleep(60)"],
                      __import__("pathlib").Path({str(tmp_path / "g.log")!r})).start()
         open({str(pid_file)!r}, "w").write(str(child.pid))

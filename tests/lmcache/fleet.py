@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import httpx
 
-from kvatlas.evaluation.launch import HOST, free_ports
+from kvatlas.launch.procs import HOST, free_ports
 from support.launch import Proc, launch
 
 ROOT = Path(__file__).resolve().parents[2]

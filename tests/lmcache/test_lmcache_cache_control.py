@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from kvatlas.connector.client import CacheClient
-from kvatlas.evaluation.launch import HOST
+from kvatlas.launch.procs import HOST
 from support.services import start_server_process
 from support.wait import wait_until
 

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from kvatlas.connector.client import CacheClient
-from kvatlas.evaluation.launch import HOST, free_ports
+from kvatlas.launch.procs import HOST, free_ports
 from lmcache_mp.driver import QUIET, Driver
 from p2p.cluster import cluster, wait_peers
 from support.launch import launch

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvatlas.core.checksum import checksum
-from kvatlas.core.l1pool import L1Pool
+from kvatlas.core.server.l1pool import L1Pool
 from kvatlas.runtime.region import L1Region
 from kvatlas.server.lmcache_mp import hashing
 from kvatlas.server.lmcache_mp.metrics import LMCacheMPCollector

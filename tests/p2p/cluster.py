@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.connector.client import CacheClient
-from kvatlas.evaluation.launch import free_port, free_ports
+from kvatlas.launch.procs import free_port, free_ports
 from kvatlas.wire.directory_api import LookupRequest, LookupResponse
 from support.launch import Proc
 from support.services import ServerProc, start_coordinator_process, start_server_process

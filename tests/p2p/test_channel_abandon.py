@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from kvatlas.evaluation.launch import free_port
+from kvatlas.launch.procs import free_port
 from kvatlas.server.p2p.channel import ChannelClient, ChannelError, ChannelServer
 from kvatlas.wire import p2p_proto
 from kvatlas.wire.engine_proto import PeerFallback

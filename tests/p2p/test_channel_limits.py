@@ -10,7 +10,7 @@ import pytest
 import zmq
 import zmq.utils.monitor
 
-from kvatlas.evaluation.launch import free_port
+from kvatlas.launch.procs import free_port
 from kvatlas.server.p2p.channel import MAX_MESSAGE_BYTES, ChannelClient, ChannelServer
 from kvatlas.wire import p2p_proto
 

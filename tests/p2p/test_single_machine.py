@@ -15,7 +15,7 @@ import pytest
 from kvatlas.cli.server import build_parser, config_from_args
 from kvatlas.connector.client import CacheClient
 from kvatlas.core.errors import ConfigError
-from kvatlas.evaluation.launch import free_port
+from kvatlas.launch.procs import free_port
 from kvatlas.runtime.region import L1Region
 from kvatlas.server.p2p.node import check_single_region
 from kvatlas.transfer.factory import make_transport

@@ -23,7 +23,7 @@ import pytest
 from kvatlas.engine.config import CacheLinkConfig, EngineConfig
 from kvatlas.engine.engine_app import EngineApp
 from kvatlas.engine.model import LoadedModel, load_model
-from kvatlas.evaluation.launch import HOST, free_port
+from kvatlas.launch.procs import HOST, free_port
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import RouterConfig
 from kvatlas.router.service import ROUTE_HEADER, LocalTokenizer

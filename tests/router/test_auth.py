@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from kvatlas.evaluation.launch import free_port
+from kvatlas.launch.procs import free_port
 from kvatlas.router.config import StaticEngine
 from support.launch import launch, python_module
 from support.tap import HttpTap

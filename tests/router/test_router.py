@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from kvatlas.cli.router import build_parser, config_from_args, main
-from kvatlas.evaluation.launch import free_port
+from kvatlas.launch.procs import free_port
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import StaticEngine
 from support.launch import launch, python_module

@@ -26,7 +26,7 @@ import pytest
 
 from kvatlas.engine.engine_app import EngineApp
 from kvatlas.engine.model import LoadedModel
-from kvatlas.evaluation.launch import HOST
+from kvatlas.launch.procs import HOST
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import StaticEngine
 from support.wait import wait_until

@@ -24,7 +24,7 @@ from kvatlas.core.tenancy import TenantTable, key_digest
 from kvatlas.engine.config import CacheLinkConfig
 from kvatlas.engine.engine_app import EngineApp
 from kvatlas.engine.model import LoadedModel
-from kvatlas.evaluation.launch import HOST, free_port
+from kvatlas.launch.procs import HOST, free_port
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import RouterConfig
 from kvatlas.router.service import ROUTE_HEADER

@@ -8,7 +8,7 @@ import gc
 
 import httpx
 
-from kvatlas.evaluation.launch import free_port
+from kvatlas.launch.procs import free_port
 from kvatlas.runtime.gc_pauses import GcPauses
 from support.coordinator import RunningCoordinator
 from support.launch import launch, python_module

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvatlas.evaluation.launch import HOST
+from kvatlas.launch.procs import HOST
 from kvatlas.runtime.http_clients import async_fleet_client, fleet_client
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "kvatlas"

@@ -20,7 +20,7 @@ import psutil
 import pytest
 import zmq
 
-from kvatlas.evaluation.launch import free_port, free_ports
+from kvatlas.launch.procs import free_port, free_ports
 from kvatlas.runtime.net import zmq_tcp
 from kvatlas.server.engine_api import EngineApi
 from kvatlas.server.engine_service import ServiceIdentity

@@ -12,7 +12,7 @@ import pytest
 from kvatlas.core.checksum import checksum
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import Namespace, ObjectKey
-from kvatlas.core.l1pool import L1Pool, LeaseId, Refusal, Refused, Reserved
+from kvatlas.core.server.l1pool import L1Pool, LeaseId, Refusal, Refused, Reserved
 from kvatlas.core.types import EventType, Tier
 from kvatlas.runtime.region import L1Region
 from kvatlas.server.engine_service import EngineService, ServiceIdentity

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvatlas.core.keys import ObjectKey, rank_keys
-from kvatlas.core.l1pool import DeleteOutcome, L1Pool, Reserved
+from kvatlas.core.server.l1pool import DeleteOutcome, L1Pool, Reserved
 from kvatlas.core.types import ChunkHash
 from kvatlas.runtime.region import L1Region
 from kvatlas.server.storage.chunkstore import ChunkStore

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from kvatlas.connector.client import CacheClient
-from kvatlas.evaluation.broker import Broker
+from kvatlas.launch.broker import Broker
 from kvatlas.wire.directory_api import LookupRequest, LookupResponse
 from support.launch import Proc
 from support.services import ServerProc, start_coordinator_process, start_server_process

@@ -14,7 +14,7 @@ import time
 import pytest
 import zmq
 
-from kvatlas.evaluation.launch import HOST
+from kvatlas.launch.procs import HOST
 from kvatlas.server.engine_api import EngineApi
 from kvatlas.server.engine_service import ServiceIdentity
 from kvatlas.wire.engine_proto import (

@@ -16,7 +16,7 @@ import pytest
 from kvatlas.core.checksum import checksum
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import ObjectKey
-from kvatlas.core.l1pool import PoolEvent
+from kvatlas.core.server.l1pool import PoolEvent
 from kvatlas.core.types import EventType
 from kvatlas.server.storage.l2 import L2Adapter, L2Capabilities, L2Item, MemoryL2Adapter
 from kvatlas.server.storage.l2_disk import DiskL2Adapter, file_name

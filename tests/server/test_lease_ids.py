@@ -7,7 +7,7 @@ import os
 import pytest
 
 from kvatlas.core.keys import ObjectKey
-from kvatlas.core.l1pool import L1Pool, Reserved
+from kvatlas.core.server.l1pool import L1Pool, Reserved
 from kvatlas.server import lease_ids
 from kvatlas.server.lease_ids import RandomLeaseIds
 

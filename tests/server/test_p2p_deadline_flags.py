@@ -7,7 +7,7 @@ import pytest
 
 from kvatlas.cli.server import build_parser, config_from_args
 from kvatlas.core.errors import ConfigError
-from kvatlas.core.peer_timing import DeadlinePolicy
+from kvatlas.core.server.peer_timing import DeadlinePolicy
 
 BASE = [
     "--instance-id", "node-a", "--coordinator-url", "http://127.0.0.1:9300",

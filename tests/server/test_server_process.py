@@ -30,7 +30,7 @@ from kvatlas.connector.client import (
 )
 from kvatlas.core.checksum import checksum
 from kvatlas.core.keys import Namespace
-from kvatlas.evaluation.launch import free_port
+from kvatlas.launch.procs import free_port
 from kvatlas.wire.engine_proto import (
     CommitItem,
     ErrorReply,

@@ -32,8 +32,8 @@ from coordinator.events import MODEL, RANK, batch, block_batch, fake_hash, key, 
 from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.keys import Namespace, chunk_hashes, object_keys
 from kvatlas.core.types import EventType, Tier
-from kvatlas.evaluation.broker import Broker
-from kvatlas.evaluation.launch import free_port
+from kvatlas.launch.broker import Broker
+from kvatlas.launch.procs import free_port
 from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.server.errors import SinkError
 from kvatlas.server.publisher import EventPublisher

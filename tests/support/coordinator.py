@@ -19,7 +19,7 @@ import httpx
 
 from kvatlas.coordinator.app import Coordinator
 from kvatlas.coordinator.config import CoordinatorConfig
-from kvatlas.evaluation.launch import HOST
+from kvatlas.launch.procs import HOST
 from support.wait import wait_until
 
 BASE = CoordinatorConfig(host=HOST, port=0, snapshot_interval=0)

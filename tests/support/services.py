@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from kvatlas.evaluation.launch import HOST, free_port, free_ports
+from kvatlas.launch.procs import HOST, free_port, free_ports
 from kvatlas.wire.directory_api import LookupRequest, LookupResponse
 from support.launch import P, Proc, launch, python_module
 

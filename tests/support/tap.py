@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import h11
 
-from kvatlas.evaluation.launch import HOST
+from kvatlas.launch.procs import HOST
 
 
 @dataclass(frozen=True)

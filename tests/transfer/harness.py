@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvatlas.core.checksum import checksum
-from kvatlas.evaluation.launch import ProcessError
+from kvatlas.launch.procs import ProcessError
 from kvatlas.runtime.region import L1Region
 from kvatlas.transfer.base import Endpoint, FaultPlan
 from kvatlas.transfer.factory import TRANSPORTS, make_transport

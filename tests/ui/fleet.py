@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 
 from kvatlas.connector.client import CacheClient
-from kvatlas.evaluation.launch import HOST, free_ports
+from kvatlas.launch.procs import HOST, free_ports
 from support.launch import Proc
 from support.services import ServerProc, start_coordinator_process, start_server_process
 from support.wait import wait_until

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kvatlas.core.tenancy import TenantTable
-from kvatlas.evaluation.launch import free_ports
+from kvatlas.launch.procs import free_ports
 from kvatlas.wire.fleet_view import FleetDocument, SaltQuotaView
 from support.launch import Proc
 from support.services import start_coordinator_process, start_server_process

@@ -10,7 +10,7 @@ from typing import Any
 
 import zmq
 
-from kvatlas.evaluation.launch import HOST
+from kvatlas.launch.procs import HOST
 from kvatlas.server.engine_api import EngineApi
 from kvatlas.server.engine_service import ServiceIdentity
 from kvatlas.server.p2p.channel import ChannelServer, Handler

@@ -18,7 +18,7 @@ from kvatlas.connector.client import CacheClient
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import Namespace, ObjectKey
 from kvatlas.core.types import ChunkHash, EventType, Tier
-from kvatlas.evaluation.launch import HOST
+from kvatlas.launch.procs import HOST
 from kvatlas.server.p2p.channel import ChannelClient
 from kvatlas.transfer import tcp
 from kvatlas.wire import engine_proto, p2p_proto

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from kvatlas.connector.client import CacheClient, RequestRefused
-from kvatlas.evaluation.launch import HOST
+from kvatlas.launch.procs import HOST
 from kvatlas.server.p2p.channel import ChannelClient, ChannelError
 from kvatlas.wire import engine_proto, p2p_proto
 from upgrade.peers import FakeService, ask, channel_server, engine_api

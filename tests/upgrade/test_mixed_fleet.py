@@ -20,7 +20,7 @@ import numpy as np
 import zmq
 
 from kvatlas.core.keys import default_kv_rank
-from kvatlas.evaluation.launch import HOST, free_ports
+from kvatlas.launch.procs import HOST, free_ports
 from kvatlas.runtime.region import L1Region
 from p2p.cluster import (
     CHUNK,

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvatlas.coordinator.vllm_ingest import VllmIngest
-from kvatlas.coordinator.vllm_sources import parse_source
-from kvatlas.core.block_table import DYNAMO_SEED, local_hashes
+from kvatlas.coordinator.vllm.ingest import VllmIngest
+from kvatlas.coordinator.vllm.sources import parse_source
+from kvatlas.core.coordinator.block_table import DYNAMO_SEED, local_hashes
 from support.wait import wait_until
 
 from .test_vllm_ingest import BLOCK, _batch, _port, _publisher, kv_events

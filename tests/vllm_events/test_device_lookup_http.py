@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvatlas.cli.coordinator import config_from_args
-from kvatlas.coordinator.vllm_sources import parse_sources
+from kvatlas.coordinator.vllm.sources import parse_sources
 from kvatlas.core.errors import ConfigError
 from support.coordinator import RunningCoordinator
 from support.wait import wait_until

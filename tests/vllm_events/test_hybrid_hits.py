@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvatlas.core.block_table import prompt_keys
+from kvatlas.core.coordinator.block_table import prompt_keys
 from kvatlas.core.device_blocks import DeviceIndex, EngineId, fold_groups
 from kvatlas.wire.vllm_events import decode_message, message
 

@@ -11,11 +11,11 @@ from typing import Any
 import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvatlas.coordinator.vllm_ingest import VllmIngest
-from kvatlas.coordinator.vllm_sources import parse_source
-from kvatlas.core.block_table import prompt_keys
+from kvatlas.coordinator.vllm.ingest import VllmIngest
+from kvatlas.coordinator.vllm.sources import parse_source
+from kvatlas.core.coordinator.block_table import prompt_keys
+from kvatlas.core.coordinator.engine_stream import EngineStream
 from kvatlas.core.device_blocks import DeviceIndex, EngineId
-from kvatlas.core.engine_stream import EngineStream
 from kvatlas.wire.vllm_events import END_SEQ, decode_message, replay_request
 from support.wait import wait_until
 

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvatlas.coordinator.vllm_sources import parse_sources
-from kvatlas.evaluation.launch import HOST
+from kvatlas.coordinator.vllm.sources import parse_sources
+from kvatlas.launch.procs import HOST
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import RouterConfig, StaticEngine
 from kvatlas.router.service import ROUTE_HEADER

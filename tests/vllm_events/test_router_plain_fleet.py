@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from kvatlas.coordinator.vllm_sources import parse_sources
+from kvatlas.coordinator.vllm.sources import parse_sources
 from kvatlas.router.app import RouterApp
 from kvatlas.router.config import RouterConfig, StaticEngine
 from support.coordinator import RunningCoordinator

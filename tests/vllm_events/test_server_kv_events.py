@@ -26,8 +26,8 @@ import zmq
 
 from kvatlas.cli.server import build_parser, config_from_args
 from kvatlas.connector.client import CacheClient
-from kvatlas.coordinator.vllm_ingest import VllmIngest
-from kvatlas.coordinator.vllm_sources import parse_sources
+from kvatlas.coordinator.vllm.ingest import VllmIngest
+from kvatlas.coordinator.vllm.sources import parse_sources
 from kvatlas.core.device_blocks import MEDIA, BlockKey, EngineId, medium_bit
 from kvatlas.core.errors import ConfigError, InvalidInput
 from kvatlas.core.events import Entry

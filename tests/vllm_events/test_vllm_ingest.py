@@ -17,10 +17,10 @@ import msgspec
 import pytest
 import zmq
 
-from kvatlas.coordinator.vllm_ingest import VllmIngest
-from kvatlas.coordinator.vllm_sources import parse_source
+from kvatlas.coordinator.vllm.ingest import VllmIngest
+from kvatlas.coordinator.vllm.sources import parse_source
 from kvatlas.core.vllm_hash import BlockHasher
-from kvatlas.evaluation.launch import free_port
+from kvatlas.launch.procs import free_port
 from support.wait import wait_until
 
 kv_events = pytest.importorskip(

@@ -22,7 +22,7 @@ from kvatlas.cli.auth_flags import (
 from kvatlas.cli.log_setup import configure_logging
 from kvatlas.coordinator.app import Coordinator
 from kvatlas.coordinator.config import CoordinatorConfig
-from kvatlas.coordinator.vllm_sources import parse_sources
+from kvatlas.coordinator.vllm.sources import parse_sources
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.tenancy import TenantTable
 

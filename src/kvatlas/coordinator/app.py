@@ -29,28 +29,29 @@ from pathlib import Path
 from types import FrameType
 from typing import Protocol
 
-from kvatlas.coordinator import quota_store, snapshot
-from kvatlas.coordinator.auth import OperatorCheck
+from kvatlas.coordinator import snapshot
 from kvatlas.coordinator.config import CoordinatorConfig
-from kvatlas.coordinator.edge.server import HttpServer
-from kvatlas.coordinator.eviction_loop import EvictionLoop
-from kvatlas.coordinator.frontend import LocalMembership, MembershipFrontend
 from kvatlas.coordinator.host.allocator import keep_freed_heap
 from kvatlas.coordinator.host.cpu_latency import CpuLatencyError, CpuLatencyHold
-from kvatlas.coordinator.http_app import CoordinatorApp, RouteSet
-from kvatlas.coordinator.http_cache import CacheMetrics, CacheRoutes, ControllerPins
-from kvatlas.coordinator.http_quota import LocalOperatorLog, OperatorLog, QuotaRoutes
-from kvatlas.coordinator.indexer_api import IndexerApi
-from kvatlas.coordinator.indexer_registry import book_path, load_book
+from kvatlas.coordinator.http.app import CoordinatorApp, RouteSet
+from kvatlas.coordinator.http.auth import OperatorCheck
+from kvatlas.coordinator.http.cache import CacheMetrics, CacheRoutes, ControllerPins
+from kvatlas.coordinator.http.edge.server import HttpServer
+from kvatlas.coordinator.http.quota import LocalOperatorLog, OperatorLog, QuotaRoutes
+from kvatlas.coordinator.indexer.api import IndexerApi
+from kvatlas.coordinator.indexer.registry import book_path, load_book
+from kvatlas.coordinator.ingest.frontend import LocalMembership, MembershipFrontend
 from kvatlas.coordinator.metrics import CoordinatorMetrics
-from kvatlas.coordinator.quota_metrics import QuotaMetrics
-from kvatlas.coordinator.quotas import QuotaController
+from kvatlas.coordinator.quota import store as quota_store
+from kvatlas.coordinator.quota.controller import QuotaController
+from kvatlas.coordinator.quota.eviction_loop import EvictionLoop
+from kvatlas.coordinator.quota.metrics import QuotaMetrics
 from kvatlas.coordinator.server_control import ServerControl
 from kvatlas.coordinator.service import CoordinatorService
-from kvatlas.coordinator.vllm_ingest import VllmIngest
-from kvatlas.coordinator.vllm_routes import DeviceLookupRoute
+from kvatlas.coordinator.vllm.ingest import VllmIngest
+from kvatlas.coordinator.vllm.routes import DeviceLookupRoute
+from kvatlas.core.coordinator.fleet import FleetState
 from kvatlas.core.errors import ConfigError, InvalidInput
-from kvatlas.core.fleet import FleetState
 from kvatlas.core.keys import DEFAULT_CHAIN_NAME, ChainMemo, chain_memo
 from kvatlas.runtime.gc_pauses import GcPauses
 from kvatlas.runtime.net import bind
@@ -120,7 +121,7 @@ class Coordinator:
         if kafka:
             # Imported here because confluent-kafka is an optional dependency
             # (`kvatlas[kafka]`); a coordinator on HTTP alone must run without it.
-            from kvatlas.coordinator.kafka_wiring import build_kafka  # noqa: PLC0415
+            from kvatlas.coordinator.ingest.kafka_wiring import build_kafka  # noqa: PLC0415
 
             self.membership, parts = build_kafka(
                 config, self.service, self.metrics, clock, self.quotas

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvatlas.coordinator.host.cpu_latency import NO_LIMIT_US
-from kvatlas.coordinator.vllm_sources import VllmSource
+from kvatlas.coordinator.vllm.sources import VllmSource
+from kvatlas.core.coordinator.fleet import DEFAULT_L2_RETENTION
 from kvatlas.core.credentials import (
     DEFAULT_MAX_INCARNATION_AHEAD_S,
     DEFAULT_MAX_SEQ_JUMP,
     Bounds,
 )
 from kvatlas.core.errors import ConfigError
-from kvatlas.core.fleet import DEFAULT_L2_RETENTION
 from kvatlas.wire.kafka_records import DEFAULT_PARTITIONER, DEFAULT_TOPIC
 
 EventTransport = Literal["http", "kafka"]
@@ -153,11 +153,11 @@ class CoordinatorConfig:
     """Also subscribe to the vLLM KV event sources registered instances advertise
     (``--vllm-kv-events-from-members``; a server's ``--engine-kv-events``)."""
     """vLLM engines whose KV events feed the device tier (`--vllm-kv-events`, parsed and
-    checked by `kvatlas.coordinator.vllm_sources`)."""
+    checked by `kvatlas.coordinator.vllm.sources`)."""
     kv_indexer_api: bool = False
     """Serve the Mooncake KV Indexer RFC routes as NVIDIA Dynamo 1.6.1's standalone
     indexer does (`--kv-indexer-api`: ``/register``, ``/unregister``, ``/workers``,
-    ``/query``, ``/query_by_hash``, ``/dump``; `kvatlas.coordinator.indexer_api`): vLLM
+    ``/query``, ``/query_by_hash``, ``/dump``; `kvatlas.coordinator.indexer.api`): vLLM
     workers registered there feed the device tier, with or without `--vllm-kv-events`.
     Registrations are kept beside the snapshot (`--snapshot-path`)."""
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 from kvatlas.coordinator.views import key_view
-from kvatlas.core.directory import KeyDirectory
+from kvatlas.core.coordinator.directory import KeyDirectory
 from kvatlas.core.types import InstanceId, Tier
 from kvatlas.wire.coordinator_views import KeysPage
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from kvatlas.coordinator.metrics import CoordinatorMetrics
-from kvatlas.core.fleet import Fenced, FenceReason
+from kvatlas.core.coordinator.fleet import Fenced, FenceReason
 
 log = logging.getLogger("kvatlas.coordinator.service")
 """The service's logger: operators' filters on it keep seeing these lines."""

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvatlas.coordinator.edge.server import EdgeStats
+from kvatlas.coordinator.http.edge.server import EdgeStats
 from kvatlas.core.keys import DEFAULT_CHAIN_NAME
 from kvatlas.core.types import InstanceId
 from kvatlas.runtime.gc_pauses import GcPauses

@@ -38,9 +38,9 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
+from kvatlas.core.coordinator.membership import InstanceInfo
 from kvatlas.core.errors import ServiceError
 from kvatlas.core.keys import ObjectKey
-from kvatlas.core.membership import InstanceInfo
 from kvatlas.runtime.http_clients import async_fleet_client
 from kvatlas.wire.cache_api import (
     MAX_DELETE_BATCH,

@@ -28,7 +28,11 @@ from kvatlas.coordinator.directory_walk import keys_page
 from kvatlas.coordinator.fence_log import record_expiry, record_fence
 from kvatlas.coordinator.metrics import CoordinatorMetrics, StateSample
 from kvatlas.coordinator.views import stats_response
-from kvatlas.core.blend import BlendMatch
+from kvatlas.core.coordinator.blend import BlendMatch
+from kvatlas.core.coordinator.fleet import Fenced, FenceReason, FleetState
+from kvatlas.core.coordinator.gate import Verdict
+from kvatlas.core.coordinator.membership import InstanceInfo, RegisterOutcome
+from kvatlas.core.coordinator.placements import KeyColumns, KeyResult, PrefixResult
 from kvatlas.core.credentials import Bounds
 from kvatlas.core.errors import (
     ChunkSizeConflict,
@@ -39,11 +43,7 @@ from kvatlas.core.errors import (
     Unauthenticated,
 )
 from kvatlas.core.events import EventBatch
-from kvatlas.core.fleet import Fenced, FenceReason, FleetState
-from kvatlas.core.gate import Verdict
 from kvatlas.core.keys import ChainMemo, Namespace, ObjectKey, chunk_hashes
-from kvatlas.core.membership import InstanceInfo, RegisterOutcome
-from kvatlas.core.placements import KeyColumns, KeyResult, PrefixResult
 from kvatlas.core.types import ChunkHash, EventType, Incarnation, InstanceId, Tier
 from kvatlas.wire.coordinator_views import KeysPage, StatsResponse
 from kvatlas.wire.events_api import AnyBatch, EventsResponse

@@ -36,8 +36,8 @@ from blake3 import blake3
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.core.coordinator.fleet import FleetState
 from kvatlas.core.errors import ConfigError, SnapshotError
-from kvatlas.core.fleet import FleetState
 from kvatlas.runtime.periodic import Periodic
 
 log = logging.getLogger(__name__)

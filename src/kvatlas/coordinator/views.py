@@ -14,11 +14,17 @@ from itertools import chain
 
 import msgspec
 
-from kvatlas.core.blend import BlendStats
-from kvatlas.core.capacity import Declaration
-from kvatlas.core.gate import Cursor
+from kvatlas.core.coordinator.blend import BlendStats
+from kvatlas.core.coordinator.capacity import Declaration
+from kvatlas.core.coordinator.gate import Cursor
+from kvatlas.core.coordinator.placements import (
+    DirectoryStats,
+    KeyColumns,
+    KeyResult,
+    Placement,
+    PrefixResult,
+)
 from kvatlas.core.keys import Namespace
-from kvatlas.core.placements import DirectoryStats, KeyColumns, KeyResult, Placement, PrefixResult
 from kvatlas.core.types import InstanceId, Tier
 from kvatlas.wire.coordinator_views import (
     CompartmentView,

@@ -1,5 +1,5 @@
 /* The device tier's block table and token hashes, compiled: the twin of the Python
- * `kvatlas.core.block_table` (same answers; tests hold them to each other).
+ * `kvatlas.core.coordinator.block_table` (same answers; tests hold them to each other).
  *
  * Owns, for one vLLM engine, the blocks its caches hold, keyed two ways:
  *
@@ -927,7 +927,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "kvatlas.core._blocks",
-    "The device tier's block table and token hashes (see kvatlas.core.block_table).", -1,
+    "The device tier's block table and token hashes (see kvatlas.core.coordinator.block_table).", -1,
     methods,
 };
 

@@ -1,4 +1,4 @@
-"""Types of the compiled device-tier table (`_blocks.c`); `kvatlas.core.block_table` has
+"""Types of the compiled device-tier table (`_blocks.c`); `kvatlas.core.coordinator.block_table` has
 the twin and the documentation."""
 
 from collections.abc import Sequence

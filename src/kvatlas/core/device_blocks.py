@@ -1,6 +1,6 @@
 """The device tier: which vLLM engine's prefix cache holds which blocks (the per-engine
 stream state machine that keeps it exact across gaps, replays and restarts is
-`kvatlas.core.engine_stream`).
+`kvatlas.core.coordinator.engine_stream`).
 
 Owns, pure and single-threaded (the ingest shell holds the lock):
 
@@ -30,7 +30,7 @@ Blocks are named by vLLM's external block hashes as 64-bit ints (what removals a
 parents name): vLLM publishes either the raw digest (bytes) or, with
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, its low 64 bits (``int.from_bytes(digest,
 "big") & (2**64 - 1)``); `block_key` maps both to the same int. Lookups go by content
-keys instead (`kvatlas.core.block_table`): a chain over the token ids a store carries,
+keys instead (`kvatlas.core.coordinator.block_table`): a chain over the token ids a store carries,
 its parent's content key and its extra keys (the cache salt), so a lookup by token ids
 needs neither the engine's hash function nor its seed, and costs a few XXH3 calls per
 block. A store without token ids (a CPU-offload tier's) takes the content key of a copy
@@ -49,7 +49,7 @@ from typing import NewType
 
 import msgspec
 
-from kvatlas.core.block_table import BlockTable, BlockTableType, lora_seed
+from kvatlas.core.coordinator.block_table import BlockTable, BlockTableType, lora_seed
 from kvatlas.core.errors import InvalidInput
 
 BlockKey = NewType("BlockKey", int)
@@ -143,7 +143,7 @@ class Stored(msgspec.Struct, frozen=True):
     (the decoder's form) or ints (None: not published)."""
     lora_name: str | None = None
     extras: tuple[int, ...] | None = None
-    """Per block, `kvatlas.core.block_table.extra_hash` of its extra keys (the cache
+    """Per block, `kvatlas.core.coordinator.block_table.extra_hash` of its extra keys (the cache
     salt...), the LoRA name left out; None: none on any block."""
 
 
@@ -205,7 +205,7 @@ class DumpedBlock:
 class DeviceIndex:
     """Per engine, a `BlockTable`: block hash -> content key and the mask of the
     (group, medium) pairs holding it. Lookups take content keys
-    (`kvatlas.core.block_table.prompt_keys`)."""
+    (`kvatlas.core.coordinator.block_table.prompt_keys`)."""
 
     def __init__(self) -> None:
         self._engines: dict[EngineId, _Engine] = {}

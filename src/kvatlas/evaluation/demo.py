@@ -25,7 +25,7 @@ import httpx
 
 from kvatlas.evaluation.fleet import ENGINE_MODEL as MODEL
 from kvatlas.evaluation.fleet import Fleet, FleetConfig
-from kvatlas.evaluation.launch import ProcessError
+from kvatlas.launch.procs import ProcessError
 from kvatlas.router.service import ROUTE_HEADER
 from kvatlas.wire.coordinator_views import StatsResponse
 from kvatlas.wire.instances_api import InstanceWire

@@ -21,9 +21,9 @@ import numpy as np
 
 from kvatlas.evaluation.fleet import ENGINE_MODEL as MODEL
 from kvatlas.evaluation.fleet import Fleet, FleetConfig
-from kvatlas.evaluation.launch import ProcessError
 from kvatlas.evaluation.metrics import percentiles
 from kvatlas.evaluation.workload import VOCAB_SIZE
+from kvatlas.launch.procs import ProcessError
 
 Say = Callable[[str], None]
 

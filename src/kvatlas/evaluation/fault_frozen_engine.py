@@ -29,8 +29,8 @@ from typing import Any, Final
 import httpx
 
 from kvatlas.evaluation.fleet import Fleet, FleetConfig
-from kvatlas.evaluation.launch import Proc
 from kvatlas.evaluation.metrics import percentiles
+from kvatlas.launch.procs import Proc
 from kvatlas.router.service import ROUTE_HEADER
 
 Say = Callable[[str], None]

@@ -27,9 +27,9 @@ from typing import Any, Final
 
 import httpx
 
-from kvatlas.evaluation.broker import Broker, broker_binary
 from kvatlas.evaluation.fleet import Fleet, FleetConfig
 from kvatlas.evaluation.metrics import percentiles
+from kvatlas.launch.broker import Broker, broker_binary
 
 Say = Callable[[str], None]
 REPLICA_RACE: Final = "replica_race"

@@ -48,7 +48,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Final
 
-from kvatlas.evaluation.broker import Broker, broker_binary
 from kvatlas.evaluation.fault_campaign import Campaign, FaultsConfig, Say
 from kvatlas.evaluation.fault_frozen_engine import (
     FROZEN_ENGINE,
@@ -60,6 +59,7 @@ from kvatlas.evaluation.fault_replica_race import REPLICA_RACE, ReplicaRaceConfi
 from kvatlas.evaluation.fault_run import progress_line, run_fault
 from kvatlas.evaluation.fault_steps import Fault, fault_table
 from kvatlas.evaluation.fleet import Fleet, FleetConfig, describe_machine
+from kvatlas.launch.broker import Broker, broker_binary
 
 __all__ = ["FAULT_NAMES", "FaultsConfig", "run_faults"]
 

@@ -8,13 +8,13 @@ probes of their state, typed: each server's ``/status`` as a `ServerStatus`, and
 coordinator's instances, directory stats and lookups through one `CoordinatorClient`.
 
 Safety: only 127.0.0.1 is used; every process is started, awaited and stopped by the one
-launcher (``kvatlas.evaluation.launch``: by pid, SIGTERM, then SIGKILL after a grace
+launcher (``kvatlas.launch.procs``: by pid, SIGTERM, then SIGKILL after a grace
 period; on Linux the children get SIGKILL if this process dies without cleaning up);
 ``close`` stops every process this object started and removes its temporary directory,
 and it runs on errors and Ctrl-C through the context manager. Must not: signal any
 process it did not start.
 
-Exceptions: ``kvatlas.evaluation.launch.ProcessError`` when a process did not come up, or
+Exceptions: ``kvatlas.launch.procs.ProcessError`` when a process did not come up, or
 exited early (its log tail attached).
 """
 
@@ -36,7 +36,7 @@ from typing import Final, Self
 import httpx
 import msgspec
 
-from kvatlas.evaluation.launch import HOST, Proc, ProcessError, free_ports
+from kvatlas.launch.procs import HOST, Proc, ProcessError, free_ports
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.server.storage.l1_journal import discard_kept, kept_region_name
 from kvatlas.wire.coordinator_views import StatsResponse

@@ -39,9 +39,9 @@ import numpy as np
 from kvatlas.evaluation.cpu_account import machine_times, process_cpu_s
 from kvatlas.evaluation.fleet import ENGINE_MODEL as MODEL
 from kvatlas.evaluation.fleet import Fleet, FleetConfig
-from kvatlas.evaluation.launch import Proc, ProcessError
 from kvatlas.evaluation.metrics import percentiles
 from kvatlas.evaluation.workload import VOCAB_SIZE
+from kvatlas.launch.procs import Proc, ProcessError
 from kvatlas.router.service import ROUTE_HEADER
 
 Say = Callable[[str], None]

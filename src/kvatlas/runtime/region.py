@@ -1,7 +1,7 @@
 """The L1 region: one contiguous block of POSIX shared memory holding every L1 chunk.
 
 Owns creating, mapping, attaching to and cleaning up the region. It knows nothing about
-which bytes belong to which chunk (that is ``kvatlas.core.l1pool``) and must not
+which bytes belong to which chunk (that is ``kvatlas.core.server.l1pool``) and must not
 interpret the bytes.
 
 The owner (the cache server) creates the region with ``multiprocessing.shared_memory``

@@ -39,7 +39,7 @@ from types import FrameType
 
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.events import Entry
-from kvatlas.core.l1pool import L1Pool
+from kvatlas.core.server.l1pool import L1Pool
 from kvatlas.core.types import EventType, Tier
 from kvatlas.runtime.asgi_thread import AsgiThread
 from kvatlas.runtime.coordinator_client import CoordinatorClient, Failover

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Final, Literal
 
 from kvatlas.core.errors import ConfigError
-from kvatlas.core.eviction import POLICIES
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
-from kvatlas.core.l1pool import MIN_ALIGN_BYTES
-from kvatlas.core.peer_timing import DeadlinePolicy
+from kvatlas.core.server.eviction import POLICIES
+from kvatlas.core.server.l1pool import MIN_ALIGN_BYTES
+from kvatlas.core.server.peer_timing import DeadlinePolicy
 from kvatlas.core.types import InstanceId
 from kvatlas.core.vllm_hash import DEFAULT_SEED, HASH_ALGOS
 from kvatlas.transfer.config import MooncakeConfig

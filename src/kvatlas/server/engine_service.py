@@ -46,8 +46,8 @@ from kvatlas.core.keys import (
     chunk_hashes,
     object_keys,
 )
-from kvatlas.core.l1pool import LeaseId, Reserved
-from kvatlas.core.recompute_rates import RecomputeRates
+from kvatlas.core.server.l1pool import LeaseId, Reserved
+from kvatlas.core.server.recompute_rates import RecomputeRates
 from kvatlas.core.types import ChunkHash, EventType, Tier
 from kvatlas.server.storage.guarded import GuardedStore
 from kvatlas.wire.engine_proto import (

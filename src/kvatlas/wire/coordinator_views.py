@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvatlas.core.blend import BlendStats
+from kvatlas.core.coordinator.blend import BlendStats
 from kvatlas.wire.directory_api import PlacementWire
 
 

@@ -2,8 +2,8 @@
 Dynamo 1.6.1's standalone indexer takes and answers them: requests (unknown fields
 ignored, as Dynamo's serde does) and answers, including ``/dump``'s stored events.
 
-Owns the shapes only. Must not: decide anything (`kvatlas.coordinator.indexer_api`
-serves the routes, `kvatlas.coordinator.indexer_registry` keeps the workers).
+Owns the shapes only. Must not: decide anything (`kvatlas.coordinator.indexer.api`
+serves the routes, `kvatlas.coordinator.indexer.registry` keeps the workers).
 """
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ from typing import Final
 
 import msgspec
 
-from kvatlas.core.capacity import UNDECLARED, Declaration
+from kvatlas.core.coordinator.capacity import UNDECLARED, Declaration
+from kvatlas.core.coordinator.membership import InstanceInfo
+from kvatlas.core.coordinator.placements import OwnerStats
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE, HASH_ALGORITHM, HashContract
-from kvatlas.core.membership import InstanceInfo
-from kvatlas.core.placements import OwnerStats
 from kvatlas.core.types import InstanceId, Port, WireIncarnation
 from kvatlas.wire.config_api import ChunkSize
 

@@ -37,12 +37,12 @@ from typing import Final
 
 import msgspec
 
+from kvatlas.core.coordinator.membership import InstanceInfo
+from kvatlas.core.coordinator.quotas import OperatorOp
 from kvatlas.core.credentials import DIGEST_BYTES
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import EventBatch
 from kvatlas.core.keys import HashContract
-from kvatlas.core.membership import InstanceInfo
-from kvatlas.core.quotas import OperatorOp
 from kvatlas.core.types import InstanceId, WireIncarnation
 from kvatlas.wire.decoding import TOO_DEEP, union_tags
 from kvatlas.wire.events_api import AnyBatch, check_batch, decode_any_batch, decode_events

@@ -38,7 +38,7 @@ from typing import Annotated, Any
 import msgspec
 import xxhash
 
-from kvatlas.core.block_table import extra_hash
+from kvatlas.core.coordinator.block_table import extra_hash
 from kvatlas.core.device_blocks import BlockKey, Cleared, DeviceEvent, Removed, Stored, block_key
 from kvatlas.core.errors import InvalidInput
 

@@ -35,11 +35,11 @@ import numpy as np
 
 from kvatlas.core.errors import KvatlasError
 from kvatlas.evaluation.fleet import Fleet, FleetConfig
-from kvatlas.evaluation.launch import HOST
 from kvatlas.evaluation.metrics import percentiles
 from kvatlas.evaluation.trace.engine import TraceEngine, trace_contract
 from kvatlas.evaluation.trace.mooncake import Trace, prompt_token_ids
 from kvatlas.evaluation.trace.simulate import PROFILES, CostProfile
+from kvatlas.launch.procs import HOST
 
 Say = Callable[[str], None]
 

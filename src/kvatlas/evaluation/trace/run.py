@@ -30,7 +30,6 @@ from typing import Any, Final
 import httpx
 
 from kvatlas.evaluation.fleet import describe_machine
-from kvatlas.evaluation.launch import ProcessError
 from kvatlas.evaluation.trace.mooncake import Trace
 from kvatlas.evaluation.trace.replay import (
     REPLAY_POLICIES,
@@ -46,6 +45,7 @@ from kvatlas.evaluation.trace.simulate import (
     simulate,
     simulate_all,
 )
+from kvatlas.launch.procs import ProcessError
 
 Say = Callable[[str], None]
 

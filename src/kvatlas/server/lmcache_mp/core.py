@@ -34,7 +34,7 @@ from kvatlas.core.keys import (
     chunk_hashes,
     pack_kv_rank,
 )
-from kvatlas.core.l1pool import LeaseId
+from kvatlas.core.server.l1pool import LeaseId
 from kvatlas.core.types import ChunkHash
 from kvatlas.server.lmcache_mp.cpu_kv import ChunkGeometry, PagedKV
 from kvatlas.server.lmcache_mp.hashing import QuietHasher

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvatlas.core.keys import HashContract, ObjectKey
-from kvatlas.core.l1pool import DeleteOutcome, LeaseId
+from kvatlas.core.server.l1pool import DeleteOutcome, LeaseId
 from kvatlas.server.lmcache_mp.core import (
     HOLDER,
     WAIT_CAP_S,

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvatlas.core.keys import ObjectKey
-from kvatlas.core.l1pool import LeaseId
+from kvatlas.core.server.l1pool import LeaseId
 
 
 @dataclass

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvatlas.core.keys import ObjectKey
-from kvatlas.core.l1pool import LeaseId, Refusal, Reserved
+from kvatlas.core.server.l1pool import LeaseId, Refusal, Reserved
 from kvatlas.server.lmcache_mp.core import HOLDER, KVGroup, MpCore, MpError, Worker
 from kvatlas.server.lmcache_mp.cpu_kv import (
     ITEMSIZES,

@@ -47,8 +47,8 @@ from typing import Final
 import msgspec
 import zmq
 
-from kvatlas.core.peer_timing import DeadlinePolicy, PeerTimings, PeerTimingView
-from kvatlas.core.peers import ActionKind, PeerEndpoint, PeerHealth, PeerTable
+from kvatlas.core.server.peer_timing import DeadlinePolicy, PeerTimings, PeerTimingView
+from kvatlas.core.server.peers import ActionKind, PeerEndpoint, PeerHealth, PeerTable
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.runtime.region import L1Region
 from kvatlas.server.p2p.channel import ChannelClient, ChannelError

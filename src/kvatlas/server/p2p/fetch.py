@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from typing import Final, cast
 
 from kvatlas.core.keys import ObjectKey
-from kvatlas.core.l1pool import Refusal, Slot
-from kvatlas.core.peers import p2p_deadline
+from kvatlas.core.server.l1pool import Refusal, Slot
+from kvatlas.core.server.peers import p2p_deadline
 from kvatlas.core.types import ChunkHash, Tier
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
 from kvatlas.server.config import P2PConfig

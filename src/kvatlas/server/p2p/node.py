@@ -33,7 +33,7 @@ import zmq
 
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.keys import HASH_BYTES, object_keys
-from kvatlas.core.peer_timing import PeerTimingView
+from kvatlas.core.server.peer_timing import PeerTimingView
 from kvatlas.runtime.auth import TokenGate
 from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.runtime.region import L1Region

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from kvatlas.core.keys import ObjectKey
-from kvatlas.core.l1pool import LeaseId, ReadLease, Refusal, Reserved, Slot
+from kvatlas.core.server.l1pool import LeaseId, ReadLease, Refusal, Reserved, Slot
 from kvatlas.server.storage.guarded import GuardedStore
 
 PEER_HOLDER_PREFIX: Final = "peer:"

@@ -38,7 +38,7 @@ from kvatlas.core.checksum import checksum as compute_checksum
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import Entry
 from kvatlas.core.keys import ObjectKey
-from kvatlas.core.l1pool import (
+from kvatlas.core.server.l1pool import (
     DeleteOutcome,
     ExpiredLease,
     L1Pool,
@@ -52,7 +52,7 @@ from kvatlas.core.l1pool import (
     Slot,
     SlotInfo,
 )
-from kvatlas.core.l1shares import SaltUsage
+from kvatlas.core.server.l1shares import SaltUsage
 from kvatlas.core.types import EventType, Tier
 from kvatlas.runtime.region import L1Region
 from kvatlas.server.storage.l1_journal import L1Journal

@@ -5,7 +5,7 @@ kept region's bytes may be served again. The region (``runtime.region.L1Region.k
 outlives the process, so a server that exits (SIGTERM for an upgrade, SIGKILL, a crash)
 and starts again with the same ``--instance-id`` and ``--state-dir`` finds its chunks
 where it left them. What the journal records, and how a replay reads it, is
-``kvatlas.core.l1_replay``; the chunk store calls this journal under its lock.
+``kvatlas.core.server.l1_replay``; the chunk store calls this journal under its lock.
 
 File: a superblock (``b"KVJ1"`` | u32 LE length | msgpack ``Superblock``), then framed
 records appended with one ``write`` each (a SIGKILL cannot lose a record the lock had
@@ -51,8 +51,8 @@ from blake3 import blake3
 from kvatlas.core.checksum import checksum as compute_checksum
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import ObjectKey
-from kvatlas.core.l1_replay import Kept, Record, RecordKind, encode, encode_many, replay
-from kvatlas.core.l1pool import L1Pool, SlotInfo
+from kvatlas.core.server.l1_replay import Kept, Record, RecordKind, encode, encode_many, replay
+from kvatlas.core.server.l1pool import L1Pool, SlotInfo
 from kvatlas.runtime.region import SHM_DIR, L1Region
 
 MAGIC: Final = b"KVJ1"

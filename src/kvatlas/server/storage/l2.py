@@ -32,7 +32,7 @@ import msgspec
 from kvatlas.core.checksum import checksum as compute_checksum
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import ObjectKey
-from kvatlas.core.l1pool import PoolEvent
+from kvatlas.core.server.l1pool import PoolEvent
 from kvatlas.core.types import EventType
 from kvatlas.server.errors import ServerError
 

@@ -40,7 +40,7 @@ from blake3 import blake3
 from kvatlas.core.checksum import checksum as compute_checksum
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import ObjectKey
-from kvatlas.core.l1pool import PoolEvent
+from kvatlas.core.server.l1pool import PoolEvent
 from kvatlas.core.types import EventType
 from kvatlas.server.storage.l2 import L2Capabilities, L2Error, L2Item, as_bytes_view, check_capacity
 
