@@ -3,7 +3,7 @@ directory, one eviction plan, and the quota and pin routes at a large directory.
 
     python -m bench.quota_bench [--keys 1000000] [--salts 8] [--requests 200]
 
-- L2 STORE entries per second through `CoordinatorService.ingest` (256-entry batches,
+- L2 STORE entries per second through `CoordinatorService.ingest.apply` (256-entry batches,
   the key-block form kvatlas' servers send), with the quota controller's book and
   without it (the controller's observer is the only difference);
 - one `eviction_plan` over ``--keys`` L2 keys in ``--salts`` salts, every salt over its
@@ -75,13 +75,15 @@ def batches(n: int, salts: int, tier: Tier = Tier.L2, seed: int = 3) -> list[Eve
 
 
 def ingest_rate(bs: list[EventBatch], with_book: bool) -> float:
-    svc = CoordinatorService(FleetState(30.0, 256), CoordinatorMetrics())
+    svc = CoordinatorService(
+        FleetState(30.0, 256), CoordinatorMetrics(), clock=time.time, timer=time.perf_counter
+    )
     if with_book:
-        QuotaController(svc, QuotaMetrics(svc.metrics.registry))
+        QuotaController(svc, QuotaMetrics(svc.state.metrics.registry))
     n = sum(b.n_entries for b in bs)
     t0 = time.perf_counter()
     for b in bs:
-        svc.ingest([b], 0.0)
+        svc.ingest.apply([b], 0.0)
     return n / (time.perf_counter() - t0)
 
 
@@ -119,9 +121,9 @@ def routes(keys: int, salts: int, requests: int) -> dict[str, dict[str, float]]:
     svc = coord.service
     now = time.time()
     for b in batches(keys // 2, salts):
-        svc.ingest([b], now)
+        svc.ingest.apply([b], now)
     for b in batches(keys // 2, salts, Tier.L1, seed=4):
-        svc.ingest([msgspec_replace_seq(b, b.seq + keys)], now)
+        svc.ingest.apply([msgspec_replace_seq(b, b.seq + keys)], now)
     port = coord.bind()
     t = threading.Thread(target=coord.run, daemon=True)
     t.start()

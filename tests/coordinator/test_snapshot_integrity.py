@@ -94,7 +94,7 @@ def test_a_snapshot_without_header_restores_with_a_warning(
     path = tmp_path / "fleet.snap"
     rc = start_coordinator()
     before = _fill(rc)
-    body, _ = rc.coordinator.service.snapshot()
+    body, _ = rc.coordinator.service.snapshots.snapshot()
     rc.stop()
     path.write_bytes(body)
     with caplog.at_level(logging.WARNING, logger="kvatlas.coordinator.snapshot"):

@@ -136,7 +136,7 @@ def test_state_no_encoder_holds_fails_the_snapshot_not_the_writer(
     rc = start_coordinator(
         snapshot_path=str(tmp_path / "fleet.snap"), snapshot_interval=0.1, **UNBOUNDED
     )
-    rc.coordinator.service.ingest([batch("node-x", 2**64, [fake_hash(1)])], time.time())
+    rc.coordinator.service.ingest.apply([batch("node-x", 2**64, [fake_hash(1)])], time.time())
     wait_until(
         lambda: _failures(rc), lambda n: n >= 2,
         what="the writer going on after an unencodable state", timeout=10,

@@ -53,6 +53,7 @@ from kvatlas.coordinator.vllm.routes import DeviceLookupRoute
 from kvatlas.core.coordinator.fleet import FleetState
 from kvatlas.core.errors import ConfigError, InvalidInput
 from kvatlas.core.keys import DEFAULT_CHAIN_NAME, ChainMemo, chain_memo
+from kvatlas.runtime.extras import needs_extra
 from kvatlas.runtime.gc_pauses import GcPauses
 from kvatlas.runtime.net import bind
 from kvatlas.runtime.periodic import Periodic
@@ -95,11 +96,18 @@ class Coordinator:
         else:
             fleet, positions = restored
         self.memo = _token_hash_memo(config.token_hash_memo_bytes, fleet.chunk_size)
-        self.service = CoordinatorService(fleet, self.metrics, config.bounds(), self.memo)
+        self.service = CoordinatorService(
+            fleet,
+            self.metrics,
+            clock=clock,
+            timer=time.perf_counter,
+            bounds=config.bounds(),
+            memo=self.memo,
+        )
         if self.memo is not None:
             self.metrics.attach_memo(self.memo.stats)
-        self.service.positions.update(positions)
-        self.metrics.attach_state(lambda: self.service.sample(clock()))
+        self.service.state.positions.update(positions)
+        self.metrics.attach_state(self.service.views.sample)
         operator_state, usage = quota_store.load(config.snapshot_path)
         quota_metrics = QuotaMetrics(self.metrics.registry)
         self.quotas = QuotaController(
@@ -121,7 +129,8 @@ class Coordinator:
         if kafka:
             # Imported here because confluent-kafka is an optional dependency
             # (`kvatlas[kafka]`); a coordinator on HTTP alone must run without it.
-            from kvatlas.coordinator.ingest.kafka_wiring import build_kafka  # noqa: PLC0415
+            with needs_extra("kafka", "--event-transport kafka"):
+                from kvatlas.coordinator.ingest.kafka_wiring import build_kafka  # noqa: PLC0415
 
             self.membership, parts = build_kafka(
                 config, self.service, self.metrics, clock, self.quotas
@@ -134,7 +143,7 @@ class Coordinator:
             )
         else:
             self.membership = LocalMembership(self.service, clock)
-            self.service.set_ready()
+            self.service.readiness.set_ready()
             operator_log = LocalOperatorLog(self.quotas)
         # The cache-control routes' client of servers: used on the HTTP loop, closed there.
         cache_metrics = CacheMetrics(self.metrics.registry)
@@ -159,7 +168,12 @@ class Coordinator:
             self.vllm = VllmIngest(
                 config.vllm_kv_events,
                 members=(
-                    (lambda: [(i.instance_id, i.metadata) for i in self.service.instances(clock())])
+                    (
+                        lambda: [
+                            (i.instance_id, i.metadata)
+                            for i in self.service.views.instances(clock())
+                        ]
+                    )
                     if config.vllm_kv_events_from_members
                     else None
                 ),

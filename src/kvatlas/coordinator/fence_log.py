@@ -2,7 +2,7 @@
 
 Owns the metrics and the log line of each ``Fenced`` the fleet state hands back (an
 expiry after the heartbeat timeout, a new incarnation's fence, the L2 retention's drop);
-``CoordinatorService`` calls it under its lock. Must not: change the fleet.
+the service's `state.membership` and `state.expiry` call it. Must not: change the fleet.
 """
 
 from __future__ import annotations

@@ -47,8 +47,8 @@ FORMAT_VERSION: Final = 1
 _HEADER = struct.Struct("<8sIQ32s")
 PREV_SUFFIX: Final = ".prev"
 USAGE_SUFFIX: Final = ".l2usage"
-"""The service's companion state (`CoordinatorService.companion`: the L2 usage book) is
-written beside the snapshot under this suffix, before the snapshot itself."""
+"""The service's companion state (`Snapshots.companion` in `state.snapshots`: the L2
+usage book) is written beside the snapshot under this suffix, before the snapshot itself."""
 
 
 def frame(body: bytes) -> bytes:
@@ -216,7 +216,7 @@ class SnapshotWriter:
         """Write one snapshot now; returns its size in bytes."""
         with self._write_lock:
             t0 = time.perf_counter()
-            body, extra, locked = self._svc.snapshot_parts()
+            body, extra, locked = self._svc.snapshots.parts()
             if extra is not None:
                 write_atomic(self._path.with_name(self._path.name + USAGE_SUFFIX), frame(extra))
             data = frame(body)
@@ -242,10 +242,12 @@ class SnapshotWriter:
             self.write()
         except Exception as exc:
             self._metrics.snapshot_failures.inc()
-            self._svc.set_snapshot_failure(f"last snapshot to {self._path} failed: {exc!r}")
+            self._svc.readiness.set_snapshot_failure(
+                f"last snapshot to {self._path} failed: {exc!r}"
+            )
             log.exception("Snapshot to %s failed", self._path)
             return False
-        self._svc.set_snapshot_failure("")
+        self._svc.readiness.set_snapshot_failure("")
         return True
 
     def start(self) -> None:

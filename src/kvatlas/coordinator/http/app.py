@@ -290,15 +290,15 @@ class CoordinatorApp:
         return _json(ChunkSizeBindResponse(bound))
 
     def list_instances(self, request: HttpRequest) -> HttpResponse:
-        return _json(InstancesResponse(self._svc.instances(self._clock())))
+        return _json(InstancesResponse(self._svc.views.instances(self._clock())))
 
     def usage(self, request: HttpRequest) -> HttpResponse:
         """In the pool: it walks the directory's owners."""
-        return _json(self._svc.usage())
+        return _json(self._svc.views.usage())
 
     def instance_usage(self, request: HttpRequest) -> HttpResponse:
         iid = request.path_params["instance_id"]
-        for inst in self._svc.usage().instances:
+        for inst in self._svc.views.usage().instances:
             if inst.instance_id == iid:
                 return _json(inst)
         raise HttpError(404, f"unknown instance {iid!r}")
@@ -315,7 +315,7 @@ class CoordinatorApp:
         except InvalidInput:  # TooLarge included: answered 413
             self._metrics.ingest_batches.labels("invalid", "http").inc()
             raise
-        return _json(self._svc.ingest(batches, self._clock(), proof=_proof(request)))
+        return _json(self._svc.ingest.apply(batches, self._clock(), proof=_proof(request)))
 
     # ---- lookups ---------------------------------------------------------------------
 
@@ -387,12 +387,12 @@ class CoordinatorApp:
             req.model_name, req.world_size, req.kv_rank, req.object_group_id, req.cache_salt
         )
         t0 = time.perf_counter()
-        hashes = self._svc.hash_tokens(tokens)
+        hashes = self._svc.lookups.hash_tokens(tokens)
         marks.append(time.perf_counter())
-        res = self._svc.lookup_hashes(hashes, ns)
+        res = self._svc.lookups.prefix(hashes, ns)
         marks.append(time.perf_counter())
         self._metrics.lookup_seconds.labels("tokens").observe(marks[-1] - t0)
-        holders = holders_wire(res, self._svc.fleet.chunk_size)
+        holders = holders_wire(res, self._svc.state.fleet.chunk_size)
         body = lookup_json(list(map(bytes.hex, hashes)), ns, res, holders)
         marks.append(time.perf_counter())
         return HttpResponse(200, body)
@@ -410,13 +410,13 @@ class CoordinatorApp:
             except ValueError:
                 pass  # the per-key path names the bad key
             else:
-                cols = self._svc.lookup_blob(blob, ns)
+                cols = self._svc.lookups.blob(blob, ns)
                 marks.append(time.perf_counter())
                 self._metrics.lookup_seconds.labels("keys").observe(marks[-1] - t0)
                 body = lookup_json(hexes, ns, cols, [])
                 marks.append(time.perf_counter())
                 return HttpResponse(200, body)
-        results = self._svc.lookup_keys([k.to_core() for k in asked])
+        results = self._svc.lookups.keys([k.to_core() for k in asked])
         marks.append(time.perf_counter())
         self._metrics.lookup_seconds.labels("keys").observe(marks[-1] - t0)
         response = _json(keys_response(results, asked))
@@ -425,7 +425,7 @@ class CoordinatorApp:
 
     def blend_lookup(self, request: HttpRequest) -> HttpResponse:
         """Always in the pool: a blend lookup scans every position of the prompt."""
-        if not self._svc.blend_enabled:
+        if not self._svc.lookups.blend_enabled:
             raise HttpError(404, "blend lookup is disabled; start with --enable-blend-lookup")
         req = _decode(_blend_decoder, request.body)
         raw = _b64_tokens(req.tokens_b64)
@@ -438,7 +438,7 @@ class CoordinatorApp:
             req.model_name, req.world_size, req.kv_rank, req.object_group_id, req.cache_salt
         )
         t0 = time.perf_counter()
-        matches = self._svc.blend_lookup(raw, ns)
+        matches = self._svc.lookups.blend(raw, ns)
         self._metrics.lookup_seconds.labels("blend").observe(time.perf_counter() - t0)
         return _json(
             BlendLookupResponse(
@@ -453,7 +453,7 @@ class CoordinatorApp:
         With an operator token, only its bearer sees the instances' cursors."""
         with_digest = request.query.get("digest", "") in ("1", "true")
         redact = not self._operator.sees_tenants(request)
-        return _json(self._svc.stats(with_digest, redact=redact))
+        return _json(self._svc.views.stats(with_digest, redact=redact))
 
     def keys(self, request: HttpRequest) -> HttpResponse:
         """Every key with its namespace (its ``cache_salt``: a tenant) and hash prefix:
@@ -479,7 +479,7 @@ class CoordinatorApp:
         # ``backend`` alike), as in LMCache.
         instance = q.get("instance") or q.get("instance_id") or None
         return _json(
-            self._svc.keys_page(
+            self._svc.views.keys_page(
                 offset,
                 limit,
                 tier,
@@ -492,7 +492,7 @@ class CoordinatorApp:
         return _json({"status": "healthy"})  # LMCache 0.5.6's body, byte for byte
 
     def readyz(self, request: HttpRequest) -> HttpResponse:
-        ready, reason = self._svc.readiness()
+        ready, reason = self._svc.readiness.status()
         if ready:
             return _json(ReadyResponse(True, ""))
         return _json(ReadyResponse(False, reason), 503)

@@ -174,8 +174,8 @@ class CacheRoutes:
     # ---- helpers ---------------------------------------------------------------------
 
     def _target(self, route: str, instance_id: str) -> ServerTarget:
-        with self._svc.lock:
-            info = self._svc.fleet.membership.get(InstanceId(instance_id))
+        with self._svc.state.lock:
+            info = self._svc.state.fleet.membership.get(InstanceId(instance_id))
         if info is None:
             self._metrics.requests.labels(route, "unknown_instance").inc()
             raise Refused(404, f"no MP server registered with instance_id={instance_id!r}")
@@ -200,7 +200,7 @@ class CacheRoutes:
             check_key_fields(model_name, cache_salt)
         except InvalidInput as exc:
             raise Refused(400, str(exc)) from exc
-        hashes = self._svc.hash_tokens(token_ids)
+        hashes = self._svc.lookups.hash_tokens(token_ids)
         keys = rank_keys(hashes, model_name, world_size, cache_salt)
         return self._across_object_groups(keys), len(hashes)
 
@@ -212,8 +212,8 @@ class CacheRoutes:
             return keys
         first = keys[0]
         ranks = {k.kv_rank for k in keys}
-        d = self._svc.fleet.directory
-        with self._svc.lock:
+        d = self._svc.state.fleet.directory
+        with self._svc.state.lock:
             groups = sorted(
                 {
                     ns.object_group_id
@@ -229,7 +229,7 @@ class CacheRoutes:
         held: set[ObjectKey] = set()
         for g in groups:
             candidates = [msgspec.structs.replace(k, object_group_id=g) for k in keys]
-            with self._svc.lock:
+            with self._svc.state.lock:
                 results = d.lookup_keys(candidates)
             held.update(r.key for r in results if r.placements)
         out: list[ObjectKey] = []

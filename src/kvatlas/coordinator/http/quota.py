@@ -283,7 +283,7 @@ class QuotaRoutes:
         except InvalidInput as exc:
             self._ctl.metrics.operator_refusals.labels("invalid").inc()
             raise Refused(400, str(exc)) from exc
-        hashes = self._svc.hash_tokens(body.token_ids)
+        hashes = self._svc.lookups.hash_tokens(body.token_ids)
         return PinChunks(body.model_name, body.world_size, body.cache_salt, b"".join(hashes), unpin)
 
     def list_pins(self, request: HttpRequest) -> HttpResponse:

@@ -58,16 +58,16 @@ class LocalMembership:
         self._clock = clock
 
     async def register(self, info: InstanceInfo, proof: bytes) -> RegisterOutcome:
-        return self._service.register(info, self._clock(), proof=proof)
+        return self._service.membership.register(info, self._clock(), proof=proof)
 
     async def heartbeat(self, instance_id: InstanceId, proof: bytes) -> bool:
-        return self._service.heartbeat(instance_id, self._clock(), proof=proof)
+        return self._service.membership.heartbeat(instance_id, self._clock(), proof=proof)
 
     async def deregister(self, instance_id: InstanceId, proof: bytes) -> None:
-        self._service.deregister(instance_id, self._clock(), proof=proof)
+        self._service.membership.deregister(instance_id, self._clock(), proof=proof)
 
     async def bind_chunk_size(self, chunk_size: int) -> int:
-        return self._service.bind_chunk_size(chunk_size)
+        return self._service.membership.bind_chunk_size(chunk_size)
 
     def sweep(self) -> None:
-        self._service.expire(self._clock())
+        self._service.expiry.expire(self._clock())

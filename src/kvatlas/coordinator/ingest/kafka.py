@@ -31,7 +31,8 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.metrics import CoordinatorMetrics
-from kvatlas.coordinator.service import CoordinatorService, Position
+from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.coordinator.state.fleet import Position
 from kvatlas.core.errors import CredentialRefused, InvalidInput, OutOfBounds, Unauthenticated
 from kvatlas.wire.kafka_records import (
     MembershipRecord,
@@ -81,7 +82,7 @@ class KafkaIngest:
         """Seconds from start to the end of catch-up (for logs and benchmarks)."""
 
     def start(self) -> None:
-        self._svc.set_not_ready(f"catching up on Kafka topic {self._topic}")
+        self._svc.readiness.set_not_ready(f"catching up on Kafka topic {self._topic}")
         self._thread = threading.Thread(target=self._run, name="kafka-ingest", daemon=True)
         self._thread.start()
 
@@ -115,7 +116,7 @@ class KafkaIngest:
                     return sorted(topic.partitions)
             except KafkaException as exc:
                 log.warning("Kafka metadata for %s unavailable: %s", self._topic, exc)
-            self._svc.set_not_ready(f"waiting for Kafka topic {self._topic}")
+            self._svc.readiness.set_not_ready(f"waiting for Kafka topic {self._topic}")
             self._stop.wait(1.0)
         return []
 
@@ -126,7 +127,7 @@ class KafkaIngest:
             partitions = self._partitions(consumer)
             if not partitions:
                 return
-            stored = dict(self._svc.positions)
+            stored = dict(self._svc.state.positions)
             assignment = []
             for p in partitions:
                 offset = stored.get(position_key(self._topic, p), OFFSET_BEGINNING)
@@ -157,7 +158,7 @@ class KafkaIngest:
             consumer.close()
 
     def _caught_up(self) -> bool:
-        pos = self._svc.positions
+        pos = self._svc.state.positions
         for p, high in self._targets.items():
             at = pos.get(position_key(self._topic, p), 0)
             if at < high and high > 0:
@@ -187,19 +188,19 @@ class KafkaIngest:
             # Caught up: every partition reached the high watermark seen at start, and a
             # fetch came back empty (tansu reports the base offset of a partition's last
             # record batch + 1 as its high watermark, so the watermark alone is early).
-            if not msgs and not self._svc.ready and self._caught_up():
+            if not msgs and not self._svc.readiness.ready and self._caught_up():
                 self.caught_up_after_s = time.perf_counter() - started
                 log.info(
                     "Caught up on Kafka topic %s in %.2f s", self._topic, self.caught_up_after_s
                 )
-                self._svc.set_ready()
+                self._svc.readiness.set_ready()
             now = time.monotonic()
             if now >= next_lag:
                 next_lag = now + _LAG_EVERY_S
                 self._update_lag(consumer, partitions)
 
     def _update_lag(self, consumer: Consumer, partitions: list[int]) -> None:
-        pos = self._svc.positions
+        pos = self._svc.state.positions
         for p in partitions:
             try:
                 _, high = consumer.get_watermark_offsets(
@@ -229,7 +230,9 @@ class KafkaIngest:
             record = decode_record(value, self._cfg.max_batch_entries)
             if isinstance(record, list):
                 proof = decode_proof(headers)
-                self._svc.ingest(record, now, transport="kafka", position=position, proof=proof)
+                self._svc.ingest.apply(
+                    record, now, transport="kafka", position=position, proof=proof
+                )
                 self._metrics.kafka_records.labels("batch").inc()
             elif isinstance(record, UnknownRecord):
                 self._metrics.kafka_records.labels("unknown").inc()
@@ -243,7 +246,7 @@ class KafkaIngest:
                         partition,
                         offset,
                     )
-                self._svc.advance(position)
+                self._svc.state.advance(position)
             else:
                 self._on_membership(record, position)
                 self._metrics.kafka_records.labels("membership").inc()
@@ -255,4 +258,4 @@ class KafkaIngest:
             log.warning(
                 "Skipped undecodable record at partition %d offset %d: %s", partition, offset, exc
             )
-            self._svc.advance(position)
+            self._svc.state.advance(position)

@@ -60,7 +60,8 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from kvatlas.coordinator.config import CoordinatorConfig
 from kvatlas.coordinator.ingest.frontend import Unavailable
-from kvatlas.coordinator.service import CoordinatorService, Position
+from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.coordinator.state.fleet import Position
 from kvatlas.core.coordinator.contract_claims import ContractClaims, claim_key
 from kvatlas.core.coordinator.membership import InstanceInfo, RegisterOutcome
 from kvatlas.core.coordinator.quotas import OperatorOp, OpResult
@@ -199,32 +200,33 @@ class LogMembership:
         cannot decide now."""
         contract = info.contract
         assert contract is not None
-        if not self._svc.ready:
+        if not self._svc.readiness.ready:
             # its view may lack the fleet's registrations: it cannot decide
             raise Unavailable(
                 f"not caught up on Kafka topic {self._topic} yet"
-                f" ({self._svc.not_ready_reason}); register through another replica or retry"
+                f" ({self._svc.readiness.not_ready_reason});"
+                " register through another replica or retry"
             )
-        self._svc.check_contract(info)
+        self._svc.membership.check_contract(info)
         rid = uuid.uuid4().hex
         claim = ContractClaim(rid, self._clock(), info.instance_id, contract)
         try:
             await self._publish_and_wait(claim_key(contract.model_name), claim, rid)
         except ContractMismatch as exc:
-            self._svc.refused_registration(info, exc)
+            self._svc.membership.refused_registration(info, exc)
             raise
 
     async def heartbeat(self, instance_id: InstanceId, proof: bytes) -> bool:
-        if not self._svc.ready:
+        if not self._svc.readiness.ready:
             # Not caught up on the log, this replica may not know an instance that
             # registered elsewhere: a 404 would make it re-register and resync for
             # nothing. A 503 sends it to a replica that is caught up, or back later.
             raise Unavailable(
                 f"not caught up on Kafka topic {self._topic} yet"
-                f" ({self._svc.not_ready_reason}); heartbeat another replica or retry"
+                f" ({self._svc.readiness.not_ready_reason}); heartbeat another replica or retry"
             )
         # Checked here, not where the record applies: a heartbeat only extends a life.
-        if not self._svc.check_heartbeat(instance_id, proof):
+        if not self._svc.membership.check_heartbeat(instance_id, proof):
             return False
         self._publish(instance_id, HeartbeatRecord(instance_id, self._clock()))
         return True
@@ -254,13 +256,13 @@ class LogMembership:
         return result
 
     def sweep(self) -> None:
-        if not self._svc.ready:
+        if not self._svc.readiness.ready:
             return
         now = self._clock()
         for key, at in list(self._expiring.items()):
             if now - at > _REPUBLISH_S:
                 del self._expiring[key]
-        for iid, inc, seen in self._svc.expiry_candidates(now):
+        for iid, inc, seen in self._svc.expiry.candidates(now):
             if (iid, inc, seen) in self._expiring:
                 continue
             self._expiring[(iid, inc, seen)] = now
@@ -283,7 +285,7 @@ class LogMembership:
         svc = self._svc
         if isinstance(record, RegisterRecord):
             try:
-                outcome: object = svc.register(
+                outcome: object = svc.membership.register(
                     record.info,
                     record.at,
                     position,
@@ -295,7 +297,7 @@ class LogMembership:
             self._resolve(record.request_id, outcome)
         elif isinstance(record, ContractClaim):
             verdict = self._claims.decide(record.contract, record.instance_id, record.at)
-            svc.advance(position)
+            svc.state.advance(position)
             if verdict is not None:
                 log.info(
                     "Contract claim of instance %s for model %r refused (a claim read"
@@ -304,17 +306,17 @@ class LogMembership:
                 )  # fmt: skip
             self._resolve(record.request_id, verdict)
         elif isinstance(record, HeartbeatRecord):
-            svc.heartbeat(record.instance_id, record.at, position)
+            svc.membership.heartbeat(record.instance_id, record.at, position)
         elif isinstance(record, DeregisterRecord):
             try:
-                svc.deregister(record.instance_id, record.at, position, record.proof)
+                svc.membership.deregister(record.instance_id, record.at, position, record.proof)
                 result: object = None
             except InvalidInput as exc:
                 result = exc
             self._resolve(record.request_id, result)
         elif isinstance(record, ChunkSizeRecord):
             try:
-                bound: object = svc.bind_chunk_size(record.chunk_size, position)
+                bound: object = svc.membership.bind_chunk_size(record.chunk_size, position)
             except InvalidInput as exc:
                 bound = exc
             self._resolve(record.request_id, bound)
@@ -322,8 +324,10 @@ class LogMembership:
             if self._on_operator is not None:
                 self._resolve(record.request_id, self._on_operator(record.op, position))
             else:
-                svc.advance(position)
+                svc.state.advance(position)
         else:
-            svc.expire_instance(record.instance_id, record.incarnation, record.last_seen, position)
+            svc.expiry.expire_instance(
+                record.instance_id, record.incarnation, record.last_seen, position
+            )
         # By the record's time, so that every replica drops at the same point of the log.
-        svc.expire_departed(record.at)
+        svc.expiry.expire_departed(record.at)

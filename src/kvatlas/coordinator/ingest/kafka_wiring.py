@@ -13,7 +13,8 @@ from kvatlas.coordinator.ingest.kafka import KafkaIngest
 from kvatlas.coordinator.ingest.kafka_membership import LogMembership
 from kvatlas.coordinator.metrics import CoordinatorMetrics
 from kvatlas.coordinator.quota.controller import QuotaController
-from kvatlas.coordinator.service import CoordinatorService, Position
+from kvatlas.coordinator.service import CoordinatorService
+from kvatlas.coordinator.state.fleet import Position
 from kvatlas.core.coordinator.quotas import OperatorOp, OpResult
 
 

@@ -2,7 +2,7 @@
 service's lock.
 
 Owns the `core.quotas.OperatorState` (quotas, the default quota, pins) and the
-`core.salt_usage.SaltUsage` book, both changed only under `CoordinatorService.lock`, so
+`core.salt_usage.SaltUsage` book, both changed only under the fleet lock (`state.fleet`), so
 a snapshot captures them consistent with the fleet state and its Kafka positions:
 
 - `observe(batch)`: the service calls it, under its lock, for every batch it applied
@@ -96,7 +96,7 @@ class QuotaController:
         watermark: float = 1.0,
     ) -> None:
         self._svc = service
-        self._lock = service.lock
+        self._lock = service.state.lock
         self.metrics = metrics
         self._operator_path = operator_path
         self._write_lock = threading.Lock()
@@ -104,14 +104,14 @@ class QuotaController:
         self.usage = usage if usage is not None else SaltUsage()
         self.ratio = ratio
         self.watermark = watermark
-        service.observers.append(self.observe)
-        service.drop_observers.append(self.forget)
-        service.companion = self.capture_usage
+        service.ingest.observers.append(self.observe)
+        service.expiry.drop_observers.append(self.forget)
+        service.snapshots.companion = self.capture_usage
 
     @property
     def ready(self) -> bool:
         """Is the state caught up (the service's readiness: Kafka replicas)?"""
-        return self._svc.ready
+        return self._svc.readiness.ready
 
     # ---- state changes --------------------------------------------------------------
 
@@ -136,8 +136,7 @@ class QuotaController:
             with self._lock:
                 result = self.operator.apply(op, position)
                 capture = self.operator.capture() if self._operator_path else None
-                if position is not None:
-                    self._svc.positions[position[0]] = position[1]
+                self._svc.state.move(position)
             if result.skipped:
                 log.info(
                     "Operator op %s at %s already applied; skipped", type(op).__name__, position
@@ -178,7 +177,7 @@ class QuotaController:
     def l1_bytes_by_salt(self) -> dict[str, int]:
         """L1 bytes per salt, summed from the directory (which fences dead processes'
         L1) in steps, so ingest waits for one step, not for the whole walk."""
-        d = self._svc.fleet.directory
+        d = self._svc.state.fleet.directory
         out: dict[str, int] = {}
         for by_ns in walk(self._lock, d, lambda ids: d.tier_bytes(ids, Tier.L1), _SCAN_STEP):
             for ns, n in by_ns.items():
@@ -239,7 +238,7 @@ class QuotaController:
         the keys it picks, a while for hundreds of thousands of them), so ingest and lookups wait
         for one salt's share, not the sweep's."""
         with self._lock:
-            infos = {i.instance_id: i for i in self._svc.fleet.instances()}
+            infos = {i.instance_id: i for i in self._svc.state.fleet.instances()}
             salts = self.usage.tracked_salts()
         live = sorted(infos)
         plans: list[SaltPlan] = []

@@ -118,7 +118,7 @@ class FleetView:
         try:
             loop = asyncio.get_running_loop()
             now = self._clock()
-            members = await loop.run_in_executor(None, self._svc.instances, now)
+            members = await loop.run_in_executor(None, self._svc.views.instances, now)
             fetched = await self._fetch_all([_url(m) for m in members])
             docs = await loop.run_in_executor(None, self._encode, now, members, fetched)
             self._docs, self._doc_at = docs, time.monotonic()
@@ -177,11 +177,11 @@ class FleetView:
             generated_at=now,
             cache_s=self._cache_s,
             event_transport=self._cfg.event_transport,
-            ready=self._svc.ready,
-            not_ready_reason=self._svc.not_ready_reason,
+            ready=self._svc.readiness.ready,
+            not_ready_reason=self._svc.readiness.not_ready_reason,
             instance_timeout_s=self._cfg.instance_timeout,
             counters=self._metrics.counters(),
-            directory=self._svc.stats(),
+            directory=self._svc.views.stats(),
             members=views,
             quotas=quotas,
         )
@@ -190,7 +190,7 @@ class FleetView:
             return _Documents(full, full)
         fleet = msgspec.structs.replace(
             doc,
-            directory=self._svc.stats(redact=True),
+            directory=self._svc.views.stats(redact=True),
             quotas=None
             if quotas is None
             else msgspec.structs.replace(quotas, salts=[], salts_hidden=True),
