@@ -5,8 +5,9 @@ server's L1 region (its endpoint goes into the registration metadata), the contr
 channel's ROUTER on the listen URL answering ``hello`` / ``lookup_and_lock`` / ``unlock``
 (with the shared token checked when one is set), the controller (peers and adapters)
 and the fetcher (the read path; the composition root plugs it into the engine service
-as its peer source), plus the ``p2p_*`` fields of /status and the P2P metrics. It
-reaches the chunk store only through ``PeerStoreAccess``.
+as its peer source), plus the ``P2PStats`` snapshot (how /status and the metrics show
+each stat is written once in ``p2p.stat_rows``). It reaches the chunk store only through
+``PeerStoreAccess``.
 
 Ports: the control channel binds ``--p2p-listen-url`` and is advertised as
 ``--p2p-advertise-url``; the transport binds what its own config names (tcp: the listen
