@@ -162,7 +162,7 @@ def main() -> None:
         scheduler.shutdown()
 
 
-def call(url: str, ctx: zmq.Context, name: str, args: list[Any]) -> dict[str, Any]:
+def call(url: str, ctx: zmq.Context[Any], name: str, args: list[Any]) -> dict[str, Any]:
     """One operation through this LMCache's own client, as its adapters send it."""
     if name.startswith("server_module"):
         args = [ServerModuleCallRequest(method=args[0], payload=args[1].encode())]
@@ -206,7 +206,7 @@ def lookup(
         if time.monotonic() > deadline:
             raise TimeoutError("lookup result never came")
         time.sleep(0.01)
-    return hit
+    return int(hit)
 
 
 def _tokens(tokens: list[int]) -> dict[str, Any]:

@@ -157,12 +157,12 @@ def test_free_lookup_locks_releases_057s_extra_ranges(svc: LMCacheMPService) -> 
     svc.handle("commit_store", (key(tokens, 0, 2 * CHUNK, "s"), 1, b""))
     svc.handle("lookup", (key(tokens, 0, 2 * CHUNK, "r", None), 1))
     assert svc.handle("query_prefetch_status", ("r",)) == 2
-    assert svc._store.pool.stats().read_leases == 2
+    assert svc.guarded.store.pool.stats().read_leases == 2
     # an empty range of its own, an abandoned lookup's range as an extra one
     svc.handle("free_lookup_locks", (key(tokens, CHUNK, CHUNK, "r"), 1, [(0, CHUNK)]))
-    assert svc._store.pool.stats().read_leases == 1
+    assert svc.guarded.store.pool.stats().read_leases == 1
     svc.handle("free_lookup_locks", (key(tokens, CHUNK, 2 * CHUNK, "r"), 1, []))
-    assert svc._store.pool.stats().read_leases == 0
+    assert svc.guarded.store.pool.stats().read_leases == 0
 
 
 def test_a_hybrid_worker_stores_and_retrieves_each_group_in_its_window(
@@ -199,7 +199,7 @@ def test_a_hybrid_worker_stores_and_retrieves_each_group_in_its_window(
     svc.handle("lookup", (hkey("q", end=2 * CHUNK, worker=None), 1))
     assert svc.handle("query_prefetch_status", ("q",)) == 0
     svc.handle("end_session", ("q",))
-    assert svc._store.pool.stats().read_leases == 0
+    assert svc.guarded.store.pool.stats().read_leases == 0
     with pytest.raises(MpError, match="2 registered"):  # one list per group
         svc.handle("prepare_store", (hkey("t"), 1, [[0]]))
 

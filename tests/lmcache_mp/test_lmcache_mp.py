@@ -21,6 +21,7 @@ from lmcache_mp.driver import QUIET, Driver
 from p2p.cluster import cluster, wait_peers
 from support.launch import launch
 from support.services import ServerProc, start_server_process
+from support.wait import wait_until
 
 pytestmark = pytest.mark.lmcache
 
@@ -133,11 +134,13 @@ def test_p2p_across_two_kvatlas_servers(
                     seg.unlink()  # its KV tensors' segments (it could not unlink them)
             elif fault == "freeze":
                 a.proc.freeze()
-            deadline = time.monotonic() + 20
-            got = b.call("fetch", tokens, "f0")
-            while got["hit"] < 2 and time.monotonic() < deadline:  # A's STOREs in flight
-                time.sleep(0.3)
-                got = b.call("fetch", tokens, f"f{time.monotonic_ns()}")
+            got = wait_until(
+                lambda: b.call("fetch", tokens, f"f{time.monotonic_ns()}"),
+                lambda got: got["hit"] >= 2,
+                what="B fetches both chunks from A",  # A's STOREs are in flight
+                timeout=20,
+                every=0.3,
+            )
             assert got["ok"] and got["hit"] == 2, got
             assert got["digests"] == stored["digests"]
             assert nb.status()["p2p"]["chunks_fetched"] >= 2
@@ -176,15 +179,20 @@ def test_restart_under_a_connected_client(tmp_path: Path, lmcache_venv: Path) ->
         # re-registers the worker's KV (the server's first ping answer is False), a fetch
         # fails or misses (the client recomputes), never anything wrong; then it hits the
         # bytes stored before the kill, without storing them again.
-        deadline = time.monotonic() + 90  # LMCache's heartbeat: every 10 s
-        while True:
-            got = drv.call("fetch", tokens, f"f{time.monotonic_ns()}")
+
+        def fetch() -> dict[str, Any]:
+            got: dict[str, Any] = drv.call("fetch", tokens, f"f{time.monotonic_ns()}")
             if got.get("ok") and got.get("hit"):
                 assert got["digests"] == stored["digests"][: got["hit"]], got
-            if got.get("hit") == 2:
-                break
-            assert time.monotonic() < deadline, got
-            time.sleep(1)
+            return got
+
+        wait_until(
+            fetch,
+            lambda got: got.get("hit") == 2,
+            what="the restarted server serves both chunks it held",
+            timeout=90,  # LMCache's heartbeat: every 10 s
+            every=1,
+        )
         assert "L1 warm start" in srv.text()
     finally:
         drv.close()

@@ -84,11 +84,13 @@ def test_p2p_serves_a_tenant_only_its_own_chunks(tmp_path: Path, lmcache_venv: P
             assert b.call("fetch", tokens, "f-b", salt=TENANT_B)["hit"] == 0
             assert b.call("fetch", tokens, "f-none")["hit"] == 0
             assert nb.status()["p2p"]["chunks_fetched"] == 0
-            deadline = time.monotonic() + 20
-            got = b.call("fetch", tokens, "f-a", salt=TENANT_A)
-            while got["hit"] < 2 and time.monotonic() < deadline:
-                time.sleep(0.3)
-                got = b.call("fetch", tokens, f"f-a{time.monotonic_ns()}", salt=TENANT_A)
+            got = wait_until(
+                lambda: b.call("fetch", tokens, f"f-a{time.monotonic_ns()}", salt=TENANT_A),
+                lambda got: got["hit"] >= 2,
+                what="B fetches A's two chunks under A's salt",
+                timeout=20,
+                every=0.3,
+            )
             assert got["ok"] and got["hit"] == 2 and got["digests"] == stored["digests"], got
             assert nb.status()["p2p"]["chunks_fetched"] >= 2
             assert b.call("fetch", tokens, "f-b2", salt=TENANT_B)["hit"] == 0

@@ -22,6 +22,7 @@ from kvatlas.server.lmcache_mp.transport import LMCacheMPHandler
 from kvatlas.server.lmcache_mp.wire import EngineDrivenRegistration, IPCKey
 from kvatlas.server.storage.chunkstore import ChunkStore
 from kvatlas.server.storage.guarded import GuardedStore
+from support.wait import wait_until
 
 CHUNK = 16
 enc = msgspec.msgpack.encode
@@ -59,13 +60,14 @@ def register(svc: LMCacheMPService, iid: int = 1) -> dict[str, object]:
 
 def test_engine_driven_store_lookup_retrieve(svc: LMCacheMPService) -> None:
     pool = register(svc)
-    assert pool == {"shm_name": svc._store.region.name, "pool_size": 1 << 20, "null_block_id": 0}
+    region_name = svc.guarded.store.region.name
+    assert pool == {"shm_name": region_name, "pool_size": 1 << 20, "null_block_id": 0}
     tokens = list(range(40))  # 2 full chunks
     prep = svc.handle("prepare_store", (key(tokens, 0, 32, "s"), 1))
     slots = prep["context"]["slots"]
     assert prep["context"]["chunk_indices"] == [0, 1]
     assert slots[0]["shape"] == [2, 2, CHUNK, 8] and slots[0]["dtype"] == "float16"
-    region = svc._store.region.array
+    region = svc.guarded.store.region.array
     data = np.random.default_rng(0).integers(0, 256, (2, slots[0]["length"]), dtype=np.uint8)
     for s, d in zip(slots, data, strict=True):  # the worker writes the slots itself
         region[s["offset"] : s["offset"] + s["length"]] = d
@@ -75,19 +77,19 @@ def test_engine_driven_store_lookup_retrieve(svc: LMCacheMPService) -> None:
     assert again["context"] == {"slots": [], "chunk_indices": []}
     svc.handle("lookup", (key(tokens, 0, 32, "r", None), 1))
     assert svc.handle("query_prefetch_status", ("r",)) == 2
-    assert svc._store.pool.stats().read_leases == 2  # held for the retrieve
+    assert svc.guarded.store.pool.stats().read_leases == 2  # held for the retrieve
     got = svc.handle("prepare_retrieve", (key(tokens, 0, 32, "r"), 1))
     assert got["success"]
     for s, d in zip(got["context"]["slots"], data, strict=True):
         assert bytes(region[s["offset"] : s["offset"] + s["length"]]) == d.tobytes()
     assert svc.handle("commit_retrieve", (key(tokens, 0, 32, "r"), 1)) is True
     svc.handle("end_session", ("r",))
-    assert svc._store.pool.stats().read_leases == 0
+    assert svc.guarded.store.pool.stats().read_leases == 0
     assert svc.handle("query_prefetch_status", ("gone",)) == 0  # as LMCache answers
     # free_lookup_locks releases what a lookup held
     svc.handle("lookup", (key(tokens, 0, 32, "q", None), 1))
     svc.handle("free_lookup_locks", (key(tokens, 0, 32, "q", None), 1))
-    assert svc._store.pool.stats().read_leases == 0
+    assert svc.guarded.store.pool.stats().read_leases == 0
     # clear deletes the model's unlocked chunks
     svc.handle("clear", (False,))
     svc.handle("lookup", (key(tokens, 0, 32, "c", None), 1))
@@ -100,20 +102,17 @@ def test_a_stores_checksums_are_settled_after_its_commit(svc: LMCacheMPService) 
     register(svc)
     tokens = list(range(48))  # 3 full chunks
     prep = svc.handle("prepare_store", (key(tokens, 0, 48, "h"), 1))
-    region = svc._store.region.array
+    region = svc.guarded.store.region.array
     written = []
     for i, s in enumerate(prep["context"]["slots"]):
         d = np.random.default_rng(10 + i).integers(0, 256, s["length"], dtype=np.uint8)
         region[s["offset"] : s["offset"] + s["length"]] = d
         written.append((s["offset"], checksum(d.tobytes())))
     assert svc.handle("commit_store", (key(tokens, 0, 48, "h"), 1, b"")) is True
-    deadline = time.monotonic() + 30
-    while svc.unhashed_chunks and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert svc.unhashed_chunks == 0
+    wait_until(lambda: svc.unhashed_chunks, lambda n: n == 0, what="every chunk hashed", timeout=30)
     text = generate_latest(collector_registry(LMCacheMPHandler(svc))).decode()
     assert 'kvatlas_server_lmcache_unhashed_chunks{instance_id="mp-test"} 0.0' in text
-    by_offset = {info.offset: info.checksum for info in svc._store.pool.slots()}
+    by_offset = {info.offset: info.checksum for info in svc.guarded.store.pool.slots()}
     assert [by_offset[off] for off, _ in written] == [digest for _, digest in written]
 
 
@@ -125,13 +124,12 @@ def test_checksums_wait_while_a_worker_copies(svc: LMCacheMPService) -> None:
     svc.handle("prepare_store", (key(first, 0, 16, "a"), 1))
     assert svc.handle("commit_store", (key(first, 0, 16, "a"), 1, b"")) is True
     svc.handle("prepare_store", (key(second, 0, 16, "b"), 1))  # the next copy begins
+    # not synchronisation: three quiet periods pass, in which a hash thread that did not
+    # wait for the copy would have hashed the chunk
     time.sleep(3 * hashing.QUIET_S)
     assert svc.unhashed_chunks == 1  # well before MAX_DEFER_S: still waiting
     assert svc.handle("commit_store", (key(second, 0, 16, "b"), 1, b"")) is True
-    deadline = time.monotonic() + 30
-    while svc.unhashed_chunks and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert svc.unhashed_chunks == 0
+    wait_until(lambda: svc.unhashed_chunks, lambda n: n == 0, what="the chunk hashed", timeout=30)
 
 
 def test_pickled_stores_are_refused_and_reservations_undone(svc: LMCacheMPService) -> None:
@@ -140,7 +138,7 @@ def test_pickled_stores_are_refused_and_reservations_undone(svc: LMCacheMPServic
     assert svc.handle("prepare_store", (key(tokens, 0, 16, "p"), 1))["context"]["slots"]
     assert svc.handle("commit_store", (key(tokens, 0, 16, "p"), 1, b"\x80pickle")) is False
     assert svc.refused["pickle_refused"] == 1
-    assert svc._store.pool.stats().write_leases == 0
+    assert svc.guarded.store.pool.stats().write_leases == 0
 
 
 def test_unregistered_workers_and_pings(svc: LMCacheMPService) -> None:
@@ -208,9 +206,9 @@ def test_tensor_parallel_lookup_needs_every_rank(svc: LMCacheMPService) -> None:
     store(1)
     svc.handle("lookup", (tp_key("b", None), 2))
     assert svc.handle("query_prefetch_status", ("b",)) == 1
-    assert svc._store.pool.stats().read_leases == 2  # one per rank
+    assert svc.guarded.store.pool.stats().read_leases == 2  # one per rank
     for worker in (0, 1):
         assert svc.handle("prepare_retrieve", (tp_key("b", worker), worker + 1))["success"]
         svc.handle("commit_retrieve", (tp_key("b", worker), worker + 1))
-    assert svc._store.pool.stats().read_leases == 0
+    assert svc.guarded.store.pool.stats().read_leases == 0
     svc.handle("end_session", ("b",))

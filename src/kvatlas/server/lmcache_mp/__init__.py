@@ -9,12 +9,15 @@ and P2P peers serve. Users keep ``lmcache`` installed beside vLLM and replace on
 server process.
 
 Modules: ``wire`` (framing, payloads, replies, the supported versions), ``service``
-(dispatch, management, lookups), ``transfers`` (both transfer modes), ``core`` (the
-workers, contracts and keys they share, over the shared ``GuardedStore``), ``hashing``
-(the checksums of committed chunks, computed while the workers are quiet), ``sessions``
-(lookups and their read leases), ``cpu_kv`` (a worker's CPU KV mapped from POSIX SHM), ``cuda_kv``
-(a worker's GPU KV from CUDA IPC handles), ``transport`` (the engine API's ROUTER hands
-LMCache-framed requests here) and ``metrics``.
+(composes the parts below and dispatches to them), ``workers`` (registered workers,
+their contracts and hybrid KV groups), ``store_side`` (every change to the shared
+``GuardedStore``, under its lock), ``lookups`` (lookups, P2P prefetch), ``sessions``
+(each request's lookup result and read leases), ``transfers`` (both transfer modes and
+(un)registration), ``management`` (chunk size, heartbeats, plug-in calls, clear),
+``core`` (identity, ``MpError``, chunk keys), ``hashing`` (the checksums of committed
+chunks, computed while the workers are quiet), ``cpu_kv`` (a worker's CPU KV mapped
+from POSIX SHM), ``cuda_kv`` (a worker's GPU KV from CUDA IPC handles), ``transport``
+(the engine API's ROUTER hands LMCache-framed requests here) and ``metrics``.
 
 Transfer modes:
 

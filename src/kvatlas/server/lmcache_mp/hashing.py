@@ -1,6 +1,6 @@
 """Checksums of the chunks LMCache workers commit, computed in the server's quiet time.
 
-Both transfer modes commit a chunk before its checksum (``MpCore._commit_unhashed``):
+Both transfer modes commit a chunk before its checksum (``StoreSide.commit``):
 hashing tens of MiB would sit in the store's latency, and a local retrieve needs none.
 ``QuietHasher`` computes them afterwards, but only while no LMCache request is being
 served and no engine-driven transfer is open between its prepare and its commit: on a
@@ -15,7 +15,7 @@ hashed anyway (a server never quiet still gets its checksums), and a reader that
 one sooner computes it itself: a demotion to L2, a kvatlas engine's lookup, a peer's
 ``lookup_and_lock`` (``GuardedStore.settle_unhashed``).
 
-Must not: decide what is committed (``core``, ``transfers``), or hold the store's lock
+Must not: decide what is committed (``store_side``, ``transfers``), or hold the store's lock
 while hashing.
 """
 
