@@ -230,7 +230,7 @@ def start_coordinator(target: str, log_dir: Path) -> tuple[Proc, str]:
                     health_urls=(f"{url}/instances",))  # fmt: skip
     else:
         argv = [sys.executable, "-m", "kvatlas.cli.coordinator", "--host", HOST,
-                "--port", str(port), "--snapshot-interval", "0"]  # fmt: skip
+                "--port", str(port), "--snapshot-interval-s", "0"]  # fmt: skip
         proc = Proc(name=f"{target}-coordinator", argv=argv, env=kvatlas_env(), cwd=ROOT,
                     log=log_dir / f"{target}-coordinator.log",
                     health_urls=(f"{url}/healthz",), stop_signal=signal.SIGTERM)  # fmt: skip

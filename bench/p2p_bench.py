@@ -402,7 +402,7 @@ def bench_lock_rtt(iterations: int) -> dict[str, Any]:
 
 def bench_death_to_fallback(repeats: int) -> dict[str, Any]:
     samples = []
-    slow_owner = (("--p2p-fault-read-delay", "0.05"),)
+    slow_owner = (("--p2p-fault-read-delay-s", "0.05"),)
     for r in range(repeats):
         with Fleet(_fleet_config("tcp", 64.0, server_args=slow_owner)) as fleet:
             fleet.start()

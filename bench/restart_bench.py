@@ -103,7 +103,7 @@ def start_kvatlas(work: Path, l1_gb: float, port: int, http_port: int) -> Proc:
         sys.executable, "-m", "kvatlas.cli.server", "--host", HOST, "--port", str(port),
         "--http-port", str(http_port), "--instance-id", "restart-bench",
         "--state-dir", str(work / "state"), "--l1-size-gb", f"{l1_gb:g}",
-        "--chunk-size", str(CHUNK_TOKENS), "--lease-seconds", "30", "--log-level", "INFO",
+        "--chunk-size", str(CHUNK_TOKENS), "--lease-s", "30", "--log-level", "INFO",
     ]  # fmt: skip
     return Proc("kvatlas-server", argv, work / f"server-{time.monotonic_ns()}.log", http_port)
 

@@ -6,16 +6,16 @@
 Starts two reference engines on the tiny random model as processes of their own
 (``--no-cache``, ``--num-threads`` from ``--engine-threads``, 1) and
 ``kvatlas router --policy round-robin`` in this process in front of them, once per
-``HEALTH:PROBE_TIMEOUT`` setting (``--health-interval`` and ``--probe-timeout``; the
+``HEALTH:PROBE_TIMEOUT`` setting (``--health-interval-s`` and ``--probe-timeout-s``; the
 first is the defaults). Each round: a long stream runs on
 engine A, a request waits behind it for A's first byte, A is frozen with SIGSTOP; then
 measured: SIGSTOP to the waiting request's answer (from engine B,
 retried: B's own time to serve it included), SIGSTOP to the stream's end (its error
 event: the trip itself), and, after SIGCONT, the time until the router sends A
-work again. ``--engine-timeout`` stays at its 600 s default throughout: every figure is
+work again. ``--engine-timeout-s`` stays at its 600 s default throughout: every figure is
 the probe's. The bound to compare with is one health interval plus the probe timeout.
 First, the margin a busy engine has: its ``/metrics`` round trip idle and while it
-serves a long prefill and decode (a probe slower than ``--probe-timeout`` would fail over
+serves a long prefill and decode (a probe slower than ``--probe-timeout-s`` would fail over
 a healthy engine).
 """
 

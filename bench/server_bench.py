@@ -44,10 +44,10 @@ def start_server(state: Path, l1_gb: float, coordinator: str | None) -> tuple[Pr
         sys.executable, "-m", "kvatlas.cli.server", "--host", HOST,
         "--port", str(port), "--http-port", str(http_port), "--instance-id", f"bench-{port}",
         "--l1-size-gb", str(l1_gb), "--state-dir", str(state), "--log-level", "WARNING",
-        "--event-flush-interval", "0.2", "--no-l1-warm-restart",
+        "--event-flush-interval-s", "0.2", "--no-l1-warm-restart",
     ]  # fmt: skip
     if coordinator:
-        args += ["--coordinator-url", coordinator, "--coordinator-heartbeat-interval", "1"]
+        args += ["--coordinator-url", coordinator, "--coordinator-heartbeat-interval-s", "1"]
     return launch(args, name="server", http_port=http_port), port, http_port
 
 

@@ -20,8 +20,8 @@ def test_defaults_and_flags_reach_the_deadline_policy() -> None:
     assert p2p.deadline_policy == DeadlinePolicy()
     assert DeadlinePolicy() == DeadlinePolicy(0.025, 4.0, 0.1, 4.0)
     flags = [
-        "--p2p-lock-deadline-floor", "0.01", "--p2p-lock-deadline-factor", "6",
-        "--p2p-lock-deadline-prior", "0.3", "--p2p-load-deadline-factor", "2.5",
+        "--p2p-lock-deadline-floor-s", "0.01", "--p2p-lock-deadline-factor", "6",
+        "--p2p-lock-deadline-prior-s", "0.3", "--p2p-load-deadline-factor", "2.5",
     ]  # fmt: skip
     p2p = config_from_args(build_parser().parse_args([*BASE, *flags]), {}).p2p
     assert p2p.deadline_policy == DeadlinePolicy(0.01, 6.0, 0.3, 2.5)
@@ -30,13 +30,13 @@ def test_defaults_and_flags_reach_the_deadline_policy() -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--p2p-lock-deadline-floor", "0"], "--p2p-lock-deadline-floor must be positive"),
-        (["--p2p-lock-deadline-prior", "-1"], "--p2p-lock-deadline-prior must be positive"),
+        (["--p2p-lock-deadline-floor-s", "0"], "--p2p-lock-deadline-floor-s must be positive"),
+        (["--p2p-lock-deadline-prior-s", "-1"], "--p2p-lock-deadline-prior-s must be positive"),
         (["--p2p-lock-deadline-factor", "0.5"], "--p2p-lock-deadline-factor must be >= 1"),
         (["--p2p-load-deadline-factor", "nan"], "--p2p-load-deadline-factor must be >= 1"),
         (
-            ["--p2p-lock-deadline-prior", "5", "--p2p-lookup-timeout", "2"],
-            "--p2p-lock-deadline-prior .5.0. must not exceed --p2p-lookup-timeout",
+            ["--p2p-lock-deadline-prior-s", "5", "--p2p-lookup-timeout-s", "2"],
+            "--p2p-lock-deadline-prior-s .5.0. must not exceed --p2p-lookup-timeout-s",
         ),
     ],
 )

@@ -12,6 +12,7 @@ import pytest
 from kvatlas.cli.coordinator import config_from_args as coordinator_config
 from kvatlas.cli.server import build_parser, config_from_args
 from kvatlas.core.errors import ConfigError
+from kvatlas.core.types import InstanceId
 from kvatlas.server.config import EventConfig, KafkaConfig, ServerConfig
 
 KAFKA = ["--instance-id", "node-a", "--coordinator-url", "http://127.0.0.1:9300"]
@@ -35,7 +36,7 @@ def test_kafka_partitioner_flag_reaches_the_config() -> None:
 
 def test_an_empty_partitioner_is_refused_naming_the_flag() -> None:
     config = ServerConfig(
-        "node-a",
+        InstanceId("node-a"),
         events=EventConfig(transport="kafka", kafka=KafkaConfig("h:1", partitioner="")),
     )
     with pytest.raises(ConfigError, match="--kafka-partitioner"):

@@ -7,11 +7,11 @@ the one place that does) nor build anything.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from kvatlas.coordinator.host.cpu_latency import NO_LIMIT_US
-from kvatlas.coordinator.vllm.sources import VllmSource
+from kvatlas.coordinator.vllm.sources import VllmSource, parse_sources
 from kvatlas.core.coordinator.fleet import DEFAULT_L2_RETENTION
 from kvatlas.core.credentials import (
     DEFAULT_MAX_INCARNATION_AHEAD_S,
@@ -19,6 +19,7 @@ from kvatlas.core.credentials import (
     Bounds,
 )
 from kvatlas.core.errors import ConfigError
+from kvatlas.runtime.flag_spec import cli_flag
 from kvatlas.wire.kafka_records import DEFAULT_PARTITIONER, DEFAULT_TOPIC
 
 EventTransport = Literal["http", "kafka"]
@@ -26,17 +27,23 @@ EventTransport = Literal["http", "kafka"]
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
-    """Everything `kvatlas coordinator` can be told."""
+    """Everything `kvatlas coordinator` can be told: each field is a flag, its docstring the
+    flag's help (`kvatlas.cli.flags`)."""
 
     host: str = "0.0.0.0"
     """Address the HTTP API binds (`--host`)."""
     port: int = 9300
     """TCP port of the HTTP API (`--port`); 0 picks a free one (tests)."""
-    instance_timeout: float = 30.0
+    instance_timeout: float = field(
+        default=30.0, metadata=cli_flag("--instance-timeout-s", compat=("--instance-timeout",))
+    )
     """Seconds without a heartbeat after which an instance expires and its L1 slice is
-    fenced (`--instance-timeout`)."""
-    health_check_interval: float = 5.0
-    """Seconds between expiry sweeps (`--health-check-interval`)."""
+    fenced (`--instance-timeout-s`)."""
+    health_check_interval: float = field(
+        default=5.0,
+        metadata=cli_flag("--health-check-interval-s", compat=("--health-check-interval",)),
+    )
+    """Seconds between expiry sweeps (`--health-check-interval-s`)."""
     chunk_size: int = 256
     """Tokens per chunk of the fleet's hash contract (`--chunk-size`)."""
     enable_blend_lookup: bool = False
@@ -67,10 +74,13 @@ class CoordinatorConfig:
     snapshot_path: str = ""
     """File the state is snapshotted to and restored from; empty: no snapshots
     (`--snapshot-path`)."""
-    snapshot_interval: float = 60.0
+    snapshot_interval: float = field(
+        default=60.0,
+        metadata=cli_flag("--snapshot-interval-s", deprecated=("--snapshot-interval",)),
+    )
     """Seconds between periodic snapshots; 0: only at clean shutdown
-    (`--snapshot-interval`)."""
-    auth_token: str = ""
+    (`--snapshot-interval-s`)."""
+    auth_token: str = field(default="", metadata=cli_flag("--auth-token", custom=True))
     """Shared token; when set every endpoint but /healthz needs `Authorization: Bearer
     <token>` (`--auth-token` or `KVATLAS_AUTH_TOKEN`)."""
     require_instance_credentials: bool = False
@@ -84,12 +94,14 @@ class CoordinatorConfig:
     max_incarnation_ahead_s: float = DEFAULT_MAX_INCARNATION_AHEAD_S
     """Seconds an incarnation (a process start time) may be ahead of this coordinator's
     clock (`--max-incarnation-ahead-s`); further: 400."""
-    operator_token: str = ""
+    operator_token: str = field(default="", metadata=cli_flag("--operator-token-file", custom=True))
     """The operator's token (`--operator-token-file` or `KVATLAS_OPERATOR_TOKEN`): when
     set, it admits like the shared token, and only requests bearing it see each
     instance's cursor incarnation and last seq in `/directory/stats` (null for the rest,
     and in the fleet page's document)."""
-    tenant_names: tuple[tuple[str, str], ...] = ()
+    tenant_names: tuple[tuple[str, str], ...] = field(
+        default=(), metadata=cli_flag("--tenants", custom=True)
+    )
     """``(cache_salt, what it belongs to)`` pairs, ``tenant:ID`` or ``shared:NAME``, derived
     from the router's tenants file (`--tenants`, read by `kvatlas.cli.coordinator`): the
     fleet page labels each salt's row with its tenant, for the operator only; a salt not
@@ -137,9 +149,12 @@ class CoordinatorConfig:
     min_body_rate: float = 16 * 1024
     """Bytes per second a body must arrive at, per window (`--min-body-rate`); slower:
     408 and the connection closed."""
-    eviction_check_interval: float = 5.0
+    eviction_check_interval: float = field(
+        default=5.0,
+        metadata=cli_flag("--eviction-check-interval-s", compat=("--eviction-check-interval",)),
+    )
     """Seconds between sweeps of the fleet L2 eviction loop, which keeps each
-    ``cache_salt`` under its quota (`--eviction-check-interval`); 0: no loop."""
+    ``cache_salt`` under its quota (`--eviction-check-interval-s`); 0: no loop."""
     eviction_ratio: float = 0.2
     """Fraction of an over-quota salt's L2 keys (by count, least recently used first)
     one sweep evicts (`--eviction-ratio`); a quota of 0 evicts them all."""
@@ -148,12 +163,20 @@ class CoordinatorConfig:
     (`--trigger-watermark`)."""
     log_level: str = "INFO"
     """Python logging level name (`--log-level`)."""
-    vllm_kv_events: tuple[VllmSource, ...] = ()
+    vllm_kv_events: tuple[VllmSource, ...] = field(
+        default=(),
+        metadata=cli_flag(
+            parse=parse_sources, metavar="ENGINE=tcp://HOST:PORT[,replay=tcp://HOST:PORT,...]"
+        ),
+    )
+    """vLLM engines whose KV events feed the device tier (`--vllm-kv-events`, parsed and
+    checked by `kvatlas.coordinator.vllm.sources`): a vLLM engine's `--kv-events-config`
+    endpoint, options replay=, topic=, dp_size=, block_size= (16), hash= (sha256), seed=
+    (vllm-none-hash), url= (its OpenAI URL, for routers); one per engine."""
     vllm_kv_events_from_members: bool = False
     """Also subscribe to the vLLM KV event sources registered instances advertise
-    (``--vllm-kv-events-from-members``; a server's ``--engine-kv-events``)."""
-    """vLLM engines whose KV events feed the device tier (`--vllm-kv-events`, parsed and
-    checked by `kvatlas.coordinator.vllm.sources`)."""
+    (``--vllm-kv-events-from-members``; a server's ``--engine-kv-events``), dropping them
+    when the server leaves."""
     kv_indexer_api: bool = False
     """Serve the Mooncake KV Indexer RFC routes as NVIDIA Dynamo 1.6.1's standalone
     indexer does (`--kv-indexer-api`: ``/register``, ``/unregister``, ``/workers``,
@@ -166,15 +189,15 @@ class CoordinatorConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
         if not self.instance_timeout > 0:
-            raise ConfigError(f"--instance-timeout must be > 0 s, got {self.instance_timeout}")
+            raise ConfigError(f"--instance-timeout-s must be > 0 s, got {self.instance_timeout}")
         if not self.health_check_interval > 0:
             raise ConfigError(
-                f"--health-check-interval must be > 0 s, got {self.health_check_interval}"
+                f"--health-check-interval-s must be > 0 s, got {self.health_check_interval}"
             )
         if self.health_check_interval > self.instance_timeout:
             raise ConfigError(
-                f"--health-check-interval ({self.health_check_interval} s) must not exceed"
-                f" --instance-timeout ({self.instance_timeout} s), or expiry runs late"
+                f"--health-check-interval-s ({self.health_check_interval} s) must not exceed"
+                f" --instance-timeout-s ({self.instance_timeout} s), or expiry runs late"
             )
         if self.chunk_size <= 0:
             raise ConfigError(f"--chunk-size must be > 0, got {self.chunk_size}")
@@ -194,7 +217,7 @@ class CoordinatorConfig:
         if not self.l2_retention_s >= 0:
             raise ConfigError(f"--l2-retention-s must be >= 0 s, got {self.l2_retention_s}")
         if self.snapshot_interval < 0:
-            raise ConfigError(f"--snapshot-interval must be >= 0 s, got {self.snapshot_interval}")
+            raise ConfigError(f"--snapshot-interval-s must be >= 0 s, got {self.snapshot_interval}")
         for flag, value in (
             ("--max-body-bytes", self.max_body_bytes),
             ("--max-batch-entries", self.max_batch_entries),
@@ -251,7 +274,7 @@ class CoordinatorConfig:
 
         if not self.eviction_check_interval >= 0:
             raise ConfigError(
-                f"--eviction-check-interval must be >= 0 s (0: no loop),"
+                f"--eviction-check-interval-s must be >= 0 s (0: no loop),"
                 f" got {self.eviction_check_interval}"
             )
         if not 0.0 <= self.eviction_ratio <= 1.0:

@@ -252,7 +252,7 @@ class EngineCore:
             self.connector.observe_prefill(pre.prefilled_tokens, pre.prefill_s)
         log.info("warm-up prefill of %d tokens took %.0f ms", len(ids), pre.prefill_s * 1000)
         # the /tokenize copy's first chat template is compiled here, not in a router's
-        # first request (which waits for it only --lookup-timeout)
+        # first request (which waits for it only --lookup-timeout-s)
         self.tokenize(lambda tok: tok.apply_chat_template([{"role": "user", "content": "hi"}]))
 
     def generate(

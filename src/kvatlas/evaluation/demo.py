@@ -196,7 +196,7 @@ def run_demo(cfg: DemoConfig, say: Say) -> DemoResult:
         if cfg.router:
             # the demo shows decisions, not latency: a loaded machine must not turn a
             # slow lookup into "routed by load"
-            first = second = fleet.start_router(cfg.router_policy, ("--lookup-timeout", "10"))
+            first = second = fleet.start_router(cfg.router_policy, ("--lookup-timeout-s", "10"))
             fleet.wait_router_engines(first, len(urls), 30.0)
             say(f"router ({cfg.router_policy}) on {first} sees both engines")
         with httpx.Client(timeout=600.0) as http:

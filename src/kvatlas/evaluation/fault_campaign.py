@@ -64,7 +64,7 @@ class FaultsConfig:
     recover_timeout_s: float = 30.0
     """Give up waiting for a whole fleet after this long (the fault then fails)."""
     slow_read_delay_s: float = 0.3
-    """``--p2p-fault-read-delay`` of the slow peer."""
+    """``--p2p-fault-read-delay-s`` of the slow peer."""
     target_ms: float = 100.0
     """The latency target of a local hit or miss, and the floor of a P2P lookup's bound."""
     recompute_s_per_token: float = 0.005

@@ -110,7 +110,7 @@ def _frozen_engine_md(c: Mapping[str, Any]) -> list[str]:
         f"## {FROZEN_ENGINE}: {'PASS' if c['passed'] else 'FAIL'}",
         "",
         f"{c['description']}: {c['clients']} clients, probes every {c['health_interval_s']} s"
-        f" with a {c['probe_timeout_s']} s timeout, `--engine-timeout` 600 s.",
+        f" with a {c['probe_timeout_s']} s timeout, `--engine-timeout-s` 600 s.",
         f"Frozen engine out of rotation {at('out')} after the freeze; thawed at {at('thaw')};"
         f" back in rotation at {at('back')}.",
         "",

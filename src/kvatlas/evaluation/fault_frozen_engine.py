@@ -3,7 +3,7 @@
 Owns the case as an operator meets it: a fleet of its own (a coordinator, two cache
 servers, one reference engine in front of each on ``tiny-random``, one torch thread),
 ``kvatlas router`` in front (``round-robin``, so half the requests go to the engine that
-freezes; ``--engine-timeout`` left at 600 s; probes every ``HEALTH_S`` with a
+freezes; ``--engine-timeout-s`` left at 600 s; probes every ``HEALTH_S`` with a
 ``PROBE_TIMEOUT_S`` timeout) and ``CLIENTS`` clients sending requests one after another
 (every third a stream). After ``BEFORE_S`` of load engine 0 is frozen with SIGSTOP (its
 sockets stay open, nothing answers), thawed with SIGCONT after the hold, and the load
@@ -113,8 +113,8 @@ def run_frozen_engine(cfg: FrozenEngineConfig, say: Say) -> dict[str, Any]:
         urls = fleet.start_engines("tiny-random", ("--num-threads", "1"))
         router = fleet.start_router(
             "round-robin",
-            ("--health-interval", str(HEALTH_S), "--probe-timeout", str(PROBE_TIMEOUT_S),
-             "--refresh-interval", "0.5", "--seed", "1"),
+            ("--health-interval-s", str(HEALTH_S), "--probe-timeout-s", str(PROBE_TIMEOUT_S),
+             "--refresh-interval-s", "0.5", "--seed", "1"),
         )  # fmt: skip
         fleet.wait_router_engines(router, len(urls), 60.0)
         victim = _engine_proc(fleet, "engine-0")

@@ -109,7 +109,7 @@ def fault_table(cfg: FaultsConfig) -> dict[str, Fault]:
         Fault("server_freeze", "SIGSTOP of a server, then SIGCONT", "server", _freeze_server,
               _thaw_server),
         Fault("slow_peer", f"a peer that serves every read {delay} s late", "server",
-              _faulty_victim("--p2p-fault-read-delay", delay, reads_from_victim=True),
+              _faulty_victim("--p2p-fault-read-delay-s", delay, reads_from_victim=True),
               _healthy_victim, 2.0),
         Fault("corrupt_peer", "a corrupted transfer: a flipped byte lands in a server's"
               " first read from a peer", "server",

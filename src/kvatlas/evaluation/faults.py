@@ -10,7 +10,7 @@ time, with the fleet made whole again between them:
 
 - ``server_kill``: SIGKILL of a server; restarted (a new incarnation) after the hold;
 - ``server_freeze``: SIGSTOP of a server, SIGCONT after the hold;
-- ``slow_peer``: a server restarted with ``--p2p-fault-read-delay`` (every read it serves
+- ``slow_peer``: a server restarted with ``--p2p-fault-read-delay-s`` (every read it serves
   is late), restarted without it after the hold; each survivor is made to read a fresh
   prompt from it, so the fault is met whatever the stream needs;
 - ``corrupt_peer``: a server restarted with ``--p2p-fault-corrupt-read 1`` (a byte of

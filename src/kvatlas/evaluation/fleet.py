@@ -76,9 +76,9 @@ class FleetConfig:
     p2p_transfer_engine: str = "tcp"
     """``--p2p-transfer-engine``."""
     p2p_lookup_timeout_s: float = 0.5
-    """``--p2p-lookup-timeout``."""
+    """``--p2p-lookup-timeout-s``."""
     p2p_load_timeout_s: float = 2.0
-    """``--p2p-load-timeout``."""
+    """``--p2p-load-timeout-s``."""
     engine_workers: int = 2
     """Engine API threads per server (the machine may have few cores)."""
     snapshot: bool = True
@@ -166,14 +166,19 @@ class Fleet:
         name = "coordinator" if i == 0 else f"coordinator-{i}"
         (port,) = self._free_ports(1)
         snapshot = (
-            ["--snapshot-path", str(self.workdir / f"{name}.snapshot"), "--snapshot-interval", "0"]
+            [
+                "--snapshot-path",
+                str(self.workdir / f"{name}.snapshot"),
+                "--snapshot-interval-s",
+                "0",
+            ]
             if cfg.snapshot
             else []
         )
         args = [
             "-m", "kvatlas.cli.coordinator", "--host", HOST, "--port", str(port),
-            "--instance-timeout", str(cfg.instance_timeout_s),
-            "--health-check-interval", str(cfg.health_check_interval_s),
+            "--instance-timeout-s", str(cfg.instance_timeout_s),
+            "--health-check-interval-s", str(cfg.health_check_interval_s),
             "--chunk-size", str(cfg.chunk_size), "--log-level", cfg.log_level, *snapshot,
             *self._kafka_args(),
         ]  # fmt: skip
@@ -205,9 +210,9 @@ class Fleet:
             "--engine-workers", str(c.engine_workers),
             "--state-dir", str(self.workdir / "state"),
             "--coordinator-url", self.coordinator_url,
-            "--coordinator-heartbeat-interval", str(c.heartbeat_interval_s),
-            "--coordinator-timeout", "2.0",
-            "--event-flush-interval", str(c.event_flush_interval_s),
+            "--coordinator-heartbeat-interval-s", str(c.heartbeat_interval_s),
+            "--coordinator-timeout-s", "2.0",
+            "--event-flush-interval-s", str(c.event_flush_interval_s),
             "--event-buffer-batches", str(c.event_buffer_batches),
             "--log-level", c.log_level, *self._kafka_args(),
         ]  # fmt: skip
@@ -215,8 +220,8 @@ class Fleet:
             args += [
                 "--p2p-advertise-url", f"{HOST}:{p2p_port}",
                 "--p2p-transfer-engine", c.p2p_transfer_engine,
-                "--p2p-lookup-timeout", str(c.p2p_lookup_timeout_s),
-                "--p2p-load-timeout", str(c.p2p_load_timeout_s),
+                "--p2p-lookup-timeout-s", str(c.p2p_lookup_timeout_s),
+                "--p2p-load-timeout-s", str(c.p2p_load_timeout_s),
             ]  # fmt: skip
         if i < len(c.server_args):
             args += c.server_args[i]

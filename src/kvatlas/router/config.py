@@ -1,7 +1,8 @@
 """The router's configuration: frozen data, validated once at startup.
 
 Owns the shape, defaults and validation of ``kvatlas router``'s settings; read from flags
-and environment in exactly one place (``kvatlas.cli.router``). Must not: read flags, the
+and environment in exactly one place (``kvatlas.cli.router``); each field is a flag, its
+docstring the flag's help (``kvatlas.runtime.flag_spec``). Must not: read flags, the
 environment or files itself. Validation messages name the flag to change.
 """
 
@@ -13,6 +14,7 @@ from urllib.parse import urlsplit
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.keys import DEFAULT_CHUNK_SIZE
 from kvatlas.router.policy import POLICIES, Policy, Weights
+from kvatlas.runtime.flag_spec import cli_flag, section
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +25,10 @@ class StaticEngine:
     instance_id: str
 
 
+def _parse_engines(specs: list[str]) -> tuple[StaticEngine, ...]:
+    return tuple(parse_engine(s) for s in specs)
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     """Everything ``kvatlas router`` needs to start."""
@@ -31,29 +37,40 @@ class RouterConfig:
     """Interface of the router's HTTP server (``--host``)."""
     port: int = 8080
     """Port of the router's HTTP server (``--port``)."""
-    coordinator_urls: tuple[str, ...] = ()
+    coordinator_urls: tuple[str, ...] = field(
+        default=(), metadata=cli_flag("--coordinator-url", custom=True)
+    )
     """The coordinator's replicas, in order of preference (``--coordinator-url``, repeated
     or comma-separated): discovery and prefix lookups; empty: only ``--engine`` engines,
     routed by load."""
-    engines: tuple[StaticEngine, ...] = ()
-    """Engines given on the command line (``--engine URL=CACHE_INSTANCE_ID``)."""
+    engines: tuple[StaticEngine, ...] = field(
+        default=(),
+        metadata=cli_flag("--engine", parse=_parse_engines, metavar="URL=CACHE_INSTANCE_ID"),
+    )
+    """Engines given on the command line: an engine's OpenAI URL and the cache instance (as
+    the coordinator knows it) that holds its KV (``--engine URL=CACHE_INSTANCE_ID``), one
+    flag per engine."""
     policy: Policy = "kv-p2p"
     """How an engine is chosen (``--policy``)."""
-    weights: Weights = field(default_factory=Weights)
+    weights: Weights = field(default_factory=Weights, metadata=section("weight-"))
     """The cost model's weights (``--weight-*``)."""
     model_name: str = ""
     """The model name the fleet hashes under (``--model-name``); empty: what the cache
     servers declare in their registration (``models``)."""
-    auth_token: str | None = field(default=None, repr=False)
+    auth_token: str | None = field(
+        default=None, repr=False, metadata=cli_flag("--auth-token", custom=True)
+    )
     """The fleet's shared token (``--auth-token-file``, ...): sent to the coordinator, and
     required of the router's clients on every path but ``/healthz`` and ``/readyz``, in
     ``Authorization`` or ``Proxy-Authorization`` (``auth.RouterGate``)."""
-    operator_token: str = field(default="", repr=False)
+    operator_token: str = field(
+        default="", repr=False, metadata=cli_flag("--operator-token-file", custom=True)
+    )
     """The operator's token (``--operator-token-file`` or ``KVATLAS_OPERATOR_TOKEN``; empty:
     none): it admits to every path, and only a request bearing it is told how it was
     routed (``X-Kvatlas-Route``: cached tokens, tier, reason), unless
     ``expose_route_header``."""
-    tenants_file: str = ""
+    tenants_file: str = field(default="", metadata=cli_flag("--tenants", metavar="FILE"))
     """The tenants file (``--tenants``; empty: no tenants): API keys -> tenants, the fleet
     secret salts are derived under, the client-salt policy and the shared namespaces
     (``kvatlas.core.tenancy``). With it, the OpenAI paths admit a tenant's key (401 for
@@ -63,39 +80,57 @@ class RouterConfig:
     """Send ``X-Kvatlas-Route`` to every client (``--expose-route-header``): for a fleet
     with one trusted user, or debugging. It tells a client whether its prompt is cached,
     where and how much: never on for a fleet whose clients are not one party."""
-    refresh_interval_s: float = 2.0
-    """Seconds between listings of the coordinator's instances (``--refresh-interval``)."""
-    health_interval_s: float = 1.0
-    """Seconds between probes of each engine's ``/metrics`` (``--health-interval``)."""
-    probe_timeout_s: float = 2.0
-    """Seconds a probe waits for an engine's ``/metrics`` (``--probe-timeout``). An engine
+    refresh_interval_s: float = field(
+        default=2.0, metadata=cli_flag(deprecated=("--refresh-interval",))
+    )
+    """Seconds between listings of the coordinator's instances (``--refresh-interval-s``)."""
+    health_interval_s: float = field(
+        default=1.0, metadata=cli_flag(deprecated=("--health-interval",))
+    )
+    """Seconds between probes of each engine's ``/metrics`` (``--health-interval-s``)."""
+    probe_timeout_s: float = field(default=2.0, metadata=cli_flag(deprecated=("--probe-timeout",)))
+    """Seconds a probe waits for an engine's ``/metrics`` (``--probe-timeout-s``). An engine
     that does not answer in time (frozen, or its process stopped) is out: the requests
     none of whose answer went to the client yet are retried on their next choice, and
     its streams end with an error, at most ``health_interval_s + probe_timeout_s`` after
     it stopped answering. A busy engine must answer its probes well within it."""
-    lookup_timeout_s: float = 0.25
-    """Deadline of the per-request tokenize and lookup (``--lookup-timeout``); past it
+    lookup_timeout_s: float = field(
+        default=0.25, metadata=cli_flag(deprecated=("--lookup-timeout",))
+    )
+    """Deadline of the per-request tokenize and lookup (``--lookup-timeout-s``); past it
     the request is routed by load."""
-    coordinator_backoff_s: float = 2.0
+    coordinator_backoff_s: float = field(
+        default=2.0, metadata=cli_flag(deprecated=("--coordinator-backoff",))
+    )
     """After a failed lookup, seconds the router routes by load without asking the
-    coordinator (``--coordinator-backoff``)."""
-    connect_timeout_s: float = 1.0
-    """Connect deadline to an engine (``--engine-connect-timeout``)."""
-    first_byte_timeout_s: float = 600.0
+    coordinator (``--coordinator-backoff-s``)."""
+    connect_timeout_s: float = field(
+        default=1.0,
+        metadata=cli_flag("--engine-connect-timeout-s", deprecated=("--engine-connect-timeout",)),
+    )
+    """Seconds to connect to an engine (``--engine-connect-timeout-s``)."""
+    first_byte_timeout_s: float = field(
+        default=600.0, metadata=cli_flag("--engine-timeout-s", deprecated=("--engine-timeout",))
+    )
     """Seconds to wait for an engine's answer, and between two pieces of a stream
-    (``--engine-timeout``)."""
-    first_byte_floor_s: float = 30.0
-    """The least an engine's first-byte deadline can be (``--first-byte-deadline-floor``):
+    (``--engine-timeout-s``)."""
+    first_byte_floor_s: float = field(
+        default=30.0,
+        metadata=cli_flag(
+            "--first-byte-deadline-floor-s", deprecated=("--first-byte-deadline-floor",)
+        ),
+    )
+    """The least an engine's first-byte deadline can be (``--first-byte-deadline-floor-s``):
     while requests wait on an engine that has shown no sign of progress (a byte of an
     answer, a token counter of its metrics that moved) for longer than its deadline, it
     is out, even if its probe answers (its work is stuck): the requests none of whose
     answer went to the client yet go to their next choice, its streams end with an
     error. The deadline is ``first_byte_factor`` times its recent longest wait for a
-    first byte, at least this, at most ``--engine-timeout`` (``router.firstbyte``)."""
-    first_byte_factor: float = 4.0
+    first byte, at least this, at most ``--engine-timeout-s`` (``router.firstbyte``)."""
+    first_byte_factor: float = field(default=4.0, metadata=cli_flag("--first-byte-deadline-factor"))
     """Times an engine's recent longest wait for a first byte that its first-byte
     deadline allows (``--first-byte-deadline-factor``)."""
-    max_held_answer_bytes: int = 4 << 20
+    max_held_answer_bytes: int = field(default=4 << 20, metadata=cli_flag("--max-held-answer-mb"))
     """The most of a non-streamed answer the router holds before it answers the client
     (``--max-held-answer-mb``, in MiB). An answer up to this size goes to the client
     only once it is whole, so one its engine cuts short is retried on the next choice;
@@ -105,16 +140,16 @@ class RouterConfig:
     """Engines tried per request before answering 502 (``--max-attempts``)."""
     breaker_failures: int = 3
     """Consecutive failures that open an engine's breaker (``--breaker-failures``)."""
-    breaker_open_s: float = 5.0
+    breaker_open_s: float = field(default=5.0, metadata=cli_flag(deprecated=("--breaker-open",)))
     """Seconds an open breaker keeps an engine out before a probe may close it
-    (``--breaker-open``)."""
+    (``--breaker-open-s``)."""
     seed: int | None = None
     """Seed of the ``random`` policy and of tie-breaking (``--seed``)."""
     chunk_size: int = DEFAULT_CHUNK_SIZE
     """Tokens per chunk, the fleet's (``--chunk-size``): the prefixes in flight."""
-    pending_ttl_s: float = 60.0
+    pending_ttl_s: float = field(default=60.0, metadata=cli_flag(deprecated=("--pending-ttl",)))
     """Seconds a prefix just sent to an engine counts as that engine's before the
-    coordinator reports it (``--pending-ttl``)."""
+    coordinator reports it (``--pending-ttl-s``)."""
     tokenizer_verify_every: int = 64
     """With a fast encoder (``--tokenizer``), one prompt in this many is encoded again
     by the tokenizer's own encoder on a thread of its own, after the request was routed,
@@ -160,16 +195,16 @@ class RouterConfig:
             if not value >= 0:
                 raise ConfigError(f"{flag} must not be negative, got {value}")
         for flag, secs in (
-            ("--refresh-interval", self.refresh_interval_s),
-            ("--health-interval", self.health_interval_s),
-            ("--probe-timeout", self.probe_timeout_s),
-            ("--lookup-timeout", self.lookup_timeout_s),
-            ("--coordinator-backoff", self.coordinator_backoff_s),
-            ("--engine-connect-timeout", self.connect_timeout_s),
-            ("--engine-timeout", self.first_byte_timeout_s),
-            ("--breaker-open", self.breaker_open_s),
-            ("--pending-ttl", self.pending_ttl_s),
-            ("--first-byte-deadline-floor", self.first_byte_floor_s),
+            ("--refresh-interval-s", self.refresh_interval_s),
+            ("--health-interval-s", self.health_interval_s),
+            ("--probe-timeout-s", self.probe_timeout_s),
+            ("--lookup-timeout-s", self.lookup_timeout_s),
+            ("--coordinator-backoff-s", self.coordinator_backoff_s),
+            ("--engine-connect-timeout-s", self.connect_timeout_s),
+            ("--engine-timeout-s", self.first_byte_timeout_s),
+            ("--breaker-open-s", self.breaker_open_s),
+            ("--pending-ttl-s", self.pending_ttl_s),
+            ("--first-byte-deadline-floor-s", self.first_byte_floor_s),
         ):
             if not secs > 0:
                 raise ConfigError(f"{flag} must be positive, got {secs}")
@@ -181,7 +216,8 @@ class RouterConfig:
             raise ConfigError(f"--chunk-size must be positive, got {self.chunk_size}")
         if self.max_held_answer_bytes < 1:
             raise ConfigError(
-                f"--max-held-answer-mb must be positive, got {self.max_held_answer_bytes / 2**20:g}"
+                "--max-held-answer-mb must be a positive size in MiB, got"
+                f" {self.max_held_answer_bytes / 2**20:g}"
             )
         if self.max_attempts < 1:
             raise ConfigError(f"--max-attempts must be at least 1, got {self.max_attempts}")

@@ -4,7 +4,7 @@ engine that shows no sign of progress before it is taken out.
 The probe catches an engine whose process stops (its ``/metrics`` stops answering too).
 An engine can also answer its probe while its work is stuck (a hung model thread, a GPU
 that no longer completes kernels): requests sent to it would wait the whole
-``--engine-timeout``. So the router watches, per engine, the last sign of progress: a
+``--engine-timeout-s``. So the router watches, per engine, the last sign of progress: a
 first byte or a stream's piece from it, or, at a probe, a progress counter of its
 metrics that moved (tokens prefilled or generated). While requests wait on it (for a
 first byte or a stream's next piece) and it has shown no progress for longer than its

@@ -4,7 +4,7 @@ end now, not at a timeout.
 An engine that freezes (a stopped process, a stuck GPU) keeps its sockets open: a request
 waiting for its answer (a stream's first event, any other answer whole), or for a
 stream's next piece, would wait the whole
-``--engine-timeout``. The router arms a wire around each such await (``arm``); when the
+``--engine-timeout-s``. The router arms a wire around each such await (``arm``); when the
 probe finds the engine not answering, or its breaker opens, ``trip`` ends the awaits
 armed on it: each raises ``Tripped`` with the cause, and the request is retried on its
 next choice (nothing of its answer went to the client yet) or its stream is ended with

@@ -16,7 +16,7 @@ One `CoordinatorClient` serves every part that talks to the coordinator (registr
 HTTP event sink, P2P controller and fetcher): httpx.Client is thread-safe, so they share
 one keep-alive pool, one list of replica URLs (and the replica in use: when one part's
 request fails over, the others follow) and one token, and their requests keep the one
-timeout they all had (``--coordinator-timeout``, per replica; the fetcher lowers it per
+timeout they all had (``--coordinator-timeout-s``, per replica; the fetcher lowers it per
 lookup to its deadline). A failover is told to the registrar, which registers on the new
 replica, and when the replicas share no log (events over HTTP) resyncs there. The root
 closes the client after the last user, the deregistration.

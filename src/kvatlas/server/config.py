@@ -1,7 +1,8 @@
 """The cache server's configuration: frozen dataclasses, validated once at startup.
 
-Owns the defaults and the consistency rules between settings. It is filled from flags
-and environment in exactly one place (``kvatlas.cli.server``); ``validate()`` raises
+Owns the defaults and the consistency rules between settings. Each field is a flag, its
+docstring the flag's help (``kvatlas.runtime.flag_spec``); it is filled from flags and
+environment in exactly one place (``kvatlas.cli.server``); ``validate()`` raises
 ConfigError with a message that names the flags an operator has to change. Must not:
 read the environment, parse arguments or open anything.
 """
@@ -21,6 +22,8 @@ from kvatlas.core.server.l1pool import MIN_ALIGN_BYTES
 from kvatlas.core.server.peer_timing import DeadlinePolicy
 from kvatlas.core.types import InstanceId
 from kvatlas.core.vllm_hash import DEFAULT_SEED, HASH_ALGOS
+from kvatlas.runtime.flag_spec import cli_flag, from_env, section
+from kvatlas.server.lmcache_mp.wire import LMCACHE_VERSION
 from kvatlas.transfer.config import MooncakeConfig
 from kvatlas.transfer.factory import TRANSPORTS
 from kvatlas.wire.events_api import EventFormat
@@ -44,9 +47,9 @@ def default_state_dir() -> Path:
 class L1Config:
     """The shared-memory L1 tier."""
 
-    size_bytes: int = 1 * GIB
-    """Bytes of the L1 region (``--l1-size-gb``, fractions allowed)."""
-    eviction_policy: str = "LRU"
+    size_bytes: int = field(default=1 * GIB, metadata=cli_flag("--l1-size-gb"))
+    """Size of the L1 region, in GiB on the flag (``--l1-size-gb``, fractions allowed)."""
+    eviction_policy: str = field(default="LRU", metadata=cli_flag("--eviction-policy"))
     """Which READY chunks to evict first (``--eviction-policy``)."""
     align_bytes: int = MIN_ALIGN_BYTES
     """Every slot starts at a multiple of this (``--l1-align-bytes``; a power of two
@@ -59,7 +62,7 @@ class L1Config:
     on): a start with the same instance id and state dir serves the chunks it finds
     there again, each checked against its checksum (``server.storage.l1_journal``).
     Off: a fresh region per start, removed when the server exits."""
-    tenant_min_share: float = 0.0
+    tenant_min_share: float = field(default=0.0, metadata=cli_flag(metavar="FRACTION"))
     """Fraction of L1 each active cache_salt (tenant) is guaranteed against other
     tenants' stores (``--l1-tenant-min-share``, in [0, 1]), cut down to the equal split
     when more tenants are active than the fractions fit: ``min(FRACTION * capacity,
@@ -74,8 +77,14 @@ class L2Config:
 
     path: Path | None = None
     """Directory of the L2 files (``--l2-path``); None disables L2."""
-    size_bytes: int = 0
-    """Byte budget of L2 (``--l2-size-gb``); 0 with a path means 10 GiB."""
+    size_bytes: int = field(default=0, metadata=cli_flag("--l2-size-gb"))
+    """Budget of L2, in GiB on the flag (``--l2-size-gb``, needs ``--l2-path``); 0 with a
+    path means 10 GiB."""
+
+
+def _strip_urls(values: list[str]) -> tuple[str, ...]:
+    """``--engine-url`` values without a trailing slash."""
+    return tuple(u.rstrip("/") for u in values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,23 +93,40 @@ class CoordinatorLink:
     no ``urls`` means it works alone. Not the coordinator's own config
     (``kvatlas.coordinator.config.CoordinatorConfig``)."""
 
-    urls: tuple[str, ...] = ()
+    urls: tuple[str, ...] = field(default=(), metadata=cli_flag("--coordinator-url", custom=True))
     """Base URLs of the coordinator's replicas, in order of preference (``--coordinator-url``,
     repeated or comma-separated); empty: no registration, no events."""
     advertise_ip: str = "127.0.0.1"
     """IP the coordinator and peers use to reach this server (``--coordinator-advertise-ip``)."""
-    heartbeat_interval_s: float = 5.0
-    """Seconds between heartbeats (``--coordinator-heartbeat-interval``)."""
-    request_timeout_s: float = 5.0
-    """Timeout of each request to the coordinator (``--coordinator-timeout``)."""
-    auth_token: str | None = field(default=None, repr=False)
+    heartbeat_interval_s: float = field(
+        default=5.0, metadata=cli_flag(compat=("--coordinator-heartbeat-interval",))
+    )
+    """Seconds between heartbeats (``--coordinator-heartbeat-interval-s``)."""
+    request_timeout_s: float = field(
+        default=5.0,
+        metadata=cli_flag("--coordinator-timeout-s", deprecated=("--coordinator-timeout",)),
+    )
+    """Seconds one request may wait on one coordinator replica before the next is asked
+    (``--coordinator-timeout-s``)."""
+    auth_token: str | None = field(
+        default=None, repr=False, metadata=cli_flag("--auth-token", custom=True)
+    )
     """Sent as ``Authorization: Bearer`` (``--auth-token`` / ``KVATLAS_AUTH_TOKEN``)."""
-    engine_urls: tuple[str, ...] = ()
-    engine_kv_events: tuple[str, ...] = ()
-    """KV event sources of this node's vLLM engines (``--engine-kv-events``), advertised
-    in the registration for a coordinator to subscribe to."""
+    engine_urls: tuple[str, ...] = field(
+        default=(), metadata=cli_flag("--engine-url", parse=_strip_urls, metavar="URL")
+    )
     """OpenAI URLs of this node's engines, advertised in the registration for routers
     (``--engine-url``, repeatable); engines that register may add their own."""
+    engine_kv_events: tuple[str, ...] = field(
+        default=(),
+        metadata=cli_flag(
+            "--engine-kv-events", metavar="[ENGINE=]tcp://HOST:PORT[,replay=tcp://HOST:PORT,...]"
+        ),
+    )
+    """KV event sources of this node's vLLM engines (``--engine-kv-events``: options as
+    the coordinator's ``--vllm-kv-events``, ENGINE defaulting to ``--instance-id``),
+    advertised in the registration for a coordinator started with
+    ``--vllm-kv-events-from-members`` to subscribe to."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,27 +149,30 @@ class EventConfig:
 
     transport: EventTransport = "http"
     """``http`` (POST /events of the coordinator) or ``kafka`` (``--event-transport``)."""
-    http_format: EventFormat = "msgpack"
+    http_format: EventFormat = field(default="msgpack", metadata=cli_flag("--event-format"))
     """Body of POST /events: compact msgpack or LMCache-compatible JSON (``--event-format``)."""
-    flush_interval_s: float = 1.0
-    """Seconds between flushes; each flush cuts batches and sends (``--event-flush-interval``)."""
+    flush_interval_s: float = field(
+        default=1.0, metadata=cli_flag(deprecated=("--event-flush-interval",))
+    )
+    """Seconds between flushes; each flush cuts batches and sends
+    (``--event-flush-interval-s``)."""
     buffer_batches: int = 4096
     """Unsent batches kept for retry; beyond it the oldest are dropped and counted
     (``--event-buffer-batches``)."""
     max_batch_entries: int = 512
     """Entries per batch at most (``--event-max-batch-entries``)."""
-    kafka: KafkaConfig = field(default_factory=KafkaConfig)
+    kafka: KafkaConfig = field(default_factory=KafkaConfig, metadata=section("kafka-"))
 
 
 @dataclass(frozen=True, slots=True)
 class KvEventsConfig:
     """This server's L1/L2 as vLLM KV events (``--kv-events-*``; off by default)."""
 
-    endpoint: str | None = None
+    endpoint: str | None = field(default=None, metadata=cli_flag(metavar="tcp://HOST:PORT"))
     """ZeroMQ PUB socket it binds (``--kv-events-endpoint``, e.g.
     ``tcp://10.0.0.5:5557``, an IPv6 address in brackets; ``tcp://*:5557``, vLLM's
     default, binds every interface)."""
-    replay_endpoint: str | None = None
+    replay_endpoint: str | None = field(default=None, metadata=cli_flag(metavar="tcp://HOST:PORT"))
     """ROUTER socket it binds for replays (``--kv-events-replay-endpoint``)."""
     topic: str = ""
     """Topic of every message (``--kv-events-topic``; vLLM's default is empty)."""
@@ -158,7 +187,7 @@ class KvEventsConfig:
     each chunk is published as ``chunk_size / block_size`` blocks of this many tokens,
     as readers that rehash token ids (NVIDIA Dynamo, llm-d) need. Must divide
     ``--chunk-size``."""
-    hash_algo: str = "sha256"
+    hash_algo: str = field(default="sha256", metadata=cli_flag(metavar="|".join(HASH_ALGOS)))
     """How those blocks are hashed (``--kv-events-hash-algo``): the engines'
     ``--prefix-caching-hash-algo``, vLLM 0.34's default ``sha256``; one of
     ``core.vllm_hash.HASH_ALGOS``."""
@@ -219,36 +248,47 @@ class P2PConfig:
     listen_url: str | None = None
     """``HOST:PORT`` the control channel binds (``--p2p-listen-url``); defaults to the
     advertise URL (bind 0.0.0.0 while advertising a routable address)."""
-    lookup_timeout_s: float = 30.0
+    lookup_timeout_s: float = field(
+        default=30.0, metadata=cli_flag(compat=("--p2p-lookup-timeout",))
+    )
     """Longest a lookup waits for peers' ``lookup_and_lock`` answers
-    (``--p2p-lookup-timeout``); each lock RPC has its own, much shorter, learned deadline
+    (``--p2p-lookup-timeout-s``); each lock RPC has its own, much shorter, learned deadline
     (``core.peer_timing``: the ``lock_deadline_*`` settings)."""
-    load_timeout_s: float = 30.0
-    """Longest wait for a load from a peer (``--p2p-load-timeout``); a peer whose
+    load_timeout_s: float = field(default=30.0, metadata=cli_flag(compat=("--p2p-load-timeout",)))
+    """Longest wait for a load from a peer (``--p2p-load-timeout-s``); a peer whose
     bandwidth is known gets ``load_deadline_factor`` x bytes / bandwidth."""
-    lock_deadline_floor_s: float = 0.025
-    """The least a lock RPC to a peer waits (``--p2p-lock-deadline-floor``)."""
+    lock_deadline_floor_s: float = field(
+        default=0.025, metadata=cli_flag(deprecated=("--p2p-lock-deadline-floor",))
+    )
+    """The least a lock RPC to a peer waits (``--p2p-lock-deadline-floor-s``)."""
     lock_deadline_factor: float = 4.0
     """A lock RPC waits this many times the peer's observed RPC p99, at least the floor
     (``--p2p-lock-deadline-factor``)."""
-    lock_deadline_prior_s: float = 0.1
-    """A lock RPC's deadline before any peer answered one (``--p2p-lock-deadline-prior``;
+    lock_deadline_prior_s: float = field(
+        default=0.1, metadata=cli_flag(deprecated=("--p2p-lock-deadline-prior",))
+    )
+    """A lock RPC's deadline before any peer answered one (``--p2p-lock-deadline-prior-s``;
     why 0.1 s: ``core.peer_timing.DeadlinePolicy.lock_prior_s``)."""
     load_deadline_factor: float = 4.0
     """A load waits this many times its bytes / the peer's observed bandwidth
     (``--p2p-load-deadline-factor``), capped by recompute and the load timeout."""
-    transport: str = "tcp"
+    transport: str = field(default="tcp", metadata=cli_flag("--p2p-transfer-engine"))
     """The transport that moves KV bytes: tcp, shm, mooncake or nixl
     (``--p2p-transfer-engine``)."""
     data_port: int = 0
     """Port the tcp transport's data channel binds on the listen host
     (``--p2p-data-port``); 0: a free port the OS picks. The bound port is announced in
     the endpoint this server registers, so peers never guess it."""
-    mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
+    mooncake: MooncakeConfig = field(
+        default_factory=MooncakeConfig,
+        metadata=from_env("MC_TE_PROTOCOL", "MC_TE_DEVICE", "MC_TRANSFER_TIMEOUT"),
+    )
     """Mooncake's settings from ``MC_TE_PROTOCOL``, ``MC_TE_DEVICE`` and
     ``MC_TRANSFER_TIMEOUT`` (read by the CLI); only the mooncake transport uses them, and
     its host is the advertise URL's."""
-    recompute_s_per_token: float = 0.0
+    recompute_s_per_token: float = field(
+        default=0.0, metadata=cli_flag("--p2p-expected-recompute-s-per-token")
+    )
     """Expected recompute seconds per missing token when an engine sends no estimate
     (``--p2p-expected-recompute-s-per-token``); 0: ``default_recompute_s_per_token``."""
     default_recompute_s_per_token: float = 0.005
@@ -256,24 +296,30 @@ class P2PConfig:
     ``recompute_s_per_token`` gives one (``--p2p-default-recompute-s-per-token``): 5 ms,
     a slow prefill (200 tokens/s), so that P2P is rarely cut short, yet a lookup of a few
     chunks never waits the timeouts' 30 s on a peer that does not answer."""
-    directory_timeout_s: float = 0.075
+    directory_timeout_s: float = field(
+        default=0.075, metadata=cli_flag(deprecated=("--p2p-directory-timeout",))
+    )
     """Longest wait for the directory's answer to a local miss
-    (``--p2p-directory-timeout``). The directory answers in a few milliseconds; past
+    (``--p2p-directory-timeout-s``). The directory answers in a few milliseconds; past
     this the lookup treats it as unreachable (a few peers asked briefly), and later
     lookups do not ask it again until the controller's next peer listing succeeds, so a
     frozen coordinator costs no local miss more than this once."""
-    lock_lease_s: float = 30.0
+    lock_lease_s: float = field(
+        default=30.0, metadata=cli_flag(deprecated=("--p2p-lock-lease-seconds",))
+    )
     """Lease a peer's ``lookup_and_lock`` holds on our chunks if it never unlocks
-    (``--p2p-lock-lease-seconds``)."""
-    cooloff_s: float = 10.0
+    (``--p2p-lock-lease-s``)."""
+    cooloff_s: float = field(default=10.0, metadata=cli_flag(deprecated=("--p2p-cooloff-seconds",)))
     """Seconds a peer whose breaker opened is skipped before it is probed again, the most
-    between probes (``--p2p-cooloff-seconds``); a new incarnation or a probe it answers
+    between probes (``--p2p-cooloff-s``); a new incarnation or a probe it answers
     closes the breaker sooner."""
     fault_corrupt_read: int | None = None
     """TESTS ONLY: flip a byte of the Nth chunk this server reads from peers, as it lands
     (``--p2p-fault-corrupt-read``; the transfer client's fault plan)."""
-    fault_read_delay_s: float = 0.0
-    """TESTS ONLY: delay every read this server serves (``--p2p-fault-read-delay``)."""
+    fault_read_delay_s: float = field(
+        default=0.0, metadata=cli_flag(deprecated=("--p2p-fault-read-delay",))
+    )
+    """TESTS ONLY: delay every read this server serves (``--p2p-fault-read-delay-s``)."""
 
     @property
     def enabled(self) -> bool:
@@ -306,19 +352,21 @@ class ServerConfig:
     """Everything ``kvatlas server`` needs; build it in ``kvatlas.cli.server`` only."""
 
     instance_id: InstanceId
-    """This server's name in the fleet (``--instance-id``); unique per server."""
+    """This server's name in the fleet (``--instance-id``), unique per server; default:
+    ``HOSTNAME-PORT``."""
     host: str = "127.0.0.1"
     """Interface the engine API and HTTP endpoints bind (``--host``)."""
     port: int = 6555
-    """ZeroMQ engine API port (``--port``)."""
+    """ZeroMQ port of the kvatlas engine API and LMCache's MP protocol (``--port``)."""
     http_port: int = 7555
     """HTTP port of /status, /metrics, /healthz (``--http-port``)."""
     chunk_size: int = DEFAULT_CHUNK_SIZE
     """Tokens per chunk; engines must register the same (``--chunk-size``)."""
     state_dir: Path = field(default_factory=default_state_dir)
-    """Where the incarnation counter lives (``--state-dir``)."""
-    lease_s: float = 30.0
-    """Default read and write lease seconds handed to engines (``--lease-seconds``)."""
+    """Where the incarnation counter lives (``--state-dir``); default: ``~/.cache/kvatlas``
+    when the home directory is writable, else ``<tmp>/kvatlas``."""
+    lease_s: float = field(default=30.0, metadata=cli_flag(deprecated=("--lease-seconds",)))
+    """Default read and write lease seconds handed to engines (``--lease-s``)."""
     engine_workers: int = 4
     """Threads serving engine requests behind the ROUTER socket (``--engine-workers``)."""
     engine_p2p_workers: int = 4
@@ -330,21 +378,40 @@ class ServerConfig:
     engine_max_queued_per_client: int = 64
     """The same bound per engine socket (``--engine-max-queued-per-client``), so that one
     flooding engine cannot fill the queue for all."""
-    lmcache_mp: str = "auto"
+    lmcache_mp: str = field(
+        default="auto",
+        metadata=cli_flag(
+            help=f"LMCache MP protocol on --port, releases {LMCACHE_VERSION} (each request's"
+            " own, on one port): on, off, or auto (on unless --auth-token is set: LMCache"
+            " clients send no token; on admits them anyway)"
+        ),
+    )
     """LMCache's MP protocol on ``--port`` (``--lmcache-mp``): ``on``; ``off``; ``auto``
     (the default): on unless ``--auth-token`` is set, since LMCache's protocol carries
     no token. ``on`` with a token admits LMCache clients unauthenticated (loopback or a
     trusted network only)."""
-    lmcache_transfer_mode: str = "auto"
+    lmcache_transfer_mode: str = field(
+        default="auto", metadata=cli_flag("--supported-transfer-mode")
+    )
     """The LMCache transfer modes served (``--supported-transfer-mode``, LMCache's flag):
     ``lmcache_driven``, ``engine_driven`` or ``auto`` (both, the default here; LMCache's
     own default is ``lmcache_driven``)."""
-    l1: L1Config = field(default_factory=L1Config)
-    l2: L2Config = field(default_factory=L2Config)
-    coordinator: CoordinatorLink = field(default_factory=CoordinatorLink)
-    events: EventConfig = field(default_factory=EventConfig)
-    p2p: P2PConfig = field(default_factory=P2PConfig)
-    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
+    l1: L1Config = field(default_factory=L1Config, metadata=section("l1-", "L1 (shared memory)"))
+    l2: L2Config = field(default_factory=L2Config, metadata=section("l2-", "L2 (local disk)"))
+    coordinator: CoordinatorLink = field(
+        default_factory=CoordinatorLink, metadata=section("coordinator-", "the coordinator")
+    )
+    events: EventConfig = field(
+        default_factory=EventConfig, metadata=section("event-", "cache events to the coordinator")
+    )
+    p2p: P2PConfig = field(
+        default_factory=P2PConfig,
+        metadata=section("p2p-", "P2P KV sharing (needs --coordinator-url)"),
+    )
+    kv_events: KvEventsConfig = field(
+        default_factory=KvEventsConfig,
+        metadata=section("kv-events-", "vLLM KV events of this server's L1/L2 (default off)"),
+    )
 
     def validate(self) -> None:
         """Raise ConfigError naming the flags of the first inconsistency found."""
@@ -365,7 +432,7 @@ def _problems(c: ServerConfig) -> list[str]:
     if c.chunk_size <= 0:
         out.append(f"--chunk-size must be positive, got {c.chunk_size}")
     if not c.lease_s > 0:
-        out.append(f"--lease-seconds must be positive, got {c.lease_s}")
+        out.append(f"--lease-s must be positive, got {c.lease_s}")
     if c.lmcache_mp not in ("auto", "on", "off"):
         out.append(f"--lmcache-mp must be auto, on or off, got {c.lmcache_mp!r}")
     if c.lmcache_transfer_mode not in ("auto", "lmcache_driven", "engine_driven"):
@@ -418,10 +485,10 @@ def _problems(c: ServerConfig) -> list[str]:
         out.append(f"--coordinator-url names {', '.join(doubles)} more than once")
     if not co.heartbeat_interval_s > 0:
         out.append(
-            f"--coordinator-heartbeat-interval must be positive, got {co.heartbeat_interval_s}"
+            f"--coordinator-heartbeat-interval-s must be positive, got {co.heartbeat_interval_s}"
         )
     if not co.request_timeout_s > 0:
-        out.append(f"--coordinator-timeout must be positive, got {co.request_timeout_s}")
+        out.append(f"--coordinator-timeout-s must be positive, got {co.request_timeout_s}")
     for url in co.engine_urls:
         if not url.startswith(("http://", "https://")) or "," in url:
             out.append(f"--engine-url must be an http(s) URL without commas, got {url!r}")
@@ -443,7 +510,7 @@ def _problems(c: ServerConfig) -> list[str]:
     if ev.http_format not in ("msgpack", "json"):
         out.append(f"--event-format must be msgpack or json, got {ev.http_format!r}")
     if not ev.flush_interval_s > 0:
-        out.append(f"--event-flush-interval must be positive, got {ev.flush_interval_s}")
+        out.append(f"--event-flush-interval-s must be positive, got {ev.flush_interval_s}")
     if ev.buffer_batches < 1:
         out.append(f"--event-buffer-batches must be >= 1, got {ev.buffer_batches}")
     if ev.max_batch_entries < 1:
@@ -499,14 +566,14 @@ def _p2p_problems(c: ServerConfig) -> list[str]:
             f"--p2p-transfer-engine {pp.transport!r} is unknown; accepted: {', '.join(TRANSPORTS)}"
         )
     for flag, value in (
-        ("--p2p-lookup-timeout", pp.lookup_timeout_s),
-        ("--p2p-load-timeout", pp.load_timeout_s),
-        ("--p2p-lock-lease-seconds", pp.lock_lease_s),
-        ("--p2p-cooloff-seconds", pp.cooloff_s),
-        ("--p2p-directory-timeout", pp.directory_timeout_s),
+        ("--p2p-lookup-timeout-s", pp.lookup_timeout_s),
+        ("--p2p-load-timeout-s", pp.load_timeout_s),
+        ("--p2p-lock-lease-s", pp.lock_lease_s),
+        ("--p2p-cooloff-s", pp.cooloff_s),
+        ("--p2p-directory-timeout-s", pp.directory_timeout_s),
         ("--p2p-default-recompute-s-per-token", pp.default_recompute_s_per_token),
-        ("--p2p-lock-deadline-floor", pp.lock_deadline_floor_s),
-        ("--p2p-lock-deadline-prior", pp.lock_deadline_prior_s),
+        ("--p2p-lock-deadline-floor-s", pp.lock_deadline_floor_s),
+        ("--p2p-lock-deadline-prior-s", pp.lock_deadline_prior_s),
     ):
         if not value > 0:
             out.append(f"{flag} must be positive, got {value}")
@@ -518,8 +585,8 @@ def _p2p_problems(c: ServerConfig) -> list[str]:
             out.append(f"{flag} must be >= 1 (a deadline below what the peer takes), got {value}")
     if pp.lock_deadline_prior_s > pp.lookup_timeout_s:
         out.append(
-            f"--p2p-lock-deadline-prior ({pp.lock_deadline_prior_s}) must not exceed"
-            f" --p2p-lookup-timeout ({pp.lookup_timeout_s})"
+            f"--p2p-lock-deadline-prior-s ({pp.lock_deadline_prior_s}) must not exceed"
+            f" --p2p-lookup-timeout-s ({pp.lookup_timeout_s})"
         )
     if pp.recompute_s_per_token < 0:
         out.append(

@@ -1,4 +1,4 @@
-"""The fleet L2 eviction loop: every ``--eviction-check-interval`` seconds, plan and send.
+"""The fleet L2 eviction loop: every ``--eviction-check-interval-s`` seconds, plan and send.
 
 Each sweep takes `QuotaController.plan` (LMCache 0.5.6's ``compute_eviction_plan``:
 per salt at or over its quota, the least recently used unpinned keys) and tells each
@@ -65,7 +65,7 @@ class EvictionLoop:
 
     def start(self) -> None:
         if self._interval <= 0:
-            log.info("Fleet L2 eviction loop off (--eviction-check-interval 0)")
+            log.info("Fleet L2 eviction loop off (--eviction-check-interval-s 0)")
             return
         self._thread = threading.Thread(target=self._run, name="eviction", daemon=True)
         self._thread.start()

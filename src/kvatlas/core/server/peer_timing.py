@@ -15,7 +15,7 @@ timeout and the time recomputing the missing tokens would take.
 
 Before a peer answered anything its lock deadline is a prior: ``max(floor, p99_factor x
 the p99 of every peer's RPCs)`` once any peer answered, else ``prior_s``
-(``--p2p-lock-deadline-prior``). Before its bandwidth is known a load waits the cap.
+(``--p2p-lock-deadline-prior-s``). Before its bandwidth is known a load waits the cap.
 
 Owns the samples: per peer, the last ``RPC_SAMPLES`` RPC round trips (a bounded ring,
 so a p99 follows the peer's recent state and costs a sort of at most that many floats)
@@ -48,12 +48,12 @@ class DeadlinePolicy:
     """The knobs of the two deadlines (``P2PConfig`` fills it from flags)."""
 
     lock_floor_s: float = 0.025
-    """The least a lock RPC waits (``--p2p-lock-deadline-floor``)."""
+    """The least a lock RPC waits (``--p2p-lock-deadline-floor-s``)."""
     lock_p99_factor: float = 4.0
     """Lock deadline = this x the peer's RPC p99, at least the floor
     (``--p2p-lock-deadline-factor``)."""
     lock_prior_s: float = 0.1
-    """Lock deadline before any peer answered (``--p2p-lock-deadline-prior``). Why 0.1 s:
+    """Lock deadline before any peer answered (``--p2p-lock-deadline-prior-s``). Why 0.1 s:
     a healthy peer answers in a few milliseconds, but the first request to it also opens
     the connection (TCP and the ZeroMQ handshake), which on a busy machine can take tens
     of ms; 0.1 s leaves that ample room, and a frozen peer met first

@@ -4,7 +4,7 @@ Owns, for one lookup's missing keys: the deadlines, the choice of peers (the coo
 directory names who holds the keys, and when it names nobody no peer is asked; only when
 the directory cannot be asked are up to ``BLIND_PEERS`` live peers asked, within
 ``BLIND_LOOKUP_S``, counted as ``all_peer_fallbacks``; the directory's own wait is
-``--p2p-directory-timeout``, and once it failed it is not asked again until the
+``--p2p-directory-timeout-s``, and once it failed it is not asked again until the
 controller's next peer listing succeeds; peers whose breaker is open are
 skipped: the controller's breakers hear of every failure, a dead or frozen peer's at
 once), ``lookup_and_lock`` to them one after the other until the prefix is covered,

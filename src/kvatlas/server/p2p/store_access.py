@@ -33,7 +33,7 @@ FETCH_HOLDER: Final = "p2p"
 LOCK_HASH_BYTES: Final = 64 * 2**20
 """The most KV one ``lock_for_peer`` hashes whose checksum is still to come (an LMCache
 worker's chunk committed moments ago): about 2 ms at the 28 GB/s xxh3 reaches on one core
-here, a tenth of the lock RPC's least deadline (``--p2p-lock-deadline-floor``, 25 ms)
+here, a tenth of the lock RPC's least deadline (``--p2p-lock-deadline-floor-s``, 25 ms)
 even at a quarter of that speed."""
 
 
