@@ -64,9 +64,9 @@ import numpy as np
 
 from bench.machine import describe
 from kvatlas.engine.model import HFTokenizer, load_tokenizer
-from kvatlas.engine.openai_proto import decode_tokenize
 from kvatlas.evaluation.fleet import Fleet, FleetConfig
 from kvatlas.tokenize.prompts import load_prompt_tokenizer, pack_ids, tokenize_ids
+from kvatlas.tokenize.request_shapes import decode_tokenize
 
 TARGET_P99_MS = 5.0
 MODES = {

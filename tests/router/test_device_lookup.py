@@ -3,7 +3,8 @@ breaker (`core.breaker`) opens on a failed lookup, skips the tier for its cool-o
 lets the next requests ask again once it is over (half-open) and closes on an answer;
 a coordinator without a device tier (404) is not asked again for ``absent_recheck_s``;
 and the coordinator's replicas fail over by their one rule (``ReplicaWalk``), sticking
-to the replica that answered. The clock is a test's own."""
+to the replica that answered, on the router's coordinator client's replica state. The
+clock is a test's own."""
 
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvatlas.core.breaker import BreakerState
+from kvatlas.router.config import RouterConfig
 from kvatlas.router.device_lookup import DeviceLookups
+from kvatlas.router.service import RouterService
 from kvatlas.router.tiers import Ask, Match
+from kvatlas.runtime.coordinator_client import CoordinatorClient
 from kvatlas.runtime.coordinator_replicas import Replicas
 
 BLOB = np.arange(8, dtype="<u4").tobytes()
@@ -176,6 +180,28 @@ def test_the_replicas_fail_over_and_stick_to_the_one_that_answered(
     clock.now += 2.5
     assert _ask(lookups)[1] and len(first.asked) == 2
     assert lookups.breaker.state(clock.now) is BreakerState.CLOSED
+
+
+def test_the_router_s_device_lookups_fail_over_on_its_coordinator_client_s_replicas(
+    coordinators: list[Coordinator],
+) -> None:
+    first, second = coordinators
+    first.status = 503
+    client = CoordinatorClient([first.url, second.url], timeout_s=2.0, name="router")
+    try:
+        service = RouterService(RouterConfig(), client)
+        asked, matches = _ask(service.device)
+        assert asked and matches == [Match("device", 32, engine="gpu-a")]
+        # the failover is the client's: its chunk lookups and listings now go to the
+        # replica the device lookup found answering, and skip the one that failed
+        stats = client.stats()
+        assert stats.url == second.url and stats.failovers == 1
+        assert [r.failures for r in stats.replicas] == [1, 0]
+        assert stats.replicas[0].skipped_for_s > 0
+        first.status = 200
+        assert _ask(service.device)[1] and (len(first.asked), len(second.asked)) == (1, 2)
+    finally:
+        client.close()
 
 
 def test_when_no_replica_answers_the_lookup_fails_once(coordinators: list[Coordinator]) -> None:

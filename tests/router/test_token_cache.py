@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 
 from kvatlas.cli.router import main
 from kvatlas.engine.model import HFTokenizer, load_tokenizer
-from kvatlas.engine.openai_proto import decode_tokenize
 from kvatlas.router.config import RouterConfig
 from kvatlas.router.service import RouterService
 from kvatlas.tokenize.fast_encoder import load_fast_encoder
@@ -35,6 +34,7 @@ from kvatlas.tokenize.prompts import (
     pack_ids,
     tokenize_ids,
 )
+from kvatlas.tokenize.request_shapes import decode_tokenize
 
 from .test_tokenizer import BODIES
 
@@ -98,6 +98,7 @@ def test_aligned_pieces_cut_only_at_safe_spaces_and_keep_shared_prefixes(
     assert longer[: len(pieces) - 1] == pieces[:-1]
 
 
+@pytest.mark.slow  # 150 examples through both tokenizers: 34 s measured on the 2-core VM
 @settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

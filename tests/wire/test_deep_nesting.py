@@ -11,7 +11,8 @@ import msgspec
 import pytest
 
 from kvatlas.core.errors import InvalidInput
-from kvatlas.engine.openai_proto import BadRequest, decode_chat, decode_completion
+from kvatlas.engine.openai_proto import decode_chat, decode_completion
+from kvatlas.tokenize.request_shapes import BadRequest, decode_tokenize
 from kvatlas.wire import engine_proto, p2p_proto
 from kvatlas.wire.directory_api import decode_lookup
 from kvatlas.wire.events_api import decode_events
@@ -31,6 +32,7 @@ CASES: list[tuple[Callable[[bytes], Any], bytes, type[Exception]]] = [
     (lambda b: decode_record(b, 10), DEEP_MSGPACK, InvalidInput),
     (decode_chat, DEEP_JSON, BadRequest),
     (decode_completion, DEEP_JSON, BadRequest),
+    (decode_tokenize, DEEP_JSON, BadRequest),
 ]
 
 

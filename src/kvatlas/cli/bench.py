@@ -28,10 +28,10 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from kvatlas.cli import bench_trace
-from kvatlas.cli.bench_trace import MissingExtra, needs_extra, require_modules
 from kvatlas.evaluation.fault_frozen_engine import FROZEN_ENGINE
 from kvatlas.evaluation.faults import FAULT_NAMES, FaultsConfig, run_faults
 from kvatlas.evaluation.routing import RUN_NAMES, RoutingConfig, selected_runs
+from kvatlas.runtime.extras import MissingExtra, needs_extra, require_modules
 
 if TYPE_CHECKING:
     from kvatlas.evaluation.runner import BenchConfig

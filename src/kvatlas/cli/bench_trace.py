@@ -3,10 +3,9 @@
 The one place where the trace benchmark's flags are read. A flag's bad value is a usage
 error naming it (exit 2). Progress lines go to stdout while it runs.
 
-Also the bench commands' guard on optional packages (``MissingExtra``, ``needs_extra``,
-``require_modules``, used by ``cli.bench`` too): the benchmarks run on a ``kvatlas[bench]``
-install, and a package they need that is not installed stops a run before it starts,
-with a message naming the extra that installs it, never a traceback after the run.
+The benchmarks run on a ``kvatlas[bench]`` install: a package they need that is not
+installed stops a run before it starts (``runtime.extras``), with a message naming the
+extra that installs it, never a traceback after the run.
 
     kvatlas bench trace --nodes 10 --node-capacity-tokens 3000000 --speed 2
 """
@@ -14,11 +13,8 @@ with a message naming the extra that installs it, never a traceback after the ru
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.util
 import shlex
 import time
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvatlas.core.errors import InvalidInput
@@ -30,46 +26,7 @@ from kvatlas.evaluation.trace.mooncake import (
 from kvatlas.evaluation.trace.replay import REPLAY_POLICIES
 from kvatlas.evaluation.trace.run import TraceBenchConfig, run_trace_bench
 from kvatlas.evaluation.trace.simulate import PROFILES
-
-
-class MissingExtra(Exception):
-    """A package a bench run needs is not installed; the message names the extra that
-    installs it (``kvatlas bench`` prints it and exits 2)."""
-
-
-@contextlib.contextmanager
-def needs_extra(extra: str, what: str) -> Iterator[None]:
-    """Turn a third-party module missing inside the block into MissingExtra naming
-    ``extra`` (what ``what`` needs); kvatlas' own import errors pass through."""
-    try:
-        yield
-    except ModuleNotFoundError as exc:
-        top = (exc.name or "").split(".")[0]
-        if not top or top == "kvatlas":
-            raise
-        raise MissingExtra(
-            f"{what} needs the Python package {top!r}, which is not installed:"
-            f" pip install 'kvatlas[{extra}]'"
-        ) from exc
-
-
-def _found(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ImportError:  # a finder that refuses it: not importable either
-        return False
-
-
-def require_modules(extra: str, what: str, modules: Sequence[str], also: str = "") -> None:
-    """MissingExtra unless every module of ``modules`` can be imported (found, not
-    loaded: the runs' own processes load them); ``also`` adds an install step."""
-    missing = [m for m in modules if not _found(m)]
-    if missing:
-        more = f" and {also}" if also else ""
-        raise MissingExtra(
-            f"{what} needs {', '.join(missing)}, not installed here:"
-            f" pip install 'kvatlas[{extra}]'{more}"
-        )
+from kvatlas.runtime.extras import needs_extra
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:

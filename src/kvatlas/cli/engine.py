@@ -2,9 +2,10 @@
 
 The one place where the reference engine's configuration is read (flags only: the engine
 API to the local cache server has no token, see ``--help``). Exit codes: 0 after a clean
-stop, 2 for a configuration refused at startup (the message names the flag) or a hash
-contract the cache server refuses (the message names the field), 1 when the engine
-cannot start (a port in use, a model that does not load).
+stop, 2 for a configuration refused at startup (the message names the flag), a hash
+contract the cache server refuses (the message names the field) or an install without
+torch (the message names the extra), 1 when the engine cannot start (a port in use, a
+model that does not load).
 
     kvatlas engine --model smollm2-135m --port 8000 --cache-port 6555
 """
@@ -28,7 +29,7 @@ from kvatlas.engine.config import (
     EngineConfigError,
     default_model_cache_dir,
 )
-from kvatlas.engine.engine_app import EngineApp
+from kvatlas.runtime.extras import MissingExtra, needs_extra
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,15 +127,25 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return config
 
 
+def run_engine(config: EngineConfig) -> None:
+    """Start the engine and serve until stopped; MissingExtra (exit 2) without torch."""
+    with needs_extra("engine", "the reference engine"):
+        # torch and transformers are the engine extra's: imported where the engine starts,
+        # so that without them it is refused in one line naming the extra (and --help
+        # answers without loading them)
+        from kvatlas.engine.engine_app import EngineApp  # noqa: PLC0415
+    EngineApp(config).run()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return run_service(
         "kvatlas engine",
         args.log_level,
         lambda: config_from_args(args),
-        lambda config: EngineApp(config).run(),
+        run_engine,
         config_errors=(EngineConfigError, ConfigError),
-        start_refusals=(ContractRejected,),
+        start_refusals=(ContractRejected, MissingExtra),
     )
 
 

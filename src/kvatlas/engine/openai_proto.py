@@ -9,12 +9,9 @@ answer (the name LMCache's vLLM connector uses; ``num_cached_tokens`` is LMCache
 ``num_lmcache_cached_tokens``).
 
 Encoding and shapes only: no I/O, no state, no model. Must not: hold defaults that
-belong to the engine's configuration (the server applies those).
-
-Exceptions::
-
-    InvalidInput (kvatlas.core.errors)
-     +-- BadRequest   a body that does not decode or validate (answered with 400)
+belong to the engine's configuration (the server applies those). The shapes a prompt is
+tokenized from (``ChatMessage``, ``TokenizeRequest``) and ``BadRequest`` are
+in ``kvatlas.tokenize.request_shapes``, which the router's tokenizer shares.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ from typing import Final
 
 import msgspec
 
-from kvatlas.core.errors import InvalidInput
+from kvatlas.tokenize.request_shapes import BadRequest, ChatMessage, decode_body
 
 FinishReason = str
 """``stop`` or ``length``."""
@@ -31,41 +28,7 @@ MAX_CACHE_SALT: Final = 256
 """The longest ``cache_salt`` a request may carry (characters)."""
 
 
-class BadRequest(InvalidInput):
-    """A request body the API refuses; ``param`` names the field when one is to blame."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 # ---- requests -----------------------------------------------------------------------
-
-
-class TextPart(msgspec.Struct, frozen=True):
-    """One part of a message's content list; only ``text`` parts are supported."""
-
-    type: str
-    text: str = ""
-
-
-class ChatMessage(msgspec.Struct, frozen=True):
-    role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        """The message's content as one string; BadRequest for non-text parts."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        for part in self.content:
-            if part.type != "text":
-                raise BadRequest(
-                    f"content parts of type {part.type!r} are not supported", "messages"
-                )
-        return "".join(part.text for part in self.content)
 
 
 class KVTransferParams(msgspec.Struct, frozen=True):
@@ -143,17 +106,6 @@ class CompletionRequest(_Generation, frozen=True, kw_only=True):
     echo: bool = False
 
 
-class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """``POST /tokenize`` (vLLM's shape): ``messages`` through the chat template, or a
-    ``prompt``. A chat or completion request body is also a valid tokenize body (its
-    other fields are ignored), so a router can send the body it is about to forward."""
-
-    model: str | None = None
-    messages: list[ChatMessage] | None = None
-    prompt: str | list[int | str] | None = None
-    add_generation_prompt: bool = True
-
-
 class TokenizeResponse(msgspec.Struct, frozen=True):
     count: int
     max_model_len: int
@@ -162,40 +114,16 @@ class TokenizeResponse(msgspec.Struct, frozen=True):
 
 _chat_decoder: Final = msgspec.json.Decoder(ChatCompletionRequest)
 _completion_decoder: Final = msgspec.json.Decoder(CompletionRequest)
-_tokenize_decoder: Final = msgspec.json.Decoder(TokenizeRequest)
 
 
 def decode_chat(body: bytes) -> ChatCompletionRequest:
     """Decode a chat request; BadRequest says what is wrong."""
-    try:
-        return _chat_decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise BadRequest(f"invalid request body: {exc}") from exc
-    except RecursionError as exc:
-        raise BadRequest("invalid request body: nested too deeply") from exc
-
-
-def decode_tokenize(body: bytes) -> TokenizeRequest:
-    """Decode a tokenize request; BadRequest says what is wrong."""
-    try:
-        req = _tokenize_decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise BadRequest(f"invalid request body: {exc}") from exc
-    except RecursionError as exc:
-        raise BadRequest("invalid request body: nested too deeply") from exc
-    if (req.messages is None) == (req.prompt is None):
-        raise BadRequest("give exactly one of messages or prompt", "messages")
-    return req
+    return decode_body(_chat_decoder, body)
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
     """Decode a completion request; BadRequest says what is wrong."""
-    try:
-        return _completion_decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise BadRequest(f"invalid request body: {exc}") from exc
-    except RecursionError as exc:
-        raise BadRequest("invalid request body: nested too deeply") from exc
+    return decode_body(_completion_decoder, body)
 
 
 # ---- responses ----------------------------------------------------------------------

@@ -44,7 +44,6 @@ from kvatlas.engine.generate import SamplingParams
 from kvatlas.engine.model import LoadedModel, Tokenizer
 from kvatlas.engine.openai_proto import (
     AssistantMessage,
-    BadRequest,
     CachedTokenStats,
     ChatChoice,
     ChatChunkChoice,
@@ -65,10 +64,10 @@ from kvatlas.engine.openai_proto import (
     Usage,
     decode_chat,
     decode_completion,
-    decode_tokenize,
     encode,
 )
 from kvatlas.tokenize.prompts import chat_ids, prompt_ids, tokenize_ids
+from kvatlas.tokenize.request_shapes import BadRequest, decode_tokenize
 
 log = logging.getLogger(__name__)
 

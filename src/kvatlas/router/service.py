@@ -58,7 +58,6 @@ from kvatlas.router.tiers import Ask, TierView
 from kvatlas.router.tokens import JSON, LocalTokenizer, PromptTokens, prompt_blob
 from kvatlas.router.tripwires import Tripwires
 from kvatlas.runtime.coordinator_client import CoordinatorClient
-from kvatlas.runtime.coordinator_replicas import Replicas
 from kvatlas.runtime.gc_pauses import GcPauses
 
 __all__ = ["ROUTE_HEADER", "LocalTokenizer", "Plan", "RouterService"]
@@ -126,14 +125,9 @@ class RouterService:
             clock=clock,
         )
         self.device = DeviceLookups(
-            Replicas(
-                coordinator.urls,
-                timeout_s=config.lookup_timeout_s,
-                name="the router's device lookups",
-                clock=clock,
-            )
-            if coordinator is not None
-            else None,
+            # the coordinator client's replica state: a replica its lookups found down
+            # is skipped by the device lookups too, and the other way round
+            coordinator.replicas if coordinator is not None else None,
             auth_token=config.auth_token,
             timeout_s=config.lookup_timeout_s,
             registry=self.metrics.registry,

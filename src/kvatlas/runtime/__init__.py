@@ -1,6 +1,7 @@
 """kvatlas.runtime: small shared pieces that every process may use.
 
-The shared-memory region (``region``), binding (``net``), the uvicorn thread
+The shared-memory region (``region``), binding (``net``, and ``zmq_sockets`` for
+ZeroMQ), optional packages (``extras``), the uvicorn thread
 (``asgi_thread``), the shared-token gate (``auth``), the garbage collector's pauses
 (``gc_pauses``), the one client of the coordinator's API (``coordinator_client``),
 process helpers (``procs``): the pieces that the coordinator, the cache server, the

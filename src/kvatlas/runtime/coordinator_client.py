@@ -24,7 +24,9 @@ and lookups change nothing twice, and an event batch carries its seq, which the
 coordinator's gate applies once.
 
 Lookups from an event loop (the router's one lookup per request) go through
-`coordinator_lookups.AsyncLookups` (``async_lookups()``), on the same replicas.
+`coordinator_lookups.AsyncLookups` (``async_lookups()``), on the same replicas, as do
+other calls of the client's owner that send their own requests (``replicas``: the
+router's device lookups).
 
 Must not: retry a replica within one call, or schedule anything (callers own their
 schedules: the registrar's heartbeat loop, the publisher's resend buffer), keep state
@@ -168,6 +170,13 @@ class CoordinatorClient:
     def urls(self) -> tuple[str, ...]:
         """Every replica's base URL, in order of preference."""
         return self._replicas.urls
+
+    @property
+    def replicas(self) -> Replicas:
+        """The replicas' state (the one in use, their breakers): for a caller that sends
+        its own requests over them, as the router's device lookups do, so that all of a
+        process's calls agree on which replica answers."""
+        return self._replicas
 
     def stats(self) -> ClientStats:
         return self._replicas.stats()

@@ -3,8 +3,8 @@
 Owns ``bind``: a TCP socket on host:port (IPv4 or IPv6, by the host's form) that a
 restarted process gets back while its old connections sit in TIME_WAIT, and a taken port
 reported as ``PortInUse`` naming the flag to change; ``tcp_family`` and ``zmq_tcp``, the
-same reading of a host for the plain and ZeroMQ sockets that bind it themselves (the
-engine API, the P2P channel, the tcp transport), so that every listening socket of a
+same reading of a host for the plain and ZeroMQ sockets that bind it themselves
+(`zmq_sockets`, the tcp transport), so that every listening socket of a
 process is on the host its flag names, an IPv6 address included. Must not: listen,
 accept or serve (the HTTP servers and ZeroMQ sockets do).
 """

@@ -70,6 +70,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import zmq
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -79,8 +80,10 @@ from kvatlas.core.errors import ConfigError, InvalidInput
 from kvatlas.core.events import Entry
 from kvatlas.core.types import EventType, Tier
 from kvatlas.core.vllm_hash import BlockHasher
+from kvatlas.runtime.zmq_sockets import bind_endpoint
 from kvatlas.server.config import KvEventsConfig
 from kvatlas.server.kv_blocks import ChunkBlocks, Tokens
+from kvatlas.server.stat_table import COUNTER, GAUGE, Stat, Table
 from kvatlas.server.storage.guarded import EventPublishing
 from kvatlas.wire.vllm_events import (
     END_SEQ,
@@ -95,6 +98,9 @@ log = logging.getLogger(__name__)
 
 MAX_ITEMS_PER_BATCH = 256
 RESYNC_MIN_INTERVAL_S = 1.0
+REPLAY_MAX_BYTES = 1024
+"""The largest frame the replay ROUTER reads (a request's frames are an empty one and an
+8-byte seq): a larger one disconnects its sender before it is buffered."""
 _Change = tuple[EventType, Tier, Sequence[Entry]]
 _Shown = tuple[Tokens, Sequence[bytes], str]
 
@@ -121,6 +127,112 @@ class KvEventsStats:
     """Prompts not taken: their queue was full, or tokens and hashes disagreed."""
     prompt_tokens: int
     """Tokens kept for chunks no tier holds."""
+
+
+_KV = Stat[KvEventsStats]
+KV_EVENTS_STATS: Final = Table[KvEventsStats](
+    (
+        _KV(
+            None,
+            "kvatlas_server_kv_events_batches",
+            COUNTER,
+            "vLLM-format KV event batches published",
+            lambda s: s.batches,
+        ),
+        _KV(
+            None,
+            "kvatlas_server_kv_events_blocks_stored",
+            COUNTER,
+            "BlockStored blocks published",
+            lambda s: s.blocks_stored,
+        ),
+        _KV(
+            None,
+            "kvatlas_server_kv_events_blocks_removed",
+            COUNTER,
+            "BlockRemoved blocks published",
+            lambda s: s.blocks_removed,
+        ),
+        _KV(
+            None,
+            "kvatlas_server_kv_events_cleared",
+            COUNTER,
+            "AllBlocksCleared published (start, and after dropped changes)",
+            lambda s: s.cleared,
+        ),
+        _KV(
+            None,
+            "kvatlas_server_kv_events_replays",
+            COUNTER,
+            "Replay requests served",
+            lambda s: s.replays,
+        ),
+        _KV(
+            None,
+            "kvatlas_server_kv_events_dropped_changes",
+            COUNTER,
+            "Store changes dropped: the publisher's queue was full (a clear and a resync follow)",
+            lambda s: s.dropped_changes,
+        ),
+        _KV(
+            None,
+            "kvatlas_server_kv_events_chunks_withheld",
+            COUNTER,
+            "Chunk stores not published: no prompt shown had their tokens",
+            lambda s: s.chunks_withheld,
+        ),
+        _KV(
+            None,
+            "kvatlas_server_kv_events_prompts_learned",
+            COUNTER,
+            "Prompts whose tokens the publisher took",
+            lambda s: s.prompts_learned,
+        ),
+        _KV(
+            None,
+            "kvatlas_server_kv_events_prompts_dropped",
+            COUNTER,
+            "Prompts not taken (queue full, or tokens and hashes disagreed)",
+            lambda s: s.prompts_dropped,
+        ),
+        _KV(
+            None,
+            "kvatlas_server_kv_events_queued",
+            GAUGE,
+            "Store changes waiting for the publisher's thread",
+            lambda s: s.queued,
+        ),
+        _KV(
+            None,
+            "kvatlas_server_kv_events_blocks",
+            GAUGE,
+            "Blocks (block, medium) subscribers are told this server holds",
+            lambda s: s.blocks,
+        ),
+        _KV(
+            None,
+            "kvatlas_server_kv_events_last_seq",
+            GAUGE,
+            "Seq of the last batch published",
+            lambda s: s.last_seq,
+        ),
+        _KV(
+            None,
+            "kvatlas_server_kv_events_unpublished_chunks",
+            GAUGE,
+            "Chunks (chunk, medium) held but not published: tokens unknown",
+            lambda s: s.unpublished_chunks,
+        ),
+        _KV(
+            None,
+            "kvatlas_server_kv_events_prompt_tokens",
+            GAUGE,
+            "Tokens kept for chunks no tier holds (prompts waiting to be stored, chunks evicted)",
+            lambda s: s.prompt_tokens,
+        ),
+    )
+)
+"""``kvatlas_server_kv_events_*`` (``server.stat_table``; ``/status`` shows none)."""
 
 
 class KvEventsPublisher:
@@ -191,7 +303,9 @@ class KvEventsPublisher:
         self._pub.set_hwm(100_000)
         replay = None
         if c.replay_endpoint:
-            self._replay = self._bind(zmq.ROUTER, c.replay_endpoint, "--kv-events-replay-endpoint")
+            self._replay = self._bind(
+                zmq.ROUTER, c.replay_endpoint, "--kv-events-replay-endpoint", REPLAY_MAX_BYTES
+            )
             # a full replay and its end marker fit (vLLM sizes it the same)
             self._replay.setsockopt(zmq.SNDHWM, 2 * (c.buffer_steps + 1))
             replay = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -209,17 +323,14 @@ class KvEventsPublisher:
             c.hash_algo,
         )
 
-    def _bind(self, kind: int, endpoint: str, flag: str) -> zmq.Socket[bytes]:
-        sock: zmq.Socket[bytes] = self._ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, "[" in endpoint)  # tcp://[::1]:5557 binds IPv6
+    def _bind(
+        self, kind: int, endpoint: str, flag: str, max_bytes: int | None = None
+    ) -> zmq.Socket[bytes]:
         try:
-            sock.bind(endpoint)
-        except zmq.ZMQError as exc:
-            sock.close()
+            return bind_endpoint(self._ctx, kind, endpoint, flag=flag, max_message_bytes=max_bytes)
+        except ConfigError:
             self._close()
-            raise ConfigError(f"{flag} {endpoint}: cannot bind: {exc}") from exc
-        return sock
+            raise
 
     def stop(self) -> None:
         self._stop.set()
@@ -354,37 +465,7 @@ class KvEventsCollector(Collector):
         self._stats = stats
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        s = self._stats()
-        ns = "kvatlas_server_kv_events"
-        for name, doc, value in (
-            ("batches", "vLLM-format KV event batches published", s.batches),
-            ("blocks_stored", "BlockStored blocks published", s.blocks_stored),
-            ("blocks_removed", "BlockRemoved blocks published", s.blocks_removed),
-            ("cleared", "AllBlocksCleared published (start, and after dropped changes)", s.cleared),
-            ("replays", "Replay requests served", s.replays),
-            ("dropped_changes", "Store changes dropped: the publisher's queue was full (a"
-             " clear and a resync follow)", s.dropped_changes),
-            ("chunks_withheld", "Chunk stores not published: no prompt shown had their"
-             " tokens", s.chunks_withheld),
-            ("prompts_learned", "Prompts whose tokens the publisher took", s.prompts_learned),
-            ("prompts_dropped", "Prompts not taken (queue full, or tokens and hashes"
-             " disagreed)", s.prompts_dropped),
-        ):  # fmt: skip
-            m = CounterMetricFamily(f"{ns}_{name}", doc, labels=["instance_id"])
-            m.add_metric([self._instance], value)
-            yield m
-        for name, doc, value in (
-            ("queued", "Store changes waiting for the publisher's thread", s.queued),
-            ("blocks", "Blocks (block, medium) subscribers are told this server holds", s.blocks),
-            ("last_seq", "Seq of the last batch published", s.last_seq),
-            ("unpublished_chunks", "Chunks (chunk, medium) held but not published: tokens"
-             " unknown", s.unpublished_chunks),
-            ("prompt_tokens", "Tokens kept for chunks no tier holds (prompts waiting to be"
-             " stored, chunks evicted)", s.prompt_tokens),
-        ):  # fmt: skip
-            g = GaugeMetricFamily(f"{ns}_{name}", doc, labels=["instance_id"])
-            g.add_metric([self._instance], value)
-            yield g
+        yield from KV_EVENTS_STATS.families(self._instance, self._stats())
 
 
 class Fanout:

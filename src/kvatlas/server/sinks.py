@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from kvatlas.core.events import EventBatch
 from kvatlas.runtime.coordinator_client import CoordinatorClient, CoordinatorError
+from kvatlas.runtime.extras import needs_extra
 from kvatlas.server.errors import SinkError
 from kvatlas.wire.events_api import EventFormat, compact_batch
 from kvatlas.wire.kafka_records import DEFAULT_PARTITIONER, PROOF_HEADER, encode_batch_msgpack
@@ -85,7 +86,8 @@ class KafkaSink:
         proof: Callable[[], str] | None = None,
         **extra: Any,
     ) -> None:
-        from confluent_kafka import Producer  # noqa: PLC0415  # optional: the kafka extra
+        with needs_extra("kafka", "--event-transport kafka"):
+            from confluent_kafka import Producer  # noqa: PLC0415  # optional: the kafka extra
 
         self._topic = topic
         self._timeout_s = timeout_s

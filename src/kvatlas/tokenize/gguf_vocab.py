@@ -77,7 +77,7 @@ def _byte_alphabet() -> dict[int, str]:
 
 
 def _fields(path: Path) -> dict[str, Any]:
-    import gguf  # noqa: PLC0415 - optional (the engine extra), and only for a GGUF model
+    import gguf  # noqa: PLC0415 - optional (tokenizer and engine extras), for GGUF models only
 
     reader = gguf.GGUFReader(path)
     return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}

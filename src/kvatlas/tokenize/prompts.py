@@ -31,11 +31,14 @@ from typing import Any, Final, TypeVar
 
 import numpy as np
 
-# The request shapes are the engine's OpenAI API's (torch-free, but in kvatlas.engine: the
-# import contract lets this one module through until they move to a room below both).
-from kvatlas.engine.openai_proto import BadRequest, ChatMessage, TokenizeRequest, decode_tokenize
 from kvatlas.tokenize.fast_encoder import FastEncoder, load_fast_encoder
 from kvatlas.tokenize.loading import HubTokenizer, Tokenizer, load_tokenizer
+from kvatlas.tokenize.request_shapes import (
+    BadRequest,
+    ChatMessage,
+    TokenizeRequest,
+    decode_tokenize,
+)
 
 _T = TypeVar("_T")
 _WARM_UP: Final = b'{"messages":[{"role":"user","content":"hi"}]}'

@@ -45,8 +45,7 @@ import msgspec
 import zmq
 import zmq.utils.monitor
 
-from kvatlas.core.errors import PortInUse
-from kvatlas.runtime.net import zmq_tcp
+from kvatlas.runtime.zmq_sockets import bind_router
 from kvatlas.server.errors import ServerError
 from kvatlas.wire import p2p_proto
 from kvatlas.wire.decoding import decode_head
@@ -83,23 +82,18 @@ class ChannelServer:
     """The owner's ROUTER; ``start()`` binds (PortInUse when taken), ``stop()`` joins."""
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], host: str, port: int) -> None:
-        self._sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        endpoint, v6 = zmq_tcp(host, port)
-        self._sock.setsockopt(zmq.IPV6, v6)
-        try:
-            self._sock.bind(endpoint)
-        except zmq.ZMQError as exc:
-            self._sock.close(0)
-            if exc.errno == zmq.EADDRINUSE:
-                raise PortInUse("P2P control", host, port, "--p2p-listen-url") from exc
-            raise ServerError(
-                f"cannot bind the P2P control channel on {host}:{port}: {exc}"
-            ) from exc
+        bound = bind_router(
+            ctx,
+            host,
+            port,
+            what="P2P control",
+            flag="--p2p-listen-url",
+            max_message_bytes=MAX_MESSAGE_BYTES,
+        )
+        self._sock = bound.socket
         self.host = host
-        self.port = port
-        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.port = bound.port
+        self.endpoint = bound.endpoint
         """What the socket bound, as ZeroMQ reports it."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
