@@ -67,7 +67,7 @@ def test_non_ascii_tokens_are_refused_and_the_server_keeps_serving(server: Serve
     s = server  # 2 engine workers
     for path in ("/status", "/metrics"):
         for value in ("Bearer é".encode(), "Bearer é".encode("latin-1"), b"\xff\xfe"):
-            r = httpx.get(s.url + path, headers={"Authorization": value}, timeout=5)
+            r = httpx.get(s.url + path, headers={b"Authorization": value}, timeout=5)
             assert r.status_code == 401, (path, value, r.text)
     for _ in range(4):  # more than the workers
         bad = CacheClient(s.engine_url, timeout_s=5.0, auth_token="é")

@@ -350,7 +350,9 @@ def test_with_kafka_every_replica_knows_the_credential_and_skips_forged_records(
         (Entry(ObjectKey(b"\x01" * 32, MODEL, 0), 10),),
     )  # fmt: skip
     proof = _digest(secret)
-    for headers in (None, [(PROOF_HEADER, "00" * 32)], [(PROOF_HEADER, proof)]):
+    unproven: list[tuple[str, str | bytes | None]] = [(PROOF_HEADER, "00" * 32)]
+    proven: list[tuple[str, str | bytes | None]] = [(PROOF_HEADER, proof)]
+    for headers in (None, unproven, proven):
         producer.produce(topic, key=b"k", value=encode_batch_msgpack(forged), headers=headers)
         forged = msgspec.structs.replace(
             forged, seq=forged.seq + 1,
@@ -413,7 +415,9 @@ def test_a_fresh_batch_answered_duplicate_is_a_fault_at_the_sink(
     resend's echoes, counts them and logs them with instance, incarnation and seqs."""
     rc = start_coordinator(auth_token=TOKEN)
     coordinator = CoordinatorClient(rc.url, auth_token=TOKEN)
-    coordinator.register(RegisterRequest("127.0.0.1", 7, InstanceId("u"), incarnation=1))
+    coordinator.register(
+        RegisterRequest("127.0.0.1", 7, InstanceId("u"), incarnation=Incarnation(1))
+    )
     with client_of(rc) as c:
         assert _post(c, _batch("u", 1, 5)).json()["applied"] == 1
     pub = EventPublisher(HttpSink(coordinator), InstanceId("u"), Incarnation(1))

@@ -28,7 +28,7 @@ def translate(exc: Exception) -> HttpResponse | None:
 
 
 def _echo(request: HttpRequest) -> HttpResponse:
-    return HttpResponse(200, request.body, "application/octet-stream")
+    return HttpResponse(200, bytes(request.body), "application/octet-stream")
 
 
 def _item(request: HttpRequest) -> HttpResponse:

@@ -6,7 +6,7 @@ import msgspec
 
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes, default_kv_rank
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 from kvatlas.wire.events_api import encode_events_json, encode_events_msgpack
 
 MODEL = "llama"
@@ -34,8 +34,8 @@ def batch(
     model: str = MODEL,
 ) -> EventBatch:
     return EventBatch(
-        iid,
-        incarnation,
+        InstanceId(iid),
+        Incarnation(incarnation),
         seq,
         event,
         tier,

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from kvatlas.core.types import Incarnation, InstanceId
 from kvatlas.launch.procs import free_port
 from kvatlas.runtime.coordinator_client import (
     AsyncLookups,
@@ -38,7 +39,11 @@ BLOB = np.asarray(TOKENS, dtype="<u4").tobytes()
 
 
 def register(client: CoordinatorClient, iid: str) -> None:
-    client.register(RegisterRequest(ip="127.0.0.1", http_port=7555, instance_id=iid, incarnation=1))
+    client.register(
+        RegisterRequest(
+            ip="127.0.0.1", http_port=7555, instance_id=InstanceId(iid), incarnation=Incarnation(1)
+        )
+    )
 
 
 def fill(client: CoordinatorClient) -> None:

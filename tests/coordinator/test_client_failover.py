@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
+from kvatlas.core.types import Incarnation, InstanceId
 from kvatlas.launch.procs import free_port
 from kvatlas.runtime.coordinator_client import (
     CoordinatorClient,
@@ -35,7 +36,9 @@ Start = Callable[..., RunningCoordinator]
 
 
 def register_request(iid: str) -> RegisterRequest:
-    return RegisterRequest(ip="127.0.0.1", http_port=7555, instance_id=iid, incarnation=1)
+    return RegisterRequest(
+        ip="127.0.0.1", http_port=7555, instance_id=InstanceId(iid), incarnation=Incarnation(1)
+    )
 
 
 def dead_url() -> str:
@@ -146,7 +149,12 @@ def test_a_5xx_fails_over_and_a_4xx_does_not(start_coordinator: Start, unavailab
         assert client.url == a.url and client.stats().failovers == 1
         with pytest.raises(UnknownInstance):
             client.heartbeat("nobody")  # 404: an answer, A stays in use
-        stale = RegisterRequest(ip="127.0.0.1", http_port=7555, instance_id="node-a", incarnation=0)
+        stale = RegisterRequest(
+            ip="127.0.0.1",
+            http_port=7555,
+            instance_id=InstanceId("node-a"),
+            incarnation=Incarnation(0),
+        )
         with pytest.raises(CoordinatorRefused) as info:
             client.register(stale)  # a lower incarnation: refused, by A
         assert 400 <= info.value.status < 500, info.value

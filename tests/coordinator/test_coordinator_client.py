@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from kvatlas.core.types import Tier
+from kvatlas.core.types import Incarnation, InstanceId, Tier
 from kvatlas.launch.procs import free_port
 from kvatlas.runtime.coordinator_client import (
     BadAnswer,
@@ -40,9 +40,9 @@ def register_request(
     return RegisterRequest(
         ip="127.0.0.1",
         http_port=7555,
-        instance_id=iid,
+        instance_id=InstanceId(iid),
         p2p_advertised_url=p2p_advertised_url,
-        incarnation=1,
+        incarnation=Incarnation(1),
         contract=contract,
     )
 

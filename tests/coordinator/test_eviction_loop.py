@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.keys import ObjectKey, pack_kv_rank
-from kvatlas.core.types import EventType, InstanceId, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 from kvatlas.launch.procs import free_ports
 from support.coordinator import RunningCoordinator
 from support.wait import wait_until
@@ -25,7 +25,12 @@ def keys(n: int) -> list[ObjectKey]:
 
 def post_l2(rc: RunningCoordinator, iid: str, keys: list[ObjectKey]) -> None:
     b = EventBatch(
-        InstanceId(iid), 1, 1, EventType.STORE, Tier.L2, tuple(Entry(k, 1000) for k in keys)
+        InstanceId(iid),
+        Incarnation(1),
+        1,
+        EventType.STORE,
+        Tier.L2,
+        tuple(Entry(k, 1000) for k in keys),
     )
     r = rc.client.post(
         "/events", content=json_body(b), headers={"content-type": "application/json"}

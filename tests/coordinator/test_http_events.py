@@ -7,7 +7,7 @@ import msgspec
 
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import Namespace
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 from kvatlas.wire.http_api import MSGPACK_CONTENT_TYPE
 from support.coordinator import RunningCoordinator
 
@@ -138,8 +138,8 @@ def test_bad_token_ids_apply_nothing_with_blend(start_coordinator: object) -> No
     rc: RunningCoordinator = start_coordinator(enable_blend_lookup=True, chunk_size=4)  # type: ignore[operator]
     good = batch("node-a", 1, [fake_hash(1)])
     bad = EventBatch(
-        "node-a",
-        1,
+        InstanceId("node-a"),
+        Incarnation(1),
         2,
         EventType.STORE,
         Tier.L1,
@@ -214,7 +214,9 @@ def test_malformed_key_block_is_400_with_reason(coord: RunningCoordinator) -> No
         (KeyBlock(ns, blob, (-1, 1)), "got -1 in a key block"),
     ]
     for block, reason in cases:
-        bad = EventBatch("node-a", 1, 2, EventType.STORE, Tier.L1, (), block=block)
+        bad = EventBatch(
+            InstanceId("node-a"), Incarnation(1), 2, EventType.STORE, Tier.L1, (), block=block
+        )
         r = c.post("/events", content=msgpack_body(good, bad), headers=MSGPACK)
         assert r.status_code == 400, r.text
         assert reason in r.json()["error"] and "seq 2" in r.json()["error"]
@@ -231,7 +233,7 @@ def test_key_block_counts_toward_the_entries_limit(start_coordinator: object) ->
     hs = [fake_hash(i) for i in range(5)]
     r = rc.client.post(
         "/events",
-        content=msgpack_body(block_batch("node-a", 1, hs[2:], head=hs[:2])),
+        content=msgpack_body(block_batch("node-a", 1, hs[2:], head=tuple(hs[:2]))),
         headers=MSGPACK,
     )
     assert r.status_code == 413 and "has 5 entries" in r.json()["error"]

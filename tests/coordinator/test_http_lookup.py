@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import msgspec
@@ -124,7 +125,9 @@ def test_every_lookup_form_gives_the_same_answer(coord: RunningCoordinator) -> N
     assert by_ids.content == by_b64.content == by_msgpack.content
     answer = by_ids.json()
     assert [len(r["placements"]) for r in answer["results"]] == [2, 2, 1, 1, 0, 0]
-    keys = [{"chunk_hash_hex": h.hex(), "model_name": MODEL, "kv_rank": 16777472} for h in hs]
+    keys: list[dict[str, Any]] = [
+        {"chunk_hash_hex": h.hex(), "model_name": MODEL, "kv_rank": 16777472} for h in hs
+    ]
     by_keys = c.post("/directory/lookup", json={"keys": keys}).json()
     assert by_keys["results"] == answer["results"]
     assert by_keys["prefix_holders"] == []
@@ -291,7 +294,7 @@ def test_auth_token_guards_everything_but_healthz(start_coordinator: object) -> 
         r = anon.get("/instances", headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401
         for value in ("Bearer é".encode(), "Bearer é".encode("latin-1"), b"\xff\xfe"):
-            r = anon.get("/instances", headers={"Authorization": value})
+            r = anon.get("/instances", headers={b"Authorization": value})
             assert r.status_code == 401, value
     assert rc.client.get("/instances").status_code == 200
     assert rc.client.post("/instances", json=register_body("a")).status_code == 200

@@ -14,7 +14,7 @@ from kvatlas.coordinator.app import Coordinator
 from kvatlas.core.errors import ConfigError
 from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.keys import ObjectKey, chunk_hashes, pack_kv_rank
-from kvatlas.core.types import EventType, InstanceId, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 from support.coordinator import BASE, RunningCoordinator
 
 from .events import json_body
@@ -38,7 +38,13 @@ def store(
     event: EventType = EventType.STORE,
 ) -> None:
     b = EventBatch(
-        InstanceId(iid), 1, seq, event, tier, tuple(Entry(k, size) for k in keys), backend="fs"
+        InstanceId(iid),
+        Incarnation(1),
+        seq,
+        event,
+        tier,
+        tuple(Entry(k, size) for k in keys),
+        backend="fs",
     )
     r = rc.client.post(
         "/events", content=json_body(b), headers={"content-type": "application/json"}

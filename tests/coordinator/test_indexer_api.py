@@ -32,7 +32,7 @@ ROUTES = {
 SALTS = (("t.0123456789abcdef0123456789abcdef", "tenant:acme"), ("s.f00d", "shared:docs"))
 
 
-def reg(iid: int = 1, port: int = 5557, **extra: Any) -> dict[str, Any]:
+def reg(iid: object = 1, port: int = 5557, **extra: Any) -> dict[str, Any]:
     return {
         "instance_id": iid,
         "endpoint": f"tcp://127.0.0.1:{port}",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,10 @@ from support.wait import wait_until
 pytestmark = [pytest.mark.kafka]
 
 Start = Callable[..., RunningCoordinator]
+
+
+def pins_total(rc: RunningCoordinator) -> int:
+    return int(rc.client.get("/cache/pins").json()["total"])
 
 
 def test_pins_and_forced_deletes_across_replicas(
@@ -63,7 +68,7 @@ def test_pins_and_forced_deletes_across_replicas(
         assert (r.json()["affected"], r.json()["skipped"]) == (1, 0), r.text
         for rc in (a, b):
             wait_until(
-                lambda rc=rc: rc.client.get("/cache/pins").json()["total"],
+                partial(pins_total, rc),
                 lambda n: n == 0,
                 what="the forced delete's pin drop at both replicas",
                 timeout=30,

@@ -17,7 +17,7 @@ from kvatlas.coordinator.snapshot import unframe
 from kvatlas.core.coordinator.quotas import OperatorCapture
 from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.keys import ObjectKey, pack_kv_rank
-from kvatlas.core.types import EventType, InstanceId, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 from kvatlas.wire.kafka_records import encode_batch_msgpack
 from support.coordinator import RunningCoordinator
 from support.wait import wait_until
@@ -26,7 +26,12 @@ pytestmark = [pytest.mark.kafka]
 
 Start = Callable[..., RunningCoordinator]
 GIB = 1024**3
-PIN = {"model_name": "m", "world_size": 1, "token_ids": list(range(512)), "cache_salt": "a"}
+PIN: dict[str, Any] = {
+    "model_name": "m",
+    "world_size": 1,
+    "token_ids": list(range(512)),
+    "cache_salt": "a",
+}
 READS = ("/quota", "/quota/config", "/cache/pins")
 
 
@@ -72,7 +77,9 @@ def test_writes_on_either_replica_reach_both(
     b.wait_ready()
     producer = Producer({"bootstrap.servers": kafka_broker.bootstrap})
     key = ObjectKey(b"\x07" * 32, "m", pack_kv_rank(1, 0, 1, 0), 0, "a")
-    batch = EventBatch(InstanceId("s1"), 1, 1, EventType.STORE, Tier.L2, (Entry(key, GIB),))
+    batch = EventBatch(
+        InstanceId("s1"), Incarnation(1), 1, EventType.STORE, Tier.L2, (Entry(key, GIB),)
+    )
     producer.produce(topic, key="s1", value=encode_batch_msgpack(batch))
     assert producer.flush(10) == 0
     assert a.client.put("/quota/a", json={"limit_gb": 2}).json()["status"] == "ok"

@@ -28,7 +28,7 @@ from kvatlas.core.coordinator.salt_usage import (
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import ObjectKey, pack_kv_rank
-from kvatlas.core.types import EventType, InstanceId, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 
 
 def k(i: int, salt: str = "a", group: int = 0) -> ObjectKey:
@@ -47,7 +47,7 @@ def ev(
 ) -> EventBatch:
     return EventBatch(
         InstanceId(iid),
-        1,
+        Incarnation(1),
         1,
         event,
         tier,

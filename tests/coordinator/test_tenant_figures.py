@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.keys import ObjectKey, pack_kv_rank
-from kvatlas.core.types import EventType, InstanceId, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 from kvatlas.wire.fleet_view import FleetDocument
 from support.coordinator import RunningCoordinator
 
@@ -50,7 +50,9 @@ def key(i: int, salt: str) -> ObjectKey:
 def fill(rc: RunningCoordinator, c: httpx.Client) -> None:
     """A: 3 MiB in L2 over its 2 MiB quota, B: 1 MiB, and one pin of B's."""
     entries = tuple(Entry(key(i, s), MIB) for i, s in enumerate((A, A, A, B)))
-    batch = EventBatch(InstanceId("s1"), 1, 1, EventType.STORE, Tier.L2, entries, backend="fs")
+    batch = EventBatch(
+        InstanceId("s1"), Incarnation(1), 1, EventType.STORE, Tier.L2, entries, backend="fs"
+    )
     r = c.post("/events", content=json_body(batch), headers={"content-type": "application/json"})
     assert r.status_code == 200, r.text
     assert c.put("/quota/" + A, json={"limit_gb": 2 / 1024}, headers=OPERATOR).status_code == 200
@@ -162,7 +164,9 @@ def test_without_an_operator_token_every_token_holder_sees_them(start_coordinato
     rc = start_coordinator(eviction_check_interval=0, auth_token="fleet-token")
     c = rc.client
     entries = (Entry(key(1, A), MIB), Entry(key(2, B), MIB))
-    batch = EventBatch(InstanceId("s1"), 1, 1, EventType.STORE, Tier.L2, entries, backend="fs")
+    batch = EventBatch(
+        InstanceId("s1"), Incarnation(1), 1, EventType.STORE, Tier.L2, entries, backend="fs"
+    )
     c.post("/events", content=json_body(batch), headers={"content-type": "application/json"})
     text = c.get("/metrics").text
     assert value(text, "kvatlas_coordinator_l2_salt_bytes", cache_salt=A) == MIB

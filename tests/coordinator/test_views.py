@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from kvatlas.coordinator.views import holders_wire, lookup_json, prefix_response
 from kvatlas.core.coordinator.placements import Placement, PrefixHolder, PrefixResult
 from kvatlas.core.keys import Namespace
-from kvatlas.core.types import Tier
+from kvatlas.core.types import ChunkHash, InstanceId, Tier
 
 _text = st.text(max_size=12)
 _placement = st.builds(
@@ -43,9 +43,11 @@ def _results(draw: st.DrawFn) -> PrefixResult:
             ).map(tuple),
         )
     )
-    hashes = tuple(draw(st.binary(min_size=32, max_size=32)) for _ in range(n))
+    hashes = tuple(ChunkHash(draw(st.binary(min_size=32, max_size=32))) for _ in range(n))
     holders = tuple(
-        PrefixHolder(draw(_text), draw(st.sampled_from(list(Tier))), draw(st.integers(0, n)))
+        PrefixHolder(
+            InstanceId(draw(_text)), draw(st.sampled_from(list(Tier))), draw(st.integers(0, n))
+        )
         for _ in range(draw(st.integers(0, 2)))
     )
     return PrefixResult(ns, hashes, placements, counts, tokens, holders)

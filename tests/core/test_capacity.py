@@ -10,7 +10,7 @@ from kvatlas.core.coordinator.fleet import FleetState
 from kvatlas.core.coordinator.gate import Verdict
 from kvatlas.core.coordinator.membership import InstanceInfo
 from kvatlas.core.events import EventBatch, UnknownBatch
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 
 GIB = 1 << 30
 
@@ -19,8 +19,8 @@ def config(
     iid: str, seq: int, tier: Tier, backend: str, gib: int, revision: int, incarnation: int = 7
 ) -> EventBatch:
     return EventBatch(
-        iid,
-        incarnation,
+        InstanceId(iid),
+        Incarnation(incarnation),
         seq,
         EventType.CONFIG,
         tier,
@@ -65,31 +65,35 @@ def test_fence_below_drops_an_older_incarnations_declaration_and_forget_all() ->
 
 def test_fleet_keeps_declarations_through_the_gate_and_fences_them() -> None:
     fleet = FleetState()
-    fleet.register(InstanceInfo("a", "127.0.0.1", 1, {}, incarnation=7), 0.0)
+    fleet.register(
+        InstanceInfo(InstanceId("a"), "127.0.0.1", 1, {}, incarnation=Incarnation(7)), 0.0
+    )
     out = fleet.ingest(config("a", 1, Tier.L1, "dram", 4, revision=1), 1.0)
     assert out.verdict is Verdict.APPLY and out.applied is None and not out.skipped
     # a resent config batch is a duplicate; an unknown type moves the cursor only
     assert fleet.ingest(config("a", 1, Tier.L1, "dram", 8, 1), 1.0).verdict is Verdict.DUPLICATE
-    out = fleet.ingest(UnknownBatch("a", 7, 2, "pin"), 1.0)
+    out = fleet.ingest(UnknownBatch(InstanceId("a"), Incarnation(7), 2, "pin"), 1.0)
     assert (out.verdict, out.skipped, out.gap) == (Verdict.APPLY, "pin", 0)
     assert fleet.ingest(config("a", 3, Tier.L2, "fs", 9, 1), 1.0).gap == 0
     assert places(fleet.capacity, "a") == {(Tier.L1, "dram"): 4 * GIB, (Tier.L2, "fs"): 9 * GIB}
-    assert fleet.cursors["a"].last_seq == 3
+    assert fleet.cursors[InstanceId("a")].last_seq == 3
     # a snapshot keeps the declarations with their stamps
     restored, _ = FleetState.restore(fleet.snapshot())
     assert restored.capacity.declarations() == fleet.capacity.declarations()
     # events of a new incarnation fence the old declaration; deregistration forgets
-    fleet.ingest(UnknownBatch("a", 8, 1, "pin"), 2.0)
+    fleet.ingest(UnknownBatch(InstanceId("a"), Incarnation(8), 1, "pin"), 2.0)
     assert fleet.capacity.get("a") is None
     fleet.ingest(config("a", 2, Tier.L1, "dram", 2, 1, incarnation=8), 2.0)
     assert places(fleet.capacity, "a") == {(Tier.L1, "dram"): 2 * GIB}
-    fleet.deregister("a", 3.0)
+    fleet.deregister(InstanceId("a"), 3.0)
     assert fleet.capacity.declarations() == {}
 
 
 def test_expiry_forgets_declarations() -> None:
     fleet = FleetState(instance_timeout=5.0)
-    fleet.register(InstanceInfo("a", "127.0.0.1", 1, {}, incarnation=1), 0.0)
+    fleet.register(
+        InstanceInfo(InstanceId("a"), "127.0.0.1", 1, {}, incarnation=Incarnation(1)), 0.0
+    )
     fleet.ingest(config("a", 1, Tier.L1, "dram", 4, 1, incarnation=1), 0.0)
     fleet.ingest(config("p", 1, Tier.L1, "dram", 4, 1, incarnation=1), 0.0)  # provisional
     assert set(fleet.capacity.declarations()) == {"a", "p"}
@@ -99,7 +103,9 @@ def test_expiry_forgets_declarations() -> None:
 
 def test_a_version_1_snapshot_restores_without_declarations() -> None:
     fleet = FleetState()
-    fleet.register(InstanceInfo("a", "127.0.0.1", 1, {}, incarnation=1), 0.0)
+    fleet.register(
+        InstanceInfo(InstanceId("a"), "127.0.0.1", 1, {}, incarnation=Incarnation(1)), 0.0
+    )
     head = msgspec.msgpack.decode(fleet.snapshot())
     # 2 appended declarations and keep_tokens, 3 the departed instances, 4 whether the
     # chunk size is bound

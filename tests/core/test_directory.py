@@ -12,7 +12,7 @@ from kvatlas.core.coordinator.directory import KeyDirectory
 from kvatlas.core.errors import InvalidInput, SnapshotError
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import Namespace, ObjectKey, chunk_hashes, default_kv_rank
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 
 NS = Namespace("m", default_kv_rank())
 HASHES = chunk_hashes(list(range(256 * 6)))
@@ -31,7 +31,14 @@ def batch(
     size: int = 100,
     ns: Namespace = NS,
 ) -> EventBatch:
-    return EventBatch(iid, inc, 1, kind, tier, tuple(Entry(key(i, ns), size) for i in idx))
+    return EventBatch(
+        InstanceId(iid),
+        Incarnation(inc),
+        1,
+        kind,
+        tier,
+        tuple(Entry(key(i, ns), size) for i in idx),
+    )
 
 
 def test_store_is_an_upsert_and_access_never_creates() -> None:
@@ -99,7 +106,7 @@ def test_capture_is_the_state_at_capture_time() -> None:
     d.apply(batch("a", EventType.STORE, [3, 4]))
     d.apply(batch("b", EventType.DELETE, [1], tier=Tier.L2))
     d.apply(batch("a", EventType.ACCESS, [0, 1]))
-    d.fence("a")
+    d.fence(InstanceId("a"))
     assert KeyDirectory.restore(cap.encode()).digest() == expected != d.digest()
 
 
@@ -116,17 +123,17 @@ def test_fence_removes_l1_of_one_instance_and_keeps_l2() -> None:
     d.apply(batch("a", EventType.STORE, [0, 1, 2]))
     d.apply(batch("a", EventType.STORE, [0, 1], tier=Tier.L2))
     d.apply(batch("b", EventType.STORE, [0]))
-    assert d.fence("a") == 3
+    assert d.fence(InstanceId("a")) == 3
     tiers = {(p.instance_id, p.tier) for _, _, ps in d.iter_keys() for p in ps}
     assert tiers == {("a", Tier.L2), ("b", Tier.L1)}
-    assert d.fence("a") == 0
+    assert d.fence(InstanceId("a")) == 0
 
 
 def test_fence_below_keeps_the_new_incarnation() -> None:
     d = KeyDirectory()
     d.apply(batch("a", EventType.STORE, [0, 1], inc=1))
     d.apply(batch("a", EventType.STORE, [1, 2], inc=2))
-    assert d.fence_below("a", 2) == 2
+    assert d.fence_below(InstanceId("a"), Incarnation(2)) == 2
     assert {(p.incarnation) for _, _, ps in d.iter_keys() for p in ps} == {2}
 
 
@@ -162,7 +169,7 @@ def test_a_full_collection_does_not_visit_every_key() -> None:
 
     def store(ids: range | list[int]) -> EventBatch:
         entries = tuple(Entry(ObjectKey(i.to_bytes(8, "big") * 4, "m", 1), 100) for i in ids)
-        return EventBatch("a", 1, 1, EventType.STORE, Tier.L1, entries)
+        return EventBatch(InstanceId("a"), Incarnation(1), 1, EventType.STORE, Tier.L1, entries)
 
     d = KeyDirectory()
     for start in range(0, 60_000, 256):
@@ -172,7 +179,7 @@ def test_a_full_collection_does_not_visit_every_key() -> None:
     stored = len(d)
     assert stored >= 60_000
     assert _tracked_references(d) < 10_000
-    assert d.fence("a") == stored  # fencing still walks every key of the log
+    assert d.fence(InstanceId("a")) == stored  # fencing still walks every key of the log
     assert len(d) == 0
 
 
@@ -181,11 +188,15 @@ def test_bad_batch_applies_nothing() -> None:
     good = Entry(key(0), 1)
     bad = Entry(key(1), -5)
     with pytest.raises(InvalidInput):
-        d.apply(EventBatch("a", 1, 1, EventType.STORE, Tier.L1, (good, bad)))
+        d.apply(
+            EventBatch(InstanceId("a"), Incarnation(1), 1, EventType.STORE, Tier.L1, (good, bad))
+        )
     assert len(d) == 0
     short = Entry(ObjectKey(b"abc", "m", 1), 1)
     with pytest.raises(InvalidInput):
-        d.apply(EventBatch("a", 1, 1, EventType.STORE, Tier.L1, (good, short)))
+        d.apply(
+            EventBatch(InstanceId("a"), Incarnation(1), 1, EventType.STORE, Tier.L1, (good, short))
+        )
     assert len(d) == 0
 
 
@@ -206,11 +217,20 @@ def test_snapshot_restore_is_a_replay_with_the_same_digest() -> None:
     d.apply(batch("b", EventType.STORE, [1], tier=Tier.L2, size=9))
     d.apply(batch("a", EventType.ACCESS, [1]))
     tokens = tuple(range(256))
-    d.apply(EventBatch("c", 1, 1, EventType.STORE, Tier.L1, (Entry(key(4), 5, tokens, 0),)))
+    d.apply(
+        EventBatch(
+            InstanceId("c"),
+            Incarnation(1),
+            1,
+            EventType.STORE,
+            Tier.L1,
+            (Entry(key(4), 5, tokens, 0),),
+        )
+    )
     restored = KeyDirectory.restore(d.snapshot(), keep_tokens=True)
     assert restored.digest() == d.digest()
     assert restored.lookup_keys([key(4)])[0].token_ids == tokens
-    assert restored.fence("a") == 3  # the reverse index was rebuilt too
+    assert restored.fence(InstanceId("a")) == 3  # the reverse index was rebuilt too
     with pytest.raises(SnapshotError):
         KeyDirectory.restore(b"not a snapshot")
 
@@ -225,12 +245,21 @@ def test_snapshot_of_several_namespaces_restores_them_all() -> None:
     d.apply(batch("b", EventType.STORE, [5], tier=Tier.L2, ns=c_ns))
     d.apply(batch("a", EventType.ACCESS, [2], ns=b_ns))
     tokens = tuple(range(256))
-    d.apply(EventBatch("c", 1, 1, EventType.STORE, Tier.L1, (Entry(key(3, c_ns), 5, tokens, 0),)))
+    d.apply(
+        EventBatch(
+            InstanceId("c"),
+            Incarnation(1),
+            1,
+            EventType.STORE,
+            Tier.L1,
+            (Entry(key(3, c_ns), 5, tokens, 0),),
+        )
+    )
     restored = KeyDirectory.restore(d.snapshot(), keep_tokens=True)
     assert restored.digest() == d.digest()
     assert restored.lookup_keys([key(2, b_ns)])[0].access_count == 1
     assert restored.lookup_keys([key(3, c_ns)])[0].token_ids == tokens
-    assert restored.fence("a") == 4
+    assert restored.fence(InstanceId("a")) == 4
 
 
 def test_a_version_1_snapshot_still_restores() -> None:
@@ -239,7 +268,16 @@ def test_a_version_1_snapshot_still_restores() -> None:
     d = KeyDirectory(keep_tokens=True)
     d.apply(batch("a", EventType.STORE, [0, 1]))
     d.apply(batch("a", EventType.ACCESS, [1]))
-    d.apply(EventBatch("c", 1, 1, EventType.STORE, Tier.L1, (Entry(key(4), 5, (7,) * 256, 0),)))
+    d.apply(
+        EventBatch(
+            InstanceId("c"),
+            Incarnation(1),
+            1,
+            EventType.STORE,
+            Tier.L1,
+            (Entry(key(4), 5, (7,) * 256, 0),),
+        )
+    )
     v2 = msgspec.msgpack.decode(d.snapshot())
     owners_v1 = [[owner, keys, sizes] for owner, _ns, keys, sizes in v2[2]]
     access_v1 = [[prefix, n] for _ns, prefix, n in v2[3]]
@@ -275,7 +313,7 @@ SCENARIO: list[Step] = [
 def as_entries(step: Step) -> EventBatch:
     iid, kind, tier, ns, idx, sizes = step
     entries = tuple(Entry(key(i, ns), s) for i, s in zip(idx, sizes, strict=True))
-    return EventBatch(iid, 1, 1, kind, tier, entries)
+    return EventBatch(InstanceId(iid), Incarnation(1), 1, kind, tier, entries)
 
 
 def as_block(step: Step, split: int) -> EventBatch:
@@ -283,7 +321,7 @@ def as_block(step: Step, split: int) -> EventBatch:
     iid, kind, tier, ns, idx, sizes = step
     head = as_entries(step).entries[:split]
     block = KeyBlock.of(ns, [HASHES[i] for i in idx[split:]], sizes[split:])
-    return EventBatch(iid, 1, 1, kind, tier, head, block=block)
+    return EventBatch(InstanceId(iid), Incarnation(1), 1, kind, tier, head, block=block)
 
 
 @pytest.mark.parametrize("split", [0, 1, 2])
@@ -296,7 +334,7 @@ def test_block_batches_apply_like_their_entries(split: int) -> None:
         assert blocks.canonical() == plain.canonical(), step
         assert blocks.digest() == plain.digest(), step
         assert blocks.stats() == plain.stats(), step
-    assert plain.fence("a") == blocks.fence("a") > 0
+    assert plain.fence(InstanceId("a")) == blocks.fence(InstanceId("a")) > 0
     assert blocks.digest() == plain.digest()
     assert KeyDirectory.restore(blocks.snapshot()).digest() == plain.digest()
 
@@ -305,8 +343,8 @@ def test_block_with_entries_that_carry_tokens() -> None:
     d = KeyDirectory(keep_tokens=True)
     tokens = tuple(range(256))
     b = EventBatch(
-        "a",
-        1,
+        InstanceId("a"),
+        Incarnation(1),
         1,
         EventType.STORE,
         Tier.L1,
@@ -334,10 +372,22 @@ def test_bad_block_applies_nothing() -> None:
             if kind is not EventType.STORE and len(set(block.sizes)) == 2:
                 continue  # sizes matter to STORE only
             with pytest.raises(InvalidInput):
-                d.apply(EventBatch("a", 1, 2, kind, Tier.L1, head, block=block))
+                d.apply(
+                    EventBatch(InstanceId("a"), Incarnation(1), 2, kind, Tier.L1, head, block=block)
+                )
             assert (d.digest(), d.stats()) == before
     with pytest.raises(InvalidInput, match="hashes for 2 sizes"):
-        d.apply(EventBatch("a", 1, 2, EventType.STORE, Tier.L1, (), block=bad_blocks[0]))
+        d.apply(
+            EventBatch(
+                InstanceId("a"),
+                Incarnation(1),
+                2,
+                EventType.STORE,
+                Tier.L1,
+                (),
+                block=bad_blocks[0],
+            )
+        )
 
 
 def test_owners_that_hold_nothing_any_more_are_freed() -> None:
@@ -347,7 +397,7 @@ def test_owners_that_hold_nothing_any_more_are_freed() -> None:
         tier = Tier.L1 if i % 2 else Tier.L2
         d.apply(batch(f"i{i}", EventType.STORE, [i % 5, 1 + i % 5], tier=tier, size=i))
         if i % 4 == 1:
-            d.fence(f"i{i}")
+            d.fence(InstanceId(f"i{i}"))
             d.apply(batch(f"i{i}", EventType.DELETE, [i % 5], tier=tier))  # nothing left
         else:
             d.apply(batch(f"i{i}", EventType.DELETE, [i % 5, 1 + i % 5], tier=tier))
@@ -378,7 +428,13 @@ def test_namespaces_that_hold_no_key_any_more_are_freed() -> None:
         ns = Namespace(f"model-{i}", i)
         if i % 3 == 0:  # the block form
             b = EventBatch(
-                "a", 1, 1, EventType.STORE, Tier.L2, (), block=KeyBlock.of(ns, [HASHES[i % 5]], 10)
+                InstanceId("a"),
+                Incarnation(1),
+                1,
+                EventType.STORE,
+                Tier.L2,
+                (),
+                block=KeyBlock.of(ns, [HASHES[i % 5]], 10),
             )
         else:
             b = batch("a", EventType.STORE, [i % 5, 1 + i % 5], ns=ns)
@@ -386,7 +442,7 @@ def test_namespaces_that_hold_no_key_any_more_are_freed() -> None:
         if i % 2:
             d.apply(msgspec.structs.replace(b, event_type=EventType.DELETE))
         else:
-            d.fence("a")
+            d.fence(InstanceId("a"))
             d.apply(batch("a", EventType.DELETE, [i % 5, 1 + i % 5], tier=Tier.L2, ns=ns))
     assert len(d) == 2 and d.stats().namespaces == 1
     assert len(d.tables.ns_ids) == 1 and len(d.tables.namespaces) <= 3
@@ -417,11 +473,11 @@ def test_reads_and_writes_share_the_tables_they_were_built_with() -> None:
         if i % 5 == 0:
             d.apply(batch(f"i{i % 7}", EventType.DELETE, [i % 5, 1 + i % 5], ns=ns))
         if i % 11 == 0:
-            d.fence(f"i{i % 7}")
+            d.fence(InstanceId(f"i{i % 7}"))
     for _ in range(300):  # enough churn to compact one reverse index
         d.apply(batch("c", EventType.STORE, [0, 1, 2, 3, 4, 5]))
         d.apply(batch("c", EventType.DELETE, [0, 1, 2, 3, 4]))
-    d.drop("i3")
+    d.drop(InstanceId("i3"))
     restored = KeyDirectory.restore(d.snapshot(), keep_tokens=True)
     for directory in (d, restored):
         tables = directory.tables

@@ -9,7 +9,7 @@ import pytest
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import Namespace, chunk_hashes, default_kv_rank, object_keys
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 
 NS = Namespace("m", default_kv_rank(), 2, "salt")
 HASHES = chunk_hashes(list(range(4 * 8)), 4)
@@ -59,19 +59,21 @@ def test_from_entries_only_when_equivalent() -> None:
 def test_batch_counts_and_all_entries_are_entries_then_block() -> None:
     head = (Entry(object_keys(HASHES[5:6], NS)[0], 5),)
     block = KeyBlock.of(NS, HASHES[:3], 1)
-    b = EventBatch("a", 1, 1, EventType.STORE, Tier.L1, head, block=block)
+    b = EventBatch(InstanceId("a"), Incarnation(1), 1, EventType.STORE, Tier.L1, head, block=block)
     assert b.n_entries == 4
     assert b.all_entries() == head + block.entries()
-    plain = EventBatch("a", 1, 1, EventType.STORE, Tier.L1, head)
+    plain = EventBatch(InstanceId("a"), Incarnation(1), 1, EventType.STORE, Tier.L1, head)
     assert plain.n_entries == 1 and plain.all_entries() is head
 
 
 def test_msgpack_with_and_without_block() -> None:
     block = KeyBlock.of(NS, HASHES[:3], [1, 2, 3])
-    b = EventBatch("a", 1, 1, EventType.STORE, Tier.L1, (), block=block)
+    b = EventBatch(InstanceId("a"), Incarnation(1), 1, EventType.STORE, Tier.L1, (), block=block)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(b), type=EventBatch) == b
     # A body from an emitter that predates blocks: no "block" field at all.
-    old = msgspec.structs.asdict(EventBatch("a", 1, 2, EventType.DELETE, Tier.L2, ()))
+    old = msgspec.structs.asdict(
+        EventBatch(InstanceId("a"), Incarnation(1), 2, EventType.DELETE, Tier.L2, ())
+    )
     del old["block"]
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=EventBatch)
     assert decoded.block is None and decoded.seq == 2 and decoded.n_entries == 0

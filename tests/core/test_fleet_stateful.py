@@ -24,7 +24,7 @@ from kvatlas.core.coordinator.membership import InstanceInfo
 from kvatlas.core.errors import StaleIncarnation
 from kvatlas.core.events import Entry, EventBatch, KeyBlock, UnknownBatch
 from kvatlas.core.keys import ObjectKey, default_kv_rank
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 
 TIMEOUT = 10.0
 RETENTION = 20.0
@@ -180,7 +180,13 @@ class FleetMachine(RuleBasedStateMachine):
         self.now = 1000.0
 
     def _info(self, iid: str) -> InstanceInfo:
-        return InstanceInfo(iid, "127.0.0.1", 7000, {}, incarnation=self.emitters[iid].incarnation)
+        return InstanceInfo(
+            InstanceId(iid),
+            "127.0.0.1",
+            7000,
+            {},
+            incarnation=Incarnation(self.emitters[iid].incarnation),
+        )
 
     @rule(iid=st.sampled_from(INSTANCES))
     def register(self, iid: str) -> None:
@@ -208,7 +214,7 @@ class FleetMachine(RuleBasedStateMachine):
 
     @rule(iid=st.sampled_from(INSTANCES))
     def heartbeat(self, iid: str) -> None:
-        known = self.state.heartbeat(iid, self.now)
+        known = self.state.heartbeat(InstanceId(iid), self.now)
         assert known == (iid in self.model.live)
         if known:
             inc, _ = self.model.live[iid]
@@ -242,8 +248,8 @@ class FleetMachine(RuleBasedStateMachine):
         split = max(0, len(entries) - in_block)
         block = KeyBlock.from_entries(entries[split:])
         batch = EventBatch(
-            iid,
-            em.incarnation,
+            InstanceId(iid),
+            Incarnation(em.incarnation),
             em.next_seq,
             kind,
             tier,
@@ -275,8 +281,8 @@ class FleetMachine(RuleBasedStateMachine):
         em = self.emitters[iid]
         em.revision += new_revision
         batch = EventBatch(
-            iid,
-            em.incarnation,
+            InstanceId(iid),
+            Incarnation(em.incarnation),
             em.next_seq,
             EventType.CONFIG,
             tier,
@@ -291,7 +297,11 @@ class FleetMachine(RuleBasedStateMachine):
     def emit_unknown(self, iid: str, deliver: bool) -> None:
         """A batch of an event type from the future: it only moves the gate."""
         em = self.emitters[iid]
-        self._send(em, UnknownBatch(iid, em.incarnation, em.next_seq, "hint"), deliver)
+        self._send(
+            em,
+            UnknownBatch(InstanceId(iid), Incarnation(em.incarnation), em.next_seq, "hint"),
+            deliver,
+        )
 
     @rule(iid=st.sampled_from(INSTANCES), pick=st.integers(0, 1000))
     def redeliver(self, iid: str, pick: int) -> None:
@@ -310,7 +320,7 @@ class FleetMachine(RuleBasedStateMachine):
     @rule(iid=st.sampled_from(INSTANCES))
     def deregister(self, iid: str) -> None:
         self.model.deregister(iid, self.now)
-        self.state.deregister(iid, self.now)
+        self.state.deregister(InstanceId(iid), self.now)
 
     @invariant()
     def directory_equals_model(self) -> None:

@@ -11,19 +11,21 @@ from kvatlas.core.coordinator.gate import Verdict
 from kvatlas.core.coordinator.membership import InstanceInfo
 from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.keys import ObjectKey, default_kv_rank
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 
 START = 1_760_000_000
 KEYS = [ObjectKey(bytes([i]) * 32, "m", default_kv_rank()) for i in range(4)]
 
 
 def lmcache(iid: str = "mp-a") -> InstanceInfo:
-    return InstanceInfo(iid, "127.0.0.1", 8080, {}, incarnation_from_events=True)
+    return InstanceInfo(InstanceId(iid), "127.0.0.1", 8080, {}, incarnation_from_events=True)
 
 
 def store(seq: int, incarnation: int, *keys: int, tier: Tier = Tier.L1) -> EventBatch:
     entries = tuple(Entry(KEYS[k], 10) for k in keys)
-    return EventBatch("mp-a", incarnation, seq, EventType.STORE, tier, entries)
+    return EventBatch(
+        InstanceId("mp-a"), Incarnation(incarnation), seq, EventType.STORE, tier, entries
+    )
 
 
 def placed(fleet: FleetState) -> list[int]:
@@ -40,7 +42,7 @@ def test_the_registered_instance_takes_its_events_incarnation() -> None:
     [live] = fleet.instances()
     assert (live.incarnation, live.incarnation_from_events) == (START, True)
     # it lives by its heartbeats, not by its events
-    assert fleet.heartbeat("mp-a", 4.0)
+    assert fleet.heartbeat(InstanceId("mp-a"), 4.0)
     assert fleet.expire(8.0) == [] and placed(fleet) == [0]
     # a re-registration (after a 404 on a heartbeat) keeps the incarnation: not stale
     outcome, fenced = fleet.register(lmcache(), 8.5)
@@ -69,7 +71,7 @@ def test_events_before_the_registration_and_after_a_deregistration() -> None:
     outcome, fenced = fleet.register(lmcache(), 2.0)
     assert (outcome.incarnation, fenced, fleet.provisional()) == (START, None, {})
     assert placed(fleet) == [0]
-    fleet.deregister("mp-a", 0.0)
+    fleet.deregister(InstanceId("mp-a"), 0.0)
     outcome, _ = fleet.register(lmcache(), 3.0)  # back: not refused as stale
     assert outcome.incarnation == START
 

@@ -22,7 +22,7 @@ def key(i: int) -> ObjectKey:
 
 def store(iid: str, seq: int, tier: Tier, keys: range, size: int = 1024) -> EventBatch:
     entries = tuple(Entry(key(i), size) for i in keys)
-    return EventBatch(iid, 1, seq, EventType.STORE, tier, entries)
+    return EventBatch(InstanceId(iid), Incarnation(1), seq, EventType.STORE, tier, entries)
 
 
 def fleet() -> FleetState:
@@ -30,7 +30,9 @@ def fleet() -> FleetState:
 
 
 def register(f: FleetState, iid: str, now: float) -> None:
-    f.register(InstanceInfo(iid, "127.0.0.1", 7000, {}, incarnation=1), now)
+    f.register(
+        InstanceInfo(InstanceId(iid), "127.0.0.1", 7000, {}, incarnation=Incarnation(1)), now
+    )
 
 
 def held(f: FleetState, iid: str) -> dict[Tier, int]:
@@ -50,7 +52,7 @@ def test_an_instance_that_never_registered_loses_l2_when_it_expires() -> None:
     assert out.provisional
     f.ingest(store("ghost", 2, Tier.L1, range(3, 5)), 0.0)
     assert held(f, "ghost") == {Tier.L2: 3, Tier.L1: 2}
-    f.heartbeat("honest", TIMEOUT)
+    f.heartbeat(InstanceId("honest"), TIMEOUT)
     fenced = f.expire(TIMEOUT + 1)
     assert [(x.instance_id, x.placements, x.reason) for x in fenced] == [
         ("ghost", 5, FenceReason.EXPIRED_UNREGISTERED)
@@ -100,9 +102,16 @@ def test_an_instance_that_comes_back_keeps_its_l2() -> None:
     f.ingest(store("b", 1, Tier.L2, range(2, 4)), 0.0)
     f.deregister(InstanceId("a"), 1.0)
     f.deregister(InstanceId("b"), 1.0)
-    f.register(InstanceInfo("a", "127.0.0.1", 7000, {}, incarnation=2), 50.0)
-    f.ingest(EventBatch("b", 2, 1, EventType.STORE, Tier.L1, (Entry(key(9), 1),)), 50.0)
-    f.heartbeat("a", 50.0 + RETENTION)
+    f.register(
+        InstanceInfo(InstanceId("a"), "127.0.0.1", 7000, {}, incarnation=Incarnation(2)), 50.0
+    )
+    f.ingest(
+        EventBatch(
+            InstanceId("b"), Incarnation(2), 1, EventType.STORE, Tier.L1, (Entry(key(9), 1),)
+        ),
+        50.0,
+    )
+    f.heartbeat(InstanceId("a"), 50.0 + RETENTION)
     assert f.departed() == {}
     f.expire(50.0 + RETENTION)
     assert held(f, "a") == {Tier.L2: 2}

@@ -15,6 +15,7 @@ from kvatlas.core.coordinator.membership import (
 )
 from kvatlas.core.errors import ContractMismatch, InvalidInput, SnapshotError, StaleIncarnation
 from kvatlas.core.keys import HashContract
+from kvatlas.core.types import Incarnation, InstanceId
 
 
 def info(
@@ -24,7 +25,12 @@ def info(
     port: int = 8100,
 ) -> InstanceInfo:
     return InstanceInfo(
-        iid, "10.0.0.1", port, {"zone": "a"}, incarnation=incarnation, contract=contract
+        InstanceId(iid),
+        "10.0.0.1",
+        port,
+        {"zone": "a"},
+        incarnation=Incarnation(incarnation),
+        contract=contract,
     )
 
 
@@ -38,16 +44,19 @@ def test_first_registration_sets_times_and_is_not_a_re_registration() -> None:
     m = Membership()
     out = m.register(info(), now=100.0)
     assert out == RegisterOutcome(
-        "node-a", re_registered=False, fenced_incarnation=None, incarnation=1
+        InstanceId("node-a"),
+        re_registered=False,
+        fenced_incarnation=None,
+        incarnation=Incarnation(1),
     )
-    got = m.get("node-a")
+    got = m.get(InstanceId("node-a"))
     assert got is not None
     assert (got.registration_time, got.last_heartbeat) == (100.0, 100.0)
     assert "node-a" in m
     assert len(m) == 1
-    assert m.max_incarnation("node-a") == 1
-    assert m.is_live("node-a", 1)
-    assert not m.is_live("node-a", 2)
+    assert m.max_incarnation(InstanceId("node-a")) == 1
+    assert m.is_live(InstanceId("node-a"), Incarnation(1))
+    assert not m.is_live(InstanceId("node-a"), Incarnation(2))
 
 
 def test_same_incarnation_re_registers_without_fence() -> None:
@@ -55,9 +64,12 @@ def test_same_incarnation_re_registers_without_fence() -> None:
     m.register(info(), now=1.0)
     out = m.register(info(port=9000), now=2.0)
     assert out == RegisterOutcome(
-        "node-a", re_registered=True, fenced_incarnation=None, incarnation=1
+        InstanceId("node-a"),
+        re_registered=True,
+        fenced_incarnation=None,
+        incarnation=Incarnation(1),
     )
-    got = m.get("node-a")
+    got = m.get(InstanceId("node-a"))
     assert got is not None
     assert got.http_port == 9000
     assert got.last_heartbeat == 2.0
@@ -67,10 +79,15 @@ def test_higher_incarnation_of_a_live_instance_fences_the_old_one() -> None:
     m = Membership()
     m.register(info(incarnation=3), now=1.0)
     out = m.register(info(incarnation=5), now=2.0)
-    assert out == RegisterOutcome("node-a", re_registered=True, fenced_incarnation=3, incarnation=5)
-    assert m.is_live("node-a", 5)
-    assert not m.is_live("node-a", 3)
-    assert m.max_incarnation("node-a") == 5
+    assert out == RegisterOutcome(
+        InstanceId("node-a"),
+        re_registered=True,
+        fenced_incarnation=Incarnation(3),
+        incarnation=Incarnation(5),
+    )
+    assert m.is_live(InstanceId("node-a"), Incarnation(5))
+    assert not m.is_live(InstanceId("node-a"), Incarnation(3))
+    assert m.max_incarnation(InstanceId("node-a")) == 5
 
 
 def test_lower_incarnation_is_stale_and_changes_nothing() -> None:
@@ -80,8 +97,8 @@ def test_lower_incarnation_is_stale_and_changes_nothing() -> None:
         m.register(info(incarnation=4), now=2.0)
     assert isinstance(exc.value, InvalidInput)
     assert (exc.value.instance_id, exc.value.incarnation, exc.value.highest) == ("node-a", 4, 5)
-    assert m.is_live("node-a", 5)
-    got = m.get("node-a")
+    assert m.is_live(InstanceId("node-a"), Incarnation(5))
+    got = m.get(InstanceId("node-a"))
     assert got is not None
     assert got.last_heartbeat == 1.0
 
@@ -90,19 +107,23 @@ def test_stale_incarnation_is_refused_after_deregister_and_expiry() -> None:
     m = Membership(instance_timeout=10.0)
     m.register(info("a", 7), now=0.0)
     m.register(info("b", 2), now=0.0)
-    assert m.deregister("a") is not None
+    assert m.deregister(InstanceId("a")) is not None
     assert [i.instance_id for i in m.expire(now=11.0)] == ["b"]
     assert "b" not in m
-    assert m.max_incarnation("a") == 7
-    assert m.max_incarnation("b") == 2
-    assert m.max_incarnation("c") is None
+    assert m.max_incarnation(InstanceId("a")) == 7
+    assert m.max_incarnation(InstanceId("b")) == 2
+    assert m.max_incarnation(InstanceId("c")) is None
     with pytest.raises(StaleIncarnation):
         m.register(info("a", 6), now=12.0)
     with pytest.raises(StaleIncarnation):
         m.register(info("b", 1), now=12.0)
     # Coming back after leaving: known, but nothing live to fence.
-    assert m.register(info("a", 8), now=12.0) == RegisterOutcome("a", True, None, 8)
-    assert m.register(info("b", 2), now=12.0) == RegisterOutcome("b", True, None, 2)
+    assert m.register(info("a", 8), now=12.0) == RegisterOutcome(
+        InstanceId("a"), True, None, Incarnation(8)
+    )
+    assert m.register(info("b", 2), now=12.0) == RegisterOutcome(
+        InstanceId("b"), True, None, Incarnation(2)
+    )
 
 
 @pytest.mark.parametrize(
@@ -131,9 +152,9 @@ def test_bad_timeout_is_refused() -> None:
 def test_registered_metadata_is_a_copy() -> None:
     m = Membership()
     meta = {"zone": "a"}
-    m.register(InstanceInfo("n", "ip", 1, meta), now=0.0)
+    m.register(InstanceInfo(InstanceId("n"), "ip", 1, meta), now=0.0)
     meta["zone"] = "b"
-    got = m.get("n")
+    got = m.get(InstanceId("n"))
     assert got is not None
     assert got.metadata == {"zone": "a"}
 
@@ -178,7 +199,7 @@ def test_only_live_instances_make_the_fleet_contract() -> None:
     m = Membership(instance_timeout=5.0)
     m.register(info("a", contract=LLAMA), now=0.0)
     other = msgspec.structs.replace(LLAMA, chunk_size=512)
-    m.deregister("a")
+    m.deregister(InstanceId("a"))
     m.register(info("b", contract=other), now=1.0)
     assert m.fleet_contract("llama") == other
 
@@ -196,7 +217,7 @@ def test_an_instance_may_change_its_own_contract_when_alone() -> None:
 
 def test_heartbeat_of_unknown_instance_is_false() -> None:
     m = Membership()
-    assert not m.heartbeat("ghost", now=1.0)
+    assert not m.heartbeat(InstanceId("ghost"), now=1.0)
 
 
 def test_expiry_is_strictly_after_the_timeout() -> None:
@@ -207,15 +228,17 @@ def test_expiry_is_strictly_after_the_timeout() -> None:
     expired = m.expire(now=130.001)
     assert [i.instance_id for i in expired] == ["a"]
     assert "a" not in m
-    assert not m.heartbeat("a", now=131.0)
+    assert not m.heartbeat(InstanceId("a"), now=131.0)
 
 
 def test_heartbeats_extend_life_and_never_go_backwards() -> None:
     m = Membership(instance_timeout=10.0)
     m.register(info("a"), now=0.0)
     m.register(info("b"), now=0.0)
-    assert m.heartbeat("a", now=8.0)
-    assert m.heartbeat("a", now=5.0)  # late delivery: accepted, but does not shorten life
+    assert m.heartbeat(InstanceId("a"), now=8.0)
+    assert m.heartbeat(
+        InstanceId("a"), now=5.0
+    )  # late delivery: accepted, but does not shorten life
     assert m.heartbeat_ages(now=12.0) == {"a": 4.0, "b": 12.0}
     assert [i.instance_id for i in m.expire(now=12.0)] == ["b"]
     assert m.expire(now=18.0) == []
@@ -226,7 +249,7 @@ def test_expire_returns_sorted_and_instances_are_sorted() -> None:
     m = Membership(instance_timeout=1.0)
     for iid in ["c", "a", "b", "d"]:
         m.register(info(iid), now=0.0)
-    m.heartbeat("d", now=5.0)
+    m.heartbeat(InstanceId("d"), now=5.0)
     assert [i.instance_id for i in m.instances()] == ["a", "b", "c", "d"]
     assert [i.instance_id for i in m.expire(now=5.0)] == ["a", "b", "c"]
     assert [i.instance_id for i in m.instances()] == ["d"]
@@ -235,11 +258,11 @@ def test_expire_returns_sorted_and_instances_are_sorted() -> None:
 def test_deregister() -> None:
     m = Membership()
     m.register(info("a", 4), now=0.0)
-    gone = m.deregister("a")
+    gone = m.deregister(InstanceId("a"))
     assert gone is not None
     assert gone.incarnation == 4
-    assert m.deregister("a") is None
-    assert not m.is_live("a", 4)
+    assert m.deregister(InstanceId("a")) is None
+    assert not m.is_live(InstanceId("a"), Incarnation(4))
     assert m.stats() == MembershipStats(live=0, known_ids=1)
 
 
@@ -251,8 +274,8 @@ def test_snapshot_restore_round_trip() -> None:
     m.register(info("a", 3, contract=LLAMA), now=1.0)
     m.register(info("b", 1, contract=LLAMA), now=2.0)
     m.register(info("gone", 9), now=2.0)
-    m.deregister("gone")
-    m.heartbeat("a", now=4.0)
+    m.deregister(InstanceId("gone"))
+    m.heartbeat(InstanceId("a"), now=4.0)
     r = Membership.restore(m.snapshot(), m.high_water(), instance_timeout=10.0)
     assert r.snapshot() == m.snapshot()
     assert r.high_water() == m.high_water() == {"a": 3, "b": 1, "gone": 9}
@@ -260,7 +283,9 @@ def test_snapshot_restore_round_trip() -> None:
         r.register(info("gone", 8), now=5.0)
     # The snapshot survives its wire form.
     wire = msgspec.msgpack.encode((m.snapshot(), m.high_water()))
-    infos, hw = msgspec.msgpack.decode(wire, type=tuple[list[InstanceInfo], dict[str, int]])
+    infos, hw = msgspec.msgpack.decode(
+        wire, type=tuple[list[InstanceInfo], dict[InstanceId, Incarnation]]
+    )
     assert Membership.restore(infos, hw).snapshot() == m.snapshot()
 
 
@@ -268,7 +293,7 @@ def test_restore_with_now_gives_every_instance_a_full_timeout() -> None:
     m = Membership(instance_timeout=10.0)
     m.register(info("a"), now=1000.0)
     r = Membership.restore(m.snapshot(), m.high_water(), instance_timeout=10.0, now=3.0)
-    got = r.get("a")
+    got = r.get(InstanceId("a"))
     assert got is not None
     assert (got.registration_time, got.last_heartbeat) == (1000.0, 3.0)
     assert r.expire(now=13.0) == []
@@ -285,7 +310,7 @@ def test_restore_with_now_gives_every_instance_a_full_timeout() -> None:
     ],
 )
 def test_restore_refuses_impossible_snapshots(
-    infos: list[InstanceInfo], high_water: dict[str, int]
+    infos: list[InstanceInfo], high_water: dict[InstanceId, Incarnation]
 ) -> None:
     with pytest.raises(SnapshotError):
         Membership.restore(infos, high_water)
@@ -328,11 +353,11 @@ def test_membership_matches_a_simple_model(
             live[iid] = (inc, now)
             high[iid] = inc
         elif kind == "heartbeat":
-            assert m.heartbeat(iid, now) == (iid in live)
+            assert m.heartbeat(InstanceId(iid), now) == (iid in live)
             if iid in live:
                 live[iid] = (live[iid][0], now)
         elif kind == "deregister":
-            assert (m.deregister(iid) is not None) == (iid in live)
+            assert (m.deregister(InstanceId(iid)) is not None) == (iid in live)
             live.pop(iid, None)
         else:
             gone = sorted(i for i, (_, beat) in live.items() if now - beat > timeout)
@@ -342,7 +367,7 @@ def test_membership_matches_a_simple_model(
         assert {i.instance_id: (i.incarnation, i.last_heartbeat) for i in m.instances()} == live
         assert m.high_water() == dict(sorted(high.items()))
         for i, (inc_live, _) in live.items():
-            assert m.is_live(i, inc_live)
+            assert m.is_live(InstanceId(i), Incarnation(inc_live))
     r = Membership.restore(m.snapshot(), m.high_water(), instance_timeout=timeout)
     assert r.snapshot() == m.snapshot()
     assert r.high_water() == m.high_water()

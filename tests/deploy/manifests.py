@@ -282,7 +282,8 @@ def listening_ports(cmd: DeployCommand) -> set[int]:
 PORT_FLAGS = ("--port", "--http-port", "--p2p-data-port")
 URL_FLAGS = ("--coordinator-url", "--p2p-advertise-url", "--p2p-listen-url", "--engine-url")
 PATH_FLAGS = ("--state-dir", "--l2-path", "--snapshot-path")
-SMALL = {"--l1-size-gb": "0.0625", "--l2-size-gb": "0.25", "--no-l1-prefault": None}
+SMALL_L1_GB, SMALL_L2_GB = "0.0625", "0.25"
+SMALL = {"--l1-size-gb": SMALL_L1_GB, "--l2-size-gb": SMALL_L2_GB, "--no-l1-prefault": None}
 
 
 def split_flags(args: tuple[str, ...]) -> list[tuple[str, str | None]]:
@@ -329,7 +330,7 @@ def on_loopback(
             value = str(scratch / cmd.name.replace("/", "-") / Path(value).name)
         out += [flag] if value is None else [flag, value]
     if cmd.role == "server":
-        out += ["--l1-size-gb", SMALL["--l1-size-gb"], "--no-l1-prefault"]
+        out += ["--l1-size-gb", SMALL_L1_GB, "--no-l1-prefault"]
         if any(flag == "--l2-size-gb" for flag, _ in split_flags(cmd.words[2:])):
-            out += ["--l2-size-gb", SMALL["--l2-size-gb"]]
+            out += ["--l2-size-gb", SMALL_L2_GB]
     return out

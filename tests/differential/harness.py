@@ -55,7 +55,7 @@ class LMCacheCoord(Process):
     def wait(self) -> None:
         self.launched.wait_http("/healthz", timeout=90)
 
-    def stop(self, sig: int = signal.SIGINT) -> int:
+    def stop(self, sig: int = signal.SIGINT) -> int | None:
         self.http.close()
         return super().stop(sig)
 

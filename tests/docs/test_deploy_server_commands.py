@@ -21,11 +21,13 @@ document, so that it cannot drift from what runs:
 from __future__ import annotations
 
 import json
+import operator
 import os
 import re
 import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +165,11 @@ def moved(arg: str, ports: dict[str, str]) -> str:
     return re.sub(r"\b\d{4,5}\b", lambda m: ports.get(m.group(0), m.group(0)), arg)
 
 
+def _fetch_fresh(engine: Driver, tokens: list[int], seed: int) -> dict[str, Any]:
+    """A fetch under a request id of its own (each try of a wait is a new request)."""
+    return engine.call("fetch", tokens, f"fetch-{seed}-{os.urandom(4).hex()}")
+
+
 def prompt(seed: int, chunks: int = 3) -> list[int]:
     """``chunks`` full chunks and a partial one, which is never stored."""
     return [seed * 100_000 + i for i in range(chunks * CHUNK + CHUNK // 2)]
@@ -210,7 +217,7 @@ def fleet(lmcache_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         names = [n for n, _ in servers]
         for name, http in servers:
             want = ("registered", [n for n in names if n != name])
-            wait_until(lambda h=http: _peers(h), lambda seen, w=want: seen == w,
+            wait_until(partial(_peers, http), partial(operator.eq, want),
                        what=f"{name} registered, with its peer", timeout=60)  # fmt: skip
         for i, (url, mode) in enumerate(wanted):
             engines.append(engine(lmcache_venv, url, mode, logs / f"engine-{i}.log"))
@@ -233,9 +240,7 @@ def test_a_prefix_stored_on_one_node_is_fetched_on_the_other(fleet: Any) -> None
         # the reader's server learns who holds it from the coordinator's directory,
         # which the writer's server tells on its next event flush
         got = wait_until(
-            lambda r=reader, t=tokens, s=seed: r.call(
-                "fetch", t, f"fetch-{s}-{os.urandom(4).hex()}"
-            ),
+            partial(_fetch_fresh, reader, tokens, seed),
             lambda answer: answer["ok"] and answer["hit"] == 3,
             what=f"prompt {seed}: the other node's engine gets all 3 chunks through P2P",
             timeout=30,

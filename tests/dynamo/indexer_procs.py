@@ -200,7 +200,7 @@ class Engine:
 
     def publish(self, *events: Any) -> list[Any]:
         """The manager's pending events (or ``events``) as one batch, when any; they."""
-        out = list(events) or self.manager.take_events()
+        out: list[Any] = list(events) or self.manager.take_events()
         if out:
             self.publisher.publish(KVEventBatch(ts=time.time(), events=out))
             self.published += 1

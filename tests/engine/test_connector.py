@@ -104,7 +104,7 @@ def test_store_then_load_through_the_region_gives_the_same_greedy_output(
         assert conn.recompute_estimate(CHUNK) > 0
         out = conn.store_new(ids, full.first_new_chunk, full.new_chunks)
         assert (out.stored, out.existing, out.skipped) == (n_full, 0, 0)
-        assert server.status()["l1"]["chunks"] == n_full  # type: ignore[index]
+        assert server.status()["l1"]["chunks"] == n_full
         # again: everything exists already
         assert conn.store_new(ids, 0, full.new_chunks[:2]).existing == 2
 
@@ -114,9 +114,9 @@ def test_store_then_load_through_the_region_gives_the_same_greedy_output(
             assert all(
                 np.array_equal(a, b) for a, b in zip(hit.chunks, full.new_chunks, strict=True)
             )
-            assert server.status()["leases"]["read"] == n_full  # type: ignore[index]
+            assert server.status()["leases"]["read"] == n_full
             reused = prefill_and_generate(tiny, ids, hit.chunks, params=GREEDY)
-        assert server.status()["leases"]["read"] == 0  # type: ignore[index]
+        assert server.status()["leases"]["read"] == 0
         assert reused.cached_tokens == n_full * CHUNK
         assert reused.token_ids == full.token_ids and reused.text == full.text
 
@@ -126,7 +126,7 @@ def test_store_then_load_through_the_region_gives_the_same_greedy_output(
         assert conn.stats().hit_chunks == n_full + 3
         # the engine's measured prefill rate travels with its lookups: the server learns
         # it, for lookups that come without an estimate
-        rates = server.status()["lookups"]["recompute_s_per_token"]  # type: ignore[index]
+        rates = server.status()["lookups"]["recompute_s_per_token"]
         assert list(rates.values()) == [pytest.approx(conn.stats().prefill_s_per_token)]
     finally:
         conn.close()
@@ -190,7 +190,7 @@ def test_engine_second_request_loads_the_prefix_and_answers_the_same(
         n_full = n_prompt // CHUNK
         assert stats1["num_cached_tokens"] == 0 and stats1["fallback"] is None
         assert stats1["num_prefilled_tokens"] == n_prompt
-        assert server.status()["l1"]["chunks"] == n_full  # type: ignore[index]
+        assert server.status()["l1"]["chunks"] == n_full
 
         second = ask(app, body)
         stats2 = second["cached_token_stats"]
@@ -199,7 +199,7 @@ def test_engine_second_request_loads_the_prefix_and_answers_the_same(
         assert stats2["num_peer_cached_tokens"] == 0 and stats2["fallback"] is None
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == n_full * CHUNK
         assert second["choices"][0]["message"] == first["choices"][0]["message"]
-        assert server.status()["leases"]["read"] == 0  # type: ignore[index]
+        assert server.status()["leases"]["read"] == 0
         metrics = httpx.get(f"{app.url}/metrics").text
         assert f"kvatlas_engine_cached_tokens_total {float(n_full * CHUNK)}" in metrics
         assert "kvatlas_engine_cache_connected 1.0" in metrics

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from engine.layers import keys_of, values_of
 from kvatlas.engine.generate import prefill
 from kvatlas.engine.kv_cache import ArenaLayer, KVArena, KVArenaReused, settle_cache
 from kvatlas.engine.kv_layout import (
@@ -53,8 +54,8 @@ def test_decode_in_the_arena_equals_transformers_cache_bit_for_bit(tiny: LoadedM
         assert torch.equal(outs[0].logits, outs[1].logits), step
     layer = caches[1].layers[0]
     assert isinstance(layer, ArenaLayer) and layer.get_seq_length() == 306
-    assert layer.keys.data_ptr() == storage.data_ptr()  # written in place, never moved
-    assert torch.equal(layer.keys, caches[0].layers[0].keys)
+    assert keys_of(caches[1], 0).data_ptr() == storage.data_ptr()  # written in place, never moved
+    assert torch.equal(keys_of(caches[1], 0), keys_of(caches[0], 0))
     assert arena.grown == tiny.kv_spec.layers  # one allocation per layer for all of it
 
 
@@ -64,7 +65,7 @@ def test_the_arena_is_reused_and_an_earlier_cache_refused(tiny: LoadedModel) -> 
     grown, held = arena.grown, arena.nbytes
     second = prefill(tiny, random_ids(600, seed=2), arena=arena)
     assert (arena.grown, arena.nbytes) == (grown, held)  # no new storage
-    assert second.cache.layers[0].keys.data_ptr() == first.cache.layers[0].keys.data_ptr()
+    assert keys_of(second.cache, 0).data_ptr() == keys_of(first.cache, 0).data_ptr()
     with pytest.raises(KVArenaReused, match="layer 0"), torch.inference_mode():
         tiny.model(input_ids=torch.tensor([[5]]), cache=first.cache, use_cache=True)
     # the current owner is untouched by that refusal
@@ -77,7 +78,7 @@ def test_storage_grows_keeping_the_tokens() -> None:
     written = [states(1000, 0), states(500, 1), states(700, 2)]
     for k, v in written:
         cache.update(k, v, 0)
-    keys, values = cache.layers[0].keys, cache.layers[0].values
+    keys, values = keys_of(cache, 0), values_of(cache, 0)
     assert torch.equal(keys, torch.cat([k for k, _ in written], dim=-2))
     assert torch.equal(values, torch.cat([v for _, v in written], dim=-2))
     # 1000 + headroom -> 2048 tokens, then 2200 > 2048 -> at least 1.5x: 3072
@@ -152,6 +153,6 @@ def test_chunks_lying_at_equal_distances_are_one_part() -> None:
         settle_cache(cache)
         copied = build_cache(slots, SPEC, 16, n_tokens=n)
         for layer in range(SPEC.layers):
-            assert torch.equal(cache.layers[layer].keys, k[:, :, :n])
-            assert torch.equal(cache.layers[layer].values, v[:, :, :n])
-            assert torch.equal(copied.layers[layer].keys, k[:, :, :n])
+            assert torch.equal(keys_of(cache, layer), k[:, :, :n])
+            assert torch.equal(values_of(cache, layer), v[:, :, :n])
+            assert torch.equal(keys_of(copied, layer), k[:, :, :n])

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from engine.layers import keys_of, layer_of, values_of
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import HashContract
 from kvatlas.engine.generate import (
@@ -77,29 +78,29 @@ def test_layout_round_trips(dtype: str) -> None:
         spec.chunk_shape(chunk)
     )
     for layer in range(spec.layers):
-        assert torch.equal(t[layer, 0], cache.layers[layer].keys[0, :, 32:48])
-        assert torch.equal(t[layer, 1], cache.layers[layer].values[0, :, 32:48])
+        assert torch.equal(t[layer, 0], keys_of(cache, layer)[0, :, 32:48])
+        assert torch.equal(t[layer, 1], values_of(cache, layer)[0, :, 32:48])
 
     rebuilt = build_cache(as_bytes(chunks), spec, chunk)
     assert rebuilt.get_seq_length() == 2 * chunk
     for layer in range(spec.layers):
-        assert torch.equal(rebuilt.layers[layer].keys, cache.layers[layer].keys[:, :, 16:48])
-        assert torch.equal(rebuilt.layers[layer].values, cache.layers[layer].values[:, :, 16:48])
+        assert torch.equal(keys_of(rebuilt, layer), keys_of(cache, layer)[:, :, 16:48])
+        assert torch.equal(values_of(rebuilt, layer), values_of(cache, layer)[:, :, 16:48])
 
 
 def test_build_cache_takes_any_buffer_and_truncates() -> None:
     spec = KVSpec(layers=2, kv_heads=1, head_dim=4, dtype="float32")
     cache = filled_cache(spec, 32)
     arrays = extract_chunks(cache, 0, 2, 16)
-    buffers = [bytearray(arrays[0]), memoryview(arrays[1])]
+    buffers: list[bytearray | memoryview] = [bytearray(arrays[0]), arrays[1].data]
     rebuilt = build_cache(buffers, spec, 16, n_tokens=31)
     assert rebuilt.get_seq_length() == 31
-    assert torch.equal(rebuilt.layers[1].values, cache.layers[1].values[:, :, :31])
+    assert torch.equal(values_of(rebuilt, 1), values_of(cache, 1)[:, :, :31])
     # the cache owns its memory: overwriting the buffers changes nothing
-    expected = rebuilt.layers[0].keys.clone()
+    expected = keys_of(rebuilt, 0).clone()
     buffers[0][:] = bytes(len(buffers[0]))
     arrays[1][:] = 0
-    assert torch.equal(rebuilt.layers[0].keys, expected)
+    assert torch.equal(keys_of(rebuilt, 0), expected)
     # a typed 5-D array in the layout works as well as flat bytes
     typed = extract_chunks(cache, 0, 1, 16)[0].view(np.float32).reshape(spec.chunk_shape(16))
     assert build_cache([typed], spec, 16).get_seq_length() == 16
@@ -116,18 +117,18 @@ def test_cache_over_buffers_copies_once_at_the_first_update() -> None:
     assert all(isinstance(layer, ArenaLayer) and layer.viewing for layer in lazy.layers)
     assert lazy.get_seq_length() == 31
     arrays[1].view(np.float32)[:4] = 7.0  # written while viewed: the layer sees it
-    k_new, v_new = cache.layers[0].keys[:, :, 31:33], cache.layers[0].values[:, :, 31:33]
+    k_new, v_new = keys_of(cache, 0)[:, :, 31:33], values_of(cache, 0)[:, :, 31:33]
     keys, values = lazy.update(k_new, v_new, 0)
-    assert keys.shape[-2] == 33 and lazy.layers[0].get_seq_length() == 33
-    assert torch.equal(keys[:, :, :16], cache.layers[0].keys[:, :, :16])
+    assert keys.shape[-2] == 33 and layer_of(lazy, 0).get_seq_length() == 33
+    assert torch.equal(keys[:, :, :16], keys_of(cache, 0)[:, :, :16])
     assert torch.equal(values[:, :, 31:], v_new)
     assert keys[0, 0, 16, :4].tolist() == [7.0] * 4
     settle_cache(lazy)  # layer 1 was not updated: copied now
-    assert torch.equal(lazy.layers[1].values, cache.layers[1].values[:, :, :31])
+    assert torch.equal(values_of(lazy, 1), values_of(cache, 1)[:, :, :31])
     for a in arrays:
         a[:] = 0
     assert keys[0, 0, 16, :4].tolist() == [7.0] * 4
-    assert torch.equal(lazy.layers[1].values, cache.layers[1].values[:, :, :31])
+    assert torch.equal(values_of(lazy, 1), values_of(cache, 1)[:, :, :31])
 
 
 def test_prefill_over_buffers_equals_the_copying_build(tiny: LoadedModel) -> None:
@@ -145,10 +146,10 @@ def test_prefill_over_buffers_equals_the_copying_build(tiny: LoadedModel) -> Non
     assert torch.equal(pre.logits, out.logits[0, -1])
     assert all(isinstance(layer, ArenaLayer) for layer in pre.cache.layers)
     assert not any(isinstance(layer, ArenaLayer) and layer.viewing for layer in pre.cache.layers)
-    before = pre.cache.layers[0].keys.clone()
+    before = keys_of(pre.cache, 0).clone()
     for a in arrays:
         a[:] = 0
-    assert torch.equal(pre.cache.layers[0].keys, before)
+    assert torch.equal(keys_of(pre.cache, 0), before)
 
 
 def test_layout_refuses_bad_chunks() -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from kvatlas.evaluation import fleet as fleet_mod
 from kvatlas.evaluation.fleet import Fleet, FleetConfig
+from kvatlas.launch.procs import ProcessError
 
 
 def test_a_fleets_processes_get_distinct_ports_even_when_picks_repeat(
@@ -35,5 +36,5 @@ def test_a_fleets_processes_get_distinct_ports_even_when_picks_repeat(
 
 def test_a_fleet_that_finds_no_unused_port_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fleet_mod, "free_ports", lambda count: [20_000] * count)
-    with pytest.raises(fleet_mod.ProcessError, match="no 3 free ports"):
+    with pytest.raises(ProcessError, match="no 3 free ports"):
         Fleet(FleetConfig(nodes=1))

@@ -140,7 +140,7 @@ def test_targets_and_report(tmp_path: Path) -> None:
     assert not any(v["met"] for k, v in slow.items() if k not in {"evaluated",
                    "router_overhead_p99_le_5ms"})  # fmt: skip
     assert targets({"kv": runs["kv"]}, 0.4) == {"evaluated": False}
-    result = {
+    result: dict[str, Any] = {
         "command": "kvatlas bench fleet --routing",
         "routing": {
             "model": "smollm2-135m",

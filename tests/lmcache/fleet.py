@@ -74,7 +74,7 @@ class Process:
         )
         self.proc = self.launched.popen
 
-    def stop(self, sig: int = signal.SIGTERM) -> int:
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
         return self.launched.stop(sig)
 
     def pause(self) -> None:
@@ -115,7 +115,7 @@ class KvatlasCoordinator(Process):
     def wait(self) -> None:
         self.launched.wait_http("/healthz")
 
-    def stop(self, sig: int = signal.SIGTERM) -> int:
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
         self.http.close()
         return super().stop(sig)
 
@@ -145,7 +145,7 @@ class LMCacheCoordinator(Process):
     def wait(self) -> None:
         self.launched.wait_http("/instances", timeout=60)
 
-    def stop(self, sig: int = signal.SIGINT) -> int:
+    def stop(self, sig: int = signal.SIGINT) -> int | None:
         self.http.close()
         return super().stop(sig)
 
@@ -219,7 +219,7 @@ class LMCacheServer(Process):
     def wait(self) -> None:
         self.launched.wait_http("/healthcheck", timeout=90)
 
-    def stop(self, sig: int = signal.SIGINT) -> int:
+    def stop(self, sig: int = signal.SIGINT) -> int | None:
         """SIGINT: LMCache's server stops cleanly on it (and deregisters); SIGTERM kills
         it before its shutdown runs."""
         return super().stop(sig)
@@ -256,7 +256,7 @@ class Engine(Process):
         out: dict[str, Any] = json.loads(line)
         return out
 
-    def stop(self, sig: int = signal.SIGTERM) -> int:
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
         if self.proc.poll() is None and self.proc.stdin is not None:
             try:
                 self.proc.stdin.write('{"op": "quit"}\n')

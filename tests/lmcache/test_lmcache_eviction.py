@@ -42,7 +42,7 @@ QUOTA = 2**20
 
 def l2_bytes(coord: KvatlasCoordinator) -> int:
     body: dict[str, Any] = coord.http.get("/quota/_default").json()
-    return round(body["usage_gb"] * GIB)
+    return round(float(body["usage_gb"]) * GIB)
 
 
 def l2_placements(coord: KvatlasCoordinator, tokens: list[int]) -> list[set[str]]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,12 @@ def instance(coord: KvatlasCoordinator | LMCacheCoordinator) -> dict[str, Any] |
     return None
 
 
+def registered(coord: KvatlasCoordinator | LMCacheCoordinator) -> dict[str, Any]:
+    inst = instance(coord)
+    assert inst is not None, f"mp-a is not registered at {coord}"
+    return inst
+
+
 @pytest.fixture(scope="module")
 def fleet(lmcache_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     logs = tmp_path_factory.mktemp("lmcache-fleet")
@@ -163,6 +170,7 @@ def test_registration_without_incarnation_and_heartbeats(fleet: Fleet) -> None:
     kv, lm = fleet.kv, fleet.lm
     mine = wait_until(lambda: instance(kv), what="a registration", timeout=WAIT_S)
     theirs = wait_until(lambda: instance(lm), what="a registration", timeout=WAIT_S)
+    assert mine is not None and theirs is not None
     [register] = fleet.tee.calls("POST", "/instances")
     sent, answer, _ = register.json()
     assert "incarnation" not in sent
@@ -187,13 +195,13 @@ def test_registration_without_incarnation_and_heartbeats(fleet: Fleet) -> None:
     assert stats["provisional_instances"] == []
     assert abs(cursor["incarnation"] - mine["registration_time"]) < 120
     assert (
-        wait_until(lambda: instance(kv)["incarnation"], what="the incarnation", timeout=WAIT_S)
+        wait_until(lambda: registered(kv)["incarnation"], what="the incarnation", timeout=WAIT_S)
         == cursor["incarnation"]
     )
     # heartbeats every second keep it fresh
-    first = instance(kv)["last_heartbeat"]
-    wait_until(lambda: instance(kv)["last_heartbeat"] > first, what="a heartbeat", timeout=5)
-    assert instance(kv)["heartbeat_age_s"] < 2.5
+    first = registered(kv)["last_heartbeat"]
+    wait_until(lambda: registered(kv)["last_heartbeat"] > first, what="a heartbeat", timeout=5)
+    assert registered(kv)["heartbeat_age_s"] < 2.5
     # the tee records a call once both coordinators answered it: kvatlas may be first
     wait_until(
         lambda: assert_same_answers(fleet, "PUT", "/instances/mp-a/heartbeat"),
@@ -209,7 +217,8 @@ def test_capacity_declarations_read_the_same(fleet: Fleet) -> None:
     alike and `GET /instances/usage` identically."""
     for coord in fleet.coordinators:
         wait_until(
-            lambda c=coord: get(c, "/instances/usage")["instances"],
+            partial(get, coord, "/instances/usage"),
+            lambda usage: usage["instances"],
             what="a declaration",
             timeout=WAIT_S,
         )
@@ -338,7 +347,10 @@ def test_heartbeat_expiry_fences_and_the_server_comes_back(fleet: Fleet) -> None
     try:
         for coord in fleet.coordinators:
             wait_until(
-                lambda c=coord: instance(c) is None, what="the expiry", timeout=TIMEOUT_S + 10
+                partial(instance, coord),
+                lambda inst: inst is None,
+                what="the expiry",
+                timeout=TIMEOUT_S + 10,
             )
         wait_until(lambda: both_hold(fleet, one, [[]]), what="the fence", timeout=5)
         assert "expired after more than" in fleet.kv.log_text()
@@ -348,7 +360,7 @@ def test_heartbeat_expiry_fences_and_the_server_comes_back(fleet: Fleet) -> None
     finally:
         fleet.server.resume()
     for coord in fleet.coordinators:
-        wait_until(lambda c=coord: instance(c), what="the re-registration", timeout=15)
+        wait_until(partial(instance, coord), what="the re-registration", timeout=15)
 
     def redeclared() -> bool:
         mine = get(fleet.kv, "/instances/usage")
@@ -359,10 +371,10 @@ def test_heartbeat_expiry_fences_and_the_server_comes_back(fleet: Fleet) -> None
     _, again = fleet.tee.calls("POST", "/instances")
     assert assert_same_answers(fleet, "POST", "/instances") == 2
     assert (again.json()[1]["re_registered"], again.json()[2]["re_registered"]) == (True, False)
-    again = prompt(90_000, 1)  # the server's events apply again
-    assert fleet.engine.call("store", again, rid="after-expiry")["ok"]
+    after = prompt(90_000, 1)  # the server's events apply again
+    assert fleet.engine.call("store", after, rid="after-expiry")["ok"]
     wait_until(
-        lambda: both_hold(fleet, again, [["mp-a"]]), what="a store after the expiry", timeout=WAIT_S
+        lambda: both_hold(fleet, after, [["mp-a"]]), what="a store after the expiry", timeout=WAIT_S
     )
 
 

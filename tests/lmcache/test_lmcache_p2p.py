@@ -85,6 +85,7 @@ def test_p2p_peers_discover_each_other_through_kvatlas_and_serve_a_prefix(pair: 
         return got if set(got) == {"mp-a", "mp-b"} else None
 
     insts = wait_until(listed, what="both registrations", timeout=WAIT_S)
+    assert insts is not None
     for server in (a, b):  # registered with their P2P address and message-queue port
         inst = insts[server.instance_id]
         assert (inst["p2p_advertised_url"], inst["mq_port"]) == (server.p2p_url, server.port)

@@ -8,8 +8,9 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,7 @@ class Node(ServerProc):
     def peers(self) -> list[str]:
         return list(self.status()["p2p_peers"])
 
-    def stop(self, sig: int = signal.SIGTERM, grace_s: float = 20.0) -> int:
+    def stop(self, sig: int = signal.SIGTERM, grace_s: float = 20.0) -> int | None:
         for c in self.clients:
             c.close()
         self.clients.clear()
@@ -127,7 +128,7 @@ def cluster(
     tmp: Path,
     *names: str,
     transport: str = "tcp",
-    extra: dict[str, Sequence[str]] | None = None,
+    extra: Mapping[str, Sequence[str]] | None = None,
     l1_gb: float = 0.02,
 ) -> Iterator[tuple[Coordinator, list[Node]]]:
     tmp.mkdir(parents=True, exist_ok=True)
@@ -152,6 +153,10 @@ def cluster(
         coord.stop()
 
 
+def _registered_with(peers: list[str], status: dict[str, Any]) -> bool:
+    return bool(status["p2p_peers"] == peers and status["p2p_state"] == "registered")
+
+
 def wait_peers(nodes: Sequence[Node], timeout: float = 20.0) -> None:
     """Every node lists every other node as a P2P peer and sees itself registered."""
     for n in nodes:
@@ -159,7 +164,7 @@ def wait_peers(nodes: Sequence[Node], timeout: float = 20.0) -> None:
 
         wait_until(
             n.status,
-            lambda st, want=want: st["p2p_peers"] == want and st["p2p_state"] == "registered",
+            partial(_registered_with, want),
             what=f"{n.instance_id} registered with peers {want}",
             timeout=timeout,
         )

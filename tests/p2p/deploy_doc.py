@@ -10,10 +10,12 @@ of the document never meet another process of this machine.
 
 from __future__ import annotations
 
+import operator
 import shlex
 import socket
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +92,8 @@ def run(tmp: Path) -> None:
             want = ("registered", [i for i in ids if i != me])
             port = cmd.flag("--http-port")
             wait_until(
-                lambda p=port: _peers_of(p),
-                lambda seen, w=want: seen == w,
+                partial(_peers_of, port),
+                partial(operator.eq, want),
                 what=f"{me} registered, with its peer",
                 timeout=60,
             )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +70,7 @@ def test_frozen_peer_without_estimate_costs_one_short_lock_deadline(tmp_path: Pa
             # its only peer is down: neither the peer nor the directory is asked
             assert (st["lock_requests"], st["directory_lookups"]) == (locks, dirs), st
             assert st["lock_deadline_prior_ms"] == 100.0
-            (timing,) = [t for t in st["peer_timings"] if t["peer"] == "node-a"]  # type: ignore[attr-defined]
+            (timing,) = [t for t in st["peer_timings"] if t["peer"] == "node-a"]
             assert 0 < timing["last_lock_deadline_ms"] <= 100.0, timing
             assert b.status()["lookups"]["flag_estimates"] >= 1
             assert (
@@ -94,7 +95,7 @@ def test_frozen_peer_without_estimate_costs_one_short_lock_deadline(tmp_path: Pa
         want = chunk_data(BIG, 512, seed=61)
         assert all(np.array_equal(x, y) for x, y in zip(got, want, strict=True))
         # A answered: its lock deadline is now learned from its round trips
-        (timing,) = [t for t in p2p(b)["peer_timings"] if t["peer"] == "node-a"]  # type: ignore[attr-defined]
+        (timing,) = [t for t in p2p(b)["peer_timings"] if t["peer"] == "node-a"]
         assert timing["rpc_samples"] >= 1 and timing["bandwidth_mib_s"] > 0, timing
 
 
@@ -116,10 +117,14 @@ def test_slow_peer_is_still_read_under_a_learned_engine_rate(tmp_path: Path) -> 
         for seed in (71, 72):
             slow = prompt(n, seed=seed)
             assert ca.store_chunks(slow, chunk_data(n, 2000, seed=seed)).stored == n
-            wait_until(lambda s=slow: coord.held(ca, s).get("node-a") == n, what="directory")
+            wait_until(
+                partial(coord.held, ca, slow),
+                lambda held: held.get("node-a") == n,
+                what="directory",
+            )
             # no estimate on this lookup: the learned 3.2 s bounds it, not the flags'
             # 0.32 s, and the lock deadline (a fast RPC) does not cut the slow load
-            (res, got), took = timed(lambda s=slow: fetch(cb, s))
+            (res, got), took = timed(partial(fetch, cb, slow))
             assert (res.hit_chunks, res.peer_chunks, res.p2p_fallback) == (n, n, ""), res
             want = chunk_data(n, 2000, seed=seed)
             assert all(np.array_equal(x, y) for x, y in zip(got, want, strict=True))
@@ -150,7 +155,7 @@ def test_a_peer_promoting_from_l2_gets_the_lookups_time_not_the_short_deadline(
         for i in range(n):  # one at a time: the first ones go to L2 to make room
             stored = ca.store_chunks(tokens[: (i + 1) * CHUNK], [data[i]], first_chunk=i)
             assert stored.stored == 1, (i, stored)
-        assert a.status()["l2"]["demotions"] > 0  # type: ignore[index]
+        assert a.status()["l2"]["demotions"] > 0
         first = tokens[: 2 * CHUNK]
         wait_until(lambda: coord.held(ca, first).get("node-a") == 2, what="directory")
         before = p2p(b)
@@ -158,7 +163,7 @@ def test_a_peer_promoting_from_l2_gets_the_lookups_time_not_the_short_deadline(
         assert (res.hit_chunks, res.peer_chunks, res.p2p_fallback) == (2, 2, ""), res
         assert all(np.array_equal(x, y) for x, y in zip(got, data, strict=False))
         st = p2p(b)
-        assert st["promoting_locks"] == before["promoting_locks"] + 1, st  # type: ignore[operator]
+        assert st["promoting_locks"] == before["promoting_locks"] + 1, st
         # its round trip (a disk read) is no sample of A's RPC time
-        (timing,) = [t for t in st["peer_timings"] if t["peer"] == "node-a"]  # type: ignore[attr-defined]
+        (timing,) = [t for t in st["peer_timings"] if t["peer"] == "node-a"]
         assert timing["rpc_samples"] == 1, timing  # the unlock only

@@ -9,6 +9,7 @@ completion, the model list, and its own API key and request id passing through.
 from __future__ import annotations
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 
 from kvatlas.router.config import StaticEngine
 from support.tap import HttpTap
@@ -30,7 +31,7 @@ def test_the_openai_client_chats_streams_and_lists_models_through_the_router(
         router = start_router(engines=(StaticEngine(tap.url, "node-a"),), policy="round-robin")
         wait_until(lambda: available(router), what="the tapped engine")
         oa = client(router.url)
-        messages = [{"role": "user", "content": "Name a colour."}]
+        messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name a colour."}]
         done = oa.chat.completions.create(
             model="tiny-random",
             messages=messages,

@@ -12,6 +12,7 @@ import concurrent.futures
 import json
 import re
 import signal
+from functools import partial
 from typing import Any
 
 import httpx
@@ -205,7 +206,7 @@ def test_a_prefix_just_sent_follows_its_engine_before_the_coordinator_knows(
     forgetful = fleet.router(policy="kv", model_name="nobody", pending_ttl_s=0.001)
     body = {"prompt": [3 + i % 200 for i in range(700)], "max_tokens": 2, "temperature": 0}
     for router in (blind, forgetful):
-        wait_until(lambda r=router: len(available(r)), lambda n: n == 2, what="engines")
+        wait_until(partial(available, router), lambda urls: len(urls) == 2, what="engines")
 
     def send(router: RouterApp) -> dict[str, str]:
         r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)

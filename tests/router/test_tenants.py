@@ -137,7 +137,7 @@ def tfleet(tmp_path_factory: pytest.TempPathFactory, tiny: LoadedModel) -> Itera
         )
         router.start()
         wait_until(
-            lambda: sum(e.available for e in router.status().engines),  # type: ignore[union-attr]
+            lambda: sum(e.available for e in router.status().engines),
             lambda n: n == 2,
             what="both engines behind the router",
         )

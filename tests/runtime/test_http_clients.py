@@ -28,6 +28,9 @@ ALLOWED = {
     # The evaluation's own clients of the fleet it starts on loopback (an operator's tool,
     # not a fleet member): they carry no fleet token of a production fleet.
     SRC / "evaluation": "evaluation clients of the fleet under test",
+    # The launcher's readiness probe of a process it started on loopback: no token, no
+    # proxy (trust_env=False), and the launcher may import no runtime module (a contract).
+    SRC / "launch" / "procs.py": "the launcher's readiness probe",
 }
 
 

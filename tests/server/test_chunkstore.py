@@ -13,7 +13,7 @@ from kvatlas.core.checksum import checksum
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.keys import Namespace, ObjectKey
 from kvatlas.core.server.l1pool import L1Pool, LeaseId, Refusal, Refused, Reserved
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import ChunkHash, EventType, Tier
 from kvatlas.runtime.region import L1Region
 from kvatlas.server.engine_service import EngineService, ServiceIdentity
 from kvatlas.server.p2p.store_access import PeerStoreAccess
@@ -357,7 +357,7 @@ def test_an_engine_lookup_hashes_an_lmcache_commit_off_the_lock(
     for i in (1, 2):
         write_unhashed(store, i)
     ns = Namespace(key(1).model_name, key(1).kv_rank)
-    hashes = [key(1).chunk_hash, key(2).chunk_hash, key(3).chunk_hash]
+    hashes = [ChunkHash(key(i).chunk_hash) for i in (1, 2, 3)]
     for acquire in (False, True):
         answer = service.handle(Lookup(ns, hashes=hashes, acquire=acquire))
         assert isinstance(answer, LookupResult), answer

@@ -141,7 +141,8 @@ def test_a_region_that_does_not_fit_dev_shm_is_refused_before_any_page(
         f_bavail, f_frsize = 10, 4096  # 40 KiB free
 
     monkeypatch.setattr(
-        region_mod.os, "statvfs", lambda p: Tiny() if str(p) == "/dev/shm" else real(p)
+        "kvatlas.runtime.region.os.statvfs",
+        lambda p: Tiny() if str(p) == "/dev/shm" else real(p),
     )
     with pytest.raises(RegionError, match="does not fit /dev/shm"):
         L1Region.create(1 << 20, "tiny")

@@ -8,7 +8,6 @@ import pytest
 
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.server.l1pool import L1Pool, Reserved
-from kvatlas.server import lease_ids
 from kvatlas.server.lease_ids import RandomLeaseIds
 
 
@@ -22,7 +21,7 @@ def test_ids_are_distinct_63_bit_and_drawn_a_batch_at_a_time(
         calls.append(n)
         return real(n)
 
-    monkeypatch.setattr(lease_ids.os, "urandom", urandom)
+    monkeypatch.setattr("kvatlas.server.lease_ids.os.urandom", urandom)
     source = RandomLeaseIds(batch=64)
     ids = [source() for _ in range(640)]
     assert calls == [8 * 64] * 10

@@ -35,7 +35,7 @@ def client(server: ServerProc, engine_id: str) -> CacheClient:
 
 
 def rates(server: ServerProc) -> dict[str, float]:
-    return dict(server.status()["lookups"]["recompute_s_per_token"])  # type: ignore[index]
+    return dict(server.status()["lookups"]["recompute_s_per_token"])
 
 
 def test_rates_are_learned_from_reports_and_estimates(server: ServerProc) -> None:

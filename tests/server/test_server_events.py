@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from kvatlas.core.events import Entry
+from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.keys import HashContract, Namespace, ObjectKey, chunk_hashes, object_keys
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 from kvatlas.runtime.coordinator_client import CoordinatorClient, Failover
 from kvatlas.server.incarnation import next_incarnation
 from kvatlas.server.publisher import EventPublisher
@@ -140,7 +140,9 @@ def make_registrar(
     on_resync: Callable[[], None] | None = None,
     token: str | None = None,
 ) -> Registrar:
-    ident = Identity("node-a", incarnation, "127.0.0.1", http_port=7555, mq_port=6555)
+    ident = Identity(
+        InstanceId("node-a"), Incarnation(incarnation), "127.0.0.1", http_port=7555, mq_port=6555
+    )
     return Registrar(client_of(c.url, token), ident, heartbeat_interval_s=0.1, on_resync=on_resync)
 
 
@@ -200,7 +202,9 @@ def test_registrar_keeps_state_when_coordinator_restarts_with_snapshot(
 def test_registrar_declares_contracts_and_reports_a_mismatch(
     coordinator: RunningCoordinator,
 ) -> None:
-    other = Identity("node-b", 1, "127.0.0.1", http_port=7556, mq_port=6556)
+    other = Identity(
+        InstanceId("node-b"), Incarnation(1), "127.0.0.1", http_port=7556, mq_port=6556
+    )
     reg_b = Registrar(client_of(coordinator.url, timeout_s=5.0), other, heartbeat_interval_s=0.1)
     assert reg_b.declare_contract(HashContract("llama", kv_dtype="float16")) is None
     reg = make_registrar(coordinator)
@@ -245,8 +249,8 @@ def make_publisher(
     sink = HttpSink(client_of(url), fmt="json" if fmt == "json" else "msgpack")
     return EventPublisher(
         sink,
-        "node-a",
-        incarnation,
+        InstanceId("node-a"),
+        Incarnation(incarnation),
         flush_interval_s=0.05,
         buffer_batches=buffer_batches,
         max_batch_entries=16,
@@ -279,7 +283,9 @@ def test_publisher_delivers_in_order_in_batches(coordinator: RunningCoordinator,
             if r.target == "/events"
             for b in decode_events(r.body, r.headers["content-type"], 4096)
         ]
-        assert [b.block is not None and not b.entries for b in sent] == [fmt == "msgpack"] * 9
+        assert [
+            isinstance(b, EventBatch) and b.block is not None and not b.entries for b in sent
+        ] == [fmt == "msgpack"] * 9
         pub.stop()
 
 
@@ -348,7 +354,9 @@ def test_registrar_registers_and_resyncs_on_a_replica_that_shares_no_log(
 
     client = CoordinatorClient([coordinator.url, b.url], timeout_s=2.0, on_failover=failed_over)
     _clients.append(client)
-    ident = Identity("node-a", 1, "127.0.0.1", http_port=7555, mq_port=6555)
+    ident = Identity(
+        InstanceId("node-a"), Incarnation(1), "127.0.0.1", http_port=7555, mq_port=6555
+    )
     reg = Registrar(
         client,
         ident,
@@ -401,7 +409,9 @@ def test_registrar_counts_a_503_as_disconnected_not_as_unregistered() -> None:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        ident = Identity("node-a", 1, "127.0.0.1", http_port=7555, mq_port=6555)
+        ident = Identity(
+            InstanceId("node-a"), Incarnation(1), "127.0.0.1", http_port=7555, mq_port=6555
+        )
         url = f"http://127.0.0.1:{server.server_address[1]}"
         reg = Registrar(client_of(url), ident, heartbeat_interval_s=0.05)
         reg.start()

@@ -94,7 +94,7 @@ def test_store_and_retrieve_through_the_shared_region(server: ServerProc) -> Non
         assert c.stats()["read_leases"] == 0
     st = server.status()
     assert st["instance_id"] == "node-a" and st["registration_state"] == "unregistered"
-    assert st["l1"]["chunks"] == 5  # type: ignore[index]
+    assert st["l1"]["chunks"] == 5
     assert st["models"] == [MODEL]
 
 
@@ -129,10 +129,10 @@ def test_l2_holds_what_l1_evicts_and_lookup_promotes_it(server: ServerProc) -> N
             c.view(g.offset, g.size)[:] = d
             assert c.commit([CommitItem(h, g.lease_id, checksum(d.data))]) == [True]
         st = server.status()
-        assert st["l1"]["evictions"] > 0 and st["l2"]["demotions"] > 0  # type: ignore[index]
+        assert st["l1"]["evictions"] > 0 and st["l2"]["demotions"] > 0
         out = c.retrieve_prefix(tokens[: 4 * CHUNK])
         assert len(out) == 4 and all(np.array_equal(a, b) for a, b in zip(out, data, strict=False))
-        assert server.status()["l2"]["promotions"] >= 4  # type: ignore[index]
+        assert server.status()["l2"]["promotions"] >= 4
 
 
 def test_engine_errors_are_clear(server: ServerProc) -> None:
@@ -230,7 +230,7 @@ def test_two_servers_and_a_port_in_use(tmp_path: Path, server: ServerProc) -> No
     second = start_server(tmp_path, "node-b")
     try:
         a, b = server.status(), second.status()
-        assert a["l1"]["region_name"] != b["l1"]["region_name"]  # type: ignore[index]
+        assert a["l1"]["region_name"] != b["l1"]["region_name"]
     finally:
         assert second.stop() == 0
     clash = subprocess.run(
@@ -250,7 +250,7 @@ def test_incarnation_grows_across_restarts(tmp_path: Path) -> None:
     seen = []
     for _ in range(2):
         s = start_server(tmp_path, "node-r")
-        seen.append(int(s.status()["incarnation"]))  # type: ignore[call-overload]
+        seen.append(int(s.status()["incarnation"]))
         assert s.stop() == 0
     assert seen[1] > seen[0]
 

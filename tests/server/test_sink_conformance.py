@@ -31,7 +31,7 @@ import pytest
 from coordinator.events import MODEL, RANK, batch, block_batch, fake_hash, key, register_body
 from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.keys import Namespace, chunk_hashes, object_keys
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 from kvatlas.launch.broker import Broker
 from kvatlas.launch.procs import free_port
 from kvatlas.runtime.coordinator_client import CoordinatorClient
@@ -118,6 +118,7 @@ class HttpReceiver:
             for r in self._tap.requests
             if r.method == "POST" and r.target == "/events"
             for b in decode_events(r.body, r.headers["content-type"], 2 * MAX_ENTRIES)
+            if isinstance(b, EventBatch)
         ]
 
     def take_down(self) -> None:
@@ -184,7 +185,9 @@ class KafkaReceiver:
                 """One fetch: (records it brought, next offset per partition)."""
                 msgs = [m for m in consumer.consume(500, timeout=0.2) if m.error() is None]
                 for m in msgs:
-                    records[m.partition()].append((m.key(), m.value()))
+                    part, key, value = m.partition(), m.key(), m.value()
+                    assert part is not None and key is not None and value is not None, m
+                    records[part].append((key, value))
                 return len(msgs), {p: len(rs) for p, rs in records.items()}
 
             # tansu's high watermark can lag its last record batch: read past it, until a
@@ -413,7 +416,9 @@ def test_sending_delivered_batches_again_is_harmless(receiver: Receiver) -> None
 def test_the_publisher_delivers_through_the_sink_in_order(receiver: Receiver) -> None:
     receiver.register("node-a")
     ks = [key(h) for h in hashes(100, salt=6)]
-    pub = EventPublisher(receiver.sink(), "node-a", 1, max_batch_entries=16)
+    pub = EventPublisher(
+        receiver.sink(), InstanceId("node-a"), Incarnation(1), max_batch_entries=16
+    )
     pub.publish(EventType.STORE, Tier.L1, [Entry(k, 10) for k in ks])
     pub.publish(EventType.DELETE, Tier.L1, [Entry(k, 10) for k in ks[:10]])
     pub.publish(EventType.STORE, Tier.L2, [Entry(k, 10) for k in ks[:10]])
@@ -469,7 +474,9 @@ def test_kafka_sink_one_record_per_batch_keyed_by_instance(
     kafka_broker: Broker, start_coordinator: Start
 ) -> None:
     receiver = KafkaReceiver(kafka_broker, start_coordinator)
-    pub = EventPublisher(receiver.sink(), "node-k", 5, max_batch_entries=10)
+    pub = EventPublisher(
+        receiver.sink(), InstanceId("node-k"), Incarnation(5), max_batch_entries=10
+    )
     keys = object_keys(chunk_hashes(list(range(100)), 4), Namespace("m", 16777472))
     pub.publish(EventType.STORE, Tier.L1, [Entry(k, 3) for k in keys])
     pub.publish(EventType.DELETE, Tier.L1, [Entry(keys[0], 3)])
@@ -491,7 +498,7 @@ def test_kafka_sink_one_record_per_batch_keyed_by_instance(
 @pytest.mark.kafka
 def test_kafka_sink_without_a_broker_is_a_sink_error() -> None:
     sink = KafkaSink(f"127.0.0.1:{free_port()}", "kvatlas-cache-events", timeout_s=1.0)
-    b = EventBatch("node-k", 1, 1, EventType.STORE, Tier.L1, ())
+    b = EventBatch(InstanceId("node-k"), Incarnation(1), 1, EventType.STORE, Tier.L1, ())
     with pytest.raises(SinkError):
         sink.send([b])
     sink.close()

@@ -45,7 +45,7 @@ def build_extension(ext: Extension, out: Path) -> ModuleType:
     """Build ``ext`` into ``out`` (its temporary files in ``out/tmp``) and load it."""
     dist = Distribution({"ext_modules": [ext], "cmdclass": {"build_ext": _BuildExt}})
     build = dist.get_command_obj("build_ext")
-    build.build_lib, build.build_temp = str(out), str(out / "tmp")  # type: ignore[attr-defined]
+    build.build_lib, build.build_temp = str(out), str(out / "tmp")
     build.ensure_finalized()
     build.run()
     (path,) = out.glob(f"{ext.name}*.so")

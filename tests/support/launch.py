@@ -11,7 +11,7 @@ anything but the processes it started, by pid.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 from kvatlas.launch.procs import P, Proc, python_module
 
@@ -21,13 +21,21 @@ LAUNCHED: list[Proc] = []
 """Every process launched in this test session, oldest first (for failure reports)."""
 
 
+@overload
+def launch(argv: Sequence[str], *, name: str, cls: type[P], **kwargs: Any) -> P: ...
+
+
+@overload
+def launch(argv: Sequence[str], *, name: str, **kwargs: Any) -> Proc: ...
+
+
 def launch(
     argv: Sequence[str],
     *,
     name: str,
-    cls: type[P] = Proc,  # type: ignore[assignment]
+    cls: type[Proc] = Proc,
     **kwargs: Any,
-) -> P:
+) -> Proc:
     """``cls.launch`` (``Proc.launch``: start, then wait until ready), remembering the
     process (before its wait, so that a start that fails still shows its log)."""
     return cls.launch(argv, name=name, on_start=LAUNCHED.append, **kwargs)

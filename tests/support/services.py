@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import httpx
 import msgspec
@@ -21,14 +21,35 @@ from kvatlas.wire.directory_api import LookupRequest, LookupResponse
 from support.launch import P, Proc, launch, python_module
 
 
+@overload
 def start_coordinator_process(
     *flags: str,
     log: Path | None = None,
     port: int = 0,
     env: dict[str, str] | None = None,
     wait: bool = True,
-    cls: type[P] = Proc,  # type: ignore[assignment]
-) -> P:
+) -> Proc: ...
+
+
+@overload
+def start_coordinator_process(
+    *flags: str,
+    log: Path | None = None,
+    port: int = 0,
+    env: dict[str, str] | None = None,
+    wait: bool = True,
+    cls: type[P],
+) -> P: ...
+
+
+def start_coordinator_process(
+    *flags: str,
+    log: Path | None = None,
+    port: int = 0,
+    env: dict[str, str] | None = None,
+    wait: bool = True,
+    cls: type[Proc] = Proc,
+) -> Proc:
     """``kvatlas coordinator`` on ``port`` (a free one when 0), answering ``/healthz``
     (unless ``wait`` is False); a ``cls`` (a Proc) of it. ``env``: its whole environment."""
     port = port or free_port()

@@ -11,7 +11,7 @@ from typing import Any
 from vllm.distributed.kv_events import ZmqEventPublisher
 
 
-class LoopbackPublisher(ZmqEventPublisher):  # type: ignore[misc]
+class LoopbackPublisher(ZmqEventPublisher):
     """vLLM's publisher, binding 127.0.0.1 (vLLM connects to non-wildcard hosts)."""
 
     @staticmethod

@@ -51,7 +51,7 @@ def hang_guard(deadline_s: float) -> float:
 
 
 def op(remote: int, size: int, local: int, lease: str = LEASE) -> ReadOp:
-    return ReadOp(remote, size, local, lease, checksum(EXPECTED[remote : remote + size]))
+    return ReadOp(remote, size, local, lease, checksum(EXPECTED[remote : remote + size].data))
 
 
 @contextmanager

@@ -51,7 +51,7 @@ class Node(ServerProc):
             c.close()
         self.clients.clear()
 
-    def stop(self, sig: int = signal.SIGTERM, grace_s: float = 20.0) -> int:
+    def stop(self, sig: int = signal.SIGTERM, grace_s: float = 20.0) -> int | None:
         self.close_clients()
         return super().stop(sig, grace_s)
 

@@ -144,8 +144,8 @@ def test_a_silent_member_costs_one_deadline_and_is_named(two_nodes: Fleet) -> No
         # While a document is assembled the coordinator answers other requests.
         assert httpx.get(fl.url + "/healthz", timeout=10).status_code == 200
     finally:
-        for member in ("silent", "gone"):
-            httpx.delete(f"{fl.url}/instances/{member}", timeout=5)
+        for name in ("silent", "gone"):
+            httpx.delete(f"{fl.url}/instances/{name}", timeout=5)
         silent.close()
 
 

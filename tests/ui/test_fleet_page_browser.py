@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -20,8 +21,11 @@ import pytest
 from kvatlas.wire.fleet_view import STATUS_URL_KEY
 from support.wait import wait_until
 
-from .browser import Page, chromium_page
+from .browser import chromium_page
 from .fleet import fleet, store_and_share
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Page
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 

@@ -12,7 +12,7 @@ import pytest
 
 from kvatlas.core.events import Entry, EventBatch
 from kvatlas.core.keys import ObjectKey, pack_kv_rank
-from kvatlas.core.types import EventType, InstanceId, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 from kvatlas.wire.events_api import encode_events_json
 from kvatlas.wire.fleet_view import FleetDocument, QuotasView, SaltQuotaView
 from support.coordinator import RunningCoordinator
@@ -29,7 +29,7 @@ def fill(rc: RunningCoordinator) -> None:
     entries = tuple(
         Entry(ObjectKey(bytes([i]) * 32, "m", rank, 0, salt), MIB) for i, salt in enumerate("aaab")
     )
-    b = EventBatch(InstanceId("s1"), 1, 1, EventType.STORE, Tier.L2, entries)
+    b = EventBatch(InstanceId("s1"), Incarnation(1), 1, EventType.STORE, Tier.L2, entries)
     r = rc.client.post(
         "/events",
         content=encode_events_json([b]),

@@ -16,7 +16,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .fleet import HOST, Fleet, store_and_share
+from kvatlas.launch.procs import HOST
+
+from .fleet import Fleet, store_and_share
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvatlas-fleet.json"

@@ -17,10 +17,11 @@ import zmq
 from kvatlas.connector.client import CacheClient
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import Namespace, ObjectKey
-from kvatlas.core.types import ChunkHash, EventType, Tier
+from kvatlas.core.types import ChunkHash, EventType, Incarnation, InstanceId, Tier
 from kvatlas.launch.procs import HOST
 from kvatlas.server.p2p.channel import ChannelClient
 from kvatlas.transfer import tcp
+from kvatlas.transfer.base import Endpoint
 from kvatlas.wire import engine_proto, p2p_proto
 from kvatlas.wire.events_api import decode_events, encode_events_msgpack
 from kvatlas.wire.http_api import MSGPACK_CONTENT_TYPE
@@ -126,22 +127,53 @@ def batches() -> Iterator[tuple[v1.EventBatch, EventBatch]]:
     v1_key = v1.ObjectKey(H, "m", 0)
     key = ObjectKey(H, "m", 0)
     yield (
-        v1.EventBatch("old", 5, 1, "store", "l1", (v1.Entry(v1_key, 10, (1, 2), 0),)),
-        EventBatch("old", 5, 1, EventType.STORE, Tier.L1, (Entry(key, 10, (1, 2), 0),)),
-    )
-    yield (
         v1.EventBatch(
-            "old", 5, 2, "store", "l1", (), block=v1.KeyBlock(v1.Namespace("m", 0), H * 2, (3, 4))
-        ),
-        EventBatch("old", 5, 2, EventType.STORE, Tier.L1, (), block=KeyBlock(NS, H * 2, (3, 4))),
-    )
-    yield (
-        v1.EventBatch(
-            "old", 5, 3, "config", "l2", (), backend="disk", capacity_bytes=9, capacity_revision=1
+            v1.InstanceId("old"), 5, 1, "store", "l1", (v1.Entry(v1_key, 10, (1, 2), 0),)
         ),
         EventBatch(
-            "old",
+            InstanceId("old"),
+            Incarnation(5),
+            1,
+            EventType.STORE,
+            Tier.L1,
+            (Entry(key, 10, (1, 2), 0),),
+        ),
+    )
+    yield (
+        v1.EventBatch(
+            v1.InstanceId("old"),
             5,
+            2,
+            "store",
+            "l1",
+            (),
+            block=v1.KeyBlock(v1.Namespace("m", 0), H * 2, (3, 4)),
+        ),
+        EventBatch(
+            InstanceId("old"),
+            Incarnation(5),
+            2,
+            EventType.STORE,
+            Tier.L1,
+            (),
+            block=KeyBlock(NS, H * 2, (3, 4)),
+        ),
+    )
+    yield (
+        v1.EventBatch(
+            v1.InstanceId("old"),
+            5,
+            3,
+            "config",
+            "l2",
+            (),
+            backend="disk",
+            capacity_bytes=9,
+            capacity_revision=1,
+        ),
+        EventBatch(
+            InstanceId("old"),
+            Incarnation(5),
             3,
             EventType.CONFIG,
             Tier.L2,
@@ -188,9 +220,9 @@ def test_tcp_requests_of_version_1_are_the_first_releases_bytes() -> None:
 
 
 def test_an_endpoint_without_versions_is_read_as_the_first_release() -> None:
-    bare = tcp.Endpoint(transport="tcp", url="tcp://127.0.0.1:9", region_size=1 << 20)
+    bare = Endpoint(transport="tcp", url="tcp://127.0.0.1:9", region_size=1 << 20)
     assert tcp.advertised_versions(bare) == VersionRange(1, 1)
-    later = tcp.Endpoint(
+    later = Endpoint(
         transport="tcp", url="tcp://127.0.0.1:9", region_size=1, extra={"wire_versions": "3-4"}
     )
     assert tcp.advertised_versions(later) == VersionRange(3, 4)

@@ -14,6 +14,7 @@ bytes out of the region it maps.
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,10 @@ from support.wait import wait_until
 V1_NODE = Path(__file__).with_name("v1_node.py")
 N = 4
 SIZE = 3000
+
+
+def holds_all(node: str, held: dict[str, int]) -> bool:
+    return held.get(node) == N
 
 
 def start_v1_node(tmp: Path, instance_id: str, coord: Coordinator) -> Node:
@@ -111,8 +116,8 @@ def test_a_new_and_a_first_release_node_share_kv_both_ways(tmp_path: Path) -> No
         assert c_new.store_chunks(on_new, data_new).stored == N
         for node, tokens in (("node-old", on_old), ("node-new", on_new)):
             wait_until(
-                lambda t=tokens: coord.held(c_new, t),
-                lambda held, n=node: held.get(n) == N,
+                partial(coord.held, c_new, tokens),
+                partial(holds_all, node),
                 what=f"{node}'s chunks in the directory",
             )
         for client, tokens, want in ((c_new, on_old, data_old), (c_old, on_new, data_new)):

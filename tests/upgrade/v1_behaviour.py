@@ -28,7 +28,9 @@ def channel_answer(self: Any, handler: Any, payload: bytes) -> Any:
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         self.errors += 1
         env = frozen_p2p.decode_envelope(payload)
-        code = "version" if env.v != frozen_p2p.P2P_PROTOCOL_VERSION else "invalid_input"
+        code: frozen_p2p.P2PErrorCode = (
+            "version" if env.v != frozen_p2p.P2P_PROTOCOL_VERSION else "invalid_input"
+        )
         return frozen_p2p.P2PResponse(
             frozen_p2p.P2P_PROTOCOL_VERSION,
             env.id,
@@ -93,7 +95,7 @@ def engine_answer(self: Any, data: memoryview) -> bytes:
         req = frozen_engine.decode_request(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         env = frozen_engine.decode_envelope(data)
-        code = "invalid_input"
+        code: frozen_engine.ErrorCode = "invalid_input"
         msg = f"malformed engine request: {exc}"
         if env.v and env.v != version:
             code = "version"

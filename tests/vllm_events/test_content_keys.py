@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from kvatlas.coordinator.vllm.ingest import VllmIngest
 from kvatlas.coordinator.vllm.sources import parse_source
 from kvatlas.core.coordinator.block_table import DYNAMO_SEED, local_hashes
+from kvatlas.core.device_blocks import EngineId
 from support.wait import wait_until
 
 from .test_vllm_ingest import BLOCK, _batch, _port, _publisher, kv_events
@@ -107,7 +108,7 @@ def test_lookups_follow_parents_lora_and_salt_and_report_a_wrong_hash() -> None:
         hit = next(h for h in ing.lookup_by_local_hashes(locals_) if h.engine == "e1")
         assert hit.tokens == 4 * BLOCK
 
-        dumped = {d.block_hash: d for d in ing.dump()["e1"]}
+        dumped = {d.block_hash: d for d in ing.dump()[EngineId("e1")]}
         ints, _ = _hashes(doc)
         assert dumped[ints[2]].parent_hash == ints[1] and dumped[ints[0]].parent_hash is None
         assert dumped[ints[3]].tokens_hash == locals_[3]

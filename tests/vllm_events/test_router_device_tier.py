@@ -118,7 +118,6 @@ def test_repeated_prompt_goes_to_the_engine_whose_device_cache_holds_it(
         url = router.url
         wait_until(
             lambda: sum(e.available for e in router.status().engines) == 2,
-            # type: ignore[union-attr]
             what="both engines",
         )
 

@@ -9,7 +9,7 @@ import pytest
 from kvatlas.core.errors import InvalidInput, TooLarge
 from kvatlas.core.events import Entry, EventBatch, KeyBlock
 from kvatlas.core.keys import Namespace, chunk_hashes, default_kv_rank, object_keys
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 from kvatlas.wire.events_api import (
     check_batch,
     compact_batch,
@@ -26,7 +26,17 @@ KEYS = object_keys(HASHES, NS)
 
 
 def entries_batch(entries: tuple[Entry, ...], seq: int = 1) -> EventBatch:
-    return EventBatch("node-a", 3, seq, EventType.STORE, Tier.L2, entries, "disk", True, 1.5)
+    return EventBatch(
+        InstanceId("node-a"),
+        Incarnation(3),
+        seq,
+        EventType.STORE,
+        Tier.L2,
+        entries,
+        "disk",
+        True,
+        1.5,
+    )
 
 
 def test_compact_batch_moves_equivalent_entries_into_a_block() -> None:
@@ -73,18 +83,34 @@ def test_a_malformed_block_is_refused_with_a_reason() -> None:
         (KeyBlock(NS, blob, (1, -3)), "got -3 in a key block"),
     ]
     for block, reason in cases:
-        b = EventBatch("node-a", 1, 9, EventType.DELETE, Tier.L1, (), block=block)
+        b = EventBatch(
+            InstanceId("node-a"), Incarnation(1), 9, EventType.DELETE, Tier.L1, (), block=block
+        )
         with pytest.raises(InvalidInput, match=reason):
             check_batch(b, 100)
         with pytest.raises(InvalidInput, match=reason):
             decode_record(encode_batch_msgpack(b), 100)
         with pytest.raises(InvalidInput, match=reason):
             decode_events(encode_events_msgpack([b]), MSGPACK_CONTENT_TYPE, 100)
-    ok = EventBatch("a", 1, 1, EventType.STORE, Tier.L1, (Entry(KEYS[0], 1),), block=None)
+    ok = EventBatch(
+        InstanceId("a"),
+        Incarnation(1),
+        1,
+        EventType.STORE,
+        Tier.L1,
+        (Entry(KEYS[0], 1),),
+        block=None,
+    )
     check_batch(compact_batch(entries_batch(tuple(Entry(k, (1 << 40) - 1) for k in KEYS))), 8)
     check_batch(ok, 1)
     too_many = EventBatch(
-        "a", 1, 1, EventType.STORE, Tier.L1, (Entry(KEYS[0], 1),), block=KeyBlock.of(NS, HASHES, 1)
+        InstanceId("a"),
+        Incarnation(1),
+        1,
+        EventType.STORE,
+        Tier.L1,
+        (Entry(KEYS[0], 1),),
+        block=KeyBlock.of(NS, HASHES, 1),
     )
     with pytest.raises(TooLarge, match="has 9 entries, the limit is 8"):
         check_batch(too_many, 8)

@@ -17,7 +17,7 @@ from coordinator import lmcache_shapes
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import Entry, EventBatch, UnknownBatch
 from kvatlas.core.keys import ObjectKey, default_kv_rank
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 from kvatlas.wire.events_api import decode_events, encode_events_msgpack
 from kvatlas.wire.http_api import MSGPACK_CONTENT_TYPE
 from kvatlas.wire.kafka_records import decode_record
@@ -61,14 +61,14 @@ def test_unknown_types_are_unknown_batches_and_known_ones_still_decode() -> None
     got = decode_events(
         body(lmcache_batch(1, "config"), future, lmcache_batch(3, "delete")), JSON, 9
     )
-    assert got[1] == UnknownBatch("mp-1", 1760000000, 2, "pin")
+    assert got[1] == UnknownBatch(InstanceId("mp-1"), Incarnation(1760000000), 2, "pin")
     assert [type(b) for b in got] == [EventBatch, UnknownBatch, EventBatch]
     # msgpack too: a compact body with a batch of a type from the future
-    known = EventBatch("k", 1, 1, EventType.STORE, Tier.L1, ())
+    known = EventBatch(InstanceId("k"), Incarnation(1), 1, EventType.STORE, Tier.L1, ())
     raw = msgspec.msgpack.decode(encode_events_msgpack([known]))
     raw["batches"].append({"instance_id": "k", "incarnation": 1, "seq": 2, "event_type": "hint"})
     got = decode_events(msgspec.msgpack.encode(raw), MSGPACK_CONTENT_TYPE, 9)
-    assert got == [known, UnknownBatch("k", 1, 2, "hint")]
+    assert got == [known, UnknownBatch(InstanceId("k"), Incarnation(1), 2, "hint")]
 
 
 @pytest.mark.parametrize(
@@ -102,11 +102,16 @@ def test_kafka_records_lmcache_envelopes_bare_batches_and_unknown_types() -> Non
     [c] = decode_record(body(config), 100)  # type: ignore[misc]
     assert isinstance(c, EventBatch) and c.capacity_bytes == 5
     unknown = {"instance_id": "mp-1", "incarnation": 1, "seq": 2, "event_type": "pin"}
-    assert decode_record(msgspec.json.encode(unknown), 100) == [UnknownBatch("mp-1", 1, 2, "pin")]
-    assert decode_record(msgspec.msgpack.encode(unknown), 100) == [
-        UnknownBatch("mp-1", 1, 2, "pin")
+    assert decode_record(msgspec.json.encode(unknown), 100) == [
+        UnknownBatch(InstanceId("mp-1"), Incarnation(1), 2, "pin")
     ]
-    assert decode_record(body(config, unknown), 100) == [c, UnknownBatch("mp-1", 1, 2, "pin")]
+    assert decode_record(msgspec.msgpack.encode(unknown), 100) == [
+        UnknownBatch(InstanceId("mp-1"), Incarnation(1), 2, "pin")
+    ]
+    assert decode_record(body(config, unknown), 100) == [
+        c,
+        UnknownBatch(InstanceId("mp-1"), Incarnation(1), 2, "pin"),
+    ]
     with pytest.raises(InvalidInput, match="carries no entries"):
         decode_record(body(lmcache_batch(1, "config", entries=[{"key": KEY}]), unknown), 100)
     with pytest.raises(InvalidInput, match="undecodable record"):

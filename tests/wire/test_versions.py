@@ -14,7 +14,7 @@ import pytest
 from kvatlas.core.errors import InvalidInput
 from kvatlas.core.events import Entry, EventBatch, UnknownBatch
 from kvatlas.core.keys import ObjectKey
-from kvatlas.core.types import EventType, Tier
+from kvatlas.core.types import EventType, Incarnation, InstanceId, Tier
 from kvatlas.wire.events_api import COMPACT_VERSIONS, decode_events
 from kvatlas.wire.http_api import MSGPACK_CONTENT_TYPE
 from kvatlas.wire.kafka_records import (
@@ -29,7 +29,9 @@ from kvatlas.wire.kafka_records import (
 from kvatlas.wire.versions import FIRST_RELEASE, VersionRange, highest_common, peer_range
 
 KEY = ObjectKey(b"\x01" * 32, "m", 0)
-BATCH = EventBatch("node-a", 4, 7, EventType.STORE, Tier.L1, (Entry(KEY, 9),))
+BATCH = EventBatch(
+    InstanceId("node-a"), Incarnation(4), 7, EventType.STORE, Tier.L1, (Entry(KEY, 9),)
+)
 
 
 def test_version_ranges() -> None:
@@ -54,19 +56,19 @@ def test_a_batch_record_carries_its_version_and_a_newer_one_is_skipped() -> None
     newer = RECORD_VERSION + 1
     # well formed in the newer version (a field of a shape this one would refuse): skipped
     got = decode_record(record(v=newer, tier="l9", entries="anything"), 10)
-    assert got == [UnknownBatch("node-a", 4, 7, f"store@v{newer}")]
+    assert got == [UnknownBatch(InstanceId("node-a"), Incarnation(4), 7, f"store@v{newer}")]
     # without the gate's fields it is not well formed: refused as before
     with pytest.raises(InvalidInput, match="undecodable"):
         decode_record(msgspec.msgpack.encode({"v": newer, "event_type": "store"}), 10)
     # JSON bare batches too
     head = {"instance_id": "a", "incarnation": 1, "seq": 2, "event_type": "store", "v": newer}
     assert decode_record(msgspec.json.encode(head), 10) == [
-        UnknownBatch("a", 1, 2, f"store@v{newer}")
+        UnknownBatch(InstanceId("a"), Incarnation(1), 2, f"store@v{newer}")
     ]
 
 
 def test_newer_membership_formats_and_types_are_unknown_records() -> None:
-    beat = HeartbeatRecord("node-a", 1.0)
+    beat = HeartbeatRecord(InstanceId("node-a"), 1.0)
     assert decode_record(encode_membership(beat), 10) == beat
     assert decode_record(b"KVM2" + msgspec.msgpack.encode({"anything": 1}), 10) == UnknownRecord(
         "membership@v2"

@@ -283,7 +283,7 @@ class Proc:
         """Until ``GET path`` on its HTTP port (or ``path`` itself when it is a whole
         URL) answers 200."""
         url = path if path.startswith(("http://", "https://")) else self.url + path
-        with httpx.Client(timeout=PROBE_TIMEOUT_S) as client:
+        with httpx.Client(timeout=PROBE_TIMEOUT_S, trust_env=False) as client:
             self.wait_until(lambda: client.get(url).status_code == 200, f"{url} answers", timeout)
 
     def wait_port(self, port: int, timeout: float = 30.0) -> None:

@@ -39,7 +39,6 @@ Must not: interpret requests beyond decoding, or touch the chunk store.
 
 from __future__ import annotations
 
-import errno
 import logging
 import queue
 import secrets
@@ -53,11 +52,9 @@ from typing import Protocol
 import msgspec
 import zmq
 
-from kvatlas.core.errors import PortInUse
 from kvatlas.runtime.auth import TokenGate
-from kvatlas.runtime.net import zmq_tcp
-from kvatlas.server.engine_service import EngineService
-from kvatlas.server.errors import ServerError
+from kvatlas.runtime.zmq_sockets import bind_router
+from kvatlas.server.engine_service import ServiceIdentity
 from kvatlas.wire.decoding import decode_head
 from kvatlas.wire.engine_proto import (
     ENGINE_VERSIONS,
@@ -65,6 +62,7 @@ from kvatlas.wire.engine_proto import (
     PROTOCOL_VERSION,
     ErrorCode,
     ErrorReply,
+    RequestBody,
     Response,
     ResponseBody,
     decode_envelope,
@@ -86,6 +84,16 @@ _MAX_LOGGED_NAMES = 32
 
 _LOG_EVERY_S = 10.0
 """At most one overload warning per this many seconds (a flood must not flood the log)."""
+
+
+class EngineHandler(Protocol):
+    """What the API asks of its service (an ``EngineService``): whose answers they are,
+    and the answer to one decoded request (on a worker thread)."""
+
+    @property
+    def identity(self) -> ServiceIdentity: ...
+
+    def handle(self, body: RequestBody) -> ResponseBody: ...
 
 
 class SecondProtocol(Protocol):
@@ -132,7 +140,7 @@ class EngineApi:
 
     def __init__(
         self,
-        service: EngineService,
+        service: EngineHandler,
         host: str,
         port: int,
         *,
@@ -183,27 +191,19 @@ class EngineApi:
 
     def start(self) -> None:
         """Bind (PortInUse when taken) and start the I/O and worker threads."""
-        frontend = self._ctx.socket(zmq.ROUTER)
-        frontend.setsockopt(zmq.LINGER, 0)
-        frontend.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        # ZeroMQ's own buffer of messages read but not yet taken, per engine socket: no
-        # deeper than what that socket may hold in the queue (TCP pushes back beyond it).
-        frontend.setsockopt(zmq.RCVHWM, self._max_per_client)
-        where, v6 = zmq_tcp(self._host)
-        frontend.setsockopt(zmq.IPV6, v6)
-        try:
-            if self._port == 0:
-                self.bound_port = frontend.bind_to_random_port(where)
-            else:
-                frontend.bind(f"{where}:{self._port}")
-        except zmq.ZMQError as exc:
-            frontend.close()
-            if exc.errno == errno.EADDRINUSE:
-                raise PortInUse("engine API", self._host, self._port, "--port") from exc
-            raise ServerError(
-                f"cannot bind the engine API on {self._host}:{self._port} (--host/--port): {exc}"
-            ) from exc
-        self.endpoint = frontend.getsockopt_string(zmq.LAST_ENDPOINT)
+        bound = bind_router(
+            self._ctx,
+            self._host,
+            self._port,
+            what="engine API",
+            flag="--port",
+            max_message_bytes=MAX_MESSAGE_BYTES,
+            # ZeroMQ's own buffer of messages read but not yet taken, per engine socket:
+            # no deeper than what that socket may hold in the queue (TCP pushes back
+            # beyond it).
+            recv_hwm=self._max_per_client,
+        )
+        frontend, self.bound_port, self.endpoint = bound.socket, bound.port, bound.endpoint
         replies = self._ctx.socket(zmq.PULL)
         replies.setsockopt(zmq.LINGER, 0)
         replies.bind(self._replies_addr)  # before the workers connect their PUSH sockets
