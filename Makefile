@@ -28,10 +28,15 @@ test:
 # those that run LMCache, Dynamo, a browser or Kafka, and the suites that start whole
 # fleets of processes (differential, upgrade, deploy, evaluation, attack) or check the
 # docs' commands. `make check` stays the complete run that CI does.
+# Two worker processes (pytest-xdist), each test file whole in one of them: a file's
+# module fixtures (the servers and models its tests share) are built once, and the tests
+# that must not overlap across files take a lock of their own (tests/coordinator/conftest.py).
 FAST_SKIP := --ignore=tests/differential --ignore=tests/upgrade --ignore=tests/deploy \
 	--ignore=tests/evaluation --ignore=tests/attack --ignore=tests/docs
+FAST_WORKERS ?= 2
 test-fast:
-	python -m pytest -q -m "not slow and not lmcache and not dynamo and not browser and not kafka" \
+	python -m pytest -q -n $(FAST_WORKERS) --dist loadfile \
+		-m "not slow and not lmcache and not dynamo and not browser and not kafka" \
 		$(FAST_SKIP) --durations=10
 
 bench:

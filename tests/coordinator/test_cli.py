@@ -156,7 +156,9 @@ def test_the_coordinator_holds_the_cpu_latency_while_it_lives() -> None:
 
 
 @pytest.mark.skipif(why_not_held() is not None, reason="needs the kernel's PM QoS device")
-def test_a_frozen_coordinator_keeps_the_hold_and_a_killed_one_drops_it(tmp_path: Path) -> None:
+def test_a_frozen_coordinator_keeps_the_hold_and_a_killed_one_drops_it(
+    tmp_path: Path, pm_qos_device: None
+) -> None:
     """The hold lives exactly as long as the process: SIGSTOP keeps it (the process still
     exists), SIGKILL drops it with no shutdown code run, and the next coordinator holds
     its own."""
@@ -173,7 +175,7 @@ def test_a_frozen_coordinator_keeps_the_hold_and_a_killed_one_drops_it(tmp_path:
     try:
         assert current_limit_us() == min(before, 13)
         proc.freeze()
-        time.sleep(0.2)
+        time.sleep(0.2)  # not synchronisation: a while frozen, in which it must not let go
         assert current_limit_us() == min(before, 13)  # frozen: still held
         proc.kill()  # delivered to a stopped process too
     finally:

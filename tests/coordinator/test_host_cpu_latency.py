@@ -94,7 +94,9 @@ def test_current_limit_reads_the_value_and_refuses_short_reads(tmp_path: Path) -
 
 
 @pytest.mark.skipif(why_not_held() is not None, reason="needs the kernel's PM QoS device")
-def test_the_kernel_keeps_the_lowest_hold_while_open_and_drops_it_after() -> None:
+def test_the_kernel_keeps_the_lowest_hold_while_open_and_drops_it_after(
+    pm_qos_device: None,
+) -> None:
     before = current_limit_us()
     assert before is not None
     with contextlib.closing(CpuLatencyHold(7)):

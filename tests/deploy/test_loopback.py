@@ -10,7 +10,6 @@ URL names, and each process must answer ``/healthz`` and stop on SIGTERM.
 
 from __future__ import annotations
 
-import time
 import uuid
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from deploy.manifests import (
 )
 from kvatlas.launch.procs import free_ports
 from support.launch import Proc, launch, python_module
+from support.wait import wait_until
 
 ROLES = ("coordinator", "server", "router")
 SOURCES = ["compose", "systemd", pytest.param("k8s", marks=pytest.mark.kafka)]
@@ -89,16 +89,13 @@ def test_the_deployed_commands_run_on_loopback(
             )
         instance = parse(cmds["server"]).instance_id
         coordinator = f"http://127.0.0.1:{ports[_http_port(cmds['coordinator'])]}"
-        deadline = time.monotonic() + 30
-        listed: list[str] = []
-        while time.monotonic() < deadline:
+
+        def listed() -> list[str]:
             answer = httpx.get(f"{coordinator}/instances", headers=headers, timeout=5)
             answer.raise_for_status()
-            listed = [i["instance_id"] for i in answer.json()["instances"]]
-            if instance in listed:
-                break
-            time.sleep(0.2)
-        assert instance in listed, f"{instance} never registered: {listed}"
+            return [i["instance_id"] for i in answer.json()["instances"]]
+
+        wait_until(listed, lambda ids: instance in ids, what=f"{instance} registered", timeout=30)
         router = f"http://127.0.0.1:{ports[_http_port(cmds['router'])]}"
         assert httpx.get(f"{router}/healthz", timeout=5).status_code == 200
     finally:

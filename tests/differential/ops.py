@@ -14,13 +14,13 @@ Must not: judge answers (``compare.py`` does) or start processes.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.lmcache_shapes import lmcache_batch
+from support.wait import WaitTimeout, wait_until
 
 from .compare import Exchange, compare
 from .differences import Call
@@ -325,19 +325,30 @@ class Run:
         lm_path = f"/cache/prefetches/{self.iid(n)}/{lm_rid}"
         kv_path = f"/cache/prefetches/{self.iid(n)}/{kv_rid}"
         final: dict[str, tuple[int, bytes]] = {}
-        deadline = time.monotonic() + settle_s
-        while len(final) < 2:
+        last: dict[str, tuple[int, bytes]] = {}
+
+        def settled() -> int:
             for side, client, path in (
                 ("lm", self.pair.lm.http, lm_path),
                 ("kv", self.pair.kv.http, kv_path),
             ):
-                if side in final:
-                    continue
-                r = client.get(path)
-                pending = r.status_code == 200 and _status(r.content) == "pending"
-                if not pending or time.monotonic() > deadline:
-                    final[side] = (r.status_code, r.content)
-            time.sleep(0.02)
+                if side not in final:
+                    r = client.get(path)
+                    last[side] = (r.status_code, r.content)
+                    if not (r.status_code == 200 and _status(r.content) == "pending"):
+                        final[side] = last[side]
+            return len(final)
+
+        try:
+            wait_until(
+                settled,
+                lambda done: done == 2,
+                what="both jobs settled",
+                timeout=settle_s,
+                every=0.02,
+            )
+        except WaitTimeout:  # still pending: that answer is the one judged
+            final = {**last, **final}
         ex = Exchange(
             Call("GET", lm_path, kv_path=kv_path), *final["lm"], *final["kv"], self.pair.version
         )

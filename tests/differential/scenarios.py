@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import base64
 import struct
-import time
 from collections.abc import Callable
+
+import httpx
+
+from support.wait import wait_until
 
 from .differences import Call
 from .harness import Target, body
@@ -365,17 +368,32 @@ def delete_scenario(run: Run, target: Target) -> None:
 
 def restore(target: Target, toks: list[int]) -> None:
     """Store ``toks`` on the server and wait until its lookup hits every chunk (a store
-    is acknowledged before the server's L1 holds it)."""
+    is acknowledged before the server's L1 holds it) and its L1 commits them."""
     answer = target.engine.call("store", toks)
     assert answer["ok"], answer
     want = (len(toks) - 1) // CHUNK
-    deadline = time.monotonic() + 10
-    while target.engine.call("fetch", toks)["hit"] < want:
-        assert time.monotonic() < deadline, "the server never held the chunks it stored"
-        time.sleep(0.02)
-    # A lookup hits an object still being committed, which a delete does not remove
-    # yet (seen on a loaded machine): give the commit time to finish.
-    time.sleep(0.5)
+    wait_until(
+        lambda: target.engine.call("fetch", toks)["hit"],
+        lambda hit: hit >= want,
+        what="the server holds the chunks it stored",
+        timeout=10,
+    )
+    # A lookup hits an object still being committed (a staging object, write-locked),
+    # which a delete does not remove yet (seen on a loaded machine).
+    wait_until(
+        lambda: _l1_uncommitted(target),
+        lambda counts: not any(counts.values()),
+        what="the server's L1 commits every object",
+        timeout=10,
+    )
+
+
+def _l1_uncommitted(target: Target) -> dict[str, int]:
+    """The server's L1 objects a delete would skip: staging and write-locked ones."""
+    r = httpx.get(f"{target.http_url}/status", timeout=5)
+    r.raise_for_status()
+    l1 = r.json()["storage_manager"]["l1_manager"]
+    return {k: l1[k] for k in ("staging_object_count", "write_locked_count")}
 
 
 def run_call(method: str, path: str, run: Run, toks: list[int], tier: str) -> Call:

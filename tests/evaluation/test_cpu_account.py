@@ -38,7 +38,7 @@ def test_a_running_child_is_read_and_a_reaped_one_is_none() -> None:
 
 def test_machine_shares_cover_the_time_between_two_readings() -> None:
     t0 = machine_times()
-    time.sleep(0.2)
+    time.sleep(0.2)  # not synchronisation: the time between the two readings
     t1 = machine_times()
     assert t0 is not None and t1 is not None
     shares = t1.since(t0).shares()

@@ -16,7 +16,6 @@ coordinator drives a kvatlas server, as kvatlas' coordinator does.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,12 +283,13 @@ def test_lmcaches_coordinator_drives_a_kvatlas_server_alike(fleet: Fleet, tmp_pa
 
 
 def poll_at(coord: Coord, iid: str, request_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + WAIT_S
-    while True:
+    def status() -> dict[str, Any]:
         r = coord.http.get(f"/cache/prefetches/{iid}/{request_id}")
         assert r.status_code == 200, (type(coord).__name__, r.text)
         out: dict[str, Any] = r.json()
-        if out["status"] == "completed":
-            return out
-        assert time.monotonic() < deadline, "the prefetch never completed"
-        time.sleep(0.05)
+        return out
+
+    return wait_until(
+        status, lambda job: job["status"] == "completed", what="the prefetch completed",
+        timeout=WAIT_S,
+    )  # fmt: skip

@@ -88,10 +88,12 @@ def test_single_machine_tcp(tmp_path: Path) -> None:
     single_machine(tmp_path, "tcp")
 
 
+@pytest.mark.slow  # 15 s measured on the 2-core VM; the fast lane keeps the tcp one
 def test_single_machine_shm(tmp_path: Path) -> None:
     single_machine(tmp_path, "shm")
 
 
+@pytest.mark.slow  # 15 s measured on the 2-core VM (load average 5 to 11)
 def test_tcp_binds_and_announces_the_data_port_given(tmp_path: Path) -> None:
     port = free_port()
     extra = {"node-a": ["--p2p-data-port", str(port)]}

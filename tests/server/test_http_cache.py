@@ -5,7 +5,6 @@ clear, per-salt usage, refusals, the token and the metrics."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from kvatlas.connector.client import CacheClient
 from kvatlas.wire.http_api import KeyWire
 from support.cache_fleet import CHUNK, CHUNK_BYTES, L1_GB, MODEL, data, prompt
 from support.services import ServerProc, start_server_process
+from support.wait import wait_until
 
 RANK1 = 16777472
 
@@ -52,15 +52,15 @@ def call(s: ServerProc, method: str, path: str, **kw: Any) -> httpx.Response:
 
 
 def poll(s: ServerProc, request_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 20
-    while True:
+    def status() -> dict[str, Any]:
         r = call(s, "GET", f"/cache/prefetches/{request_id}")
         assert r.status_code == 200, r.text
-        if r.json()["status"] == "completed":
-            out: dict[str, Any] = r.json()
-            return out
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+        out: dict[str, Any] = r.json()
+        return out
+
+    return wait_until(
+        status, lambda job: job["status"] == "completed", what=f"prefetch {request_id} completed"
+    )
 
 
 def test_delete_by_key_per_tier_and_locks(server: ServerProc, engine: CacheClient) -> None:

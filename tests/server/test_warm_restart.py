@@ -30,9 +30,20 @@ MODEL = "tiny"
 IID = "node-w"
 
 
-def start(tmp: Path, *extra: str, wait: bool = True, **ports: int) -> ServerProc:
+def start(
+    tmp: Path, *extra: str, wait: bool = True, port: int = 0, http_port: int = 0
+) -> ServerProc:
     return start_server_process(
-        tmp, IID, "--l1-size-gb", "0.02", "--chunk-size", str(CHUNK), *extra, wait=wait, **ports
+        tmp,
+        IID,
+        "--l1-size-gb",
+        "0.02",
+        "--chunk-size",
+        str(CHUNK),
+        *extra,
+        wait=wait,
+        port=port,
+        http_port=http_port,
     )
 
 
@@ -86,7 +97,7 @@ def test_sigkill_then_restart_serves_the_same_bytes(tmp_path: Path) -> None:
             assert c.lookup(hashes=h).hit_chunks == 0
             assert c.reserve(h, [1000])[0].status == "busy"  # its range is held a lease
         st = s.status()
-        assert st["l1"]["chunks"] == 6  # type: ignore[index]
+        assert st["l1"]["chunks"] == 6
     finally:
         assert s.stop() == 0, s.text()
     # a clean stop keeps it too, and the next start finds the same chunks
@@ -173,6 +184,7 @@ def test_no_warm_restart_frees_the_kept_region(tmp_path: Path) -> None:
     assert not list(SHM_DIR.glob(f"kvatlas-{IID}-*"))
 
 
+@pytest.mark.slow  # 12 s measured on the 2-core VM (load average 5 to 11)
 def test_a_second_server_of_the_same_instance_and_state_is_refused(tmp_path: Path) -> None:
     s = start(tmp_path)
     try:
@@ -185,6 +197,7 @@ def test_a_second_server_of_the_same_instance_and_state_is_refused(tmp_path: Pat
         s.stop()
 
 
+@pytest.mark.slow  # 11 s measured on the 2-core VM (load average 5 to 11)
 def test_the_coordinator_learns_the_kept_chunks_again(tmp_path: Path) -> None:
     coord = start_coordinator_process(
         "--chunk-size", str(CHUNK), log=tmp_path / "coordinator.log"
@@ -211,6 +224,7 @@ def test_the_coordinator_learns_the_kept_chunks_again(tmp_path: Path) -> None:
         coord.stop()
 
 
+@pytest.mark.slow  # 11 s measured on the 2-core VM (load average 5 to 11)
 def test_an_engine_copy_of_a_previous_process_cannot_seal(tmp_path: Path) -> None:
     """An engine frozen mid-copy across the restart (its mapping of the kept region still
     live) that thaws after the new process has cycled all of L1: its late bytes land in
@@ -221,9 +235,9 @@ def test_an_engine_copy_of_a_previous_process_cannot_seal(tmp_path: Path) -> Non
         h = stale.hashes(list(range(CHUNK)))
         (grant,) = stale.reserve(h, [100_000])
         stale.view(grant.offset, 1000)[:] = 3
-        ports = {"port": s.port, "http_port": s.http_port}
+        port, http_port = s.port, s.http_port
         s.kill()  # the engine is "frozen" here: it holds its grant and its mapping
-        s = start(tmp_path, **ports)
+        s = start(tmp_path, port=port, http_port=http_port)
         with client_for(s) as c:
             fresh = {p: data(4, seed=p, size=1 << 20) for p in range(8)}  # 32 MiB > L1
             for p, chunks in fresh.items():
@@ -244,6 +258,7 @@ def test_an_engine_copy_of_a_previous_process_cannot_seal(tmp_path: Path) -> Non
         s.stop()
 
 
+@pytest.mark.slow  # 20 s measured on the 2-core VM (load average 5 to 11)
 def test_sigkill_under_load_serves_only_bytes_that_were_stored(tmp_path: Path) -> None:
     """Two engines store distinct prompts as fast as they can while the server is
     SIGKILLed; after the restart every chunk a lookup finds has exactly the bytes stored

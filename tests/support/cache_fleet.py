@@ -5,7 +5,6 @@ so a test moves chunks into L2 by storing past what L1 holds."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +43,7 @@ class Node(ServerProc):
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         return httpx.request(method, self.url + path, headers=headers, timeout=10, **kw)
 
-    def stop(self, *args: Any, **kw: Any) -> int:
+    def stop(self, *args: Any, **kw: Any) -> int | None:
         for c in self.clients:
             c.close()
         self.clients.clear()
@@ -112,13 +111,15 @@ def wait_placements(
 
 def poll_prefetch(coord: RunningCoordinator, iid: str, request_id: str) -> dict[str, Any]:
     """Poll until the job completed; its completed answer."""
-    deadline = time.monotonic() + 30
-    while True:
+
+    def status() -> dict[str, Any]:
         r = coord.client.get(f"/cache/prefetches/{iid}/{request_id}")
         assert r.status_code == 200, r.text
         body: dict[str, Any] = r.json()
-        if body["status"] == "completed":
-            return body
-        assert body == {"request_id": request_id, "status": "pending"}
-        assert time.monotonic() < deadline, "prefetch never completed"
-        time.sleep(0.05)
+        if body["status"] != "completed":
+            assert body == {"request_id": request_id, "status": "pending"}
+        return body
+
+    return wait_until(
+        status, lambda job: job["status"] == "completed", what="prefetch completed", timeout=30
+    )

@@ -13,11 +13,19 @@ import sys
 
 import pytest
 
-from transfer.harness import NETNS_TRANSPORTS, TRANSPORTS, importable, netns_command, python_env
+from kvatlas.transfer.factory import TRANSPORTS
+from transfer.harness import NETNS_TRANSPORTS, importable, netns_command, python_env
 from transfer.scenarios import SCENARIOS, TCP_ONLY
 
 CASES = [
-    pytest.param(scenario, transport, id=f"{transport}-{scenario}")
+    pytest.param(
+        scenario,
+        transport,
+        id=f"{transport}-{scenario}",
+        # a child process and its import of the transport per case: 5 to 12 s each
+        # measured on the 2-core VM, about a minute in all
+        marks=pytest.mark.slow if transport in NETNS_TRANSPORTS else (),
+    )
     for scenario in SCENARIOS
     for transport in TRANSPORTS
     if scenario not in TCP_ONLY or transport == "tcp"
