@@ -233,24 +233,24 @@ def write_unhashed(store: ChunkStore, i: int, now: float = 0.0) -> tuple[LeaseId
 
 def test_readable_at_once_and_a_checksum_reader_computes_it(store: ChunkStore) -> None:
     lid, offset = write_unhashed(store, 1)
-    assert store.unhashed == 1
+    assert len(store.checksums) == 1
     local = store.acquire_read(key(1), "local", 0.0, 5.0, checksum=False)
     assert local is not None  # a local reader needs no checksum: nothing computed
-    assert store.unhashed == 1
+    assert len(store.checksums) == 1
     peer = store.acquire_read(key(1), "peer:b", 0.0, 5.0)
     assert peer is not None and peer.checksum == checksum(chunk(1))
-    assert store.unhashed == 0
+    assert len(store.checksums) == 0
     info = store.committed_info(key(1))
     assert info is not None and info.checksum == checksum(chunk(1))
     # the background digest that comes after is dropped, whatever it says
-    assert not store.settle_checksum(key(1), lid, offset, 12345)
+    assert not store.checksums.settle(key(1), lid, offset, 12345)
     assert store.committed_info(key(1)) == info
 
 
 def test_a_settled_checksum_is_the_one_readers_get(store: ChunkStore) -> None:
     lid, offset = write_unhashed(store, 2)
-    assert store.settle_checksum(key(2), lid, offset, checksum(chunk(2)))
-    assert store.unhashed == 0
+    assert store.checksums.settle(key(2), lid, offset, checksum(chunk(2)))
+    assert len(store.checksums) == 0
     # settled, so not hashed again: bytes changed in place since are not what it reports
     store.region.array[offset] ^= 0xFF
     lease = store.acquire_read(key(2), "peer:b", 0.0, 5.0)
@@ -264,10 +264,10 @@ def test_a_digest_of_an_evicted_and_rewritten_slot_is_dropped(region: L1Region) 
         write_unhashed(store, i)
     assert store.committed_info(key(0)) is None
     new_lid, _ = write_unhashed(store, 0)  # stored again, unhashed again
-    assert not store.settle_checksum(key(0), old_lid, offset, 999)
+    assert not store.checksums.settle(key(0), old_lid, offset, 999)
     info = store.committed_info(key(0))
     assert info is not None and info.checksum == checksum(chunk(0))
-    assert not store.settle_checksum(key(0), new_lid, info.offset, 999)
+    assert not store.checksums.settle(key(0), new_lid, info.offset, 999)
 
 
 def test_a_commit_with_its_checksum_replaces_an_evicted_unhashed_one(region: L1Region) -> None:
@@ -280,7 +280,7 @@ def test_a_commit_with_its_checksum_replaces_an_evicted_unhashed_one(region: L1R
     with store.slot_view(r.slot) as view:
         view[:] = chunk(0)
     assert store.commit(key(0), 1.0, checksum(chunk(0)), r.slot.lease_id) is not None
-    assert not store.settle_checksum(key(0), lid, offset, 999)
+    assert not store.checksums.settle(key(0), lid, offset, 999)
     info = store.committed_info(key(0))
     assert info is not None and info.checksum == checksum(chunk(0))
 
@@ -323,16 +323,16 @@ def test_a_peers_lock_hashes_pending_chunks_off_the_lock_within_its_budget(
     write_unhashed(store, 3)
     leases = owner.lock_for_peer("b", [key(1), key(2), key(3)], 5.0)
     assert [lease.checksum for lease in leases] == [checksum(chunk(1))]
-    assert hashed == [CHUNK] and store.unhashed == 2  # chunk 2 was past the budget
+    assert hashed == [CHUNK] and len(store.checksums) == 2  # chunk 2 was past the budget
     leases = owner.lock_for_peer("b", [key(1), key(2), key(3)], 5.0)
     assert [lease.checksum for lease in leases] == [checksum(chunk(1)), checksum(chunk(2))]
-    assert store.unhashed == 1
+    assert len(store.checksums) == 1
     # with the default budget (64 MiB) the whole run is hashed
     leases = PeerStoreAccess(guarded).lock_for_peer("b", [key(1), key(2), key(3)], 5.0)
     assert [lease.checksum for lease in leases] == [checksum(chunk(i)) for i in (1, 2, 3)]
-    assert store.unhashed == 0 and hashed == [CHUNK] * 3
+    assert len(store.checksums) == 0 and hashed == [CHUNK] * 3
     # a settled digest is the one kept: chunk 1's came from the lock RPC, not a reader
-    assert not store.settle_checksum(key(1), lid1, off1, 999)
+    assert not store.checksums.settle(key(1), lid1, off1, 999)
 
 
 def test_an_engine_lookup_hashes_an_lmcache_commit_off_the_lock(
@@ -377,13 +377,13 @@ def test_unhashed_run_is_the_leading_committed_run_within_the_bound(store: Chunk
     write_unhashed(store, 3)
     write_unhashed(store, 5)  # after a key that is not stored: not in the run
     keys = [key(1), key(2), key(3), key(4), key(5)]
-    assert [u.key for u in store.unhashed_run(keys)] == [key(1), key(3)]
-    assert [u.key for u in store.unhashed_run(keys, 2 * CHUNK)] == [key(1), key(3)]
-    assert [u.key for u in store.unhashed_run(keys, 2 * CHUNK - 1)] == [key(1)]
-    assert store.unhashed_run(keys, 0) == []
-    run = store.unhashed_run(keys)
+    assert [u.key for u in store.checksums.run(keys)] == [key(1), key(3)]
+    assert [u.key for u in store.checksums.run(keys, 2 * CHUNK)] == [key(1), key(3)]
+    assert [u.key for u in store.checksums.run(keys, 2 * CHUNK - 1)] == [key(1)]
+    assert store.checksums.run(keys, 0) == []
+    run = store.checksums.run(keys)
     assert GuardedStore(store).settle(run) == 2
-    assert store.unhashed == 1  # chunk 5's
+    assert len(store.checksums) == 1  # chunk 5's
     info = store.committed_info(key(3))
     assert info is not None and info.checksum == checksum(chunk(3))
 
@@ -396,7 +396,7 @@ def test_a_settled_chunk_is_not_hashed_again(
     guarded = GuardedStore(store)
     write_unhashed(store, 1)
     write_unhashed(store, 2)
-    jobs = store.unhashed_run([key(1), key(2)])
+    jobs = store.checksums.run([key(1), key(2)])
     assert guarded.settle_unhashed([key(1)]) == 1  # a reader got there first
     hashed: list[int] = []
 

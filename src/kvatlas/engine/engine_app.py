@@ -43,6 +43,7 @@ from kvatlas.engine.kv_cache import KVArena
 from kvatlas.engine.model import LoadedModel, Tokenizer, load_model
 from kvatlas.engine.openai_server import GenOutcome, GenRequest, TextCallback, build_app
 from kvatlas.runtime.asgi_thread import AsgiThread, serve_until_signal
+from kvatlas.runtime.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -358,15 +359,13 @@ class EngineCore:
 def load_with_progress(config: EngineConfig) -> LoadedModel:
     """``load_model`` with log lines while it runs (a first SmolLM2 load is slow)."""
     log.info("loading model %s (%s)", config.model, config.dtype)
-    done = threading.Event()
     t0 = time.monotonic()
-
-    def ticker() -> None:
-        while not done.wait(5.0):
-            log.info("still loading model %s (%.0f s)", config.model, time.monotonic() - t0)
-
-    thread = threading.Thread(target=ticker, name="kvatlas-load-progress", daemon=True)
-    thread.start()
+    ticker = Periodic(
+        "kvatlas-load-progress",
+        5.0,
+        lambda: log.info("still loading model %s (%.0f s)", config.model, time.monotonic() - t0),
+    )
+    ticker.start()
     try:
         model = load_model(
             config.model,
@@ -375,8 +374,7 @@ def load_with_progress(config: EngineConfig) -> LoadedModel:
             num_threads=config.num_threads,
         )
     finally:
-        done.set()
-        thread.join()
+        ticker.stop()
     s = model.kv_spec
     log.info(
         "loaded %s from %s in %.1f s: %d layers, %d KV heads of dim %d, %s KV (%d KiB per token)",

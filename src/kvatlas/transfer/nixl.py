@@ -35,6 +35,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from kvatlas.runtime.periodic import Periodic
 from kvatlas.transfer.base import (
     ConfiguredClient,
     ConfiguredServer,
@@ -97,7 +98,7 @@ class NixlServer(ConfiguredServer[NixlConfig]):
     transport: ClassVar[str] = TRANSPORT
     _agent: Any = None
     _descs: Any = None
-    _ticker: threading.Thread | None = None
+    _ticker: Periodic | None = None
 
     @classmethod
     def default_config(cls) -> NixlConfig:
@@ -106,12 +107,17 @@ class NixlServer(ConfiguredServer[NixlConfig]):
     def start(self) -> Endpoint:
         if self._agent is not None:
             raise TransportUnavailable("nixl transfer server already started")
-        self._stop = threading.Event()
         agent = _make_agent(self.config, "owner")
         self._descs, address = _register(agent, self._region)
         self._agent = agent
         metadata = agent.get_agent_metadata()
-        self._ticker = threading.Thread(target=self._progress, name="kvatlas-nixl", daemon=True)
+        # The only thread that touches the agent after start() (its sync mode is NONE).
+        self._ticker = Periodic(
+            "kvatlas-nixl",
+            self.config.progress_interval_s,
+            agent.get_new_notifs,
+            what="NIXL's progress (its notifications)",
+        )
         self._ticker.start()
         return Endpoint(
             transport=TRANSPORT,
@@ -126,15 +132,9 @@ class NixlServer(ConfiguredServer[NixlConfig]):
             },
         )
 
-    def _progress(self) -> None:
-        # The only thread that touches the agent after start() (its sync mode is NONE).
-        while not self._stop.wait(self.config.progress_interval_s):
-            self._agent.get_new_notifs()
-
     def stop(self) -> None:
         if self._ticker is not None:
-            self._stop.set()
-            self._ticker.join(timeout=5)
+            self._ticker.stop()
             self._ticker = None
         agent, self._agent = self._agent, None
         if agent is not None:

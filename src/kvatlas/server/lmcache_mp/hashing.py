@@ -31,8 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
 from kvatlas.core.checksum import checksum_stream
-from kvatlas.server.storage.chunkstore import Unhashed
 from kvatlas.server.storage.guarded import GuardedStore
+from kvatlas.server.storage.pending_checksums import Unhashed
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class QuietHasher:
         store = self._guarded.store
         try:
             with self._guarded.lock:
-                if not store.wants_checksum(pending):
+                if not store.checksums.wants(pending):
                     return
             h = checksum_stream()
             for off in range(0, pending.size, PIECE_BYTES):
@@ -131,6 +131,6 @@ class QuietHasher:
                 with store.region.view(pending.offset + off, n) as piece:
                     h.update(piece)
             with self._guarded.lock:
-                store.settle_checksum(pending.key, pending.lease_id, pending.offset, h.intdigest())
+                store.checksums.settle(pending.key, pending.lease_id, pending.offset, h.intdigest())
         except Exception:  # a closed region at shutdown; a reader computes it otherwise
             log.debug("checksum of %s not settled", pending.key.chunk_hash_hex, exc_info=True)

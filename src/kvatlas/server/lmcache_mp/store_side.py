@@ -22,8 +22,8 @@ from kvatlas.core.server.l1pool import DeleteOutcome, LeaseId, Refused, Reserved
 from kvatlas.runtime.region import L1Region
 from kvatlas.server.lmcache_mp.core import KVGroup
 from kvatlas.server.lmcache_mp.hashing import QuietHasher
-from kvatlas.server.storage.chunkstore import Unhashed
 from kvatlas.server.storage.guarded import GuardedStore
+from kvatlas.server.storage.pending_checksums import Unhashed
 
 HOLDER = "lmcache-mp"
 """The lease holder of every lease this protocol takes."""
@@ -58,7 +58,7 @@ class StoreSide:
     @property
     def unhashed(self) -> int:
         """Chunks committed whose checksum is still to be computed (``commit``)."""
-        return self._store.unhashed
+        return len(self._store.checksums)
 
     def view(self, offset: int, size: int) -> memoryview:
         return self._store.region.view(offset, size)

@@ -70,7 +70,7 @@ class PeerStoreAccess:
             now = g.clock()
             hit = g.store.lookup_prefix(keys, now)
             for key in keys[:hit]:
-                if not g.store.checksum_known(key):
+                if not g.store.checksums.known(key):
                     break
                 lease = g.store.acquire_read(key, holder, now, lease_s)
                 if lease is None:

@@ -16,15 +16,9 @@ Event order: a demotion reports the L2 STORE before the L1 DELETE, so the fleet 
 sees a window where the chunk is nowhere.
 
 Unhashed commits: a writer that cannot give the checksum (an LMCache worker) may commit
-first (``commit_unhashed``) and have the digest computed off the lock afterwards
-(``settle_checksum``, matched by the write's lease id, so that a digest of a slot since
-evicted or rewritten is dropped). Until then every reader that hands the checksum on
-gets the real one, computed on the spot: ``acquire_read`` (unless told the caller does
-not use it), ``committed_info`` and a demotion to L2. A reader about to ask for chunks
-settles their pending checksums off the lock first (``unhashed_run``, then
-``GuardedStore.settle_unhashed``), so the spot hash is only for a commit that came in
-between; ``checksum_known`` lets a caller that must not spend the time (a peer's lock
-RPC, past its hashing budget) leave such a chunk out instead.
+first (``commit_unhashed``); what is then owed, and how it is settled off the lock or
+computed on the spot by a reader that hands the checksum on (``acquire_read``,
+``committed_info``, a demotion to L2), is ``checksums``' (``storage.pending_checksums``).
 """
 
 from __future__ import annotations
@@ -57,6 +51,7 @@ from kvatlas.core.types import EventType, Tier
 from kvatlas.runtime.region import L1Region
 from kvatlas.server.storage.l1_journal import L1Journal
 from kvatlas.server.storage.l2 import L2Adapter, L2Error, as_bytes_view
+from kvatlas.server.storage.pending_checksums import PendingChecksums
 
 log = logging.getLogger(__name__)
 
@@ -94,18 +89,6 @@ def batches(events: Sequence[TierEvent]) -> Iterator[tuple[EventType, Tier, tupl
         run.append(event.entry())
     if run and current is not None:
         yield current[0], current[1], tuple(run)
-
-
-@dataclass(frozen=True, slots=True)
-class Unhashed:
-    """A committed L1 chunk whose checksum is still to come: what hashing it off the lock
-    and ``settle_checksum`` need."""
-
-    key: ObjectKey
-    lease_id: LeaseId
-    """The write lease that committed it (``commit_unhashed``)."""
-    offset: int
-    size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,9 +147,8 @@ class ChunkStore:
         self._promotion_failures = 0
         self._demotions = 0
         self._demotion_failures = 0
-        self._unhashed: dict[ObjectKey, LeaseId] = {}
-        """Chunks committed before their checksum, by the write lease that committed them;
-        their pool checksum is a placeholder until it is settled or computed."""
+        self.checksums = PendingChecksums(pool, region, journal)
+        """The checksums owed by commits that came before them (``commit_unhashed``)."""
 
     # --------------------------------------------------------------------------- stores
 
@@ -203,88 +185,26 @@ class ChunkStore:
             checksum = compute_checksum(self.region.view(info.offset, info.size))
         result = self.pool.commit(key, checksum, now, lease_id)
         if result is not None:
-            self._unhashed.pop(key, None)  # an older commit of the key's, since evicted
+            self.checksums.forget(key)  # an older commit of the key's, since evicted
         else:
             self._forget_write(key)
         self._collect()
         return result
 
     def commit_unhashed(self, key: ObjectKey, now: float, lease_id: LeaseId) -> SlotInfo | None:
-        """``commit`` whose checksum comes later (``settle_checksum``): readable at once,
+        """``commit`` whose checksum comes later (``checksums.settle``): readable at once,
         its checksum computed on the spot by any reader that needs it before then."""
         result = self.pool.commit(key, 0, now, lease_id)
         if result is not None:
-            self._unhashed[key] = lease_id
+            self.checksums.owe(key, lease_id)
         else:
             self._forget_write(key)
         self._collect()
         return result
 
-    def settle_checksum(
-        self, key: ObjectKey, lease_id: LeaseId, offset: int, checksum: int
-    ) -> bool:
-        """Record the checksum of the bytes ``commit_unhashed``'s write ``lease_id`` left at
-        ``offset``; False (dropped) when that commit is no longer the key's, or a reader
-        computed it first."""
-        if self._unhashed.get(key) != lease_id:
-            return False
-        del self._unhashed[key]
-        info = self.pool.get(key)
-        if info is None or not info.committed or info.offset != offset:
-            return False
-        if self.journal is not None:
-            self.journal.checksum(key, checksum)
-        return self.pool.set_checksum(key, checksum)
-
-    def wants_checksum(self, pending: Unhashed) -> bool:
-        """Is ``pending``'s commit still the key's, its checksum still to come?"""
-        return self._unhashed.get(pending.key) == pending.lease_id
-
-    def checksum_known(self, key: ObjectKey) -> bool:
-        """False while ``key``'s commit waits for its checksum (``commit_unhashed``)."""
-        return key not in self._unhashed
-
-    def unhashed_run(
-        self, keys: Sequence[ObjectKey], max_bytes: int | None = None
-    ) -> list[Unhashed]:
-        """The chunks with a checksum to come among the leading run of ``keys`` committed
-        in L1, in order, while their sizes add up to ``max_bytes`` at most (None: no
-        bound); the first key not committed in L1, or the first chunk past the bound,
-        ends it. Hash them off the lock and ``settle_checksum`` each."""
-        out: list[Unhashed] = []
-        total = 0
-        for key in keys:
-            info = self.pool.get(key)
-            if info is None or not info.committed:
-                break
-            lease_id = self._unhashed.get(key)
-            if lease_id is None:
-                continue
-            total += info.size
-            if max_bytes is not None and total > max_bytes:
-                break
-            out.append(Unhashed(key, lease_id, info.offset, info.size))
-        return out
-
-    @property
-    def unhashed(self) -> int:
-        """Chunks committed whose checksum is still to come."""
-        return len(self._unhashed)
-
-    def _hash_now(self, key: ObjectKey) -> None:
-        """Compute an unhashed chunk's checksum now (a reader needs it)."""
-        if self._unhashed.pop(key, None) is None:
-            return
-        info = self.pool.get(key)
-        if info is not None and info.committed:
-            digest = compute_checksum(self.region.view(info.offset, info.size))
-            self.pool.set_checksum(key, digest)
-            if self.journal is not None:
-                self.journal.checksum(key, digest)
-
     def committed_info(self, key: ObjectKey) -> SlotInfo | None:
         """The committed chunk's slot with its real checksum; None when not committed."""
-        self._hash_now(key)
+        self.checksums.hash_now(key)
         info = self.pool.get(key)
         return info if info is not None and info.committed else None
 
@@ -383,7 +303,7 @@ class ChunkStore:
         ``checksum`` off the lease's checksum may be a placeholder: for a caller that
         reads the bytes in this process and hands no checksum on."""
         if checksum:
-            self._hash_now(key)
+            self.checksums.hash_now(key)
         return self.pool.acquire_read(key, holder, now, lease_s)
 
     def read_view(self, lease: ReadLease) -> memoryview:
@@ -461,13 +381,13 @@ class ChunkStore:
             self._promotion_failures += 1
             return False
         self.pool.commit(key, item.checksum, now, slot.lease_id)
-        self._unhashed.pop(key, None)
+        self.checksums.forget(key)
         self._promotions += 1
         return True
 
     def _demote(self, victims: Sequence[SlotInfo]) -> None:
         """Copy evicted chunks to L2 while their bytes are still intact in the region."""
-        unhashed = {v.key for v in victims if self._unhashed.pop(v.key, None) is not None}
+        unhashed = {v.key for v in victims if self.checksums.forget(v.key)}
         if self.l2 is None:
             return
         for victim in victims:
@@ -510,9 +430,9 @@ class ChunkStore:
             elif event.reason != "restored":
                 info = self.pool.get(event.key)
                 if info is not None and info.committed:
-                    journal.committed(info, event.key not in self._unhashed)
+                    journal.committed(info, self.checksums.known(event.key))
         if journal.wants_compaction(len(self.pool)):
-            journal.rewrite(self.pool.slots(), frozenset(self._unhashed))
+            journal.rewrite(self.pool.slots(), self.checksums.keys())
 
 
 def _tiered(tier: Tier, events: list[PoolEvent]) -> Iterator[TierEvent]:

@@ -22,7 +22,8 @@ from kvatlas.core.checksum import checksum
 from kvatlas.core.events import Entry
 from kvatlas.core.keys import ObjectKey
 from kvatlas.core.types import EventType, Tier
-from kvatlas.server.storage.chunkstore import ChunkStore, ChunkStoreStats, Unhashed, batches
+from kvatlas.server.storage.chunkstore import ChunkStore, ChunkStoreStats, batches
+from kvatlas.server.storage.pending_checksums import Unhashed
 
 
 class EventPublishing(Protocol):
@@ -59,36 +60,37 @@ class GuardedStore:
 
     def settle_unhashed(self, keys: Sequence[ObjectKey], max_bytes: int | None = None) -> int:
         """Compute, off the lock, the checksums still to come of the leading run of
-        ``keys`` committed in L1 (up to ``max_bytes`` of chunks, ``ChunkStore.unhashed_run``),
+        ``keys`` committed in L1 (up to ``max_bytes`` of chunks, ``PendingChecksums.run``),
         so that a reader asking for them next finds them known instead of hashing KV under
         the lock; the number recorded. A chunk committed after this looked is hashed on
-        the spot by that reader's own call, or left out of a peer's lock (``checksum_known``)."""
-        if not self.store.unhashed:  # read without the lock: a commit since is that reader's
+        the spot by that reader's own call, or left out of a peer's lock
+        (``PendingChecksums.known``)."""
+        if not self.store.checksums:  # read without the lock: a commit since is that reader's
             return 0
         with self.lock:
-            todo = self.store.unhashed_run(keys, max_bytes)
+            todo = self.store.checksums.run(keys, max_bytes)
         return self._hash_and_record(todo)
 
     def settle(self, todo: Sequence[Unhashed]) -> int:
         """``_hash_and_record`` those of ``todo`` the store still wants (a hash job queued
         behind a reader that settled the chunk first, or behind its eviction, hashes
         nothing); the number recorded."""
-        if not self.store.unhashed:  # without the lock: nothing is wanted, or soon won't be
+        if not self.store.checksums:  # without the lock: nothing is wanted, or soon won't be
             return 0
         with self.lock:
-            wanted = [u for u in todo if self.store.wants_checksum(u)]
+            wanted = [u for u in todo if self.store.checksums.wants(u)]
         return self._hash_and_record(wanted)
 
     def _hash_and_record(self, todo: Sequence[Unhashed]) -> int:
         """Hash each of ``todo``'s slots without the lock, then record the digests the store
         still wants (a slot since evicted, rewritten or hashed by a reader is dropped:
-        ``ChunkStore.settle_checksum``); the number recorded."""
+        ``PendingChecksums.settle``); the number recorded."""
         if not todo:
             return 0
         digests = [checksum(self.store.region.view(u.offset, u.size)) for u in todo]
         with self.lock:
             return sum(
-                self.store.settle_checksum(u.key, u.lease_id, u.offset, d)
+                self.store.checksums.settle(u.key, u.lease_id, u.offset, d)
                 for u, d in zip(todo, digests, strict=True)
             )
 
