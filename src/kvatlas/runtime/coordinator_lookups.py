@@ -13,13 +13,13 @@ of `coordinator_replicas`.
 Why not the fleet's client factory (`http_clients`, httpx), which every other fleet
 call goes through: measured side by side on one uvloop loop against a real ``kvatlas
 coordinator`` on 127.0.0.1, the same msgpack lookup through both, alternating in blocks
-of 50 until each made 2,000 (``python -m bench.lookup_client_bench``; a 2-vCPU Intel Xeon
-VM, Python 3.11.7, commit 17f00eb, two runs): per lookup, this client took a median of
-0.16-0.18 / 0.20-0.25 / 0.49-0.57 ms for prompts of 256 / 4,096 / 32,768 tokens, httpx
-1.35-1.54 / 1.62-1.66 / 2.00-2.13 ms, with the coordinator's own time 0.05-0.26 ms in
-both; the router's process spent 0.07-0.20 ms of CPU per lookup here and 0.90-1.06 ms
-through httpx. That is 1.2-1.6 ms more per routed request, on the router's one event
-loop, whose overhead target is a p99 of 5 ms (docs/benchmarks.md, "Router lookup
+of 50 until each made 2,000 (``python -m bench.lookup_client_bench``; an idle 2-vCPU
+Intel Xeon VM, Python 3.11.7, commit 6d842e5): per lookup, this client took a median of
+0.17 / 0.23 / 0.48 ms for prompts of 256 / 4,096 / 32,768 tokens, httpx 0.98 / 1.05 /
+1.40 ms, with the coordinator's own time 0.06-0.25 ms in both; the router's process spent
+0.06-0.18 ms of CPU per lookup here and 0.90-1.03 ms through httpx. That is 0.8-0.9 ms
+more per routed request, on the router's one event loop, whose overhead target is a p99
+of 5 ms (docs/benchmarks.md, "Router lookup
 client").
 
 Must not: retry a replica within one call (but for that stale connection), be used
